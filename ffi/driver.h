@@ -1,0 +1,120 @@
+// Driver seam: the one table of every CUDA driver entry point jaxvmm uses.
+//
+// Three implementations share the table's signatures:
+//   * the real driver, resolved at run time (dlopen("libcuda.so.1") + cuGetProcAddress);
+//   * a POSIX host backend with the same VMM semantics (driver_posix.cc);
+//   * a fault-injecting, counting wrapper over either (driver_fault.cc). The engine only ever calls
+//     through the wrapper, so production and the fault-matrix tests run the same code path.
+//
+// This header is the bottom of the include graph: it sees only cuda.h / cudaTypedefs.h.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+#include <string>
+
+namespace jaxvmm {
+
+// X(member, driver version of the PFN typedef). The symbol is "cu" #member; the type is
+// PFN_cu<member>_v<version>. Members drop the "cu" prefix so cuda.h's _v2 renaming macros never apply.
+#define JAXVMM_DRIVER_ENTRIES(X)                 \
+  /* init, devices, contexts, errors */          \
+  X(Init, 2000)                                  \
+  X(DriverGetVersion, 2020)                      \
+  X(DeviceGet, 2000)                             \
+  X(DeviceGetCount, 2000)                        \
+  X(DeviceGetAttribute, 2000)                    \
+  X(DevicePrimaryCtxRetain, 7000)                \
+  X(DevicePrimaryCtxRelease, 11000)              \
+  X(CtxGetCurrent, 4000)                         \
+  X(CtxSetCurrent, 4000)                         \
+  X(GetErrorName, 6000)                          \
+  X(GetErrorString, 6000)                        \
+  /* virtual memory management */                \
+  X(MemGetAllocationGranularity, 10020)          \
+  X(MemAddressReserve, 10020)                    \
+  X(MemAddressFree, 10020)                       \
+  X(MemCreate, 10020)                            \
+  X(MemRelease, 10020)                           \
+  X(MemMap, 10020)                               \
+  X(MemUnmap, 10020)                             \
+  X(MemSetAccess, 10020)                         \
+  X(MemGetInfo, 3020)                            \
+  X(MemExportToShareableHandle, 10020)           \
+  X(MemImportFromShareableHandle, 10020)         \
+  /* synchronous copies (Slot.read / Slot.write) */ \
+  X(MemcpyHtoD, 3020)                            \
+  X(MemcpyDtoH, 3020)                            \
+  /* streams, events, host functions, async copies, stream memory ops (offload engine) */ \
+  X(StreamCreateWithPriority, 5050)              \
+  X(StreamDestroy, 4000)                         \
+  X(StreamSynchronize, 2000)                     \
+  X(StreamWaitEvent, 3020)                       \
+  X(StreamWaitValue64, 11070)                    \
+  X(StreamWriteValue64, 11070)                   \
+  X(EventCreate, 2000)                           \
+  X(EventRecord, 2000)                           \
+  X(EventQuery, 2000)                            \
+  X(EventSynchronize, 2000)                      \
+  X(EventDestroy, 4000)                          \
+  X(LaunchHostFunc, 10000)                       \
+  X(MemcpyAsync, 4000)                           \
+  X(MemcpyHtoDAsync, 3020)                       \
+  X(MemcpyDtoHAsync, 3020)                       \
+  X(MemcpyDtoDAsync, 3020)                       \
+  X(MemHostAlloc, 2020)                          \
+  X(MemFreeHost, 2000)
+
+#define JAXVMM_PFN(member, version) PFN_cu##member##_v##version
+
+enum class Entry : int {
+#define X(member, version) k##member,
+  JAXVMM_DRIVER_ENTRIES(X)
+#undef X
+      kCount
+};
+inline constexpr int kEntryCount = static_cast<int>(Entry::kCount);
+
+// Symbol name ("cuMemCreate") of an entry, and the reverse lookup (-1 when unknown).
+const char* EntryName(Entry e);
+int EntryFromName(const std::string& name);
+
+struct DriverTable {
+#define X(member, version) JAXVMM_PFN(member, version) member = nullptr;
+  JAXVMM_DRIVER_ENTRIES(X)
+#undef X
+};
+
+// Which implementation backs a table. kCuda serves jax "gpu" devices, kPosix serves jax "cpu" devices.
+enum class Backend : int { kCuda = 0, kPosix = 1 };
+inline constexpr int kBackendCount = 2;
+const char* BackendName(Backend b);
+
+// Availability of a backend's raw implementation. `reason` says why it is unusable (no libcuda, driver
+// too old, cuInit failed, ...). Resolution happens once; the answer is cached.
+struct DriverAvailability {
+  bool ok = false;
+  std::string reason;
+  int driver_version = 0;  // CUDA: cuDriverGetVersion; POSIX: 0
+};
+const DriverAvailability& Availability(Backend b);
+
+// The raw tables. Raw(kCuda) has null entries when unavailable (check Availability first).
+const DriverTable& RawCudaDriver();
+const DriverTable& RawPosixDriver();
+const DriverTable& RawDriver(Backend b);
+
+// The table the engine calls: the fault-injecting, counting wrapper over the raw table of `b`.
+const DriverTable& Driver(Backend b);
+
+// Name of a CUresult ("CUDA_ERROR_OUT_OF_MEMORY"); never null, works without a driver.
+const char* ResultName(CUresult r);
+// CUresult from its name; returns false if the name is unknown.
+bool ResultFromName(const std::string& name, CUresult* out);
+
+// POSIX backend knobs (set from Python before the first slot on the cpu platform).
+void SetPosixDeviceCount(int n);
+
+}  // namespace jaxvmm

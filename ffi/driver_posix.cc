@@ -1,0 +1,458 @@
+// POSIX host backend: the driver table implemented with the kernel's virtual memory, with the CUDA VMM
+// semantics the engine relies on.
+//
+//   reservation      mmap(PROT_NONE, MAP_NORESERVE) of the exact (base, size)
+//   physical handle  a memfd whose pages are committed with fallocate (cuMemCreate commits memory too)
+//   map              mmap(MAP_FIXED | MAP_SHARED) of the memfd, PROT_NONE: no access until SetAccess
+//   set access       mprotect(READ|WRITE) of exactly mapped ranges
+//   unmap            MAP_FIXED anonymous PROT_NONE over the range: the VA stays reserved, touching faults
+//   release          close(fd): pages go back to the kernel once the last mapping is gone
+//
+// Streams are synchronous here: every "async" copy completes before the call returns, host functions
+// run inline, events are always complete. The bookkeeping below validates arguments the way the driver
+// does (exact ranges, whole mappings, granularity) so the engine cannot pass CI by luck.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "driver.h"
+
+namespace jaxvmm {
+namespace {
+
+std::atomic<int> g_device_count{1};
+
+struct Physical {
+  int fd;
+  size_t size;
+};
+
+struct PosixState {
+  std::mutex mu;
+  std::map<uintptr_t, size_t> reservations;       // base -> size
+  std::map<uintptr_t, size_t> mappings;           // base -> size
+  std::unordered_map<uint64_t, Physical> handles;  // handle -> memfd
+  std::unordered_map<uintptr_t, size_t> host_allocs;
+  uint64_t next_handle = 1;
+};
+
+PosixState& S() {
+  static PosixState* s = new PosixState();  // never destroyed: slots may be torn down at exit
+  return *s;
+}
+
+size_t PageSize() {
+  static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return p;
+}
+
+thread_local CUcontext t_current = nullptr;
+
+// Fake contexts: one distinct non-null pointer per ordinal.
+char g_contexts[256];
+
+bool ReadMeminfo(size_t* available, size_t* total) {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  size_t value = 0;
+  std::string unit;
+  bool got_a = false, got_t = false;
+  while (f >> key >> value) {
+    std::getline(f, unit);
+    if (key == "MemTotal:") *total = value * 1024, got_t = true;
+    if (key == "MemAvailable:") *available = value * 1024, got_a = true;
+  }
+  if (!got_t) {
+    long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES);
+    *total = static_cast<size_t>(pages) * PageSize();
+    *available = static_cast<size_t>(avail) * PageSize();
+    return pages > 0;
+  }
+  if (!got_a) *available = *total;
+  return true;
+}
+
+bool ValidLocation(const CUmemLocation& loc) {
+  if (loc.type == CU_MEM_LOCATION_TYPE_DEVICE) return loc.id >= 0 && loc.id < g_device_count.load();
+  if (loc.type == CU_MEM_LOCATION_TYPE_HOST_NUMA) {
+    if (loc.id == 0) return true;
+    struct stat st;
+    std::string node = "/sys/devices/system/node/node" + std::to_string(loc.id);
+    return loc.id > 0 && stat(node.c_str(), &st) == 0;
+  }
+  return false;
+}
+
+// True if [base, base+size) lies inside one reservation.
+bool InReservation(PosixState& s, uintptr_t base, size_t size) {
+  auto it = s.reservations.upper_bound(base);
+  if (it == s.reservations.begin()) return false;
+  --it;
+  return base >= it->first && base + size <= it->first + it->second;
+}
+
+// True if [base, base+size) is exactly covered by whole mappings.
+bool CoveredByMappings(PosixState& s, uintptr_t base, size_t size) {
+  uintptr_t at = base, end = base + size;
+  while (at < end) {
+    auto it = s.mappings.find(at);
+    if (it == s.mappings.end() || at + it->second > end) return false;
+    at += it->second;
+  }
+  return true;
+}
+
+bool OverlapsMapping(PosixState& s, uintptr_t base, size_t size) {
+  auto it = s.mappings.lower_bound(base);
+  if (it != s.mappings.end() && it->first < base + size) return true;
+  if (it != s.mappings.begin()) {
+    --it;
+    if (it->first + it->second > base) return true;
+  }
+  return false;
+}
+
+// ---- init, devices, contexts, errors ----
+CUresult PosixInit(unsigned int) { return CUDA_SUCCESS; }
+CUresult PosixDriverGetVersion(int* v) {
+  if (!v) return CUDA_ERROR_INVALID_VALUE;
+  *v = 0;
+  return CUDA_SUCCESS;
+}
+CUresult PosixDeviceGet(CUdevice* d, int ordinal) {
+  if (!d) return CUDA_ERROR_INVALID_VALUE;
+  if (ordinal < 0 || ordinal >= g_device_count.load()) return CUDA_ERROR_INVALID_DEVICE;
+  *d = ordinal;
+  return CUDA_SUCCESS;
+}
+CUresult PosixDeviceGetCount(int* n) {
+  if (!n) return CUDA_ERROR_INVALID_VALUE;
+  *n = g_device_count.load();
+  return CUDA_SUCCESS;
+}
+CUresult PosixDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice dev) {
+  if (!v) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= g_device_count.load()) return CUDA_ERROR_INVALID_DEVICE;
+  switch (attr) {
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+    case CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
+    case CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS:
+      *v = 1;
+      return CUDA_SUCCESS;
+    case CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID:
+      *v = 0;
+      return CUDA_SUCCESS;
+    default:
+      *v = 0;
+      return CUDA_SUCCESS;
+  }
+}
+CUresult PosixDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
+  if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= g_device_count.load() || dev >= 256) return CUDA_ERROR_INVALID_DEVICE;
+  *ctx = reinterpret_cast<CUcontext>(&g_contexts[dev]);
+  return CUDA_SUCCESS;
+}
+CUresult PosixDevicePrimaryCtxRelease(CUdevice) { return CUDA_SUCCESS; }
+CUresult PosixCtxGetCurrent(CUcontext* ctx) {
+  if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+  *ctx = t_current;
+  return CUDA_SUCCESS;
+}
+CUresult PosixCtxSetCurrent(CUcontext ctx) {
+  t_current = ctx;
+  return CUDA_SUCCESS;
+}
+CUresult PosixGetErrorName(CUresult r, const char** s) {
+  if (!s) return CUDA_ERROR_INVALID_VALUE;
+  *s = ResultName(r);
+  return CUDA_SUCCESS;
+}
+// On this backend the error string is the error name.
+CUresult PosixGetErrorString(CUresult r, const char** s) { return PosixGetErrorName(r, s); }
+
+// ---- virtual memory management ----
+CUresult PosixMemGetAllocationGranularity(size_t* g, const CUmemAllocationProp* prop,
+                                          CUmemAllocationGranularity_flags) {
+  if (!g || !prop) return CUDA_ERROR_INVALID_VALUE;
+  if (!ValidLocation(prop->location)) return CUDA_ERROR_INVALID_DEVICE;
+  *g = PageSize();
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                unsigned long long) {
+  if (!ptr || size == 0 || size % PageSize() != 0) return CUDA_ERROR_INVALID_VALUE;
+  size_t align = alignment > PageSize() ? alignment : PageSize();
+  if (align & (align - 1)) return CUDA_ERROR_INVALID_VALUE;
+  if (size + align < size) return CUDA_ERROR_OUT_OF_MEMORY;
+  void* hint = reinterpret_cast<void*>(addr);
+  void* p = mmap(hint, size + align - PageSize(), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  uintptr_t raw = reinterpret_cast<uintptr_t>(p);
+  uintptr_t base = (raw + align - 1) & ~(uintptr_t)(align - 1);
+  size_t total = size + align - PageSize();
+  if (base > raw) munmap(p, base - raw);
+  if (base + size < raw + total) munmap(reinterpret_cast<void*>(base + size), raw + total - (base + size));
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.reservations[base] = size;
+  *ptr = static_cast<CUdeviceptr>(base);
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemAddressFree(CUdeviceptr ptr, size_t size) {
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto it = s.reservations.find(static_cast<uintptr_t>(ptr));
+  if (it == s.reservations.end() || it->second != size) return CUDA_ERROR_INVALID_VALUE;
+  if (OverlapsMapping(s, ptr, size)) return CUDA_ERROR_INVALID_VALUE;  // must be unmapped first
+  if (munmap(reinterpret_cast<void*>(ptr), size) != 0) return CUDA_ERROR_OPERATING_SYSTEM;
+  s.reservations.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                        unsigned long long flags) {
+  if (!handle || !prop || flags != 0 || size == 0 || size % PageSize() != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
+  if (!ValidLocation(prop->location)) return CUDA_ERROR_INVALID_DEVICE;
+  size_t available = 0, total = 0;
+  if (ReadMeminfo(&available, &total) && size > available) return CUDA_ERROR_OUT_OF_MEMORY;
+  int fd = memfd_create("jaxvmm-slot", MFD_CLOEXEC);
+  if (fd < 0) return errno == EMFILE || errno == ENFILE ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  // Commit the pages now, as cuMemCreate commits device memory; released slots then visibly give
+  // memory back to the kernel.
+  int rc = fallocate(fd, 0, 0, static_cast<off_t>(size));
+  if (rc != 0 && errno != EOPNOTSUPP) {
+    close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  uint64_t h = s.next_handle++;
+  s.handles[h] = Physical{fd, size};
+  *handle = h;
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemRelease(CUmemGenericAllocationHandle handle) {
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto it = s.handles.find(handle);
+  if (it == s.handles.end()) return CUDA_ERROR_INVALID_VALUE;
+  close(it->second.fd);  // mapped pages stay alive until their last unmap
+  s.handles.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                     unsigned long long flags) {
+  if (offset != 0 || flags != 0 || size == 0 || ptr % PageSize() != 0) return CUDA_ERROR_INVALID_VALUE;
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto h = s.handles.find(handle);
+  if (h == s.handles.end()) return CUDA_ERROR_INVALID_HANDLE;
+  if (h->second.size != size) return CUDA_ERROR_INVALID_VALUE;  // the whole handle, as cuMemMap wants
+  if (!InReservation(s, ptr, size)) return CUDA_ERROR_INVALID_VALUE;
+  if (OverlapsMapping(s, ptr, size)) return CUDA_ERROR_ALREADY_MAPPED;
+  void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->second.fd, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  s.mappings[ptr] = size;
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemUnmap(CUdeviceptr ptr, size_t size) {
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!CoveredByMappings(s, ptr, size)) return CUDA_ERROR_INVALID_VALUE;
+  void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+                 -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OPERATING_SYSTEM;
+  for (uintptr_t at = ptr; at < ptr + size;) {
+    auto it = s.mappings.find(at);
+    at += it->second;
+    s.mappings.erase(it);
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
+  int prot = PROT_NONE;
+  for (size_t i = 0; i < count; ++i) {
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || !ValidLocation(desc[i].location))
+      return CUDA_ERROR_INVALID_DEVICE;
+    if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) prot |= PROT_READ | PROT_WRITE;
+    else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ) prot |= PROT_READ;
+    else if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE) return CUDA_ERROR_INVALID_VALUE;
+  }
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (!CoveredByMappings(s, ptr, size)) return CUDA_ERROR_INVALID_VALUE;
+  if (mprotect(reinterpret_cast<void*>(ptr), size, prot) != 0) return CUDA_ERROR_OPERATING_SYSTEM;
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemGetInfo(size_t* free_bytes, size_t* total) {
+  if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
+  return ReadMeminfo(free_bytes, total) ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+}
+
+// A memfd is exactly a POSIX file-descriptor shareable handle.
+CUresult PosixMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle handle, CUmemAllocationHandleType type,
+                                         unsigned long long) {
+  if (!out) return CUDA_ERROR_INVALID_VALUE;
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto h = s.handles.find(handle);
+  if (h == s.handles.end()) return CUDA_ERROR_INVALID_HANDLE;
+  int fd = fcntl(h->second.fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
+  *static_cast<int*>(out) = fd;
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle, void* os_handle,
+                                           CUmemAllocationHandleType type) {
+  if (!handle) return CUDA_ERROR_INVALID_VALUE;
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+  int src = static_cast<int>(reinterpret_cast<intptr_t>(os_handle));
+  struct stat st;
+  if (fstat(src, &st) != 0) return CUDA_ERROR_INVALID_HANDLE;
+  int fd = fcntl(src, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  uint64_t h = s.next_handle++;
+  s.handles[h] = Physical{fd, static_cast<size_t>(st.st_size)};
+  *handle = h;
+  return CUDA_SUCCESS;
+}
+
+// ---- copies (synchronous on this backend) ----
+CUresult PosixMemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
+  std::memcpy(reinterpret_cast<void*>(dst), src, n);
+  return CUDA_SUCCESS;
+}
+CUresult PosixMemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
+  std::memcpy(dst, reinterpret_cast<const void*>(src), n);
+  return CUDA_SUCCESS;
+}
+CUresult PosixMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
+  std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+  return CUDA_SUCCESS;
+}
+CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream) {
+  return PosixMemcpyHtoD(dst, src, n);
+}
+CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream) { return PosixMemcpyDtoH(dst, src, n); }
+CUresult PosixMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+  return PosixMemcpyAsync(dst, src, n, s);
+}
+
+// ---- streams, events, host functions: everything has completed by the time a call returns ----
+struct PosixObject {
+  int kind;
+};
+CUresult PosixStreamCreateWithPriority(CUstream* s, unsigned int, int) {
+  if (!s) return CUDA_ERROR_INVALID_VALUE;
+  *s = reinterpret_cast<CUstream>(new PosixObject{1});
+  return CUDA_SUCCESS;
+}
+CUresult PosixStreamDestroy(CUstream s) {
+  delete reinterpret_cast<PosixObject*>(s);
+  return CUDA_SUCCESS;
+}
+CUresult PosixStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
+CUresult PosixStreamWaitEvent(CUstream, CUevent, unsigned int) { return CUDA_SUCCESS; }
+CUresult PosixStreamWaitValue64(CUstream, CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
+  // Work before this point has completed, so the condition must already hold; a wait that could never
+  // be satisfied is an engine bug, reported rather than spun on.
+  auto cur = reinterpret_cast<std::atomic<uint64_t>*>(addr)->load(std::memory_order_acquire);
+  bool ok = false;
+  switch (flags & 0xf) {
+    case CU_STREAM_WAIT_VALUE_GEQ: ok = static_cast<int64_t>(cur - value) >= 0; break;
+    case CU_STREAM_WAIT_VALUE_EQ: ok = cur == value; break;
+    case CU_STREAM_WAIT_VALUE_AND: ok = (cur & value) != 0; break;
+    case CU_STREAM_WAIT_VALUE_NOR: ok = ~(cur | value) != 0; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+  return ok ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+CUresult PosixStreamWriteValue64(CUstream, CUdeviceptr addr, cuuint64_t value, unsigned int) {
+  reinterpret_cast<std::atomic<uint64_t>*>(addr)->store(value, std::memory_order_release);
+  return CUDA_SUCCESS;
+}
+CUresult PosixEventCreate(CUevent* e, unsigned int) {
+  if (!e) return CUDA_ERROR_INVALID_VALUE;
+  *e = reinterpret_cast<CUevent>(new PosixObject{2});
+  return CUDA_SUCCESS;
+}
+CUresult PosixEventRecord(CUevent, CUstream) { return CUDA_SUCCESS; }
+CUresult PosixEventQuery(CUevent) { return CUDA_SUCCESS; }
+CUresult PosixEventSynchronize(CUevent) { return CUDA_SUCCESS; }
+CUresult PosixEventDestroy(CUevent e) {
+  delete reinterpret_cast<PosixObject*>(e);
+  return CUDA_SUCCESS;
+}
+CUresult PosixLaunchHostFunc(CUstream, CUhostFn fn, void* data) {
+  if (!fn) return CUDA_ERROR_INVALID_VALUE;
+  fn(data);
+  return CUDA_SUCCESS;
+}
+CUresult PosixMemHostAlloc(void** pp, size_t n, unsigned int) {
+  if (!pp || n == 0) return CUDA_ERROR_INVALID_VALUE;
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.host_allocs[reinterpret_cast<uintptr_t>(p)] = n;
+  *pp = p;
+  return CUDA_SUCCESS;
+}
+CUresult PosixMemFreeHost(void* p) {
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto it = s.host_allocs.find(reinterpret_cast<uintptr_t>(p));
+  if (it == s.host_allocs.end()) return CUDA_ERROR_INVALID_VALUE;
+  munmap(p, it->second);
+  s.host_allocs.erase(it);
+  return CUDA_SUCCESS;
+}
+
+DriverTable MakePosixTable() {
+  DriverTable t;
+#define X(member, version) t.member = &Posix##member;
+  JAXVMM_DRIVER_ENTRIES(X)
+#undef X
+  return t;
+}
+
+}  // namespace
+
+const DriverTable& RawPosixDriver() {
+  static const DriverTable t = MakePosixTable();
+  return t;
+}
+
+void SetPosixDeviceCount(int n) { g_device_count.store(n > 0 ? n : 1); }
+
+}  // namespace jaxvmm

@@ -1,0 +1,319 @@
+// The Python module `jaxvmm._jaxvmm`: the only file that sees nanobind. Thin: decode arguments, call the
+// core with the GIL released, turn a failed Status into the Python exception built by jaxvmm.errors.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdio>
+#include <string>
+
+#include "bench.h"
+#include "driver.h"
+#include "fault.h"
+#include "registry.h"
+#include "status.h"
+#include "vmm.h"
+
+namespace nb = nanobind;
+
+namespace jaxvmm {
+namespace {
+
+struct StatusError {
+  Status status;
+};
+
+nb::object& ErrorFactory() {
+  static nb::object* f = new nb::object();
+  return *f;
+}
+
+void Check(const Status& st) {
+  if (!st.ok()) throw StatusError{st};
+}
+
+Backend ParseBackend(const std::string& name) {
+  if (name == "cuda") return Backend::kCuda;
+  if (name == "posix") return Backend::kPosix;
+  Check(Status(Code::kInvalidArgument, "unknown backend '" + name + "' (expected 'cuda' or 'posix')"));
+  return Backend::kPosix;
+}
+
+Location ParseLocation(const std::string& kind, int id) {
+  if (kind == "device") return Location{CU_MEM_LOCATION_TYPE_DEVICE, id};
+  if (kind == "host_numa") return Location{CU_MEM_LOCATION_TYPE_HOST_NUMA, id};
+  Check(Status(Code::kInvalidArgument, "unknown location '" + kind + "' (expected 'device' or 'host_numa')"));
+  return {};
+}
+
+Entry ParseEntry(const std::string& name) {
+  int e = EntryFromName(name);
+  if (e < 0) Check(Status(Code::kInvalidArgument, "unknown driver entry '" + name + "'"));
+  return static_cast<Entry>(e);
+}
+
+std::string Hex(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+nb::dict InfoDict(const SlotInfo& i) {
+  nb::dict d;
+  d["id"] = i.id;
+  d["backend"] = BackendName(i.backend);
+  d["device"] = i.device;
+  d["location"] = i.location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA ? "host_numa" : "device";
+  d["location_id"] = i.location.id;
+  d["address"] = static_cast<uint64_t>(i.address);
+  d["nbytes"] = i.nbytes;
+  d["size"] = i.size;
+  d["generation"] = i.generation;
+  d["state"] = SlotStateName(i.state);
+  d["mapped"] = i.mapped;
+  d["mapped_bytes"] = i.mapped_bytes;
+  d["last_error"] = i.last_error;
+  return d;
+}
+
+nb::dict StatsDict() {
+  RegistryStats s;
+  {
+    nb::gil_scoped_release nogil;
+    s = Registry::Get().Stats();
+  }
+  nb::dict d;
+  d["slots"] = s.slots;
+  d["reserved_bytes"] = s.reserved_bytes;
+  d["mapped_bytes"] = s.mapped_bytes;
+  d["peak_mapped_bytes"] = s.peak_mapped_bytes;
+  d["created"] = s.created;
+  d["closed"] = s.closed;
+  d["releases"] = s.releases;
+  d["remaps"] = s.remaps;
+  d["leaked"] = LeakCount();
+  int64_t qbytes = 0;
+  nb::list q;
+  for (const auto& e : s.quarantine) {
+    nb::dict qd;
+    qd["slot"] = e.id;
+    qd["backend"] = BackendName(e.backend);
+    qd["device"] = e.device;
+    qd["address"] = Hex(e.address);
+    qd["size"] = e.size;
+    qd["mapped_bytes"] = e.mapped_bytes;
+    qd["error"] = e.error;
+    qd["attempts"] = e.attempts;
+    q.append(qd);
+    qbytes += static_cast<int64_t>(e.size);
+  }
+  d["quarantined"] = static_cast<int64_t>(s.quarantine.size());
+  d["quarantined_bytes"] = qbytes;
+  d["quarantine"] = q;
+  nb::dict devs;
+  for (const auto& [key, ds] : s.devices) {
+    nb::dict dd;
+    dd["slots"] = ds.slots;
+    dd["reserved_bytes"] = ds.reserved_bytes;
+    dd["mapped_bytes"] = ds.mapped_bytes;
+    dd["peak_mapped_bytes"] = ds.peak_mapped_bytes;
+    devs[nb::make_tuple(BackendName(static_cast<Backend>(key.first)), key.second)] = dd;
+  }
+  d["devices"] = devs;
+  return d;
+}
+
+using ConstBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+}  // namespace
+}  // namespace jaxvmm
+
+NB_MODULE(_jaxvmm, m) {
+  using namespace jaxvmm;
+  m.doc() = "jaxvmm native core (driver seam, slots, registry). Use the jaxvmm package, not this module.";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      const Status& st = e.status;
+      nb::object& factory = ErrorFactory();
+      if (!factory.is_valid()) {
+        PyErr_SetString(PyExc_RuntimeError, st.ToString().c_str());
+        return;
+      }
+      nb::object exc = factory(CodeName(st.code()), st.ToString(), st.driver_error(), st.slot(), st.stage());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  m.def("_set_error_factory", [](nb::object f) { ErrorFactory() = std::move(f); });
+
+  m.def("backend_status", [](const std::string& backend) {
+    Backend b = ParseBackend(backend);
+    DriverAvailability a;
+    {
+      nb::gil_scoped_release nogil;
+      a = Availability(b);
+    }
+    return nb::make_tuple(a.ok, a.reason, a.driver_version);
+  });
+
+  m.def("set_posix_device_count", [](int n) { SetPosixDeviceCount(n); });
+
+  m.def("granularity", [](const std::string& backend, int device, const std::string& loc, int loc_id) {
+    size_t g = 0;
+    Backend b = ParseBackend(backend);
+    Location l = ParseLocation(loc, loc_id);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = Granularity(b, device, l, &g);
+    }
+    Check(st);
+    return g;
+  });
+
+  m.def("slot_create", [](const std::string& backend, int device, const std::string& loc, int loc_id,
+                          std::vector<int> access, uint64_t nbytes) {
+    SlotSpec spec;
+    spec.backend = ParseBackend(backend);
+    spec.device = device;
+    spec.location = ParseLocation(loc, loc_id);
+    spec.access = std::move(access);
+    spec.nbytes = nbytes;
+    int64_t id = -1;
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = Registry::Get().Create(spec, &id);
+    }
+    Check(st);
+    return id;
+  });
+
+  m.def("slot_info", [](int64_t id) {
+    std::shared_ptr<Slot> s;
+    Check(Registry::Get().Lookup(id, &s));
+    SlotInfo i;
+    {
+      nb::gil_scoped_release nogil;
+      i = s->Info();
+    }
+    return InfoDict(i);
+  });
+
+  auto by_id = [](Status (Registry::*op)(int64_t)) {
+    return [op](int64_t id) {
+      Status st;
+      {
+        nb::gil_scoped_release nogil;
+        st = (Registry::Get().*op)(id);
+      }
+      Check(st);
+    };
+  };
+  m.def("slot_release", by_id(&Registry::Release));
+  m.def("slot_remap", by_id(&Registry::Remap));
+  m.def("slot_close", by_id(&Registry::Close));
+
+  m.def("slot_write", [](int64_t id, uint64_t offset, ConstBytes data) {
+    std::shared_ptr<Slot> s;
+    Check(Registry::Get().Lookup(id, &s));
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = s->Write(offset, data.data(), data.shape(0));
+    }
+    Check(st);
+  });
+
+  m.def("slot_read_into", [](int64_t id, uint64_t offset, MutBytes out) {
+    std::shared_ptr<Slot> s;
+    Check(Registry::Get().Lookup(id, &s));
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = s->Read(offset, out.data(), out.shape(0));
+    }
+    Check(st);
+  });
+
+  m.def("find_range", [](uint64_t base, uint64_t length) {
+    int64_t id = -1;
+    Check(Registry::Get().FindRange(base, length, &id));
+    return id;
+  });
+
+  m.def("stats", &StatsDict);
+  m.def("retry_quarantine", [] {
+    nb::gil_scoped_release nogil;
+    return Registry::Get().RetryQuarantine();
+  });
+  m.def("close_all", [] {
+    nb::gil_scoped_release nogil;
+    Registry::Get().CloseAll();
+  });
+
+  m.def("memory_info", [](const std::string& backend, int device) {
+    Backend b = ParseBackend(backend);
+    size_t free_b = 0, total = 0;
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = CheckCapability(b, device, Location{CU_MEM_LOCATION_TYPE_DEVICE, device});
+      if (st.ok()) {
+        ScopedContext ctx(b, device);
+        st = ctx.status();
+        if (st.ok()) {
+          CUresult r = Driver(b).MemGetInfo(&free_b, &total);
+          if (r != CUDA_SUCCESS) st = Status::Driver(r, Entry::kMemGetInfo).At(-1, "memory_info");
+        }
+      }
+    }
+    Check(st);
+    return nb::make_tuple(free_b, total);
+  });
+
+  // ---- test and benchmark hooks (jaxvmm.testing) ----
+  m.def("driver_entries", [] {
+    std::vector<std::string> names;
+    for (int i = 0; i < kEntryCount; ++i) names.push_back(EntryName(static_cast<Entry>(i)));
+    return names;
+  });
+  m.def("fault_arm", [](const std::string& backend, const std::string& entry, int64_t nth, int64_t times,
+                        const std::string& error) {
+    CUresult r;
+    if (!ResultFromName(error, &r)) Check(Status(Code::kInvalidArgument, "unknown CUresult name '" + error + "'"));
+    ArmFault(ParseBackend(backend), ParseEntry(entry), nth, times, r);
+  });
+  m.def("fault_clear", [](const std::string& backend) { ClearFaults(ParseBackend(backend)); });
+  m.def("fault_counters", [](const std::string& backend) {
+    DriverCounters c = ReadCounters(ParseBackend(backend));
+    nb::dict d;
+    d["live_handles"] = c.live_handles;
+    d["live_reservations"] = c.live_reservations;
+    d["live_mappings"] = c.live_mappings;
+    d["injected"] = c.injected;
+    nb::dict calls;
+    for (int i = 0; i < kEntryCount; ++i) calls[EntryName(static_cast<Entry>(i))] = c.calls[i];
+    d["calls"] = calls;
+    return d;
+  });
+  m.def("bench_ops", [](const std::string& backend, int device, uint64_t nbytes, int iters) {
+    std::map<std::string, double> out;
+    Backend b = ParseBackend(backend);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = BenchOps(b, device, nbytes, iters, &out);
+    }
+    Check(st);
+    return out;
+  });
+}

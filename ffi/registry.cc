@@ -1,0 +1,202 @@
+#include "registry.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace jaxvmm {
+
+namespace {
+constexpr auto kRetryInterval = std::chrono::milliseconds(100);
+std::pair<int, int> DeviceKey(const Slot& s) { return {static_cast<int>(s.spec().backend), s.spec().device}; }
+}  // namespace
+
+Registry& Registry::Get() {
+  static Registry* r = new Registry();
+  return *r;
+}
+
+void Registry::NoteMapped(const Slot& s, int64_t delta) {
+  // Caller holds mu_.
+  mapped_ += delta;
+  peak_mapped_ = std::max(peak_mapped_, mapped_);
+  DeviceStats& d = devices_[DeviceKey(s)];
+  d.mapped_bytes += delta;
+  d.peak_mapped_bytes = std::max(d.peak_mapped_bytes, d.mapped_bytes);
+}
+
+Status Registry::Create(const SlotSpec& spec, int64_t* id) {
+  MaybeRetryQuarantine();
+  int64_t new_id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    new_id = next_id_++;
+  }
+  std::shared_ptr<Slot> slot, remains;
+  Status st = Slot::Create(new_id, spec, &slot, &remains);
+  if (!st.ok()) {
+    if (remains) Quarantine(remains, st);
+    return st;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  by_id_[new_id] = slot;
+  by_base_[slot->address()] = new_id;
+  ++created_;
+  DeviceStats& d = devices_[DeviceKey(*slot)];
+  d.slots += 1;
+  d.reserved_bytes += static_cast<int64_t>(slot->size());
+  NoteMapped(*slot, static_cast<int64_t>(slot->size()));
+  *id = new_id;
+  return Status();
+}
+
+Status Registry::Lookup(int64_t id, std::shared_ptr<Slot>* out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return Status(Code::kNotFound, "no open slot with this id (closed?)").At(id, "lookup");
+  *out = it->second;
+  return Status();
+}
+
+Status Registry::FindRange(CUdeviceptr base, size_t length, int64_t* id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_base_.find(base);
+  char where[64];
+  std::snprintf(where, sizeof(where), "0x%llx+%zu", static_cast<unsigned long long>(base), length);
+  if (it == by_base_.end())
+    return Status(Code::kNotFound, std::string("no slot starts at ") + where + " (ranges must match exactly)");
+  const Slot& s = *by_id_.at(it->second);
+  if (length != 0 && length != s.size())
+    return Status(Code::kNotFound, std::string("range ") + where + " does not match slot " +
+                                       std::to_string(it->second) + " of " + std::to_string(s.size()) + " bytes");
+  *id = it->second;
+  return Status();
+}
+
+Status Registry::Release(int64_t id) {
+  std::shared_ptr<Slot> slot;
+  JAXVMM_RETURN_IF_ERROR(Lookup(id, &slot));
+  size_t before = slot->Info().mapped_bytes;
+  Status st = slot->Release();
+  size_t after = slot->Info().mapped_bytes;
+  std::lock_guard<std::mutex> lock(mu_);
+  NoteMapped(*slot, static_cast<int64_t>(after) - static_cast<int64_t>(before));
+  if (st.ok()) ++releases_;
+  return st;
+}
+
+Status Registry::Remap(int64_t id) {
+  std::shared_ptr<Slot> slot;
+  JAXVMM_RETURN_IF_ERROR(Lookup(id, &slot));
+  size_t before = slot->Info().mapped_bytes;
+  Status st = slot->Remap();
+  size_t after = slot->Info().mapped_bytes;
+  std::lock_guard<std::mutex> lock(mu_);
+  NoteMapped(*slot, static_cast<int64_t>(after) - static_cast<int64_t>(before));
+  if (st.ok()) ++remaps_;
+  return st;
+}
+
+Status Registry::Close(int64_t id) {
+  std::shared_ptr<Slot> slot;
+  {
+    // Unregister first: a slot whose teardown gets stuck must never be handed out again.
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_id_.find(id);
+    if (it == by_id_.end()) return Status(Code::kNotFound, "no open slot with this id (already closed?)").At(id, "close");
+    slot = it->second;
+    by_id_.erase(it);
+    by_base_.erase(slot->address());
+    DeviceStats& d = devices_[DeviceKey(*slot)];
+    d.slots -= 1;
+  }
+  size_t mapped_before = slot->Info().mapped_bytes;
+  Status st = slot->Teardown();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (st.ok()) {
+    NoteMapped(*slot, -static_cast<int64_t>(mapped_before));
+    devices_[DeviceKey(*slot)].reserved_bytes -= static_cast<int64_t>(slot->size());
+    ++closed_;
+    return st;
+  }
+  NoteMapped(*slot, static_cast<int64_t>(slot->Info().mapped_bytes) - static_cast<int64_t>(mapped_before));
+  quarantine_.push_back(Quarantined{slot, 1});
+  std::fprintf(stderr, "%s; quarantined, will be retried (see jaxvmm.stats()['quarantine'])\n", st.ToString().c_str());
+  return Status(st).WithCode(Code::kQuarantined).Append("; the slot was quarantined and its teardown will be retried");
+}
+
+void Registry::Quarantine(std::shared_ptr<Slot> slot, const Status& why) {
+  size_t mapped = slot->Info().mapped_bytes;
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceStats& d = devices_[DeviceKey(*slot)];
+  d.reserved_bytes += static_cast<int64_t>(slot->Info().address ? slot->size() : 0);
+  NoteMapped(*slot, static_cast<int64_t>(mapped));
+  quarantine_.push_back(Quarantined{std::move(slot), 1});
+  std::fprintf(stderr, "%s; remains quarantined, will be retried\n", why.ToString().c_str());
+}
+
+void Registry::MaybeRetryQuarantine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (quarantine_.empty() || std::chrono::steady_clock::now() - last_retry_ < kRetryInterval) return;
+  }
+  RetryQuarantine();
+}
+
+size_t Registry::RetryQuarantine() {
+  std::vector<Quarantined> batch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    batch.swap(quarantine_);
+    last_retry_ = std::chrono::steady_clock::now();
+  }
+  std::vector<Quarantined> still;
+  for (auto& q : batch) {
+    size_t mapped_before = q.slot->Info().mapped_bytes;
+    Status st = q.slot->Teardown();  // resumes where the last attempt stopped
+    size_t mapped_after = q.slot->Info().mapped_bytes;
+    std::lock_guard<std::mutex> lock(mu_);
+    NoteMapped(*q.slot, static_cast<int64_t>(mapped_after) - static_cast<int64_t>(mapped_before));
+    if (st.ok()) {
+      devices_[DeviceKey(*q.slot)].reserved_bytes -= static_cast<int64_t>(q.slot->size());
+      ++closed_;
+    } else {
+      ++q.attempts;
+      still.push_back(std::move(q));
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& q : still) quarantine_.push_back(std::move(q));
+  return quarantine_.size();
+}
+
+void Registry::CloseAll() {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, slot] : by_id_) ids.push_back(id);
+  }
+  for (int64_t id : ids) Close(id);
+  RetryQuarantine();
+}
+
+RegistryStats Registry::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  RegistryStats s;
+  s.slots = static_cast<int64_t>(by_id_.size());
+  for (const auto& [key, d] : devices_) s.reserved_bytes += d.reserved_bytes;
+  s.mapped_bytes = mapped_;
+  s.peak_mapped_bytes = peak_mapped_;
+  s.created = created_;
+  s.closed = closed_;
+  s.releases = releases_;
+  s.remaps = remaps_;
+  s.devices = devices_;
+  for (const auto& q : quarantine_) {
+    SlotInfo i = q.slot->Info();
+    s.quarantine.push_back(
+        QuarantineEntry{i.id, i.backend, i.device, i.address, i.size, i.mapped_bytes, i.last_error, q.attempts});
+  }
+  return s;
+}
+
+}  // namespace jaxvmm

@@ -1,0 +1,86 @@
+// Registry: every live slot by id and by its exact (base, length), plus the quarantine of slots whose
+// teardown failed. Lock order: the GIL (if any) -> Registry::mu_ -> Slot::mu_. Registry::mu_ is never
+// held across a driver call, so a slow or failing teardown never blocks creating unrelated slots.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "slot.h"
+
+namespace jaxvmm {
+
+struct QuarantineEntry {
+  int64_t id;
+  Backend backend;
+  int device;
+  CUdeviceptr address;
+  size_t size;
+  size_t mapped_bytes;
+  std::string error;
+  int attempts;
+};
+
+struct DeviceStats {
+  int64_t slots = 0;
+  int64_t reserved_bytes = 0;
+  int64_t mapped_bytes = 0;
+  int64_t peak_mapped_bytes = 0;
+};
+
+struct RegistryStats {
+  int64_t slots = 0;
+  int64_t reserved_bytes = 0;   // live slots and quarantined reservations
+  int64_t mapped_bytes = 0;     // physical bytes attached to live or quarantined slots
+  int64_t peak_mapped_bytes = 0;
+  int64_t created = 0, closed = 0, releases = 0, remaps = 0;
+  std::vector<QuarantineEntry> quarantine;
+  std::map<std::pair<int, int>, DeviceStats> devices;  // (backend, device)
+};
+
+class Registry {
+ public:
+  static Registry& Get();  // never destroyed
+
+  Status Create(const SlotSpec& spec, int64_t* id);
+  Status Lookup(int64_t id, std::shared_ptr<Slot>* out) const;
+  // Exact provenance: succeeds only for the (base, length) a slot reserved. `length` 0 means the slot's size.
+  Status FindRange(CUdeviceptr base, size_t length, int64_t* id) const;
+
+  Status Release(int64_t id);
+  Status Remap(int64_t id);
+  // Removes the slot first (it is never handed out again), then tears it down; on failure the remains
+  // go to the quarantine, the failure is logged once, and a kQuarantined status is returned.
+  Status Close(int64_t id);
+  // Retries quarantined teardowns now; returns how many are still quarantined.
+  size_t RetryQuarantine();
+  // Closes every slot (interpreter exit). Failures end in the quarantine.
+  void CloseAll();
+
+  RegistryStats Stats() const;
+
+ private:
+  Registry() = default;
+  void Quarantine(std::shared_ptr<Slot> slot, const Status& why);
+  void NoteMapped(const Slot& s, int64_t delta);
+  void MaybeRetryQuarantine();
+
+  mutable std::mutex mu_;
+  int64_t next_id_ = 1;
+  std::map<int64_t, std::shared_ptr<Slot>> by_id_;
+  std::map<CUdeviceptr, int64_t> by_base_;
+  struct Quarantined {
+    std::shared_ptr<Slot> slot;
+    int attempts;
+  };
+  std::vector<Quarantined> quarantine_;
+  std::chrono::steady_clock::time_point last_retry_{};
+  int64_t created_ = 0, closed_ = 0, releases_ = 0, remaps_ = 0;
+  int64_t mapped_ = 0, peak_mapped_ = 0;
+  std::map<std::pair<int, int>, DeviceStats> devices_;
+};
+
+}  // namespace jaxvmm

@@ -1,0 +1,302 @@
+#include "slot.h"
+
+#include <map>
+#include <string>
+#include <tuple>
+
+namespace jaxvmm {
+
+const char* SlotStateName(SlotState s) {
+  switch (s) {
+    case SlotState::kMapped: return "mapped";
+    case SlotState::kReleased: return "released";
+    case SlotState::kClosing: return "closing";
+    case SlotState::kClosed: return "closed";
+  }
+  return "unknown";
+}
+
+namespace {
+
+CUmemAllocationProp MakeProp(const Location& loc, CUmemAllocationHandleType handle_types) {
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = loc.type;
+  prop.location.id = loc.id;
+  prop.requestedHandleTypes = handle_types;
+  return prop;
+}
+
+const char* LocationName(CUmemLocationType t) {
+  return t == CU_MEM_LOCATION_TYPE_HOST_NUMA ? "host_numa" : "device";
+}
+
+using CapKey = std::tuple<int, int, int, int>;  // backend, device, location type, location id
+std::mutex g_cap_mu;
+std::map<CapKey, Status> g_cap_cache;
+std::map<CapKey, size_t> g_gran_cache;
+
+Status CheckCapabilityUncached(Backend b, int device, const Location& loc) {
+  const DriverAvailability& a = Availability(b);
+  if (!a.ok) return Status(Code::kUnavailable, std::string(BackendName(b)) + " backend unavailable: " + a.reason);
+  const DriverTable& d = Driver(b);
+  int count = 0;
+  CUresult r = d.DeviceGetCount(&count);
+  if (r != CUDA_SUCCESS) return Status::Driver(r, Entry::kDeviceGetCount);
+  if (device < 0 || device >= count)
+    return Status(Code::kInvalidArgument, "device " + std::to_string(device) + " does not exist (" +
+                                              std::to_string(count) + " " + BackendName(b) + " devices)");
+  ScopedContext ctx(b, device);
+  if (!ctx.status().ok()) return ctx.status();
+  CUdevice dev;
+  r = d.DeviceGet(&dev, device);
+  if (r != CUDA_SUCCESS) return Status::Driver(r, Entry::kDeviceGet);
+  auto attribute = [&](CUdevice_attribute attr, const char* name, const char* what) -> Status {
+    int v = 0;
+    CUresult rr = d.DeviceGetAttribute(&v, attr, dev);
+    if (rr != CUDA_SUCCESS) return Status::Driver(rr, Entry::kDeviceGetAttribute);
+    if (v == 0)
+      return Status(Code::kNotSupported, std::string(BackendName(b)) + " device " + std::to_string(device) +
+                                             " does not support " + what + " (" + name + " = 0)");
+    return Status();
+  };
+  JAXVMM_RETURN_IF_ERROR(attribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                   "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+                                   "virtual memory management"));
+  if (loc.type == CU_MEM_LOCATION_TYPE_HOST_NUMA) {
+    JAXVMM_RETURN_IF_ERROR(attribute(CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                     "CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+                                     "HOST_NUMA virtual memory"));
+    if (loc.id < 0) return Status(Code::kInvalidArgument, "host NUMA node must be >= 0");
+  } else if (loc.type == CU_MEM_LOCATION_TYPE_DEVICE) {
+    if (loc.id != device)
+      return Status(Code::kInvalidArgument, "device-located pages must live on the owning device");
+  } else {
+    return Status(Code::kNotSupported, "unsupported location type " + std::to_string(loc.type));
+  }
+  return Status();
+}
+
+}  // namespace
+
+Status CheckCapability(Backend b, int device, const Location& loc) {
+  CapKey key{static_cast<int>(b), device, static_cast<int>(loc.type), loc.id};
+  {
+    std::lock_guard<std::mutex> lock(g_cap_mu);
+    auto it = g_cap_cache.find(key);
+    if (it != g_cap_cache.end()) return it->second;
+  }
+  Status st = CheckCapabilityUncached(b, device, loc);
+  // Driver hiccups are not cached; answers about the hardware are.
+  if (st.ok() || st.code() == Code::kNotSupported || st.code() == Code::kInvalidArgument ||
+      st.code() == Code::kUnavailable) {
+    std::lock_guard<std::mutex> lock(g_cap_mu);
+    g_cap_cache[key] = st;
+  }
+  return st;
+}
+
+Status Granularity(Backend b, int device, const Location& loc, size_t* out) {
+  JAXVMM_RETURN_IF_ERROR(CheckCapability(b, device, loc));
+  CapKey key{static_cast<int>(b), device, static_cast<int>(loc.type), loc.id};
+  {
+    std::lock_guard<std::mutex> lock(g_cap_mu);
+    auto it = g_gran_cache.find(key);
+    if (it != g_gran_cache.end()) {
+      *out = it->second;
+      return Status();
+    }
+  }
+  ScopedContext ctx(b, device);
+  if (!ctx.status().ok()) return ctx.status();
+  CUmemAllocationProp prop = MakeProp(loc, CU_MEM_HANDLE_TYPE_NONE);
+  size_t g = 0;
+  const DriverTable& d = Driver(b);
+  CUresult r = d.MemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != CUDA_SUCCESS) return Status::Driver(r, Entry::kMemGetAllocationGranularity);
+  if (g == 0 || (g & (g - 1)) != 0) return Status(Code::kInternal, "driver granularity is not a power of two");
+  std::lock_guard<std::mutex> lock(g_cap_mu);
+  g_gran_cache[key] = g;
+  *out = g;
+  return Status();
+}
+
+// ---- lifecycle ----
+Status Slot::Create(int64_t id, const SlotSpec& spec_in, std::shared_ptr<Slot>* out, std::shared_ptr<Slot>* remains) {
+  constexpr const char* kStage = "create";
+  SlotSpec spec = spec_in;
+  if (spec.access.empty()) spec.access.push_back(spec.device);
+  if (spec.nbytes == 0) return Status(Code::kInvalidArgument, "nbytes must be > 0").At(id, kStage);
+  size_t g = 0;
+  Status st = Granularity(spec.backend, spec.device, spec.location, &g);
+  if (!st.ok()) return st.At(id, kStage);
+  if (spec.nbytes > (size_t{1} << 48)) return Status(Code::kInvalidArgument, "nbytes exceeds 2**48").At(id, kStage);
+  for (int dev : spec.access) {
+    Status a = CheckCapability(spec.backend, dev, Location{CU_MEM_LOCATION_TYPE_DEVICE, dev});
+    if (!a.ok()) return a.Append(" (access list)").At(id, kStage);
+  }
+  ScopedContext ctx(spec.backend, spec.device);
+  if (!ctx.status().ok()) return Status(ctx.status()).At(id, kStage);
+
+  std::shared_ptr<Slot> slot(new Slot(id, spec));
+  std::lock_guard<std::mutex> lock(slot->mu_);
+  slot->size_ = (spec.nbytes + g - 1) / g * g;
+  st = slot->va_.Reserve(spec.backend, slot->size_, g, id, kStage);
+  if (st.ok()) {
+    slot->address_ = slot->va_.base();
+    st = slot->MapPages(kStage);
+  }
+  if (!st.ok()) {
+    slot->Remember(st);
+    Status undo = slot->DropPages("create rollback");
+    if (undo.ok()) undo = slot->va_.Free(id, "create rollback");
+    if (!undo.ok()) {
+      slot->state_ = SlotState::kClosing;
+      slot->Remember(undo);
+      *remains = slot;
+      st.Append(std::string("; rollback failed and was quarantined (") + undo.message() + ")");
+    } else {
+      slot->state_ = SlotState::kClosed;
+    }
+    return st;
+  }
+  slot->generation_ = 1;
+  slot->state_ = SlotState::kMapped;
+  *out = slot;
+  return Status();
+}
+
+Status Slot::MapPages(const char* stage) {
+  const SlotSpec& s = spec_;
+  Status st = pages_.Create(s.backend, size_, MakeProp(s.location, s.handle_types), id_, stage);
+  if (st.ok()) st = mapping_.Map(s.backend, address_, size_, pages_.handle(), id_, stage);
+  if (st.ok()) st = GrantAccess(s.backend, address_, size_, s.access, id_, stage);
+  if (!st.ok()) {
+    // Undo this stage's partial work; what cannot be undone stays owned for Teardown to finish.
+    Status undo = DropPages(stage);
+    if (!undo.ok()) st.Append(std::string("; rollback incomplete: ") + undo.message());
+    return st;
+  }
+  accessible_ = true;
+  return Status();
+}
+
+Status Slot::DropPages(const char* stage) {
+  accessible_ = false;
+  JAXVMM_RETURN_IF_ERROR(mapping_.Unmap(id_, stage));
+  return pages_.Release(id_, stage);
+}
+
+void Slot::Remember(const Status& st) { last_error_ = st.ToString(); }
+
+Status Slot::Release() {
+  constexpr const char* kStage = "release";
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_ != SlotState::kMapped)
+    return Status(Code::kState, std::string("cannot release a ") + SlotStateName(state_) + " slot").At(id_, kStage);
+  ScopedContext ctx(spec_.backend, spec_.device);
+  if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
+  Status st = DropPages(kStage);
+  if (!mapping_.owned()) state_ = SlotState::kReleased;  // pages gone from the VA even if the handle lingers
+  if (!st.ok()) {
+    if (state_ == SlotState::kReleased) st.Append("; the handle is released again on the next remap or close");
+    Remember(st);
+  }
+  return st;
+}
+
+Status Slot::Remap() {
+  constexpr const char* kStage = "remap";
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_ != SlotState::kReleased)
+    return Status(Code::kState, std::string("cannot remap a ") + SlotStateName(state_) + " slot").At(id_, kStage);
+  ScopedContext ctx(spec_.backend, spec_.device);
+  if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
+  Status st = DropPages(kStage);  // finish what an earlier failed release left behind
+  if (st.ok()) st = MapPages(kStage);
+  if (!st.ok()) {
+    Remember(st);
+    return st;
+  }
+  if (mapping_.base() != va_.base() || address_ != va_.base())
+    return Status(Code::kInternal, "remapped pages landed off the slot's address").At(id_, kStage);
+  ++generation_;
+  state_ = SlotState::kMapped;
+  return Status();
+}
+
+Status Slot::Teardown() {
+  constexpr const char* kStage = "close";
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_ == SlotState::kClosed) return Status();
+  state_ = SlotState::kClosing;
+  ScopedContext ctx(spec_.backend, spec_.device);
+  if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
+  Status st = DropPages(kStage);
+  if (st.ok()) st = va_.Free(id_, kStage);
+  if (!st.ok()) {
+    Remember(st);
+    return st;
+  }
+  state_ = SlotState::kClosed;
+  return Status();
+}
+
+Status Slot::CheckAccessible(size_t offset, size_t n, const char* stage) const {
+  if (state_ != SlotState::kMapped)
+    return Status(Code::kState, std::string("the slot is ") + SlotStateName(state_) + "; remap it first")
+        .At(id_, stage);
+  if (offset > spec_.nbytes || n > spec_.nbytes - offset)
+    return Status(Code::kInvalidArgument, "range [" + std::to_string(offset) + ", " + std::to_string(offset + n) +
+                                              ") exceeds the slot's " + std::to_string(spec_.nbytes) + " bytes")
+        .At(id_, stage);
+  return Status();
+}
+
+Status Slot::Write(size_t offset, const void* src, size_t n) {
+  constexpr const char* kStage = "write";
+  std::lock_guard<std::mutex> lock(mu_);
+  JAXVMM_RETURN_IF_ERROR(CheckAccessible(offset, n, kStage));
+  if (n == 0) return Status();
+  ScopedContext ctx(spec_.backend, spec_.device);
+  if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
+  const DriverTable& d = Driver(spec_.backend);
+  return Call(id_, kStage, Entry::kMemcpyHtoD, [&] { return d.MemcpyHtoD(address_ + offset, src, n); });
+}
+
+Status Slot::Read(size_t offset, void* dst, size_t n) {
+  constexpr const char* kStage = "read";
+  std::lock_guard<std::mutex> lock(mu_);
+  JAXVMM_RETURN_IF_ERROR(CheckAccessible(offset, n, kStage));
+  if (n == 0) return Status();
+  ScopedContext ctx(spec_.backend, spec_.device);
+  if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
+  const DriverTable& d = Driver(spec_.backend);
+  return Call(id_, kStage, Entry::kMemcpyDtoH, [&] { return d.MemcpyDtoH(dst, address_ + offset, n); });
+}
+
+SlotInfo Slot::Info() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return SlotInfo{id_,
+                  spec_.backend,
+                  spec_.device,
+                  spec_.location,
+                  address_,
+                  spec_.nbytes,
+                  size_,
+                  generation_,
+                  state_,
+                  state_ == SlotState::kMapped,
+                  pages_.owned() || mapping_.owned() ? size_ : 0,
+                  last_error_};
+}
+
+Slot::~Slot() {
+  // Normal paths close slots through the registry; this is the last resort at interpreter exit.
+  if (state_ != SlotState::kClosed && Availability(spec_.backend).ok) {
+    Status st = Teardown();
+    if (!st.ok()) ReportLeak(st);
+  }
+}
+
+}  // namespace jaxvmm

@@ -1,0 +1,107 @@
+"""jaxvmm: fixed-address memory slots for JAX.
+
+A :class:`Slot` is a virtual address range that stays put while its physical pages are released to
+the driver and mapped again, so anything that captured the address (a CUDA graph, an XLA command
+buffer) stays valid. On CUDA devices the real driver's virtual memory management is used; on the
+jax ``cpu`` platform a POSIX backend gives the same semantics with host pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import errors
+from ._devices import target_of
+from ._native import lib as _lib
+from .errors import (
+    BackendUnavailableError,
+    DriverError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    NotSupportedError,
+    OutOfMemoryError,
+    QuarantinedError,
+    SlotStateError,
+    VmmError,
+)
+from .slots import Slot
+
+__version__ = "0.1.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaStatus:
+    """Whether the CUDA driver is usable; truthy when it is. ``reason`` says why not."""
+
+    available: bool
+    reason: str
+    driver_version: int
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+def cuda_available() -> CudaStatus:
+    """Load the NVIDIA driver (``libcuda.so.1``, resolved at run time) and report whether jaxvmm can use it."""
+    ok, reason, version = _lib.backend_status("cuda")
+    return CudaStatus(bool(ok), "" if ok else str(reason), int(version))
+
+
+def driver_memory_info(device=None) -> tuple[int, int]:
+    """``(free, total)`` bytes: ``cuMemGetInfo`` for a CUDA device, the kernel's MemAvailable/MemTotal for cpu."""
+    t = target_of(device)
+    free, total = _lib.memory_info(t.backend, t.ordinal)
+    return int(free), int(total)
+
+
+def _platform_name(backend: str) -> str:
+    return "cuda" if backend == "cuda" else "cpu"
+
+
+def stats() -> dict:
+    """Process-wide slot accounting.
+
+    Keys: ``slots`` (open), ``reserved_bytes``, ``mapped_bytes``, ``peak_mapped_bytes``, ``created``,
+    ``closed``, ``releases``, ``remaps``, ``quarantined`` (count), ``quarantined_bytes``, ``quarantine``
+    (one dict per quarantined slot: slot, address, size, error, attempts), ``leaked``, ``devices``
+    (the same byte counts per ``"cuda:N"``/``"cpu:N"``) and ``driver`` (live physical handles,
+    reservations and mappings counted at the driver seam, per backend in use).
+    """
+    s = dict(_lib.stats())
+    s["devices"] = {f"{_platform_name(b)}:{d}": dict(v) for (b, d), v in s["devices"].items()}
+    driver = {}
+    for backend in ("posix", "cuda"):
+        c = _lib.fault_counters(backend)
+        if any(c["calls"].values()):
+            driver[_platform_name(backend)] = {k: c[k] for k in ("live_handles", "live_reservations", "live_mappings")}
+    s["driver"] = driver
+    return s
+
+
+def retry_quarantine() -> int:
+    """Retry every quarantined teardown now; returns how many remain quarantined.
+
+    Quarantined teardowns are also retried (at most every 100 ms) whenever a new slot is created."""
+    return int(_lib.retry_quarantine())
+
+
+__all__ = [
+    "Slot",
+    "CudaStatus",
+    "cuda_available",
+    "driver_memory_info",
+    "stats",
+    "retry_quarantine",
+    "errors",
+    "VmmError",
+    "InvalidArgumentError",
+    "NotSupportedError",
+    "BackendUnavailableError",
+    "DriverError",
+    "OutOfMemoryError",
+    "QuarantinedError",
+    "SlotStateError",
+    "NotFoundError",
+    "InternalError",
+]

@@ -1,0 +1,29 @@
+"""Loads the compiled core once and wires its error reporting to jaxvmm.errors."""
+
+from __future__ import annotations
+
+import atexit
+
+from . import errors
+
+try:
+    from . import _jaxvmm as lib  # noqa: F401
+except ImportError as e:  # pragma: no cover - only on broken installs
+    raise ImportError(
+        "jaxvmm: the compiled extension jaxvmm._jaxvmm is missing or failed to load "
+        f"({e}). Reinstall with `pip install .` from the source tree (or "
+        "`pip install --no-build-isolation .` on a machine without network)."
+    ) from e
+
+lib._set_error_factory(errors._from_native)
+
+
+def _close_all_at_exit() -> None:
+    # Return every slot's pages and reservations while the driver is still loaded.
+    try:
+        lib.close_all()
+    except Exception:  # noqa: BLE001 - nothing useful can be raised at exit
+        pass
+
+
+atexit.register(_close_all_at_exit)

@@ -1,0 +1,89 @@
+"""The jaxvmm exception hierarchy.
+
+Every error raised by the native core arrives here as a subclass of :class:`VmmError` whose message
+starts with ``jaxvmm:`` and names the slot id, the lifecycle stage and, for driver failures, the
+driver's error name (``CUDA_ERROR_OUT_OF_MEMORY``). The same fields are attributes.
+"""
+
+from __future__ import annotations
+
+
+class VmmError(RuntimeError):
+    """Base class of every jaxvmm error."""
+
+    def __init__(self, message: str, *, code: str = "", driver_error: str = "", slot: int | None = None,
+                 stage: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.driver_error = driver_error or None
+        self.slot = slot
+        self.stage = stage or None
+
+
+class InvalidArgumentError(VmmError, ValueError):
+    """An argument was wrong (also a ``ValueError``)."""
+
+
+class NotSupportedError(VmmError):
+    """The device or driver lacks a capability (HOST_NUMA placement, VMM, a handle type)."""
+
+
+class BackendUnavailableError(VmmError):
+    """The backend cannot be used on this machine (no NVIDIA driver, no device)."""
+
+
+class DriverError(VmmError):
+    """A driver call failed; ``driver_error`` holds the driver's error name."""
+
+
+class OutOfMemoryError(DriverError, MemoryError):
+    """The driver or the kernel had no memory for the request."""
+
+
+class QuarantinedError(DriverError):
+    """A teardown failed; the remains are quarantined (see ``jaxvmm.stats()['quarantine']``) and retried."""
+
+
+class SlotStateError(VmmError):
+    """The slot is in the wrong state for the operation (released, closed)."""
+
+
+class NotFoundError(VmmError, LookupError):
+    """No slot has that id or that exact address range."""
+
+
+class InternalError(VmmError):
+    """A broken invariant inside jaxvmm; please report it."""
+
+
+_BY_CODE = {
+    "invalid_argument": InvalidArgumentError,
+    "not_supported": NotSupportedError,
+    "out_of_memory": OutOfMemoryError,
+    "driver": DriverError,
+    "state": SlotStateError,
+    "not_found": NotFoundError,
+    "unavailable": BackendUnavailableError,
+    "quarantined": QuarantinedError,
+    "internal": InternalError,
+}
+
+
+def _from_native(code: str, message: str, driver_error: str, slot: int, stage: str) -> VmmError:
+    """Builds the exception for a failed native Status (called from C++)."""
+    cls = _BY_CODE.get(code, VmmError)
+    return cls(message, code=code, driver_error=driver_error, slot=slot if slot >= 0 else None, stage=stage)
+
+
+__all__ = [
+    "VmmError",
+    "InvalidArgumentError",
+    "NotSupportedError",
+    "BackendUnavailableError",
+    "DriverError",
+    "OutOfMemoryError",
+    "QuarantinedError",
+    "SlotStateError",
+    "NotFoundError",
+    "InternalError",
+]

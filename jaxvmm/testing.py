@@ -1,0 +1,60 @@
+"""Test hooks: fault injection at the driver seam and the seam's live-object counters.
+
+Every driver call jaxvmm makes goes through a wrapper that can fail the Nth call of a named entry
+point with a chosen ``CUresult`` and counts live physical handles, reservations and mappings. These
+hooks are for tests and debugging; they are cheap when nothing is armed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ._devices import target_of
+from ._native import lib
+
+# Driver entry points each lifecycle operation calls, in order.
+LIFECYCLE_ENTRIES = {
+    "create": ("cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess"),
+    "release": ("cuMemUnmap", "cuMemRelease"),
+    "remap": ("cuMemCreate", "cuMemMap", "cuMemSetAccess"),
+    "close": ("cuMemUnmap", "cuMemRelease", "cuMemAddressFree"),
+}
+
+
+def backend_of(device=None) -> str:
+    return target_of(device).backend
+
+
+def driver_entries() -> list[str]:
+    """Every driver entry point in the seam's table."""
+    return list(lib.driver_entries())
+
+
+def arm_fault(entry: str, *, nth: int = 1, times: int = 1, error: str = "CUDA_ERROR_OUT_OF_MEMORY", device=None) -> None:
+    """Fail calls of ``entry``: the ``nth`` next call and the ``times - 1`` after it (``times=-1``: until cleared)."""
+    if nth < 1:
+        raise ValueError("jaxvmm: nth must be >= 1")
+    if times == 0 or times < -1:
+        raise ValueError("jaxvmm: times must be >= 1 or -1 (forever)")
+    lib.fault_arm(backend_of(device), entry, nth, times, error)
+
+
+def clear_faults(device=None) -> None:
+    lib.fault_clear(backend_of(device))
+
+
+@contextlib.contextmanager
+def fault(entry: str, *, nth: int = 1, times: int = 1, error: str = "CUDA_ERROR_OUT_OF_MEMORY", device=None):
+    """Context manager: arm a fault for the block, clear every fault of the backend after it."""
+    arm_fault(entry, nth=nth, times=times, error=error, device=device)
+    try:
+        yield
+    finally:
+        clear_faults(device)
+
+
+def driver_counters(device=None) -> dict:
+    """``live_handles``, ``live_reservations``, ``live_mappings``, ``injected`` and per-entry ``calls``."""
+    c = dict(lib.fault_counters(backend_of(device)))
+    c["calls"] = dict(c["calls"])
+    return c
