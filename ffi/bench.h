@@ -11,8 +11,9 @@
 namespace jaxvmm {
 
 // Median microseconds per operation over `iters` cycles. Keys: raw_reserve, raw_create, raw_map,
-// raw_access, raw_unmap, raw_release, raw_free, raw_remap (create+map+access), raw_drop
-// (unmap+release), and slot_create, slot_release, slot_remap, slot_close.
+// raw_access, raw_unmap, raw_release, raw_free, raw_setup (reserve+create+map+access), raw_remap
+// (create+map+access), raw_drop (unmap+release), and slot_create, slot_release, slot_remap,
+// slot_close (of a released slot: compare with raw_free). A failure undoes what it left behind.
 Status BenchOps(Backend b, int device, size_t nbytes, int iters, std::map<std::string, double>* out);
 
 }  // namespace jaxvmm
