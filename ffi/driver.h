@@ -51,6 +51,7 @@ namespace jaxvmm {
   X(StreamCreateWithPriority, 5050)              \
   X(StreamDestroy, 4000)                         \
   X(StreamSynchronize, 2000)                     \
+  X(StreamQuery, 2000)                           \
   X(StreamWaitEvent, 3020)                       \
   X(StreamWaitValue64, 11070)                    \
   X(StreamWriteValue64, 11070)                   \
@@ -64,6 +65,7 @@ namespace jaxvmm {
   X(MemcpyHtoDAsync, 3020)                       \
   X(MemcpyDtoHAsync, 3020)                       \
   X(MemcpyDtoDAsync, 3020)                       \
+  X(MemsetD8Async, 3020)                         \
   X(MemHostAlloc, 2020)                          \
   X(MemFreeHost, 2000)
 

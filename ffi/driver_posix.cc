@@ -17,6 +17,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -367,6 +369,10 @@ CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream) { 
 CUresult PosixMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
   return PosixMemcpyAsync(dst, src, n, s);
 }
+CUresult PosixMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream) {
+  std::memset(reinterpret_cast<void*>(dst), v, n);
+  return CUDA_SUCCESS;
+}
 
 // ---- streams, events, host functions: everything has completed by the time a call returns ----
 struct PosixObject {
@@ -382,20 +388,30 @@ CUresult PosixStreamDestroy(CUstream s) {
   return CUDA_SUCCESS;
 }
 CUresult PosixStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
+CUresult PosixStreamQuery(CUstream) { return CUDA_SUCCESS; }
 CUresult PosixStreamWaitEvent(CUstream, CUevent, unsigned int) { return CUDA_SUCCESS; }
+// A stream that waits on a value blocks the calling thread until another thread (a worker) writes it,
+// which is what the GPU's stream would do. A wait that is never satisfied is reported after a long
+// timeout instead of hanging the process.
 CUresult PosixStreamWaitValue64(CUstream, CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
-  // Work before this point has completed, so the condition must already hold; a wait that could never
-  // be satisfied is an engine bug, reported rather than spun on.
-  auto cur = reinterpret_cast<std::atomic<uint64_t>*>(addr)->load(std::memory_order_acquire);
-  bool ok = false;
-  switch (flags & 0xf) {
-    case CU_STREAM_WAIT_VALUE_GEQ: ok = static_cast<int64_t>(cur - value) >= 0; break;
-    case CU_STREAM_WAIT_VALUE_EQ: ok = cur == value; break;
-    case CU_STREAM_WAIT_VALUE_AND: ok = (cur & value) != 0; break;
-    case CU_STREAM_WAIT_VALUE_NOR: ok = ~(cur | value) != 0; break;
-    default: return CUDA_ERROR_INVALID_VALUE;
+  auto* word = reinterpret_cast<std::atomic<uint64_t>*>(addr);
+  auto satisfied = [&](uint64_t cur, bool* bad) {
+    switch (flags & 0xf) {
+      case CU_STREAM_WAIT_VALUE_GEQ: return static_cast<int64_t>(cur - value) >= 0;
+      case CU_STREAM_WAIT_VALUE_EQ: return cur == value;
+      case CU_STREAM_WAIT_VALUE_AND: return (cur & value) != 0;
+      case CU_STREAM_WAIT_VALUE_NOR: return ~(cur | value) != 0;
+      default: *bad = true; return true;
+    }
+  };
+  bool bad = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  for (int spins = 0;; ++spins) {
+    if (satisfied(word->load(std::memory_order_acquire), &bad)) return bad ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    if (spins < 64) continue;
+    if (std::chrono::steady_clock::now() > deadline) return CUDA_ERROR_LAUNCH_TIMEOUT;
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 5 : 200));
   }
-  return ok ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 CUresult PosixStreamWriteValue64(CUstream, CUdeviceptr addr, cuuint64_t value, unsigned int) {
   reinterpret_cast<std::atomic<uint64_t>*>(addr)->store(value, std::memory_order_release);

@@ -13,7 +13,9 @@
 
 #include "bench.h"
 #include "driver.h"
+#include "engine.h"
 #include "fault.h"
+#include "handlers.h"
 #include "registry.h"
 #include "status.h"
 #include "vmm.h"
@@ -257,7 +259,79 @@ NB_MODULE(_jaxvmm, m) {
   });
   m.def("close_all", [] {
     nb::gil_scoped_release nogil;
+    Engine::ShutdownAll();
     Registry::Get().CloseAll();
+  });
+
+  // ---- offload engine ----
+  m.def("handlers", [] {
+    nb::list out;
+    for (const auto& h : Handlers()) out.append(nb::make_tuple(h.name, h.platform, nb::capsule(h.fn)));
+    return out;
+  });
+  m.def("ffi_api_version", &FfiApiVersion);
+  auto engine = [](const std::string& backend, int device) {
+    Engine* e = nullptr;
+    Backend b = ParseBackend(backend);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = Engine::For(b, device, &e);
+    }
+    Check(st);
+    return e;
+  };
+  m.def("engine_stats", [engine](const std::string& backend, int device) {
+    EngineStats s = engine(backend, device)->Stats();
+    nb::dict d;
+    d["offloads"] = s.offloads;
+    d["reloads"] = s.reloads;
+    d["prefetches"] = s.prefetches;
+    d["prefetch_hits"] = s.prefetch_hits;
+    d["prefetch_misses"] = s.prefetch_misses;
+    d["tickets_live"] = s.tickets_live;
+    d["ticket_host_bytes"] = s.ticket_host_bytes;
+    d["errors"] = s.errors;
+    d["drops"] = s.drops;
+    d["staging_slots"] = s.staging_slots;
+    d["ops_in_flight"] = s.ops_in_flight;
+    d["pinned_bytes"] = s.host.chunk_bytes;
+    d["pinned_in_use_bytes"] = s.host.in_use_bytes;
+    d["pinned_peak_in_use_bytes"] = s.host.peak_in_use_bytes;
+    d["pinned_allocs"] = s.host.driver_allocs;
+    d["pinned_limit_bytes"] = s.host.limit_bytes;
+    return d;
+  });
+  m.def("engine_devices", [] {
+    nb::list out;
+    for (Engine* e : Engine::All()) out.append(nb::make_tuple(BackendName(e->backend()), e->device()));
+    return out;
+  });
+  m.def("engine_take_error", [engine](const std::string& backend, int device) {
+    Engine* e = engine(backend, device);
+    Check(e->TakeError());
+  });
+  m.def("engine_sync", [engine](const std::string& backend, int device) {
+    Engine* e = engine(backend, device);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = e->Synchronize();
+    }
+    Check(st);
+  });
+  m.def("engine_drop", [engine](const std::string& backend, int device, uint64_t token) {
+    engine(backend, device)->Drop(token);
+  });
+  m.def("engine_check", [engine](const std::string& backend, int device, uint64_t token, uint64_t nbytes,
+                                 int64_t signature) {
+    Check(engine(backend, device)->CheckTicket(token, ArrayMeta{nbytes, signature}));
+  });
+  m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth) {
+    if (host_pool_limit >= 0) HostPool::SetLimit(static_cast<size_t>(host_pool_limit));
+    if (host_pool_chunk > 0) HostPool::SetChunkSize(static_cast<size_t>(host_pool_chunk));
+    if (prefetch_depth > 0) EngineConfig::SetPrefetchDepth(prefetch_depth);
+    return nb::make_tuple(HostPool::Limit(), HostPool::ChunkSize(), EngineConfig::PrefetchDepth());
   });
 
   m.def("memory_info", [](const std::string& backend, int device) {

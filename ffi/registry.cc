@@ -44,7 +44,7 @@ Status Registry::Create(const SlotSpec& spec, int64_t* id) {
   DeviceStats& d = devices_[DeviceKey(*slot)];
   d.slots += 1;
   d.reserved_bytes += static_cast<int64_t>(slot->size());
-  NoteMapped(*slot, static_cast<int64_t>(slot->size()));
+  NoteMapped(*slot, static_cast<int64_t>(slot->Info().mapped_bytes));
   *id = new_id;
   return Status();
 }

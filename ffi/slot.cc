@@ -144,7 +144,7 @@ Status Slot::Create(int64_t id, const SlotSpec& spec_in, std::shared_ptr<Slot>* 
   st = slot->va_.Reserve(spec.backend, slot->size_, g, id, kStage);
   if (st.ok()) {
     slot->address_ = slot->va_.base();
-    st = slot->MapPages(kStage);
+    if (spec.map_on_create) st = slot->MapPages(kStage);
   }
   if (!st.ok()) {
     slot->Remember(st);
@@ -160,8 +160,8 @@ Status Slot::Create(int64_t id, const SlotSpec& spec_in, std::shared_ptr<Slot>* 
     }
     return st;
   }
-  slot->generation_ = 1;
-  slot->state_ = SlotState::kMapped;
+  slot->generation_ = spec.map_on_create ? 1 : 0;
+  slot->state_ = spec.map_on_create ? SlotState::kMapped : SlotState::kReleased;
   *out = slot;
   return Status();
 }

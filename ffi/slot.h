@@ -26,6 +26,7 @@ struct SlotSpec {
   std::vector<int> access;    // devices granted read/write, in one cuMemSetAccess; empty = {device}
   size_t nbytes = 0;          // requested; the reservation is rounded up to the granularity
   CUmemAllocationHandleType handle_types = CU_MEM_HANDLE_TYPE_NONE;  // shareable handles (later)
+  bool map_on_create = true;  // false: reserve only; the slot starts RELEASED (staging slots)
 };
 
 enum class SlotState : int {

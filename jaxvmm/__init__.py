@@ -25,6 +25,7 @@ from .errors import (
     SlotStateError,
     VmmError,
 )
+from .ops import Ticket, check, configure, engine_stats, offload, prefetch, reload, synchronize
 from .slots import Slot
 
 __version__ = "0.1.0"
@@ -76,6 +77,7 @@ def stats() -> dict:
         if any(c["calls"].values()):
             driver[_platform_name(backend)] = {k: c[k] for k in ("live_handles", "live_reservations", "live_mappings")}
     s["driver"] = driver
+    s["offload"] = engine_stats()
     return s
 
 
@@ -88,6 +90,14 @@ def retry_quarantine() -> int:
 
 __all__ = [
     "Slot",
+    "Ticket",
+    "offload",
+    "reload",
+    "prefetch",
+    "check",
+    "synchronize",
+    "configure",
+    "engine_stats",
     "CudaStatus",
     "cuda_available",
     "driver_memory_info",

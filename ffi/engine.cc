@@ -1,0 +1,812 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <thread>
+
+#include "vmm.h"
+
+namespace jaxvmm {
+namespace {
+
+constexpr uint64_t kRing = 1024;  // ops in flight per engine before the host waits for the GPU
+constexpr uint64_t kNoTag = 0;    // "no prediction": never a valid token
+
+std::atomic<int> g_depth{-1};
+
+uint64_t Salt() {
+  static const uint64_t salt = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+  return salt;
+}
+
+uint32_t Check(uint64_t id) {
+  uint64_t z = id ^ Salt();
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return static_cast<uint32_t>(z ^ (z >> 31)) | 1u;  // never 0, so no token is kNoTag
+}
+
+uint64_t MakeToken(uint64_t id) { return (id & 0xffffffffULL) | (uint64_t{Check(id & 0xffffffffULL)} << 32); }
+bool TokenValid(uint64_t token) { return (token >> 32) == Check(token & 0xffffffffULL) && (token & 0xffffffffULL); }
+
+std::string TokenStr(uint64_t token) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "ticket %llu", static_cast<unsigned long long>(token & 0xffffffffULL));
+  return buf;
+}
+
+std::mutex g_engines_mu;
+std::map<std::pair<int, int>, std::unique_ptr<Engine>>& Engines() {
+  static auto* m = new std::map<std::pair<int, int>, std::unique_ptr<Engine>>();
+  return *m;
+}
+
+}  // namespace
+
+void EngineConfig::SetPrefetchDepth(int depth) { g_depth.store(std::max(depth, 1)); }
+int EngineConfig::PrefetchDepth() {
+  int d = g_depth.load();
+  if (d > 0) return d;
+  const char* env = std::getenv("JAXVMM_PREFETCH_DEPTH");
+  d = env ? std::atoi(env) : 0;
+  return d > 0 ? d : 2;
+}
+
+struct Engine::Ticket {
+  uint64_t token = 0;
+  ArrayMeta meta;
+  HostBlock host;
+  CUevent d2h_done = nullptr;  // recorded on the D2H stream after the copy
+  uint64_t offload_seq = 0;
+  bool on_host = false;      // D2H finished and seen by the releaser
+  bool consumed = false;     // a reload resolved to it
+  bool dropped = false;      // Python let go of it
+  uint64_t claimed_by = 0;   // the reload op that predicted it, until that op resolves
+  int pins = 0;              // ops that may still read its host block
+  bool freed = false;
+  int64_t resident_id = -1;  // device copy made by a prefetch hint
+  size_t resident_size = 0;
+  CUdeviceptr resident = 0;
+  CUevent resident_ready = nullptr;
+};
+
+struct Engine::Op {
+  enum Kind { kOffload, kReload, kPrefetch };
+  Engine* engine = nullptr;
+  uint64_t seq = 0;
+  Kind kind = kOffload;
+  int pending = 0;  // callbacks still to run; the ring entry is reusable at 0
+  bool mapped = false, map_failed = false;
+  int64_t staging_id = -1;
+  size_t staging_size = 0;
+  CUdeviceptr staging = 0;
+  ArrayMeta meta;
+  std::shared_ptr<Ticket> ticket;  // offload: its ticket; reload: the prediction (may be null)
+  std::shared_ptr<Ticket> actual;  // reload/prefetch: what the token resolved to
+  uint64_t tag = kNoTag;
+  CUevent tok = nullptr, done = nullptr;
+};
+
+// ---------------------------------------------------------------- lifetime
+
+Engine::Engine(Backend b, int device) : backend_(b), device_(device), host_pool_(b, device) {}
+
+Status Engine::For(Backend b, int device, Engine** out) {
+  std::lock_guard<std::mutex> lock(g_engines_mu);
+  auto& m = Engines();
+  auto key = std::make_pair(static_cast<int>(b), device);
+  auto it = m.find(key);
+  if (it != m.end()) {
+    *out = it->second.get();
+    return Status();
+  }
+  std::unique_ptr<Engine> e(new Engine(b, device));
+  JAXVMM_RETURN_IF_ERROR(e->Init());
+  *out = e.get();
+  m[key] = std::move(e);
+  return Status();
+}
+
+std::vector<Engine*> Engine::All() {
+  std::lock_guard<std::mutex> lock(g_engines_mu);
+  std::vector<Engine*> v;
+  for (auto& [k, e] : Engines()) v.push_back(e.get());
+  return v;
+}
+
+void Engine::ShutdownAll() {
+  std::map<std::pair<int, int>, std::unique_ptr<Engine>> engines;
+  {
+    std::lock_guard<std::mutex> lock(g_engines_mu);
+    engines.swap(Engines());
+  }
+  for (auto& [k, e] : engines) {
+    Status st = e->Synchronize();
+    if (!st.ok()) std::fprintf(stderr, "%s (at shutdown)\n", st.ToString().c_str());
+    std::lock_guard<std::mutex> lock(e->mu_);
+    e->shutting_down_ = true;
+    e->cv_.notify_all();
+  }
+  engines.clear();
+}
+
+Status Engine::Init() {
+  JAXVMM_RETURN_IF_ERROR(CheckCapability(backend_, device_, Location{CU_MEM_LOCATION_TYPE_DEVICE, device_}));
+  ScopedContext ctx(backend_, device_);
+  JAXVMM_RETURN_IF_ERROR(ctx.status());
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "engine init";
+  // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ only
+  // carries event waits and host functions, so bookkeeping never queues behind a large copy.
+  for (CUstream* s : {&d2h_, &h2d_, &ctl_})
+    JAXVMM_RETURN_IF_ERROR(
+        Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
+  void* words = nullptr;
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemHostAlloc, [&] {
+    return d.MemHostAlloc(&words, sizeof(Words) * kRing, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+  }));
+  words_ = static_cast<Words*>(words);
+  for (uint64_t i = 0; i < kRing; ++i) {
+    new (&words_[i]) Words();
+    words_[i].probe.store(0);
+    words_[i].ready.store(0);
+    words_[i].token = 0;
+  }
+  ops_.resize(kRing);
+  for (auto& op : ops_) {
+    op.engine = this;
+    for (CUevent* e : {&op.tok, &op.done})
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventCreate, [&] {
+        return d.EventCreate(e, CU_EVENT_DISABLE_TIMING);
+      }));
+  }
+  mapper_ = std::make_unique<Worker>("jaxvmm-map", backend_, device_);
+  resolver_ = std::make_unique<Worker>("jaxvmm-resolve", backend_, device_);
+  releaser_ = std::make_unique<Worker>("jaxvmm-release", backend_, device_);
+  return Status();
+}
+
+Engine::~Engine() {
+  mapper_.reset();
+  resolver_.reset();
+  releaser_.reset();
+  ScopedContext ctx(backend_, device_);
+  const DriverTable& d = Driver(backend_);
+  Registry& reg = Registry::Get();
+  for (auto& [token, t] : tickets_) {
+    host_pool_.Free(t->host);
+    if (t->resident_id >= 0) reg.Close(t->resident_id);
+    if (t->d2h_done) d.EventDestroy(t->d2h_done);
+    if (t->resident_ready) d.EventDestroy(t->resident_ready);
+  }
+  for (auto& [size, ids] : free_staging_)
+    for (int64_t id : ids) reg.Close(id);
+  for (auto& op : ops_) {
+    if (op.tok) d.EventDestroy(op.tok);
+    if (op.done) d.EventDestroy(op.done);
+  }
+  for (CUevent e : event_pool_) d.EventDestroy(e);
+  for (CUstream s : {d2h_, h2d_, ctl_})
+    if (s) d.StreamDestroy(s);
+  if (words_) d.MemFreeHost(words_);
+}
+
+// ---------------------------------------------------------------- host side
+
+Status Engine::TakeError() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Status e = error_;
+  error_ = Status();
+  return e;
+}
+
+void Engine::Fail(const Status& st) {
+  std::fprintf(stderr, "%s\n", st.ToString().c_str());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error_.ok()) error_ = st;
+  ++stats_.errors;
+}
+
+Status Engine::BeginOp(Op** out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!error_.ok()) {
+    Status e = error_;
+    error_ = Status();
+    return e;
+  }
+  uint64_t seq = next_seq_++;
+  Op& op = ops_[seq % kRing];
+  // Backpressure: the host may run at most kRing ops ahead of the GPU.
+  cv_.wait(lock, [&] { return op.pending == 0; });
+  op.seq = seq;
+  op.mapped = op.map_failed = false;
+  op.staging_id = -1;
+  op.staging_size = 0;
+  op.staging = 0;
+  op.ticket.reset();
+  op.actual.reset();
+  op.tag = kNoTag;
+  *out = &op;
+  return Status();
+}
+
+Status Engine::AcquireStaging(size_t nbytes, std::shared_ptr<Slot>* out, int64_t* id) {
+  Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
+  size_t g = 0;
+  JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
+  size_t size = (nbytes + g - 1) / g * g;
+  Registry& reg = Registry::Get();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& v = free_staging_[size];
+    if (!v.empty()) {
+      *id = v.back();
+      v.pop_back();
+      return reg.Lookup(*id, out);
+    }
+  }
+  SlotSpec spec;
+  spec.backend = backend_;
+  spec.device = device_;
+  spec.location = loc;
+  spec.nbytes = size;
+  spec.map_on_create = false;  // a VA only: pages come just in time from the mapper
+  JAXVMM_RETURN_IF_ERROR(reg.Create(spec, id));
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.staging_slots;
+  return reg.Lookup(*id, out);
+}
+
+void Engine::ReturnStaging(int64_t id, size_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_staging_[size].push_back(id);
+}
+
+std::shared_ptr<Engine::Ticket> Engine::Predict(const ArrayMeta& meta) {
+  // Caller holds mu_. Training reloads in reverse offload order (LIFO); a run of misses that hit the
+  // other end of the queue flips the guess (see ResolveTask).
+  auto fits = [&](const std::shared_ptr<Ticket>& t) {
+    return !t->consumed && !t->dropped && t->claimed_by == 0 && t->meta.nbytes == meta.nbytes &&
+           t->meta.signature == meta.signature;
+  };
+  if (lifo_) {
+    for (auto it = order_.rbegin(); it != order_.rend(); ++it)
+      if (fits(*it)) return *it;
+  } else {
+    for (auto& t : order_)
+      if (fits(t)) return t;
+  }
+  return nullptr;
+}
+
+Status Engine::EnqueueCompletion(Op& op, CUstream stream) {
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "enqueue";
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op.done, stream); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op.done, 0); }));
+  return Call(-1, stage, Entry::kLaunchHostFunc, [&] { return d.LaunchHostFunc(ctl_, &Engine::OnComplete, &op); });
+}
+
+Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
+  if (meta.nbytes == 0) return Status(Code::kInvalidArgument, "offload of a zero-size array");
+  ScopedContext ctx(backend_, device_);
+  JAXVMM_RETURN_IF_ERROR(ctx.status());
+  auto t = std::make_shared<Ticket>();
+  t->meta = meta;
+  JAXVMM_RETURN_IF_ERROR(host_pool_.Allocate(meta.nbytes, &t->host).At(-1, "offload"));
+  std::shared_ptr<Slot> staging;
+  int64_t staging_id = -1;
+  Status st = AcquireStaging(meta.nbytes, &staging, &staging_id);
+  if (!st.ok()) {
+    host_pool_.Free(t->host);
+    return st;
+  }
+  const DriverTable& d = Driver(backend_);
+  Op* op = nullptr;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!event_pool_.empty()) {
+      t->d2h_done = event_pool_.back();
+      event_pool_.pop_back();
+    }
+  }
+  if (!t->d2h_done) st = Call(-1, "offload", Entry::kEventCreate, [&] { return d.EventCreate(&t->d2h_done, CU_EVENT_DISABLE_TIMING); });
+  if (st.ok()) st = BeginOp(&op);
+  if (!st.ok()) {
+    host_pool_.Free(t->host);
+    ReturnStaging(staging_id, staging->size());
+    return st;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    t->token = MakeToken(next_ticket_++);
+    t->offload_seq = op->seq;
+    tickets_[t->token] = t;
+    order_.push_back(t);
+    ++stats_.offloads;
+    op->kind = Op::kOffload;
+    op->pending = 2;  // complete (ctl) + offloaded (d2h)
+    op->meta = meta;
+    op->ticket = t;
+    op->staging_id = staging_id;
+    op->staging_size = staging->size();
+    op->staging = staging->address();
+  }
+  Words& w = words_[op->seq % kRing];
+  w.token = t->token;
+  const uint64_t seq = op->seq;
+  mapper_->Post([this, seq] { MapTask(seq); });
+
+  // XLA's stream: wait for pages at the staging address, snapshot x into it, hand out the token.
+  const char* stage = "offload";
+  auto enqueue = [&]() -> Status {
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyAsync, [&] {
+      return d.MemcpyAsync(token_out, reinterpret_cast<CUdeviceptr>(&w.token), sizeof(uint64_t), stream);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitValue64, [&] {
+      return d.StreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(&w.ready), seq, CU_STREAM_WAIT_VALUE_GEQ);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyDtoDAsync, [&] {
+      return d.MemcpyDtoDAsync(op->staging, src, meta.nbytes, stream);
+    }));
+    JAXVMM_RETURN_IF_ERROR(EnqueueCompletion(*op, stream));
+    // Copy stream: after the snapshot, D2H into pinned memory, then wake the releaser.
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(d2h_, op->done, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyDtoHAsync, [&] {
+      return d.MemcpyDtoHAsync(t->host.ptr, op->staging, meta.nbytes, d2h_);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); }));
+    return Call(staging_id, stage, Entry::kLaunchHostFunc, [&] { return d.LaunchHostFunc(d2h_, &Engine::OnOffloaded, op); });
+  };
+  st = enqueue();
+  if (!st.ok()) Fail(st);  // half-enqueued work cannot be taken back; the engine reports and carries on
+  return st;
+}
+
+Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
+  if (meta.nbytes == 0) return Status(Code::kInvalidArgument, "reload of a zero-size array");
+  ScopedContext ctx(backend_, device_);
+  JAXVMM_RETURN_IF_ERROR(ctx.status());
+  std::shared_ptr<Slot> staging;
+  int64_t staging_id = -1;
+  JAXVMM_RETURN_IF_ERROR(AcquireStaging(meta.nbytes, &staging, &staging_id));
+  Op* op = nullptr;
+  Status st = BeginOp(&op);
+  if (!st.ok()) {
+    ReturnStaging(staging_id, staging->size());
+    return st;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.reloads;
+    op->kind = Op::kReload;
+    op->pending = 2;  // resolve + complete, both on ctl
+    op->meta = meta;
+    op->staging_id = staging_id;
+    op->staging_size = staging->size();
+    op->staging = staging->address();
+    op->ticket = Predict(meta);
+    if (op->ticket) {
+      op->ticket->claimed_by = op->seq;
+      op->ticket->pins += 1;
+      op->tag = op->ticket->token;
+    }
+  }
+  const uint64_t seq = op->seq;
+  Words& w = words_[seq % kRing];
+  mapper_->Post([this, seq] { MapTask(seq); });
+
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "reload";
+  auto probe = reinterpret_cast<CUdeviceptr>(&w.probe);
+  auto enqueue = [&]() -> Status {
+    // Let the resolver learn which ticket the GPU holds, without a host round trip on XLA's stream.
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyAsync, [&] {
+      return d.MemcpyAsync(probe, token_in, sizeof(uint64_t), stream);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kLaunchHostFunc, [&] { return d.LaunchHostFunc(ctl_, &Engine::OnResolve, op); }));
+    // XLA's stream waits for exactly this slot: the right ticket (probe == predicted token, or the
+    // resolver's correction) and its data in place (ready >= seq).
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitValue64, [&] {
+      return d.StreamWaitValue64(stream, probe, op->tag, CU_STREAM_WAIT_VALUE_EQ);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitValue64, [&] {
+      return d.StreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(&w.ready), seq, CU_STREAM_WAIT_VALUE_GEQ);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyDtoDAsync, [&] {
+      return d.MemcpyDtoDAsync(dst, op->staging, meta.nbytes, stream);
+    }));
+    return EnqueueCompletion(*op, stream);
+  };
+  st = enqueue();
+  if (!st.ok()) Fail(st);
+  return st;
+}
+
+Status Engine::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out) {
+  ScopedContext ctx(backend_, device_);
+  JAXVMM_RETURN_IF_ERROR(ctx.status());
+  Op* op = nullptr;
+  JAXVMM_RETURN_IF_ERROR(BeginOp(&op));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.prefetches;
+    op->kind = Op::kPrefetch;
+    op->pending = 2;
+  }
+  Words& w = words_[op->seq % kRing];
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "prefetch";
+  auto enqueue = [&]() -> Status {
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] {
+      return d.MemcpyAsync(token_out, token_in, sizeof(uint64_t), stream);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] {
+      return d.MemcpyAsync(reinterpret_cast<CUdeviceptr>(&w.probe), token_in, sizeof(uint64_t), stream);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kLaunchHostFunc, [&] { return d.LaunchHostFunc(ctl_, &Engine::OnResolve, op); }));
+    return EnqueueCompletion(*op, stream);
+  };
+  Status st = enqueue();
+  if (!st.ok()) Fail(st);
+  return st;
+}
+
+// ---------------------------------------------------------------- host functions: post, nothing else
+
+void CUDA_CB Engine::OnResolve(void* p) {
+  auto* op = static_cast<Op*>(p);
+  uint64_t seq = op->seq;
+  op->engine->resolver_->Post([e = op->engine, seq] { e->ResolveTask(seq); });
+}
+
+void CUDA_CB Engine::OnComplete(void* p) {
+  auto* op = static_cast<Op*>(p);
+  uint64_t seq = op->seq;
+  op->engine->resolver_->Post([e = op->engine, seq] { e->CompleteTask(seq); });
+}
+
+void CUDA_CB Engine::OnOffloaded(void* p) {
+  auto* op = static_cast<Op*>(p);
+  uint64_t seq = op->seq;
+  op->engine->releaser_->Post([e = op->engine, seq] { e->OffloadedTask(seq); });
+}
+
+// ---------------------------------------------------------------- workers
+
+void Engine::MapTask(uint64_t seq) {
+  Op& op = ops_[seq % kRing];
+  const int depth = EngineConfig::PrefetchDepth();
+  {
+    // Gate on GPU progress: pages for op `seq` appear only once op `seq - depth` has passed XLA's
+    // stream, so mapped staging stays <= depth x largest slot + offloads still copying out.
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return completed_seq_ + depth >= seq || shutting_down_; });
+    if (shutting_down_) {
+      op.map_failed = true;
+      cv_.notify_all();
+      return;
+    }
+  }
+  Registry& reg = Registry::Get();
+  Status st = reg.Remap(op.staging_id);
+  for (int attempt = 1; !st.ok() && st.code() == Code::kOutOfMemory && attempt <= 50; ++attempt) {
+    // Pages of finished ops are being returned right now; give the releaser a moment.
+    std::this_thread::sleep_for(std::chrono::milliseconds(10 * attempt));
+    st = reg.Remap(op.staging_id);
+  }
+  Words& w = words_[seq % kRing];
+  const DriverTable& d = Driver(backend_);
+  if (st.ok() && op.kind == Op::kReload && op.ticket) {
+    // Prefetch the predicted ticket into the slot: H2D after its D2H, then mark the slot ready.
+    const auto& t = op.ticket;
+    st = Call(op.staging_id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, t->d2h_done, 0); });
+    if (st.ok())
+      st = Call(op.staging_id, "prefetch", Entry::kMemcpyHtoDAsync, [&] {
+        return d.MemcpyHtoDAsync(op.staging, t->host.ptr, op.meta.nbytes, h2d_);
+      });
+    if (st.ok())
+      st = Call(op.staging_id, "prefetch", Entry::kStreamWriteValue64, [&] {
+        return d.StreamWriteValue64(h2d_, reinterpret_cast<CUdeviceptr>(&w.ready), seq, 0);
+      });
+  } else if (st.ok()) {
+    w.ready.store(seq, std::memory_order_release);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!st.ok()) {
+    op.map_failed = true;
+    if (error_.ok()) error_ = st;
+    ++stats_.errors;
+    std::fprintf(stderr, "%s (XLA's stream cannot proceed past this op)\n", st.ToString().c_str());
+  } else {
+    op.mapped = true;
+  }
+  cv_.notify_all();
+}
+
+std::shared_ptr<Engine::Ticket> Engine::FindTicket(uint64_t token, std::string* why) {
+  // Caller holds mu_.
+  if (!TokenValid(token)) {
+    *why = "the token is not a jaxvmm ticket (forged, corrupted, or from another process)";
+    return nullptr;
+  }
+  auto it = tickets_.find(token);
+  if (it == tickets_.end()) {
+    *why = TokenStr(token) + " is gone (already reloaded and freed, dropped, or from another device)";
+    return nullptr;
+  }
+  return it->second;
+}
+
+void Engine::ResolveTask(uint64_t seq) {
+  Op& op = ops_[seq % kRing];
+  Words& w = words_[seq % kRing];
+  const uint64_t token = w.probe.load(std::memory_order_acquire);
+  const DriverTable& d = Driver(backend_);
+  std::unique_lock<std::mutex> lock(mu_);
+  std::string why;
+  std::shared_ptr<Ticket> a = FindTicket(token, &why);
+  if (a && a->consumed) why = TokenStr(token) + " was already reloaded (a ticket can be reloaded once)", a = nullptr;
+  if (a && a->dropped) why = TokenStr(token) + " was dropped", a = nullptr;
+  if (a && op.kind == Op::kReload && (a->meta.nbytes != op.meta.nbytes || a->meta.signature != op.meta.signature))
+    why = TokenStr(token) + " holds " + std::to_string(a->meta.nbytes) + " bytes of another shape/dtype than the reload expects (" +
+          std::to_string(op.meta.nbytes) + " bytes)",
+    a = nullptr;
+
+  if (op.kind == Op::kPrefetch) {
+    if (!a) {
+      lock.unlock();
+      Fail(Status(Code::kInvalidArgument, "prefetch: " + why));
+      lock.lock();
+    } else if (a->resident_id < 0) {
+      a->pins += 1;
+      op.actual = a;
+      lock.unlock();
+      Status st = Resident(a);
+      if (!st.ok()) Fail(st);
+      lock.lock();
+    }
+    if (--op.pending == 0) cv_.notify_all();
+    return;
+  }
+
+  const bool hit = a && op.ticket == a;
+  if (op.ticket && op.ticket->claimed_by == seq) op.ticket->claimed_by = 0;
+  if (a) {
+    a->consumed = true;
+    if (!hit) a->pins += 1;  // a prediction already pinned it
+    op.actual = a;
+  }
+  if (hit) {
+    ++stats_.prefetch_hits;
+    if (--op.pending == 0) cv_.notify_all();
+    return;
+  }
+  ++stats_.prefetch_misses;
+  if (a && op.ticket) {
+    // Learn the order: a miss that took the oldest candidate means reloads run first-in first-out.
+    std::shared_ptr<Ticket> oldest, newest;
+    for (auto& t : order_)
+      if (!t->dropped && t->meta.signature == op.meta.signature && (!t->consumed || t == a)) {
+        if (!oldest) oldest = t;
+        newest = t;
+      }
+    if (a == oldest && a != newest) lifo_ = false;
+    if (a == newest && a != oldest) lifo_ = true;
+  }
+  // The slot must have pages before anything is copied into it.
+  cv_.wait(lock, [&] { return op.mapped || op.map_failed; });
+  const bool mapped = op.mapped;
+  lock.unlock();
+
+  Status st;
+  if (a) {
+    if (a->resident_id >= 0) {
+      st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, a->resident_ready, 0); });
+      if (st.ok())
+        st = Call(op.staging_id, "reload", Entry::kMemcpyDtoDAsync, [&] {
+          return d.MemcpyDtoDAsync(op.staging, a->resident, op.meta.nbytes, h2d_);
+        });
+    } else {
+      st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, a->d2h_done, 0); });
+      if (st.ok())
+        st = Call(op.staging_id, "reload", Entry::kMemcpyHtoDAsync, [&] {
+          return d.MemcpyHtoDAsync(op.staging, a->host.ptr, op.meta.nbytes, h2d_);
+        });
+    }
+  } else {
+    Fail(Status(Code::kInvalidArgument, "reload: " + why + "; the output was filled with 0xFF bytes"));
+    if (mapped)
+      st = Call(op.staging_id, "reload", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(op.staging, 0xFF, op.meta.nbytes, h2d_); });
+  }
+  if (mapped) {
+    // Release XLA's stream: the correction is ordered before this write on the H2D stream.
+    Status wst = Call(op.staging_id, "reload", Entry::kStreamWriteValue64, [&] {
+      return d.StreamWriteValue64(h2d_, reinterpret_cast<CUdeviceptr>(&w.probe), op.tag, 0);
+    });
+    if (!wst.ok()) {
+      if (st.ok()) st = wst;
+      d.StreamSynchronize(h2d_);
+      w.probe.store(op.tag, std::memory_order_release);
+    }
+  }
+  if (!st.ok()) Fail(st);
+  lock.lock();
+  if (--op.pending == 0) cv_.notify_all();
+}
+
+Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
+  std::shared_ptr<Slot> slot;
+  int64_t id = -1;
+  JAXVMM_RETURN_IF_ERROR(AcquireStaging(t->meta.nbytes, &slot, &id));
+  Registry& reg = Registry::Get();
+  Status st = reg.Remap(id);
+  const DriverTable& d = Driver(backend_);
+  CUevent ready = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!event_pool_.empty()) ready = event_pool_.back(), event_pool_.pop_back();
+  }
+  if (st.ok() && !ready) st = Call(id, "prefetch", Entry::kEventCreate, [&] { return d.EventCreate(&ready, CU_EVENT_DISABLE_TIMING); });
+  if (st.ok()) st = Call(id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, t->d2h_done, 0); });
+  if (st.ok())
+    st = Call(id, "prefetch", Entry::kMemcpyHtoDAsync, [&] {
+      return d.MemcpyHtoDAsync(slot->address(), t->host.ptr, t->meta.nbytes, h2d_);
+    });
+  if (st.ok()) st = Call(id, "prefetch", Entry::kEventRecord, [&] { return d.EventRecord(ready, h2d_); });
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!st.ok()) {
+    if (ready) event_pool_.push_back(ready);
+    free_staging_[slot->size()].push_back(id);  // (its pages, if mapped, go with the next use)
+    return st;
+  }
+  t->resident_id = id;
+  t->resident_size = slot->size();
+  t->resident = slot->address();
+  t->resident_ready = ready;
+  return Status();
+}
+
+void Engine::FreeTicket(const std::shared_ptr<Ticket>& t) {
+  // Caller holds mu_. Frees once nothing can read the host block any more.
+  if (t->freed || !(t->consumed || t->dropped) || t->pins > 0 || !t->on_host) return;
+  t->freed = true;
+  host_pool_.Free(t->host);
+  tickets_.erase(t->token);
+  order_.erase(std::remove(order_.begin(), order_.end(), t), order_.end());
+  event_pool_.push_back(t->d2h_done);
+  t->d2h_done = nullptr;
+  if (t->resident_id >= 0) {
+    int64_t id = t->resident_id;
+    size_t size = t->resident_size;
+    event_pool_.push_back(t->resident_ready);
+    t->resident_ready = nullptr;
+    t->resident_id = -1;
+    releaser_->Post([this, id, size] { ReleaseStaging(id, size); });
+  }
+}
+
+void Engine::CompleteTask(uint64_t seq) {
+  Op& op = ops_[seq % kRing];
+  std::lock_guard<std::mutex> lock(mu_);
+  completed_seq_ = std::max(completed_seq_, seq);
+  if (op.kind == Op::kReload) {
+    if (op.ticket) op.ticket->pins -= 1, FreeTicket(op.ticket);
+    if (op.actual && op.actual != op.ticket) op.actual->pins -= 1;
+    if (op.actual) FreeTicket(op.actual);
+    int64_t id = op.staging_id;
+    size_t size = op.staging_size;
+    releaser_->Post([this, id, size] { ReleaseStaging(id, size); });
+  } else if (op.kind == Op::kPrefetch && op.actual) {
+    op.actual->pins -= 1;
+    FreeTicket(op.actual);
+  }
+  for (auto it = pending_drops_.begin(); it != pending_drops_.end();) {
+    if (it->second > completed_seq_) {
+      ++it;
+      continue;
+    }
+    auto t = tickets_.find(it->first);
+    if (t != tickets_.end() && !t->second->consumed) {
+      t->second->dropped = true;
+      ++stats_.drops;
+      FreeTicket(t->second);
+    }
+    it = pending_drops_.erase(it);
+  }
+  if (--op.pending == 0) cv_.notify_all();
+  cv_.notify_all();  // the mapper's gate moved
+}
+
+void Engine::OffloadedTask(uint64_t seq) {
+  Op& op = ops_[seq % kRing];
+  int64_t id;
+  size_t size;
+  std::shared_ptr<Ticket> t;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    id = op.staging_id;
+    size = op.staging_size;
+    t = op.ticket;
+  }
+  ReleaseStaging(id, size);  // the D2H is done: the snapshot's pages go back to the driver
+  std::lock_guard<std::mutex> lock(mu_);
+  if (t) {
+    t->on_host = true;
+    FreeTicket(t);
+  }
+  if (--op.pending == 0) cv_.notify_all();
+}
+
+void Engine::ReleaseStaging(int64_t id, size_t size) {
+  Status st = Registry::Get().Release(id);
+  if (!st.ok()) {
+    // The slot stays out of the free list; close() will retry its teardown (quarantine if needed).
+    Fail(st);
+    Status cst = Registry::Get().Close(id);
+    (void)cst;
+    return;
+  }
+  ReturnStaging(id, size);
+}
+
+void Engine::Drop(uint64_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_drops_.emplace_back(token, next_seq_ - 1);
+  if (next_seq_ - 1 <= completed_seq_) {
+    auto it = tickets_.find(token);
+    if (it != tickets_.end() && !it->second->consumed) {
+      it->second->dropped = true;
+      ++stats_.drops;
+      FreeTicket(it->second);
+    }
+    pending_drops_.pop_back();
+  }
+}
+
+Status Engine::CheckTicket(uint64_t token, const ArrayMeta& meta) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string why;
+  auto t = FindTicket(token, &why);
+  if (!t) return Status(Code::kInvalidArgument, why);
+  if (t->consumed) return Status(Code::kInvalidArgument, TokenStr(token) + " was already reloaded (a ticket can be reloaded once)");
+  if (t->dropped) return Status(Code::kInvalidArgument, TokenStr(token) + " was dropped");
+  if (t->meta.nbytes != meta.nbytes || t->meta.signature != meta.signature)
+    return Status(Code::kInvalidArgument, TokenStr(token) + " does not match the shape/dtype of the reload");
+  return Status();
+}
+
+Status Engine::Synchronize() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    bool ok = cv_.wait_for(lock, std::chrono::seconds(120), [&] {
+      for (auto& op : ops_)
+        if (op.pending) return false;
+      return true;
+    });
+    if (!ok) return Status(Code::kInternal, "engine did not drain within 120 s (a reload waiting for a ticket that never comes?)");
+  }
+  mapper_->Drain();
+  resolver_->Drain();
+  releaser_->Drain();
+  return Status();
+}
+
+EngineStats Engine::Stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  EngineStats s = stats_;
+  s.tickets_live = static_cast<int64_t>(tickets_.size());
+  for (auto& [token, t] : tickets_) s.ticket_host_bytes += static_cast<int64_t>(t->meta.nbytes);
+  s.ops_in_flight = static_cast<int64_t>(next_seq_ - 1 - completed_seq_);
+  s.host = host_pool_.Stats();
+  return s;
+}
+
+}  // namespace jaxvmm

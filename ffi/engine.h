@@ -1,0 +1,136 @@
+// Offload engine: moves arrays between XLA's buffers and pinned host memory through fixed-address
+// staging slots whose pages exist only while a copy needs them. One engine per (backend, device).
+// No XLA types here: handlers.cc decodes FFI calls into these host-time entry points.
+// The stream protocol is described in DESIGN.md ("Offload and reload").
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "host_pool.h"
+#include "registry.h"
+#include "status.h"
+#include "worker.h"
+
+namespace jaxvmm {
+
+// What Python knows statically about an offloaded array; checked again when a reload resolves.
+struct ArrayMeta {
+  size_t nbytes = 0;
+  int64_t signature = 0;  // hash of dtype and shape, computed in Python
+};
+
+struct EngineStats {
+  int64_t offloads = 0, reloads = 0, prefetches = 0;
+  int64_t prefetch_hits = 0, prefetch_misses = 0;
+  int64_t tickets_live = 0, ticket_host_bytes = 0;
+  int64_t errors = 0, drops = 0;
+  int64_t staging_slots = 0;
+  int64_t ops_in_flight = 0;
+  HostPoolStats host;
+};
+
+struct EngineConfig {
+  static void SetPrefetchDepth(int depth);
+  static int PrefetchDepth();  // default 2 (JAXVMM_PREFETCH_DEPTH)
+};
+
+class Engine {
+ public:
+  // The engine of (b, device), created on first use (streams, events, workers, pinned words).
+  static Status For(Backend b, int device, Engine** out);
+  // Every engine: wait for outstanding work, return tickets' host memory, close staging slots.
+  static void ShutdownAll();
+  static std::vector<Engine*> All();
+
+  // Host-time halves of the three handlers. `stream` is XLA's stream (nullptr on the cpu platform);
+  // buffers are XLA's device (or, on cpu, host) pointers.
+  Status Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out);
+  Status Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta);
+  Status Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out);
+
+  // The first asynchronous error since the last call (reload of an unknown or used ticket, ...);
+  // handlers return it on their next call, Python's jaxvmm.check() raises it.
+  Status TakeError();
+  // Python dropped its last reference to a ticket: its host memory is freed once the GPU has passed
+  // every reload enqueued so far.
+  void Drop(uint64_t token);
+  // True if the token names a live ticket of this engine that no reload has consumed (eager checks).
+  Status CheckTicket(uint64_t token, const ArrayMeta& meta);
+  // Blocks until every enqueued op has completed and the workers are idle.
+  Status Synchronize();
+  EngineStats Stats();
+  Backend backend() const { return backend_; }
+  int device() const { return device_; }
+
+  ~Engine();
+
+ private:
+  Engine(Backend b, int device);
+  Status Init();
+
+  struct Ticket;
+  struct Op;
+  struct alignas(64) Words {
+    std::atomic<uint64_t> probe;  // reload: the token the GPU read, copied here by XLA's stream
+    std::atomic<uint64_t> ready;  // >= op seq once the staging slot holds what XLA's stream needs
+    uint64_t token;               // offload: the ticket's token, copied into XLA's output
+  };
+
+  // Host side.
+  Status BeginOp(Op** out);
+  Status AcquireStaging(size_t nbytes, std::shared_ptr<Slot>* out, int64_t* id);
+  void ReturnStaging(int64_t id, size_t size);
+  std::shared_ptr<Ticket> Predict(const ArrayMeta& meta);
+  Status EnqueueCompletion(Op& op, CUstream stream);
+
+  // Worker side.
+  void MapTask(uint64_t seq);        // mapper: gated on GPU progress
+  void ResolveTask(uint64_t seq);    // resolver: the token a reload read is known
+  void CompleteTask(uint64_t seq);   // resolver: XLA's stream passed the op
+  void OffloadedTask(uint64_t seq);  // releaser: D2H done; staging pages go back
+  void ReleaseStaging(int64_t id, size_t size);
+  void Fail(const Status& st);
+  void FreeTicket(const std::shared_ptr<Ticket>& t);
+  Status Resident(const std::shared_ptr<Ticket>& t);
+  std::shared_ptr<Ticket> FindTicket(uint64_t token, std::string* why);
+
+  static void CUDA_CB OnResolve(void* op);
+  static void CUDA_CB OnComplete(void* op);
+  static void CUDA_CB OnOffloaded(void* op);
+
+  const Backend backend_;
+  const int device_;
+  HostPool host_pool_;
+  CUstream d2h_ = nullptr, h2d_ = nullptr, ctl_ = nullptr;
+  Words* words_ = nullptr;  // pinned, kRing entries
+  std::vector<Op> ops_;
+
+  std::mutex mu_;  // guards everything below
+  std::condition_variable cv_;
+  uint64_t next_seq_ = 1;
+  uint64_t completed_seq_ = 0;  // every op <= this has passed XLA's stream
+  uint64_t next_ticket_ = 1;
+  std::unordered_map<uint64_t, std::shared_ptr<Ticket>> tickets_;  // by token
+  std::deque<std::shared_ptr<Ticket>> order_;                       // offload order, for prediction
+  bool lifo_ = true;
+  bool shutting_down_ = false;
+  std::map<size_t, std::vector<int64_t>> free_staging_;  // size -> released staging slot ids
+  std::vector<std::pair<uint64_t, uint64_t>> pending_drops_;  // (token, after seq)
+  std::vector<CUevent> event_pool_;
+  Status error_;
+  EngineStats stats_;
+
+  // Workers last: destroyed first, while the state above still exists.
+  std::unique_ptr<Worker> mapper_, resolver_, releaser_;
+};
+
+}  // namespace jaxvmm

@@ -1,0 +1,150 @@
+// XLA FFI handlers: the only file that sees XLA headers. Thin and non-throwing: decode the call,
+// run the engine's host-time step, turn a Status into an ffi::Error. User input was validated in
+// Python (jaxvmm/ops.py); sizes are checked again here.
+#include "handlers.h"
+
+#include "engine.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxvmm {
+namespace {
+
+ffi::Error ToFfi(const Status& st) {
+  if (st.ok()) return ffi::Error::Success();
+  ffi::ErrorCode code = ffi::ErrorCode::kInternal;
+  switch (st.code()) {
+    case Code::kInvalidArgument: code = ffi::ErrorCode::kInvalidArgument; break;
+    case Code::kOutOfMemory: code = ffi::ErrorCode::kResourceExhausted; break;
+    case Code::kNotSupported: code = ffi::ErrorCode::kUnimplemented; break;
+    case Code::kUnavailable: code = ffi::ErrorCode::kUnavailable; break;
+    default: break;
+  }
+  return ffi::Error(code, st.ToString());
+}
+
+CUdeviceptr Ptr(void* p) { return reinterpret_cast<CUdeviceptr>(p); }
+
+Status GetEngine(Backend b, int device, Engine** e) {
+  JAXVMM_RETURN_IF_ERROR(Engine::For(b, device, e));
+  return Status();
+}
+
+Status CheckToken(const ffi::AnyBuffer& token, const char* what) {
+  if (token.size_bytes() != sizeof(uint64_t))
+    return Status(Code::kInvalidArgument, std::string(what) + ": a ticket token is 8 bytes, got " +
+                                              std::to_string(token.size_bytes()));
+  return Status();
+}
+
+Status Offload(Backend b, CUstream stream, int device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> token,
+               int64_t signature) {
+  Engine* e = nullptr;
+  JAXVMM_RETURN_IF_ERROR(GetEngine(b, device, &e));
+  JAXVMM_RETURN_IF_ERROR(CheckToken(*token, "offload"));
+  return e->Offload(stream, Ptr(x.untyped_data()), ArrayMeta{x.size_bytes(), signature}, Ptr(token->untyped_data()));
+}
+
+Status Reload(Backend b, CUstream stream, int device, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> y,
+              int64_t signature) {
+  Engine* e = nullptr;
+  JAXVMM_RETURN_IF_ERROR(GetEngine(b, device, &e));
+  JAXVMM_RETURN_IF_ERROR(CheckToken(token, "reload"));
+  return e->Reload(stream, Ptr(token.untyped_data()), Ptr(y->untyped_data()), ArrayMeta{y->size_bytes(), signature});
+}
+
+Status Prefetch(Backend b, CUstream stream, int device, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out) {
+  Engine* e = nullptr;
+  JAXVMM_RETURN_IF_ERROR(GetEngine(b, device, &e));
+  JAXVMM_RETURN_IF_ERROR(CheckToken(token, "prefetch"));
+  return e->Prefetch(stream, Ptr(token.untyped_data()), Ptr(out->untyped_data()));
+}
+
+// ---- CUDA: XLA's stream and the device ordinal come from the call's context ----
+ffi::Error OffloadCuda(CUstream s, int32_t dev, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> t, int64_t sig, int64_t) {
+  return ToFfi(Offload(Backend::kCuda, s, dev, x, t, sig));
+}
+ffi::Error ReloadCuda(CUstream s, int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> y, int64_t sig, int64_t) {
+  return ToFfi(Reload(Backend::kCuda, s, dev, t, y, sig));
+}
+ffi::Error PrefetchCuda(CUstream s, int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> o, int64_t) {
+  return ToFfi(Prefetch(Backend::kCuda, s, dev, t, o));
+}
+
+// ---- cpu: no stream; the POSIX backend's copies complete in the call ----
+ffi::Error OffloadCpu(int32_t dev, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> t, int64_t sig, int64_t) {
+  return ToFfi(Offload(Backend::kPosix, nullptr, dev, x, t, sig));
+}
+ffi::Error ReloadCpu(int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> y, int64_t sig, int64_t) {
+  return ToFfi(Reload(Backend::kPosix, nullptr, dev, t, y, sig));
+}
+ffi::Error PrefetchCpu(int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> o, int64_t) {
+  return ToFfi(Prefetch(Backend::kPosix, nullptr, dev, t, o));
+}
+
+}  // namespace
+}  // namespace jaxvmm
+
+// `site` is a per-call-site attribute: it keeps XLA from merging two offloads of the same value (CSE)
+// and names the call site in diagnostics.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_offload_cuda, jaxvmm::OffloadCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("signature")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_reload_cuda, jaxvmm::ReloadCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("signature")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_prefetch_cuda, jaxvmm::PrefetchCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_offload_cpu, jaxvmm::OffloadCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("signature")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_reload_cpu, jaxvmm::ReloadCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("signature")
+                                  .Attr<int64_t>("site"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_prefetch_cpu, jaxvmm::PrefetchCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("site"));
+
+namespace jaxvmm {
+
+std::vector<HandlerEntry> Handlers() {
+  return {
+      {"jaxvmm_offload", "CUDA", reinterpret_cast<void*>(&jaxvmm_offload_cuda)},
+      {"jaxvmm_reload", "CUDA", reinterpret_cast<void*>(&jaxvmm_reload_cuda)},
+      {"jaxvmm_prefetch", "CUDA", reinterpret_cast<void*>(&jaxvmm_prefetch_cuda)},
+      {"jaxvmm_offload", "cpu", reinterpret_cast<void*>(&jaxvmm_offload_cpu)},
+      {"jaxvmm_reload", "cpu", reinterpret_cast<void*>(&jaxvmm_reload_cpu)},
+      {"jaxvmm_prefetch", "cpu", reinterpret_cast<void*>(&jaxvmm_prefetch_cpu)},
+  };
+}
+
+std::string FfiApiVersion() { return std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR); }
+
+}  // namespace jaxvmm

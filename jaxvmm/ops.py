@@ -1,0 +1,234 @@
+"""``offload`` / ``reload`` / ``prefetch``: move an array out of device memory inside a jitted program
+and bring it back later, through fixed-address slots whose pages are returned in between."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import weakref
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi  # noqa: F401  (registers the FFI targets)
+from . import errors
+from ._devices import target_of
+from ._native import lib
+
+_sites = itertools.count(1)
+_TOKEN = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+
+def _signature(shape, dtype) -> int:
+    """A 63-bit hash of (dtype, shape): a reload checks it against the ticket it resolves to."""
+    return zlib.crc32(repr((np.dtype(dtype).str, tuple(int(d) for d in shape))).encode()) & 0x7FFFFFFFFFFFFFFF
+
+
+@jax.tree_util.register_pytree_node_class
+class Ticket:
+    """What ``offload`` returns: a small ``uint32[2]`` token (the data dependency, a jax array that may
+    cross jit boundaries) plus the static shape and dtype of the offloaded array.
+
+    Reload a ticket exactly once. A ticket that Python drops without reloading frees its host memory
+    once the GPU has passed every reload enqueued before the drop."""
+
+    __slots__ = ("token", "shape", "dtype", "__weakref__")
+
+    def __init__(self, token, shape, dtype):
+        self.token = token
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        if isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer):
+            _track(self, token)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def tree_flatten(self):
+        return (self.token,), (self.shape, self.dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def __repr__(self) -> str:
+        return f"Ticket(shape={self.shape}, dtype={self.dtype.name})"
+
+
+# ---- Python-side ticket lifetimes ----
+_live_lock = threading.Lock()
+_live: dict[int, int] = {}  # id(token array) -> Ticket objects holding it
+_dropped: list = []  # token arrays whose last Ticket died; drained by _drain_drops()
+
+
+def _track(ticket: Ticket, token) -> None:
+    with _live_lock:
+        _live[id(token)] = _live.get(id(token), 0) + 1
+    weakref.finalize(ticket, _untrack, token)
+
+
+def _untrack(token) -> None:
+    # Runs inside garbage collection: only bookkeeping here, the driver work happens in _drain_drops.
+    with _live_lock:
+        n = _live.get(id(token), 0) - 1
+        if n > 0:
+            _live[id(token)] = n
+            return
+        _live.pop(id(token), None)
+        _dropped.append(token)
+
+
+def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
+    out = []
+    for shard in token.addressable_shards:
+        host = np.ascontiguousarray(np.asarray(shard.data)).reshape(-1, 2)
+        out.append((shard.device, host.view(np.uint64).reshape(-1)))
+    return out
+
+
+def _drain_drops() -> None:
+    with _live_lock:
+        ready = [t for t in _dropped if t.is_deleted() or t.is_ready()]
+        for t in ready:
+            _dropped.remove(t)
+    for token in ready:
+        if token.is_deleted():
+            continue
+        for device, values in _token_values(token):
+            tgt = target_of(device)
+            for v in values:
+                lib.engine_drop(tgt.backend, tgt.ordinal, int(v))
+
+
+# ---- validation ----
+def _check_array(x, what: str):
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)) and not hasattr(x, "__jax_array__"):
+        raise TypeError(f"jaxvmm.{what}: expected an array, got {type(x).__name__}")
+    dtype = x.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        raise TypeError(f"jaxvmm.{what}: dtype {dtype} (an extended dtype such as PRNG keys) cannot be offloaded; "
+                        "offload jax.random.key_data(x) instead")
+    if np.dtype(dtype).kind not in "biufc":
+        raise TypeError(f"jaxvmm.{what}: unsupported dtype {dtype}")
+    if int(np.prod(x.shape, dtype=np.int64)) == 0:
+        raise ValueError(f"jaxvmm.{what}: cannot offload a zero-size array (shape {x.shape})")
+
+
+# ---- offload ----
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _offload(x, signature: int, site: int):
+    return jax.ffi.ffi_call("jaxvmm_offload", _TOKEN, vmap_method="sequential")(
+        x, signature=np.int64(signature), site=np.int64(site))
+
+
+@_offload.defjvp
+def _offload_jvp(signature, site, primals, tangents):
+    raise TypeError(
+        "jaxvmm.offload/reload are not differentiable: the ticket is an integer token, so gradients "
+        "cannot flow through it. Use jaxvmm.checkpoint(fn, policy=...) (alias jaxvmm.remat) to offload "
+        "residuals with correct gradients, or apply jax.lax.stop_gradient(x) before offloading.")
+
+
+def offload(x) -> Ticket:
+    """Copy ``x`` into host memory and return a :class:`Ticket` for it.
+
+    Inside ``jit``: XLA's stream snapshots ``x`` into a fixed-address staging slot, a copy stream moves
+    it to pinned host memory, and the slot's pages go back to the driver once that copy is done. ``x``'s
+    own buffer is free for XLA to reuse right after the call."""
+    if isinstance(x, Ticket):
+        raise TypeError("jaxvmm.offload: got a Ticket; offload arrays, reload tickets")
+    _check_array(x, "offload")
+    _drain_drops()
+    x = jnp.asarray(x)
+    token = _offload(x, _signature(x.shape, x.dtype), next(_sites))
+    return Ticket(token, x.shape, x.dtype)
+
+
+# ---- reload / prefetch ----
+def _check_ticket(t: Ticket, what: str) -> None:
+    if not isinstance(t, Ticket):
+        raise TypeError(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
+    tok = t.token
+    if getattr(tok, "shape", None) is None or tuple(tok.shape)[-1:] != (2,) or tok.dtype != jnp.uint32:
+        raise errors.InvalidArgumentError(f"jaxvmm.{what}: the ticket's token is not a uint32[2] array "
+                                          f"(got {getattr(tok, 'dtype', None)}{list(getattr(tok, 'shape', ()))}); "
+                                          "was it built by jaxvmm.offload?", code="invalid_argument")
+    if isinstance(tok, jax.Array) and not isinstance(tok, jax.core.Tracer) and tok.ndim == 1:
+        # Outside jit the token is concrete: check it now so a bad ticket raises here, synchronously.
+        sig = _signature(t.shape, t.dtype)
+        for device, values in _token_values(tok):
+            tgt = target_of(device)
+            for v in values:
+                lib.engine_check(tgt.backend, tgt.ordinal, int(v), t.nbytes, sig)
+
+
+def reload(ticket: Ticket) -> jax.Array:
+    """Bring a ticket's array back: same shape and dtype (and, inside jit, sharding) as the original.
+
+    The runtime maps a staging slot ahead of need (gated by GPU progress), copies host -> slot on a
+    copy stream, makes XLA's stream wait for exactly that slot, then copies into XLA's output."""
+    _check_ticket(ticket, "reload")
+    _drain_drops()
+    return jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, ticket.dtype),
+                            vmap_method="sequential")(
+        ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(next(_sites)))
+
+
+def prefetch(ticket: Ticket) -> Ticket:
+    """Hint: start bringing ``ticket``'s data back to the device now (at this point of the program).
+
+    Returns a ticket to reload instead of the original (it carries the ordering). The runtime already
+    prefetches in reverse offload order by itself; use this when your reload order differs."""
+    _check_ticket(ticket, "prefetch")
+    token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
+        ticket.token, site=np.int64(next(_sites)))
+    return Ticket(token, ticket.shape, ticket.dtype)
+
+
+# ---- engine-wide ----
+def check() -> None:
+    """Raise the first asynchronous error any engine recorded since the last check (for example a
+    reload, inside jit, of a ticket that was already reloaded). Handlers also raise it on their next call."""
+    _drain_drops()
+    for backend, device in lib.engine_devices():
+        lib.engine_take_error(backend, device)
+
+
+def synchronize() -> None:
+    """Block until every offload/reload enqueued so far has completed and the workers are idle."""
+    for backend, device in lib.engine_devices():
+        lib.engine_sync(backend, device)
+    _drain_drops()
+
+
+def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None = None,
+              prefetch_depth: int | None = None) -> dict:
+    """Set engine knobs; returns the values in force.
+
+    host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
+      ``JAXVMM_HOST_POOL_LIMIT``). Offloading past it raises a clear error.
+    host_pool_chunk: bytes pinned per driver allocation (default 256 MiB; larger requests get their own).
+    prefetch_depth: how many ops ahead of the GPU staging pages may be mapped (default 2; env
+      ``JAXVMM_PREFETCH_DEPTH``)."""
+    for name, v in (("host_pool_limit", host_pool_limit), ("host_pool_chunk", host_pool_chunk),
+                    ("prefetch_depth", prefetch_depth)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
+            raise ValueError(f"jaxvmm.configure: {name} must be a positive int, got {v!r}")
+    limit, chunk, depth = lib.configure(-1 if host_pool_limit is None else int(host_pool_limit),
+                                        0 if host_pool_chunk is None else int(host_pool_chunk),
+                                        0 if prefetch_depth is None else int(prefetch_depth))
+    return {"host_pool_limit": int(limit), "host_pool_chunk": int(chunk), "prefetch_depth": int(depth)}
+
+
+def engine_stats() -> dict:
+    """Per device (``"cuda:0"``, ``"cpu:0"``): offloads, reloads, prefetch hits/misses, live tickets and
+    their host bytes, pinned pool bytes and driver allocations, staging slots, async errors."""
+    _drain_drops()
+    out = {}
+    for backend, device in lib.engine_devices():
+        out[f"{'cuda' if backend == 'cuda' else 'cpu'}:{device}"] = dict(lib.engine_stats(backend, device))
+    return out
