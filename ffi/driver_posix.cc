@@ -22,7 +22,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -64,24 +64,26 @@ thread_local CUcontext t_current = nullptr;
 // Fake contexts: one distinct non-null pointer per ordinal.
 char g_contexts[256];
 
+// /proc/meminfo without iostreams (a statically linked libstdc++ beside jaxlib's can break them).
 bool ReadMeminfo(size_t* available, size_t* total) {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  size_t value = 0;
-  std::string unit;
-  bool got_a = false, got_t = false;
-  while (f >> key >> value) {
-    std::getline(f, unit);
-    if (key == "MemTotal:") *total = value * 1024, got_t = true;
-    if (key == "MemAvailable:") *available = value * 1024, got_a = true;
+  char buf[8192];
+  int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
+  ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+  if (fd >= 0) close(fd);
+  unsigned long long t = 0, a = 0;
+  if (n > 0) {
+    buf[n] = '\0';
+    if (const char* p = std::strstr(buf, "MemTotal:")) t = std::strtoull(p + 9, nullptr, 10) * 1024;
+    if (const char* p = std::strstr(buf, "MemAvailable:")) a = std::strtoull(p + 13, nullptr, 10) * 1024;
   }
-  if (!got_t) {
+  if (t == 0) {  // no procfs: the C library's view
     long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES);
-    *total = static_cast<size_t>(pages) * PageSize();
-    *available = static_cast<size_t>(avail) * PageSize();
-    return pages > 0;
+    if (pages <= 0) return false;
+    t = static_cast<unsigned long long>(pages) * PageSize();
+    a = static_cast<unsigned long long>(avail > 0 ? avail : 0) * PageSize();
   }
-  if (!got_a) *available = *total;
+  *total = static_cast<size_t>(t);
+  *available = static_cast<size_t>(a ? a : t);
   return true;
 }
 

@@ -253,6 +253,7 @@ NB_MODULE(_jaxvmm, m) {
   });
 
   m.def("stats", &StatsDict);
+  m.def("reset_peak", [] { Registry::Get().ResetPeak(); });
   m.def("retry_quarantine", [] {
     nb::gil_scoped_release nogil;
     return Registry::Get().RetryQuarantine();

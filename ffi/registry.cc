@@ -15,13 +15,10 @@ Registry& Registry::Get() {
   return *r;
 }
 
-void Registry::NoteMapped(const Slot& s, int64_t delta) {
-  // Caller holds mu_.
-  mapped_ += delta;
-  peak_mapped_ = std::max(peak_mapped_, mapped_);
-  DeviceStats& d = devices_[DeviceKey(s)];
-  d.mapped_bytes += delta;
-  d.peak_mapped_bytes = std::max(d.peak_mapped_bytes, d.mapped_bytes);
+ByteGauge* Registry::DeviceGauge(Backend b, int device) {
+  auto& g = device_mapped_[{static_cast<int>(b), device}];
+  if (!g) g = std::make_unique<ByteGauge>();
+  return g.get();
 }
 
 Status Registry::Create(const SlotSpec& spec, int64_t* id) {
@@ -31,10 +28,15 @@ Status Registry::Create(const SlotSpec& spec, int64_t* id) {
     std::lock_guard<std::mutex> lock(mu_);
     new_id = next_id_++;
   }
+  std::vector<ByteGauge*> gauges;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gauges = {&mapped_, DeviceGauge(spec.backend, spec.device)};
+  }
   std::shared_ptr<Slot> slot, remains;
-  Status st = Slot::Create(new_id, spec, &slot, &remains);
+  Status st = Slot::Create(new_id, spec, gauges, &slot, &remains);
   if (!st.ok()) {
-    if (remains) Quarantine(remains, st);
+    if (remains) Quarantine(remains, st, false);
     return st;
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -44,7 +46,6 @@ Status Registry::Create(const SlotSpec& spec, int64_t* id) {
   DeviceStats& d = devices_[DeviceKey(*slot)];
   d.slots += 1;
   d.reserved_bytes += static_cast<int64_t>(slot->size());
-  NoteMapped(*slot, static_cast<int64_t>(slot->Info().mapped_bytes));
   *id = new_id;
   return Status();
 }
@@ -75,11 +76,8 @@ Status Registry::FindRange(CUdeviceptr base, size_t length, int64_t* id) const {
 Status Registry::Release(int64_t id) {
   std::shared_ptr<Slot> slot;
   JAXVMM_RETURN_IF_ERROR(Lookup(id, &slot));
-  size_t before = slot->Info().mapped_bytes;
   Status st = slot->Release();
-  size_t after = slot->Info().mapped_bytes;
   std::lock_guard<std::mutex> lock(mu_);
-  NoteMapped(*slot, static_cast<int64_t>(after) - static_cast<int64_t>(before));
   if (st.ok()) ++releases_;
   return st;
 }
@@ -87,11 +85,8 @@ Status Registry::Release(int64_t id) {
 Status Registry::Remap(int64_t id) {
   std::shared_ptr<Slot> slot;
   JAXVMM_RETURN_IF_ERROR(Lookup(id, &slot));
-  size_t before = slot->Info().mapped_bytes;
   Status st = slot->Remap();
-  size_t after = slot->Info().mapped_bytes;
   std::lock_guard<std::mutex> lock(mu_);
-  NoteMapped(*slot, static_cast<int64_t>(after) - static_cast<int64_t>(before));
   if (st.ok()) ++remaps_;
   return st;
 }
@@ -109,28 +104,23 @@ Status Registry::Close(int64_t id) {
     DeviceStats& d = devices_[DeviceKey(*slot)];
     d.slots -= 1;
   }
-  size_t mapped_before = slot->Info().mapped_bytes;
   Status st = slot->Teardown();
   std::lock_guard<std::mutex> lock(mu_);
   if (st.ok()) {
-    NoteMapped(*slot, -static_cast<int64_t>(mapped_before));
     devices_[DeviceKey(*slot)].reserved_bytes -= static_cast<int64_t>(slot->size());
     ++closed_;
     return st;
   }
-  NoteMapped(*slot, static_cast<int64_t>(slot->Info().mapped_bytes) - static_cast<int64_t>(mapped_before));
-  quarantine_.push_back(Quarantined{slot, 1});
+  quarantine_.push_back(Quarantined{slot, 1, true});
   std::fprintf(stderr, "%s; quarantined, will be retried (see jaxvmm.stats()['quarantine'])\n", st.ToString().c_str());
   return Status(st).WithCode(Code::kQuarantined).Append("; the slot was quarantined and its teardown will be retried");
 }
 
-void Registry::Quarantine(std::shared_ptr<Slot> slot, const Status& why) {
-  size_t mapped = slot->Info().mapped_bytes;
+void Registry::Quarantine(std::shared_ptr<Slot> slot, const Status& why, bool registered) {
   std::lock_guard<std::mutex> lock(mu_);
   DeviceStats& d = devices_[DeviceKey(*slot)];
-  d.reserved_bytes += static_cast<int64_t>(slot->Info().address ? slot->size() : 0);
-  NoteMapped(*slot, static_cast<int64_t>(mapped));
-  quarantine_.push_back(Quarantined{std::move(slot), 1});
+  d.reserved_bytes += static_cast<int64_t>(slot->size());
+  quarantine_.push_back(Quarantined{std::move(slot), 1, registered});
   std::fprintf(stderr, "%s; remains quarantined, will be retried\n", why.ToString().c_str());
 }
 
@@ -151,14 +141,11 @@ size_t Registry::RetryQuarantine() {
   }
   std::vector<Quarantined> still;
   for (auto& q : batch) {
-    size_t mapped_before = q.slot->Info().mapped_bytes;
     Status st = q.slot->Teardown();  // resumes where the last attempt stopped
-    size_t mapped_after = q.slot->Info().mapped_bytes;
     std::lock_guard<std::mutex> lock(mu_);
-    NoteMapped(*q.slot, static_cast<int64_t>(mapped_after) - static_cast<int64_t>(mapped_before));
     if (st.ok()) {
       devices_[DeviceKey(*q.slot)].reserved_bytes -= static_cast<int64_t>(q.slot->size());
-      ++closed_;
+      if (q.registered) ++closed_;
     } else {
       ++q.attempts;
       still.push_back(std::move(q));
@@ -179,18 +166,28 @@ void Registry::CloseAll() {
   RetryQuarantine();
 }
 
+void Registry::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  mapped_.ResetPeak();
+  for (auto& [key, g] : device_mapped_) g->ResetPeak();
+}
+
 RegistryStats Registry::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   RegistryStats s;
   s.slots = static_cast<int64_t>(by_id_.size());
   for (const auto& [key, d] : devices_) s.reserved_bytes += d.reserved_bytes;
-  s.mapped_bytes = mapped_;
-  s.peak_mapped_bytes = peak_mapped_;
+  s.mapped_bytes = mapped_.value();
+  s.peak_mapped_bytes = mapped_.peak();
   s.created = created_;
   s.closed = closed_;
   s.releases = releases_;
   s.remaps = remaps_;
   s.devices = devices_;
+  for (const auto& [key, g] : device_mapped_) {
+    s.devices[key].mapped_bytes = g->value();
+    s.devices[key].peak_mapped_bytes = g->peak();
+  }
   for (const auto& q : quarantine_) {
     SlotInfo i = q.slot->Info();
     s.quarantine.push_back(

@@ -61,11 +61,12 @@ class Registry {
   void CloseAll();
 
   RegistryStats Stats() const;
+  void ResetPeak();  // peak_mapped_bytes := mapped_bytes, process-wide and per device
 
  private:
   Registry() = default;
-  void Quarantine(std::shared_ptr<Slot> slot, const Status& why);
-  void NoteMapped(const Slot& s, int64_t delta);
+  void Quarantine(std::shared_ptr<Slot> slot, const Status& why, bool registered);
+  ByteGauge* DeviceGauge(Backend b, int device);  // caller holds mu_
   void MaybeRetryQuarantine();
 
   mutable std::mutex mu_;
@@ -75,12 +76,14 @@ class Registry {
   struct Quarantined {
     std::shared_ptr<Slot> slot;
     int attempts;
+    bool registered;  // false: remains of a create that never succeeded (not counted as closed)
   };
   std::vector<Quarantined> quarantine_;
   std::chrono::steady_clock::time_point last_retry_{};
   int64_t created_ = 0, closed_ = 0, releases_ = 0, remaps_ = 0;
-  int64_t mapped_ = 0, peak_mapped_ = 0;
-  std::map<std::pair<int, int>, DeviceStats> devices_;
+  ByteGauge mapped_;
+  std::map<std::pair<int, int>, std::unique_ptr<ByteGauge>> device_mapped_;
+  std::map<std::pair<int, int>, DeviceStats> devices_;  // slots and reserved bytes
 };
 
 }  // namespace jaxvmm

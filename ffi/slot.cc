@@ -122,7 +122,8 @@ Status Granularity(Backend b, int device, const Location& loc, size_t* out) {
 }
 
 // ---- lifecycle ----
-Status Slot::Create(int64_t id, const SlotSpec& spec_in, std::shared_ptr<Slot>* out, std::shared_ptr<Slot>* remains) {
+Status Slot::Create(int64_t id, const SlotSpec& spec_in, std::vector<ByteGauge*> gauges, std::shared_ptr<Slot>* out,
+                    std::shared_ptr<Slot>* remains) {
   constexpr const char* kStage = "create";
   SlotSpec spec = spec_in;
   if (spec.access.empty()) spec.access.push_back(spec.device);
@@ -140,6 +141,7 @@ Status Slot::Create(int64_t id, const SlotSpec& spec_in, std::shared_ptr<Slot>* 
 
   std::shared_ptr<Slot> slot(new Slot(id, spec));
   std::lock_guard<std::mutex> lock(slot->mu_);
+  slot->gauges_ = std::move(gauges);
   slot->size_ = (spec.nbytes + g - 1) / g * g;
   st = slot->va_.Reserve(spec.backend, slot->size_, g, id, kStage);
   if (st.ok()) {
@@ -150,6 +152,7 @@ Status Slot::Create(int64_t id, const SlotSpec& spec_in, std::shared_ptr<Slot>* 
     slot->Remember(st);
     Status undo = slot->DropPages("create rollback");
     if (undo.ok()) undo = slot->va_.Free(id, "create rollback");
+    slot->Account();
     if (!undo.ok()) {
       slot->state_ = SlotState::kClosing;
       slot->Remember(undo);
@@ -160,6 +163,7 @@ Status Slot::Create(int64_t id, const SlotSpec& spec_in, std::shared_ptr<Slot>* 
     }
     return st;
   }
+  slot->Account();
   slot->generation_ = spec.map_on_create ? 1 : 0;
   slot->state_ = spec.map_on_create ? SlotState::kMapped : SlotState::kReleased;
   *out = slot;
@@ -189,6 +193,13 @@ Status Slot::DropPages(const char* stage) {
 
 void Slot::Remember(const Status& st) { last_error_ = st.ToString(); }
 
+void Slot::Account() {
+  int64_t now = pages_.owned() || mapping_.owned() ? static_cast<int64_t>(size_) : 0;
+  if (now == accounted_) return;
+  for (ByteGauge* g : gauges_) g->Add(now - accounted_);
+  accounted_ = now;
+}
+
 Status Slot::Release() {
   constexpr const char* kStage = "release";
   std::lock_guard<std::mutex> lock(mu_);
@@ -197,6 +208,7 @@ Status Slot::Release() {
   ScopedContext ctx(spec_.backend, spec_.device);
   if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
   Status st = DropPages(kStage);
+  Account();
   if (!mapping_.owned()) state_ = SlotState::kReleased;  // pages gone from the VA even if the handle lingers
   if (!st.ok()) {
     if (state_ == SlotState::kReleased) st.Append("; the handle is released again on the next remap or close");
@@ -214,6 +226,7 @@ Status Slot::Remap() {
   if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
   Status st = DropPages(kStage);  // finish what an earlier failed release left behind
   if (st.ok()) st = MapPages(kStage);
+  Account();
   if (!st.ok()) {
     Remember(st);
     return st;
@@ -233,6 +246,7 @@ Status Slot::Teardown() {
   ScopedContext ctx(spec_.backend, spec_.device);
   if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
   Status st = DropPages(kStage);
+  Account();
   if (st.ok()) st = va_.Free(id_, kStage);
   if (!st.ok()) {
     Remember(st);

@@ -52,6 +52,24 @@ struct SlotInfo {
   std::string last_error;
 };
 
+// A byte gauge with a high-water mark, updated lock-free. Slots move the process-wide and per-device
+// mapped-bytes gauges from inside their own lock, so the totals are exact under concurrency.
+class ByteGauge {
+ public:
+  void Add(int64_t delta) {
+    int64_t now = value_.fetch_add(delta, std::memory_order_relaxed) + delta;
+    int64_t peak = peak_.load(std::memory_order_relaxed);
+    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+  }
+  int64_t value() const { return value_.load(std::memory_order_relaxed); }
+  int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
+  void ResetPeak() { peak_.store(value(), std::memory_order_relaxed); }
+
+ private:
+  std::atomic<int64_t> value_{0}, peak_{0};
+};
+
 // Capability and granularity, checked once per (backend, device, location) and cached.
 Status CheckCapability(Backend b, int device, const Location& loc);
 Status Granularity(Backend b, int device, const Location& loc, size_t* out);
@@ -60,8 +78,9 @@ class Slot {
  public:
   // reserve -> create -> map -> one access grant. On failure everything done is rolled back; if the
   // rollback itself fails, *remains receives the half-built slot so the caller can quarantine it.
-  static Status Create(int64_t id, const SlotSpec& spec, std::shared_ptr<Slot>* out,
-                       std::shared_ptr<Slot>* remains);
+  // `gauges` (may be empty) follow the bytes of physical memory attached to the slot.
+  static Status Create(int64_t id, const SlotSpec& spec, std::vector<ByteGauge*> gauges,
+                       std::shared_ptr<Slot>* out, std::shared_ptr<Slot>* remains);
 
   Status Release();   // unmap + release; the VA stays reserved
   Status Remap();     // create + map + access at the same VA; generation + 1
@@ -83,6 +102,7 @@ class Slot {
   Status DropPages(const char* stage);  // unmap + release whatever is attached
   Status CheckAccessible(size_t offset, size_t n, const char* stage) const;
   void Remember(const Status& st);
+  void Account();  // moves the gauges to the bytes attached now; caller holds mu_
 
   const int64_t id_;
   const SlotSpec spec_;
@@ -97,6 +117,8 @@ class Slot {
   SlotState state_ = SlotState::kReleased;
   uint64_t generation_ = 0;
   std::string last_error_;
+  std::vector<ByteGauge*> gauges_;
+  int64_t accounted_ = 0;
 };
 
 }  // namespace jaxvmm

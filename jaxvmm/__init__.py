@@ -81,6 +81,11 @@ def stats() -> dict:
     return s
 
 
+def reset_peak_stats() -> None:
+    """Set ``peak_mapped_bytes`` (process-wide and per device) to the bytes mapped now."""
+    _lib.reset_peak()
+
+
 def retry_quarantine() -> int:
     """Retry every quarantined teardown now; returns how many remain quarantined.
 
@@ -103,6 +108,7 @@ __all__ = [
     "driver_memory_info",
     "stats",
     "retry_quarantine",
+    "reset_peak_stats",
     "errors",
     "VmmError",
     "InvalidArgumentError",

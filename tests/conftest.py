@@ -1,0 +1,182 @@
+"""Shared fixtures for the jaxvmm suite.
+
+* ``gpu``-marked tests are skipped when jaxvmm cannot use the CUDA driver or jax has no gpu device;
+  with ``JAXVMM_REQUIRE_GPU=1`` they fail instead (so a GPU CI job cannot pass by skipping everything).
+* ``platform_device`` runs a test once on the POSIX backend ("cpu") and once on the real driver
+  ("cuda:0", gpu-marked).
+* ``run_in_subprocess`` runs code in a fresh interpreter, for tests that crash or poison a process.
+* ``no_leaks`` (opt-in) asserts that a test leaves no open slots, no quarantine, no destructor leaks
+  and no live driver objects behind.
+* Faults are cleared around every test so one test cannot poison the next.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+# jax must not grab most of the GPU's memory when the gpu gate initializes it: the slots need it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import pytest  # noqa: E402
+
+import jaxvmm  # noqa: E402
+import jaxvmm.testing  # noqa: E402
+from jaxvmm._native import lib  # noqa: E402
+
+REQUIRE_GPU_ENV = "JAXVMM_REQUIRE_GPU"
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU gate
+# ---------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    """None when jaxvmm can drive a CUDA device that jax also sees; otherwise why not."""
+    status = jaxvmm.cuda_available()
+    if not status:
+        return f"jaxvmm cannot use the CUDA driver: {status.reason}"
+    try:
+        import jax
+
+        devices = jax.devices("gpu")
+    except RuntimeError as e:
+        return f"jax has no gpu devices ({e})"
+    if not devices:
+        return "jax has no gpu devices"
+    return None
+
+
+def gpu_required() -> bool:
+    return os.environ.get(REQUIRE_GPU_ENV, "") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_unavailable_reason()
+    if reason is None or gpu_required():
+        return  # run them; when required and missing, pytest_runtest_call below fails them
+    skip = pytest.mark.skip(reason=f"gpu test: {reason} (set {REQUIRE_GPU_ENV}=1 to fail instead)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """With JAXVMM_REQUIRE_GPU=1 a gpu test on a machine without a usable GPU FAILS (in the call phase,
+    so it is reported as a failure, not a setup error) instead of running or being skipped."""
+    if item.get_closest_marker("gpu") is not None:
+        reason = gpu_unavailable_reason()
+        if reason is not None:
+            pytest.fail(f"{REQUIRE_GPU_ENV}=1 but {reason}", pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fault hygiene: never let an armed fault or a quarantine outlive its test.
+# ---------------------------------------------------------------------------------------------------
+BACKENDS = ("posix", "cuda")
+
+
+def clear_all_faults() -> None:
+    for backend in BACKENDS:
+        lib.fault_clear(backend)  # works without a driver: it only edits the wrapper's rule list
+
+
+@pytest.fixture(autouse=True)
+def _fault_hygiene():
+    clear_all_faults()
+    try:
+        yield
+    finally:
+        clear_all_faults()
+        if jaxvmm.stats()["quarantined"]:
+            jaxvmm.retry_quarantine()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Devices
+# ---------------------------------------------------------------------------------------------------
+PLATFORM_DEVICES = {"cpu": "cpu", "cuda": "cuda:0"}
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def platform_device(request) -> str:
+    """A device string for jaxvmm.Slot(device=...): the POSIX backend, then the real CUDA driver."""
+    return PLATFORM_DEVICES[request.param]
+
+
+def counter_devices() -> list[str]:
+    """Devices whose driver counters are tracked: the cpu backend always, CUDA when usable."""
+    return ["cpu"] + (["cuda:0"] if gpu_unavailable_reason() is None else [])
+
+
+LIVE_KEYS = ("live_handles", "live_reservations", "live_mappings")
+
+
+def live_counters(device) -> dict:
+    c = jaxvmm.testing.driver_counters(device)
+    return {k: c[k] for k in LIVE_KEYS}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Leak check (opt-in)
+# ---------------------------------------------------------------------------------------------------
+def _snapshot() -> dict:
+    s = jaxvmm.stats()
+    return {
+        "slots": s["slots"],
+        "quarantined": s["quarantined"],
+        "leaked": s["leaked"],
+        "driver": {d: live_counters(d) for d in counter_devices()},
+    }
+
+
+@pytest.fixture
+def no_leaks():
+    """Asserts the test leaves open slots, the quarantine, destructor leaks and the driver seam's live
+    handles/reservations/mappings exactly as it found them. Yields the baseline snapshot."""
+    before = _snapshot()
+    yield before
+    after = _snapshot()
+    if after != before:
+        # Clean up so one leaking test does not cascade, then report what leaked.
+        clear_all_faults()
+        lib.close_all()
+        jaxvmm.retry_quarantine()
+        quarantine = jaxvmm.stats()["quarantine"]
+        pytest.fail(
+            f"test leaked jaxvmm state:\n  before={before}\n  after ={after}\n  quarantine={quarantine}",
+            pytrace=False,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Subprocesses
+# ---------------------------------------------------------------------------------------------------
+def run_in_subprocess(code: str, env: dict | None = None,
+                      timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs ``sys.executable -c code`` in a fresh interpreter; returns the completed process (text output).
+
+    ``env`` entries are added to (and override) the current environment. Faulthandler is disabled so a
+    crash is reported by the signal in ``returncode`` alone.
+    """
+    full_env = dict(os.environ)
+    full_env.pop("PYTHONFAULTHANDLER", None)
+    if env:
+        full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+
+
+@pytest.fixture
+def subprocess_runner():
+    """The ``run_in_subprocess`` helper, as a fixture."""
+    return run_in_subprocess
