@@ -539,7 +539,9 @@ std::shared_ptr<Engine::Ticket> Engine::FindTicket(uint64_t token, std::string* 
   }
   auto it = tickets_.find(token);
   if (it == tickets_.end()) {
-    *why = TokenStr(token) + " is gone (already reloaded and freed, dropped, or from another device)";
+    bool reloaded = std::find(recently_reloaded_.begin(), recently_reloaded_.end(), token) != recently_reloaded_.end();
+    *why = TokenStr(token) + (reloaded ? " was already reloaded (a ticket can be reloaded once)"
+                                       : " is gone (reloaded earlier, dropped, or from another device)");
     return nullptr;
   }
   return it->second;
@@ -554,7 +556,8 @@ void Engine::ResolveTask(uint64_t seq) {
   std::string why;
   std::shared_ptr<Ticket> a = FindTicket(token, &why);
   if (a && a->consumed) why = TokenStr(token) + " was already reloaded (a ticket can be reloaded once)", a = nullptr;
-  if (a && a->dropped) why = TokenStr(token) + " was dropped", a = nullptr;
+  // A dropped ticket is still served while its block exists: jit dispatch is asynchronous, so a reload
+  // can reach the engine after Python let go of the ticket.
   if (a && op.kind == Op::kReload && (a->meta.nbytes != op.meta.nbytes || a->meta.signature != op.meta.signature))
     why = TokenStr(token) + " holds " + std::to_string(a->meta.nbytes) + " bytes of another shape/dtype than the reload expects (" +
           std::to_string(op.meta.nbytes) + " bytes)",
@@ -678,6 +681,10 @@ void Engine::FreeTicket(const std::shared_ptr<Ticket>& t) {
   // Caller holds mu_. Frees once nothing can read the host block any more.
   if (t->freed || !(t->consumed || t->dropped) || t->pins > 0 || !t->on_host) return;
   t->freed = true;
+  if (t->consumed) {
+    recently_reloaded_.push_back(t->token);
+    if (recently_reloaded_.size() > 256) recently_reloaded_.pop_front();
+  }
   host_pool_.Free(t->host);
   tickets_.erase(t->token);
   order_.erase(std::remove(order_.begin(), order_.end(), t), order_.end());
@@ -777,7 +784,6 @@ Status Engine::CheckTicket(uint64_t token, const ArrayMeta& meta) {
   auto t = FindTicket(token, &why);
   if (!t) return Status(Code::kInvalidArgument, why);
   if (t->consumed) return Status(Code::kInvalidArgument, TokenStr(token) + " was already reloaded (a ticket can be reloaded once)");
-  if (t->dropped) return Status(Code::kInvalidArgument, TokenStr(token) + " was dropped");
   if (t->meta.nbytes != meta.nbytes || t->meta.signature != meta.signature)
     return Status(Code::kInvalidArgument, TokenStr(token) + " does not match the shape/dtype of the reload");
   return Status();

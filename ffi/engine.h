@@ -121,6 +121,7 @@ class Engine {
   uint64_t next_ticket_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Ticket>> tickets_;  // by token
   std::deque<std::shared_ptr<Ticket>> order_;                       // offload order, for prediction
+  std::deque<uint64_t> recently_reloaded_;  // tokens of freed, consumed tickets (diagnostics only)
   bool lifo_ = true;
   bool shutting_down_ = false;
   std::map<size_t, std::vector<int64_t>> free_staging_;  // size -> released staging slot ids

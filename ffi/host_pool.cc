@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 
 #include "vmm.h"
 
@@ -11,6 +12,10 @@ namespace jaxvmm {
 namespace {
 
 size_t DefaultLimit() {
+  if (const char* env = std::getenv("JAXVMM_HOST_POOL_LIMIT")) {
+    unsigned long long v = std::strtoull(env, nullptr, 10);
+    if (v > 0) return static_cast<size_t>(v);
+  }
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 2 : size_t{16} << 30;
 }

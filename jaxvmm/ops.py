@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
-import weakref
 import zlib
 
 import jax
@@ -32,17 +32,17 @@ class Ticket:
     """What ``offload`` returns: a small ``uint32[2]`` token (the data dependency, a jax array that may
     cross jit boundaries) plus the static shape and dtype of the offloaded array.
 
-    Reload a ticket exactly once. A ticket that Python drops without reloading frees its host memory
-    once the GPU has passed every reload enqueued before the drop."""
+    Reload a ticket exactly once. When no Python object references a ticket's token any more (and no
+    computation in flight can still reload it), its host memory is freed."""
 
-    __slots__ = ("token", "shape", "dtype", "__weakref__")
+    __slots__ = ("token", "shape", "dtype")
 
     def __init__(self, token, shape, dtype):
         self.token = token
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         if isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer):
-            _track(self, token)
+            _track(token)
 
     @property
     def nbytes(self) -> int:
@@ -60,26 +60,22 @@ class Ticket:
 
 
 # ---- Python-side ticket lifetimes ----
-_live_lock = threading.Lock()
-_live: dict[int, int] = {}  # id(token array) -> Ticket objects holding it
-_dropped: list = []  # token arrays whose last Ticket died; drained by _drain_drops()
+# A ticket that Python stops referencing without reloading it must give its pinned memory back. Token
+# values get copied (a jit that passes a ticket through returns a new token array with the same value),
+# and jit dispatch is asynchronous (a reload may not have reached the engine yet), so a value is
+# dropped only when (1) no token array that jaxvmm has seen in a Ticket is alive anywhere (CPython
+# refcount: only this registry holds it), (2) every computation in flight when it died has finished,
+# and (3) no live tracked token holds the same value.
+_lock = threading.RLock()
+_tracked: dict[int, jax.Array] = {}  # id -> token array seen in a concrete Ticket (strong reference)
+_values: dict[int, list] = {}  # id -> [(device, uint64 values)], read once the array is ready
+_dying: list[tuple[jax.Array, list]] = []  # (dead token array, arrays in flight when it died)
 
 
-def _track(ticket: Ticket, token) -> None:
-    with _live_lock:
-        _live[id(token)] = _live.get(id(token), 0) + 1
-    weakref.finalize(ticket, _untrack, token)
-
-
-def _untrack(token) -> None:
-    # Runs inside garbage collection: only bookkeeping here, the driver work happens in _drain_drops.
-    with _live_lock:
-        n = _live.get(id(token), 0) - 1
-        if n > 0:
-            _live[id(token)] = n
-            return
-        _live.pop(id(token), None)
-        _dropped.append(token)
+def _track(token) -> None:
+    with _lock:
+        _tracked.setdefault(id(token), token)
+    _collect()
 
 
 def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
@@ -90,18 +86,44 @@ def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
     return out
 
 
-def _drain_drops() -> None:
-    with _live_lock:
-        ready = [t for t in _dropped if t.is_deleted() or t.is_ready()]
-        for t in ready:
-            _dropped.remove(t)
-    for token in ready:
-        if token.is_deleted():
-            continue
-        for device, values in _token_values(token):
-            tgt = target_of(device)
-            for v in values:
-                lib.engine_drop(tgt.backend, tgt.ordinal, int(v))
+def _cached_values(token):
+    with _lock:
+        v = _values.get(id(token))
+        if v is None and not token.is_deleted():
+            v = _values[id(token)] = _token_values(token)
+        return v or []
+
+
+def _collect() -> None:
+    with _lock:
+        dead = []
+        for key in list(_tracked):
+            token = _tracked[key]
+            if sys.getrefcount(token) <= 3:  # this dict, `token`, getrefcount's argument
+                dead.append(_tracked.pop(key))
+            del token
+        if dead:
+            inflight = [a for a in jax.live_arrays() if not (a.is_deleted() or a.is_ready())]
+            _dying.extend((t, inflight) for t in dead)
+        if not _dying:
+            return
+        done = lambda a: a.is_deleted() or a.is_ready()  # noqa: E731
+        if not all(done(t) for t in _tracked.values()):
+            return  # a live token's value is not known yet: it might hold one of the dying values
+        ready = [(t, f) for t, f in _dying if done(t) and all(done(a) for a in f)]
+        if not ready:
+            return
+        live = {int(v) for t in _tracked.values() for _, vals in _cached_values(t) for v in vals}
+        for entry in ready:
+            _dying.remove(entry)
+        drops = []
+        for token, _ in ready:
+            for device, vals in _cached_values(token):
+                drops.extend((device, int(v)) for v in vals if int(v) not in live)
+            _values.pop(id(token), None)
+    for device, v in drops:
+        tgt = target_of(device)
+        lib.engine_drop(tgt.backend, tgt.ordinal, v)
 
 
 # ---- validation ----
@@ -112,7 +134,7 @@ def _check_array(x, what: str):
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         raise TypeError(f"jaxvmm.{what}: dtype {dtype} (an extended dtype such as PRNG keys) cannot be offloaded; "
                         "offload jax.random.key_data(x) instead")
-    if np.dtype(dtype).kind not in "biufc":
+    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
         raise TypeError(f"jaxvmm.{what}: unsupported dtype {dtype}")
     if int(np.prod(x.shape, dtype=np.int64)) == 0:
         raise ValueError(f"jaxvmm.{what}: cannot offload a zero-size array (shape {x.shape})")
@@ -142,7 +164,7 @@ def offload(x) -> Ticket:
     if isinstance(x, Ticket):
         raise TypeError("jaxvmm.offload: got a Ticket; offload arrays, reload tickets")
     _check_array(x, "offload")
-    _drain_drops()
+    _collect()
     x = jnp.asarray(x)
     token = _offload(x, _signature(x.shape, x.dtype), next(_sites))
     return Ticket(token, x.shape, x.dtype)
@@ -172,7 +194,7 @@ def reload(ticket: Ticket) -> jax.Array:
     The runtime maps a staging slot ahead of need (gated by GPU progress), copies host -> slot on a
     copy stream, makes XLA's stream wait for exactly that slot, then copies into XLA's output."""
     _check_ticket(ticket, "reload")
-    _drain_drops()
+    _collect()
     return jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, ticket.dtype),
                             vmap_method="sequential")(
         ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(next(_sites)))
@@ -193,16 +215,22 @@ def prefetch(ticket: Ticket) -> Ticket:
 def check() -> None:
     """Raise the first asynchronous error any engine recorded since the last check (for example a
     reload, inside jit, of a ticket that was already reloaded). Handlers also raise it on their next call."""
-    _drain_drops()
+    _collect()
     for backend, device in lib.engine_devices():
         lib.engine_take_error(backend, device)
 
 
 def synchronize() -> None:
-    """Block until every offload/reload enqueued so far has completed and the workers are idle."""
+    """Block until every dispatched jax computation has finished (all live arrays are ready), then
+    until every offload/reload has completed and jaxvmm's workers are idle."""
+    for a in jax.live_arrays():
+        if not a.is_deleted():
+            a.block_until_ready()
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
-    _drain_drops()
+    _collect()
+    for backend, device in lib.engine_devices():
+        lib.engine_sync(backend, device)
 
 
 def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None = None,
@@ -227,7 +255,7 @@ def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None
 def engine_stats() -> dict:
     """Per device (``"cuda:0"``, ``"cpu:0"``): offloads, reloads, prefetch hits/misses, live tickets and
     their host bytes, pinned pool bytes and driver allocations, staging slots, async errors."""
-    _drain_drops()
+    _collect()
     out = {}
     for backend, device in lib.engine_devices():
         out[f"{'cuda' if backend == 'cuda' else 'cpu'}:{device}"] = dict(lib.engine_stats(backend, device))
