@@ -222,6 +222,7 @@ Status Engine::BeginOp(Op** out) {
   // Backpressure: the host may run at most kRing ops ahead of the GPU.
   cv_.wait(lock, [&] { return op.pending == 0; });
   op.seq = seq;
+  op.pending = 1;  // the host's reference, dropped by FinishEnqueue
   op.mapped = op.map_failed = false;
   op.staging_id = -1;
   op.staging_size = 0;
@@ -282,12 +283,49 @@ std::shared_ptr<Engine::Ticket> Engine::Predict(const ArrayMeta& meta) {
   return nullptr;
 }
 
+Status Engine::Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++op.pending;  // before the launch: the host function may run (and decrement) at once
+  }
+  const DriverTable& d = Driver(backend_);
+  Status st = Call(op.staging_id, stage, Entry::kLaunchHostFunc, [&] { return d.LaunchHostFunc(stream, fn, &op); });
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--op.pending == 0) cv_.notify_all();
+  }
+  return st;
+}
+
+void Engine::FinishEnqueue(Op& op, const Status& st) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!st.ok()) {
+    // Work enqueued before the failure cannot be taken back. Count the op as passed so later ops'
+    // gates do not wait for a completion that will never be reported; the error is sticky.
+    completed_seq_ = std::max(completed_seq_, op.seq);
+    if (error_.ok()) error_ = st;
+    ++stats_.errors;
+  }
+  if (--op.pending == 0) cv_.notify_all();  // the host's own reference
+  cv_.notify_all();
+}
+
+Status Engine::WaitMapped(Op& op) {
+  // The driver validates copy addresses when a copy is enqueued, so the staging pages must exist
+  // before XLA's stream gets any copy that touches them. The mapper maps them once GPU progress
+  // allows (op seq - depth passed), which bounds how far the host runs ahead of the GPU.
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return op.mapped || op.map_failed; });
+  if (op.map_failed) return Status(Code::kOutOfMemory, "staging pages could not be mapped").At(op.staging_id, "map");
+  return Status();
+}
+
 Status Engine::EnqueueCompletion(Op& op, CUstream stream) {
   const DriverTable& d = Driver(backend_);
   const char* stage = "enqueue";
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op.done, stream); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op.done, 0); }));
-  return Call(-1, stage, Entry::kLaunchHostFunc, [&] { return d.LaunchHostFunc(ctl_, &Engine::OnComplete, &op); });
+  return Launch(ctl_, &Engine::OnComplete, op, stage);
 }
 
 Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
@@ -328,7 +366,6 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
     order_.push_back(t);
     ++stats_.offloads;
     op->kind = Op::kOffload;
-    op->pending = 2;  // complete (ctl) + offloaded (d2h)
     op->meta = meta;
     op->ticket = t;
     op->staging_id = staging_id;
@@ -340,14 +377,12 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
   const uint64_t seq = op->seq;
   mapper_->Post([this, seq] { MapTask(seq); });
 
-  // XLA's stream: wait for pages at the staging address, snapshot x into it, hand out the token.
+  // XLA's stream: snapshot x into the staging slot (mapped by now), hand out the token.
   const char* stage = "offload";
   auto enqueue = [&]() -> Status {
+    JAXVMM_RETURN_IF_ERROR(WaitMapped(*op));
     JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyAsync, [&] {
       return d.MemcpyAsync(token_out, reinterpret_cast<CUdeviceptr>(&w.token), sizeof(uint64_t), stream);
-    }));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitValue64, [&] {
-      return d.StreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(&w.ready), seq, CU_STREAM_WAIT_VALUE_GEQ);
     }));
     JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyDtoDAsync, [&] {
       return d.MemcpyDtoDAsync(op->staging, src, meta.nbytes, stream);
@@ -359,10 +394,10 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
       return d.MemcpyDtoHAsync(t->host.ptr, op->staging, meta.nbytes, d2h_);
     }));
     JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); }));
-    return Call(staging_id, stage, Entry::kLaunchHostFunc, [&] { return d.LaunchHostFunc(d2h_, &Engine::OnOffloaded, op); });
+    return Launch(d2h_, &Engine::OnOffloaded, *op, stage);
   };
   st = enqueue();
-  if (!st.ok()) Fail(st);  // half-enqueued work cannot be taken back; the engine reports and carries on
+  FinishEnqueue(*op, st);
   return st;
 }
 
@@ -383,7 +418,6 @@ Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.reloads;
     op->kind = Op::kReload;
-    op->pending = 2;  // resolve + complete, both on ctl
     op->meta = meta;
     op->staging_id = staging_id;
     op->staging_size = staging->size();
@@ -403,13 +437,14 @@ Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
   const char* stage = "reload";
   auto probe = reinterpret_cast<CUdeviceptr>(&w.probe);
   auto enqueue = [&]() -> Status {
+    JAXVMM_RETURN_IF_ERROR(WaitMapped(*op));
     // Let the resolver learn which ticket the GPU holds, without a host round trip on XLA's stream.
     JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyAsync, [&] {
       return d.MemcpyAsync(probe, token_in, sizeof(uint64_t), stream);
     }));
     JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
     JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kLaunchHostFunc, [&] { return d.LaunchHostFunc(ctl_, &Engine::OnResolve, op); }));
+    JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &Engine::OnResolve, *op, stage));
     // XLA's stream waits for exactly this slot: the right ticket (probe == predicted token, or the
     // resolver's correction) and its data in place (ready >= seq).
     JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitValue64, [&] {
@@ -424,7 +459,7 @@ Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
     return EnqueueCompletion(*op, stream);
   };
   st = enqueue();
-  if (!st.ok()) Fail(st);
+  FinishEnqueue(*op, st);
   return st;
 }
 
@@ -437,7 +472,6 @@ Status Engine::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.prefetches;
     op->kind = Op::kPrefetch;
-    op->pending = 2;
   }
   Words& w = words_[op->seq % kRing];
   const DriverTable& d = Driver(backend_);
@@ -451,11 +485,11 @@ Status Engine::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
     }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kLaunchHostFunc, [&] { return d.LaunchHostFunc(ctl_, &Engine::OnResolve, op); }));
+    JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &Engine::OnResolve, *op, stage));
     return EnqueueCompletion(*op, stream);
   };
   Status st = enqueue();
-  if (!st.ok()) Fail(st);
+  FinishEnqueue(*op, st);
   return st;
 }
 

@@ -91,6 +91,9 @@ class Engine {
   void ReturnStaging(int64_t id, size_t size);
   std::shared_ptr<Ticket> Predict(const ArrayMeta& meta);
   Status EnqueueCompletion(Op& op, CUstream stream);
+  Status Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage);  // host function, counted in op.pending
+  void FinishEnqueue(Op& op, const Status& st);
+  Status WaitMapped(Op& op);
 
   // Worker side.
   void MapTask(uint64_t seq);        // mapper: gated on GPU progress

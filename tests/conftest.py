@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
+import tempfile
 import sys
 
 # jax must not grab most of the GPU's memory when the gpu gate initializes it: the slots need it.
@@ -166,13 +167,15 @@ def run_in_subprocess(code: str, env: dict | None = None,
     full_env.pop("PYTHONFAULTHANDLER", None)
     if env:
         full_env.update(env)
+    # Run outside the source tree: `-c` puts the working directory first on sys.path, and the source
+    # package there has no compiled extension (the installed one must be imported).
     return subprocess.run(
         [sys.executable, "-c", code],
         env=full_env,
+        cwd=tempfile.gettempdir(),
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
 
 
