@@ -61,8 +61,10 @@ struct Engine::Ticket {
   HostBlock host;
   CUevent d2h_done = nullptr;  // recorded on the D2H stream after the copy
   uint64_t offload_seq = 0;
+  bool enqueued = false;     // its D2H and d2h_done are on the D2H stream
   bool on_host = false;      // D2H finished and seen by the releaser
   bool consumed = false;     // a reload resolved to it
+  bool reserved = false;     // an eager reload checked it (a second eager reload is refused)
   bool dropped = false;      // Python let go of it
   uint64_t claimed_by = 0;   // the reload op that predicted it, until that op resolves
   int pins = 0;              // ops that may still read its host block
@@ -267,10 +269,17 @@ void Engine::ReturnStaging(int64_t id, size_t size) {
 }
 
 std::shared_ptr<Engine::Ticket> Engine::Predict(const ArrayMeta& meta) {
-  // Caller holds mu_. Training reloads in reverse offload order (LIFO); a run of misses that hit the
-  // other end of the queue flips the guess (see ResolveTask).
+  // Caller holds mu_.
+  static const bool enabled = [] {
+    const char* v = std::getenv("JAXVMM_PREDICT");
+    return !(v && std::string(v) == "0");
+  }();
+  if (!enabled) return nullptr;
+  // Training reloads in reverse offload order (LIFO); a run of misses that hit the other end of the
+  // queue flips the guess (see ResolveTask). Only tickets whose D2H is enqueued (d2h_done recorded)
+  // can be prefetched.
   auto fits = [&](const std::shared_ptr<Ticket>& t) {
-    return !t->consumed && !t->dropped && t->claimed_by == 0 && t->meta.nbytes == meta.nbytes &&
+    return t->enqueued && !t->consumed && !t->dropped && t->claimed_by == 0 && t->meta.nbytes == meta.nbytes &&
            t->meta.signature == meta.signature;
   };
   if (lifo_) {
@@ -394,7 +403,10 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
       return d.MemcpyDtoHAsync(t->host.ptr, op->staging, meta.nbytes, d2h_);
     }));
     JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); }));
-    return Launch(d2h_, &Engine::OnOffloaded, *op, stage);
+    JAXVMM_RETURN_IF_ERROR(Launch(d2h_, &Engine::OnOffloaded, *op, stage));
+    std::lock_guard<std::mutex> lock(mu_);
+    t->enqueued = true;
+    return Status();
   };
   st = enqueue();
   FinishEnqueue(*op, st);
@@ -812,14 +824,16 @@ void Engine::Drop(uint64_t token) {
   }
 }
 
-Status Engine::CheckTicket(uint64_t token, const ArrayMeta& meta) {
+Status Engine::CheckTicket(uint64_t token, const ArrayMeta& meta, bool reserve) {
   std::lock_guard<std::mutex> lock(mu_);
   std::string why;
   auto t = FindTicket(token, &why);
   if (!t) return Status(Code::kInvalidArgument, why);
-  if (t->consumed) return Status(Code::kInvalidArgument, TokenStr(token) + " was already reloaded (a ticket can be reloaded once)");
+  if (t->consumed || t->reserved)
+    return Status(Code::kInvalidArgument, TokenStr(token) + " was already reloaded (a ticket can be reloaded once)");
   if (t->meta.nbytes != meta.nbytes || t->meta.signature != meta.signature)
     return Status(Code::kInvalidArgument, TokenStr(token) + " does not match the shape/dtype of the reload");
+  if (reserve) t->reserved = true;  // the eager reload that follows is the one allowed reload
   return Status();
 }
 

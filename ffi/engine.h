@@ -63,8 +63,9 @@ class Engine {
   // Python dropped its last reference to a ticket: its host memory is freed once the GPU has passed
   // every reload enqueued so far.
   void Drop(uint64_t token);
-  // True if the token names a live ticket of this engine that no reload has consumed (eager checks).
-  Status CheckTicket(uint64_t token, const ArrayMeta& meta);
+  // OK if the token names a live ticket of this engine that no reload has consumed or reserved; then
+  // reserves it for the eager reload about to run (a second eager reload is refused synchronously).
+  Status CheckTicket(uint64_t token, const ArrayMeta& meta, bool reserve);
   // Blocks until every enqueued op has completed and the workers are idle.
   Status Synchronize();
   EngineStats Stats();

@@ -325,8 +325,8 @@ NB_MODULE(_jaxvmm, m) {
     engine(backend, device)->Drop(token);
   });
   m.def("engine_check", [engine](const std::string& backend, int device, uint64_t token, uint64_t nbytes,
-                                 int64_t signature) {
-    Check(engine(backend, device)->CheckTicket(token, ArrayMeta{nbytes, signature}));
+                                 int64_t signature, bool reserve) {
+    Check(engine(backend, device)->CheckTicket(token, ArrayMeta{nbytes, signature}, reserve));
   });
   m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth) {
     if (host_pool_limit >= 0) HostPool::SetLimit(static_cast<size_t>(host_pool_limit));

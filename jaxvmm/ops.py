@@ -7,6 +7,7 @@ import functools
 import itertools
 import sys
 import threading
+import weakref
 import zlib
 
 import jax
@@ -41,7 +42,8 @@ class Ticket:
         self.token = token
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
-        if isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer):
+        if (isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer)
+                and token.dtype == jnp.uint32 and tuple(token.shape)[-1:] == (2,)):
             _track(token)
 
     @property
@@ -103,14 +105,15 @@ def _collect() -> None:
                 dead.append(_tracked.pop(key))
             del token
         if dead:
-            inflight = [a for a in jax.live_arrays() if not (a.is_deleted() or a.is_ready())]
+            # Weak references: the barrier must not keep arrays (tracked tokens among them) alive.
+            inflight = [weakref.ref(a) for a in jax.live_arrays() if not (a.is_deleted() or a.is_ready())]
             _dying.extend((t, inflight) for t in dead)
         if not _dying:
             return
-        done = lambda a: a.is_deleted() or a.is_ready()  # noqa: E731
+        done = lambda a: a is None or a.is_deleted() or a.is_ready()  # noqa: E731
         if not all(done(t) for t in _tracked.values()):
             return  # a live token's value is not known yet: it might hold one of the dying values
-        ready = [(t, f) for t, f in _dying if done(t) and all(done(a) for a in f)]
+        ready = [(t, f) for t, f in _dying if done(t) and all(done(r()) for r in f)]
         if not ready:
             return
         live = {int(v) for t in _tracked.values() for _, vals in _cached_values(t) for v in vals}
@@ -171,7 +174,7 @@ def offload(x) -> Ticket:
 
 
 # ---- reload / prefetch ----
-def _check_ticket(t: Ticket, what: str) -> None:
+def _check_ticket(t: Ticket, what: str, reserve: bool) -> None:
     if not isinstance(t, Ticket):
         raise TypeError(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
     tok = t.token
@@ -185,7 +188,7 @@ def _check_ticket(t: Ticket, what: str) -> None:
         for device, values in _token_values(tok):
             tgt = target_of(device)
             for v in values:
-                lib.engine_check(tgt.backend, tgt.ordinal, int(v), t.nbytes, sig)
+                lib.engine_check(tgt.backend, tgt.ordinal, int(v), t.nbytes, sig, reserve)
 
 
 def reload(ticket: Ticket) -> jax.Array:
@@ -193,7 +196,7 @@ def reload(ticket: Ticket) -> jax.Array:
 
     The runtime maps a staging slot ahead of need (gated by GPU progress), copies host -> slot on a
     copy stream, makes XLA's stream wait for exactly that slot, then copies into XLA's output."""
-    _check_ticket(ticket, "reload")
+    _check_ticket(ticket, "reload", reserve=True)
     _collect()
     return jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, ticket.dtype),
                             vmap_method="sequential")(
@@ -205,7 +208,7 @@ def prefetch(ticket: Ticket) -> Ticket:
 
     Returns a ticket to reload instead of the original (it carries the ordering). The runtime already
     prefetches in reverse offload order by itself; use this when your reload order differs."""
-    _check_ticket(ticket, "prefetch")
+    _check_ticket(ticket, "prefetch", reserve=False)
     token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
         ticket.token, site=np.int64(next(_sites)))
     return Ticket(token, ticket.shape, ticket.dtype)
@@ -228,7 +231,8 @@ def synchronize() -> None:
             a.block_until_ready()
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
-    _collect()
+    for _ in range(3):  # a drop can release the last reference that kept another token alive
+        _collect()
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
 
