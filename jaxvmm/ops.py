@@ -74,6 +74,21 @@ _values: dict[int, list] = {}  # id -> [(device, uint64 values)], read once the 
 _dying: list[tuple[jax.Array, list]] = []  # (dead token array, arrays in flight when it died)
 
 
+def _refcount_when_unreferenced() -> int:
+    # What sys.getrefcount reports, in _collect's loop, for an object only the registry holds. Measured
+    # rather than assumed: the count of temporary references differs between Python versions.
+    d = {0: object()}
+    n = 0
+    for key in list(d):
+        token = d[key]
+        n = sys.getrefcount(token)
+        del token
+    return n
+
+
+_UNREFERENCED = _refcount_when_unreferenced()
+
+
 def _track(token) -> None:
     with _lock:
         _tracked.setdefault(id(token), token)
@@ -101,7 +116,7 @@ def _collect() -> None:
         dead = []
         for key in list(_tracked):
             token = _tracked[key]
-            if sys.getrefcount(token) <= 3:  # this dict, `token`, getrefcount's argument
+            if sys.getrefcount(token) <= _UNREFERENCED:  # only this registry holds it
                 dead.append(_tracked.pop(key))
             del token
         if dead:

@@ -19,6 +19,7 @@ step() {  # step NAME TIMEOUT CMD...
 }
 step smoke 150 python3 tools/gpu_smoke.py
 step debug 150 bash -c 'python3 tools/gpu_debug.py 200; JAXVMM_PREDICT=0 python3 tools/gpu_debug.py 200; JAXVMM_PREFETCH_DEPTH=1 python3 tools/gpu_debug.py 200'
+step drop 60 python3 tools/gpu_drop_debug.py
 step tests 420 python3 -P -m pytest -q -rs ${TESTS:-tests}
 step vmm 150 python3 bench/vmm_ops.py --markdown
 step offload 300 python3 bench/offload_bw.py --markdown
