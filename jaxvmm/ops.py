@@ -126,12 +126,13 @@ def _collect() -> None:
         if not _dying:
             return
         done = lambda a: a is None or a.is_deleted() or a.is_ready()  # noqa: E731
-        if not all(done(t) for t in _tracked.values()):
-            return  # a live token's value is not known yet: it might hold one of the dying values
         ready = [(t, f) for t, f in _dying if done(t) and all(done(r()) for r in f)]
         if not ready:
             return
-        live = {int(v) for t in _tracked.values() for _, vals in _cached_values(t) for v in vals}
+        # Values still held by live tokens. A live token that is not ready yet comes from a computation
+        # dispatched after the dying token's barrier was taken; it can only copy a value that some
+        # other live token holds, and that one is counted here.
+        live = {int(v) for t in _tracked.values() if done(t) for _, vals in _cached_values(t) for v in vals}
         for entry in ready:
             _dying.remove(entry)
         drops = []
