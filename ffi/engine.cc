@@ -22,15 +22,21 @@ uint64_t Salt() {
   return salt;
 }
 
-uint32_t Check(uint64_t id) {
-  uint64_t z = id ^ Salt();
+// The check word mixes a per-process salt with the engine's (backend, device), so a token is valid
+// only on the engine that issued it: tickets of another device or process are refused, not misread.
+uint32_t Check(uint64_t id, uint64_t engine_key) {
+  uint64_t z = id ^ Salt() ^ (engine_key * 0x9e3779b97f4a7c15ULL);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return static_cast<uint32_t>(z ^ (z >> 31)) | 1u;  // never 0, so no token is kNoTag
 }
 
-uint64_t MakeToken(uint64_t id) { return (id & 0xffffffffULL) | (uint64_t{Check(id & 0xffffffffULL)} << 32); }
-bool TokenValid(uint64_t token) { return (token >> 32) == Check(token & 0xffffffffULL) && (token & 0xffffffffULL); }
+uint64_t MakeToken(uint64_t id, uint64_t key) {
+  return (id & 0xffffffffULL) | (uint64_t{Check(id & 0xffffffffULL, key)} << 32);
+}
+bool TokenValid(uint64_t token, uint64_t key) {
+  return (token >> 32) == Check(token & 0xffffffffULL, key) && (token & 0xffffffffULL);
+}
 
 std::string TokenStr(uint64_t token) {
   char buf[48];
@@ -369,7 +375,7 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    t->token = MakeToken(next_ticket_++);
+    t->token = MakeToken(next_ticket_++, EngineKey());
     t->offload_seq = op->seq;
     tickets_[t->token] = t;
     order_.push_back(t);
@@ -579,8 +585,8 @@ void Engine::MapTask(uint64_t seq) {
 
 std::shared_ptr<Engine::Ticket> Engine::FindTicket(uint64_t token, std::string* why) {
   // Caller holds mu_.
-  if (!TokenValid(token)) {
-    *why = "the token is not a jaxvmm ticket (forged, corrupted, or from another process)";
+  if (!TokenValid(token, EngineKey())) {
+    *why = "the token is not a jaxvmm ticket of this device (forged, corrupted, or from another device or process)";
     return nullptr;
   }
   auto it = tickets_.find(token);
@@ -723,7 +729,7 @@ Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
   return Status();
 }
 
-void Engine::FreeTicket(const std::shared_ptr<Ticket>& t) {
+void Engine::FreeTicket(std::shared_ptr<Ticket> t) {  // by value: it erases the map entry that may own `t`
   // Caller holds mu_. Frees once nothing can read the host block any more.
   if (t->freed || !(t->consumed || t->dropped) || t->pins > 0 || !t->on_host) return;
   t->freed = true;

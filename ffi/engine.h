@@ -70,6 +70,7 @@ class Engine {
   Status Synchronize();
   EngineStats Stats();
   Backend backend() const { return backend_; }
+  uint64_t EngineKey() const { return (static_cast<uint64_t>(backend_) << 32) | static_cast<uint32_t>(device_); }
   int device() const { return device_; }
 
   ~Engine();
@@ -103,7 +104,7 @@ class Engine {
   void OffloadedTask(uint64_t seq);  // releaser: D2H done; staging pages go back
   void ReleaseStaging(int64_t id, size_t size);
   void Fail(const Status& st);
-  void FreeTicket(const std::shared_ptr<Ticket>& t);
+  void FreeTicket(std::shared_ptr<Ticket> t);
   Status Resident(const std::shared_ptr<Ticket>& t);
   std::shared_ptr<Ticket> FindTicket(uint64_t token, std::string* why);
 

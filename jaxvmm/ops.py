@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _ffi  # noqa: F401  (registers the FFI targets)
 from . import errors
-from ._devices import target_of
+from ._devices import _posix_ready, target_of
 from ._native import lib
 
 _sites = itertools.count(1)
@@ -98,7 +98,8 @@ def _track(token) -> None:
 def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
     out = []
     for shard in token.addressable_shards:
-        host = np.ascontiguousarray(np.asarray(shard.data)).reshape(-1, 2)
+        # A copy: on cpu np.asarray is a view that would keep the token array alive.
+        host = np.array(shard.data, dtype=np.uint32, copy=True).reshape(-1, 2)
         out.append((shard.device, host.view(np.uint64).reshape(-1)))
     return out
 
@@ -132,13 +133,13 @@ def _collect() -> None:
         # Values still held by live tokens. A live token that is not ready yet comes from a computation
         # dispatched after the dying token's barrier was taken; it can only copy a value that some
         # other live token holds, and that one is counted here.
-        live = {int(v) for t in _tracked.values() if done(t) for _, vals in _cached_values(t) for v in vals}
+        live = {(d, int(v)) for t in _tracked.values() if done(t) for d, vals in _cached_values(t) for v in vals}
         for entry in ready:
             _dying.remove(entry)
         drops = []
         for token, _ in ready:
-            for device, vals in _cached_values(token):
-                drops.extend((device, int(v)) for v in vals if int(v) not in live)
+            for device, vals in _cached_values(token):  # token values are per device
+                drops.extend((device, int(v)) for v in vals if (device, int(v)) not in live)
             _values.pop(id(token), None)
     for device, v in drops:
         tgt = target_of(device)
@@ -183,6 +184,7 @@ def offload(x) -> Ticket:
     if isinstance(x, Ticket):
         raise TypeError("jaxvmm.offload: got a Ticket; offload arrays, reload tickets")
     _check_array(x, "offload")
+    _posix_ready()  # the cpu engine serves every cpu device the handlers may run on
     _collect()
     x = jnp.asarray(x)
     token = _offload(x, _signature(x.shape, x.dtype), next(_sites))
@@ -212,6 +214,7 @@ def reload(ticket: Ticket) -> jax.Array:
 
     The runtime maps a staging slot ahead of need (gated by GPU progress), copies host -> slot on a
     copy stream, makes XLA's stream wait for exactly that slot, then copies into XLA's output."""
+    _posix_ready()
     _check_ticket(ticket, "reload", reserve=True)
     _collect()
     return jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, ticket.dtype),
@@ -224,6 +227,7 @@ def prefetch(ticket: Ticket) -> Ticket:
 
     Returns a ticket to reload instead of the original (it carries the ordering). The runtime already
     prefetches in reverse offload order by itself; use this when your reload order differs."""
+    _posix_ready()
     _check_ticket(ticket, "prefetch", reserve=False)
     token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
         ticket.token, site=np.int64(next(_sites)))

@@ -1265,3 +1265,36 @@ def test_gpu_two_devices_shard_map():
         assert s1["offloads"] - s0[d]["offloads"] == 2, (d, s1)
         assert s1["reloads"] - s0[d]["reloads"] == 2, (d, s1)
         assert s1["tickets_live"] == s0[d]["tickets_live"] and s1["errors"] == s0[d]["errors"], (d, s1)
+
+
+def test_tickets_are_per_device_subprocess():
+    # Two cpu devices, one engine each: ticket numbers coincide, so both the drop bookkeeping and the
+    # token check must tell the devices apart (a GPU run leaked cuda tickets while cpu tokens with equal
+    # numbers were alive).
+    code = textwrap.dedent("""
+        import gc, jax, jax.numpy as jnp, numpy as np, jaxvmm
+        d0, d1 = jax.devices("cpu")[:2]
+        x = np.arange(1000, dtype=np.float32)
+        t0 = jaxvmm.offload(jax.device_put(x, d0))
+        t1 = jaxvmm.offload(jax.device_put(x, d1))
+        jaxvmm.synchronize()
+        s = jaxvmm.engine_stats()
+        assert s["cpu:0"]["tickets_live"] == 1 and s["cpu:1"]["tickets_live"] == 1, s
+        try:   # t1's token presented to cpu:0's engine
+            jaxvmm.reload(jaxvmm.Ticket(jax.device_put(t1.token, d0), t1.shape, t1.dtype))
+        except jaxvmm.InvalidArgumentError as e:
+            assert "this device" in str(e), e
+        else:
+            raise SystemExit("a ticket of cpu:1 was accepted by cpu:0")
+        del t0
+        gc.collect()
+        jaxvmm.synchronize()
+        s = jaxvmm.engine_stats()
+        assert s["cpu:0"]["tickets_live"] == 0 and s["cpu:1"]["tickets_live"] == 1, s
+        assert np.array_equal(np.asarray(jaxvmm.reload(t1)), x)
+        print("OK")
+    """)
+    env = subprocess_env()
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    assert_clean_subprocess(run_in_subprocess(code, env=env))
