@@ -28,7 +28,12 @@ class Target:
 
 @functools.lru_cache(maxsize=None)
 def _posix_ready() -> None:
-    lib.set_posix_device_count(len(jax.devices("cpu")))
+    """Tell the POSIX backend how many cpu devices jax has (each gets its own engine)."""
+    try:
+        n = len(jax.devices("cpu"))
+    except RuntimeError:  # JAX_PLATFORMS excludes cpu: the POSIX backend serves nothing
+        n = 1
+    lib.set_posix_device_count(n)
 
 
 def _platform_devices(platform: str) -> list[jax.Device]:

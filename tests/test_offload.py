@@ -1298,3 +1298,23 @@ def test_tickets_are_per_device_subprocess():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     env["JAX_PLATFORMS"] = "cpu"
     assert_clean_subprocess(run_in_subprocess(code, env=env))
+
+
+def test_offload_works_when_jax_has_no_cpu_backend(monkeypatch):
+    # On a GPU machine with JAX_PLATFORMS=cuda, jax.devices("cpu") raises; jaxvmm must not care.
+    from jaxvmm import _devices
+
+    def no_cpu(backend=None):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
+        return real(backend)
+
+    real = jax.devices
+    _devices._posix_ready.cache_clear()
+    monkeypatch.setattr(jax, "devices", no_cpu)
+    try:
+        _devices._posix_ready()  # must not raise
+    finally:
+        monkeypatch.undo()
+        _devices._posix_ready.cache_clear()
+        _devices._posix_ready()
