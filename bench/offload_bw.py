@@ -1,0 +1,519 @@
+"""Offload and reload throughput beside raw pinned-memory copies, and what one offload costs XLA's stream.
+
+    python bench/offload_bw.py             # 64 MiB, 256 MiB, 1 GiB, 4 GiB on GPU; 16, 64 MiB on cpu
+    python bench/offload_bw.py --sizes 256M,1G --iters 50 --markdown --out offload_bw.md
+
+Everything is measured in one process, size by size:
+
+  offload   a jitted ``t = jaxvmm.offload(x)``, N calls, then ``jaxvmm.synchronize()``: bytes / time
+  reload    a jitted ``jaxvmm.reload(t)`` of N earlier tickets (newest first, the engine's default
+            prediction), then ``block_until_ready``: bytes / time
+  both      a jitted function that offloads ``x`` while it reloads an earlier ticket of the same size,
+            N calls, then ``jaxvmm.synchronize()``: 2 x bytes / time
+  raw       the same three as plain pinned-memory copies. With torch and a GPU: pinned tensors,
+            ``copy_(non_blocking=True)`` on streams of their own, timed with CUDA events. Otherwise
+            (cpu, or no torch) numpy memcpy of the same sizes, two threads for "both"; the header says which.
+  stream    a fixed matmul workload jitted alone, with one offload of ``x``, and with one on-device copy of
+            ``x`` (``x + z``, z a zero scalar argument so XLA cannot fold it): the extra time is what the
+            call costs XLA's stream. Goal: offload's cost is about the D2D snapshot copy's, nothing more.
+
+Tickets never pile up: each batch is dropped (``del``) or reloaded before the next, with
+``jaxvmm.synchronize()`` between phases. A batch holds at most ``window`` tickets (min(3/4 of the host
+pool limit, 16 GiB) and 0.3 x free device memory, divided by the size); larger ``--iters`` run as several
+batches whose times add up, each starting with idle copy engines. Each phase runs once untimed first, so
+the pinned pool and staging slots are warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+
+# Let jax allocate device memory on demand rather than taking 75% at start-up: jaxvmm's staging slots
+# and the raw baseline's buffers need room beside XLA's. (No effect on the cpu platform.)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxvmm  # noqa: E402
+from jaxvmm._devices import target_of  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+GOAL_RATIO = 0.90  # jaxvmm GB/s >= 90% of the raw copy, per direction
+GOAL_BOTH_GPU = 90.0  # GB/s, both directions at once, on GPU
+GOAL_COST = 1.25  # offload's stream cost <= 1.25 x the D2D copy's ...
+GOAL_COST_SLACK_MS = 0.05  # ... + 50 µs of timer noise
+HOST_BUDGET_CAP = 16 * GiB  # pinned bytes the tickets of one batch may hold (the pool never shrinks)
+GPU_SIZES = [64 * MiB, 256 * MiB, 1 * GiB, 4 * GiB]
+CPU_SIZES = [16 * MiB, 64 * MiB]
+
+
+def parse_size(text: str) -> int:
+    """``2M``, ``64MiB``, ``1G``, ``512K``; a bare number is MiB."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 64M, 256MiB, 1G; a bare number is MiB)")
+    unit = {"": MiB, "k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2).lower()]
+    n = int(float(m.group(1)) * unit)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be > 0")
+    return n
+
+
+def parse_sizes(text: str) -> list[int]:
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def human(n: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def gbs(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+# ---------------------------------------------------------------- raw baselines
+
+
+class TorchCopies:
+    """Pinned host tensors and device tensors, copies on two streams of their own, CUDA-event timing."""
+
+    def __init__(self, torch, ordinal: int):
+        self.torch = torch
+        self.dev = torch.device("cuda", ordinal)
+        self.describe = (f"torch {torch.__version__}: pinned tensors, copy_(non_blocking=True) on their own "
+                         f"streams, CUDA events")
+
+    def measure(self, size: int, iters: int) -> dict[str, float]:
+        torch, dev = self.torch, self.dev
+        with torch.cuda.device(dev):
+            d_src = torch.full((size,), 1, dtype=torch.uint8, device=dev)
+            d_dst = torch.empty(size, dtype=torch.uint8, device=dev)
+            h_src = torch.empty(size, dtype=torch.uint8, pin_memory=True).fill_(2)
+            h_dst = torch.empty(size, dtype=torch.uint8, pin_memory=True).fill_(0)
+            s_d2h, s_h2d = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+            def d2h():
+                h_dst.copy_(d_src, non_blocking=True)
+
+            def h2d():
+                d_dst.copy_(h_src, non_blocking=True)
+
+            def timed(work, n):
+                cur = torch.cuda.current_stream(dev)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(dev)
+                start.record(cur)
+                for stream, _ in work:
+                    stream.wait_stream(cur)
+                for stream, fn in work:  # enqueue all of one stream, then the other: they run at once
+                    with torch.cuda.stream(stream):
+                        for _ in range(n):
+                            fn()
+                for stream, _ in work:
+                    cur.wait_stream(stream)
+                end.record(cur)
+                end.synchronize()
+                return start.elapsed_time(end) / 1e3
+
+            out = {}
+            for name, work, factor in (("d2h", [(s_d2h, d2h)], 1), ("h2d", [(s_h2d, h2d)], 1),
+                                       ("both", [(s_d2h, d2h), (s_h2d, h2d)], 2)):
+                timed(work, 1)  # warm-up
+                out[name] = gbs(factor * size * iters, timed(work, iters))
+            del d_src, d_dst, h_src, h_dst
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
+        return out
+
+
+class NumpyCopies:
+    """Host memcpy (numpy.copyto) of the same sizes; two threads at once for "both"."""
+
+    def __init__(self, why: str):
+        self.describe = f"numpy memcpy, host to host ({why}); not a PCIe copy"
+
+    def measure(self, size: int, iters: int) -> dict[str, float]:
+        a, b = np.full(size, 1, np.uint8), np.zeros(size, np.uint8)  # touched, so no page faults are timed
+        c, d = np.full(size, 2, np.uint8), np.zeros(size, np.uint8)
+
+        def copies(dst, src, n):
+            for _ in range(n):
+                np.copyto(dst, src)
+
+        def timed(pairs, n):
+            threads = [threading.Thread(target=copies, args=(dst, src, n)) for dst, src in pairs]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return time.perf_counter() - t0
+
+        out = {}
+        for name, pairs in (("d2h", [(b, a)]), ("h2d", [(d, c)]), ("both", [(b, a), (d, c)])):
+            timed(pairs, 1)
+            out[name] = gbs(len(pairs) * size * iters, timed(pairs, iters))
+        return out
+
+
+def pick_baseline(on_gpu: bool, ordinal: int):
+    if not on_gpu:
+        return NumpyCopies("cpu platform")
+    try:
+        import torch  # imported after jax set up its backend; only the raw baseline uses it
+    except Exception as e:  # noqa: BLE001  (any import failure means: no torch baseline)
+        return NumpyCopies(f"torch not importable: {type(e).__name__}")
+    if not torch.cuda.is_available():
+        return NumpyCopies("torch sees no CUDA device")
+    return TorchCopies(torch, ordinal)
+
+
+# ---------------------------------------------------------------- jaxvmm phases
+
+
+def make_array(size: int, device) -> jax.Array:
+    """``size`` bytes (uint8) of a non-constant pattern, built on the device without a host round trip."""
+
+    @jax.jit
+    def fill():
+        i = jax.lax.iota(jnp.uint32, size)
+        return ((i * jnp.uint32(2654435761)) >> 24).astype(jnp.uint8)
+
+    with jax.default_device(device):
+        return jax.block_until_ready(fill())
+
+
+def settle() -> None:
+    """Every offload/reload done and every dropped ticket freed."""
+    jaxvmm.synchronize()
+
+
+def batches(iters: int, window: int):
+    done = 0
+    while done < iters:
+        b = min(window, iters - done)
+        yield b
+        done += b
+
+
+def offload_phase(off, x, size: int, iters: int, window: int) -> float:
+    """GB/s of ``iters`` jitted offloads, timed from the first call to ``synchronize()`` (D2H done)."""
+    total = 0.0
+    for b in batches(iters, window):
+        settle()
+        t0 = time.perf_counter()
+        tickets = [off(x) for _ in range(b)]
+        jax.block_until_ready(tickets)  # every handler has run (so the engine knows the ops) ...
+        jaxvmm.synchronize()  # ... and every D2H has finished
+        total += time.perf_counter() - t0
+        del tickets  # dropped: their host blocks go back to the pool
+    settle()
+    return gbs(size * iters, total)
+
+
+def reload_phase(off, rel, x, size: int, iters: int, window: int) -> float:
+    """GB/s of ``iters`` jitted reloads (newest ticket first), timed until the last result is ready."""
+    total = 0.0
+    for b in batches(iters, window):
+        tickets = [off(x) for _ in range(b)]
+        jax.block_until_ready(tickets)
+        settle()
+        t0 = time.perf_counter()
+        y = None
+        for t in reversed(tickets):
+            y = rel(t)  # results of one device's stream finish in order: the last one ready means all are
+        y.block_until_ready()
+        total += time.perf_counter() - t0
+        del tickets, y
+        settle()
+    return gbs(size * iters, total)
+
+
+def both_phase(off, both, x, size: int, iters: int, depth: int, lag: int) -> float:
+    """GB/s (both directions counted) of ``iters`` jitted offload-while-reloading calls.
+
+    ``depth`` earlier tickets wait in a queue and are reloaded oldest first. The host may run at most
+    ``lag`` calls ahead of the device: each offload takes its host block when the call is enqueued, so
+    unbounded async dispatch would pin ``iters`` x size bytes."""
+    queue = collections.deque(off(x) for _ in range(depth))
+    jax.block_until_ready(list(queue))
+    settle()
+    in_flight: collections.deque = collections.deque()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        t, y = both(x, queue.popleft())
+        queue.append(t)
+        in_flight.append(y)
+        if len(in_flight) > lag:
+            in_flight.popleft().block_until_ready()
+    jax.block_until_ready((list(in_flight), list(queue)))
+    jaxvmm.synchronize()
+    elapsed = time.perf_counter() - t0
+    del queue, in_flight, t, y  # the last `depth` tickets are dropped, never reloaded
+    settle()
+    return gbs(2 * size * iters, elapsed)
+
+
+def stream_cost(work, a, x, iters: int) -> dict[str, float]:
+    """Median ms of one call of: the workload alone, with an offload of x, with a D2D copy of x."""
+    z = jnp.zeros((), x.dtype)
+    variants = {
+        "work": jax.jit(lambda a, x, z: work(a)),
+        "offload": jax.jit(lambda a, x, z: (work(a), jaxvmm.offload(x))),
+        "copy": jax.jit(lambda a, x, z: (work(a), x + z)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for i in range(iters + 2):  # two untimed rounds first
+        for name, f in variants.items():  # round-robin, so drift hits all three alike
+            settle()  # copy engines idle, staging pages returned: each call starts from the same state
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(f(a, x, z))
+            dt = time.perf_counter() - t0
+            del out
+            if i >= 2:
+                times[name].append(dt * 1e3)
+    settle()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def make_work(on_gpu: bool, device):
+    """A fixed matmul chain on XLA's stream: ~5 ms on an H200, a few ms on a cpu."""
+    n, reps, dtype = (8192, 4, jnp.bfloat16) if on_gpu else (256, 4, jnp.float32)
+    with jax.default_device(device):
+        a = (jax.random.normal(jax.random.key(0), (n, n), jnp.float32) / np.sqrt(n)).astype(dtype)
+
+    def work(a):
+        y = a
+        for _ in range(reps):
+            y = jnp.tanh(y @ a)
+        return y
+
+    flops = 2 * n**3 * reps
+    desc = f"{reps} x ({n}x{n} @ {n}x{n}, {jnp.dtype(dtype).name}) + tanh, {flops / 1e9:,.1f} GFLOP"
+    return work, jax.block_until_ready(a), desc
+
+
+# ---------------------------------------------------------------- tables
+
+BW_HEADERS = ["size", "direction", "jaxvmm GB/s", "raw GB/s", "ratio", "goal", "prefetch hits"]
+BW_RIGHT = {2, 3, 4, 6}
+COST_HEADERS = ["size", "work ms", "+offload ms", "+D2D copy ms", "offload cost ms", "copy cost ms", "cost/copy",
+                "goal"]
+COST_RIGHT = {1, 2, 3, 4, 5, 6}
+
+
+def render(headers, right, rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        out = ["| " + " | ".join(headers) + " |",
+               "|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|"]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(out)
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [line(headers), line(["-" * w for w in widths])]
+    prev = None
+    for r in rows:
+        if prev is not None and r[0] != prev:
+            out.append("")
+        prev = r[0]
+        out.append(line(r))
+    return "\n".join(out)
+
+
+def bw_rows(size: int, res: dict, raw: dict, on_gpu: bool) -> list[list[str]]:
+    rows = []
+    for key, label in (("d2h", "offload (D2H)"), ("h2d", "reload (H2D)"), ("both", "both at once")):
+        mine, base = res[key], raw[key]
+        ratio = mine / base if base > 0 else float("inf")
+        if key == "both" and on_gpu:
+            ok, goal = mine >= GOAL_BOTH_GPU, f">= {GOAL_BOTH_GPU:.0f} GB/s"
+        else:
+            ok, goal = ratio >= GOAL_RATIO, f">= {GOAL_RATIO:.0%}"
+        rows.append([human(size), label, f"{mine:,.1f}", f"{base:,.1f}", f"{ratio:.0%}",
+                     f"{goal} {'PASS' if ok else 'MISS'}", res.get(f"hits_{key}", "")])
+    return rows
+
+
+def cost_row(size: int, c: dict) -> list[str]:
+    cost, copy = c["offload"] - c["work"], c["copy"] - c["work"]
+    ok = cost <= GOAL_COST * max(copy, 0.0) + GOAL_COST_SLACK_MS
+    ratio = f"{cost / copy:.2f}x" if copy > 0.005 else "n/a"
+    return [human(size), f"{c['work']:.3f}", f"{c['offload']:.3f}", f"{c['copy']:.3f}", f"{cost:.3f}", f"{copy:.3f}",
+            ratio, f"{'PASS' if ok else 'MISS'}"]
+
+
+def hits(before: dict, after: dict) -> str:
+    h = after["prefetch_hits"] - before["prefetch_hits"]
+    m = after["prefetch_misses"] - before["prefetch_misses"]
+    return f"{h}/{h + m}"
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=None, help="calls per phase and size (default 20 on GPU, 5 on cpu)")
+    ap.add_argument("--sizes", type=parse_sizes, default=None,
+                    help="comma-separated sizes, e.g. 64M,1G (bare numbers are MiB); overrides the defaults")
+    ap.add_argument("--markdown", action="store_true", help="emit markdown tables")
+    ap.add_argument("--out", metavar="FILE", help="also write the header and tables to FILE")
+    args = ap.parse_args(argv)
+
+    target = target_of(None)
+    device, backend, ordinal = target.device, target.backend, target.ordinal
+    on_gpu = backend == "cuda"
+    iters = args.iters if args.iters is not None else (20 if on_gpu else 5)
+    if iters < 1:
+        ap.error("--iters must be >= 1")
+    sizes = args.sizes if args.sizes is not None else (GPU_SIZES if on_gpu else CPU_SIZES)
+
+    work, a, work_desc = make_work(on_gpu, device)
+    baseline = pick_baseline(on_gpu, ordinal)
+    knobs = jaxvmm.configure()
+    host_budget = min(knobs["host_pool_limit"] * 3 // 4, HOST_BUDGET_CAP)
+    free, total = jaxvmm.driver_memory_info(device)
+    notes: list[str] = []
+    if on_gpu and isinstance(baseline, NumpyCopies):
+        notes.append("raw baseline is host memcpy, not PCIe: the ratio column is not meaningful on this machine")
+    if not on_gpu:
+        notes.append("cpu platform: the POSIX backend copies synchronously inside the call (snapshot, then "
+                     "host copy, then page release); the goals are for GPUs, cpu runs check the harness")
+
+    header = [
+        f"jaxvmm {jaxvmm.__version__} offload/reload throughput vs raw pinned copies (one process)",
+        f"device:      {device} ({device.device_kind}; native {backend} ordinal {ordinal})",
+        f"memory:      {free / GiB:,.1f} GiB free of {total / GiB:,.1f} GiB",
+        f"raw:         {baseline.describe}",
+        f"engine:      host pool limit {knobs['host_pool_limit'] / GiB:,.1f} GiB, chunk "
+        f"{human(knobs['host_pool_chunk'])}, prefetch depth {knobs['prefetch_depth']}",
+        f"iterations:  {iters} per phase; stream cost: median of {iters} calls each",
+        f"workload:    {work_desc}",
+    ]
+    print("\n".join(header), flush=True)
+
+    off = jax.jit(lambda x: jaxvmm.offload(x))
+    rel = jax.jit(jaxvmm.reload)
+    both = jax.jit(lambda x, t: (jaxvmm.offload(x), jaxvmm.reload(t)))
+    same = jax.jit(lambda u, v: jnp.array_equal(u, v))
+
+    bw: list[list[str]] = []
+    costs: list[list[str]] = []
+    batching: list[str] = []
+    ok = True
+    for size in sizes:
+        free, _ = jaxvmm.driver_memory_info(device)
+        cap = host_budget // size  # tickets the host pool budget holds at once
+        window = min(iters, cap, int(0.3 * free) // size)
+        if cap < 3 or window < 1 or 4 * size > 0.9 * free:
+            notes.append(f"skipped {human(size)}: needs 3 x size of host pool budget ({host_budget / GiB:,.1f} GiB; "
+                         f"raise JAXVMM_HOST_POOL_LIMIT) and 4 x size free ({free / GiB:,.1f} GiB)")
+            continue
+        depth = 2 if cap >= 5 else 1
+        lag = max(1, min(2, cap - depth - 1))
+        print(f"  measuring {human(size)} (batches of {window}) ...", file=sys.stderr, flush=True)
+        try:
+            raw = baseline.measure(size, iters)
+            x = make_array(size, device)
+            # Correctness and warm-up: one round trip, compared on the device.
+            t = off(x)
+            y = rel(t)
+            if not bool(same(x, y)):
+                ok = False
+                notes.append(f"{human(size)}: RELOADED DATA DIFFERS from what was offloaded")
+            del t, y
+            settle()
+            res: dict = {}
+            offload_phase(off, x, size, min(iters, window), window)  # warm-up: pinned pool and staging
+            res["d2h"] = offload_phase(off, x, size, iters, window)
+            reload_phase(off, rel, x, size, min(iters, window), window)
+            s0 = jaxvmm.engine_stats()[target.name]
+            res["h2d"] = reload_phase(off, rel, x, size, iters, window)
+            res["hits_h2d"] = hits(s0, jaxvmm.engine_stats()[target.name])
+            both_phase(off, both, x, size, min(iters, 3), depth, lag)
+            s0 = jaxvmm.engine_stats()[target.name]
+            res["both"] = both_phase(off, both, x, size, iters, depth, lag)
+            res["hits_both"] = hits(s0, jaxvmm.engine_stats()[target.name])
+            cost = stream_cost(work, a, x, iters)
+            del x
+            settle()
+        except (jaxvmm.VmmError, RuntimeError, MemoryError) as e:
+            ok = False
+            notes.append(f"{human(size)} failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+            settle()
+            continue
+        st = jaxvmm.engine_stats()[target.name]
+        if st["tickets_live"] or st["ticket_host_bytes"]:
+            ok = False
+            notes.append(f"{human(size)}: {st['tickets_live']} tickets ({st['ticket_host_bytes']} bytes) "
+                         "still live after the size's phases")
+        bw += bw_rows(size, res, raw, on_gpu)
+        batching.append(f"{human(size)}: {window}/{depth}/{lag}")
+        costs.append(cost_row(size, cost))
+
+    st = jaxvmm.engine_stats().get(target.name)
+    if st is not None:
+        if st["errors"]:
+            ok = False
+        notes.append(f"engine at the end: {st['offloads']} offloads, {st['reloads']} reloads, prefetch hits "
+                     f"{st['prefetch_hits']}/{st['prefetch_hits'] + st['prefetch_misses']}, {st['errors']} errors, "
+                     f"{st['tickets_live']} tickets live, pinned pool {st['pinned_bytes'] / MiB:,.0f} MiB "
+                     f"(peak in use {st['pinned_peak_in_use_bytes'] / MiB:,.0f} MiB, {st['pinned_allocs']} "
+                     f"driver allocations), {st['staging_slots']} staging slots, "
+                     f"{jaxvmm.stats()['mapped_bytes']} bytes still mapped")
+    if batching:
+        notes.append("tickets per offload/reload batch / both-at-once queue depth / calls the host may run ahead: "
+                     + ", ".join(batching))
+    notes.append("GB/s = 1e9 bytes/s; 'both at once' counts the bytes of both directions. raw columns use the "
+                 "baseline named in the header, same sizes, same iterations.")
+    notes.append("prefetch hits: reloads whose ticket the engine predicted (its H2D started ahead of need).")
+    notes.append(f"goals: jaxvmm >= {GOAL_RATIO:.0%} of raw per direction"
+                 + (f"; both at once >= {GOAL_BOTH_GPU:.0f} GB/s" if on_gpu else "; both at once likewise on cpu")
+                 + f". stream cost goal: offload cost <= {GOAL_COST}x copy cost + {GOAL_COST_SLACK_MS * 1e3:.0f} µs.")
+    notes.append("stream cost: extra ms per call over the workload alone (median of calls started with idle copy "
+                 "engines); the offload's includes waiting for its staging pages to be mapped.")
+
+    tables = []
+    if bw:
+        tables.append(render(BW_HEADERS, BW_RIGHT, bw, args.markdown))
+        tables.append(render(COST_HEADERS, COST_RIGHT, costs, args.markdown))
+    body = "\n\n".join(tables) if tables else "(no sizes measured)"
+    footer = [("- " if args.markdown else "note: ") + n for n in notes]
+    print()
+    print(body)
+    print()
+    print("\n".join(footer))
+
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            if args.markdown:
+                f.write("\n".join("    " + h for h in header) + "\n\n")
+            else:
+                f.write("\n".join(header) + "\n\n")
+            f.write(body + "\n\n" + "\n".join(footer) + "\n")
+        print(f"wrote {args.out}")
+    return 0 if bw and ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
