@@ -27,6 +27,7 @@ from .errors import (
 )
 from .ops import Ticket, check, configure, engine_stats, offload, prefetch, reload, synchronize
 from .slots import Slot
+from .remat import checkpoint, policies, remat
 
 __version__ = "0.1.0"
 
@@ -103,6 +104,9 @@ __all__ = [
     "synchronize",
     "configure",
     "engine_stats",
+    "checkpoint",
+    "remat",
+    "policies",
     "CudaStatus",
     "cuda_available",
     "driver_memory_info",
