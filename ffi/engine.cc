@@ -539,8 +539,12 @@ void Engine::MapTask(uint64_t seq) {
   {
     // Gate on GPU progress: pages for op `seq` appear only once op `seq - depth` has passed XLA's
     // stream, so mapped staging stays <= depth x largest slot + offloads still copying out.
+    // Reload staging is also capped at `depth` slots holding pages at once: pages of finished reloads
+    // come back on the releaser, and a lagging releaser must not let mapped bytes grow.
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return completed_seq_ + depth >= seq || shutting_down_; });
+    cv_.wait(lock, [&] {
+      return (completed_seq_ + depth >= seq && (op.kind != Op::kReload || reload_mapped_ < depth)) || shutting_down_;
+    });
     if (shutting_down_) {
       op.map_failed = true;
       cv_.notify_all();
@@ -579,6 +583,7 @@ void Engine::MapTask(uint64_t seq) {
     std::fprintf(stderr, "%s (XLA's stream cannot proceed past this op)\n", st.ToString().c_str());
   } else {
     op.mapped = true;
+    if (op.kind == Op::kReload) ++reload_mapped_;
   }
   cv_.notify_all();
 }
@@ -762,7 +767,15 @@ void Engine::CompleteTask(uint64_t seq) {
     if (op.actual) FreeTicket(op.actual);
     int64_t id = op.staging_id;
     size_t size = op.staging_size;
-    releaser_->Post([this, id, size] { ReleaseStaging(id, size); });
+    bool counted = op.mapped;
+    releaser_->Post([this, id, size, counted] {
+      ReleaseStaging(id, size);
+      if (counted) {
+        std::lock_guard<std::mutex> lock(mu_);
+        --reload_mapped_;
+        cv_.notify_all();
+      }
+    });
   } else if (op.kind == Op::kPrefetch && op.actual) {
     op.actual->pins -= 1;
     FreeTicket(op.actual);

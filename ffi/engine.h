@@ -123,6 +123,7 @@ class Engine {
   std::condition_variable cv_;
   uint64_t next_seq_ = 1;
   uint64_t completed_seq_ = 0;  // every op <= this has passed XLA's stream
+  int reload_mapped_ = 0;       // reload staging slots holding pages (capped at the prefetch depth)
   uint64_t next_ticket_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Ticket>> tickets_;  // by token
   std::deque<std::shared_ptr<Ticket>> order_;                       // offload order, for prediction

@@ -87,50 +87,18 @@ ffi::Error PrefetchCpu(int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer
 }  // namespace jaxvmm
 
 // `site` is a per-call-site attribute: it keeps XLA from merging two offloads of the same value (CSE)
-// and names the call site in diagnostics.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_offload_cuda, jaxvmm::OffloadCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("signature")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_reload_cuda, jaxvmm::ReloadCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("signature")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_prefetch_cuda, jaxvmm::PrefetchCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_offload_cpu, jaxvmm::OffloadCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("signature")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_reload_cpu, jaxvmm::ReloadCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("signature")
-                                  .Attr<int64_t>("site"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_prefetch_cpu, jaxvmm::PrefetchCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("site"));
+// and names the call site in diagnostics. CUDA handlers also take XLA's stream.
+#define JAXVMM_CUDA_CTX .Ctx<ffi::PlatformStream<CUstream>>().Ctx<ffi::DeviceOrdinal>()
+#define JAXVMM_CPU_CTX .Ctx<ffi::DeviceOrdinal>()
+#define JAXVMM_ARRAY_OP(ctx) ffi::Ffi::Bind() ctx.Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("signature").Attr<int64_t>("site")
+#define JAXVMM_TOKEN_OP(ctx) ffi::Ffi::Bind() ctx.Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("site")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_offload_cuda, jaxvmm::OffloadCuda, JAXVMM_ARRAY_OP(JAXVMM_CUDA_CTX));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_reload_cuda, jaxvmm::ReloadCuda, JAXVMM_ARRAY_OP(JAXVMM_CUDA_CTX));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_prefetch_cuda, jaxvmm::PrefetchCuda, JAXVMM_TOKEN_OP(JAXVMM_CUDA_CTX));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_offload_cpu, jaxvmm::OffloadCpu, JAXVMM_ARRAY_OP(JAXVMM_CPU_CTX));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_reload_cpu, jaxvmm::ReloadCpu, JAXVMM_ARRAY_OP(JAXVMM_CPU_CTX));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxvmm_prefetch_cpu, jaxvmm::PrefetchCpu, JAXVMM_TOKEN_OP(JAXVMM_CPU_CTX));
 
 namespace jaxvmm {
 

@@ -267,26 +267,24 @@ Status Slot::CheckAccessible(size_t offset, size_t n, const char* stage) const {
   return Status();
 }
 
-Status Slot::Write(size_t offset, const void* src, size_t n) {
-  constexpr const char* kStage = "write";
+template <typename Copy>
+Status Slot::CopyIO(const char* stage, size_t offset, size_t n, Entry entry, Copy copy) {
   std::lock_guard<std::mutex> lock(mu_);
-  JAXVMM_RETURN_IF_ERROR(CheckAccessible(offset, n, kStage));
+  JAXVMM_RETURN_IF_ERROR(CheckAccessible(offset, n, stage));
   if (n == 0) return Status();
   ScopedContext ctx(spec_.backend, spec_.device);
-  if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
-  const DriverTable& d = Driver(spec_.backend);
-  return Call(id_, kStage, Entry::kMemcpyHtoD, [&] { return d.MemcpyHtoD(address_ + offset, src, n); });
+  if (!ctx.status().ok()) return Status(ctx.status()).At(id_, stage);
+  return Call(id_, stage, entry, [&] { return copy(Driver(spec_.backend), address_ + offset); });
+}
+
+Status Slot::Write(size_t offset, const void* src, size_t n) {
+  return CopyIO("write", offset, n, Entry::kMemcpyHtoD,
+                [&](const DriverTable& d, CUdeviceptr at) { return d.MemcpyHtoD(at, src, n); });
 }
 
 Status Slot::Read(size_t offset, void* dst, size_t n) {
-  constexpr const char* kStage = "read";
-  std::lock_guard<std::mutex> lock(mu_);
-  JAXVMM_RETURN_IF_ERROR(CheckAccessible(offset, n, kStage));
-  if (n == 0) return Status();
-  ScopedContext ctx(spec_.backend, spec_.device);
-  if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
-  const DriverTable& d = Driver(spec_.backend);
-  return Call(id_, kStage, Entry::kMemcpyDtoH, [&] { return d.MemcpyDtoH(dst, address_ + offset, n); });
+  return CopyIO("read", offset, n, Entry::kMemcpyDtoH,
+                [&](const DriverTable& d, CUdeviceptr at) { return d.MemcpyDtoH(dst, at, n); });
 }
 
 SlotInfo Slot::Info() const {

@@ -101,6 +101,8 @@ class Slot {
   Status MapPages(const char* stage);   // create + map + access; rolls back its own partial work
   Status DropPages(const char* stage);  // unmap + release whatever is attached
   Status CheckAccessible(size_t offset, size_t n, const char* stage) const;
+  template <typename Copy>
+  Status CopyIO(const char* stage, size_t offset, size_t n, Entry entry, Copy copy);  // Read/Write
   void Remember(const Status& st);
   void Account();  // moves the gauges to the bytes attached now; caller holds mu_
 
