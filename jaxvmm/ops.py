@@ -244,8 +244,10 @@ def check() -> None:
 
 
 def synchronize() -> None:
-    """Block until every dispatched jax computation has finished (all live arrays are ready), then
-    until every offload/reload has completed and jaxvmm's workers are idle."""
+    """Block until every dispatched jax computation whose outputs are still alive has finished (all
+    live arrays are ready), then until every offload/reload enqueued so far has completed and jaxvmm's
+    workers are idle. A computation whose outputs were all discarded is not waited for: keep one of
+    its outputs (or block on it) before reading statistics."""
     for a in jax.live_arrays():
         if not a.is_deleted():
             a.block_until_ready()

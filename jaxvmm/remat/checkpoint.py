@@ -59,7 +59,10 @@ def checkpoint(fn, *, policy=None, prevent_cse: bool = True, static_argnums=()):
     static_argnums = tuple(static_argnums)
 
     @functools.wraps(fn)
-    def wrapped(*args):
+    def wrapped(*args, **kwargs):
+        if kwargs:
+            raise TypeError(f"jaxvmm.checkpoint: keyword arguments are not supported (got {sorted(kwargs)}); pass "
+                            "them positionally, and mark non-array ones with static_argnums")
         statics = _static_argnums(static_argnums, len(args))
         static_vals = {i: args[i] for i in statics}
         dyn_idx = [i for i in range(len(args)) if i not in static_vals]
@@ -70,7 +73,12 @@ def checkpoint(fn, *, policy=None, prevent_cse: bool = True, static_argnums=()):
                 full[i] = v
             return fn(*full)
 
-        ckpt = jax.checkpoint(f_dyn, policy=spec.save, prevent_cse=prevent_cse)
+        dyn_args = [args[i] for i in dyn_idx]
+        # Values fn closes over that are being differentiated (tracers) become explicit inputs, so the
+        # custom_vjp below sees them and gradients reach them; as inputs they are never offloaded.
+        converted, consts = jax.closure_convert(f_dyn, *dyn_args)
+        n_dyn = len(dyn_args)
+        ckpt = jax.checkpoint(converted, policy=spec.save, prevent_cse=prevent_cse)
         layout = {}  # filled while the forward rule is traced; read by the backward rule
 
         @jax.custom_vjp
@@ -99,7 +107,8 @@ def checkpoint(fn, *, policy=None, prevent_cse: bool = True, static_argnums=()):
             return vjp_fn(g)
 
         run.defvjp(fwd, bwd)
-        return run(*[args[i] for i in dyn_idx])
+        del n_dyn
+        return run(*dyn_args, *consts)
 
     return wrapped
 

@@ -13,6 +13,7 @@ on the device: they live in the caller anyway. To offload a layer input, name it
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable
 
 import jax
@@ -35,9 +36,13 @@ class OffloadPolicy:
 
 
 def _check_min_bytes(min_bytes) -> int:
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+    try:
+        n = operator.index(min_bytes)
+    except TypeError:
+        n = -1
+    if isinstance(min_bytes, bool) or n < 0:
         raise ValueError(f"jaxvmm.policies: min_bytes must be an int >= 0, got {min_bytes!r}")
-    return min_bytes
+    return n
 
 
 def offload_only_these_names(*names: str, min_bytes: int = 0) -> OffloadPolicy:
@@ -67,6 +72,8 @@ def resolve(policy) -> OffloadPolicy:
         return OffloadPolicy(save=jax.checkpoint_policies.nothing_saveable, description="nothing_saveable")
     if isinstance(policy, OffloadPolicy):
         return policy
+    if policy in (offload_only_these_names, offload_everything_saveable):
+        raise TypeError(f"jaxvmm.checkpoint: call the policy factory: policy=jaxvmm.policies.{policy.__name__}(...)")
     if callable(policy):
         return OffloadPolicy(save=policy, description=getattr(policy, "__name__", repr(policy)))
     raise TypeError(f"jaxvmm.checkpoint: policy must be None, a jaxvmm.policies policy or a jax.checkpoint_policies "
