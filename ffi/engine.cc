@@ -16,6 +16,7 @@ constexpr uint64_t kRing = 1024;  // ops in flight per engine before the host wa
 constexpr uint64_t kNoTag = 0;    // "no prediction": never a valid token
 
 std::atomic<int> g_depth{-1};
+std::atomic<int> g_keep{-1};
 
 uint64_t Salt() {
   static const uint64_t salt = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
@@ -61,6 +62,15 @@ int EngineConfig::PrefetchDepth() {
   return d > 0 ? d : 2;
 }
 
+void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
+int EngineConfig::KeepResident() {
+  int k = g_keep.load();
+  if (k >= 0) return k;
+  const char* env = std::getenv("JAXVMM_KEEP_RESIDENT");
+  k = env ? std::atoi(env) : 0;
+  return k > 0 ? k : 0;
+}
+
 struct Engine::Ticket {
   uint64_t token = 0;
   ArrayMeta meta;
@@ -75,10 +85,10 @@ struct Engine::Ticket {
   uint64_t claimed_by = 0;   // the reload op that predicted it, until that op resolves
   int pins = 0;              // ops that may still read its host block
   bool freed = false;
-  int64_t resident_id = -1;  // device copy made by a prefetch hint
+  int64_t resident_id = -1;  // device copy: a prefetch hint's, or the offload's own staging (kept)
   size_t resident_size = 0;
   CUdeviceptr resident = 0;
-  CUevent resident_ready = nullptr;
+  CUevent resident_ready = nullptr;  // null: the copy is complete (kept offload staging)
 };
 
 struct Engine::Op {
@@ -561,13 +571,30 @@ void Engine::MapTask(uint64_t seq) {
   Words& w = words_[seq % kRing];
   const DriverTable& d = Driver(backend_);
   if (st.ok() && op.kind == Op::kReload && op.ticket) {
-    // Prefetch the predicted ticket into the slot: H2D after its D2H, then mark the slot ready.
+    // Prefetch the predicted ticket into the slot (H2D after its D2H, or D2D from a device copy it
+    // kept), then mark the slot ready. The prediction pins the ticket, so its copies stay put.
     const auto& t = op.ticket;
-    st = Call(op.staging_id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, t->d2h_done, 0); });
-    if (st.ok())
-      st = Call(op.staging_id, "prefetch", Entry::kMemcpyHtoDAsync, [&] {
-        return d.MemcpyHtoDAsync(op.staging, t->host.ptr, op.meta.nbytes, h2d_);
-      });
+    CUdeviceptr resident;
+    CUevent resident_ready;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      resident = t->resident_id >= 0 ? t->resident : 0;
+      resident_ready = t->resident_ready;
+    }
+    if (resident) {
+      if (resident_ready)
+        st = Call(op.staging_id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, resident_ready, 0); });
+      if (st.ok())
+        st = Call(op.staging_id, "prefetch", Entry::kMemcpyDtoDAsync, [&] {
+          return d.MemcpyDtoDAsync(op.staging, resident, op.meta.nbytes, h2d_);
+        });
+    } else {
+      st = Call(op.staging_id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, t->d2h_done, 0); });
+      if (st.ok())
+        st = Call(op.staging_id, "prefetch", Entry::kMemcpyHtoDAsync, [&] {
+          return d.MemcpyHtoDAsync(op.staging, t->host.ptr, op.meta.nbytes, h2d_);
+        });
+    }
     if (st.ok())
       st = Call(op.staging_id, "prefetch", Entry::kStreamWriteValue64, [&] {
         return d.StreamWriteValue64(h2d_, reinterpret_cast<CUdeviceptr>(&w.ready), seq, 0);
@@ -669,7 +696,8 @@ void Engine::ResolveTask(uint64_t seq) {
   Status st;
   if (a) {
     if (a->resident_id >= 0) {
-      st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, a->resident_ready, 0); });
+      if (a->resident_ready)
+        st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, a->resident_ready, 0); });
       if (st.ok())
         st = Call(op.staging_id, "reload", Entry::kMemcpyDtoDAsync, [&] {
           return d.MemcpyDtoDAsync(op.staging, a->resident, op.meta.nbytes, h2d_);
@@ -750,7 +778,7 @@ void Engine::FreeTicket(std::shared_ptr<Ticket> t) {  // by value: it erases the
   if (t->resident_id >= 0) {
     int64_t id = t->resident_id;
     size_t size = t->resident_size;
-    event_pool_.push_back(t->resident_ready);
+    if (t->resident_ready) event_pool_.push_back(t->resident_ready);
     t->resident_ready = nullptr;
     t->resident_id = -1;
     releaser_->Post([this, id, size] { ReleaseStaging(id, size); });
@@ -802,19 +830,51 @@ void Engine::OffloadedTask(uint64_t seq) {
   int64_t id;
   size_t size;
   std::shared_ptr<Ticket> t;
+  bool keep = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     id = op.staging_id;
     size = op.staging_size;
     t = op.ticket;
+    if (t && EngineConfig::KeepResident() > 0 && !t->consumed && !t->dropped && t->resident_id < 0) {
+      // Keep the snapshot mapped as the ticket's device copy: its reload will copy device to device.
+      keep = true;
+      t->resident_id = id;
+      t->resident_size = size;
+      t->resident = op.staging;
+      t->resident_ready = nullptr;  // the D2D that filled it finished before the D2H that woke us
+      kept_resident_.push_back(t);
+    }
   }
-  ReleaseStaging(id, size);  // the D2H is done: the snapshot's pages go back to the driver
+  if (!keep) ReleaseStaging(id, size);  // the D2H is done: the snapshot's pages go back to the driver
   std::lock_guard<std::mutex> lock(mu_);
   if (t) {
     t->on_host = true;
     FreeTicket(t);
   }
+  EvictResident();
   if (--op.pending == 0) cv_.notify_all();
+}
+
+void Engine::EvictResident() {
+  // Caller holds mu_. Oldest first; a copy that a pending op may still read (pins) stays until freed.
+  kept_resident_.erase(std::remove_if(kept_resident_.begin(), kept_resident_.end(),
+                                      [](const std::shared_ptr<Ticket>& t) { return t->freed || t->resident_id < 0; }),
+                       kept_resident_.end());
+  size_t keep = static_cast<size_t>(EngineConfig::KeepResident());
+  for (auto it = kept_resident_.begin(); kept_resident_.size() > keep && it != kept_resident_.end();) {
+    const auto& t = *it;
+    if (t->pins > 0) {
+      ++it;
+      continue;
+    }
+    int64_t id = t->resident_id;
+    size_t size = t->resident_size;
+    t->resident_id = -1;
+    t->resident = 0;
+    releaser_->Post([this, id, size] { ReleaseStaging(id, size); });
+    it = kept_resident_.erase(it);
+  }
 }
 
 void Engine::ReleaseStaging(int64_t id, size_t size) {

@@ -41,6 +41,11 @@ struct EngineStats {
 struct EngineConfig {
   static void SetPrefetchDepth(int depth);
   static int PrefetchDepth();  // default 2 (JAXVMM_PREFETCH_DEPTH)
+  // How many of the newest offloaded tickets keep their staging pages (a device copy) after the D2H,
+  // so that their reloads copy device to device instead of waiting for an H2D. Default 0
+  // (JAXVMM_KEEP_RESIDENT). Costs that many staging slots of device memory.
+  static void SetKeepResident(int n);
+  static int KeepResident();
 };
 
 class Engine {
@@ -103,6 +108,7 @@ class Engine {
   void CompleteTask(uint64_t seq);   // resolver: XLA's stream passed the op
   void OffloadedTask(uint64_t seq);  // releaser: D2H done; staging pages go back
   void ReleaseStaging(int64_t id, size_t size);
+  void EvictResident();  // caller holds mu_; drops kept copies beyond KeepResident() that no op reads
   void Fail(const Status& st);
   void FreeTicket(std::shared_ptr<Ticket> t);
   Status Resident(const std::shared_ptr<Ticket>& t);
@@ -127,7 +133,8 @@ class Engine {
   uint64_t next_ticket_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Ticket>> tickets_;  // by token
   std::deque<std::shared_ptr<Ticket>> order_;                       // offload order, for prediction
-  std::deque<uint64_t> recently_reloaded_;  // tokens of freed, consumed tickets (diagnostics only)
+  std::deque<uint64_t> recently_reloaded_;
+  std::deque<std::shared_ptr<Ticket>> kept_resident_;  // newest offloads whose staging stays mapped  // tokens of freed, consumed tickets (diagnostics only)
   bool lifo_ = true;
   bool shutting_down_ = false;
   std::map<size_t, std::vector<int64_t>> free_staging_;  // size -> released staging slot ids

@@ -328,11 +328,13 @@ NB_MODULE(_jaxvmm, m) {
                                  int64_t signature, bool reserve) {
     Check(engine(backend, device)->CheckTicket(token, ArrayMeta{nbytes, signature}, reserve));
   });
-  m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth) {
+  m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth, int keep_resident) {
     if (host_pool_limit >= 0) HostPool::SetLimit(static_cast<size_t>(host_pool_limit));
     if (host_pool_chunk > 0) HostPool::SetChunkSize(static_cast<size_t>(host_pool_chunk));
     if (prefetch_depth > 0) EngineConfig::SetPrefetchDepth(prefetch_depth);
-    return nb::make_tuple(HostPool::Limit(), HostPool::ChunkSize(), EngineConfig::PrefetchDepth());
+    if (keep_resident >= 0) EngineConfig::SetKeepResident(keep_resident);
+    return nb::make_tuple(HostPool::Limit(), HostPool::ChunkSize(), EngineConfig::PrefetchDepth(),
+                          EngineConfig::KeepResident());
   });
 
   m.def("memory_info", [](const std::string& backend, int device) {

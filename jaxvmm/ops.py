@@ -260,22 +260,29 @@ def synchronize() -> None:
 
 
 def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None = None,
-              prefetch_depth: int | None = None) -> dict:
-    """Set engine knobs; returns the values in force.
+              prefetch_depth: int | None = None, keep_resident: int | None = None) -> dict:
+    """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
       ``JAXVMM_HOST_POOL_LIMIT``). Offloading past it raises a clear error.
     host_pool_chunk: bytes pinned per driver allocation (default 256 MiB; larger requests get their own).
     prefetch_depth: how many ops ahead of the GPU staging pages may be mapped (default 2; env
-      ``JAXVMM_PREFETCH_DEPTH``)."""
-    for name, v in (("host_pool_limit", host_pool_limit), ("host_pool_chunk", host_pool_chunk),
-                    ("prefetch_depth", prefetch_depth)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
-            raise ValueError(f"jaxvmm.configure: {name} must be a positive int, got {v!r}")
-    limit, chunk, depth = lib.configure(-1 if host_pool_limit is None else int(host_pool_limit),
-                                        0 if host_pool_chunk is None else int(host_pool_chunk),
-                                        0 if prefetch_depth is None else int(prefetch_depth))
-    return {"host_pool_limit": int(limit), "host_pool_chunk": int(chunk), "prefetch_depth": int(depth)}
+      ``JAXVMM_PREFETCH_DEPTH``).
+    keep_resident: how many of the newest offloaded tickets keep a device copy after their D2H, so
+      their reloads copy device to device and never wait for PCIe (default 0; env
+      ``JAXVMM_KEEP_RESIDENT``). In training, the last layers offloaded are the first reloaded:
+      keeping them resident avoids a stall at the start of the backward pass, for that many slots of
+      device memory."""
+    for name, v, lo in (("host_pool_limit", host_pool_limit, 1), ("host_pool_chunk", host_pool_chunk, 1),
+                        ("prefetch_depth", prefetch_depth, 1), ("keep_resident", keep_resident, 0)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
+            raise ValueError(f"jaxvmm.configure: {name} must be an int >= {lo}, got {v!r}")
+    limit, chunk, depth, keep = lib.configure(-1 if host_pool_limit is None else int(host_pool_limit),
+                                              0 if host_pool_chunk is None else int(host_pool_chunk),
+                                              0 if prefetch_depth is None else int(prefetch_depth),
+                                              -1 if keep_resident is None else int(keep_resident))
+    return {"host_pool_limit": int(limit), "host_pool_chunk": int(chunk), "prefetch_depth": int(depth),
+            "keep_resident": int(keep)}
 
 
 def engine_stats() -> dict:

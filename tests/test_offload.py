@@ -1058,9 +1058,11 @@ def test_host_pool_exhausted_is_a_clear_error_subprocess():
     assert "raised eager" in r.stdout and "raised jit" in r.stdout
 
 
-@pytest.mark.parametrize("knob", ["host_pool_limit", "host_pool_chunk", "prefetch_depth"])
+@pytest.mark.parametrize("knob", ["host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident"])
 @pytest.mark.parametrize("value", [0, -1, True, False, 1.5, "4", np.float32(2)])
 def test_configure_rejects_bad_values(knob, value):
+    if knob == "keep_resident" and value == 0 and not isinstance(value, bool):
+        pytest.skip("keep_resident=0 is valid (the default)")
     before = jaxvmm.configure()
     with pytest.raises(ValueError, match=knob):
         jaxvmm.configure(**{knob: value})
@@ -1069,8 +1071,8 @@ def test_configure_rejects_bad_values(knob, value):
 
 def test_configure_returns_values_in_force():
     cur = jaxvmm.configure()
-    assert set(cur) == {"host_pool_limit", "host_pool_chunk", "prefetch_depth"}
-    assert all(isinstance(v, int) and v > 0 for v in cur.values())
+    assert set(cur) == {"host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident"}
+    assert all(isinstance(v, int) and v >= (0 if k == "keep_resident" else 1) for k, v in cur.items())
     try:
         assert jaxvmm.configure(prefetch_depth=np.int64(5))["prefetch_depth"] == 5
         assert jaxvmm.configure()["prefetch_depth"] == 5
@@ -1318,3 +1320,33 @@ def test_offload_works_when_jax_has_no_cpu_backend(monkeypatch):
         monkeypatch.undo()
         _devices._posix_ready.cache_clear()
         _devices._posix_ready()
+
+
+def test_keep_resident_reloads_from_device_copies_subprocess():
+    # keep_resident=K: the newest K offloads keep their staging pages after the D2H; their reloads
+    # are exact, the extra mapped bytes are K slots at most, and everything is returned at the end.
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np, jaxvmm
+        from jax import lax
+        assert jaxvmm.configure(keep_resident=2)["keep_resident"] == 2
+        L, shape = 6, (61, 1000)
+        slot = 245760  # 61*1000*4 bytes, rounded to pages
+        fwd = jax.jit(lambda h: lax.scan(lambda h, _: (h + 1, jaxvmm.offload(h)), h, None, length=L)[1])
+        bwd = jax.jit(lambda ts: lax.scan(lambda c, t: (c, jaxvmm.reload(t)), 0, ts, reverse=True)[1])
+        h = jnp.zeros(shape, jnp.float32)
+        for step in range(3):
+            ts = fwd(h)
+            jaxvmm.synchronize()
+            m = jaxvmm.stats()["mapped_bytes"]
+            assert m == 2 * slot, (step, m)  # exactly the two newest tickets stay on the device
+            ys = bwd(ts)
+            want = np.stack([np.full(shape, i, np.float32) for i in range(L)])
+            assert np.array_equal(np.asarray(ys), want), step
+            del ts, ys
+            jaxvmm.synchronize()
+            assert jaxvmm.stats()["mapped_bytes"] == 0, jaxvmm.stats()["mapped_bytes"]
+        s = jaxvmm.engine_stats()["cpu:0"]
+        assert s["tickets_live"] == 0 and s["errors"] == 0, s
+        print("OK")
+    """)
+    assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env()))

