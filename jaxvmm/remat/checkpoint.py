@@ -14,6 +14,7 @@ import functools
 import operator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import ops
@@ -28,6 +29,20 @@ def _offloadable(leaf, policy: OffloadPolicy, input_ids: set[int]) -> bool:
         return False
     nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     return nbytes > 0 and nbytes >= policy.min_bytes
+
+
+def _after(g):
+    """A uint32 zero that XLA cannot compute before the cotangent ``g`` exists.
+
+    A reload depends only on its token, so without this XLA may schedule it right after the offload
+    (outside ``lax.scan`` it does), which keeps the residual on the device all along. ``x * 0 != 0`` is
+    not foldable (it is true for inf and nan), so the dependency survives optimization; adding it to the
+    token leaves the token unchanged whenever ``g`` is finite."""
+    for leaf in jax.tree.leaves(g):
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size:
+            x = jnp.ravel(leaf)[0]
+            return (jnp.real(x) * 0 != 0).astype(jnp.uint32)
+    return jnp.zeros((), jnp.uint32)
 
 
 def _static_argnums(static_argnums, nargs: int) -> tuple[int, ...]:
@@ -102,7 +117,8 @@ def checkpoint(fn, *, policy=None, prevent_cse: bool = True, static_argnums=()):
             return out, tuple(res)
 
         def bwd(res, g):
-            leaves = [r if k is None else ops.reload(ops.Ticket(r, *k)) for r, k in zip(res, layout["kinds"])]
+            after = _after(g)
+            leaves = [r if k is None else ops.reload(ops.Ticket(r + after, *k)) for r, k in zip(res, layout["kinds"])]
             vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
             return vjp_fn(g)
 
