@@ -595,11 +595,6 @@ def test_loop_invariant_residuals_in_scan_gradients_bit_equal():
     assert d["offloads"] == d["reloads"] and d["errors"] == 0 and d["tickets_live"] == 0, d
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a residual that depends only on scan constants (a shared weight, a closed-over value) is offloaded "
-    "once, outside the loop, by jax's scan partial eval, but its reload stays inside the backward loop body; "
-    "it is reloaded once only because XLA's while-loop-invariant-code-motion happens to hoist the reload. "
-    "Without that pass: 'ticket N was already reloaded' and 0xFF gradients"))
 def test_loop_invariant_residuals_do_not_rely_on_xla_hoisting_subprocess():
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
