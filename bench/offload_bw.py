@@ -46,6 +46,8 @@ import numpy as np  # noqa: E402
 import jaxvmm  # noqa: E402
 from jaxvmm._devices import target_of  # noqa: E402
 
+from _common import human, parse_size, parse_sizes  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 MiB = 1 << 20
 GiB = 1 << 30
 GOAL_RATIO = 0.90  # jaxvmm GB/s >= 90% of the raw copy, per direction
@@ -56,28 +58,6 @@ HOST_BUDGET_CAP = 16 * GiB  # pinned bytes the tickets of one batch may hold (th
 GPU_SIZES = [64 * MiB, 256 * MiB, 1 * GiB, 4 * GiB]
 CPU_SIZES = [16 * MiB, 64 * MiB]
 
-
-def parse_size(text: str) -> int:
-    """``2M``, ``64MiB``, ``1G``, ``512K``; a bare number is MiB."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 64M, 256MiB, 1G; a bare number is MiB)")
-    unit = {"": MiB, "k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2).lower()]
-    n = int(float(m.group(1)) * unit)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be > 0")
-    return n
-
-
-def parse_sizes(text: str) -> list[int]:
-    return [parse_size(s) for s in text.split(",") if s.strip()]
-
-
-def human(n: int) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
 
 
 def gbs(nbytes: float, seconds: float) -> float:

@@ -28,6 +28,8 @@ import jaxvmm  # noqa: E402
 from jaxvmm._devices import target_of
 from jaxvmm._native import lib  # noqa: E402
 
+from _common import human, parse_size, parse_sizes  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 MiB = 1 << 20
 GiB = 1 << 30
 GOAL = 1.2  # slot op may cost at most this many times the raw driver sequence
@@ -50,28 +52,6 @@ RAW_CALLS = [
     ("free", "raw_free", "cuMemAddressFree"),
 ]
 
-
-def parse_size(text: str) -> int:
-    """``2M``, ``64MiB``, ``1G``, ``512K``; a bare number is MiB."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 2M, 64MiB, 1G; a bare number is MiB)")
-    unit = {"": MiB, "k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2).lower()]
-    n = int(float(m.group(1)) * unit)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be > 0")
-    return n
-
-
-def parse_sizes(text: str) -> list[int]:
-    return [parse_size(s) for s in text.split(",") if s.strip()]
-
-
-def human(n: int) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
 
 
 def us(v: float | None) -> str:

@@ -1,0 +1,32 @@
+"""Helpers shared by the benchmark scripts (sizes on the command line, human-readable sizes)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def parse_size(text: str) -> int:
+    """``2M``, ``64MiB``, ``1G``, ``512K``; a bare number is MiB."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 2M, 64MiB, 1G; a bare number is MiB)")
+    unit = {"": MiB, "k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2).lower()]
+    n = int(float(m.group(1)) * unit)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be > 0")
+    return n
+
+
+def parse_sizes(text: str) -> list[int]:
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def human(n: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
