@@ -30,3 +30,17 @@ def human(n: int) -> str:
         if n >= scale and n % scale == 0:
             return f"{n // scale} {unit}"
     return f"{n} B"
+
+
+def emit(header: list[str], body: str, notes: list[str], markdown: bool, out: str | None) -> None:
+    """Print the table and its notes; with ``out``, also write header, table and notes to that file."""
+    footer = [("- " if markdown else "note: ") + n for n in notes]
+    print()
+    print(body)
+    print()
+    print("\n".join(footer))
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write("\n".join(("    " + h) if markdown else h for h in header) + "\n\n")
+            f.write(body + "\n\n" + "\n".join(footer) + "\n")
+        print(f"wrote {out}")

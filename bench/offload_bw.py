@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import statistics
 import sys
 import threading
@@ -46,7 +45,7 @@ import numpy as np  # noqa: E402
 import jaxvmm  # noqa: E402
 from jaxvmm._devices import target_of  # noqa: E402
 
-from _common import human, parse_size, parse_sizes  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _common import emit, human, parse_size, parse_sizes  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -478,20 +477,7 @@ def main(argv=None) -> int:
         tables.append(render(BW_HEADERS, BW_RIGHT, bw, args.markdown))
         tables.append(render(COST_HEADERS, COST_RIGHT, costs, args.markdown))
     body = "\n\n".join(tables) if tables else "(no sizes measured)"
-    footer = [("- " if args.markdown else "note: ") + n for n in notes]
-    print()
-    print(body)
-    print()
-    print("\n".join(footer))
-
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            if args.markdown:
-                f.write("\n".join("    " + h for h in header) + "\n\n")
-            else:
-                f.write("\n".join(header) + "\n\n")
-            f.write(body + "\n\n" + "\n".join(footer) + "\n")
-        print(f"wrote {args.out}")
+    emit(header, body, notes, args.markdown, args.out)
     return 0 if bw and ok else 1
 
 

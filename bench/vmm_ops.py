@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import jaxvmm  # noqa: E402
 from jaxvmm._devices import target_of
 from jaxvmm._native import lib  # noqa: E402
 
-from _common import human, parse_size, parse_sizes  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _common import emit, human, parse_size, parse_sizes  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -189,20 +188,7 @@ def main(argv=None) -> int:
     notes.append("python: the same cycle driven through jaxvmm.Slot from Python (median, measured after the native run).")
     notes.append(f"goal: slot/raw <= {GOAL}x; 'raw <call>' rows are single driver calls, for reference.")
     table = render(rows, args.markdown) if rows else "(no sizes measured)"
-    footer = [("- " if args.markdown else "note: ") + n for n in notes]
-    print()
-    print(table)
-    print()
-    print("\n".join(footer))
-
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            if args.markdown:
-                f.write("\n".join("    " + h for h in header) + "\n\n")
-            else:
-                f.write("\n".join(header) + "\n\n")
-            f.write(table + "\n\n" + "\n".join(footer) + "\n")
-        print(f"wrote {args.out}")
+    emit(header, table, notes, args.markdown, args.out)
     return 0 if rows else 1
 
 

@@ -183,3 +183,32 @@ def run_in_subprocess(code: str, env: dict | None = None,
 def subprocess_runner():
     """The ``run_in_subprocess`` helper, as a fixture."""
     return run_in_subprocess
+
+
+# ---- helpers shared by the offload and remat tests ----
+def jdev(device="cpu"):
+    """The jax.Device a device string names."""
+    from jaxvmm._devices import target_of
+
+    return target_of(device).device
+
+
+def dkey(device="cpu") -> str:
+    """The key of ``device`` in engine_stats() and stats()['devices'] ("cpu:0", "cuda:0")."""
+    from jaxvmm._devices import target_of
+
+    return target_of(device).name
+
+
+def drain_errors(collect: bool = True) -> None:
+    """Wait for the engines and forget any pending asynchronous error (so one test cannot poison the next)."""
+    import gc
+
+    if collect:
+        gc.collect()
+    jaxvmm.synchronize()
+    jaxvmm.synchronize()  # drops drained by the first call may have posted releases
+    try:
+        jaxvmm.check()
+    except jaxvmm.VmmError:
+        pass

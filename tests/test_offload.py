@@ -25,7 +25,7 @@ import jaxvmm
 from jaxvmm._devices import target_of
 from jaxvmm._native import lib
 
-from conftest import run_in_subprocess
+from conftest import dkey, drain_errors, jdev, run_in_subprocess
 
 MiB = 1 << 20
 
@@ -49,27 +49,6 @@ ENGINE_ZERO = dict.fromkeys(
 # ---------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------
-def jdev(device="cpu") -> jax.Device:
-    return target_of(device).device
-
-
-def dkey(device="cpu") -> str:
-    """The key of ``device`` in engine_stats() and stats()['devices'] ("cpu:0", "cuda:0")."""
-    return target_of(device).name
-
-
-def drain_errors(collect: bool = True) -> None:
-    """Wait for the engines and forget any pending asynchronous error (so one test cannot poison the next)."""
-    if collect:
-        gc.collect()
-    jaxvmm.synchronize()
-    jaxvmm.synchronize()  # drops drained by the first call may have posted releases
-    try:
-        jaxvmm.check()
-    except jaxvmm.VmmError:
-        pass
-
-
 def estats(device="cpu") -> dict:
     """Engine stats of one device after synchronize(); zeros when its engine does not exist yet."""
     jaxvmm.synchronize()

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxvmm
 from jaxvmm._devices import target_of
 
-from conftest import run_in_subprocess
+from conftest import dkey, drain_errors, jdev, run_in_subprocess
 
 P = jaxvmm.policies
 CP = jax.checkpoint_policies
@@ -41,27 +41,6 @@ ENGINE_KEYS = ("offloads", "reloads", "tickets_live", "ticket_host_bytes", "erro
 # ---------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------
-def jdev(device="cpu") -> jax.Device:
-    return target_of(device).device
-
-
-def dkey(device="cpu") -> str:
-    """The key of ``device`` in engine_stats() ("cpu:0", "cuda:0")."""
-    return target_of(device).name
-
-
-def drain_errors(collect: bool = True) -> None:
-    """Wait for the engines and forget any pending asynchronous error (one test cannot poison the next)."""
-    if collect:
-        gc.collect()
-    jaxvmm.synchronize()
-    jaxvmm.synchronize()
-    try:
-        jaxvmm.check()
-    except jaxvmm.VmmError:
-        pass
-
-
 def estats(device="cpu") -> dict:
     """Engine counters of one device after synchronize(); zeros when its engine does not exist yet."""
     jaxvmm.synchronize()
