@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU validation (the H200 runner has no network): build against the installed jaxlib, a
 # smoke test, the suite with GPU skips turned into failures, then the benchmarks. Logs go to $OUT.
-# STEPS selects what runs (default: "smoke tests vmm offload"); TESTS selects test files.
+# STEPS selects what runs (default: "smoke tests vmm offload"; add "train" for bench/train_step.py,
+# which needs most of one command's 10 minutes); TESTS selects test files.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -23,4 +24,5 @@ step drop 60 python3 tools/gpu_drop_debug.py
 step tests 420 python3 -P -m pytest -q -rs ${TESTS:-tests}
 step vmm 150 python3 bench/vmm_ops.py --markdown
 step offload 300 python3 bench/offload_bw.py --markdown
+step train 580 python3 bench/train_step.py --models ${TRAIN_MODELS:-mlp,gpt} --steps ${TRAIN_STEPS:-10} --out "$OUT/train_step.md" --plot "$OUT/train_step.png"
 exit 0
