@@ -98,6 +98,9 @@ struct Engine::Op {
   Kind kind = kOffload;
   int pending = 0;  // callbacks still to run; the ring entry is reusable at 0
   bool mapped = false, map_failed = false;
+  bool completion_launched = false;  // OnComplete is on ctl_: CompleteTask will run
+  bool offloaded_launched = false;   // OnOffloaded is on d2h_: OffloadedTask will run
+  CUstream stream = nullptr;         // XLA's stream for the op (null on cpu)
   int64_t staging_id = -1;
   size_t staging_size = 0;
   CUdeviceptr staging = 0;
@@ -193,6 +196,8 @@ Engine::~Engine() {
   releaser_.reset();
   ScopedContext ctx(backend_, device_);
   const DriverTable& d = Driver(backend_);
+  for (CUstream s : {h2d_, d2h_, ctl_})  // nothing of ours may still read what is freed below
+    if (s) d.StreamSynchronize(s);
   Registry& reg = Registry::Get();
   for (auto& [token, t] : tickets_) {
     host_pool_.Free(t->host);
@@ -228,28 +233,45 @@ void Engine::Fail(const Status& st) {
   ++stats_.errors;
 }
 
-Status Engine::BeginOp(Op** out) {
+Status Engine::BeginOp(Op** out, const std::function<void(Op&)>& fill, bool map) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!error_.ok()) {
     Status e = error_;
     error_ = Status();
     return e;
   }
+  // Backpressure (the host may run at most kRing ops ahead of the GPU): wait for the ring entry
+  // *before* taking the sequence number, so numbers are taken, filled and handed to the mapper in
+  // one critical section. Handlers can run on several threads at once; the mapper must see ops in
+  // sequence order or its GPU-progress gate could wait on an op queued behind it.
+  cv_.wait(lock, [&] { return ops_[next_seq_ % kRing].pending == 0; });
   uint64_t seq = next_seq_++;
   Op& op = ops_[seq % kRing];
-  // Backpressure: the host may run at most kRing ops ahead of the GPU.
-  cv_.wait(lock, [&] { return op.pending == 0; });
   op.seq = seq;
   op.pending = 1;  // the host's reference, dropped by FinishEnqueue
   op.mapped = op.map_failed = false;
+  op.completion_launched = op.offloaded_launched = false;
   op.staging_id = -1;
   op.staging_size = 0;
   op.staging = 0;
+  op.stream = nullptr;
   op.ticket.reset();
   op.actual.reset();
   op.tag = kNoTag;
+  fill(op);
+  if (map) mapper_->Post([this, seq] { MapTask(seq); });
   *out = &op;
   return Status();
+}
+
+void Engine::MarkCompleted(uint64_t seq) {
+  // Caller holds mu_. completed_seq_ only moves over a contiguous run of finished ops.
+  if (seq <= completed_seq_) return;
+  finished_.insert(seq);
+  while (!finished_.empty() && *finished_.begin() == completed_seq_ + 1) {
+    finished_.erase(finished_.begin());
+    ++completed_seq_;
+  }
 }
 
 Status Engine::AcquireStaging(size_t nbytes, std::shared_ptr<Slot>* out, int64_t* id) {
@@ -325,13 +347,57 @@ Status Engine::Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage) {
 void Engine::FinishEnqueue(Op& op, const Status& st) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!st.ok()) {
-    // Work enqueued before the failure cannot be taken back. Count the op as passed so later ops'
-    // gates do not wait for a completion that will never be reported; the error is sticky.
-    completed_seq_ = std::max(completed_seq_, op.seq);
     if (error_.ok()) error_ = st;
     ++stats_.errors;
+    const bool undo_completion = !op.completion_launched;
+    const bool undo_offloaded = op.kind == Op::kOffload && !op.offloaded_launched;
+    if (undo_completion) MarkCompleted(op.seq);  // no completion will ever be reported for it
+    if (undo_completion || undo_offloaded) {
+      // Undo what the missing callbacks would have done, once work already enqueued for this op has
+      // drained (a copy may still read or write its staging pages or the ticket's host block).
+      ++op.pending;
+      const uint64_t seq = op.seq;
+      releaser_->Post([this, seq, undo_completion, undo_offloaded] { AbandonTask(seq, undo_completion, undo_offloaded); });
+    }
   }
   if (--op.pending == 0) cv_.notify_all();  // the host's own reference
+  cv_.notify_all();
+}
+
+void Engine::AbandonTask(uint64_t seq, bool undo_completion, bool undo_offloaded) {
+  Op& op = ops_[seq % kRing];
+  const DriverTable& d = Driver(backend_);
+  if (op.stream) d.StreamSynchronize(op.stream);
+  for (CUstream s : {h2d_, d2h_, ctl_}) d.StreamSynchronize(s);
+  bool release = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (op.kind == Op::kReload && undo_completion) {
+      if (op.ticket) {
+        if (op.ticket->claimed_by == seq) op.ticket->claimed_by = 0;
+        op.ticket->pins -= 1;
+        FreeTicket(op.ticket);
+      }
+      if (op.actual && op.actual != op.ticket) op.actual->pins -= 1;
+      if (op.actual) FreeTicket(op.actual);
+      if (op.mapped) --reload_mapped_;
+      release = op.staging_id >= 0;
+    }
+    if (op.kind == Op::kOffload && undo_offloaded) {
+      if (op.ticket) {
+        op.ticket->on_host = true;  // nothing is copying into it any more
+        op.ticket->dropped = true;  // its data never reached the host in full
+        FreeTicket(op.ticket);
+      }
+      release = op.staging_id >= 0;
+    }
+  }
+  if (release) {
+    if (op.mapped) ReleaseStaging(op.staging_id, op.staging_size);
+    else ReturnStaging(op.staging_id, op.staging_size);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--op.pending == 0) cv_.notify_all();
   cv_.notify_all();
 }
 
@@ -350,7 +416,10 @@ Status Engine::EnqueueCompletion(Op& op, CUstream stream) {
   const char* stage = "enqueue";
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op.done, stream); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op.done, 0); }));
-  return Launch(ctl_, &Engine::OnComplete, op, stage);
+  JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &Engine::OnComplete, op, stage));
+  std::lock_guard<std::mutex> lock(mu_);
+  op.completion_launched = true;
+  return Status();
 }
 
 Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
@@ -377,30 +446,30 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
     }
   }
   if (!t->d2h_done) st = Call(-1, "offload", Entry::kEventCreate, [&] { return d.EventCreate(&t->d2h_done, CU_EVENT_DISABLE_TIMING); });
-  if (st.ok()) st = BeginOp(&op);
+  if (st.ok())
+    st = BeginOp(&op, [&](Op& o) {
+      t->token = MakeToken(next_ticket_++, EngineKey());
+      t->offload_seq = o.seq;
+      tickets_[t->token] = t;
+      order_.push_back(t);
+      ++stats_.offloads;
+      o.kind = Op::kOffload;
+      o.meta = meta;
+      o.ticket = t;
+      o.stream = stream;
+      o.staging_id = staging_id;
+      o.staging_size = staging->size();
+      o.staging = staging->address();
+      words_[o.seq % kRing].token = t->token;
+    }, /*map=*/true);
   if (!st.ok()) {
     host_pool_.Free(t->host);
-    ReturnStaging(staging_id, staging->size());
+    std::lock_guard<std::mutex> lock(mu_);
+    if (t->d2h_done) event_pool_.push_back(t->d2h_done);
+    free_staging_[staging->size()].push_back(staging_id);
     return st;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    t->token = MakeToken(next_ticket_++, EngineKey());
-    t->offload_seq = op->seq;
-    tickets_[t->token] = t;
-    order_.push_back(t);
-    ++stats_.offloads;
-    op->kind = Op::kOffload;
-    op->meta = meta;
-    op->ticket = t;
-    op->staging_id = staging_id;
-    op->staging_size = staging->size();
-    op->staging = staging->address();
-  }
   Words& w = words_[op->seq % kRing];
-  w.token = t->token;
-  const uint64_t seq = op->seq;
-  mapper_->Post([this, seq] { MapTask(seq); });
 
   // XLA's stream: snapshot x into the staging slot (mapped by now), hand out the token.
   const char* stage = "offload";
@@ -421,6 +490,7 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
     JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); }));
     JAXVMM_RETURN_IF_ERROR(Launch(d2h_, &Engine::OnOffloaded, *op, stage));
     std::lock_guard<std::mutex> lock(mu_);
+    op->offloaded_launched = true;
     t->enqueued = true;
     return Status();
   };
@@ -437,29 +507,27 @@ Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
   int64_t staging_id = -1;
   JAXVMM_RETURN_IF_ERROR(AcquireStaging(meta.nbytes, &staging, &staging_id));
   Op* op = nullptr;
-  Status st = BeginOp(&op);
+  Status st = BeginOp(&op, [&](Op& o) {
+    ++stats_.reloads;
+    o.kind = Op::kReload;
+    o.meta = meta;
+    o.stream = stream;
+    o.staging_id = staging_id;
+    o.staging_size = staging->size();
+    o.staging = staging->address();
+    o.ticket = Predict(meta);
+    if (o.ticket) {
+      o.ticket->claimed_by = o.seq;
+      o.ticket->pins += 1;
+      o.tag = o.ticket->token;
+    }
+  }, /*map=*/true);
   if (!st.ok()) {
     ReturnStaging(staging_id, staging->size());
     return st;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.reloads;
-    op->kind = Op::kReload;
-    op->meta = meta;
-    op->staging_id = staging_id;
-    op->staging_size = staging->size();
-    op->staging = staging->address();
-    op->ticket = Predict(meta);
-    if (op->ticket) {
-      op->ticket->claimed_by = op->seq;
-      op->ticket->pins += 1;
-      op->tag = op->ticket->token;
-    }
-  }
   const uint64_t seq = op->seq;
   Words& w = words_[seq % kRing];
-  mapper_->Post([this, seq] { MapTask(seq); });
 
   const DriverTable& d = Driver(backend_);
   const char* stage = "reload";
@@ -495,12 +563,11 @@ Status Engine::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
   Op* op = nullptr;
-  JAXVMM_RETURN_IF_ERROR(BeginOp(&op));
-  {
-    std::lock_guard<std::mutex> lock(mu_);
+  JAXVMM_RETURN_IF_ERROR(BeginOp(&op, [&](Op& o) {
     ++stats_.prefetches;
-    op->kind = Op::kPrefetch;
-  }
+    o.kind = Op::kPrefetch;
+    o.stream = stream;
+  }, /*map=*/false));
   Words& w = words_[op->seq % kRing];
   const DriverTable& d = Driver(backend_);
   const char* stage = "prefetch";
@@ -709,6 +776,13 @@ void Engine::ResolveTask(uint64_t seq) {
           return d.MemcpyHtoDAsync(op.staging, a->host.ptr, op.meta.nbytes, h2d_);
         });
     }
+  } else if (token == op.tag) {
+    // XLA's stream already passed the probe wait with the predicted data (a second reload of a
+    // ticket): the staging must not be touched any more; report only.
+    Fail(Status(Code::kInvalidArgument, "reload: " + why));
+    lock.lock();
+    if (--op.pending == 0) cv_.notify_all();
+    return;
   } else {
     Fail(Status(Code::kInvalidArgument, "reload: " + why + "; the output was filled with 0xFF bytes"));
     if (mapped)
@@ -749,10 +823,22 @@ Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
       return d.MemcpyHtoDAsync(slot->address(), t->host.ptr, t->meta.nbytes, h2d_);
     });
   if (st.ok()) st = Call(id, "prefetch", Entry::kEventRecord, [&] { return d.EventRecord(ready, h2d_); });
+  const size_t size = slot->size();
+  const bool mapped = slot->Info().mapped;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!st.ok()) {
-    if (ready) event_pool_.push_back(ready);
-    free_staging_[slot->size()].push_back(id);  // (its pages, if mapped, go with the next use)
+  if (!st.ok() || t->resident_id >= 0) {
+    // Failed, or the ticket kept its offload staging meanwhile (keep_resident): give this copy back
+    // once whatever was enqueued into it has finished.
+    releaser_->Post([this, id, size, mapped, ready] {
+      if (ready) Driver(backend_).EventSynchronize(ready);
+      Driver(backend_).StreamSynchronize(h2d_);
+      if (mapped) ReleaseStaging(id, size);
+      else ReturnStaging(id, size);
+      if (ready) {
+        std::lock_guard<std::mutex> lock(mu_);
+        event_pool_.push_back(ready);
+      }
+    });
     return st;
   }
   t->resident_id = id;
@@ -770,25 +856,36 @@ void Engine::FreeTicket(std::shared_ptr<Ticket> t) {  // by value: it erases the
     recently_reloaded_.push_back(t->token);
     if (recently_reloaded_.size() > 256) recently_reloaded_.pop_front();
   }
-  host_pool_.Free(t->host);
   tickets_.erase(t->token);
   order_.erase(std::remove(order_.begin(), order_.end(), t), order_.end());
   event_pool_.push_back(t->d2h_done);
   t->d2h_done = nullptr;
-  if (t->resident_id >= 0) {
-    int64_t id = t->resident_id;
-    size_t size = t->resident_size;
-    if (t->resident_ready) event_pool_.push_back(t->resident_ready);
-    t->resident_ready = nullptr;
-    t->resident_id = -1;
-    releaser_->Post([this, id, size] { ReleaseStaging(id, size); });
+  const int64_t id = t->resident_id;
+  const size_t size = t->resident_size;
+  const HostBlock host = t->host;
+  const CUevent ready = t->resident_ready;
+  t->resident_id = -1;
+  t->resident_ready = nullptr;
+  if (!ready) {
+    host_pool_.Free(host);
+    if (id >= 0) releaser_->Post([this, id, size] { ReleaseStaging(id, size); });
+    return;
   }
+  // A prefetch hint's copy: its H2D reads the host block and writes the copy. Both go back only
+  // after that copy has finished.
+  releaser_->Post([this, id, size, host, ready] {
+    Driver(backend_).EventSynchronize(ready);
+    if (id >= 0) ReleaseStaging(id, size);
+    std::lock_guard<std::mutex> lock(mu_);
+    host_pool_.Free(host);
+    event_pool_.push_back(ready);
+  });
 }
 
 void Engine::CompleteTask(uint64_t seq) {
   Op& op = ops_[seq % kRing];
   std::lock_guard<std::mutex> lock(mu_);
-  completed_seq_ = std::max(completed_seq_, seq);
+  MarkCompleted(seq);
   if (op.kind == Op::kReload) {
     if (op.ticket) op.ticket->pins -= 1, FreeTicket(op.ticket);
     if (op.actual && op.actual != op.ticket) op.actual->pins -= 1;

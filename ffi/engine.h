@@ -8,6 +8,8 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <set>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,7 +95,10 @@ class Engine {
   };
 
   // Host side.
-  Status BeginOp(Op** out);
+  // Takes the next sequence number, fills the op and (if `map`) hands it to the mapper, atomically.
+  Status BeginOp(Op** out, const std::function<void(Op&)>& fill, bool map);
+  void MarkCompleted(uint64_t seq);  // caller holds mu_
+  void AbandonTask(uint64_t seq, bool undo_completion, bool undo_offloaded);
   Status AcquireStaging(size_t nbytes, std::shared_ptr<Slot>* out, int64_t* id);
   void ReturnStaging(int64_t id, size_t size);
   std::shared_ptr<Ticket> Predict(const ArrayMeta& meta);
@@ -129,6 +134,7 @@ class Engine {
   std::condition_variable cv_;
   uint64_t next_seq_ = 1;
   uint64_t completed_seq_ = 0;  // every op <= this has passed XLA's stream
+  std::set<uint64_t> finished_;  // finished ops above completed_seq_ (out of order)
   int reload_mapped_ = 0;       // reload staging slots holding pages (capped at the prefetch depth)
   uint64_t next_ticket_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Ticket>> tickets_;  // by token

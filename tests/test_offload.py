@@ -1329,3 +1329,71 @@ def test_keep_resident_reloads_from_device_copies_subprocess():
         print("OK")
     """)
     assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env()))
+
+
+# ---- regressions found by review (each ran in a subprocess: a failure there is a hang or a leak) ----
+def test_concurrent_handlers_do_not_deadlock_subprocess():
+    # XLA:CPU runs independent custom calls on several threads; the mapper must still see ops in
+    # sequence order (it used to block on an op queued behind the one it waited for).
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, jaxvmm
+        jaxvmm.configure(prefetch_depth=1)
+        xs = [jnp.full((1 << 14,), i, jnp.float32) for i in range(16)]
+        f = jax.jit(lambda xs: [jaxvmm.reload(jaxvmm.offload(x)) * 2 for x in xs])
+        for it in range(60):
+            ys = jax.block_until_ready(f(xs))
+            assert all(float(y[0]) == 2 * i for i, y in enumerate(ys))
+        jaxvmm.synchronize()
+        s = jaxvmm.engine_stats()["cpu:0"]
+        assert s["tickets_live"] == 0 and s["errors"] == 0, s
+        print("OK")
+    """)
+    assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env(), timeout=180))
+
+
+def test_failed_enqueue_leaks_nothing_and_later_reloads_work_subprocess():
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, jaxvmm, jaxvmm.testing as jt
+        jaxvmm.configure(prefetch_depth=2)
+        x = jnp.arange(4096, dtype=jnp.float32)
+        for i in range(4):
+            t = jaxvmm.offload(x + i)
+            jax.block_until_ready(t.token)
+            jt.arm_fault("cuEventRecord", nth=2, times=1)  # the reload's completion event
+            try:
+                jax.block_until_ready(jaxvmm.reload(t))
+            except Exception:
+                pass
+            finally:
+                jt.clear_faults()
+            try:
+                jaxvmm.check()
+            except jaxvmm.VmmError:
+                pass
+        y = jaxvmm.reload(jaxvmm.offload(x))  # hung here when failed reloads leaked their staging cap
+        assert float(y[1]) == 1.0
+        del t
+        jaxvmm.synchronize()
+        assert jaxvmm.stats()["mapped_bytes"] == 0, jaxvmm.stats()["mapped_bytes"]
+        print("OK")
+    """)
+    assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env(), timeout=120))
+
+
+def test_keep_resident_with_prefetch_returns_all_pages_subprocess():
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np, jaxvmm
+        jaxvmm.configure(keep_resident=1)
+        x = jnp.arange(1 << 18, dtype=jnp.float32)
+        for i in range(40):
+            t = jaxvmm.prefetch(jaxvmm.offload(x + i))
+            y = jaxvmm.reload(t)
+            assert float(y[0]) == i
+        del t, y
+        jaxvmm.synchronize()
+        s = jaxvmm.stats()
+        assert s["mapped_bytes"] == 0, s["mapped_bytes"]
+        assert jaxvmm.engine_stats()["cpu:0"]["tickets_live"] == 0
+        print("OK")
+    """)
+    assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env(), timeout=120))
