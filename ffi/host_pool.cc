@@ -38,26 +38,38 @@ HostPool::~HostPool() {
   for (auto& c : chunks_) Driver(backend_).MemFreeHost(c.base);
 }
 
-Status HostPool::AddChunk(size_t min_bytes) {
+Status HostPool::AddChunk(size_t min_bytes, std::unique_lock<std::mutex>& lock) {
   size_t size = std::max(RoundUp(min_bytes, size_t{2} << 20), ChunkSize());
   size_t limit = Limit();
-  if (static_cast<size_t>(stats_.chunk_bytes) + size > limit) {
+  size_t committed = static_cast<size_t>(stats_.chunk_bytes) + growing_;
+  if (committed + size > limit) {
     // Try the exact request before giving up: the cap is on pinned bytes, not on chunk rounding.
     size = RoundUp(min_bytes, kAlign);
-    if (static_cast<size_t>(stats_.chunk_bytes) + size > limit)
+    if (committed + size > limit)
       return Status(Code::kOutOfMemory, "pinned host pool exhausted: " + std::to_string(min_bytes) +
                                             " bytes requested, " + std::to_string(stats_.in_use_bytes) +
                                             " in use, " + std::to_string(stats_.chunk_bytes) + " pinned, limit " +
                                             std::to_string(limit) +
                                             " (raise it with jaxvmm.configure(host_pool_limit=...))");
   }
-  ScopedContext ctx(backend_, device_);
-  JAXVMM_RETURN_IF_ERROR(ctx.status());
+  // cuMemHostAlloc is slow (~0.6 s/GiB) and may wait for the device: never hold the pool's lock
+  // across it, so frees (from workers that release XLA's stream) are never stuck behind it.
+  growing_ += size;
+  lock.unlock();
   void* p = nullptr;
-  const DriverTable& d = Driver(backend_);
-  JAXVMM_RETURN_IF_ERROR(Call(-1, "host pool", Entry::kMemHostAlloc, [&] {
-    return d.MemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
-  }));
+  Status st;
+  {
+    ScopedContext ctx(backend_, device_);
+    st = ctx.status();
+    const DriverTable& d = Driver(backend_);
+    if (st.ok())
+      st = Call(-1, "host pool", Entry::kMemHostAlloc, [&] {
+        return d.MemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+      });
+  }
+  lock.lock();
+  growing_ -= size;
+  JAXVMM_RETURN_IF_ERROR(st);
   Chunk c{static_cast<char*>(p), size, {}, 0};
   c.free[0] = size;
   chunks_.push_back(std::move(c));
@@ -82,13 +94,13 @@ bool HostPool::Carve(Chunk& c, size_t n, HostBlock* out) {
 
 Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
   size_t n = RoundUp(std::max<size_t>(nbytes, 1), kAlign);
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   bool ok = false;
   for (auto& c : chunks_)
     if ((ok = Carve(c, n, out))) break;
   if (!ok) {
-    JAXVMM_RETURN_IF_ERROR(AddChunk(n));
-    ok = Carve(chunks_.back(), n, out);
+    JAXVMM_RETURN_IF_ERROR(AddChunk(n, lock));
+    for (auto it = chunks_.rbegin(); !ok && it != chunks_.rend(); ++it) ok = Carve(*it, n, out);
   }
   if (!ok) return Status(Code::kInternal, "host pool chunk too small after growth");
   stats_.in_use_bytes += static_cast<int64_t>(n);

@@ -57,7 +57,7 @@ class HostPool {
     std::map<size_t, size_t> free;  // offset -> length, coalesced
     size_t used = 0;
   };
-  Status AddChunk(size_t min_bytes);  // caller holds mu_
+  Status AddChunk(size_t min_bytes, std::unique_lock<std::mutex>& lock);  // drops `lock` around the driver call
   bool Carve(Chunk& c, size_t n, HostBlock* out);
 
   const Backend backend_;
@@ -65,6 +65,7 @@ class HostPool {
   mutable std::mutex mu_;
   std::vector<Chunk> chunks_;
   HostPoolStats stats_;
+  size_t growing_ = 0;  // bytes being pinned right now (counted against the limit)
 };
 
 }  // namespace jaxvmm
