@@ -44,3 +44,26 @@ def emit(header: list[str], body: str, notes: list[str], markdown: bool, out: st
             f.write("\n".join(("    " + h) if markdown else h for h in header) + "\n\n")
             f.write(body + "\n\n" + "\n".join(footer) + "\n")
         print(f"wrote {out}")
+
+
+def render(headers, right, rows: list[list[str]], markdown: bool) -> str:
+    """A plain-text (aligned, a blank line between groups of the first column) or markdown table."""
+    if markdown:
+        out = ["| " + " | ".join(headers) + " |",
+               "|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|"]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(out)
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [line(headers), line(["-" * w for w in widths])]
+    prev = None
+    for r in rows:
+        if prev is not None and r[0] != prev:
+            out.append("")
+        prev = r[0]
+        out.append(line(r))
+    return "\n".join(out)

@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import jaxvmm  # noqa: E402
 from jaxvmm._devices import target_of  # noqa: E402
 
-from _common import emit, human, parse_size, parse_sizes  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _common import emit, human, parse_size, parse_sizes, render  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -295,28 +295,6 @@ BW_RIGHT = {2, 3, 4, 6}
 COST_HEADERS = ["size", "work ms", "+offload ms", "+D2D copy ms", "offload cost ms", "copy cost ms", "cost/copy",
                 "goal"]
 COST_RIGHT = {1, 2, 3, 4, 5, 6}
-
-
-def render(headers, right, rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        out = ["| " + " | ".join(headers) + " |",
-               "|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|"]
-        out += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(out)
-    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
-
-    def line(cells):
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    out = [line(headers), line(["-" * w for w in widths])]
-    prev = None
-    for r in rows:
-        if prev is not None and r[0] != prev:
-            out.append("")
-        prev = r[0]
-        out.append(line(r))
-    return "\n".join(out)
 
 
 def bw_rows(size: int, res: dict, raw: dict, on_gpu: bool) -> list[list[str]]:

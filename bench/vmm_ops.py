@@ -27,7 +27,7 @@ import jaxvmm  # noqa: E402
 from jaxvmm._devices import target_of
 from jaxvmm._native import lib  # noqa: E402
 
-from _common import emit, human, parse_size, parse_sizes  # noqa: E402  (bench/ is on sys.path when run as a script)
+from _common import emit, human, parse_size, parse_sizes, render  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -100,25 +100,10 @@ HEADERS = ["size", "op", "raw µs", "slot µs", "slot/raw", "goal", "python µs"
 RIGHT = {2, 3, 4, 6}
 
 
-def render(rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        out = ["| " + " | ".join(HEADERS) + " |",
-               "|" + "|".join("---:" if i in RIGHT else "---" for i in range(len(HEADERS))) + "|"]
-        out += ["| " + " | ".join(c.replace("  raw ", "raw ") for c in r) + " |" for r in rows]
-        return "\n".join(out)
-    widths = [max(len(HEADERS[i]), *(len(r[i]) for r in rows)) for i in range(len(HEADERS))]
-
-    def line(cells):
-        return "  ".join(c.rjust(w) if i in RIGHT else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    out = [line(HEADERS), line(["-" * w for w in widths])]
-    prev = None
-    for r in rows:
-        if prev is not None and r[0] != prev:
-            out.append("")
-        prev = r[0]
-        out.append(line(r))
-    return "\n".join(out)
+def render_table(rows: list[list[str]], markdown: bool) -> str:
+    if markdown:  # the indented "raw <call>" rows read better flush left in markdown
+        rows = [[c.replace("  raw ", "raw ") for c in r] for r in rows]
+    return render(HEADERS, RIGHT, rows, markdown)
 
 
 def main(argv=None) -> int:
@@ -187,7 +172,7 @@ def main(argv=None) -> int:
                  "remap, address free for close (both close columns tear down an already-released slot).")
     notes.append("python: the same cycle driven through jaxvmm.Slot from Python (median, measured after the native run).")
     notes.append(f"goal: slot/raw <= {GOAL}x; 'raw <call>' rows are single driver calls, for reference.")
-    table = render(rows, args.markdown) if rows else "(no sizes measured)"
+    table = render_table(rows, args.markdown) if rows else "(no sizes measured)"
     emit(header, table, notes, args.markdown, args.out)
     return 0 if rows else 1
 
