@@ -1013,6 +1013,12 @@ Status Engine::CheckTicket(uint64_t token, const ArrayMeta& meta, bool reserve) 
   return Status();
 }
 
+void Engine::Unreserve(uint64_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tickets_.find(token);
+  if (it != tickets_.end() && !it->second->consumed) it->second->reserved = false;
+}
+
 Status Engine::Synchronize() {
   {
     std::unique_lock<std::mutex> lock(mu_);

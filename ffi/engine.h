@@ -73,6 +73,7 @@ class Engine {
   // OK if the token names a live ticket of this engine that no reload has consumed or reserved; then
   // reserves it for the eager reload about to run (a second eager reload is refused synchronously).
   Status CheckTicket(uint64_t token, const ArrayMeta& meta, bool reserve);
+  void Unreserve(uint64_t token);  // the eager reload that reserved it failed before it ran
   // Blocks until every enqueued op has completed and the workers are idle.
   Status Synchronize();
   EngineStats Stats();

@@ -328,6 +328,9 @@ NB_MODULE(_jaxvmm, m) {
                                  int64_t signature, bool reserve) {
     Check(engine(backend, device)->CheckTicket(token, ArrayMeta{nbytes, signature}, reserve));
   });
+  m.def("engine_unreserve", [engine](const std::string& backend, int device, uint64_t token) {
+    engine(backend, device)->Unreserve(token);
+  });
   m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth, int keep_resident) {
     if (host_pool_limit >= 0) HostPool::SetLimit(static_cast<size_t>(host_pool_limit));
     if (host_pool_chunk > 0) HostPool::SetChunkSize(static_cast<size_t>(host_pool_chunk));

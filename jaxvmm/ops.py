@@ -192,7 +192,9 @@ def offload(x) -> Ticket:
 
 
 # ---- reload / prefetch ----
-def _check_ticket(t: Ticket, what: str, reserve: bool) -> None:
+def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
+    """Validates a ticket; for a concrete token also checks it with its engine now (and, with
+    ``reserve``, reserves it for this eager reload). Returns the (target, token value) pairs checked."""
     if not isinstance(t, Ticket):
         raise TypeError(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
     tok = t.token
@@ -203,10 +205,14 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> None:
     if isinstance(tok, jax.Array) and not isinstance(tok, jax.core.Tracer) and tok.ndim == 1:
         # Outside jit the token is concrete: check it now so a bad ticket raises here, synchronously.
         sig = _signature(t.shape, t.dtype)
+        checked = []
         for device, values in _token_values(tok):
             tgt = target_of(device)
             for v in values:
                 lib.engine_check(tgt.backend, tgt.ordinal, int(v), t.nbytes, sig, reserve)
+                checked.append((tgt, int(v)))
+        return checked
+    return []
 
 
 def reload(ticket: Ticket) -> jax.Array:
@@ -215,11 +221,16 @@ def reload(ticket: Ticket) -> jax.Array:
     The runtime maps a staging slot ahead of need (gated by GPU progress), copies host -> slot on a
     copy stream, makes XLA's stream wait for exactly that slot, then copies into XLA's output."""
     _posix_ready()
-    _check_ticket(ticket, "reload", reserve=True)
+    reserved = _check_ticket(ticket, "reload", reserve=True)
     _collect()
-    return jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, ticket.dtype),
-                            vmap_method="sequential")(
-        ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(next(_sites)))
+    try:
+        return jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, ticket.dtype),
+                                vmap_method="sequential")(
+            ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(next(_sites)))
+    except Exception:
+        for tgt, v in reserved:  # the eager reload never ran: the ticket may be reloaded again
+            lib.engine_unreserve(tgt.backend, tgt.ordinal, v)
+        raise
 
 
 def prefetch(ticket: Ticket) -> Ticket:

@@ -1397,3 +1397,31 @@ def test_keep_resident_with_prefetch_returns_all_pages_subprocess():
         print("OK")
     """)
     assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env(), timeout=120))
+
+
+def test_failed_eager_reload_can_be_retried_subprocess():
+    # An eager reload reserves its ticket; when the reload itself fails before running, the ticket must
+    # not stay reserved (it was never reloaded).
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np, jaxvmm, jaxvmm.testing as jt
+        x = jnp.arange(4096, dtype=jnp.float32)
+        t = jaxvmm.offload(x)
+        jaxvmm.synchronize()
+        jt.arm_fault("cuEventRecord", nth=1, times=1)  # the reload's first enqueue step fails
+        try:
+            jax.block_until_ready(jaxvmm.reload(t))
+        except Exception:
+            pass
+        else:
+            raise SystemExit("the injected fault did not fail the reload")
+        finally:
+            jt.clear_faults()
+        try:
+            jaxvmm.check()
+        except jaxvmm.VmmError:
+            pass
+        y = jaxvmm.reload(t)
+        assert np.array_equal(np.asarray(y), np.asarray(x))
+        print("OK")
+    """)
+    assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env()))
