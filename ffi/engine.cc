@@ -226,11 +226,16 @@ Status Engine::TakeError() {
   return e;
 }
 
+void Engine::RecordError(const Status& st) {
+  // Caller holds mu_. The first error is kept (sticky) until a handler or check() takes it.
+  if (error_.ok()) error_ = st;
+  ++stats_.errors;
+}
+
 void Engine::Fail(const Status& st) {
   std::fprintf(stderr, "%s\n", st.ToString().c_str());
   std::lock_guard<std::mutex> lock(mu_);
-  if (error_.ok()) error_ = st;
-  ++stats_.errors;
+  RecordError(st);
 }
 
 Status Engine::BeginOp(Op** out, const std::function<void(Op&)>& fill, bool map) {
@@ -347,8 +352,7 @@ Status Engine::Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage) {
 void Engine::FinishEnqueue(Op& op, const Status& st) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!st.ok()) {
-    if (error_.ok()) error_ = st;
-    ++stats_.errors;
+    RecordError(st);
     const bool undo_completion = !op.completion_launched;
     const bool undo_offloaded = op.kind == Op::kOffload && !op.offloaded_launched;
     if (undo_completion) MarkCompleted(op.seq);  // no completion will ever be reported for it
@@ -672,8 +676,7 @@ void Engine::MapTask(uint64_t seq) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!st.ok()) {
     op.map_failed = true;
-    if (error_.ok()) error_ = st;
-    ++stats_.errors;
+    RecordError(st);
     std::fprintf(stderr, "%s (XLA's stream cannot proceed past this op)\n", st.ToString().c_str());
   } else {
     op.mapped = true;

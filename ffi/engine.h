@@ -115,7 +115,8 @@ class Engine {
   void OffloadedTask(uint64_t seq);  // releaser: D2H done; staging pages go back
   void ReleaseStaging(int64_t id, size_t size);
   void EvictResident();  // caller holds mu_; drops kept copies beyond KeepResident() that no op reads
-  void Fail(const Status& st);
+  void Fail(const Status& st);         // logs, then RecordError
+  void RecordError(const Status& st);  // caller holds mu_
   void FreeTicket(std::shared_ptr<Ticket> t);
   Status Resident(const std::shared_ptr<Ticket>& t);
   std::shared_ptr<Ticket> FindTicket(uint64_t token, std::string* why);
