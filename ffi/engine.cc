@@ -207,6 +207,7 @@ Engine::~Engine() {
   }
   for (auto& [size, ids] : free_staging_)
     for (int64_t id : ids) reg.Close(id);
+  for (const Warm& w : warm_) reg.Close(w.id);
   for (auto& op : ops_) {
     if (op.tok) d.EventDestroy(op.tok);
     if (op.done) d.EventDestroy(op.done);
@@ -479,19 +480,19 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
   const char* stage = "offload";
   auto enqueue = [&]() -> Status {
     JAXVMM_RETURN_IF_ERROR(WaitMapped(*op));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyAsync, [&] {
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kMemcpyAsync, [&] {
       return d.MemcpyAsync(token_out, reinterpret_cast<CUdeviceptr>(&w.token), sizeof(uint64_t), stream);
     }));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyDtoDAsync, [&] {
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kMemcpyDtoDAsync, [&] {
       return d.MemcpyDtoDAsync(op->staging, src, meta.nbytes, stream);
     }));
     JAXVMM_RETURN_IF_ERROR(EnqueueCompletion(*op, stream));
     // Copy stream: after the snapshot, D2H into pinned memory, then wake the releaser.
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(d2h_, op->done, 0); }));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyDtoHAsync, [&] {
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(d2h_, op->done, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kMemcpyDtoHAsync, [&] {
       return d.MemcpyDtoHAsync(t->host.ptr, op->staging, meta.nbytes, d2h_);
     }));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); }));
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); }));
     JAXVMM_RETURN_IF_ERROR(Launch(d2h_, &Engine::OnOffloaded, *op, stage));
     std::lock_guard<std::mutex> lock(mu_);
     op->offloaded_launched = true;
@@ -539,21 +540,21 @@ Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
   auto enqueue = [&]() -> Status {
     JAXVMM_RETURN_IF_ERROR(WaitMapped(*op));
     // Let the resolver learn which ticket the GPU holds, without a host round trip on XLA's stream.
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyAsync, [&] {
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kMemcpyAsync, [&] {
       return d.MemcpyAsync(probe, token_in, sizeof(uint64_t), stream);
     }));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
     JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &Engine::OnResolve, *op, stage));
     // XLA's stream waits for exactly this slot: the right ticket (probe == predicted token, or the
     // resolver's correction) and its data in place (ready >= seq).
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitValue64, [&] {
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kStreamWaitValue64, [&] {
       return d.StreamWaitValue64(stream, probe, op->tag, CU_STREAM_WAIT_VALUE_EQ);
     }));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kStreamWaitValue64, [&] {
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kStreamWaitValue64, [&] {
       return d.StreamWaitValue64(stream, reinterpret_cast<CUdeviceptr>(&w.ready), seq, CU_STREAM_WAIT_VALUE_GEQ);
     }));
-    JAXVMM_RETURN_IF_ERROR(Call(staging_id, stage, Entry::kMemcpyDtoDAsync, [&] {
+    JAXVMM_RETURN_IF_ERROR(Call(op->staging_id, stage, Entry::kMemcpyDtoDAsync, [&] {
       return d.MemcpyDtoDAsync(dst, op->staging, meta.nbytes, stream);
     }));
     return EnqueueCompletion(*op, stream);
@@ -617,15 +618,30 @@ void CUDA_CB Engine::OnOffloaded(void* p) {
 void Engine::MapTask(uint64_t seq) {
   Op& op = ops_[seq % kRing];
   const int depth = EngineConfig::PrefetchDepth();
+  bool handed = false;
   {
     // Gate on GPU progress: pages for op `seq` appear only once op `seq - depth` has passed XLA's
     // stream, so mapped staging stays <= depth x largest slot + offloads still copying out.
     // Reload staging is also capped at `depth` slots holding pages at once: pages of finished reloads
     // come back on the releaser, and a lagging releaser must not let mapped bytes grow.
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] {
-      return (completed_seq_ + depth >= seq && (op.kind != Op::kReload || reload_mapped_ < depth)) || shutting_down_;
-    });
+    map_head_ = seq;
+    cv_.wait(lock, [&] { return MapGateOpen(op, depth) || shutting_down_; });
+    map_head_ = 0;
+    // Pages a finished op of the same size left for us (RetireStaging) are taken as they are: no
+    // unmap, release, create, map or access call, and no driver work beside the copies in flight.
+    for (auto it = warm_.begin(); it != warm_.end(); ++it) {
+      if (shutting_down_ || it->size != op.staging_size) continue;
+      free_staging_[op.staging_size].push_back(op.staging_id);  // our VA had no pages yet
+      op.staging_id = it->id;
+      op.staging = it->address;
+      handed = true;
+      ++stats_.staging_handoffs;
+      warm_.erase(it);
+      break;
+    }
+    for (const Warm& w : warm_) releaser_->Post([this, w] { ReleaseStaging(w.id, w.size); });
+    warm_.clear();
     if (shutting_down_) {
       op.map_failed = true;
       cv_.notify_all();
@@ -633,7 +649,7 @@ void Engine::MapTask(uint64_t seq) {
     }
   }
   Registry& reg = Registry::Get();
-  Status st = reg.Remap(op.staging_id);
+  Status st = handed ? Status() : reg.Remap(op.staging_id);
   for (int attempt = 1; !st.ok() && st.code() == Code::kOutOfMemory && attempt <= 50; ++attempt) {
     // Pages of finished ops are being returned right now; give the releaser a moment.
     std::this_thread::sleep_for(std::chrono::milliseconds(10 * attempt));
@@ -893,17 +909,11 @@ void Engine::CompleteTask(uint64_t seq) {
     if (op.ticket) op.ticket->pins -= 1, FreeTicket(op.ticket);
     if (op.actual && op.actual != op.ticket) op.actual->pins -= 1;
     if (op.actual) FreeTicket(op.actual);
-    int64_t id = op.staging_id;
-    size_t size = op.staging_size;
-    bool counted = op.mapped;
-    releaser_->Post([this, id, size, counted] {
-      ReleaseStaging(id, size);
-      if (counted) {
-        std::lock_guard<std::mutex> lock(mu_);
-        --reload_mapped_;
-        cv_.notify_all();
-      }
-    });
+    const int64_t id = op.staging_id;
+    const size_t size = op.staging_size;
+    const CUdeviceptr address = op.staging;
+    const bool counted = op.mapped;
+    releaser_->Post([this, id, size, address, counted] { RetireStaging(id, size, address, counted); });
   } else if (op.kind == Op::kPrefetch && op.actual) {
     op.actual->pins -= 1;
     FreeTicket(op.actual);
@@ -946,7 +956,7 @@ void Engine::OffloadedTask(uint64_t seq) {
       kept_resident_.push_back(t);
     }
   }
-  if (!keep) ReleaseStaging(id, size);  // the D2H is done: the snapshot's pages go back to the driver
+  if (!keep) RetireStaging(id, size, op.staging, false);  // the D2H is done: the snapshot's pages go
   std::lock_guard<std::mutex> lock(mu_);
   if (t) {
     t->on_host = true;
@@ -975,6 +985,32 @@ void Engine::EvictResident() {
     releaser_->Post([this, id, size] { ReleaseStaging(id, size); });
     it = kept_resident_.erase(it);
   }
+}
+
+bool Engine::MapGateOpen(const Op& op, int depth) const {
+  // Caller holds mu_.
+  return completed_seq_ + depth >= op.seq && (op.kind != Op::kReload || reload_mapped_ < depth);
+}
+
+void Engine::RetireStaging(int64_t id, size_t size, CUdeviceptr address, bool reload_counted) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reload_counted) --reload_mapped_;
+    // Back-to-back copies of one size: the op the mapper waits for would create and map pages of
+    // this size right now, while we unmap and release ours. Unmap/release/create beside a running
+    // H2D cost it ~10% of its bandwidth on the H200 (tools/gpu_copy_diag.py), so hand the pages over
+    // instead. Only to an op whose gate is open, so mapped bytes never exceed what the gate allows.
+    if (!shutting_down_ && map_head_ != 0 && warm_.empty()) {
+      const Op& head = ops_[map_head_ % kRing];
+      if (head.staging_size == size && MapGateOpen(head, EngineConfig::PrefetchDepth())) {
+        warm_.push_back(Warm{id, size, address});
+        cv_.notify_all();
+        return;
+      }
+    }
+    if (reload_counted) cv_.notify_all();  // the reload cap moved
+  }
+  ReleaseStaging(id, size);
 }
 
 void Engine::ReleaseStaging(int64_t id, size_t size) {
@@ -1044,6 +1080,10 @@ EngineStats Engine::Stats() {
   s.tickets_live = static_cast<int64_t>(tickets_.size());
   for (auto& [token, t] : tickets_) s.ticket_host_bytes += static_cast<int64_t>(t->meta.nbytes);
   s.ops_in_flight = static_cast<int64_t>(next_seq_ - 1 - completed_seq_);
+  s.seq_issued = static_cast<int64_t>(next_seq_ - 1);
+  s.seq_completed = static_cast<int64_t>(completed_seq_);
+  s.map_waiting_seq = static_cast<int64_t>(map_head_);
+  s.reload_staging_mapped = reload_mapped_;
   s.host = host_pool_.Stats();
   return s;
 }

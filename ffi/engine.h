@@ -36,7 +36,11 @@ struct EngineStats {
   int64_t tickets_live = 0, ticket_host_bytes = 0;
   int64_t errors = 0, drops = 0;
   int64_t staging_slots = 0;
+  int64_t staging_handoffs = 0;  // staging pages passed from a finished op to the next, no driver call
   int64_t ops_in_flight = 0;
+  // Where the pipeline stands (for diagnosing a stall): sequence numbers handed out / passed by XLA's
+  // stream, the op the mapper waits to map (0: none), reload staging slots holding pages.
+  int64_t seq_issued = 0, seq_completed = 0, map_waiting_seq = 0, reload_staging_mapped = 0;
   HostPoolStats host;
 };
 
@@ -114,6 +118,10 @@ class Engine {
   void CompleteTask(uint64_t seq);   // resolver: XLA's stream passed the op
   void OffloadedTask(uint64_t seq);  // releaser: D2H done; staging pages go back
   void ReleaseStaging(int64_t id, size_t size);
+  // A finished op's staging pages: handed to the op the mapper is about to map (same size, gate
+  // open), or released. `reload_counted` also returns the op's place under the reload staging cap.
+  void RetireStaging(int64_t id, size_t size, CUdeviceptr address, bool reload_counted);
+  bool MapGateOpen(const Op& op, int depth) const;  // caller holds mu_
   void EvictResident();  // caller holds mu_; drops kept copies beyond KeepResident() that no op reads
   void Fail(const Status& st);         // logs, then RecordError
   void RecordError(const Status& st);  // caller holds mu_
@@ -138,6 +146,13 @@ class Engine {
   uint64_t completed_seq_ = 0;  // every op <= this has passed XLA's stream
   std::set<uint64_t> finished_;  // finished ops above completed_seq_ (out of order)
   int reload_mapped_ = 0;       // reload staging slots holding pages (capped at the prefetch depth)
+  uint64_t map_head_ = 0;       // the op the mapper waits to map (0: none)
+  struct Warm {
+    int64_t id;
+    size_t size;
+    CUdeviceptr address;
+  };
+  std::vector<Warm> warm_;      // mapped staging parked for map_head_ (at most one in practice)
   uint64_t next_ticket_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Ticket>> tickets_;  // by token
   std::deque<std::shared_ptr<Ticket>> order_;                       // offload order, for prediction

@@ -295,6 +295,11 @@ NB_MODULE(_jaxvmm, m) {
     d["errors"] = s.errors;
     d["drops"] = s.drops;
     d["staging_slots"] = s.staging_slots;
+    d["staging_handoffs"] = s.staging_handoffs;
+    d["seq_issued"] = s.seq_issued;
+    d["seq_completed"] = s.seq_completed;
+    d["map_waiting_seq"] = s.map_waiting_seq;
+    d["reload_staging_mapped"] = s.reload_staging_mapped;
     d["ops_in_flight"] = s.ops_in_flight;
     d["pinned_bytes"] = s.host.chunk_bytes;
     d["pinned_in_use_bytes"] = s.host.in_use_bytes;

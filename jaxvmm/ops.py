@@ -298,7 +298,9 @@ def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None
 
 def engine_stats() -> dict:
     """Per device (``"cuda:0"``, ``"cpu:0"``): offloads, reloads, prefetch hits/misses, live tickets and
-    their host bytes, pinned pool bytes and driver allocations, staging slots, async errors."""
+    their host bytes, pinned pool bytes and driver allocations, staging slots and page handoffs, async
+    errors, and where the pipeline stands (``seq_issued``, ``seq_completed``, ``map_waiting_seq``,
+    ``reload_staging_mapped``: what to look at when a program seems stuck)."""
     _collect()
     out = {}
     for backend, device in lib.engine_devices():
