@@ -108,7 +108,9 @@ struct Engine::Op {
   std::shared_ptr<Ticket> ticket;  // offload: its ticket; reload: the prediction (may be null)
   std::shared_ptr<Ticket> actual;  // reload/prefetch: what the token resolved to
   uint64_t tag = kNoTag;
-  CUevent tok = nullptr, done = nullptr;
+  bool has_pages = false;        // the staging holds pages (mapped, or a later prefetch step failed)
+  bool filled_recorded = false;  // the mapper prefetched into the staging and recorded `filled`
+  CUevent tok = nullptr, done = nullptr, filled = nullptr;
 };
 
 // ---------------------------------------------------------------- lifetime
@@ -162,7 +164,7 @@ Status Engine::Init() {
   const char* stage = "engine init";
   // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ only
   // carries event waits and host functions, so bookkeeping never queues behind a large copy.
-  for (CUstream* s : {&d2h_, &h2d_, &ctl_})
+  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_})
     JAXVMM_RETURN_IF_ERROR(
         Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
   void* words = nullptr;
@@ -179,7 +181,7 @@ Status Engine::Init() {
   ops_.resize(kRing);
   for (auto& op : ops_) {
     op.engine = this;
-    for (CUevent* e : {&op.tok, &op.done})
+    for (CUevent* e : {&op.tok, &op.done, &op.filled})
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventCreate, [&] {
         return d.EventCreate(e, CU_EVENT_DISABLE_TIMING);
       }));
@@ -196,7 +198,7 @@ Engine::~Engine() {
   releaser_.reset();
   ScopedContext ctx(backend_, device_);
   const DriverTable& d = Driver(backend_);
-  for (CUstream s : {h2d_, d2h_, ctl_})  // nothing of ours may still read what is freed below
+  for (CUstream s : {h2d_, fix_, d2h_, ctl_})  // nothing of ours may still read what is freed below
     if (s) d.StreamSynchronize(s);
   Registry& reg = Registry::Get();
   for (auto& [token, t] : tickets_) {
@@ -209,11 +211,11 @@ Engine::~Engine() {
     for (int64_t id : ids) reg.Close(id);
   for (const Warm& w : warm_) reg.Close(w.id);
   for (auto& op : ops_) {
-    if (op.tok) d.EventDestroy(op.tok);
-    if (op.done) d.EventDestroy(op.done);
+    for (CUevent e : {op.tok, op.done, op.filled})
+      if (e) d.EventDestroy(e);
   }
   for (CUevent e : event_pool_) d.EventDestroy(e);
-  for (CUstream s : {d2h_, h2d_, ctl_})
+  for (CUstream s : {d2h_, h2d_, fix_, ctl_})
     if (s) d.StreamDestroy(s);
   if (words_) d.MemFreeHost(words_);
 }
@@ -255,7 +257,7 @@ Status Engine::BeginOp(Op** out, const std::function<void(Op&)>& fill, bool map)
   Op& op = ops_[seq % kRing];
   op.seq = seq;
   op.pending = 1;  // the host's reference, dropped by FinishEnqueue
-  op.mapped = op.map_failed = false;
+  op.mapped = op.map_failed = op.has_pages = op.filled_recorded = false;
   op.completion_launched = op.offloaded_launched = false;
   op.staging_id = -1;
   op.staging_size = 0;
@@ -373,7 +375,7 @@ void Engine::AbandonTask(uint64_t seq, bool undo_completion, bool undo_offloaded
   Op& op = ops_[seq % kRing];
   const DriverTable& d = Driver(backend_);
   if (op.stream) d.StreamSynchronize(op.stream);
-  for (CUstream s : {h2d_, d2h_, ctl_}) d.StreamSynchronize(s);
+  for (CUstream s : {h2d_, fix_, d2h_, ctl_}) d.StreamSynchronize(s);
   bool release = false;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -398,7 +400,7 @@ void Engine::AbandonTask(uint64_t seq, bool undo_completion, bool undo_offloaded
     }
   }
   if (release) {
-    if (op.mapped) ReleaseStaging(op.staging_id, op.staging_size);
+    if (op.has_pages) ReleaseStaging(op.staging_id, op.staging_size);
     else ReturnStaging(op.staging_id, op.staging_size);
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -618,7 +620,7 @@ void CUDA_CB Engine::OnOffloaded(void* p) {
 void Engine::MapTask(uint64_t seq) {
   Op& op = ops_[seq % kRing];
   const int depth = EngineConfig::PrefetchDepth();
-  bool handed = false;
+  bool handed = false, filled = false;
   {
     // Gate on GPU progress: pages for op `seq` appear only once op `seq - depth` has passed XLA's
     // stream, so mapped staging stays <= depth x largest slot + offloads still copying out.
@@ -655,6 +657,10 @@ void Engine::MapTask(uint64_t seq) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10 * attempt));
     st = reg.Remap(op.staging_id);
   }
+  if (st.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    op.has_pages = true;  // whatever fails below, these pages must be released, not returned as a bare VA
+  }
   Words& w = words_[seq % kRing];
   const DriverTable& d = Driver(backend_);
   if (st.ok() && op.kind == Op::kReload && op.ticket) {
@@ -682,6 +688,10 @@ void Engine::MapTask(uint64_t seq) {
           return d.MemcpyHtoDAsync(op.staging, t->host.ptr, op.meta.nbytes, h2d_);
         });
     }
+    // A correction of this op (resolver, on fix_) must land after this copy, and must not queue
+    // behind later ops' prefetches: it waits for this event only.
+    if (st.ok()) st = Call(op.staging_id, "prefetch", Entry::kEventRecord, [&] { return d.EventRecord(op.filled, h2d_); });
+    if (st.ok()) filled = true;
     if (st.ok())
       st = Call(op.staging_id, "prefetch", Entry::kStreamWriteValue64, [&] {
         return d.StreamWriteValue64(h2d_, reinterpret_cast<CUdeviceptr>(&w.ready), seq, 0);
@@ -693,11 +703,12 @@ void Engine::MapTask(uint64_t seq) {
   if (!st.ok()) {
     op.map_failed = true;
     RecordError(st);
-    std::fprintf(stderr, "%s (XLA's stream cannot proceed past this op)\n", st.ToString().c_str());
+    std::fprintf(stderr, "%s (the op that needed these pages fails)\n", st.ToString().c_str());
   } else {
     op.mapped = true;
     if (op.kind == Op::kReload) ++reload_mapped_;
   }
+  op.filled_recorded = filled;
   cv_.notify_all();
 }
 
@@ -777,44 +788,49 @@ void Engine::ResolveTask(uint64_t seq) {
   // The slot must have pages before anything is copied into it.
   cv_.wait(lock, [&] { return op.mapped || op.map_failed; });
   const bool mapped = op.mapped;
+  const bool filled = op.filled_recorded;
   lock.unlock();
 
-  Status st;
-  if (a) {
-    if (a->resident_id >= 0) {
-      if (a->resident_ready)
-        st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, a->resident_ready, 0); });
-      if (st.ok())
-        st = Call(op.staging_id, "reload", Entry::kMemcpyDtoDAsync, [&] {
-          return d.MemcpyDtoDAsync(op.staging, a->resident, op.meta.nbytes, h2d_);
-        });
-    } else {
-      st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, a->d2h_done, 0); });
-      if (st.ok())
-        st = Call(op.staging_id, "reload", Entry::kMemcpyHtoDAsync, [&] {
-          return d.MemcpyHtoDAsync(op.staging, a->host.ptr, op.meta.nbytes, h2d_);
-        });
-    }
-  } else if (token == op.tag) {
+  if (!a && token == op.tag) {
     // XLA's stream already passed the probe wait with the predicted data (a second reload of a
     // ticket): the staging must not be touched any more; report only.
     Fail(Status(Code::kInvalidArgument, "reload: " + why));
     lock.lock();
     if (--op.pending == 0) cv_.notify_all();
     return;
-  } else {
-    Fail(Status(Code::kInvalidArgument, "reload: " + why + "; the output was filled with 0xFF bytes"));
-    if (mapped)
-      st = Call(op.staging_id, "reload", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(op.staging, 0xFF, op.meta.nbytes, h2d_); });
+  }
+  if (!a) Fail(Status(Code::kInvalidArgument, "reload: " + why + "; the output was filled with 0xFF bytes"));
+
+  // Corrections run on fix_, not h2d_: h2d_ may already hold the prefetches of later ops, which wait
+  // for offloads that sit behind this op on XLA's stream (a cycle once depth > 2). fix_ waits only
+  // for this op's own prefetch, whose inputs all precede this op on XLA's stream.
+  Status st;
+  if (mapped && filled)
+    st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, op.filled, 0); });
+  if (st.ok() && a && a->resident_id >= 0) {
+    if (a->resident_ready)
+      st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, a->resident_ready, 0); });
+    if (st.ok())
+      st = Call(op.staging_id, "reload", Entry::kMemcpyDtoDAsync, [&] {
+        return d.MemcpyDtoDAsync(op.staging, a->resident, op.meta.nbytes, fix_);
+      });
+  } else if (st.ok() && a) {
+    st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, a->d2h_done, 0); });
+    if (st.ok())
+      st = Call(op.staging_id, "reload", Entry::kMemcpyHtoDAsync, [&] {
+        return d.MemcpyHtoDAsync(op.staging, a->host.ptr, op.meta.nbytes, fix_);
+      });
+  } else if (st.ok() && mapped) {
+    st = Call(op.staging_id, "reload", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(op.staging, 0xFF, op.meta.nbytes, fix_); });
   }
   if (mapped) {
-    // Release XLA's stream: the correction is ordered before this write on the H2D stream.
+    // Release XLA's stream: the correction is ordered before this write on fix_.
     Status wst = Call(op.staging_id, "reload", Entry::kStreamWriteValue64, [&] {
-      return d.StreamWriteValue64(h2d_, reinterpret_cast<CUdeviceptr>(&w.probe), op.tag, 0);
+      return d.StreamWriteValue64(fix_, reinterpret_cast<CUdeviceptr>(&w.probe), op.tag, 0);
     });
     if (!wst.ok()) {
       if (st.ok()) st = wst;
-      d.StreamSynchronize(h2d_);
+      d.StreamSynchronize(fix_);
       w.probe.store(op.tag, std::memory_order_release);
     }
   }
@@ -836,12 +852,12 @@ Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
     if (!event_pool_.empty()) ready = event_pool_.back(), event_pool_.pop_back();
   }
   if (st.ok() && !ready) st = Call(id, "prefetch", Entry::kEventCreate, [&] { return d.EventCreate(&ready, CU_EVENT_DISABLE_TIMING); });
-  if (st.ok()) st = Call(id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, t->d2h_done, 0); });
+  if (st.ok()) st = Call(id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, t->d2h_done, 0); });
   if (st.ok())
     st = Call(id, "prefetch", Entry::kMemcpyHtoDAsync, [&] {
-      return d.MemcpyHtoDAsync(slot->address(), t->host.ptr, t->meta.nbytes, h2d_);
+      return d.MemcpyHtoDAsync(slot->address(), t->host.ptr, t->meta.nbytes, fix_);
     });
-  if (st.ok()) st = Call(id, "prefetch", Entry::kEventRecord, [&] { return d.EventRecord(ready, h2d_); });
+  if (st.ok()) st = Call(id, "prefetch", Entry::kEventRecord, [&] { return d.EventRecord(ready, fix_); });
   const size_t size = slot->size();
   const bool mapped = slot->Info().mapped;
   std::lock_guard<std::mutex> lock(mu_);
@@ -850,7 +866,7 @@ Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
     // once whatever was enqueued into it has finished.
     releaser_->Post([this, id, size, mapped, ready] {
       if (ready) Driver(backend_).EventSynchronize(ready);
-      Driver(backend_).StreamSynchronize(h2d_);
+      Driver(backend_).StreamSynchronize(fix_);
       if (mapped) ReleaseStaging(id, size);
       else ReturnStaging(id, size);
       if (ready) {

@@ -136,7 +136,9 @@ class Engine {
   const Backend backend_;
   const int device_;
   HostPool host_pool_;
-  CUstream d2h_ = nullptr, h2d_ = nullptr, ctl_ = nullptr;
+  // d2h_: offload copies out; h2d_: the mapper's prefetches; fix_: the resolver's corrections and
+  // prefetch-hint copies; ctl_: event waits and host functions only.
+  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr;
   Words* words_ = nullptr;  // pinned, kRing entries
   std::vector<Op> ops_;
 

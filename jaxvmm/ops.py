@@ -254,12 +254,24 @@ def check() -> None:
         lib.engine_take_error(backend, device)
 
 
+def _live_arrays() -> list:
+    """Live arrays of every platform jax has: ``jax.live_arrays()`` alone sees only the default one, so on a
+    GPU machine it would miss computations that run on the cpu devices."""
+    out = []
+    for platform in ("cpu", "gpu"):
+        try:
+            out += jax.live_arrays(platform)
+        except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
+            continue
+    return out
+
+
 def synchronize() -> None:
     """Block until every dispatched jax computation whose outputs are still alive has finished (all
     live arrays are ready), then until every offload/reload enqueued so far has completed and jaxvmm's
     workers are idle. A computation whose outputs were all discarded is not waited for: keep one of
     its outputs (or block on it) before reading statistics."""
-    for a in jax.live_arrays():
+    for a in _live_arrays():
         if not a.is_deleted():
             a.block_until_ready()
     for backend, device in lib.engine_devices():
