@@ -3,7 +3,7 @@
 # smoke test, the suite with GPU skips turned into failures, then the benchmarks. Logs go to $OUT.
 # STEPS selects what runs, in this order (default: "smoke tests vmm offload"; others: debug, drop,
 # diag (tools/gpu_copy_diag.py), depth (offload_bw at two prefetch depths), train (bench/train_step.py,
-# most of one command's 10 minutes)); TESTS selects test files.
+# most of one command's 10 minutes)); TESTS selects test files, PYTEST_K a -k expression.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -24,7 +24,7 @@ step debug 150 bash -c 'python3 tools/gpu_debug.py 200; JAXVMM_PREDICT=0 python3
 step drop 60 python3 tools/gpu_drop_debug.py
 step diag 120 python3 tools/gpu_copy_diag.py ${DIAG_MIB:-1024} 10
 step depth 200 bash -c 'for d in ${DEPTHS:-2 4}; do echo "--- JAXVMM_PREFETCH_DEPTH=$d"; JAXVMM_PREFETCH_DEPTH=$d python3 tools/watchdog.py ${DEPTH_WATCHDOG:-75} bench/offload_bw.py --sizes ${DEPTH_SIZES:-1G} --iters 10 --markdown; done'
-step tests 420 python3 -P -m pytest -q -rs ${TESTS:-tests}
+step tests 420 python3 -P -m pytest -q -rs ${PYTEST_K:+-k "$PYTEST_K"} ${TESTS:-tests}
 step vmm 150 python3 bench/vmm_ops.py --markdown
 step offload 300 python3 bench/offload_bw.py --markdown
 step train 580 python3 bench/train_step.py --models ${TRAIN_MODELS:-mlp,gpt} --steps ${TRAIN_STEPS:-10} --out "$OUT/train_step.md" --plot "$OUT/train_step.png"
