@@ -27,5 +27,5 @@ step depth 200 bash -c 'for d in ${DEPTHS:-2 4}; do echo "--- JAXVMM_PREFETCH_DE
 step tests 420 python3 -P -m pytest -q -rs ${PYTEST_K:+-k "$PYTEST_K"} ${TESTS:-tests}
 step vmm 150 python3 bench/vmm_ops.py --markdown
 step offload 300 python3 bench/offload_bw.py --markdown
-step train 580 python3 bench/train_step.py --models ${TRAIN_MODELS:-mlp,gpt} --steps ${TRAIN_STEPS:-10} --out "$OUT/train_step.md" --plot "$OUT/train_step.png"
+step train 580 python3 bench/train_step.py --models ${TRAIN_MODELS:-mlp,gpt} --steps ${TRAIN_STEPS:-10} ${TRAIN_ARGS:-} --out "$OUT/train_step${TRAIN_TAG:-}.md" --plot "$OUT/train_step${TRAIN_TAG:-}.png"
 exit 0
