@@ -209,7 +209,7 @@ Engine::~Engine() {
   }
   for (auto& [size, ids] : free_staging_)
     for (int64_t id : ids) reg.Close(id);
-  for (const Warm& w : warm_) reg.Close(w.id);
+  if (warm_) reg.Close(warm_->id);
   for (auto& op : ops_) {
     for (CUevent e : {op.tok, op.done, op.filled})
       if (e) d.EventDestroy(e);
@@ -630,20 +630,19 @@ void Engine::MapTask(uint64_t seq) {
     map_head_ = seq;
     cv_.wait(lock, [&] { return MapGateOpen(op, depth) || shutting_down_; });
     map_head_ = 0;
-    // Pages a finished op of the same size left for us (RetireStaging) are taken as they are: no
-    // unmap, release, create, map or access call, and no driver work beside the copies in flight.
-    for (auto it = warm_.begin(); it != warm_.end(); ++it) {
-      if (shutting_down_ || it->size != op.staging_size) continue;
+    // Pages a finished op left for us (RetireStaging parks them only for this op, so the size
+    // matches) are taken as they are: no unmap, release, create, map or access call, and no driver
+    // work beside the copies in flight.
+    if (warm_ && !shutting_down_) {
       free_staging_[op.staging_size].push_back(op.staging_id);  // our VA had no pages yet
-      op.staging_id = it->id;
-      op.staging = it->address;
+      op.staging_id = warm_->id;
+      op.staging = warm_->address;
       handed = true;
       ++stats_.staging_handoffs;
-      warm_.erase(it);
-      break;
+    } else if (warm_) {
+      releaser_->Post([this, w = *warm_] { ReleaseStaging(w.id, w.size); });
     }
-    for (const Warm& w : warm_) releaser_->Post([this, w] { ReleaseStaging(w.id, w.size); });
-    warm_.clear();
+    warm_.reset();
     if (shutting_down_) {
       op.map_failed = true;
       cv_.notify_all();
@@ -666,28 +665,12 @@ void Engine::MapTask(uint64_t seq) {
   if (st.ok() && op.kind == Op::kReload && op.ticket) {
     // Prefetch the predicted ticket into the slot (H2D after its D2H, or D2D from a device copy it
     // kept), then mark the slot ready. The prediction pins the ticket, so its copies stay put.
-    const auto& t = op.ticket;
-    CUdeviceptr resident;
-    CUevent resident_ready;
+    Source src;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      resident = t->resident_id >= 0 ? t->resident : 0;
-      resident_ready = t->resident_ready;
+      src = SourceOf(*op.ticket);
     }
-    if (resident) {
-      if (resident_ready)
-        st = Call(op.staging_id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, resident_ready, 0); });
-      if (st.ok())
-        st = Call(op.staging_id, "prefetch", Entry::kMemcpyDtoDAsync, [&] {
-          return d.MemcpyDtoDAsync(op.staging, resident, op.meta.nbytes, h2d_);
-        });
-    } else {
-      st = Call(op.staging_id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, t->d2h_done, 0); });
-      if (st.ok())
-        st = Call(op.staging_id, "prefetch", Entry::kMemcpyHtoDAsync, [&] {
-          return d.MemcpyHtoDAsync(op.staging, t->host.ptr, op.meta.nbytes, h2d_);
-        });
-    }
+    st = CopyTicket(h2d_, src, op.staging, op.meta.nbytes, op.staging_id, "prefetch");
     // A correction of this op (resolver, on fix_) must land after this copy, and must not queue
     // behind later ops' prefetches: it waits for this event only.
     if (st.ok()) st = Call(op.staging_id, "prefetch", Entry::kEventRecord, [&] { return d.EventRecord(op.filled, h2d_); });
@@ -789,6 +772,7 @@ void Engine::ResolveTask(uint64_t seq) {
   cv_.wait(lock, [&] { return op.mapped || op.map_failed; });
   const bool mapped = op.mapped;
   const bool filled = op.filled_recorded;
+  const Source src = a ? SourceOf(*a) : Source();
   lock.unlock();
 
   if (!a && token == op.tag) {
@@ -807,19 +791,8 @@ void Engine::ResolveTask(uint64_t seq) {
   Status st;
   if (mapped && filled)
     st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, op.filled, 0); });
-  if (st.ok() && a && a->resident_id >= 0) {
-    if (a->resident_ready)
-      st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, a->resident_ready, 0); });
-    if (st.ok())
-      st = Call(op.staging_id, "reload", Entry::kMemcpyDtoDAsync, [&] {
-        return d.MemcpyDtoDAsync(op.staging, a->resident, op.meta.nbytes, fix_);
-      });
-  } else if (st.ok() && a) {
-    st = Call(op.staging_id, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, a->d2h_done, 0); });
-    if (st.ok())
-      st = Call(op.staging_id, "reload", Entry::kMemcpyHtoDAsync, [&] {
-        return d.MemcpyHtoDAsync(op.staging, a->host.ptr, op.meta.nbytes, fix_);
-      });
+  if (st.ok() && a) {
+    st = CopyTicket(fix_, src, op.staging, op.meta.nbytes, op.staging_id, "reload");
   } else if (st.ok() && mapped) {
     st = Call(op.staging_id, "reload", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(op.staging, 0xFF, op.meta.nbytes, fix_); });
   }
@@ -839,6 +812,29 @@ void Engine::ResolveTask(uint64_t seq) {
   if (--op.pending == 0) cv_.notify_all();
 }
 
+Engine::Source Engine::SourceOf(const Ticket& t) {
+  Source src;
+  if (t.resident_id >= 0) {
+    src.resident = t.resident;
+    src.resident_ready = t.resident_ready;
+  }
+  src.d2h_done = t.d2h_done;
+  src.host = t.host.ptr;
+  return src;
+}
+
+Status Engine::CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t nbytes, int64_t slot_id,
+                          const char* stage) {
+  const DriverTable& d = Driver(backend_);
+  if (src.resident) {
+    if (src.resident_ready)
+      JAXVMM_RETURN_IF_ERROR(Call(slot_id, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(s, src.resident_ready, 0); }));
+    return Call(slot_id, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, src.resident, nbytes, s); });
+  }
+  JAXVMM_RETURN_IF_ERROR(Call(slot_id, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(s, src.d2h_done, 0); }));
+  return Call(slot_id, stage, Entry::kMemcpyHtoDAsync, [&] { return d.MemcpyHtoDAsync(dst, src.host, nbytes, s); });
+}
+
 Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
   std::shared_ptr<Slot> slot;
   int64_t id = -1;
@@ -852,11 +848,10 @@ Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
     if (!event_pool_.empty()) ready = event_pool_.back(), event_pool_.pop_back();
   }
   if (st.ok() && !ready) st = Call(id, "prefetch", Entry::kEventCreate, [&] { return d.EventCreate(&ready, CU_EVENT_DISABLE_TIMING); });
-  if (st.ok()) st = Call(id, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, t->d2h_done, 0); });
-  if (st.ok())
-    st = Call(id, "prefetch", Entry::kMemcpyHtoDAsync, [&] {
-      return d.MemcpyHtoDAsync(slot->address(), t->host.ptr, t->meta.nbytes, fix_);
-    });
+  Source host_only;  // this copy is made because the ticket keeps no device copy: read its host block
+  host_only.d2h_done = t->d2h_done;
+  host_only.host = t->host.ptr;
+  if (st.ok()) st = CopyTicket(fix_, host_only, slot->address(), t->meta.nbytes, id, "prefetch");
   if (st.ok()) st = Call(id, "prefetch", Entry::kEventRecord, [&] { return d.EventRecord(ready, fix_); });
   const size_t size = slot->size();
   const bool mapped = slot->Info().mapped;
@@ -1016,10 +1011,10 @@ void Engine::RetireStaging(int64_t id, size_t size, CUdeviceptr address, bool re
     // this size right now, while we unmap and release ours. Unmap/release/create beside a running
     // H2D cost it ~10% of its bandwidth on the H200 (tools/gpu_copy_diag.py), so hand the pages over
     // instead. Only to an op whose gate is open, so mapped bytes never exceed what the gate allows.
-    if (!shutting_down_ && map_head_ != 0 && warm_.empty()) {
+    if (!shutting_down_ && map_head_ != 0 && !warm_) {
       const Op& head = ops_[map_head_ % kRing];
       if (head.staging_size == size && MapGateOpen(head, EngineConfig::PrefetchDepth())) {
-        warm_.push_back(Warm{id, size, address});
+        warm_ = Warm{id, size, address};
         cv_.notify_all();
         return;
       }

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -93,6 +94,14 @@ class Engine {
 
   struct Ticket;
   struct Op;
+  // Where a ticket's bytes can be copied from: its device copy (when it keeps one) or its host block
+  // (once its D2H is done). Snapshot under mu_: the releaser may attach a device copy at any time.
+  struct Source {
+    CUdeviceptr resident = 0;
+    CUevent resident_ready = nullptr;  // null: the device copy is complete
+    CUevent d2h_done = nullptr;
+    const void* host = nullptr;
+  };
   struct alignas(64) Words {
     std::atomic<uint64_t> probe;  // reload: the token the GPU read, copied here by XLA's stream
     std::atomic<uint64_t> ready;  // >= op seq once the staging slot holds what XLA's stream needs
@@ -127,6 +136,9 @@ class Engine {
   void RecordError(const Status& st);  // caller holds mu_
   void FreeTicket(std::shared_ptr<Ticket> t);
   Status Resident(const std::shared_ptr<Ticket>& t);
+  static Source SourceOf(const Ticket& t);  // caller holds mu_
+  // Enqueues on `s`: wait until `src` holds the bytes, then copy them to `dst` (D2D or H2D).
+  Status CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t nbytes, int64_t slot_id, const char* stage);
   std::shared_ptr<Ticket> FindTicket(uint64_t token, std::string* why);
 
   static void CUDA_CB OnResolve(void* op);
@@ -154,7 +166,7 @@ class Engine {
     size_t size;
     CUdeviceptr address;
   };
-  std::vector<Warm> warm_;      // mapped staging parked for map_head_ (at most one in practice)
+  std::optional<Warm> warm_;    // mapped staging parked for map_head_ by RetireStaging
   uint64_t next_ticket_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Ticket>> tickets_;  // by token
   std::deque<std::shared_ptr<Ticket>> order_;                       // offload order, for prediction

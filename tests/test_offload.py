@@ -1471,7 +1471,7 @@ def test_failed_eager_reload_can_be_retried_subprocess():
         x = jnp.arange(4096, dtype=jnp.float32)
         t = jaxvmm.offload(x)
         jaxvmm.synchronize()
-        jt.arm_fault("cuEventRecord", nth=1, times=1)  # the reload's first enqueue step fails
+        jt.arm_fault("cuEventRecord", nth=1, times=1)  # the reload's first event (its prefetch) fails
         try:
             jax.block_until_ready(jaxvmm.reload(t))
         except Exception:
