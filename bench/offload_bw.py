@@ -436,7 +436,8 @@ def main(argv=None) -> int:
                      f"{st['prefetch_hits']}/{st['prefetch_hits'] + st['prefetch_misses']}, {st['errors']} errors, "
                      f"{st['tickets_live']} tickets live, pinned pool {st['pinned_bytes'] / MiB:,.0f} MiB "
                      f"(peak in use {st['pinned_peak_in_use_bytes'] / MiB:,.0f} MiB, {st['pinned_allocs']} "
-                     f"driver allocations), {st['staging_slots']} staging slots, "
+                     f"driver allocations), staging peak {st['staging_peak_bytes'] / MiB:,.0f} MiB in "
+                     f"{st['staging_pages_mapped']} page mappings ({st['staging_device_waits']} device waits), "
                      f"{jaxvmm.stats()['mapped_bytes']} bytes still mapped")
     if batching:
         notes.append("tickets per offload/reload batch / both-at-once queue depth / calls the host may run ahead: "

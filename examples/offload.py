@@ -38,15 +38,18 @@ mapped = lambda: f"{jaxvmm.stats()['mapped_bytes'] / MiB:.1f} MiB"  # noqa: E731
 print(f"mapped_bytes before forward: {mapped()}")
 loss, ticket = jax.jit(forward)(x, w)
 jax.block_until_ready(ticket)  # the call has run (jit dispatch is asynchronous) ...
-jaxvmm.synchronize()  # ... and its copy to host is done: the staging pages went back to the driver
+jaxvmm.synchronize()  # ... and its copy to host is done
+print(f"mapped_bytes after forward:  {mapped()} (a staging cell stays mapped while ops flow)")
+jaxvmm.trim()  # give the idle staging pages back now (they also go back after staging_idle_ms)
 host = sum(s["ticket_host_bytes"] for s in jaxvmm.engine_stats().values())
-print(f"mapped_bytes after forward:  {mapped()} (peak {jaxvmm.stats()['peak_mapped_bytes'] / MiB:.1f} MiB while "
+print(f"mapped_bytes after trim():   {mapped()} (peak {jaxvmm.stats()['peak_mapped_bytes'] / MiB:.1f} MiB while "
       f"copying); {ticket} holds {host / MiB:.0f} MiB on the host")
 h, same = jax.jit(backward)(ticket, x)
 jax.block_until_ready(h)  # let the reload run before the ticket goes (a drop that arrives first frees it)
 del ticket
 jaxvmm.synchronize()
-print(f"mapped_bytes after backward: {mapped()}")
+jaxvmm.trim()
+print(f"mapped_bytes after backward and trim(): {mapped()}")
 for dev, s in jaxvmm.engine_stats().items():
     print(f"{dev}: pinned pool {s['pinned_bytes'] / MiB:.0f} MiB (in use {s['pinned_in_use_bytes'] / MiB:.0f}), "
           f"offloads {s['offloads']}, reloads {s['reloads']}, prefetch hits {s['prefetch_hits']}, "

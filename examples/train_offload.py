@@ -156,7 +156,7 @@ jaxvmm.check()  # raises the first asynchronous engine error, if any
 for dev, s in jaxvmm.engine_stats().items():
     print(f"{dev}: offloads {s['offloads']}, reloads {s['reloads']}, prefetch hits {s['prefetch_hits']} / "
           f"misses {s['prefetch_misses']}, pinned pool {s['pinned_bytes'] / MiB:.0f} MiB (peak in use "
-          f"{s['pinned_peak_in_use_bytes'] / MiB:.1f} MiB), staging slots {s['staging_slots']}, "
+          f"{s['pinned_peak_in_use_bytes'] / MiB:.1f} MiB), staging cells {s['staging_cells']} (peak {s['staging_peak_bytes'] / MiB:.0f} MiB), "
           f"tickets live {s['tickets_live']}, errors {s['errors']}")
 print(f"jaxvmm peak mapped staging bytes: {jaxvmm.stats()['peak_mapped_bytes'] / MiB:.1f} MiB")
 

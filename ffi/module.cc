@@ -294,12 +294,17 @@ NB_MODULE(_jaxvmm, m) {
     d["ticket_host_bytes"] = s.ticket_host_bytes;
     d["errors"] = s.errors;
     d["drops"] = s.drops;
-    d["staging_slots"] = s.staging_slots;
-    d["staging_handoffs"] = s.staging_handoffs;
     d["seq_issued"] = s.seq_issued;
     d["seq_completed"] = s.seq_completed;
-    d["map_waiting_seq"] = s.map_waiting_seq;
-    d["reload_staging_mapped"] = s.reload_staging_mapped;
+    d["staging_budget_bytes"] = s.staging.budget_bytes;
+    d["staging_mapped_bytes"] = s.staging.mapped_bytes;
+    d["staging_peak_bytes"] = s.staging.peak_mapped_bytes;
+    d["staging_cells"] = s.staging.cells;
+    d["staging_acquires"] = s.staging.acquires;
+    d["staging_device_waits"] = s.staging.device_waits;
+    d["staging_host_waits"] = s.staging.host_waits;
+    d["staging_pages_mapped"] = s.staging.pages_mapped;
+    d["staging_pages_returned"] = s.staging.pages_returned;
     d["ops_in_flight"] = s.ops_in_flight;
     d["pinned_bytes"] = s.host.chunk_bytes;
     d["pinned_in_use_bytes"] = s.host.in_use_bytes;
@@ -336,13 +341,25 @@ NB_MODULE(_jaxvmm, m) {
   m.def("engine_unreserve", [engine](const std::string& backend, int device, uint64_t token) {
     engine(backend, device)->Unreserve(token);
   });
-  m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth, int keep_resident) {
+  m.def("engine_trim", [engine](const std::string& backend, int device) {
+    Engine* e = engine(backend, device);
+    nb::gil_scoped_release nogil;
+    return e->Trim();
+  });
+  m.def("engine_set_next_ticket", [engine](const std::string& backend, int device, uint32_t n) {
+    engine(backend, device)->SetNextTicketNumber(n);
+  });
+  // Negative (or 0 where 0 is meaningless) leaves a knob as it is; returns every knob's value in force.
+  m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth, int keep_resident,
+                        int64_t staging_budget, int64_t staging_idle_ms) {
     if (host_pool_limit >= 0) HostPool::SetLimit(static_cast<size_t>(host_pool_limit));
     if (host_pool_chunk > 0) HostPool::SetChunkSize(static_cast<size_t>(host_pool_chunk));
-    if (prefetch_depth > 0) EngineConfig::SetPrefetchDepth(prefetch_depth);
+    if (prefetch_depth > 0) StagingArea::SetDepth(prefetch_depth);
     if (keep_resident >= 0) EngineConfig::SetKeepResident(keep_resident);
-    return nb::make_tuple(HostPool::Limit(), HostPool::ChunkSize(), EngineConfig::PrefetchDepth(),
-                          EngineConfig::KeepResident());
+    if (staging_budget > 0) StagingArea::SetBudget(static_cast<size_t>(staging_budget));
+    if (staging_idle_ms > 0) StagingArea::SetIdleMillis(staging_idle_ms);
+    return nb::make_tuple(HostPool::Limit(), HostPool::ChunkSize(), StagingArea::Depth(), EngineConfig::KeepResident(),
+                          StagingArea::Budget(), StagingArea::IdleMillis());
   });
 
   m.def("memory_info", [](const std::string& backend, int device) {

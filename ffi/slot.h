@@ -26,7 +26,8 @@ struct SlotSpec {
   std::vector<int> access;    // devices granted read/write, in one cuMemSetAccess; empty = {device}
   size_t nbytes = 0;          // requested; the reservation is rounded up to the granularity
   CUmemAllocationHandleType handle_types = CU_MEM_HANDLE_TYPE_NONE;  // shareable handles (later)
-  bool map_on_create = true;  // false: reserve only; the slot starts RELEASED (staging slots)
+  bool map_on_create = true;  // false: reserve only; the slot starts RELEASED
+  bool internal = false;      // jaxvmm's own (offload staging), counted apart from the user's slots
 };
 
 enum class SlotState : int {

@@ -25,7 +25,7 @@ from .errors import (
     SlotStateError,
     VmmError,
 )
-from .ops import Ticket, check, configure, engine_stats, offload, prefetch, reload, synchronize
+from .ops import Ticket, check, configure, engine_stats, offload, prefetch, reload, synchronize, trim
 from .slots import Slot
 from .remat import checkpoint, policies, remat
 

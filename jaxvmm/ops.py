@@ -283,36 +283,60 @@ def synchronize() -> None:
 
 
 def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None = None,
-              prefetch_depth: int | None = None, keep_resident: int | None = None) -> dict:
+              prefetch_depth: int | None = None, keep_resident: int | None = None,
+              staging_budget: int | None = None, staging_idle_ms: int | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
       ``JAXVMM_HOST_POOL_LIMIT``). Offloading past it raises a clear error.
     host_pool_chunk: bytes pinned per driver allocation (default 256 MiB; larger requests get their own).
-    prefetch_depth: how many ops ahead of the GPU staging pages may be mapped (default 2; env
-      ``JAXVMM_PREFETCH_DEPTH``).
+    prefetch_depth: staging cells per array size that copies may use at once (default 2; env
+      ``JAXVMM_PREFETCH_DEPTH``): how far offload D2H copies and reload prefetches of one size run
+      ahead of XLA's stream, and how many cells of that size stay mapped while ops flow.
     keep_resident: how many of the newest offloaded tickets keep a device copy after their D2H, so
       their reloads copy device to device and never wait for PCIe (default 0; env
       ``JAXVMM_KEEP_RESIDENT``). In training, the last layers offloaded are the first reloaded:
-      keeping them resident avoids a stall at the start of the backward pass, for that many slots of
-      device memory."""
-    for name, v, lo in (("host_pool_limit", host_pool_limit, 1), ("host_pool_chunk", host_pool_chunk, 1),
-                        ("prefetch_depth", prefetch_depth, 1), ("keep_resident", keep_resident, 0)):
+      keeping them resident avoids a stall at the start of the backward pass, for that many cells of
+      device memory (counted in the staging budget).
+    staging_budget: cap on mapped staging bytes per device (default 4 GiB; env
+      ``JAXVMM_STAGING_BUDGET``): offloads still copying out, reload prefetches, kept copies and
+      prefetch hints included. An array larger than the budget cannot be offloaded.
+    staging_idle_ms: how long the staging area stays mapped with no op before its pages go back to the
+      driver (default 200 ms; env ``JAXVMM_STAGING_IDLE_MS``). ``jaxvmm.trim()`` returns them at once."""
+    knobs = (("host_pool_limit", host_pool_limit, 1), ("host_pool_chunk", host_pool_chunk, 1),
+             ("prefetch_depth", prefetch_depth, 1), ("keep_resident", keep_resident, 0),
+             ("staging_budget", staging_budget, 1), ("staging_idle_ms", staging_idle_ms, 1))
+    for name, v, lo in knobs:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
-            raise ValueError(f"jaxvmm.configure: {name} must be an int >= {lo}, got {v!r}")
-    limit, chunk, depth, keep = lib.configure(-1 if host_pool_limit is None else int(host_pool_limit),
-                                              0 if host_pool_chunk is None else int(host_pool_chunk),
-                                              0 if prefetch_depth is None else int(prefetch_depth),
-                                              -1 if keep_resident is None else int(keep_resident))
-    return {"host_pool_limit": int(limit), "host_pool_chunk": int(chunk), "prefetch_depth": int(depth),
-            "keep_resident": int(keep)}
+            raise errors.InvalidArgumentError(f"jaxvmm.configure: {name} must be an int >= {lo}, got {v!r}",
+                                              code="invalid_argument")
+    vals = lib.configure(-1 if host_pool_limit is None else int(host_pool_limit),
+                         0 if host_pool_chunk is None else int(host_pool_chunk),
+                         0 if prefetch_depth is None else int(prefetch_depth),
+                         -1 if keep_resident is None else int(keep_resident),
+                         0 if staging_budget is None else int(staging_budget),
+                         0 if staging_idle_ms is None else int(staging_idle_ms))
+    return {name: int(v) for (name, _, _), v in zip(knobs, vals)}
+
+
+def trim() -> int:
+    """Return every idle staging page to the driver now (they also go back by themselves after
+    ``staging_idle_ms`` without an op). Returns the bytes returned."""
+    n = 0
+    for backend, device in lib.engine_devices():
+        n += int(lib.engine_trim(backend, device))
+    return n
 
 
 def engine_stats() -> dict:
     """Per device (``"cuda:0"``, ``"cpu:0"``): offloads, reloads, prefetch hits/misses, live tickets and
     their host bytes, pinned pool bytes and driver allocations, staging slots and page handoffs, async
-    errors, and where the pipeline stands (``seq_issued``, ``seq_completed``, ``map_waiting_seq``,
-    ``reload_staging_mapped``: what to look at when a program seems stuck)."""
+    errors, where the pipeline stands (``seq_issued``, ``seq_completed``: what to look at when a program
+    seems stuck), and the staging area: ``staging_budget_bytes``, ``staging_mapped_bytes`` (now),
+    ``staging_peak_bytes``, ``staging_cells``, ``staging_acquires``, ``staging_device_waits`` (acquires
+    whose stream waited for the cell's previous user: back-pressure on the device), ``staging_host_waits``
+    (the rare acquires that waited on the host), ``staging_pages_mapped`` / ``staging_pages_returned``
+    (driver page operations: constant in steady state)."""
     _collect()
     out = {}
     for backend, device in lib.engine_devices():

@@ -49,9 +49,16 @@ LAYERS: dict[str, Group] = {
                    only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
     "host_pool": Group(3, ("host_pool.h", "host_pool.cc")),  # pinned host memory, built on vmm (beside slot)
     "workers": Group(5, ("worker.h", "worker.cc", "workers.h", "workers.cc")),
-    "engine": Group(6, ("engine.h", "engine.cc")),  # the offload engine: workers + host pool + slots
-    "handlers": Group(7, ("handlers*.h", "handlers*.cc")),
-    "module": Group(8, ("module.cc",), only=ANY),
+    # the staging area: mapped cells over registry slots (beside the workers, never above them)
+    "staging": Group(5, ("staging.h", "staging.cc"),
+                     only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
+    # tickets: plain data over the host pool and staging leases; no workers, no engine
+    "tickets": Group(6, ("tickets.h", "tickets.cc"),
+                     only=frozenset({"host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h", "status.h",
+                                     "driver.h"})),
+    "engine": Group(7, ("engine.h", "engine.cc")),  # the offload engine: the parts above + workers
+    "handlers": Group(8, ("handlers*.h", "handlers*.cc")),
+    "module": Group(9, ("module.cc",), only=ANY),
 }
 
 # Files in ffi/ that are not code (no includes to check).
@@ -292,6 +299,11 @@ def test_checker_accepts_a_good_tree():
         ("workers.h", '#include "handlers.h"\n', "may not depend on handlers"),
         ("workers.h", '#include "engine.h"\n', "may not depend on engine"),
         ("engine.h", '#include "handlers.h"\n', "may not depend on handlers"),
+        ("staging.h", '#include "engine.h"\n', "may not depend on engine"),
+        ("staging.cc", '#include "tickets.h"\n', "may not depend on tickets"),
+        ("staging.h", '#include "worker.h"\n', "staging"),
+        ("tickets.h", '#include "engine.h"\n', "may not depend on engine"),
+        ("tickets.cc", '#include "worker.h"\n', "tickets"),
         ("engine.h", '#include "xla/ffi/api/ffi.h"\n', "only handlers*.cc"),
         ("workers.h", '#include "bench.h"\n', "may not depend on bench"),
         ("host_pool.h", '#include "slot.h"\n', "may not depend on slot"),

@@ -42,8 +42,8 @@ DTYPES = [_dtype_param(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.
 
 ENGINE_ZERO = dict.fromkeys(
     ("offloads", "reloads", "prefetches", "prefetch_hits", "prefetch_misses", "tickets_live", "ticket_host_bytes",
-     "errors", "drops", "staging_slots", "staging_handoffs", "ops_in_flight", "seq_issued", "seq_completed",
-     "map_waiting_seq", "reload_staging_mapped", "pinned_bytes", "pinned_in_use_bytes",
+     "errors", "drops", "ops_in_flight", "seq_issued", "seq_completed",
+     "pinned_bytes", "pinned_in_use_bytes",
      "pinned_peak_in_use_bytes", "pinned_allocs"), 0)
 
 
@@ -57,6 +57,8 @@ def estats(device="cpu") -> dict:
 
 
 def mapped(device="cpu") -> int:
+    """Mapped bytes of the device once idle staging pages went back (jaxvmm.trim())."""
+    jaxvmm.trim()
     return jaxvmm.stats()["devices"].get(dkey(device), {}).get("mapped_bytes", 0)
 
 
@@ -464,15 +466,19 @@ def test_ticket_passed_through_jit_outlives_the_original():
 # accounting
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_staging_pages_released_between_offload_and_reload(platform_device, mode):
+def test_staging_pages_go_back_on_trim_between_offload_and_reload(platform_device, mode):
     x_np = random_array((3, 1001), np.float32, seed=11)
     x = put(x_np, platform_device)
-    m0 = (jaxvmm.synchronize(), mapped(platform_device))[1]
+    jaxvmm.synchronize()
+    jaxvmm.trim()
+    m0 = mapped(platform_device)
     s0 = estats(platform_device)
     t = jaxvmm.offload(x) if mode == "eager" else _offload_jit(x)
     jax.block_until_ready(t.token)
     jaxvmm.synchronize()
-    # The ticket's data lives in pinned host memory now; no staging page stays mapped for it.
+    # The ticket's data lives in pinned host memory now; the staging cell it passed through stays
+    # mapped for the next op until trim() (or the idle timeout) returns it.
+    assert jaxvmm.trim() > 0
     assert mapped(platform_device) == m0
     s1 = estats(platform_device)
     assert s1["tickets_live"] - s0["tickets_live"] == 1
@@ -482,6 +488,7 @@ def test_staging_pages_released_between_offload_and_reload(platform_device, mode
     y = jaxvmm.reload(t) if mode == "eager" else _reload_jit(t)
     assert_bits_equal(y, x_np)
     jaxvmm.synchronize()
+    jaxvmm.trim()
     assert mapped(platform_device) == m0
     s2 = estats(platform_device)
     assert s2["tickets_live"] == s0["tickets_live"]
@@ -577,20 +584,23 @@ def step(h):                             # a training step's shape: offload per 
     return hT, bwd(ts)
 expected = np.asarray(jax.jit(lambda h: lax.scan(lambda h, _: (h * 1.5 + 1.0, h), h, None, length=L)[1])(h0))
 assert peak() == 0
-# Up to L offloads of the scan may still be copying out (on a GPU the host runs ahead of the copies);
-# every reload maps its pages only within DEPTH ops of the GPU's progress. A staging slot that was
-# never given back, or a reload mapped ahead regardless of the depth, pushes the peak past the bound.
-bound = (DEPTH + L) * slot
+# Every op of one size passes through at most DEPTH staging cells: an offload whose cell is still
+# copying out makes XLA's stream wait for it (on the device), a reload's prefetch waits the same way.
+# A cell that was never reused, or staging that grows with the number of ops in flight, pushes the
+# peak past the bound.
+bound = DEPTH * slot
 for i in range(3):
     _, ts = jax.jit(fwd)(h0)             # offload and reload in separate executables...
     ys = jax.jit(bwd)(ts)
     assert np.array_equal(np.asarray(ys), expected)
     jaxvmm.synchronize()
+    jaxvmm.trim()
     assert now() == 0, now()             # every staging page went back once the copies were done
     assert 0 < peak() <= bound, (i, "separate", peak() / slot, DEPTH + L)
     _, ys = step(h0)                     # ...and in one
     assert np.array_equal(np.asarray(ys), expected)
     jaxvmm.synchronize()
+    jaxvmm.trim()
     assert now() == 0, now()
     assert peak() <= bound, (i, "one jit", peak() / slot, DEPTH + L)
 jaxvmm.check()
@@ -740,6 +750,7 @@ def test_clear_caches_leaks_nothing(platform_device):
     def snapshot():
         gc.collect()
         jaxvmm.synchronize()
+        jaxvmm.trim()
         s = jaxvmm.stats()
         e = estats(platform_device)
         d = s["devices"].get(dkey(platform_device), {})
@@ -1038,7 +1049,8 @@ def test_host_pool_exhausted_is_a_clear_error_subprocess():
     assert "raised eager" in r.stdout and "raised jit" in r.stdout
 
 
-@pytest.mark.parametrize("knob", ["host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident"])
+@pytest.mark.parametrize("knob", ["host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident",
+                                  "staging_budget", "staging_idle_ms"])
 @pytest.mark.parametrize("value", [0, -1, True, False, 1.5, "4", np.float32(2)])
 def test_configure_rejects_bad_values(knob, value):
     if knob == "keep_resident" and value == 0 and not isinstance(value, bool):
@@ -1051,7 +1063,8 @@ def test_configure_rejects_bad_values(knob, value):
 
 def test_configure_returns_values_in_force():
     cur = jaxvmm.configure()
-    assert set(cur) == {"host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident"}
+    assert set(cur) == {"host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
+                        "staging_idle_ms"}
     assert all(isinstance(v, int) and v >= (0 if k == "keep_resident" else 1) for k, v in cur.items())
     try:
         assert jaxvmm.configure(prefetch_depth=np.int64(5))["prefetch_depth"] == 5
@@ -1380,6 +1393,7 @@ def test_keep_resident_reloads_from_device_copies_subprocess():
         for step in range(3):
             ts = fwd(h)
             jaxvmm.synchronize()
+            jaxvmm.trim()  # the cells ops passed through go back; kept copies stay
             m = jaxvmm.stats()["mapped_bytes"]
             assert m == 2 * slot, (step, m)  # exactly the two newest tickets stay on the device
             ys = bwd(ts)
@@ -1387,7 +1401,7 @@ def test_keep_resident_reloads_from_device_copies_subprocess():
             assert np.array_equal(np.asarray(ys), want), step
             del ts, ys
             jaxvmm.synchronize()
-            assert jaxvmm.stats()["mapped_bytes"] == 0, jaxvmm.stats()["mapped_bytes"]
+            jaxvmm.trim(); assert jaxvmm.stats()["mapped_bytes"] == 0, jaxvmm.stats()["mapped_bytes"]
         s = jaxvmm.engine_stats()["cpu:0"]
         assert s["tickets_live"] == 0 and s["errors"] == 0, s
         print("OK")
@@ -1438,7 +1452,7 @@ def test_failed_enqueue_leaks_nothing_and_later_reloads_work_subprocess():
         assert float(y[1]) == 1.0
         del t
         jaxvmm.synchronize()
-        assert jaxvmm.stats()["mapped_bytes"] == 0, jaxvmm.stats()["mapped_bytes"]
+        jaxvmm.trim(); assert jaxvmm.stats()["mapped_bytes"] == 0, jaxvmm.stats()["mapped_bytes"]
         print("OK")
     """)
     assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env(), timeout=120))
@@ -1455,8 +1469,10 @@ def test_keep_resident_with_prefetch_returns_all_pages_subprocess():
             assert float(y[0]) == i
         del t, y
         jaxvmm.synchronize()
+        jaxvmm.trim()
         s = jaxvmm.stats()
-        assert s["mapped_bytes"] == 0, s["mapped_bytes"]
+        jaxvmm.trim()
+        assert jaxvmm.stats()["mapped_bytes"] == 0, jaxvmm.stats()["mapped_bytes"]
         assert jaxvmm.engine_stats()["cpu:0"]["tickets_live"] == 0
         print("OK")
     """)

@@ -1,0 +1,218 @@
+#include "staging.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include "vmm.h"
+
+namespace jaxvmm {
+namespace {
+
+std::atomic<size_t> g_budget{size_t{4} << 30};  // 4 GiB; Python sets it from JAXVMM_STAGING_BUDGET
+std::atomic<int64_t> g_idle_ms{200};
+std::atomic<int> g_depth{2};
+
+}  // namespace
+
+void StagingArea::SetBudget(size_t bytes) { g_budget.store(bytes); }
+size_t StagingArea::Budget() { return g_budget.load(); }
+void StagingArea::SetIdleMillis(int64_t ms) { g_idle_ms.store(std::max<int64_t>(ms, 1)); }
+int64_t StagingArea::IdleMillis() { return g_idle_ms.load(); }
+void StagingArea::SetDepth(int cells) { g_depth.store(std::max(cells, 1)); }
+int StagingArea::Depth() { return g_depth.load(); }
+
+StagingArea::StagingArea(Backend b, int device)
+    : backend_(b), device_(device), last_acquire_(std::chrono::steady_clock::now()), janitor_([this] { Janitor(); }) {}
+
+StagingArea::~StagingArea() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (janitor_.joinable()) janitor_.join();
+  ScopedContext ctx(backend_, device_);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Cell& c : cells_)
+    if (c.slot_id >= 0) Drop(c);
+}
+
+bool StagingArea::Finished(const Cell& c) const {
+  if (!c.recorded) return true;
+  return Driver(backend_).EventQuery(c.free) == CUDA_SUCCESS;
+}
+
+void StagingArea::Drop(Cell& c) {
+  // Caller holds mu_, the cell is not in use and its last user finished (or the owner synchronized).
+  const DriverTable& d = Driver(backend_);
+  if (c.free) d.EventDestroy(c.free);
+  Status st = Registry::Get().Close(c.slot_id);  // a failed teardown goes to the registry's quarantine
+  (void)st;
+  mapped_ -= c.size;
+  ++stats_.pages_returned;
+  c = Cell();
+}
+
+bool StagingArea::MakeRoom(size_t need, bool try_only) {
+  // Caller holds mu_. Cells whose last user finished go first (oldest first); without `try_only`,
+  // cells whose last user is still running are waited for on the host (the rare case).
+  for (int pass = 0; pass < 2 && mapped_ + need > Budget(); ++pass) {
+    if (pass == 1 && try_only) break;
+    std::vector<Cell*> idle;
+    for (Cell& c : cells_)
+      if (c.slot_id >= 0 && !c.in_use) idle.push_back(&c);
+    std::sort(idle.begin(), idle.end(), [](const Cell* a, const Cell* b) { return a->last_use < b->last_use; });
+    for (Cell* c : idle) {
+      if (mapped_ + need <= Budget()) break;
+      if (pass == 0 && !Finished(*c)) continue;
+      if (pass == 1) {
+        ++stats_.host_waits;
+        Driver(backend_).EventSynchronize(c->free);
+      }
+      Drop(*c);
+    }
+  }
+  return mapped_ + need <= Budget();
+}
+
+Status StagingArea::Acquire(size_t nbytes, bool try_only, StagingLease* out) {
+  *out = StagingLease();
+  Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
+  size_t g = 0;
+  JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
+  const size_t size = (nbytes + g - 1) / g * g;
+  ScopedContext ctx(backend_, device_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (size > Budget())
+    return Status(Code::kOutOfMemory, "a staging cell of " + std::to_string(size) + " bytes does not fit the staging budget of " +
+                                          std::to_string(Budget()) + " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
+  last_acquire_ = std::chrono::steady_clock::now();
+  for (;;) {
+    // Cells of this size: reuse one whose last user finished; else grow up to Depth() cells; else
+    // take the least recently used one and let the device wait for its previous user.
+    Cell* finished = nullptr;
+    Cell* oldest = nullptr;
+    int count = 0;
+    for (Cell& c : cells_) {
+      if (c.slot_id < 0 || c.size != size || c.pinned) continue;
+      ++count;
+      if (c.in_use) continue;
+      if (!oldest || c.last_use < oldest->last_use) oldest = &c;
+      if ((!finished || c.last_use < finished->last_use) && Finished(c)) finished = &c;
+    }
+    Cell* pick = finished;
+    if (!pick && count < Depth() && MakeRoom(size, /*try_only=*/oldest != nullptr || try_only)) {
+      SlotSpec spec;
+      spec.backend = backend_;
+      spec.device = device_;
+      spec.location = loc;
+      spec.nbytes = size;
+      spec.internal = true;
+      int64_t id = -1;
+      Status st = Registry::Get().Create(spec, &id);
+      std::shared_ptr<Slot> slot;
+      if (st.ok()) st = Registry::Get().Lookup(id, &slot);
+      CUevent ev = nullptr;
+      if (st.ok())
+        st = Call(id, "staging", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&ev, CU_EVENT_DISABLE_TIMING); });
+      if (!st.ok()) {
+        if (id >= 0) (void)Registry::Get().Close(id);
+        if (!oldest) return st;
+      } else {
+        auto empty = std::find_if(cells_.begin(), cells_.end(), [](const Cell& c) { return c.slot_id < 0; });
+        if (empty == cells_.end()) empty = cells_.insert(cells_.end(), Cell());
+        empty->slot_id = id;
+        empty->address = slot->address();
+        empty->size = size;
+        empty->free = ev;
+        mapped_ += size;
+        stats_.peak_mapped_bytes = std::max<int64_t>(stats_.peak_mapped_bytes, static_cast<int64_t>(mapped_));
+        ++stats_.pages_mapped;
+        pick = &*empty;
+      }
+    }
+    if (!pick && oldest) {
+      pick = oldest;
+      ++stats_.device_waits;
+    }
+    if (pick) {
+      pick->in_use = true;
+      pick->last_use = ++clock_;
+      ++stats_.acquires;
+      out->cell = pick - cells_.data();
+      out->address = pick->address;
+      out->size = pick->size;
+      out->wait = pick->recorded ? pick->free : nullptr;
+      return Status();
+    }
+    if (try_only) return Status();
+    if (count == 0)
+      return Status(Code::kOutOfMemory, "the staging budget of " + std::to_string(Budget()) +
+                                            " bytes is held by device copies kept for reloads (keep_resident, prefetch); "
+                                            "raise staging_budget or lower keep_resident");
+    // Every cell of this size is held by a handler on another thread right now: wait for one.
+    cv_.wait(lock);
+  }
+}
+
+Status StagingArea::Record(StagingLease* lease, CUstream s) {
+  if (!*lease) return Status();
+  std::lock_guard<std::mutex> lock(mu_);
+  Cell& c = cells_[lease->cell];
+  Status st = Call(c.slot_id, "staging", Entry::kEventRecord, [&] { return Driver(backend_).EventRecord(c.free, s); });
+  if (st.ok()) {
+    c.recorded = true;
+    lease->wait = c.free;
+  }
+  return st;
+}
+
+Status StagingArea::Return(StagingLease* lease, CUstream after) {
+  if (!*lease) return Status();
+  Status st;
+  if (after) st = Record(lease, after);
+  std::lock_guard<std::mutex> lock(mu_);
+  Cell& c = cells_[lease->cell];
+  c.in_use = false;
+  c.pinned = false;
+  *lease = StagingLease();
+  cv_.notify_all();
+  return st;
+}
+
+void StagingArea::Pin(const StagingLease& lease) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cells_[lease.cell].pinned = true;
+}
+
+size_t StagingArea::Trim() {
+  ScopedContext ctx(backend_, device_);
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t before = mapped_;
+  for (Cell& c : cells_)
+    if (c.slot_id >= 0 && !c.in_use && Finished(c)) Drop(c);
+  return before - mapped_;
+}
+
+void StagingArea::Janitor() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    const auto idle = std::chrono::milliseconds(IdleMillis());
+    cv_.wait_for(lock, idle);
+    if (stop_ || mapped_ == 0 || std::chrono::steady_clock::now() - last_acquire_ < idle) continue;
+    lock.unlock();
+    Trim();
+    lock.lock();
+  }
+}
+
+StagingStats StagingArea::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  StagingStats s = stats_;
+  s.budget_bytes = static_cast<int64_t>(Budget());
+  s.mapped_bytes = static_cast<int64_t>(mapped_);
+  for (const Cell& c : cells_) s.cells += c.slot_id >= 0;
+  return s;
+}
+
+}  // namespace jaxvmm

@@ -1,0 +1,112 @@
+// Staging area: device memory that offloads and reloads pass through, as *cells* (one staging slot each,
+// a fixed VA with pages) that stay mapped while ops flow and go back to the driver when the engine is
+// idle, when the budget needs room for another size, or on Trim().
+//
+// Reuse is ordered on the device, not on the host: every cell has a `free` event recorded after the
+// last device access of its previous user, and whoever acquires the cell makes its stream wait for that
+// event before touching it. The host never waits for GPU progress to hand a cell out, except when the
+// budget allows no new cell and no cell of the needed size exists yet (then it waits for an idle one of
+// another size to finish, and returns its pages).
+//
+// Lock order: Engine::mu_ -> StagingArea::mu_ -> Registry::mu_ -> Slot::mu_. Driver calls that map or
+// return pages run with mu_ held (they are rare: the first use of a cell, eviction, trim).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "registry.h"
+#include "status.h"
+
+namespace jaxvmm {
+
+struct StagingStats {
+  int64_t budget_bytes = 0;
+  int64_t mapped_bytes = 0;   // pages of every cell, free or in use
+  int64_t peak_mapped_bytes = 0;
+  int64_t cells = 0;
+  int64_t acquires = 0;
+  int64_t device_waits = 0;   // acquires that made the stream wait for the cell's previous user
+  int64_t host_waits = 0;     // acquires that had to wait on the host (budget full, other sizes)
+  int64_t pages_mapped = 0;   // cells created (pages taken from the driver)
+  int64_t pages_returned = 0; // cells whose pages went back to the driver (idle, budget, trim)
+};
+
+// A cell handed out: its address and the event its user must make a stream wait for before the first
+// access (null: no wait needed). The user returns the lease with the stream of its last access.
+struct StagingLease {
+  int64_t cell = -1;  // index into the area's cells; -1: no lease
+  CUdeviceptr address = 0;
+  size_t size = 0;
+  CUevent wait = nullptr;
+  explicit operator bool() const { return cell >= 0; }
+};
+
+class StagingArea {
+ public:
+  StagingArea(Backend b, int device);
+  ~StagingArea();  // returns every cell's pages; the owner has synchronized the streams first
+  StagingArea(const StagingArea&) = delete;
+  StagingArea& operator=(const StagingArea&) = delete;
+
+  // Process-wide budget for mapped staging bytes per engine (JAXVMM_STAGING_BUDGET, configure()).
+  static void SetBudget(size_t bytes);
+  static size_t Budget();
+  // How long the area stays mapped with no acquire before its pages go back (JAXVMM_STAGING_IDLE_MS).
+  static void SetIdleMillis(int64_t ms);
+  static int64_t IdleMillis();
+  // Cells per size that may be in flight at once (JAXVMM_PREFETCH_DEPTH, configure(prefetch_depth=)):
+  // how far copies of one size may run ahead of XLA's stream, and how many pages they hold.
+  static void SetDepth(int cells);
+  static int Depth();
+
+  // A mapped cell of at least `nbytes`. Never blocks on the device except as described above. With
+  // `try_only`, returns an empty lease instead of waiting or evicting a busy cell (prefetch hints).
+  Status Acquire(size_t nbytes, bool try_only, StagingLease* out);
+  // Gives the cell back. `after` (may be null): the stream of the last access; the cell's free event is
+  // recorded on it. With null, the last recorded free event (or none) still guards the next user.
+  Status Return(StagingLease* lease, CUstream after);
+  // Records the cell's free event on `s` now (the lease is kept): later users wait for what `s` holds,
+  // and so can readers of the cell's contents (lease->wait becomes that event).
+  Status Record(StagingLease* lease, CUstream s);
+  // The cell is kept as a ticket's device copy: it no longer counts towards Depth() until returned.
+  void Pin(const StagingLease& lease);
+  // Returns the pages of every cell not in use and whose last user finished. Returns bytes returned.
+  size_t Trim();
+  StagingStats Stats() const;
+
+ private:
+  struct Cell {
+    int64_t slot_id = -1;  // -1: this entry is empty (its pages went back)
+    CUdeviceptr address = 0;
+    size_t size = 0;
+    CUevent free = nullptr;
+    bool recorded = false;  // `free` has been recorded at least once since the cell was created
+    bool in_use = false;
+    bool pinned = false;
+    uint64_t last_use = 0;
+  };
+  bool Finished(const Cell& c) const;                // caller holds mu_
+  void Drop(Cell& c);                                // returns its pages; caller holds mu_
+  bool MakeRoom(size_t need, bool try_only);         // evicts other cells; caller holds mu_
+  void Janitor();                                    // trims after IdleMillis() without an acquire
+
+  const Backend backend_;
+  const int device_;
+  mutable std::mutex mu_;  // guards everything below
+  std::condition_variable cv_;
+  std::vector<Cell> cells_;
+  size_t mapped_ = 0;
+  uint64_t clock_ = 0;
+  std::chrono::steady_clock::time_point last_acquire_;
+  bool stop_ = false;
+  StagingStats stats_;
+  std::thread janitor_;  // last: started once the state above exists
+};
+
+}  // namespace jaxvmm

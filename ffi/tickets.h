@@ -1,0 +1,95 @@
+// Tickets: what an offload leaves behind (a token, the array's metadata, a pinned host block, maybe a
+// device copy), their lifetimes, and the guess of which ticket a reload will name (prediction).
+//
+// TicketTable is a plain data structure with no lock of its own: its owner (the engine) guards it with
+// Engine::mu_. It makes no driver call. When a ticket can be freed, the table hands back what it held
+// (a `Retired` record) and the owner returns those resources; the table never reaches into its owner.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "host_pool.h"
+#include "staging.h"
+
+namespace jaxvmm {
+
+// What Python knows statically about an offloaded array; checked again when a reload resolves.
+struct ArrayMeta {
+  size_t nbytes = 0;
+  int64_t signature = 0;  // hash of dtype and shape, computed in Python
+};
+
+// Tokens are uint64: the low 32 bits a ticket number, the high 32 bits a check word salted per process
+// and per engine key, never 0. So 0 is never a valid token, and a token is valid on one engine only.
+uint64_t MakeToken(uint32_t number, uint64_t engine_key);
+bool TokenValid(uint64_t token, uint64_t engine_key);
+std::string TokenStr(uint64_t token);
+
+struct Ticket {
+  uint64_t token = 0;
+  ArrayMeta meta;
+  HostBlock host;
+  CUevent d2h_done = nullptr;  // recorded on the D2H stream after the copy
+  bool enqueued = false;       // its D2H and d2h_done are enqueued: a reload may copy from it
+  bool on_host = false;        // D2H finished and seen by the releaser
+  bool consumed = false;       // a reload resolved to it
+  bool reserved = false;       // an eager reload checked it (a second eager reload is refused)
+  bool dropped = false;        // Python let go of it, or its offload failed
+  uint64_t claimed_by = 0;     // the reload op that predicted it, until that op resolves
+  int pins = 0;                // ops that may still read its host block or device copy
+  bool freed = false;
+  // A device copy (a prefetch hint's, or the offload's own staging cell kept by keep_resident):
+  // readers wait for the cell's free event (recorded after the copy that filled it).
+  StagingLease resident;
+};
+
+// Resources a freed ticket held; its owner returns them.
+struct Retired {
+  HostBlock host;
+  CUevent d2h_done = nullptr;
+  StagingLease resident;
+};
+
+class TicketTable {
+ public:
+  explicit TicketTable(uint64_t engine_key) : key_(engine_key) {}
+
+  // A new ticket with a fresh token. Numbers wrap at 2^32 and skip numbers still in use, so a new
+  // token never aliases a live ticket.
+  std::shared_ptr<Ticket> Create(const ArrayMeta& meta);
+  // Test hook: the next ticket number to hand out.
+  void SetNextNumber(uint32_t n) { next_ = n; }
+
+  // The live ticket of `token`, or null with *why set (forged, gone, already reloaded).
+  std::shared_ptr<Ticket> Find(uint64_t token, std::string* why) const;
+  // The predicted ticket for a reload of `meta`: the newest (LIFO) or oldest (FIFO) unconsumed,
+  // unclaimed ticket of that shape/dtype whose D2H is enqueued.
+  std::shared_ptr<Ticket> Predict(const ArrayMeta& meta) const;
+  // A reload resolved to `actual` while `predicted` was guessed: learn LIFO vs FIFO.
+  void Learn(const std::shared_ptr<Ticket>& actual, int64_t signature);
+
+  // Frees `t` if nothing can read it any more (consumed or dropped, no pins, its D2H done).
+  bool MaybeFree(const std::shared_ptr<Ticket>& t, Retired* out);
+
+  size_t live() const { return by_token_.size(); }
+  int64_t host_bytes() const;
+  template <typename F>
+  void ForEach(F f) const {
+    for (auto& [token, t] : by_token_) f(*t);
+  }
+
+ private:
+  const uint64_t key_;
+  uint32_t next_ = 1;
+  bool lifo_ = true;
+  std::unordered_map<uint64_t, std::shared_ptr<Ticket>> by_token_;
+  std::deque<std::shared_ptr<Ticket>> order_;  // offload order, for prediction
+  std::deque<uint64_t> recently_reloaded_;     // tokens of freed, consumed tickets (diagnostics only)
+};
+
+}  // namespace jaxvmm
