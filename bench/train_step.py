@@ -84,10 +84,13 @@ SMALL = {"mlp": Shapes(batch=64, seq=1, width=128, layers=4),
 ITEMSIZE = 2  # bf16
 
 
-def shapes_for(model: str, small: bool, gpt_batch: int | None) -> Shapes:
+def shapes_for(model: str, small: bool, gpt_batch: int | None, mlp_shape: str | None = None) -> Shapes:
     s = (SMALL if small else FULL)[model]
     if model == "gpt" and gpt_batch:
         s = dataclasses.replace(s, batch=gpt_batch)
+    if model == "mlp" and mlp_shape:
+        b, d, n = (int(v) for v in mlp_shape.split(","))
+        s = dataclasses.replace(s, batch=b, width=d, layers=n)
     return s
 
 
@@ -261,7 +264,7 @@ def run_child(args) -> dict:
 
     on_gpu = jax.default_backend() == "gpu"
     small = args.small if args.small is not None else not on_gpu
-    s = shapes_for(model, small, args.gpt_batch)
+    s = shapes_for(model, small, args.gpt_batch, args.mlp_shape)
     res: dict = {"model": model, "target": target, "variant": variant, "small": small,
                  "offloaded_bytes": residual_bytes(target, s)}
 
@@ -333,6 +336,8 @@ def run_child(args) -> dict:
         res["pinned_peak_in_use_bytes"] = after["pinned_peak_in_use_bytes"]
         res["tickets_live"] = after["tickets_live"]
         res["engine_errors"] = after["errors"]
+        res["handler_median_us"] = after.get("handler_median_ns", 0) / 1e3
+        res["staging_peak_bytes"] = after.get("staging_peak_bytes", 0)
     res["device_bytes"] = None if xla_peak is None else xla_peak + res["mapped_peak_bytes"]
     res["layers"] = s.layers
     return res
@@ -379,6 +384,8 @@ def child_cmd(args, extra: list[str]) -> list[str]:
         cmd.append("--full")
     if args.gpt_batch:
         cmd += ["--gpt-batch", str(args.gpt_batch)]
+    if args.mlp_shape:
+        cmd += ["--mlp-shape", args.mlp_shape]
     return cmd
 
 
@@ -459,6 +466,8 @@ def evaluate(results: dict, model: str, target: str, variant: str) -> tuple[list
     hits = ""
     if variant == "jaxvmm":
         hits = f"{r['prefetch_hits']}/{r['prefetch_misses']}"
+        if r.get("handler_median_us"):
+            hits += f", handler {r['handler_median_us']:.1f} us"
     peak = human(r["device_bytes"]) if r.get("device_bytes") is not None else "n/a"
     if r.get("mapped_peak_bytes"):
         how = "incl." if r.get("device_bytes") is not None else "+"
@@ -543,6 +552,8 @@ def main(argv=None) -> int:
     size.add_argument("--full", dest="small", action="store_const", const=False,
                       help="full shapes even on cpu (slow)")
     ap.add_argument("--gpt-batch", type=int, default=None, help="gpt batch size (default 2)")
+    ap.add_argument("--mlp-shape", default=None, metavar="B,D,L",
+                    help="mlp batch, width and layers instead of the defaults (small activations: 256,512,64)")
     ap.add_argument("--attention", choices=("auto", "xla", "cudnn", "einsum"), default="auto",
                     help="gpt attention: jax.nn.dot_product_attention(implementation=xla|cudnn) or a plain "
                          "einsum; auto = cudnn on GPU (xla if it fails to compile), xla on cpu")
@@ -583,7 +594,7 @@ def main(argv=None) -> int:
               f"device:     {probe['device']} ({probe['kind']}), jax {probe['jax']}"
               + (f", {probe['mem_total'] / GiB:,.1f} GiB" if 'mem_total' in probe else "")]
     for m in args.models:
-        header.append(f"{m + ':':11s} {describe(m, shapes_for(m, args.small, args.gpt_batch))}")
+        header.append(f"{m + ':':11s} {describe(m, shapes_for(m, args.small, args.gpt_batch, args.mlp_shape))}")
     header.append(f"timing:     median of {args.steps} steps after {args.warmup} warm-up steps "
                   f"(jitted value_and_grad + SGD, params donated, block_until_ready each step)")
     if "knobs" in probe:

@@ -10,7 +10,8 @@
 namespace jaxvmm {
 namespace {
 
-constexpr uint64_t kRing = 1024;  // ops in flight per engine before the host waits for the GPU
+constexpr uint64_t kRing = 1024;    // ops in flight per engine before the host waits for the GPU
+constexpr size_t kTimings = 4096;  // handler host times kept for the median
 
 std::atomic<int> g_keep{0};
 
@@ -259,7 +260,7 @@ Status Engine::EnqueueCompletion(Op& op, CUstream stream) {
   return Status();
 }
 
-void Engine::FinishEnqueue(Op& op, const Status& st) {
+void Engine::FinishEnqueue(Op& op, const Status& st, std::chrono::steady_clock::time_point start) {
   // A synchronous failure is returned by the handler (XLA aborts the execution); it is not recorded
   // for later calls. What the op's missing callbacks would have done is undone once the work already
   // enqueued for it has drained.
@@ -270,6 +271,10 @@ void Engine::FinishEnqueue(Op& op, const Status& st) {
       if (!op.completion_launched) MarkCompleted(op.seq);  // no completion will ever be reported for it
       ++op.pending;  // AbandonTask's reference
     }
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    if (handler_ns_.size() < kTimings) handler_ns_.push_back(ns);
+    else handler_ns_[stats_.handler_calls % kTimings] = ns;
+    ++stats_.handler_calls;
     --op.pending;
   cv_.notify_all();  // the host's own reference
     cv_.notify_all();
@@ -335,6 +340,7 @@ void Engine::KeepResident(const std::shared_ptr<Ticket>& t, StagingLease* lease,
 }
 
 Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
+  const auto start = std::chrono::steady_clock::now();
   if (meta.nbytes == 0) return Status(Code::kInvalidArgument, "offload of a zero-size array");
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
@@ -392,11 +398,12 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
   };
   st = enqueue();
   if (st.ok()) st = staging_.Return(&op->lease, d2h_);  // the cell's next user waits for the D2H
-  FinishEnqueue(*op, st);  // after a failure, AbandonTask returns the cell once the streams drained
+  FinishEnqueue(*op, st, start);  // after a failure, AbandonTask returns the cell once the streams drained
   return st;
 }
 
 Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
+  const auto start = std::chrono::steady_clock::now();
   if (meta.nbytes == 0) return Status(Code::kInvalidArgument, "reload of a zero-size array");
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
@@ -463,11 +470,12 @@ Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
   };
   Status st = enqueue();
   if (st.ok()) st = staging_.Return(&op->lease, stream);  // the next user waits for XLA's copy out of the cell
-  FinishEnqueue(*op, st);  // after a failure, AbandonTask returns the cell once the streams drained
+  FinishEnqueue(*op, st, start);  // after a failure, AbandonTask returns the cell once the streams drained
   return st;
 }
 
 Status Engine::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out) {
+  const auto start = std::chrono::steady_clock::now();
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
   std::lock_guard<std::mutex> serial(enqueue_mu_);
@@ -496,7 +504,7 @@ Status Engine::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
     return EnqueueCompletion(*op, stream);
   };
   Status st = enqueue();
-  FinishEnqueue(*op, st);
+  FinishEnqueue(*op, st, start);
   return st;
 }
 
@@ -798,6 +806,12 @@ EngineStats Engine::Stats() {
   s.ops_in_flight = static_cast<int64_t>(next_seq_ - 1 - completed_seq_);
   s.seq_issued = static_cast<int64_t>(next_seq_ - 1);
   s.seq_completed = static_cast<int64_t>(completed_seq_);
+  if (!handler_ns_.empty()) {
+    std::vector<int64_t> v = handler_ns_;
+    std::sort(v.begin(), v.end());
+    s.handler_median_ns = v[v.size() / 2];
+    s.handler_p99_ns = v[std::min(v.size() - 1, v.size() * 99 / 100)];
+  }
   s.host = host_pool_.Stats();
   s.staging = staging_.Stats();
   return s;

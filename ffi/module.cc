@@ -296,6 +296,9 @@ NB_MODULE(_jaxvmm, m) {
     d["drops"] = s.drops;
     d["seq_issued"] = s.seq_issued;
     d["seq_completed"] = s.seq_completed;
+    d["handler_calls"] = s.handler_calls;
+    d["handler_median_ns"] = s.handler_median_ns;
+    d["handler_p99_ns"] = s.handler_p99_ns;
     d["staging_budget_bytes"] = s.staging.budget_bytes;
     d["staging_mapped_bytes"] = s.staging.mapped_bytes;
     d["staging_peak_bytes"] = s.staging.peak_mapped_bytes;
