@@ -8,7 +8,7 @@
 namespace jaxvmm {
 namespace {
 
-std::atomic<size_t> g_budget{size_t{4} << 30};  // 4 GiB; Python sets it from JAXVMM_STAGING_BUDGET
+std::atomic<size_t> g_budget{size_t{8} << 30};  // 8 GiB; Python sets it from JAXVMM_STAGING_BUDGET
 std::atomic<int64_t> g_idle_ms{200};
 std::atomic<int> g_depth{2};
 
@@ -131,7 +131,9 @@ Status StagingArea::Acquire(size_t nbytes, bool try_only, StagingLease* out) {
         pick = &*empty;
       }
     }
-    if (!pick && oldest) {
+    if (!pick && oldest && !try_only) {
+      // With `try_only` (a prefetch hint on the fix stream) never: a wait for a later user of XLA's
+      // stream would queue the corrections XLA's stream waits for behind it.
       pick = oldest;
       ++stats_.device_waits;
     }

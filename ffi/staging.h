@@ -66,7 +66,8 @@ class StagingArea {
   static int Depth();
 
   // A mapped cell of at least `nbytes`. Never blocks on the device except as described above. With
-  // `try_only`, returns an empty lease instead of waiting or evicting a busy cell (prefetch hints).
+  // `try_only`, returns only a cell that needs no wait at all (finished, or new within the budget), else
+  // an empty lease (prefetch hints: their stream must never wait for later work).
   Status Acquire(size_t nbytes, bool try_only, StagingLease* out);
   // Gives the cell back. `after` (may be null): the stream of the last access; the cell's free event is
   // recorded on it. With null, the last recorded free event (or none) still guards the next user.

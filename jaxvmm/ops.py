@@ -298,7 +298,7 @@ def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None
       ``JAXVMM_KEEP_RESIDENT``). In training, the last layers offloaded are the first reloaded:
       keeping them resident avoids a stall at the start of the backward pass, for that many cells of
       device memory (counted in the staging budget).
-    staging_budget: cap on mapped staging bytes per device (default 4 GiB; env
+    staging_budget: cap on mapped staging bytes per device (default 8 GiB; env
       ``JAXVMM_STAGING_BUDGET``): offloads still copying out, reload prefetches, kept copies and
       prefetch hints included. An array larger than the budget cannot be offloaded.
     staging_idle_ms: how long the staging area stays mapped with no op before its pages go back to the
