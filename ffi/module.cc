@@ -336,13 +336,17 @@ NB_MODULE(_jaxvmm, m) {
   m.def("engine_unreserve", [engine](const std::string& backend, int device, uint64_t token) {
     engine(backend, device)->Unreserve(token);
   });
+  m.def("set_trace", [](bool on) { SetTrace(on); });
   m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth, int keep_resident) {
+    nb::gil_scoped_release nogil;  // lowering the limit may return pinned chunks to the driver
     if (host_pool_limit >= 0) HostPool::SetLimit(static_cast<size_t>(host_pool_limit));
     if (host_pool_chunk > 0) HostPool::SetChunkSize(static_cast<size_t>(host_pool_chunk));
     if (prefetch_depth > 0) EngineConfig::SetPrefetchDepth(prefetch_depth);
     if (keep_resident >= 0) EngineConfig::SetKeepResident(keep_resident);
-    return nb::make_tuple(HostPool::Limit(), HostPool::ChunkSize(), EngineConfig::PrefetchDepth(),
-                          EngineConfig::KeepResident());
+    size_t limit = HostPool::Limit(), chunk = HostPool::ChunkSize();
+    int depth = EngineConfig::PrefetchDepth(), keep = EngineConfig::KeepResident();
+    nb::gil_scoped_acquire gil;
+    return nb::make_tuple(limit, chunk, depth, keep);
   });
 
   m.def("memory_info", [](const std::string& backend, int device) {
