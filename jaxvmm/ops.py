@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import sys
 import threading
 import weakref
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi  # noqa: F401  (registers the FFI targets)
-from . import errors
+from . import _config, errors
 from ._devices import _posix_ready, target_of
 from ._native import lib
 
@@ -40,8 +41,8 @@ class Ticket:
 
     def __init__(self, token, shape, dtype):
         self.token = token
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
+        self.shape = _check_shape(shape, "Ticket")
+        self.dtype = _check_dtype(dtype, "Ticket")
         if (isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer)
                 and token.dtype == jnp.uint32 and tuple(token.shape)[-1:] == (2,)):
             _track(token)
@@ -147,17 +148,72 @@ def _collect() -> None:
 
 
 # ---- validation ----
-def _check_array(x, what: str):
+def _type_error(msg: str) -> errors.InvalidArgumentTypeError:
+    return errors.InvalidArgumentTypeError(msg, code="invalid_argument")
+
+
+def _value_error(msg: str) -> errors.InvalidArgumentError:
+    return errors.InvalidArgumentError(msg, code="invalid_argument")
+
+
+def _check_dtype(dtype, what: str) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise _type_error(f"jaxvmm.{what}: {dtype!r} is not a dtype") from None
+    if jax.dtypes.issubdtype(dt, jax.dtypes.extended):
+        raise _type_error(f"jaxvmm.{what}: dtype {dt} (an extended dtype such as PRNG keys) cannot be offloaded; "
+                          "offload jax.random.key_data(x) instead")
+    if not (jnp.issubdtype(dt, jnp.number) or jnp.issubdtype(dt, jnp.bool_)):
+        raise _type_error(f"jaxvmm.{what}: unsupported dtype {dt} (numbers and bool only)")
+    return dt
+
+
+def _check_shape(shape, what: str) -> tuple:
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise _type_error(f"jaxvmm.{what}: shape must be a tuple of ints, got {shape!r}")
+    out = []
+    for d in shape:
+        if isinstance(d, bool):
+            raise _type_error(f"jaxvmm.{what}: shape {tuple(shape)!r} has a bool dimension")
+        try:
+            d = operator.index(d)
+        except TypeError:
+            raise _type_error(f"jaxvmm.{what}: shape {tuple(shape)!r} must hold ints, got {type(d).__name__}") from None
+        if d < 0:
+            raise _value_error(f"jaxvmm.{what}: shape {tuple(shape)!r} has a negative dimension")
+        out.append(d)
+    if int(np.prod(out, dtype=object)) > _config.INT64_MAX:
+        raise _value_error(f"jaxvmm.{what}: shape {tuple(out)!r} has more elements than fit in int64")
+    return tuple(out)
+
+
+def _as_array(x, what: str):
+    """``x`` as a jax array: jax and numpy arrays and scalars, and objects with ``__jax_array__`` (taken
+    through ``jnp.asarray``, like every jax API). Anything else is refused."""
+    if isinstance(x, Ticket):
+        raise _type_error(f"jaxvmm.{what}: got a Ticket; offload arrays, reload tickets")
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)) and not hasattr(x, "__jax_array__"):
-        raise TypeError(f"jaxvmm.{what}: expected an array, got {type(x).__name__}")
-    dtype = x.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        raise TypeError(f"jaxvmm.{what}: dtype {dtype} (an extended dtype such as PRNG keys) cannot be offloaded; "
-                        "offload jax.random.key_data(x) instead")
-    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
-        raise TypeError(f"jaxvmm.{what}: unsupported dtype {dtype}")
+        raise _type_error(f"jaxvmm.{what}: expected an array, got {type(x).__name__}")
+    if not isinstance(x, jax.Array):
+        if isinstance(x, (np.ndarray, np.generic)):
+            _check_dtype(x.dtype, what)  # before jnp.asarray: it would turn object/str arrays into errors of its own
+        try:
+            x = jnp.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise _type_error(f"jaxvmm.{what}: cannot convert {type(x).__name__} to a jax array ({e})") from None
+    return x
+
+
+def _check_array(x, what: str):
+    _check_dtype(x.dtype, what)
     if int(np.prod(x.shape, dtype=np.int64)) == 0:
-        raise ValueError(f"jaxvmm.{what}: cannot offload a zero-size array (shape {x.shape})")
+        raise _value_error(f"jaxvmm.{what}: cannot offload a zero-size array (shape {x.shape})")
+
+
+def _translate(e: Exception) -> Exception:
+    """The jaxvmm error an eager ffi call's ``JaxRuntimeError`` carries (see ``errors.from_jax_error``)."""
+    return errors.from_jax_error(e) or e
 
 
 # ---- offload ----
@@ -181,13 +237,14 @@ def offload(x) -> Ticket:
     Inside ``jit``: XLA's stream snapshots ``x`` into a fixed-address staging slot, a copy stream moves
     it to pinned host memory, and the slot's pages go back to the driver once that copy is done. ``x``'s
     own buffer is free for XLA to reuse right after the call."""
-    if isinstance(x, Ticket):
-        raise TypeError("jaxvmm.offload: got a Ticket; offload arrays, reload tickets")
+    x = _as_array(x, "offload")
     _check_array(x, "offload")
     _posix_ready()  # the cpu engine serves every cpu device the handlers may run on
     _collect()
-    x = jnp.asarray(x)
-    token = _offload(x, _signature(x.shape, x.dtype), next(_sites))
+    try:
+        token = _offload(x, _signature(x.shape, x.dtype), next(_sites))
+    except jax.errors.JaxRuntimeError as e:  # eager: the handler's error, as the jaxvmm error it is
+        raise _translate(e) from e
     return Ticket(token, x.shape, x.dtype)
 
 
@@ -196,12 +253,19 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
     """Validates a ticket; for a concrete token also checks it with its engine now (and, with
     ``reserve``, reserves it for this eager reload). Returns the (target, token value) pairs checked."""
     if not isinstance(t, Ticket):
-        raise TypeError(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
+        raise _type_error(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
     tok = t.token
     if getattr(tok, "shape", None) is None or tuple(tok.shape)[-1:] != (2,) or tok.dtype != jnp.uint32:
         raise errors.InvalidArgumentError(f"jaxvmm.{what}: the ticket's token is not a uint32[2] array "
                                           f"(got {getattr(tok, 'dtype', None)}{list(getattr(tok, 'shape', ()))}); "
                                           "was it built by jaxvmm.offload?", code="invalid_argument")
+    if len(tok.shape) > 1:
+        raise _value_error(f"jaxvmm.{what}: the ticket's token has shape {tuple(tok.shape)}: it holds "
+                           f"{int(np.prod(tok.shape[:-1]))} tickets, one per element of a jax.vmap batch. "
+                           f"{what.capitalize()} it inside jax.vmap (e.g. jax.vmap(jaxvmm.{what})(ticket)), "
+                           "with the same batch axes as the offload")
+    if isinstance(tok, (np.ndarray, np.generic)):  # a numpy token is as concrete as a jax one: check it now
+        tok = jnp.asarray(tok)
     if isinstance(tok, jax.Array) and not isinstance(tok, jax.core.Tracer) and tok.ndim == 1:
         # Outside jit the token is concrete: check it now so a bad ticket raises here, synchronously.
         sig = _signature(t.shape, t.dtype)
@@ -227,9 +291,11 @@ def reload(ticket: Ticket) -> jax.Array:
         return jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, ticket.dtype),
                                 vmap_method="sequential")(
             ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(next(_sites)))
-    except Exception:
+    except Exception as e:
         for tgt, v in reserved:  # the eager reload never ran: the ticket may be reloaded again
             lib.engine_unreserve(tgt.backend, tgt.ordinal, v)
+        if isinstance(e, jax.errors.JaxRuntimeError):
+            raise _translate(e) from e
         raise
 
 
@@ -240,8 +306,11 @@ def prefetch(ticket: Ticket) -> Ticket:
     prefetches in reverse offload order by itself; use this when your reload order differs."""
     _posix_ready()
     _check_ticket(ticket, "prefetch", reserve=False)
-    token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
-        ticket.token, site=np.int64(next(_sites)))
+    try:
+        token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
+            ticket.token, site=np.int64(next(_sites)))
+    except jax.errors.JaxRuntimeError as e:
+        raise _translate(e) from e
     return Ticket(token, ticket.shape, ticket.dtype)
 
 
@@ -282,13 +351,17 @@ def synchronize() -> None:
         lib.engine_sync(backend, device)
 
 
-def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None = None,
+def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int | str | None = None,
               prefetch_depth: int | None = None, keep_resident: int | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
-      ``JAXVMM_HOST_POOL_LIMIT``). Offloading past it raises a clear error.
-    host_pool_chunk: bytes pinned per driver allocation (default 256 MiB; larger requests get their own).
+      ``JAXVMM_HOST_POOL_LIMIT``): bytes as an int, or a size string such as ``"512M"`` or ``"1GiB"``
+      (K, M, G, T, with or without B/iB, all powers of 1024). Offloading past it raises
+      ``OutOfMemoryError``. Lowering it below what the pool pins returns the pool's empty chunks at once
+      and the others as their tickets are freed.
+    host_pool_chunk: bytes pinned per driver allocation (default 256 MiB; larger requests get their own);
+      an int or a size string.
     prefetch_depth: how many ops ahead of the GPU staging pages may be mapped (default 2; env
       ``JAXVMM_PREFETCH_DEPTH``).
     keep_resident: how many of the newest offloaded tickets keep a device copy after their D2H, so
@@ -296,14 +369,20 @@ def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None
       ``JAXVMM_KEEP_RESIDENT``). In training, the last layers offloaded are the first reloaded:
       keeping them resident avoids a stall at the start of the backward pass, for that many slots of
       device memory."""
-    for name, v, lo in (("host_pool_limit", host_pool_limit, 1), ("host_pool_chunk", host_pool_chunk, 1),
-                        ("prefetch_depth", prefetch_depth, 1), ("keep_resident", keep_resident, 0)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
-            raise ValueError(f"jaxvmm.configure: {name} must be an int >= {lo}, got {v!r}")
-    limit, chunk, depth, keep = lib.configure(-1 if host_pool_limit is None else int(host_pool_limit),
-                                              0 if host_pool_chunk is None else int(host_pool_chunk),
-                                              0 if prefetch_depth is None else int(prefetch_depth),
-                                              -1 if keep_resident is None else int(keep_resident))
+    where = "configure: "
+    if host_pool_limit is not None:
+        host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
+    if host_pool_chunk is not None:
+        host_pool_chunk = _config.parse_size(host_pool_chunk, where + "host_pool_chunk")
+    if prefetch_depth is not None:
+        prefetch_depth = _config.parse_int(prefetch_depth, where + "prefetch_depth", lo=1,
+                                           hi=_config.MAX_PREFETCH_DEPTH)
+    if keep_resident is not None:
+        keep_resident = _config.parse_int(keep_resident, where + "keep_resident", lo=0, hi=_config.INT32_MAX)
+    limit, chunk, depth, keep = lib.configure(-1 if host_pool_limit is None else host_pool_limit,
+                                              0 if host_pool_chunk is None else host_pool_chunk,
+                                              0 if prefetch_depth is None else prefetch_depth,
+                                              -1 if keep_resident is None else keep_resident)
     return {"host_pool_limit": int(limit), "host_pool_chunk": int(chunk), "prefetch_depth": int(depth),
             "keep_resident": int(keep)}
 
