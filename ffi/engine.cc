@@ -303,6 +303,7 @@ Status Engine::AcquireStaging(size_t nbytes, std::shared_ptr<Slot>* out, int64_t
   spec.location = loc;
   spec.nbytes = size;
   spec.map_on_create = false;  // a VA only: pages come just in time from the mapper
+  spec.internal = true;        // jaxvmm's, not the user's: counted apart in stats()
   JAXVMM_RETURN_IF_ERROR(reg.Create(spec, id));
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.staging_slots;

@@ -64,6 +64,15 @@ std::string Hex(uint64_t v) {
   return buf;
 }
 
+nb::dict CountsDict(const SlotCounts& c) {
+  nb::dict d;
+  d["slots"] = c.slots;
+  d["reserved_bytes"] = c.reserved_bytes;
+  d["mapped_bytes"] = c.mapped_bytes;
+  d["peak_mapped_bytes"] = c.peak_mapped_bytes;
+  return d;
+}
+
 nb::dict InfoDict(const SlotInfo& i) {
   nb::dict d;
   d["id"] = i.id;
@@ -97,6 +106,8 @@ nb::dict StatsDict() {
   d["closed"] = s.closed;
   d["releases"] = s.releases;
   d["remaps"] = s.remaps;
+  d["user"] = CountsDict(s.user);
+  d["internal"] = CountsDict(s.internal);
   d["leaked"] = LeakCount();
   int64_t qbytes = 0;
   nb::list q;
@@ -123,6 +134,8 @@ nb::dict StatsDict() {
     dd["reserved_bytes"] = ds.reserved_bytes;
     dd["mapped_bytes"] = ds.mapped_bytes;
     dd["peak_mapped_bytes"] = ds.peak_mapped_bytes;
+    dd["user"] = CountsDict(ds.user);
+    dd["internal"] = CountsDict(ds.internal);
     devs[nb::make_tuple(BackendName(static_cast<Backend>(key.first)), key.second)] = dd;
   }
   d["devices"] = devs;
