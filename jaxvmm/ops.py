@@ -24,6 +24,24 @@ _sites = itertools.count(1)
 _TOKEN = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
 
+def _storage_dtype(dtype) -> np.dtype:
+    """The dtype jaxvmm moves for ``dtype``. Sub-byte dtypes (int1/2/4, uint1/2/4, float4_e2m1fn) travel
+    widened to one byte per element: XLA stores them packed while the FFI counts one byte per element,
+    so copying them as they are is not well defined. The widening is a value conversion that XLA does
+    exactly (int8/uint8 and float8_e4m3fn hold every value, -0 included), so the round trip is
+    bit-exact; the host copy costs one byte per element."""
+    dtype = np.dtype(dtype)
+    if jax.dtypes.itemsize_bits(dtype) >= 8:
+        return dtype
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        return np.dtype(jnp.int8)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return np.dtype(jnp.uint8)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 4 and jnp.finfo(dtype).nexp <= 2:
+        return np.dtype(jnp.float8_e4m3fn)  # float4_e2m1fn: every value (and -0) exists in e4m3fn
+    raise errors.InvalidArgumentError(f"jaxvmm: sub-byte dtype {dtype} is not supported", code="invalid_argument")
+
+
 def _signature(shape, dtype) -> int:
     """A 63-bit hash of (dtype, shape): a reload checks it against the ticket it resolves to."""
     return zlib.crc32(repr((np.dtype(dtype).str, tuple(int(d) for d in shape))).encode()) & 0x7FFFFFFFFFFFFFFF
@@ -49,7 +67,8 @@ class Ticket:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        """Bytes jaxvmm holds for the ticket (sub-byte dtypes: one byte per element)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * _storage_dtype(self.dtype).itemsize
 
     def tree_flatten(self):
         return (self.token,), (self.shape, self.dtype)
@@ -241,8 +260,9 @@ def offload(x) -> Ticket:
     _check_array(x, "offload")
     _posix_ready()  # the cpu engine serves every cpu device the handlers may run on
     _collect()
+    wide = _storage_dtype(x.dtype)
     try:
-        token = _offload(x, _signature(x.shape, x.dtype), next(_sites))
+        token = _offload(x if wide == x.dtype else x.astype(wide), _signature(x.shape, x.dtype), next(_sites))
     except jax.errors.JaxRuntimeError as e:  # eager: the handler's error, as the jaxvmm error it is
         raise _translate(e) from e
     return Ticket(token, x.shape, x.dtype)
@@ -287,9 +307,9 @@ def reload(ticket: Ticket) -> jax.Array:
     _posix_ready()
     reserved = _check_ticket(ticket, "reload", reserve=True)
     _collect()
+    wide = _storage_dtype(ticket.dtype)  # sub-byte dtypes travel widened (see _storage_dtype)
     try:
-        return jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, ticket.dtype),
-                                vmap_method="sequential")(
+        y = jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, wide), vmap_method="sequential")(
             ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(next(_sites)))
     except Exception as e:
         for tgt, v in reserved:  # the eager reload never ran: the ticket may be reloaded again
@@ -297,6 +317,7 @@ def reload(ticket: Ticket) -> jax.Array:
         if isinstance(e, jax.errors.JaxRuntimeError):
             raise _translate(e) from e
         raise
+    return y if wide == ticket.dtype else y.astype(ticket.dtype)
 
 
 def prefetch(ticket: Ticket) -> Ticket:
