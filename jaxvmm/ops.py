@@ -177,12 +177,16 @@ def _value_error(msg: str) -> errors.InvalidArgumentError:
 
 def _check_dtype(dtype, what: str) -> np.dtype:
     try:
+        extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+    except TypeError:
+        extended = False
+    if extended:
+        raise _type_error(f"jaxvmm.{what}: dtype {dtype} (an extended dtype such as PRNG keys) cannot be offloaded; "
+                          "offload jax.random.key_data(x) instead")
+    try:
         dt = np.dtype(dtype)
     except TypeError:
         raise _type_error(f"jaxvmm.{what}: {dtype!r} is not a dtype") from None
-    if jax.dtypes.issubdtype(dt, jax.dtypes.extended):
-        raise _type_error(f"jaxvmm.{what}: dtype {dt} (an extended dtype such as PRNG keys) cannot be offloaded; "
-                          "offload jax.random.key_data(x) instead")
     if not (jnp.issubdtype(dt, jnp.number) or jnp.issubdtype(dt, jnp.bool_)):
         raise _type_error(f"jaxvmm.{what}: unsupported dtype {dt} (numbers and bool only)")
     return dt
@@ -395,6 +399,9 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
         host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
     if host_pool_chunk is not None:
         host_pool_chunk = _config.parse_size(host_pool_chunk, where + "host_pool_chunk")
+    for name, v in (("prefetch_depth", prefetch_depth), ("keep_resident", keep_resident)):
+        if isinstance(v, str):  # env strings are parsed by _config; the Python API takes ints
+            raise _type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
     if prefetch_depth is not None:
         prefetch_depth = _config.parse_int(prefetch_depth, where + "prefetch_depth", lo=1,
                                            hi=_config.MAX_PREFETCH_DEPTH)

@@ -1043,6 +1043,8 @@ def test_host_pool_exhausted_is_a_clear_error_subprocess():
 def test_configure_rejects_bad_values(knob, value):
     if knob == "keep_resident" and value == 0 and not isinstance(value, bool):
         pytest.skip("keep_resident=0 is valid (the default)")
+    if knob.startswith("host_pool") and value == "4":
+        pytest.skip("size strings are valid for the pool knobs ('4' = 4 bytes; see tests/test_config.py)")
     before = jaxvmm.configure()
     with pytest.raises(ValueError, match=knob):
         jaxvmm.configure(**{knob: value})
