@@ -2,11 +2,18 @@
 // semantics the engine relies on.
 //
 //   reservation      mmap(PROT_NONE, MAP_NORESERVE) of the exact (base, size)
-//   physical handle  a memfd whose pages are committed with fallocate (cuMemCreate commits memory too)
-//   map              mmap(MAP_FIXED | MAP_SHARED) of the memfd, PROT_NONE: no access until SetAccess
+//   physical handle  a "home" mapping of shared memory, pages committed at create (cuMemCreate commits
+//                    memory too), PROT_NONE. No file descriptor is held for the handle's life: an
+//                    anonymous MAP_SHARED mapping needs none. Only a handle created with
+//                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR requested (or imported from one) keeps a
+//                    memfd, because exporting it needs one.
+//   map              mremap(home, 0, size, MREMAP_MAYMOVE | MREMAP_FIXED, va): old_size 0 duplicates a
+//                    shared mapping, so the same pages appear at the reserved VA, PROT_NONE (no access
+//                    until SetAccess)
 //   set access       mprotect(READ|WRITE) of exactly mapped ranges
 //   unmap            MAP_FIXED anonymous PROT_NONE over the range: the VA stays reserved, touching faults
-//   release          close(fd): pages go back to the kernel once the last mapping is gone
+//   release          munmap(home) (and close the memfd if one was kept): pages go back to the kernel once
+//                    the last mapping is gone
 //
 // Streams are synchronous here: every "async" copy completes before the call returns, host functions
 // run inline, events are always complete. The bookkeeping below validates arguments the way the driver
@@ -36,15 +43,39 @@ namespace {
 std::atomic<int> g_device_count{1};
 
 struct Physical {
-  int fd;
+  void* home;   // PROT_NONE shared mapping that owns the pages while the handle lives
   size_t size;
+  int fd;       // -1 unless the handle is exportable (POSIX file descriptor requested or imported)
 };
+
+// An fd the process could not open is not "out of memory": EMFILE/ENFILE are reported as an operating
+// system failure so nobody raises a limit that is not the problem.
+CUresult FdError(int err) { return err == ENOMEM ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM; }
+
+// Maps `size` bytes of shared memory (of `fd`, or anonymous when fd < 0) with every page committed, then
+// drops all access to it: the home mapping only keeps the pages alive.
+CUresult MapHome(int fd, size_t size, bool populate, void** home) {
+  int flags = MAP_SHARED | (fd < 0 ? MAP_ANONYMOUS : 0) | (populate ? MAP_POPULATE : 0);
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, flags, fd, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (mprotect(p, size, PROT_NONE) != 0) {
+    munmap(p, size);
+    return CUDA_ERROR_OPERATING_SYSTEM;
+  }
+  *home = p;
+  return CUDA_SUCCESS;
+}
+
+void DropPhysical(const Physical& ph) {
+  munmap(ph.home, ph.size);  // pages mapped elsewhere stay alive until their last unmap
+  if (ph.fd >= 0) close(ph.fd);
+}
 
 struct PosixState {
   std::mutex mu;
   std::map<uintptr_t, size_t> reservations;       // base -> size
   std::map<uintptr_t, size_t> mappings;           // base -> size
-  std::unordered_map<uint64_t, Physical> handles;  // handle -> memfd
+  std::unordered_map<uint64_t, Physical> handles;  // handle -> home mapping
   std::unordered_map<uintptr_t, size_t> host_allocs;
   uint64_t next_handle = 1;
 };
@@ -235,23 +266,27 @@ CUresult PosixMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const
   if (!ValidLocation(prop->location)) return CUDA_ERROR_INVALID_DEVICE;
   size_t available = 0, total = 0;
   if (ReadMeminfo(&available, &total) && size > available) return CUDA_ERROR_OUT_OF_MEMORY;
-  int fd = memfd_create("jaxvmm-slot", MFD_CLOEXEC);
-  if (fd < 0) return errno == EMFILE || errno == ENFILE ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM;
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    close(fd);
-    return CUDA_ERROR_OUT_OF_MEMORY;
+  Physical ph{nullptr, size, -1};
+  if (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+    // Exportable: the memfd is the shareable handle and lives as long as the handle.
+    ph.fd = memfd_create("jaxvmm-slot", MFD_CLOEXEC);
+    if (ph.fd < 0) return FdError(errno);
+    if (ftruncate(ph.fd, static_cast<off_t>(size)) != 0) {
+      close(ph.fd);
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
   }
-  // Commit the pages now, as cuMemCreate commits device memory; released slots then visibly give
-  // memory back to the kernel.
-  int rc = fallocate(fd, 0, 0, static_cast<off_t>(size));
-  if (rc != 0 && errno != EOPNOTSUPP) {
-    close(fd);
-    return CUDA_ERROR_OUT_OF_MEMORY;
+  // Commit the pages now (MAP_POPULATE), as cuMemCreate commits device memory; released slots then
+  // visibly give memory back to the kernel.
+  CUresult r = MapHome(ph.fd, size, /*populate=*/true, &ph.home);
+  if (r != CUDA_SUCCESS) {
+    if (ph.fd >= 0) close(ph.fd);
+    return r;
   }
   PosixState& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   uint64_t h = s.next_handle++;
-  s.handles[h] = Physical{fd, size};
+  s.handles[h] = ph;
   *handle = h;
   return CUDA_SUCCESS;
 }
@@ -261,7 +296,7 @@ CUresult PosixMemRelease(CUmemGenericAllocationHandle handle) {
   std::lock_guard<std::mutex> lock(s.mu);
   auto it = s.handles.find(handle);
   if (it == s.handles.end()) return CUDA_ERROR_INVALID_VALUE;
-  close(it->second.fd);  // mapped pages stay alive until their last unmap
+  DropPhysical(it->second);  // mapped pages stay alive until their last unmap
   s.handles.erase(it);
   return CUDA_SUCCESS;
 }
@@ -276,8 +311,11 @@ CUresult PosixMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAl
   if (h->second.size != size) return CUDA_ERROR_INVALID_VALUE;  // the whole handle, as cuMemMap wants
   if (!InReservation(s, ptr, size)) return CUDA_ERROR_INVALID_VALUE;
   if (OverlapsMapping(s, ptr, size)) return CUDA_ERROR_ALREADY_MAPPED;
-  void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->second.fd, 0);
-  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  // old_size 0 duplicates the shared home mapping: the same pages, PROT_NONE, at exactly ptr (replacing
+  // the reservation's PROT_NONE placeholder there).
+  void* p = mremap(h->second.home, 0, size, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(ptr));
+  if (p == MAP_FAILED) return errno == ENOMEM ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_OPERATING_SYSTEM;
+  if (p != reinterpret_cast<void*>(ptr)) return CUDA_ERROR_OPERATING_SYSTEM;
   s.mappings[ptr] = size;
   return CUDA_SUCCESS;
 }
@@ -319,7 +357,8 @@ CUresult PosixMemGetInfo(size_t* free_bytes, size_t* total) {
   return ReadMeminfo(free_bytes, total) ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
 }
 
-// A memfd is exactly a POSIX file-descriptor shareable handle.
+// A memfd is exactly a POSIX file-descriptor shareable handle. As with the driver, only a handle created
+// with that handle type requested can be exported.
 CUresult PosixMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle handle, CUmemAllocationHandleType type,
                                          unsigned long long) {
   if (!out) return CUDA_ERROR_INVALID_VALUE;
@@ -328,8 +367,9 @@ CUresult PosixMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle
   std::lock_guard<std::mutex> lock(s.mu);
   auto h = s.handles.find(handle);
   if (h == s.handles.end()) return CUDA_ERROR_INVALID_HANDLE;
+  if (h->second.fd < 0) return CUDA_ERROR_NOT_PERMITTED;  // not created as exportable
   int fd = fcntl(h->second.fd, F_DUPFD_CLOEXEC, 0);
-  if (fd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
+  if (fd < 0) return FdError(errno);
   *static_cast<int*>(out) = fd;
   return CUDA_SUCCESS;
 }
@@ -341,12 +381,19 @@ CUresult PosixMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle,
   int src = static_cast<int>(reinterpret_cast<intptr_t>(os_handle));
   struct stat st;
   if (fstat(src, &st) != 0) return CUDA_ERROR_INVALID_HANDLE;
-  int fd = fcntl(src, F_DUPFD_CLOEXEC, 0);
-  if (fd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
+  if (st.st_size <= 0 || static_cast<size_t>(st.st_size) % PageSize() != 0) return CUDA_ERROR_INVALID_VALUE;
+  int fd = fcntl(src, F_DUPFD_CLOEXEC, 0);  // kept: an imported handle can be exported again
+  if (fd < 0) return FdError(errno);
+  Physical ph{nullptr, static_cast<size_t>(st.st_size), fd};
+  CUresult r = MapHome(fd, ph.size, /*populate=*/false, &ph.home);
+  if (r != CUDA_SUCCESS) {
+    close(fd);
+    return r;
+  }
   PosixState& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   uint64_t h = s.next_handle++;
-  s.handles[h] = Physical{fd, static_cast<size_t>(st.st_size)};
+  s.handles[h] = ph;
   *handle = h;
   return CUDA_SUCCESS;
 }

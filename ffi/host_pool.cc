@@ -5,17 +5,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <set>
 
 #include "vmm.h"
 
 namespace jaxvmm {
 namespace {
 
+// JAXVMM_HOST_POOL_LIMIT is parsed in Python (jaxvmm/_config.py, with size suffixes and errors for bad
+// values) and arrives through SetLimit; the core reads no environment variable for it.
 size_t DefaultLimit() {
-  if (const char* env = std::getenv("JAXVMM_HOST_POOL_LIMIT")) {
-    unsigned long long v = std::strtoull(env, nullptr, 10);
-    if (v > 0) return static_cast<size_t>(v);
-  }
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 2 : size_t{16} << 30;
 }
@@ -23,9 +22,26 @@ std::atomic<size_t> g_limit{0};
 std::atomic<size_t> g_chunk{size_t{256} << 20};
 size_t RoundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// Every live pool, so that lowering the limit can give back what the pools hold beyond it right away.
+std::mutex g_pools_mu;
+std::set<HostPool*>& Pools() {
+  static auto* p = new std::set<HostPool*>();
+  return *p;
+}
+
 }  // namespace
 
-void HostPool::SetLimit(size_t bytes) { g_limit.store(bytes); }
+HostPool::HostPool(Backend b, int device) : backend_(b), device_(device) {
+  std::lock_guard<std::mutex> lock(g_pools_mu);
+  Pools().insert(this);
+}
+
+void HostPool::SetLimit(size_t bytes) {
+  g_limit.store(bytes);
+  // Pools over the new limit return their empty chunks now; the rest follow as tickets free up (Free).
+  std::lock_guard<std::mutex> lock(g_pools_mu);
+  for (HostPool* p : Pools()) p->ShrinkToLimit();
+}
 void HostPool::SetChunkSize(size_t bytes) { g_chunk.store(std::max<size_t>(RoundUp(bytes, kAlign), kAlign)); }
 size_t HostPool::Limit() {
   size_t l = g_limit.load();
@@ -34,8 +50,13 @@ size_t HostPool::Limit() {
 size_t HostPool::ChunkSize() { return g_chunk.load(); }
 
 HostPool::~HostPool() {
+  {
+    std::lock_guard<std::mutex> lock(g_pools_mu);
+    Pools().erase(this);
+  }
   ScopedContext ctx(backend_, device_);
   for (auto& c : chunks_) Driver(backend_).MemFreeHost(c.base);
+  for (void* b : retired_) Driver(backend_).MemFreeHost(b);
 }
 
 Status HostPool::AddChunk(size_t min_bytes, std::unique_lock<std::mutex>& lock) {
@@ -95,6 +116,18 @@ bool HostPool::Carve(Chunk& c, size_t n, HostBlock* out) {
 Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
   size_t n = RoundUp(std::max<size_t>(nbytes, 1), kAlign);
   std::unique_lock<std::mutex> lock(mu_);
+  // The limit may have been lowered below what the pool pinned earlier: carving from those chunks must
+  // not exceed it either.
+  size_t limit = Limit();
+  if (static_cast<size_t>(stats_.in_use_bytes) + n > limit)
+    return Status(Code::kOutOfMemory, "pinned host pool exhausted: " + std::to_string(nbytes) + " bytes requested, " +
+                                          std::to_string(stats_.in_use_bytes) + " in use, limit " + std::to_string(limit) +
+                                          " (raise it with jaxvmm.configure(host_pool_limit=...) or "
+                                          "JAXVMM_HOST_POOL_LIMIT)");
+  if (static_cast<size_t>(stats_.chunk_bytes) > limit) {
+    RetireEmptyChunks(limit);
+    DrainRetired(lock);
+  }
   bool ok = false;
   for (auto& c : chunks_)
     if ((ok = Carve(c, n, out))) break;
@@ -111,6 +144,53 @@ Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
 void HostPool::Free(const HostBlock& block) {
   if (!block) return;
   std::lock_guard<std::mutex> lock(mu_);
+  FreeLocked(block);
+  // Over a lowered limit: chunks emptied by this free leave the pool now. They are returned to the
+  // driver by the next host-side call (Allocate, SetLimit), not here: Free runs on the engine's workers,
+  // and cuMemFreeHost may wait for the device, whose stream may be waiting for those workers.
+  if (static_cast<size_t>(stats_.chunk_bytes) > Limit()) RetireEmptyChunks(Limit());
+}
+
+void HostPool::ShrinkToLimit() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (static_cast<size_t>(stats_.chunk_bytes) > Limit()) RetireEmptyChunks(Limit());
+  DrainRetired(lock);
+}
+
+void HostPool::RetireEmptyChunks(size_t limit) {
+  // Caller holds mu_. Moves empty chunks (newest first) out of the pool until what stays in it pins at
+  // most `limit` bytes. Retired chunks still count in chunk_bytes until DrainRetired frees them.
+  size_t kept = static_cast<size_t>(stats_.chunk_bytes) - retired_bytes_;
+  for (size_t i = chunks_.size(); i-- > 0 && kept > limit;) {
+    if (chunks_[i].used != 0) continue;
+    retired_.push_back(chunks_[i].base);
+    retired_bytes_ += chunks_[i].size;
+    kept -= chunks_[i].size;
+    retired_sizes_.push_back(chunks_[i].size);
+    chunks_.erase(chunks_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  stats_.chunks = static_cast<int64_t>(chunks_.size());
+}
+
+void HostPool::DrainRetired(std::unique_lock<std::mutex>& lock) {
+  if (retired_.empty()) return;
+  std::vector<void*> bases;
+  std::vector<size_t> sizes;
+  bases.swap(retired_);
+  sizes.swap(retired_sizes_);
+  lock.unlock();  // cuMemFreeHost may wait for the device
+  {
+    ScopedContext ctx(backend_, device_);
+    for (void* b : bases) Driver(backend_).MemFreeHost(b);
+  }
+  lock.lock();
+  for (size_t n : sizes) {
+    retired_bytes_ -= n;
+    stats_.chunk_bytes -= static_cast<int64_t>(n);
+  }
+}
+
+void HostPool::FreeLocked(const HostBlock& block) {
   char* p = static_cast<char*>(block.ptr);
   for (auto& c : chunks_) {
     if (p < c.base || p >= c.base + c.size) continue;

@@ -32,7 +32,7 @@ class HostPool {
  public:
   static constexpr size_t kAlign = 4096;
 
-  HostPool(Backend b, int device) : backend_(b), device_(device) {}
+  HostPool(Backend b, int device);
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
@@ -44,7 +44,9 @@ class HostPool {
   HostPoolStats Stats() const;
 
   // Process-wide knobs (bytes). The default limit is half of physical memory; the default chunk is
-  // 256 MiB (a larger request gets a chunk of its own size).
+  // 256 MiB (a larger request gets a chunk of its own size). The limit bounds the bytes handed out and
+  // the bytes pinned: lowering it below what a pool pins returns that pool's empty chunks at once and
+  // the others as their last block is freed; allocations past it fail with kOutOfMemory.
   static void SetLimit(size_t bytes);
   static void SetChunkSize(size_t bytes);
   static size_t Limit();
@@ -59,6 +61,10 @@ class HostPool {
   };
   Status AddChunk(size_t min_bytes, std::unique_lock<std::mutex>& lock);  // drops `lock` around the driver call
   bool Carve(Chunk& c, size_t n, HostBlock* out);
+  void FreeLocked(const HostBlock& block);                 // caller holds mu_
+  void RetireEmptyChunks(size_t limit);                    // caller holds mu_
+  void DrainRetired(std::unique_lock<std::mutex>& lock);   // frees retired chunks; drops `lock` meanwhile
+  void ShrinkToLimit();
 
   const Backend backend_;
   const int device_;
@@ -66,6 +72,9 @@ class HostPool {
   std::vector<Chunk> chunks_;
   HostPoolStats stats_;
   size_t growing_ = 0;  // bytes being pinned right now (counted against the limit)
+  std::vector<void*> retired_;        // empty chunks out of the pool, not yet returned to the driver
+  std::vector<size_t> retired_sizes_;
+  size_t retired_bytes_ = 0;          // still counted in stats_.chunk_bytes
 };
 
 }  // namespace jaxvmm

@@ -64,6 +64,15 @@ std::string Hex(uint64_t v) {
   return buf;
 }
 
+nb::dict CountsDict(const SlotCounts& c) {
+  nb::dict d;
+  d["slots"] = c.slots;
+  d["reserved_bytes"] = c.reserved_bytes;
+  d["mapped_bytes"] = c.mapped_bytes;
+  d["peak_mapped_bytes"] = c.peak_mapped_bytes;
+  return d;
+}
+
 nb::dict InfoDict(const SlotInfo& i) {
   nb::dict d;
   d["id"] = i.id;
@@ -97,6 +106,8 @@ nb::dict StatsDict() {
   d["closed"] = s.closed;
   d["releases"] = s.releases;
   d["remaps"] = s.remaps;
+  d["user"] = CountsDict(s.user);
+  d["internal"] = CountsDict(s.internal);
   d["leaked"] = LeakCount();
   int64_t qbytes = 0;
   nb::list q;
@@ -123,6 +134,8 @@ nb::dict StatsDict() {
     dd["reserved_bytes"] = ds.reserved_bytes;
     dd["mapped_bytes"] = ds.mapped_bytes;
     dd["peak_mapped_bytes"] = ds.peak_mapped_bytes;
+    dd["user"] = CountsDict(ds.user);
+    dd["internal"] = CountsDict(ds.internal);
     devs[nb::make_tuple(BackendName(static_cast<Backend>(key.first)), key.second)] = dd;
   }
   d["devices"] = devs;
@@ -344,6 +357,7 @@ NB_MODULE(_jaxvmm, m) {
   m.def("engine_unreserve", [engine](const std::string& backend, int device, uint64_t token) {
     engine(backend, device)->Unreserve(token);
   });
+  m.def("set_trace", [](bool on) { SetTrace(on); });
   m.def("engine_trim", [engine](const std::string& backend, int device) {
     Engine* e = engine(backend, device);
     nb::gil_scoped_release nogil;
@@ -355,14 +369,18 @@ NB_MODULE(_jaxvmm, m) {
   // Negative (or 0 where 0 is meaningless) leaves a knob as it is; returns every knob's value in force.
   m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth, int keep_resident,
                         int64_t staging_budget, int64_t staging_idle_ms) {
+    nb::gil_scoped_release nogil;  // lowering the limit may return pinned chunks to the driver
     if (host_pool_limit >= 0) HostPool::SetLimit(static_cast<size_t>(host_pool_limit));
     if (host_pool_chunk > 0) HostPool::SetChunkSize(static_cast<size_t>(host_pool_chunk));
     if (prefetch_depth > 0) StagingArea::SetDepth(prefetch_depth);
     if (keep_resident >= 0) EngineConfig::SetKeepResident(keep_resident);
     if (staging_budget > 0) StagingArea::SetBudget(static_cast<size_t>(staging_budget));
     if (staging_idle_ms > 0) StagingArea::SetIdleMillis(staging_idle_ms);
-    return nb::make_tuple(HostPool::Limit(), HostPool::ChunkSize(), StagingArea::Depth(), EngineConfig::KeepResident(),
-                          StagingArea::Budget(), StagingArea::IdleMillis());
+    size_t limit = HostPool::Limit(), chunk = HostPool::ChunkSize(), budget = StagingArea::Budget();
+    int depth = StagingArea::Depth(), keep = EngineConfig::KeepResident();
+    int64_t idle = StagingArea::IdleMillis();
+    nb::gil_scoped_acquire gil;
+    return nb::make_tuple(limit, chunk, depth, keep, budget, idle);
   });
 
   m.def("memory_info", [](const std::string& backend, int device) {

@@ -21,6 +21,21 @@ ByteGauge* Registry::DeviceGauge(Backend b, int device) {
   return g.get();
 }
 
+ByteGauge* Registry::OwnerGauge(bool internal, int backend, int device) {
+  auto& g = owner_mapped_[{internal, backend, device}];
+  if (!g) g = std::make_unique<ByteGauge>();
+  return g.get();
+}
+
+void Registry::CountSlot(const Slot& s, int64_t slots, int64_t reserved_bytes) {
+  DeviceStats& d = devices_[DeviceKey(s)];
+  SlotCounts& o = s.spec().internal ? d.internal : d.user;
+  d.slots += slots;
+  d.reserved_bytes += reserved_bytes;
+  o.slots += slots;
+  o.reserved_bytes += reserved_bytes;
+}
+
 Status Registry::Create(const SlotSpec& spec, int64_t* id) {
   MaybeRetryQuarantine();
   int64_t new_id;
@@ -31,7 +46,8 @@ Status Registry::Create(const SlotSpec& spec, int64_t* id) {
   std::vector<ByteGauge*> gauges;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    gauges = {&mapped_, DeviceGauge(spec.backend, spec.device)};
+    gauges = {&mapped_, DeviceGauge(spec.backend, spec.device), OwnerGauge(spec.internal, -1, -1),
+              OwnerGauge(spec.internal, static_cast<int>(spec.backend), spec.device)};
   }
   std::shared_ptr<Slot> slot, remains;
   Status st = Slot::Create(new_id, spec, gauges, &slot, &remains);
@@ -43,9 +59,7 @@ Status Registry::Create(const SlotSpec& spec, int64_t* id) {
   by_id_[new_id] = slot;
   by_base_[slot->address()] = new_id;
   ++created_;
-  DeviceStats& d = devices_[DeviceKey(*slot)];
-  d.slots += 1;
-  d.reserved_bytes += static_cast<int64_t>(slot->size());
+  CountSlot(*slot, 1, static_cast<int64_t>(slot->size()));
   *id = new_id;
   return Status();
 }
@@ -101,13 +115,12 @@ Status Registry::Close(int64_t id) {
     slot = it->second;
     by_id_.erase(it);
     by_base_.erase(slot->address());
-    DeviceStats& d = devices_[DeviceKey(*slot)];
-    d.slots -= 1;
+    CountSlot(*slot, -1, 0);
   }
   Status st = slot->Teardown();
   std::lock_guard<std::mutex> lock(mu_);
   if (st.ok()) {
-    devices_[DeviceKey(*slot)].reserved_bytes -= static_cast<int64_t>(slot->size());
+    CountSlot(*slot, 0, -static_cast<int64_t>(slot->size()));
     ++closed_;
     return st;
   }
@@ -118,8 +131,7 @@ Status Registry::Close(int64_t id) {
 
 void Registry::Quarantine(std::shared_ptr<Slot> slot, const Status& why, bool registered) {
   std::lock_guard<std::mutex> lock(mu_);
-  DeviceStats& d = devices_[DeviceKey(*slot)];
-  d.reserved_bytes += static_cast<int64_t>(slot->size());
+  CountSlot(*slot, 0, static_cast<int64_t>(slot->size()));
   quarantine_.push_back(Quarantined{std::move(slot), 1, registered});
   std::fprintf(stderr, "%s; remains quarantined, will be retried\n", why.ToString().c_str());
 }
@@ -144,7 +156,7 @@ size_t Registry::RetryQuarantine() {
     Status st = q.slot->Teardown();  // resumes where the last attempt stopped
     std::lock_guard<std::mutex> lock(mu_);
     if (st.ok()) {
-      devices_[DeviceKey(*q.slot)].reserved_bytes -= static_cast<int64_t>(q.slot->size());
+      CountSlot(*q.slot, 0, -static_cast<int64_t>(q.slot->size()));
       if (q.registered) ++closed_;
     } else {
       ++q.attempts;
@@ -170,6 +182,7 @@ void Registry::ResetPeak() {
   std::lock_guard<std::mutex> lock(mu_);
   mapped_.ResetPeak();
   for (auto& [key, g] : device_mapped_) g->ResetPeak();
+  for (auto& [key, g] : owner_mapped_) g->ResetPeak();
 }
 
 RegistryStats Registry::Stats() const {
@@ -187,6 +200,25 @@ RegistryStats Registry::Stats() const {
   for (const auto& [key, g] : device_mapped_) {
     s.devices[key].mapped_bytes = g->value();
     s.devices[key].peak_mapped_bytes = g->peak();
+  }
+  for (const auto& [key, d] : devices_) {
+    for (SlotCounts* o : {&s.user, &s.internal}) {
+      const SlotCounts& from = o == &s.user ? d.user : d.internal;
+      o->slots += from.slots;
+      o->reserved_bytes += from.reserved_bytes;
+    }
+  }
+  for (const auto& [key, g] : owner_mapped_) {
+    const auto& [internal, backend, device] = key;
+    SlotCounts& o = internal ? s.internal : s.user;
+    if (device < 0) {  // process-wide
+      o.mapped_bytes = g->value();
+      o.peak_mapped_bytes = g->peak();
+    } else {
+      SlotCounts& od = internal ? s.devices[{backend, device}].internal : s.devices[{backend, device}].user;
+      od.mapped_bytes = g->value();
+      od.peak_mapped_bytes = g->peak();
+    }
   }
   for (const auto& q : quarantine_) {
     SlotInfo i = q.slot->Info();

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "slot.h"
@@ -24,11 +25,20 @@ struct QuarantineEntry {
   int attempts;
 };
 
-struct DeviceStats {
+// Slot counts and bytes of one owner (the user's slots, or jaxvmm's internal staging slots).
+struct SlotCounts {
   int64_t slots = 0;
   int64_t reserved_bytes = 0;
   int64_t mapped_bytes = 0;
   int64_t peak_mapped_bytes = 0;
+};
+
+struct DeviceStats {  // totals over both owners, then each owner
+  int64_t slots = 0;
+  int64_t reserved_bytes = 0;
+  int64_t mapped_bytes = 0;
+  int64_t peak_mapped_bytes = 0;
+  SlotCounts user, internal;
 };
 
 struct RegistryStats {
@@ -37,6 +47,7 @@ struct RegistryStats {
   int64_t mapped_bytes = 0;     // physical bytes attached to live or quarantined slots
   int64_t peak_mapped_bytes = 0;
   int64_t created = 0, closed = 0, releases = 0, remaps = 0;
+  SlotCounts user, internal;  // the same, split by SlotSpec::internal (peaks are per owner)
   std::vector<QuarantineEntry> quarantine;
   std::map<std::pair<int, int>, DeviceStats> devices;  // (backend, device)
 };
@@ -67,6 +78,8 @@ class Registry {
   Registry() = default;
   void Quarantine(std::shared_ptr<Slot> slot, const Status& why, bool registered);
   ByteGauge* DeviceGauge(Backend b, int device);  // caller holds mu_
+  ByteGauge* OwnerGauge(bool internal, int backend, int device);  // caller holds mu_; (-1, -1): process-wide
+  void CountSlot(const Slot& s, int64_t slots, int64_t reserved_bytes);  // caller holds mu_
   void MaybeRetryQuarantine();
 
   mutable std::mutex mu_;
@@ -83,7 +96,9 @@ class Registry {
   int64_t created_ = 0, closed_ = 0, releases_ = 0, remaps_ = 0;
   ByteGauge mapped_;
   std::map<std::pair<int, int>, std::unique_ptr<ByteGauge>> device_mapped_;
-  std::map<std::pair<int, int>, DeviceStats> devices_;  // slots and reserved bytes
+  std::map<std::pair<int, int>, DeviceStats> devices_;  // slots and reserved bytes (total, user, internal)
+  // mapped bytes per owner: key (internal, backend, device); (internal, -1, -1) is the process-wide gauge
+  std::map<std::tuple<bool, int, int>, std::unique_ptr<ByteGauge>> owner_mapped_;
 };
 
 }  // namespace jaxvmm

@@ -26,8 +26,9 @@ struct SlotSpec {
   std::vector<int> access;    // devices granted read/write, in one cuMemSetAccess; empty = {device}
   size_t nbytes = 0;          // requested; the reservation is rounded up to the granularity
   CUmemAllocationHandleType handle_types = CU_MEM_HANDLE_TYPE_NONE;  // shareable handles (later)
-  bool map_on_create = true;  // false: reserve only; the slot starts RELEASED
-  bool internal = false;      // jaxvmm's own (offload staging), counted apart from the user's slots
+  bool map_on_create = true;  // false: reserve only; the slot starts RELEASED (staging slots)
+  bool internal = false;      // jaxvmm's own (the offload engine's staging slots), not the user's:
+                              // accounted apart in stats() so a user's leak check is not disturbed
 };
 
 enum class SlotState : int {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 
 namespace jaxvmm {
@@ -69,6 +70,12 @@ std::shared_ptr<Ticket> TicketTable::Find(uint64_t token, std::string* why) cons
 }
 
 std::shared_ptr<Ticket> TicketTable::Predict(const ArrayMeta& meta) const {
+  // JAXVMM_PREDICT=0 turns prediction off (diagnostics); Python validated and normalized the value.
+  static const bool enabled = [] {
+    const char* v = std::getenv("JAXVMM_PREDICT");
+    return !(v && std::string(v) == "0");
+  }();
+  if (!enabled) return nullptr;
   // Training reloads in reverse offload order (LIFO); a miss that hit the other end of the queue flips
   // the guess (Learn). Only tickets whose D2H is enqueued can be copied from.
   auto fits = [&](const std::shared_ptr<Ticket>& t) {

@@ -10,7 +10,15 @@
 namespace jaxvmm {
 
 // ---- tracing and reports ----
+// JAXVMM_TRACE is parsed in Python (jaxvmm/_config.py) and set through SetTrace at import; before that
+// (the core used without the package) the environment decides as it always did.
+namespace {
+std::atomic<int> g_trace{-1};  // -1: not set
+}
+void SetTrace(bool on) { g_trace.store(on ? 1 : 0); }
 bool TraceEnabled() {
+  int t = g_trace.load(std::memory_order_relaxed);
+  if (t >= 0) return t == 1;
   static const bool on = [] {
     const char* v = std::getenv("JAXVMM_TRACE");
     return v != nullptr && v[0] != '\0' && std::string(v) != "0";

@@ -20,7 +20,8 @@
 namespace jaxvmm {
 
 // ---- traced driver calls ----
-bool TraceEnabled();  // JAXVMM_TRACE=1, read once
+bool TraceEnabled();  // SetTrace's value; before any SetTrace, JAXVMM_TRACE (non-empty, not "0"), read once
+void SetTrace(bool on);
 void TraceCall(int64_t slot, const char* stage, Entry entry, CUresult r, double micros);
 
 // Runs one driver call for `slot`'s `stage`; logs it under JAXVMM_TRACE; converts failure to Status.

@@ -12,7 +12,12 @@ import operator
 
 import jax
 
+from . import errors
 from ._native import lib
+
+
+def _bad(msg: str) -> errors.InvalidArgumentError:
+    return errors.InvalidArgumentError(msg, code="invalid_argument")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +45,7 @@ def _platform_devices(platform: str) -> list[jax.Device]:
     try:
         return jax.local_devices(backend=platform)
     except RuntimeError as e:
-        raise ValueError(f"jaxvmm: no jax '{platform}' devices in this process ({e})") from None
+        raise _bad(f"jaxvmm: no jax '{platform}' devices in this process ({e})") from None
 
 
 def target_of(device) -> Target:
@@ -52,27 +57,33 @@ def target_of(device) -> Target:
         platform, _, index = device.partition(":")
         platform = {"cuda": "gpu"}.get(platform, platform)
         if platform not in ("cpu", "gpu"):
-            raise ValueError(f"jaxvmm: unknown device string {device!r}; use 'cpu[:N]' or 'cuda[:N]'")
+            raise _bad(f"jaxvmm: unknown device string {device!r}; use 'cpu[:N]' or 'cuda[:N]'")
+        if _ and not index.isdigit():
+            raise _bad(f"jaxvmm: device {device!r}: the index after ':' must be a non-negative integer "
+                       "('cpu:0', 'cuda:1')")
         devs = _platform_devices(platform)
         i = int(index) if index else 0
         if not 0 <= i < len(devs):
-            raise ValueError(f"jaxvmm: device {device!r} does not exist ({len(devs)} {platform} devices)")
+            raise _bad(f"jaxvmm: device {device!r} does not exist ({len(devs)} {platform} devices)")
         device = devs[i]
     elif isinstance(device, bool) or not isinstance(device, (int, jax.Device)):
         try:
             device = operator.index(device)
         except TypeError:
-            raise TypeError(f"jaxvmm: device must be None, an int, a str or a jax.Device, not {type(device).__name__}") from None
+            raise errors.InvalidArgumentTypeError(
+                f"jaxvmm: device must be None, an int, a str or a jax.Device, not {type(device).__name__}",
+                code="invalid_argument") from None
     if isinstance(device, int):
         devs = jax.local_devices()
         if not 0 <= device < len(devs):
-            raise ValueError(f"jaxvmm: device {device} does not exist ({len(devs)} local devices)")
+            raise _bad(f"jaxvmm: device {device} does not exist ({len(devs)} local devices)")
         device = devs[device]
     if device.process_index != jax.process_index():
-        raise ValueError(f"jaxvmm: device {device} belongs to another process")
+        raise _bad(f"jaxvmm: device {device} belongs to another process")
     if device.platform == "gpu":
         return Target("cuda", int(device.local_hardware_id), device)
     if device.platform == "cpu":
         _posix_ready()
         return Target("posix", _platform_devices("cpu").index(device), device)
-    raise ValueError(f"jaxvmm: platform {device.platform!r} is not supported (cpu and CUDA gpu are)")
+    raise errors.NotSupportedError(f"jaxvmm: platform {device.platform!r} is not supported (cpu and CUDA gpu are)",
+                                   code="not_supported")

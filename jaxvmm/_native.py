@@ -17,6 +17,12 @@ except ImportError as e:  # pragma: no cover - only on broken installs
 
 lib._set_error_factory(errors._from_native)
 
+# Every JAXVMM_* environment variable, parsed (a bad value raises InvalidArgumentError naming it) and
+# pushed into the core before anything else runs.
+from . import _config  # noqa: E402
+
+_config.load(lib)
+
 
 def _close_all_at_exit() -> None:
     # Return every slot's pages and reservations while the driver is still loaded.

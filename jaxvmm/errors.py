@@ -24,6 +24,10 @@ class InvalidArgumentError(VmmError, ValueError):
     """An argument was wrong (also a ``ValueError``)."""
 
 
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument had the wrong type: an :class:`InvalidArgumentError` that is also a ``TypeError``."""
+
+
 class NotSupportedError(VmmError):
     """The device or driver lacks a capability (HOST_NUMA placement, VMM, a handle type)."""
 
@@ -69,6 +73,49 @@ _BY_CODE = {
 }
 
 
+# XLA status names an FFI handler's error arrives with (see ffi/handlers.cc, ToFfi) -> jaxvmm's class.
+_BY_XLA_STATUS = {
+    "INVALID_ARGUMENT": InvalidArgumentError,
+    "RESOURCE_EXHAUSTED": OutOfMemoryError,
+    "UNIMPLEMENTED": NotSupportedError,
+    "UNAVAILABLE": BackendUnavailableError,
+}
+_CODE_OF = {cls: code for code, cls in _BY_CODE.items()}
+
+
+def from_jax_error(e: BaseException) -> VmmError | None:
+    """The jaxvmm error a ``jax.errors.JaxRuntimeError`` carries, or ``None`` if it is not jaxvmm's.
+
+    jaxvmm's FFI handlers fail with an XLA status whose message is jaxvmm's (it contains ``jaxvmm:``);
+    jax raises it as ``JaxRuntimeError``. Eager ``offload``/``reload``/``prefetch`` translate it with this
+    function; for errors raised by a jitted program, call it yourself::
+
+        try:
+            step(x)
+        except jax.errors.JaxRuntimeError as e:
+            raise jaxvmm.errors.from_jax_error(e) or e
+
+    The class follows the XLA status (``RESOURCE_EXHAUSTED`` -> ``OutOfMemoryError``, ``INVALID_ARGUMENT``
+    -> ``InvalidArgumentError``, ``UNIMPLEMENTED`` -> ``NotSupportedError``, ``UNAVAILABLE`` ->
+    ``BackendUnavailableError``); other statuses give ``DriverError`` when a CUDA error name is in the
+    message, else ``VmmError``."""
+    msg = str(e)
+    at = msg.find("jaxvmm:")
+    if at < 0:
+        return None
+    status = msg.split(":", 1)[0].strip() if at > 0 else ""
+    text = msg[at:].split("\n", 1)[0].strip()
+    cls = _BY_XLA_STATUS.get(status)
+    driver_error = ""
+    for word in text.replace(",", " ").replace(";", " ").replace(":", " ").split():
+        if word.startswith("CUDA_ERROR_"):
+            driver_error = word
+            break
+    if cls is None:
+        cls = DriverError if driver_error else VmmError
+    return cls(text, code=_CODE_OF.get(cls, ""), driver_error=driver_error)
+
+
 def _from_native(code: str, message: str, driver_error: str, slot: int, stage: str) -> VmmError:
     """Builds the exception for a failed native Status (called from C++)."""
     cls = _BY_CODE.get(code, VmmError)
@@ -78,6 +125,7 @@ def _from_native(code: str, message: str, driver_error: str, slot: int, stage: s
 __all__ = [
     "VmmError",
     "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "NotSupportedError",
     "BackendUnavailableError",
     "DriverError",
@@ -86,4 +134,5 @@ __all__ = [
     "SlotStateError",
     "NotFoundError",
     "InternalError",
+    "from_jax_error",
 ]

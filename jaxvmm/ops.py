@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import sys
 import threading
 import weakref
@@ -15,12 +16,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi  # noqa: F401  (registers the FFI targets)
-from . import errors
+from . import _config, errors
 from ._devices import _posix_ready, target_of
 from ._native import lib
 
 _sites = itertools.count(1)
 _TOKEN = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+
+def _storage_dtype(dtype) -> np.dtype:
+    """The dtype jaxvmm moves for ``dtype``. Sub-byte dtypes (int1/2/4, uint1/2/4, float4_e2m1fn) travel
+    widened to one byte per element: XLA stores them packed while the FFI counts one byte per element,
+    so copying them as they are is not well defined. The widening is a value conversion that XLA does
+    exactly (int8/uint8 and float8_e4m3fn hold every value, -0 included), so the round trip is
+    bit-exact; the host copy costs one byte per element."""
+    dtype = np.dtype(dtype)
+    if jax.dtypes.itemsize_bits(dtype) >= 8:
+        return dtype
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        return np.dtype(jnp.int8)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return np.dtype(jnp.uint8)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 4 and jnp.finfo(dtype).nexp <= 2:
+        return np.dtype(jnp.float8_e4m3fn)  # float4_e2m1fn: every value (and -0) exists in e4m3fn
+    raise errors.InvalidArgumentError(f"jaxvmm: sub-byte dtype {dtype} is not supported", code="invalid_argument")
 
 
 def _signature(shape, dtype) -> int:
@@ -40,15 +59,16 @@ class Ticket:
 
     def __init__(self, token, shape, dtype):
         self.token = token
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
+        self.shape = _check_shape(shape, "Ticket")
+        self.dtype = _check_dtype(dtype, "Ticket")
         if (isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer)
                 and token.dtype == jnp.uint32 and tuple(token.shape)[-1:] == (2,)):
             _track(token)
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        """Bytes jaxvmm holds for the ticket (sub-byte dtypes: one byte per element)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * _storage_dtype(self.dtype).itemsize
 
     def tree_flatten(self):
         return (self.token,), (self.shape, self.dtype)
@@ -147,17 +167,76 @@ def _collect() -> None:
 
 
 # ---- validation ----
-def _check_array(x, what: str):
+def _type_error(msg: str) -> errors.InvalidArgumentTypeError:
+    return errors.InvalidArgumentTypeError(msg, code="invalid_argument")
+
+
+def _value_error(msg: str) -> errors.InvalidArgumentError:
+    return errors.InvalidArgumentError(msg, code="invalid_argument")
+
+
+def _check_dtype(dtype, what: str) -> np.dtype:
+    try:
+        extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+    except TypeError:
+        extended = False
+    if extended:
+        raise _type_error(f"jaxvmm.{what}: dtype {dtype} (an extended dtype such as PRNG keys) cannot be offloaded; "
+                          "offload jax.random.key_data(x) instead")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise _type_error(f"jaxvmm.{what}: {dtype!r} is not a dtype") from None
+    if not (jnp.issubdtype(dt, jnp.number) or jnp.issubdtype(dt, jnp.bool_)):
+        raise _type_error(f"jaxvmm.{what}: unsupported dtype {dt} (numbers and bool only)")
+    return dt
+
+
+def _check_shape(shape, what: str) -> tuple:
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise _type_error(f"jaxvmm.{what}: shape must be a tuple of ints, got {shape!r}")
+    out = []
+    for d in shape:
+        if isinstance(d, bool):
+            raise _type_error(f"jaxvmm.{what}: shape {tuple(shape)!r} has a bool dimension")
+        try:
+            d = operator.index(d)
+        except TypeError:
+            raise _type_error(f"jaxvmm.{what}: shape {tuple(shape)!r} must hold ints, got {type(d).__name__}") from None
+        if d < 0:
+            raise _value_error(f"jaxvmm.{what}: shape {tuple(shape)!r} has a negative dimension")
+        out.append(d)
+    if int(np.prod(out, dtype=object)) > _config.INT64_MAX:
+        raise _value_error(f"jaxvmm.{what}: shape {tuple(out)!r} has more elements than fit in int64")
+    return tuple(out)
+
+
+def _as_array(x, what: str):
+    """``x`` as a jax array: jax and numpy arrays and scalars, and objects with ``__jax_array__`` (taken
+    through ``jnp.asarray``, like every jax API). Anything else is refused."""
+    if isinstance(x, Ticket):
+        raise _type_error(f"jaxvmm.{what}: got a Ticket; offload arrays, reload tickets")
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)) and not hasattr(x, "__jax_array__"):
-        raise TypeError(f"jaxvmm.{what}: expected an array, got {type(x).__name__}")
-    dtype = x.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        raise TypeError(f"jaxvmm.{what}: dtype {dtype} (an extended dtype such as PRNG keys) cannot be offloaded; "
-                        "offload jax.random.key_data(x) instead")
-    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
-        raise TypeError(f"jaxvmm.{what}: unsupported dtype {dtype}")
+        raise _type_error(f"jaxvmm.{what}: expected an array, got {type(x).__name__}")
+    if not isinstance(x, jax.Array):
+        if isinstance(x, (np.ndarray, np.generic)):
+            _check_dtype(x.dtype, what)  # before jnp.asarray: it would turn object/str arrays into errors of its own
+        try:
+            x = jnp.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise _type_error(f"jaxvmm.{what}: cannot convert {type(x).__name__} to a jax array ({e})") from None
+    return x
+
+
+def _check_array(x, what: str):
+    _check_dtype(x.dtype, what)
     if int(np.prod(x.shape, dtype=np.int64)) == 0:
-        raise ValueError(f"jaxvmm.{what}: cannot offload a zero-size array (shape {x.shape})")
+        raise _value_error(f"jaxvmm.{what}: cannot offload a zero-size array (shape {x.shape})")
+
+
+def _translate(e: Exception) -> Exception:
+    """The jaxvmm error an eager ffi call's ``JaxRuntimeError`` carries (see ``errors.from_jax_error``)."""
+    return errors.from_jax_error(e) or e
 
 
 # ---- offload ----
@@ -181,13 +260,15 @@ def offload(x) -> Ticket:
     Inside ``jit``: XLA's stream snapshots ``x`` into a fixed-address staging slot, a copy stream moves
     it to pinned host memory, and the slot's pages go back to the driver once that copy is done. ``x``'s
     own buffer is free for XLA to reuse right after the call."""
-    if isinstance(x, Ticket):
-        raise TypeError("jaxvmm.offload: got a Ticket; offload arrays, reload tickets")
+    x = _as_array(x, "offload")
     _check_array(x, "offload")
     _posix_ready()  # the cpu engine serves every cpu device the handlers may run on
     _collect()
-    x = jnp.asarray(x)
-    token = _offload(x, _signature(x.shape, x.dtype), next(_sites))
+    wide = _storage_dtype(x.dtype)
+    try:
+        token = _offload(x if wide == x.dtype else x.astype(wide), _signature(x.shape, x.dtype), next(_sites))
+    except jax.errors.JaxRuntimeError as e:  # eager: the handler's error, as the jaxvmm error it is
+        raise _translate(e) from e
     return Ticket(token, x.shape, x.dtype)
 
 
@@ -196,12 +277,19 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
     """Validates a ticket; for a concrete token also checks it with its engine now (and, with
     ``reserve``, reserves it for this eager reload). Returns the (target, token value) pairs checked."""
     if not isinstance(t, Ticket):
-        raise TypeError(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
+        raise _type_error(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
     tok = t.token
     if getattr(tok, "shape", None) is None or tuple(tok.shape)[-1:] != (2,) or tok.dtype != jnp.uint32:
         raise errors.InvalidArgumentError(f"jaxvmm.{what}: the ticket's token is not a uint32[2] array "
                                           f"(got {getattr(tok, 'dtype', None)}{list(getattr(tok, 'shape', ()))}); "
                                           "was it built by jaxvmm.offload?", code="invalid_argument")
+    if len(tok.shape) > 1:
+        raise _value_error(f"jaxvmm.{what}: the ticket's token has shape {tuple(tok.shape)}: it holds "
+                           f"{int(np.prod(tok.shape[:-1]))} tickets, one per element of a jax.vmap batch. "
+                           f"{what.capitalize()} it inside jax.vmap (e.g. jax.vmap(jaxvmm.{what})(ticket)), "
+                           "with the same batch axes as the offload")
+    if isinstance(tok, (np.ndarray, np.generic)):  # a numpy token is as concrete as a jax one: check it now
+        tok = jnp.asarray(tok)
     if isinstance(tok, jax.Array) and not isinstance(tok, jax.core.Tracer) and tok.ndim == 1:
         # Outside jit the token is concrete: check it now so a bad ticket raises here, synchronously.
         sig = _signature(t.shape, t.dtype)
@@ -223,14 +311,17 @@ def reload(ticket: Ticket) -> jax.Array:
     _posix_ready()
     reserved = _check_ticket(ticket, "reload", reserve=True)
     _collect()
+    wide = _storage_dtype(ticket.dtype)  # sub-byte dtypes travel widened (see _storage_dtype)
     try:
-        return jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, ticket.dtype),
-                                vmap_method="sequential")(
+        y = jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, wide), vmap_method="sequential")(
             ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(next(_sites)))
-    except Exception:
+    except Exception as e:
         for tgt, v in reserved:  # the eager reload never ran: the ticket may be reloaded again
             lib.engine_unreserve(tgt.backend, tgt.ordinal, v)
+        if isinstance(e, jax.errors.JaxRuntimeError):
+            raise _translate(e) from e
         raise
+    return y if wide == ticket.dtype else y.astype(ticket.dtype)
 
 
 def prefetch(ticket: Ticket) -> Ticket:
@@ -240,8 +331,11 @@ def prefetch(ticket: Ticket) -> Ticket:
     prefetches in reverse offload order by itself; use this when your reload order differs."""
     _posix_ready()
     _check_ticket(ticket, "prefetch", reserve=False)
-    token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
-        ticket.token, site=np.int64(next(_sites)))
+    try:
+        token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
+            ticket.token, site=np.int64(next(_sites)))
+    except jax.errors.JaxRuntimeError as e:
+        raise _translate(e) from e
     return Ticket(token, ticket.shape, ticket.dtype)
 
 
@@ -282,14 +376,18 @@ def synchronize() -> None:
         lib.engine_sync(backend, device)
 
 
-def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None = None,
+def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int | str | None = None,
               prefetch_depth: int | None = None, keep_resident: int | None = None,
-              staging_budget: int | None = None, staging_idle_ms: int | None = None) -> dict:
+              staging_budget: int | str | None = None, staging_idle_ms: int | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
-      ``JAXVMM_HOST_POOL_LIMIT``). Offloading past it raises a clear error.
-    host_pool_chunk: bytes pinned per driver allocation (default 256 MiB; larger requests get their own).
+      ``JAXVMM_HOST_POOL_LIMIT``): bytes as an int, or a size string such as ``"512M"`` or ``"1GiB"``
+      (K, M, G, T, with or without B/iB, all powers of 1024). Offloading past it raises
+      ``OutOfMemoryError``. Lowering it below what the pool pins returns the pool's empty chunks at once
+      and the others as their tickets are freed.
+    host_pool_chunk: bytes pinned per driver allocation (default 256 MiB; larger requests get their own);
+      an int or a size string.
     prefetch_depth: staging cells per array size that copies may use at once (default 2; env
       ``JAXVMM_PREFETCH_DEPTH``): how far offload D2H copies and reload prefetches of one size run
       ahead of XLA's stream, and how many cells of that size stay mapped while ops flow.
@@ -299,24 +397,38 @@ def configure(*, host_pool_limit: int | None = None, host_pool_chunk: int | None
       keeping them resident avoids a stall at the start of the backward pass, for that many cells of
       device memory (counted in the staging budget).
     staging_budget: cap on mapped staging bytes per device (default 8 GiB; env
-      ``JAXVMM_STAGING_BUDGET``): offloads still copying out, reload prefetches, kept copies and
-      prefetch hints included. An array larger than the budget cannot be offloaded.
+      ``JAXVMM_STAGING_BUDGET``), an int or a size string: offloads still copying out, reload
+      prefetches, kept copies and prefetch hints included. An array larger than the budget cannot be
+      offloaded.
     staging_idle_ms: how long the staging area stays mapped with no op before its pages go back to the
       driver (default 200 ms; env ``JAXVMM_STAGING_IDLE_MS``). ``jaxvmm.trim()`` returns them at once."""
-    knobs = (("host_pool_limit", host_pool_limit, 1), ("host_pool_chunk", host_pool_chunk, 1),
-             ("prefetch_depth", prefetch_depth, 1), ("keep_resident", keep_resident, 0),
-             ("staging_budget", staging_budget, 1), ("staging_idle_ms", staging_idle_ms, 1))
-    for name, v, lo in knobs:
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
-            raise errors.InvalidArgumentError(f"jaxvmm.configure: {name} must be an int >= {lo}, got {v!r}",
-                                              code="invalid_argument")
-    vals = lib.configure(-1 if host_pool_limit is None else int(host_pool_limit),
-                         0 if host_pool_chunk is None else int(host_pool_chunk),
-                         0 if prefetch_depth is None else int(prefetch_depth),
-                         -1 if keep_resident is None else int(keep_resident),
-                         0 if staging_budget is None else int(staging_budget),
-                         0 if staging_idle_ms is None else int(staging_idle_ms))
-    return {name: int(v) for (name, _, _), v in zip(knobs, vals)}
+    where = "configure: "
+    if host_pool_limit is not None:
+        host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
+    if host_pool_chunk is not None:
+        host_pool_chunk = _config.parse_size(host_pool_chunk, where + "host_pool_chunk")
+    if staging_budget is not None:
+        staging_budget = _config.parse_size(staging_budget, where + "staging_budget")
+    for name, v in (("prefetch_depth", prefetch_depth), ("keep_resident", keep_resident),
+                    ("staging_idle_ms", staging_idle_ms)):
+        if isinstance(v, str):  # env strings are parsed by _config; the Python API takes ints
+            raise _type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
+    if prefetch_depth is not None:
+        prefetch_depth = _config.parse_int(prefetch_depth, where + "prefetch_depth", lo=1,
+                                           hi=_config.MAX_PREFETCH_DEPTH)
+    if keep_resident is not None:
+        keep_resident = _config.parse_int(keep_resident, where + "keep_resident", lo=0, hi=_config.INT32_MAX)
+    if staging_idle_ms is not None:
+        staging_idle_ms = _config.parse_int(staging_idle_ms, where + "staging_idle_ms", lo=1, hi=_config.INT64_MAX)
+    vals = lib.configure(-1 if host_pool_limit is None else host_pool_limit,
+                         0 if host_pool_chunk is None else host_pool_chunk,
+                         0 if prefetch_depth is None else prefetch_depth,
+                         -1 if keep_resident is None else keep_resident,
+                         0 if staging_budget is None else staging_budget,
+                         0 if staging_idle_ms is None else staging_idle_ms)
+    names = ("host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
+             "staging_idle_ms")
+    return {name: int(v) for name, v in zip(names, vals)}
 
 
 def trim() -> int:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import operator
+import os
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import errors
@@ -17,37 +20,93 @@ MAX_NBYTES = 1 << 48
 _LOCATIONS = ("device", "host_numa")
 
 
+def _type_error(msg: str) -> errors.InvalidArgumentTypeError:
+    return errors.InvalidArgumentTypeError(msg, code="invalid_argument")
+
+
+def _value_error(msg: str) -> errors.InvalidArgumentError:
+    return errors.InvalidArgumentError(msg, code="invalid_argument")
+
+
+NUMA_SYSFS = "/sys/devices/system/node"
+
+
+def _numa_nodes() -> list[int]:
+    """Host NUMA nodes the kernel reports; a kernel without NUMA support has node 0 only."""
+    try:
+        names = os.listdir(NUMA_SYSFS)
+    except OSError:
+        return [0]
+    nodes = sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+    return nodes or [0]
+
+
 def _parse_location(location: str) -> tuple[str, int | None]:
     if not isinstance(location, str):
-        raise TypeError(f"jaxvmm: location must be a str, not {type(location).__name__}")
+        raise _type_error(f"jaxvmm: location must be a str, not {type(location).__name__}")
     kind, _, node = location.partition(":")
     if kind not in _LOCATIONS or (node and kind != "host_numa"):
-        raise ValueError(f"jaxvmm: unsupported location {location!r}; use 'device', 'host_numa' or 'host_numa:N'")
+        raise _value_error(f"jaxvmm: unsupported location {location!r}; use 'device', 'host_numa' or 'host_numa:N'")
     if node:
         if not node.isdigit():
-            raise ValueError(f"jaxvmm: NUMA node in {location!r} must be a non-negative integer")
+            raise _value_error(f"jaxvmm: NUMA node in {location!r} must be a non-negative integer")
         return kind, int(node)
     return kind, None
 
 
+def _check_numa_node(node: int) -> None:
+    nodes = _numa_nodes()
+    if node not in nodes:
+        raise errors.NotSupportedError(
+            f"jaxvmm: location 'host_numa:{node}': this machine has no host NUMA node {node} "
+            f"(nodes: {', '.join(map(str, nodes))}, from {NUMA_SYSFS})", code="not_supported", stage="create")
+
+
 def _check_nbytes(nbytes, what: str = "nbytes") -> int:
     if isinstance(nbytes, bool):
-        raise TypeError(f"jaxvmm: {what} must be an int, not bool")
+        raise _type_error(f"jaxvmm: {what} must be an int, not bool")
     try:
         n = operator.index(nbytes)
     except TypeError:
-        raise TypeError(f"jaxvmm: {what} must be an int, not {type(nbytes).__name__}") from None
+        raise _type_error(f"jaxvmm: {what} must be an int, not {type(nbytes).__name__}") from None
     if n <= 0:
-        raise ValueError(f"jaxvmm: {what} must be > 0, got {n}")
+        raise _value_error(f"jaxvmm: {what} must be > 0, got {n}")
     if n > MAX_NBYTES:
-        raise ValueError(f"jaxvmm: {what}={n} is absurd (more than 2**48 bytes)")
+        raise _value_error(f"jaxvmm: {what}={n} is absurd (more than 2**48 bytes)")
     return n
 
 
+def _access_list(access) -> list:
+    """``access`` as a list of devices: ``None`` (none), one device (an int, a ``"cpu:1"`` string, a
+    ``jax.Device``) or an iterable of them. A string is one device, never a sequence of characters."""
+    if access is None:
+        return []
+    if isinstance(access, (str, int, jax.Device)) and not isinstance(access, bool):
+        return [access]
+    if isinstance(access, (bytes, bool)) or not hasattr(access, "__iter__"):
+        raise _type_error(f"jaxvmm: access must be a device (int, str, jax.Device) or a list of them, "
+                          f"not {type(access).__name__}")
+    return list(access)
+
+
 def _as_bytes(data) -> np.ndarray:
+    """The raw bytes of ``data``: bytes-like objects, numpy and jax arrays (and scalars), and objects with
+    ``__jax_array__`` (through ``jnp.asarray``, as ``jaxvmm.offload`` takes them). Text and ``None`` are
+    refused: a str would otherwise be written as UTF-32 code points."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         return np.frombuffer(data, dtype=np.uint8)
+    if isinstance(data, str):
+        raise _type_error("jaxvmm: Slot.write got a str; encode it first (data.encode()) to write its bytes")
+    if data is None:
+        raise _type_error("jaxvmm: Slot.write got None; expected bytes or an array")
+    if not isinstance(data, (jax.Array, np.ndarray, np.generic)) and hasattr(data, "__jax_array__"):
+        data = jnp.asarray(data)
+    if not isinstance(data, (jax.Array, np.ndarray, np.generic)):
+        raise _type_error(f"jaxvmm: Slot.write expects bytes or an array (numpy, jax), "
+                          f"not {type(data).__name__}")
     arr = np.ascontiguousarray(np.asarray(data))
+    if arr.dtype.hasobject or arr.dtype.kind in "USV":
+        raise _type_error(f"jaxvmm: Slot.write cannot take the raw bytes of a {arr.dtype} array")
     return arr.reshape(-1).view(np.uint8)
 
 
@@ -72,13 +131,15 @@ class Slot:
         n = _check_nbytes(nbytes)
         kind, node = _parse_location(location)
         target = target_of(device)
-        access_targets = [target] + [target_of(d) for d in (access or ())]
+        access_targets = [target] + [target_of(d) for d in _access_list(access)]
         for t in access_targets:
             if t.backend != target.backend:
-                raise ValueError(f"jaxvmm: access device {t.device} is on another platform than {target.device}")
+                raise _value_error(f"jaxvmm: access device {t.device} is on another platform than {target.device}")
         ordinals = sorted({t.ordinal for t in access_targets})
         if kind == "host_numa" and node is None:
             node = 0
+        if kind == "host_numa":
+            _check_numa_node(node)
         loc_id = target.ordinal if kind == "device" else node
         self._lock = threading.Lock()
         self._target: Target = target
@@ -197,16 +258,27 @@ class Slot:
     def read(self, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
         """Copy ``nbytes`` (default: to the end) starting at ``offset`` out of the slot as ``uint8``."""
         off = self._check_range(offset, 0)
-        n = self._nbytes - off if nbytes is None else operator.index(nbytes)
+        if nbytes is None:
+            n = self._nbytes - off
+        else:
+            try:
+                n = operator.index(nbytes)
+            except TypeError:
+                raise _type_error(f"jaxvmm: nbytes must be an int, not {type(nbytes).__name__}") from None
         self._check_range(off, n)
         out = np.empty(n, dtype=np.uint8)
         lib.slot_read_into(self._live_id(), off, out)
         return out
 
     def _check_range(self, offset, n: int) -> int:
-        off = operator.index(offset)
+        if isinstance(offset, bool):
+            raise _type_error("jaxvmm: offset must be an int, not bool")
+        try:
+            off = operator.index(offset)
+        except TypeError:
+            raise _type_error(f"jaxvmm: offset must be an int, not {type(offset).__name__}") from None
         if off < 0 or n < 0 or off + n > self._nbytes:
-            raise ValueError(f"jaxvmm: range [{off}, {off + n}) is outside the slot's {self._nbytes} bytes")
+            raise _value_error(f"jaxvmm: range [{off}, {off + n}) is outside the slot's {self._nbytes} bytes")
         return off
 
     def __repr__(self) -> str:

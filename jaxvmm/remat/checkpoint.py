@@ -71,6 +71,10 @@ def checkpoint(fn, *, policy=None, prevent_cse: bool = True, static_argnums=()):
         raise TypeError("jaxvmm.checkpoint: prevent_cse must be a bool")
     if isinstance(static_argnums, int):
         static_argnums = (static_argnums,)
+    if isinstance(static_argnums, (str, bytes)) or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in static_argnums):
+        raise ops.errors.InvalidArgumentTypeError(
+            f"jaxvmm.checkpoint: static_argnums must be an int or ints, got {static_argnums!r}", code="invalid_argument")
     static_argnums = tuple(static_argnums)
 
     @functools.wraps(fn)

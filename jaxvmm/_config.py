@@ -1,0 +1,154 @@
+"""Every ``JAXVMM_*`` environment variable, parsed once at import.
+
+The native core used to read some of these itself, with ``strtoull``/``atoi`` (``1M`` was one byte,
+``abc`` was silently ignored). Now this module is the single parser: a bad value raises
+``jaxvmm.InvalidArgumentError`` naming the variable and the value at ``import jaxvmm``, and the values
+are pushed into the core through ``lib.configure`` (sizes, depths) or ``lib.set_trace``. Variables the
+core still reads lazily by itself (``JAXVMM_PREDICT``, read by the engine) are validated here and
+rewritten in the environment in the one spelling the core understands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import re
+import warnings
+
+from . import errors
+
+INT64_MAX = (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
+# More jaxvmm ops than the engine's ring of op records can never be in flight, so a deeper prefetch means nothing.
+MAX_PREFETCH_DEPTH = 1024
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bad(where: str, value, why: str) -> errors.InvalidArgumentError:
+    return errors.InvalidArgumentError(f"jaxvmm: {where}={value!r} is invalid: {why}", code="invalid_argument")
+
+
+def parse_size(value, where: str, *, lo: int = 1, hi: int = INT64_MAX) -> int:
+    """Bytes from an int or a string: plain bytes or a binary suffix (K, M, G, T, KB, MB, GB, TB, KiB,
+    MiB, GiB, TiB; case-insensitive; all powers of 1024). ``where`` names the variable or argument."""
+    if isinstance(value, bool):
+        raise _bad(where, value, "expected a size in bytes (an int, or a string such as '512M' or '1GiB')")
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise _bad(where, value, "expected a size: bytes, or a number with one of the suffixes "
+                                     "K, M, G, T, KB, MB, GB, TB, KiB, MiB, GiB, TiB (powers of 1024)")
+        n = int(m.group(1)) * _UNITS[unit]
+    else:
+        try:
+            n = operator.index(value)
+        except TypeError:
+            raise _bad(where, value, "expected a size in bytes (an int, or a string such as '512M')") from None
+    if not lo <= n <= hi:
+        raise _bad(where, value, f"must be between {lo} and {hi} bytes")
+    return n
+
+
+def parse_int(value, where: str, *, lo: int, hi: int) -> int:
+    if isinstance(value, bool):
+        raise _bad(where, value, f"expected an integer in [{lo}, {hi}]")
+    if isinstance(value, str):
+        if not re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            raise _bad(where, value, f"expected an integer in [{lo}, {hi}]")
+        n = int(value)
+    else:
+        try:
+            n = operator.index(value)
+        except TypeError:
+            raise _bad(where, value, f"expected an integer in [{lo}, {hi}]") from None
+    if not lo <= n <= hi:
+        raise _bad(where, value, f"expected an integer in [{lo}, {hi}]")
+    return n
+
+
+def parse_bool(value: str, where: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE or v == "":
+        return False
+    raise _bad(where, value, f"expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    name: str
+    kind: str  # "size" | "int" | "bool"
+    lo: int = 0
+    hi: int = INT64_MAX
+    doc: str = ""
+
+
+# The one list of environment variables jaxvmm reads (README's table is generated from the same facts).
+VARIABLES = {
+    v.name: v
+    for v in (
+        EnvVar("JAXVMM_HOST_POOL_LIMIT", "size", 1, INT64_MAX, "cap on pinned host bytes (default: half of RAM)"),
+        EnvVar("JAXVMM_HOST_POOL_CHUNK", "size", 1, INT64_MAX, "bytes pinned per driver allocation (256 MiB)"),
+        EnvVar("JAXVMM_PREFETCH_DEPTH", "int", 1, MAX_PREFETCH_DEPTH,
+               "staging cells per array size copies may use at once (2)"),
+        EnvVar("JAXVMM_STAGING_BUDGET", "size", 1, INT64_MAX, "cap on mapped staging bytes per device (8 GiB)"),
+        EnvVar("JAXVMM_STAGING_IDLE_MS", "int", 1, INT64_MAX, "idle time before staging pages go back (200)"),
+        EnvVar("JAXVMM_KEEP_RESIDENT", "int", 0, INT32_MAX, "newest offloads that keep a device copy (0)"),
+        EnvVar("JAXVMM_TRACE", "bool", doc="log every lifecycle driver call (off)"),
+        EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
+        EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
+    )
+}
+
+
+def read_environment(environ=None) -> dict:
+    """Parses every ``JAXVMM_*`` variable set in ``environ`` (default ``os.environ``); returns
+    ``{name: value}`` for those set. Raises ``InvalidArgumentError`` on the first bad value; warns about
+    ``JAXVMM_*`` names jaxvmm does not know (a typo would otherwise be silently ignored)."""
+    env = os.environ if environ is None else environ
+    out = {}
+    for name in sorted(k for k in env if k.startswith("JAXVMM_")):
+        raw = env[name]
+        var = VARIABLES.get(name)
+        if var is None:
+            warnings.warn(f"jaxvmm: unknown environment variable {name}={raw!r} is ignored "
+                          f"(known: {', '.join(sorted(VARIABLES))})", stacklevel=2)
+            continue
+        if var.kind == "size":
+            out[name] = parse_size(raw, name, lo=var.lo, hi=var.hi)
+        elif var.kind == "int":
+            out[name] = parse_int(raw, name, lo=var.lo, hi=var.hi)
+        else:
+            out[name] = parse_bool(raw, name)
+    return out
+
+
+def apply(lib, values: dict) -> None:
+    """Pushes parsed values into the native core."""
+    lib.configure(values.get("JAXVMM_HOST_POOL_LIMIT", -1), values.get("JAXVMM_HOST_POOL_CHUNK", 0),
+                  values.get("JAXVMM_PREFETCH_DEPTH", 0), values.get("JAXVMM_KEEP_RESIDENT", -1),
+                  values.get("JAXVMM_STAGING_BUDGET", 0), values.get("JAXVMM_STAGING_IDLE_MS", 0))
+    lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
+    if "JAXVMM_PREDICT" in values:
+        # The engine reads this one itself, on its first prediction, and knows only "0" for off.
+        os.environ["JAXVMM_PREDICT"] = "1" if values["JAXVMM_PREDICT"] else "0"
+
+
+def load(lib) -> dict:
+    values = read_environment()
+    apply(lib, values)
+    return values
