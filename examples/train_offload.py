@@ -18,9 +18,9 @@ Shapes: float32, B=1024, D=256, L=6 on cpu (a few seconds); B=8192, D=2048, L=16
 
 Flax (linen) recipe
 -------------------
-``nn.remat(Block, policy=jaxvmm.policies....)`` does not work: flax calls ``jax.checkpoint`` itself and
-fails with ``TypeError: 'OffloadPolicy' object is not callable`` (passing the policy's ``.save`` runs,
-but only saves on the device). ``nn.map_variables`` and ``nn.custom_vjp`` are not needed. What works
+``nn.remat(Block, policy=jaxvmm.policies....)`` is not enough: flax calls ``jax.checkpoint`` itself, and
+jaxvmm policies are jax policies, so what they mark offloadable goes through XLA's own host offload
+(``Offloadable``), not through jaxvmm. ``nn.map_variables`` and ``nn.custom_vjp`` are not needed. What works
 is lifting ``jaxvmm.checkpoint`` exactly the way flax lifts ``jax.checkpoint``
 (``flax.core.lift.checkpoint``), then using the lifted transform like ``nn.remat``, alone or under
 ``nn.scan``. Tested with flax 0.12.8 on
