@@ -238,7 +238,9 @@ def init_arrays(model: str, s: Shapes):
         params = {}
         for k, (name, shape) in zip(keys[1:], sorted(pshapes.items())):
             fan_in = shape[1]
-            std = (1.0 if name != "w2" else 0.5) / fan_in ** 0.5
+            # The residual branch shrinks with depth beyond the default 24 layers, so deep small-activation
+            # stacks (--mlp-shape ...,64) train as stably as the default ones.
+            std = (1.0 if name != "w2" else 0.5 * min(1.0, (24 / s.layers) ** 0.5)) / fan_in ** 0.5
             params[name] = (jax.random.normal(k, shape, jnp.float32) * std).astype(jnp.bfloat16)
         x = jax.random.normal(keys[0], x_shape, jnp.float32).astype(jnp.bfloat16)
         return params, x

@@ -7,12 +7,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxvmm
 
 from conftest import drain_errors
 
 KEYS = ("slots", "reserved_bytes", "mapped_bytes", "peak_mapped_bytes")
+
+
+@pytest.fixture(autouse=True)
+def _staging_stays_mapped():
+    """The staging cells must not go back on their idle timer in the middle of these tests."""
+    old = jaxvmm.configure()["staging_idle_ms"]
+    jaxvmm.configure(staging_idle_ms=600_000)
+    try:
+        yield
+    finally:
+        jaxvmm.configure(staging_idle_ms=old)
 
 
 def test_user_counts_are_zero_after_closing_every_user_slot_while_staging_exists():
