@@ -363,6 +363,7 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
   BeginOp(&op, [&](Op& o) {
     o.lease = lease;
     t = tickets_.Create(meta);
+    t->offload_seq = o.seq;
     t->host = host;
     t->d2h_done = d2h_done;
     ++stats_.offloads;
@@ -384,14 +385,16 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
       return d.MemcpyAsync(token_out, reinterpret_cast<CUdeviceptr>(&w.token), sizeof(uint64_t), stream);
     }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(lease.address, src, meta.nbytes, stream); }));
-    JAXVMM_RETURN_IF_ERROR(EnqueueCompletion(*op, stream));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->done, stream); }));
     // Copy stream: after the snapshot, D2H into pinned memory; the cell is free once that is done.
+    // The one host function after the D2H also reports the op complete (XLA's stream passed it
+    // before the D2H began), so an offload costs one host function, not two.
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(d2h_, op->done, 0); }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(host.ptr, lease.address, meta.nbytes, d2h_); }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(d2h_done, d2h_); }));
     JAXVMM_RETURN_IF_ERROR(Launch(d2h_, &Engine::OnOffloaded, *op, stage));
     std::lock_guard<std::mutex> lock(mu_);
-    op->offloaded_launched = true;
+    op->offloaded_launched = op->completion_launched = true;
     t->enqueued = true;
     if (EngineConfig::KeepResident() > 0) KeepResident(t, &op->lease, stream);
     return Status();
@@ -702,18 +705,9 @@ void Engine::Retire(const std::shared_ptr<Ticket>& t) {
   if (r.resident) staging_.Return(&r.resident, nullptr);
 }
 
-void Engine::CompleteTask(uint64_t seq) {
-  Op& op = ops_[seq % kRing];
-  std::lock_guard<std::mutex> lock(mu_);
+void Engine::Completed(uint64_t seq) {
+  // Caller holds mu_. Drops that waited for the GPU to pass every op enqueued before them.
   MarkCompleted(seq);
-  if (op.kind == Op::kReload) {
-    if (op.ticket) op.ticket->pins -= 1, Retire(op.ticket);
-    if (op.actual && op.actual != op.ticket) op.actual->pins -= 1;
-    if (op.actual) Retire(op.actual);
-  } else if (op.kind == Op::kPrefetch && op.actual) {
-    op.actual->pins -= 1;
-    Retire(op.actual);
-  }
   for (auto it = pending_drops_.begin(); it != pending_drops_.end();) {
     if (it->second > completed_seq_) {
       ++it;
@@ -727,6 +721,20 @@ void Engine::CompleteTask(uint64_t seq) {
     }
     it = pending_drops_.erase(it);
   }
+}
+
+void Engine::CompleteTask(uint64_t seq) {
+  Op& op = ops_[seq % kRing];
+  std::lock_guard<std::mutex> lock(mu_);
+  Completed(seq);
+  if (op.kind == Op::kReload) {
+    if (op.ticket) op.ticket->pins -= 1, Retire(op.ticket);
+    if (op.actual && op.actual != op.ticket) op.actual->pins -= 1;
+    if (op.actual) Retire(op.actual);
+  } else if (op.kind == Op::kPrefetch && op.actual) {
+    op.actual->pins -= 1;
+    Retire(op.actual);
+  }
   --op.pending;
   cv_.notify_all();
   cv_.notify_all();
@@ -739,6 +747,7 @@ void Engine::OffloadedTask(uint64_t seq) {
     op.ticket->on_host = true;
     Retire(op.ticket);
   }
+  Completed(seq);
   --op.pending;
   cv_.notify_all();
 }
@@ -792,6 +801,15 @@ Status Engine::Synchronize() {
 }
 
 size_t Engine::Trim() { return staging_.Trim(); }
+
+std::vector<std::pair<uint64_t, uint64_t>> Engine::UnclaimedTickets() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  tickets_.ForEach([&](const Ticket& t) {
+    if (!t.consumed && !t.reserved && !t.dropped && t.claimed_by == 0) out.emplace_back(t.token, t.offload_seq);
+  });
+  return out;
+}
 
 void Engine::SetNextTicketNumber(uint32_t n) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -93,6 +93,8 @@ class Engine {
   // Returns the staging area's idle pages to the driver now; returns the bytes returned.
   size_t Trim();
   EngineStats Stats();
+  // Every live ticket that no reload has consumed or reserved: (token, sequence number of its offload).
+  std::vector<std::pair<uint64_t, uint64_t>> UnclaimedTickets();
   void SetNextTicketNumber(uint32_t n);  // test hook (ticket number wrap-around)
   Backend backend() const { return backend_; }
   uint64_t EngineKey() const { return (static_cast<uint64_t>(backend_) << 32) | static_cast<uint32_t>(device_); }
@@ -122,6 +124,7 @@ class Engine {
   // Host side (handlers hold enqueue_mu_).
   Status BeginOp(Op** out, const std::function<void(Op&)>& fill);
   void MarkCompleted(uint64_t seq);  // caller holds mu_
+  void Completed(uint64_t seq);      // caller holds mu_: MarkCompleted, then the drops it allows
   Status EnqueueCompletion(Op& op, CUstream stream);
   Status Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage);  // host function, counted in op.pending
   // Ends a handler's enqueue: undoes a failed op, counts the handler's host time since `start`.
@@ -132,8 +135,8 @@ class Engine {
 
   // Worker side.
   void ResolveTask(uint64_t seq);    // resolver: the token a reload/prefetch read is known
-  void CompleteTask(uint64_t seq);   // resolver: XLA's stream passed the op
-  void OffloadedTask(uint64_t seq);  // releaser: D2H done; the ticket is on the host
+  void CompleteTask(uint64_t seq);   // resolver: XLA's stream passed the reload/prefetch
+  void OffloadedTask(uint64_t seq);  // releaser: D2H done; the ticket is on the host, the op complete
   void AbandonTask(uint64_t seq);    // the failed handler: undo an op whose enqueue failed part way
   // Releases XLA's stream for a reload whose data could not be put in place: fills the cell with 0xFF
   // (after every copy into it), then writes the word XLA's stream waits on.

@@ -363,6 +363,9 @@ NB_MODULE(_jaxvmm, m) {
     nb::gil_scoped_release nogil;
     return e->Trim();
   });
+  m.def("engine_unclaimed_tickets", [engine](const std::string& backend, int device) {
+    return engine(backend, device)->UnclaimedTickets();
+  });
   m.def("engine_set_next_ticket", [engine](const std::string& backend, int device, uint32_t n) {
     engine(backend, device)->SetNextTicketNumber(n);
   });

@@ -32,6 +32,7 @@ std::string TokenStr(uint64_t token);
 
 struct Ticket {
   uint64_t token = 0;
+  uint64_t offload_seq = 0;  // the sequence number of the offload that created it
   ArrayMeta meta;
   HostBlock host;
   CUevent d2h_done = nullptr;  // recorded on the D2H stream after the copy

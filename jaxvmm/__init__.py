@@ -25,7 +25,7 @@ from .errors import (
     SlotStateError,
     VmmError,
 )
-from .ops import Ticket, after, check, configure, engine_stats, offload, prefetch, reload, synchronize, trim
+from .ops import Ticket, after, check, collect, configure, engine_stats, offload, prefetch, reload, synchronize, trim
 from .slots import Slot
 from .remat import checkpoint, policies, remat
 

@@ -466,8 +466,9 @@ def _live_arrays() -> list:
 def synchronize() -> None:
     """Block until every dispatched jax computation whose outputs are still alive has finished (all
     live arrays are ready), then until every offload/reload enqueued so far has completed and jaxvmm's
-    workers are idle. A computation whose outputs were all discarded is not waited for: keep one of
-    its outputs (or block on it) before reading statistics."""
+    workers are idle; then free unreachable tickets (:func:`collect`). A computation whose outputs were
+    all discarded is not waited for: keep one of its outputs (or block on it) before reading
+    statistics."""
     for a in _live_arrays():
         if not a.is_deleted():
             a.block_until_ready()
@@ -475,8 +476,60 @@ def synchronize() -> None:
         lib.engine_sync(backend, device)
     for _ in range(3):  # a drop can release the last reference that kept another token alive
         _collect()
+    _sweep_unreachable()
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
+
+
+def _is_token_array(a) -> bool:
+    return a.dtype == jnp.uint32 and a.ndim >= 1 and a.shape[-1] == 2 and not a.is_deleted()
+
+
+def _sweep_unreachable() -> int:
+    """Drops every ticket no live jax array holds. Call only with no computation in flight whose
+    outputs are alive (synchronize() and collect() block on them first)."""
+    issued = {}
+    for backend, device in lib.engine_devices():
+        issued[(backend, device)] = int(lib.engine_stats(backend, device)["seq_issued"])
+    held = set()
+    for a in _live_arrays():
+        try:
+            if _is_token_array(a):
+                for dev, vals in _token_values(a):
+                    tgt = target_of(dev)
+                    held.update((tgt.backend, tgt.ordinal, int(v)) for v in vals)
+        except Exception:  # deleted (donated) between the check and the read: it holds nothing any more
+            continue
+    dropped = 0
+    for (backend, device), last in issued.items():
+        for token, seq in lib.engine_unclaimed_tickets(backend, device):
+            if seq <= last and (backend, device, int(token)) not in held:
+                lib.engine_drop(backend, device, int(token))
+                dropped += 1
+    return dropped
+
+
+def collect() -> int:
+    """Free the tickets that can no longer be reloaded: those whose token no live jax array holds.
+
+    A ticket normally lives while a ``Ticket`` (or any jax array holding its token, such as the
+    residuals inside a ``jax.vjp`` function) is alive, and until it is reloaded. Tickets whose tokens
+    never leave a jitted computation (offloaded, then reloaded in only one branch of a ``lax.cond``),
+    or whose last holder died inside jax (a ``vjp_fn`` dropped uncalled), are found here: after every
+    live computation has finished, each live ticket that no reload consumed and whose token no live
+    jax array holds is dropped (its host memory is freed once the GPU has passed every op enqueued so
+    far). ``jaxvmm.synchronize()`` runs it too. Call either between steps of a loop whose tickets do
+    not reach Python, to keep host memory constant. A token copied out of jax (to numpy, or to another
+    process) is not seen: keep tickets in jax arrays. Returns how many tickets were dropped."""
+    for a in _live_arrays():
+        if not a.is_deleted():
+            a.block_until_ready()
+    for backend, device in lib.engine_devices():
+        lib.engine_sync(backend, device)
+    n = _sweep_unreachable()
+    for backend, device in lib.engine_devices():
+        lib.engine_sync(backend, device)
+    return n
 
 
 def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int | str | None = None,

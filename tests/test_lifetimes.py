@@ -1,0 +1,123 @@
+"""Ticket lifetimes that do not depend on Python seeing the token (jaxvmm.collect(), also run by
+synchronize()), and failures that never change the state of unrelated tickets. cpu backend, each in
+its own process so engine counts start at zero."""
+
+from __future__ import annotations
+
+import textwrap
+
+from conftest import run_in_subprocess
+
+PRELUDE = textwrap.dedent("""
+    import gc, jax, jax.numpy as jnp, numpy as np, jaxvmm
+    from jax import lax
+    def live():
+        return jaxvmm.engine_stats()["cpu:0"]["tickets_live"]
+    def pinned():
+        return jaxvmm.engine_stats()["cpu:0"]["pinned_in_use_bytes"]
+""")
+
+
+def ok(code):
+    r = run_in_subprocess(PRELUDE + textwrap.dedent(code), env={"JAX_PLATFORMS": "cpu"}, timeout=240)
+    assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert "OK" in r.stdout, r.stdout
+
+
+def test_ticket_reloaded_in_one_cond_branch_is_freed_when_unreachable():
+    ok("""
+        x = jnp.arange(1 << 18, dtype=jnp.float32)  # 1 MiB
+        f = jax.jit(lambda x, p: (lambda t: lax.cond(p, lambda: jaxvmm.reload(t), lambda: x * 0))(jaxvmm.offload(x)))
+        assert np.array_equal(np.asarray(f(x, True)), np.asarray(x))
+        jaxvmm.synchronize()
+        assert live() == 0
+        peak = []
+        for step in range(100):
+            y = f(x, False)               # the ticket never leaves the computation and is never reloaded
+            if step % 10 == 9:
+                jaxvmm.collect()
+                peak.append((live(), pinned()))
+        assert float(y.sum()) == 0.0
+        assert all(n == 0 and b == 0 for n, b in peak), peak  # constant host memory across the run
+        assert np.array_equal(np.asarray(f(x, True)), np.asarray(x))
+        jaxvmm.synchronize()
+        assert live() == 0 and pinned() == 0
+        jaxvmm.check()
+        print("OK")
+    """)
+
+
+def test_dropped_vjp_fn_frees_its_tickets_and_a_kept_one_keeps_them():
+    ok("""
+        layer = jaxvmm.checkpoint(lambda x: jnp.sin(jnp.sin(x) * 2),
+                                  policy=jaxvmm.policies.offload_everything_saveable(min_bytes=0))
+        x = jnp.linspace(-3, 3, 1 << 16, dtype=jnp.float32)
+        g = jax.jit(lambda x: jax.vjp(layer, x))
+        for _ in range(150):
+            out, vjp_fn = g(x)
+            del vjp_fn                     # dropped uncalled: its residual tokens die inside jax
+        jaxvmm.synchronize()
+        assert live() == 0 and pinned() == 0, (live(), pinned())
+        out, vjp_fn = g(x)                 # kept: its tickets stay reloadable across collect()
+        jaxvmm.collect()
+        n = live()
+        assert n > 0
+        (gx,) = jax.jit(lambda f, c: f(c))(vjp_fn, jnp.ones_like(out))
+        (want,) = jax.vjp(jax.checkpoint(lambda x: jnp.sin(jnp.sin(x) * 2)), x)[1](jnp.ones_like(out))
+        assert np.array_equal(np.asarray(gx), np.asarray(want))
+        del vjp_fn
+        jaxvmm.synchronize()
+        assert live() == 0
+        jaxvmm.check()
+        print("OK")
+    """)
+
+
+def test_tickets_held_by_live_arrays_survive_collect():
+    ok("""
+        xs = [jnp.full((5000,), float(i), jnp.float32) for i in range(6)]
+        ts = jax.jit(lambda xs: [jaxvmm.offload(x) for x in xs])(xs)
+        raw = ts[2].token                    # only a raw token array holds this one
+        keep = [ts[0], ts[1]]
+        del ts
+        gc.collect()
+        jaxvmm.collect()                     # tickets 3, 4, 5: nothing holds their tokens
+        assert live() == 3, live()
+        assert np.array_equal(np.asarray(jaxvmm.reload(keep[1])), np.asarray(xs[1]))
+        assert np.array_equal(np.asarray(jaxvmm.reload(jaxvmm.Ticket(raw, (5000,), np.float32))), np.asarray(xs[2]))
+        assert np.array_equal(np.asarray(jaxvmm.reload(keep[0])), np.asarray(xs[0]))
+        jaxvmm.check()
+        print("OK")
+    """)
+
+
+def test_failed_offload_in_jit_is_reported_once_and_leaves_other_tickets_alone():
+    ok("""
+        a = jnp.full((1 << 16,), 7.0, jnp.float32)
+        t_valid = jaxvmm.offload(a)                       # a valid ticket, taken before the failure
+        jaxvmm.synchronize()
+        old = jaxvmm.configure()["host_pool_limit"]
+        jaxvmm.configure(host_pool_limit="1M")
+        big = jnp.zeros((1 << 20,), jnp.float32)          # 4 MiB: over the cap
+        g = jax.jit(lambda x, y: (jaxvmm.offload(x), jaxvmm.offload(y)))
+        try:
+            jax.block_until_ready(g(a, big))
+        except Exception as e:
+            err = e
+        else:
+            raise SystemExit("the offload past the pool cap did not fail")
+        assert "jaxvmm" in str(err)
+        jaxvmm.configure(host_pool_limit=old)
+        # Reported once, by the call that failed: nothing later re-raises it.
+        jaxvmm.check()
+        jaxvmm.stats()
+        jaxvmm.synchronize()
+        t2 = jaxvmm.offload(big)
+        assert np.array_equal(np.asarray(jaxvmm.reload(t2)), np.asarray(big))
+        assert np.array_equal(np.asarray(jaxvmm.reload(t_valid)), np.asarray(a))  # not "already reloaded"
+        # The aborted execution's own ticket (its first offload) reached nobody: collect() frees it.
+        jaxvmm.synchronize()
+        assert live() == 0 and pinned() == 0, (live(), pinned())
+        jaxvmm.check()
+        print("OK")
+    """)
