@@ -466,9 +466,10 @@ def _live_arrays() -> list:
 def synchronize() -> None:
     """Block until every dispatched jax computation whose outputs are still alive has finished (all
     live arrays are ready), then until every offload/reload enqueued so far has completed and jaxvmm's
-    workers are idle; then free unreachable tickets (:func:`collect`). A computation whose outputs were
-    all discarded is not waited for: keep one of its outputs (or block on it) before reading
-    statistics."""
+    workers are idle. A computation whose outputs were all discarded is not waited for: keep one of
+    its outputs (or block on it) before reading statistics. Tickets whose tokens never reach Python
+    are freed by :func:`collect`, which reads every live token array (kept out of this call, which
+    benchmarks and tests use on hot paths)."""
     for a in _live_arrays():
         if not a.is_deleted():
             a.block_until_ready()
@@ -476,7 +477,6 @@ def synchronize() -> None:
         lib.engine_sync(backend, device)
     for _ in range(3):  # a drop can release the last reference that kept another token alive
         _collect()
-    _sweep_unreachable()
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
 
@@ -518,8 +518,9 @@ def collect() -> int:
     or whose last holder died inside jax (a ``vjp_fn`` dropped uncalled), are found here: after every
     live computation has finished, each live ticket that no reload consumed and whose token no live
     jax array holds is dropped (its host memory is freed once the GPU has passed every op enqueued so
-    far). ``jaxvmm.synchronize()`` runs it too. Call either between steps of a loop whose tickets do
-    not reach Python, to keep host memory constant. A token copied out of jax (to numpy, or to another
+    far). Call it between steps of a loop whose tickets do not reach Python (every few steps), to keep
+    host memory constant; it waits for the live computations and reads every live token array, so it
+    is not free. A token copied out of jax (to numpy, or to another
     process) is not seen: keep tickets in jax arrays. Returns how many tickets were dropped."""
     for a in _live_arrays():
         if not a.is_deleted():

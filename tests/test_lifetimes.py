@@ -1,5 +1,4 @@
-"""Ticket lifetimes that do not depend on Python seeing the token (jaxvmm.collect(), also run by
-synchronize()), and failures that never change the state of unrelated tickets. cpu backend, each in
+"""Ticket lifetimes that do not depend on Python seeing the token (jaxvmm.collect()), and failures that never change the state of unrelated tickets. cpu backend, each in
 its own process so engine counts start at zero."""
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ def test_dropped_vjp_fn_frees_its_tickets_and_a_kept_one_keeps_them():
         for _ in range(150):
             out, vjp_fn = g(x)
             del vjp_fn                     # dropped uncalled: its residual tokens die inside jax
-        jaxvmm.synchronize()
+        jaxvmm.collect()
         assert live() == 0 and pinned() == 0, (live(), pinned())
         out, vjp_fn = g(x)                 # kept: its tickets stay reloadable across collect()
         jaxvmm.collect()
@@ -116,7 +115,7 @@ def test_failed_offload_in_jit_is_reported_once_and_leaves_other_tickets_alone()
         assert np.array_equal(np.asarray(jaxvmm.reload(t2)), np.asarray(big))
         assert np.array_equal(np.asarray(jaxvmm.reload(t_valid)), np.asarray(a))  # not "already reloaded"
         # The aborted execution's own ticket (its first offload) reached nobody: collect() frees it.
-        jaxvmm.synchronize()
+        jaxvmm.collect()
         assert live() == 0 and pinned() == 0, (live(), pinned())
         jaxvmm.check()
         print("OK")
