@@ -272,3 +272,20 @@ def test_gpu_offload_storm_stays_within_depth_cells():
         assert s["staging_device_waits"] > 0, s
         print("OK", s["staging_peak_bytes"] >> 20, "MiB peak")
     """), env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, timeout=300))
+
+
+# ---- bug 6: shutdown with work in flight ----
+def test_exit_with_ops_in_flight_is_clean():
+    # Interpreter exit right after enqueueing: close_all drains the engines (streams before workers),
+    # so no host function or worker task runs into a destroyed engine.
+    r = sub("""
+        xs = [jnp.full((20000,), float(i), jnp.float32) for i in range(24)]
+        f = jax.jit(lambda xs: [jaxvmm.offload(x) for x in xs])
+        g = jax.jit(lambda ts: [jaxvmm.reload(t) for t in ts])
+        ts = f(xs)
+        ys = g(ts[:12])
+        ts2 = f(xs)
+        print("OK")  # and exit with offloads, reloads and 36 live tickets in flight
+    """)
+    ok(r)
+    assert r.stderr.strip() == "" or "Traceback" not in r.stderr, r.stderr
