@@ -55,11 +55,9 @@ struct Engine::Op {
   uint64_t seq = 0;
   Kind kind = kOffload;
   int pending = 0;  // the host's reference plus callbacks still to run; the ring entry is reusable at 0
-  bool resolve_launched = false;     // OnResolve is on ctl_: ResolveTask will run
   bool completion_launched = false;  // OnComplete is on ctl_: CompleteTask will run
   bool offloaded_launched = false;   // OnOffloaded is on d2h_: OffloadedTask will run
   bool abandoned = false;            // its enqueue failed part way: workers release, never consume
-  bool released = false;             // XLA's stream was released for this reload (probe/ready written)
   CUstream stream = nullptr;         // XLA's stream for the op (null on cpu)
   CUdeviceptr staging = 0;           // the staging cell's address (reload: what XLA's stream copies out)
   StagingLease lease;                // held until the handler ends, or by AbandonTask after a failure
@@ -212,8 +210,8 @@ Status Engine::BeginOp(Op** out, const std::function<void(Op&)>& fill) {
   Op& op = ops_[seq % kRing];
   op.seq = seq;
   op.pending = 1;  // the host's reference, dropped by FinishEnqueue
-  op.resolve_launched = op.completion_launched = op.offloaded_launched = false;
-  op.abandoned = op.released = false;
+  op.completion_launched = op.offloaded_launched = false;
+  op.abandoned = false;
   op.stream = nullptr;
   op.staging = 0;
   op.lease = StagingLease();
@@ -454,10 +452,6 @@ Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
     JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &Engine::OnResolve, *op, stage));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      op->resolve_launched = true;
-    }
     // XLA's stream waits for exactly this cell: the right ticket (probe == predicted token, or the
     // resolver's correction) and its data in place (ready >= seq). Without a prediction only the
     // resolver writes `ready`, after it has put the right data (or 0xFF) in the cell.
@@ -500,10 +494,6 @@ Status Engine::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
     JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &Engine::OnResolve, *op, stage));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      op->resolve_launched = true;
-    }
     return EnqueueCompletion(*op, stream);
   };
   Status st = enqueue();
@@ -558,7 +548,6 @@ void Engine::ReleaseReload(Op& op, bool fill_ff) {
     d.StreamSynchronize(fix_);
     reinterpret_cast<std::atomic<uint64_t>*>(word)->store(value, std::memory_order_release);
   }
-  op.released = true;
   if (!st.ok()) Report(op, st);
 }
 
