@@ -289,3 +289,25 @@ def test_exit_with_ops_in_flight_is_clean():
     """)
     ok(r)
     assert r.stderr.strip() == "" or "Traceback" not in r.stderr, r.stderr
+
+
+def test_budget_full_of_other_sizes_evicts_idle_cells():
+    # Three sizes take turns under a budget that holds only two of their cells: each acquire of a size with no
+    # cell returns an idle cell of another size to the driver first; the budget is never exceeded.
+    ok(sub("""
+        from jaxvmm._native import lib
+        g = lib.granularity("posix", 0, "device", 0)
+        budget = (64 + 32) * g  # the largest two sizes fit together, all three do not
+        jaxvmm.configure(staging_budget=budget, prefetch_depth=1)
+        xs = [jnp.full((n * g // 4,), float(n), jnp.float32) for n in (16, 32, 64)]
+        rt = jax.jit(lambda x: jaxvmm.reload(jaxvmm.offload(x)))
+        for i in range(12):
+            x = xs[i % 3]
+            assert np.array_equal(np.asarray(rt(x)), np.asarray(x)), i
+        jaxvmm.synchronize()
+        s = jaxvmm.engine_stats()["cpu:0"]
+        assert s["staging_peak_bytes"] <= budget, s
+        assert s["staging_pages_returned"] >= 4, s   # evictions made room, again and again
+        jaxvmm.check()
+        print("OK")
+    """))
