@@ -257,8 +257,9 @@ def _offload_jvp(signature, site, primals, tangents):
 def offload(x) -> Ticket:
     """Copy ``x`` into host memory and return a :class:`Ticket` for it.
 
-    Inside ``jit``: XLA's stream snapshots ``x`` into a fixed-address staging slot, a copy stream moves
-    it to pinned host memory, and the slot's pages go back to the driver once that copy is done. ``x``'s
+    Inside ``jit``: XLA's stream snapshots ``x`` into a staging cell (a fixed-address slot), a copy
+    stream moves it to pinned host memory, and the cell is free for the next op once that copy is done
+    (idle cells' pages go back to the driver after ``staging_idle_ms``, or on ``jaxvmm.trim()``). ``x``'s
     own buffer is free for XLA to reuse right after the call."""
     x = _as_array(x, "offload")
     _check_array(x, "offload")
@@ -404,8 +405,8 @@ def reload(ticket: Ticket, *, after=None) -> jax.Array:
     reload depends only on its ticket, so without it XLA may schedule the reload right after the
     offload (keeping the data on the device all along); pass what the program computes in between.
 
-    The runtime maps a staging slot ahead of need (gated by GPU progress), copies host -> slot on a
-    copy stream, makes XLA's stream wait for exactly that slot, then copies into XLA's output."""
+    The runtime copies host -> staging cell on a copy stream as soon as the cell is free (ahead of
+    need), makes XLA's stream wait for exactly that cell, then copies into XLA's output."""
     _posix_ready()
     if after is not None and isinstance(ticket, Ticket):
         ticket = _after(after, ticket)
