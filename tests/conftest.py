@@ -215,3 +215,27 @@ def drain_errors(collect: bool = True) -> None:
         jaxvmm.check()
     except jaxvmm.VmmError:
         pass
+
+
+ENGINE_COUNTER_KEYS = ("offloads", "reloads", "tickets_live", "ticket_host_bytes", "errors")
+
+
+def engine_counters(device=None) -> dict:
+    """Engine counters after synchronize(): of one device, or (``None``) summed over every engine, for
+    tests that run on the default device (cpu in CI, cuda:0 on a GPU runner). Zeros where no engine exists."""
+    jaxvmm.synchronize()
+    engines = jaxvmm.engine_stats()
+    picked = [engines.get(dkey(device), {})] if device is not None else list(engines.values())
+    return {k: sum(s.get(k, 0) for s in picked) for k in ENGINE_COUNTER_KEYS}
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in ENGINE_COUNTER_KEYS}
+
+
+@pytest.fixture
+def engine_hygiene():
+    """No asynchronous error of an earlier test reaches this one, and none of this one leaks out."""
+    drain_errors(collect=False)
+    yield
+    drain_errors()

@@ -28,37 +28,19 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxvmm
 from jaxvmm._devices import target_of
 
-from conftest import dkey, drain_errors, jdev, run_in_subprocess
+from conftest import counter_delta as delta, dkey, engine_counters as estats, jdev, run_in_subprocess
 
 P = jaxvmm.policies
 CP = jax.checkpoint_policies
 
 L = 4  # layers (scan length)
 
-ENGINE_KEYS = ("offloads", "reloads", "tickets_live", "ticket_host_bytes", "errors")
+pytestmark = pytest.mark.usefixtures("engine_hygiene")
 
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------
-def estats(device=None) -> dict:
-    """Engine counters after synchronize(): of one device, or (``None``) summed over every engine, for
-    tests that run on the default device (cpu in CI, cuda:0 on a GPU runner). Zeros where no engine exists."""
-    jaxvmm.synchronize()
-    engines = jaxvmm.engine_stats()
-    picked = [engines.get(dkey(device), {})] if device is not None else list(engines.values())
-    return {k: sum(s.get(k, 0) for s in picked) for k in ENGINE_KEYS}
-
-
-def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in ENGINE_KEYS}
-
-
-@pytest.fixture(autouse=True)
-def _engine_hygiene():
-    drain_errors(collect=False)
-    yield
-    drain_errors()
 
 
 def assert_trees_bit_equal(got, want) -> None:

@@ -22,30 +22,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxvmm
 
-from conftest import dkey, drain_errors, jdev
+from conftest import counter_delta as delta, engine_counters as estats, jdev
 
 P = jaxvmm.policies
 CP = jax.checkpoint_policies
 L = 3
-KEYS = ("offloads", "reloads", "tickets_live", "ticket_host_bytes", "errors")
-
-
-def estats(device=None) -> dict:
-    jaxvmm.synchronize()
-    engines = jaxvmm.engine_stats()
-    picked = [engines.get(dkey(device), {})] if device is not None else list(engines.values())
-    return {k: sum(s.get(k, 0) for s in picked) for k in KEYS}
-
-
-def delta(after, before):
-    return {k: after[k] - before[k] for k in KEYS}
-
-
-@pytest.fixture(autouse=True)
-def _engine_hygiene():
-    drain_errors(collect=False)
-    yield
-    drain_errors()
+pytestmark = pytest.mark.usefixtures("engine_hygiene")
 
 
 def bits(a) -> np.ndarray:
