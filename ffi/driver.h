@@ -67,7 +67,15 @@ namespace jaxvmm {
   X(MemcpyDtoDAsync, 3020)                       \
   X(MemsetD8Async, 3020)                         \
   X(MemHostAlloc, 2020)                          \
-  X(MemFreeHost, 2000)
+  X(MemFreeHost, 2000)                           \
+  /* graph mode: the engine asks whether XLA is capturing; tests capture and replay themselves */ \
+  X(StreamIsCapturing, 10000)                    \
+  X(StreamBeginCapture, 10010)                   \
+  X(StreamEndCapture, 10000)                     \
+  X(GraphInstantiateWithFlags, 11040)            \
+  X(GraphLaunch, 10000)                          \
+  X(GraphExecDestroy, 10000)                     \
+  X(GraphDestroy, 10000)
 
 #define JAXVMM_PFN(member, version) PFN_cu##member##_v##version
 

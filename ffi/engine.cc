@@ -72,7 +72,7 @@ struct Engine::Op {
 // ---------------------------------------------------------------- lifetime
 
 Engine::Engine(Backend b, int device)
-    : backend_(b), device_(device), host_pool_(b, device), staging_(b, device), tickets_(EngineKey()) {}
+    : backend_(b), device_(device), host_pool_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device) {}
 
 Status Engine::For(Backend b, int device, Engine** out) {
   std::lock_guard<std::mutex> lock(g_engines_mu);
@@ -148,6 +148,7 @@ Status Engine::Init() {
 Engine::~Engine() {
   ScopedContext ctx(backend_, device_);
   const DriverTable& d = Driver(backend_);
+  StopGraph();  // the poller first: it enqueues copies and owns the channels' cells
   // Streams first: a host function that fires later would post to a destroyed worker. Then the
   // workers drain (their tasks may still touch the state below) and stop.
   for (CUstream s : {h2d_, fix_, d2h_, ctl_})
@@ -337,11 +338,14 @@ void Engine::KeepResident(const std::shared_ptr<Ticket>& t, StagingLease* lease,
   }
 }
 
-Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
+Status Engine::Offload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
   const auto start = std::chrono::steady_clock::now();
   if (meta.nbytes == 0) return Status(Code::kInvalidArgument, "offload of a zero-size array");
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
+  bool capturing = false;
+  JAXVMM_RETURN_IF_ERROR(Capturing(stream, &capturing));
+  if (capturing) return CapturedOffload(stream, site, src, meta, token_out);
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));
   HostBlock host;
@@ -403,11 +407,14 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
   return st;
 }
 
-Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
+Status Engine::Reload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
   const auto start = std::chrono::steady_clock::now();
   if (meta.nbytes == 0) return Status(Code::kInvalidArgument, "reload of a zero-size array");
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
+  bool capturing = false;
+  JAXVMM_RETURN_IF_ERROR(Capturing(stream, &capturing));
+  if (capturing) return CapturedReload(stream, site, token_in, dst, meta);
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));
   StagingLease lease;
@@ -475,6 +482,14 @@ Status Engine::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
   const auto start = std::chrono::steady_clock::now();
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
+  bool capturing = false;
+  JAXVMM_RETURN_IF_ERROR(Capturing(stream, &capturing));
+  if (capturing) {
+    // A hint cannot be decided at replay: the recorded work only passes the token on. The reload's
+    // channel prefetches its own prediction instead.
+    return Call(-1, "prefetch (capture)", Entry::kMemcpyAsync,
+                [&] { return Driver(backend_).MemcpyAsync(token_out, token_in, sizeof(uint64_t), stream); });
+  }
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));
   Op* op = nullptr;
@@ -776,6 +791,17 @@ void Engine::Unreserve(uint64_t token) {
 
 Status Engine::Synchronize() {
   {
+    // Graph-mode rounds in progress first (the poller serves them; a replay still running ends them).
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    std::unique_lock<std::mutex> lock(graph_mu_);
+    while (!GraphIdle()) {
+      if (std::chrono::steady_clock::now() > deadline) return Status(Code::kInternal, "graph-mode rounds did not finish within 120 s");
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      lock.lock();
+    }
+  }
+  {
     std::unique_lock<std::mutex> lock(mu_);
     bool ok = cv_.wait_for(lock, std::chrono::seconds(120), [&] {
       for (auto& op : ops_)
@@ -789,7 +815,11 @@ Status Engine::Synchronize() {
   return Status();
 }
 
-size_t Engine::Trim() { return staging_.Trim(); }
+size_t Engine::Trim() {
+  size_t n = staging_.Trim();
+  std::lock_guard<std::mutex> lock(graph_mu_);
+  return n + ReleaseIdleCells(/*now=*/true);
+}
 
 std::vector<std::pair<uint64_t, uint64_t>> Engine::UnclaimedTickets() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -806,8 +836,10 @@ void Engine::SetNextTicketNumber(uint32_t n) {
 }
 
 EngineStats Engine::Stats() {
+  std::lock_guard<std::mutex> glock(graph_mu_);
   std::lock_guard<std::mutex> lock(mu_);
   EngineStats s = stats_;
+  s.graph = graph_stats_;
   s.tickets_live = static_cast<int64_t>(tickets_.live());
   s.ticket_host_bytes = tickets_.host_bytes();
   s.ops_in_flight = static_cast<int64_t>(next_seq_ - 1 - completed_seq_);

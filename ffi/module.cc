@@ -17,6 +17,7 @@
 #include "fault.h"
 #include "handlers.h"
 #include "registry.h"
+#include "replay.h"
 #include "status.h"
 #include "vmm.h"
 
@@ -280,7 +281,9 @@ NB_MODULE(_jaxvmm, m) {
   // ---- offload engine ----
   m.def("handlers", [] {
     nb::list out;
-    for (const auto& h : Handlers()) out.append(nb::make_tuple(h.name, h.platform, nb::capsule(h.fn)));
+    auto cap = [](void* f) -> nb::object { return f ? nb::object(nb::capsule(f)) : nb::none(); };
+    for (const auto& h : Handlers())
+      out.append(nb::make_tuple(h.name, h.platform, cap(h.fn), cap(h.graph_fn), cap(h.initialize)));
     return out;
   });
   m.def("ffi_api_version", &FfiApiVersion);
@@ -327,6 +330,16 @@ NB_MODULE(_jaxvmm, m) {
     d["pinned_peak_in_use_bytes"] = s.host.peak_in_use_bytes;
     d["pinned_allocs"] = s.host.driver_allocs;
     d["pinned_limit_bytes"] = s.host.limit_bytes;
+    d["graph_channels"] = s.graph.channels;
+    d["graph_prepares"] = s.graph.prepares;
+    d["graph_captures"] = s.graph.captures;
+    d["graph_offload_rounds"] = s.graph.offload_rounds;
+    d["graph_reload_rounds"] = s.graph.reload_rounds;
+    d["graph_hits"] = s.graph.hits;
+    d["graph_misses"] = s.graph.misses;
+    d["graph_mapped_bytes"] = s.graph.mapped_bytes;
+    d["graph_pages_mapped"] = s.graph.pages_mapped;
+    d["graph_pages_returned"] = s.graph.pages_returned;
     return d;
   });
   m.def("engine_devices", [] {
@@ -358,6 +371,66 @@ NB_MODULE(_jaxvmm, m) {
     engine(backend, device)->Unreserve(token);
   });
   m.def("set_trace", [](bool on) { SetTrace(on); });
+
+  // ---- capture and replay without XLA (tests): the engine's entry points on raw addresses ----
+  m.def("engine_prepare", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, int kind,
+                                   uint64_t nbytes, int64_t signature) {
+    Engine* e = engine(backend, device);
+    nb::gil_scoped_release nogil;
+    Check(e->Prepare(reinterpret_cast<CUstream>(stream), site, static_cast<ChannelKind>(kind), ArrayMeta{nbytes, signature}));
+  });
+  m.def("engine_offload", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t src,
+                                   uint64_t nbytes, int64_t signature, uint64_t token_out) {
+    Engine* e = engine(backend, device);
+    nb::gil_scoped_release nogil;
+    Check(e->Offload(reinterpret_cast<CUstream>(stream), site, src, ArrayMeta{nbytes, signature}, token_out));
+  });
+  m.def("engine_reload", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t token_in,
+                                  uint64_t dst, uint64_t nbytes, int64_t signature) {
+    Engine* e = engine(backend, device);
+    nb::gil_scoped_release nogil;
+    Check(e->Reload(reinterpret_cast<CUstream>(stream), site, token_in, dst, ArrayMeta{nbytes, signature}));
+  });
+  m.def("replay_stream_create", [](const std::string& backend, int device) {
+    uint64_t s = 0;
+    Backend b = ParseBackend(backend);
+    Check(ReplayStreamCreate(b, device, &s));
+    return s;
+  });
+  using StreamFn = Status (*)(Backend, int, uint64_t);
+  for (auto [name, fn] : {std::pair<const char*, StreamFn>{"replay_stream_destroy", &ReplayStreamDestroy},
+                          {"replay_stream_sync", &ReplayStreamSynchronize},
+                          {"replay_begin", &ReplayBeginCapture},
+                          {"replay_destroy", &ReplayDestroy}})
+    m.def(name, [fn](const std::string& backend, int device, uint64_t handle) {
+      Backend b = ParseBackend(backend);
+      Status st;
+      {
+        nb::gil_scoped_release nogil;
+        st = fn(b, device, handle);
+      }
+      Check(st);
+    });
+  m.def("replay_end", [](const std::string& backend, int device, uint64_t stream) {
+    uint64_t x = 0;
+    Backend b = ParseBackend(backend);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = ReplayEndCapture(b, device, stream, &x);
+    }
+    Check(st);
+    return x;
+  });
+  m.def("replay_launch", [](const std::string& backend, int device, uint64_t exec, uint64_t stream) {
+    Backend b = ParseBackend(backend);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = ReplayLaunch(b, device, exec, stream);
+    }
+    Check(st);
+  });
   m.def("engine_trim", [engine](const std::string& backend, int device) {
     Engine* e = engine(backend, device);
     nb::gil_scoped_release nogil;
