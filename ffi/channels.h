@@ -57,7 +57,11 @@ struct Channel {
   Round round = Round::kIdle;
   bool waiting = false;   // a knock/request seen but not granted yet (no budget, data not enqueued)
   std::shared_ptr<Ticket> ticket;  // offload: the granted round's ticket; reload: the round's ticket
-  std::shared_ptr<Ticket> loaded;  // reload: the predicted ticket copied into the cell ahead of time
+  // reload: the ticket the next round will most likely name, copied ahead of time (on h2d) into a
+  // staging cell of the ring; its request then only needs a device-to-device copy into the cell.
+  std::shared_ptr<Ticket> staged;
+  StagingLease staged_lease;
+  CUevent staged_event = nullptr;  // after the copy into staged_lease
   CUevent cell_event = nullptr;    // after the last side-stream copy into/out of the cell
   CUstream cell_stream = nullptr;  // the stream that copy ran on (grants are ordered after it)
   CUstream stream = nullptr;       // XLA's stream at the last Prepare: async errors are reported on it
