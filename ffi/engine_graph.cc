@@ -407,6 +407,9 @@ void Engine::StageNext(Channel& c) {
   if (c.staged) return;
   StagingLease lease;
   if (!staging_.Acquire(c.meta.nbytes, /*try_only=*/true, &lease).ok() || !lease) return;  // a hint
+  // Held until a later request: pinned, so it never counts towards the cells per size that the ring
+  // path and the offload rounds take turns on (two staged channels would otherwise starve them).
+  staging_.Pin(lease);
   Source src;
   {
     std::lock_guard<std::mutex> lock(mu_);

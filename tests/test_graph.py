@@ -10,6 +10,7 @@ that a replay would skip.
 from __future__ import annotations
 
 import itertools
+import textwrap
 import time
 
 import numpy as np
@@ -19,6 +20,8 @@ import jaxvmm
 from jaxvmm.testing import Replay
 from jaxvmm._native import lib
 from jaxvmm._devices import target_of
+
+from conftest import run_in_subprocess
 
 # Call-site numbers far above the ones jaxvmm.ops hands out in this process.
 _sites = itertools.count(1 << 40)
@@ -216,3 +219,40 @@ def test_channel_cells_stay_within_the_staging_budget(platform_device, slots, en
         jaxvmm.trim()
         jaxvmm.configure(staging_budget=old)
         jaxvmm.collect()
+
+
+def test_staged_predictions_never_starve_offload_rounds():
+    """Two reload channels each hold a staged prediction (the next round has not come yet) while an
+    offload round of the same size needs a staging cell: it must not wait for them (it used to wait
+    forever on the host, inside the poller, so no round was served any more)."""
+    code = textwrap.dedent('''
+        import itertools, numpy as np, jaxvmm
+        from jaxvmm.testing import Replay
+        N = 3 * 4096
+        sites = itertools.count(1 << 40)
+        mk = lambda n: jaxvmm.Slot(n, device="cpu")
+        x, y, tok = mk(N), mk(N), mk(8)
+        off, r1, r2 = next(sites), next(sites), next(sites)
+        with Replay("cpu") as r:
+            r.prepare(off, r.OFFLOAD, N); r.prepare(r1, r.RELOAD, N); r.prepare(r2, r.RELOAD, N)
+            with r.capture() as fwd:
+                r.offload(off, x.address, N, tok.address)
+            with r.capture() as b1:
+                r.reload(r1, tok.address, y.address, N)
+            with r.capture() as b2:
+                r.reload(r2, tok.address, y.address, N)
+            tokens = []
+            for i in range(6):
+                x.write(np.full(N, i, np.uint8)); r.launch(fwd[0]); r.synchronize()
+                tokens.append(bytes(tok.read()))
+            for g, i in ((b1, 5), (b2, 4)):  # each channel then stages its guess of the next ticket
+                tok.write(np.frombuffer(tokens[i], np.uint8)); r.launch(g[0]); r.synchronize()
+                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i)
+            for i in range(6, 9):  # offload rounds need staging cells of the same size
+                x.write(np.full(N, i, np.uint8)); r.launch(fwd[0]); r.synchronize()
+            jaxvmm.synchronize()
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_PREFETCH_DEPTH": "2"}, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
