@@ -44,6 +44,7 @@ namespace jaxvmm {
   X(MemGetInfo, 3020)                            \
   X(MemExportToShareableHandle, 10020)           \
   X(MemImportFromShareableHandle, 10020)         \
+  X(MemGetAllocationPropertiesFromHandle, 10020) \
   /* synchronous copies (Slot.read / Slot.write) */ \
   X(MemcpyHtoD, 3020)                            \
   X(MemcpyDtoH, 3020)                            \
