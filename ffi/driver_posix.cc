@@ -563,4 +563,24 @@ const DriverTable& RawPosixDriver() {
 
 void SetPosixDeviceCount(int n) { g_device_count.store(n > 0 ? n : 1); }
 
+namespace {
+constexpr int kMaxPosixIds = 256;
+std::atomic<int> g_id_count{0};
+std::atomic<int64_t> g_ids[kMaxPosixIds];
+}  // namespace
+
+void SetPosixDeviceIds(const int64_t* ids, int n) {
+  n = n < kMaxPosixIds ? n : kMaxPosixIds;
+  g_id_count.store(0);
+  for (int i = 0; i < n; ++i) g_ids[i].store(ids[i]);
+  g_id_count.store(n);
+}
+
+int PosixLocalOrdinal(int ffi_ordinal) {
+  int n = g_id_count.load();
+  for (int i = 0; i < n; ++i)
+    if (g_ids[i].load() == ffi_ordinal) return i;
+  return ffi_ordinal;
+}
+
 }  // namespace jaxvmm

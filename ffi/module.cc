@@ -249,6 +249,9 @@ NB_MODULE(_jaxvmm, m) {
   });
 
   m.def("set_posix_device_count", [](int n) { SetPosixDeviceCount(n); });
+  m.def("set_posix_device_ids", [](std::vector<int64_t> ids) {
+    SetPosixDeviceIds(ids.data(), static_cast<int>(ids.size()));
+  });
 
   m.def("granularity", [](const std::string& backend, int device, const std::string& loc, int loc_id) {
     size_t g = 0;

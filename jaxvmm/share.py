@@ -178,7 +178,10 @@ class ShareHandle:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
-            self.close()
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the kernel closes what is left
+                pass
 
     # ---- staleness ----
     @property

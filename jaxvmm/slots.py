@@ -180,6 +180,23 @@ class _DLPackProducer:
         return self._device
 
 
+VIEW_DRAIN_SECONDS = 1.0
+
+
+def _wait_for_dead_views(sid: int) -> None:
+    """jax frees an unreferenced view's buffer asynchronously, just after the last computation that read
+    it: give such views a moment (at most VIEW_DRAIN_SECONDS) to go before a release or close is refused."""
+    if not lib.slot_info(sid)["views"]:
+        return
+    import gc
+    import time
+
+    gc.collect()
+    deadline = time.monotonic() + VIEW_DRAIN_SECONDS
+    while lib.slot_info(sid)["views"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def _granularity_of(slot) -> int:
     kind, _, node = slot.location.partition(":")
     return int(lib.granularity(slot.backend, slot._target.ordinal, kind,
@@ -302,8 +319,11 @@ class Slot:
 
     # ---- lifecycle ----
     def release(self) -> None:
-        """Unmap and release the physical pages; the address stays reserved (touching it faults)."""
-        lib.slot_release(self._live_id())
+        """Unmap and release the physical pages; the address stays reserved (touching it faults).
+        Refused (``SlotStateError``) while zero-copy views from :meth:`as_array` live."""
+        sid = self._live_id()
+        _wait_for_dead_views(sid)
+        lib.slot_release(sid)
 
     def remap(self) -> None:
         """Map fresh physical pages at the same address (contents are undefined) and bump ``generation``."""
@@ -318,6 +338,7 @@ class Slot:
             sid = self._id
             if sid is None:
                 raise errors.SlotStateError("jaxvmm: the slot is already closed", code="state", stage="close")
+            _wait_for_dead_views(sid)
             try:
                 lib.slot_close(sid)
             except errors.SlotStateError:
@@ -347,13 +368,12 @@ class Slot:
             self._id = None
             try:
                 lib.slot_close(sid)
-            except errors.SlotStateError:  # views outlive the object: the last one closes the slot
-                try:
-                    lib.slot_close_when_unviewed(sid)
-                except Exception:  # noqa: BLE001
-                    pass
-            except Exception:  # noqa: BLE001 - quarantined and logged by the core
-                pass
+            except Exception as e:  # noqa: BLE001 - quarantined and logged by the core
+                if getattr(e, "code", None) == "state":  # views outlive the object: the last one closes the slot
+                    try:
+                        lib.slot_close_when_unviewed(sid)
+                    except Exception:  # noqa: BLE001
+                        pass
         if getattr(self, "_channel_fd", None) is not None:
             self._drop_channel()
 
@@ -474,9 +494,16 @@ class Slot:
         try:
             sid = lib.slot_import(target.backend, target.ordinal, ordinals, handle.kind, fd,
                                   handle.fabric or b"", handle.size, handle.granularity, handle.generation)
-        except BaseException:
+        except BaseException as e:
             if channel is not None:
                 _share._close(channel)
+            if (isinstance(e, errors.DriverError) and e.stage == "import"
+                    and e.driver_error in ("CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_HANDLE")
+                    and "cuMemImportFromShareableHandle" in str(e)):
+                raise errors.InvalidArgumentError(
+                    f"{e}: the driver does not recognize the handle as a shareable allocation handle of "
+                    f"kind {handle.kind!r} (a forged or foreign descriptor?)", code="invalid_argument",
+                    driver_error=e.driver_error, slot=e.slot, stage="import") from None
             raise
         self = cls.__new__(cls)
         self._lock = threading.Lock()
