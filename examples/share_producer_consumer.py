@@ -36,7 +36,7 @@ def producer(device: str, consumer_device: str) -> None:
                 answer = conn.recv(64).decode()
             expected = float(np.arange(n, dtype=np.float64).sum())
             print(f"producer: consumer summed {answer} (expected {expected:.0f})")
-            assert abs(float(answer) - expected) / expected < 1e-6
+            assert abs(float(answer) - expected) / expected < 1e-5  # a float32 sum
         assert consumer.wait(timeout=120) == 0
         server.close()
     print("producer: done, share stats", jaxvmm.stats()["share"])

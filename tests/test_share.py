@@ -182,8 +182,7 @@ def test_bad_handles_give_clear_errors(share_clean):
             jaxvmm.ShareHandle.from_bytes(b"\xff")
 
 
-@pytest.mark.parametrize("entry", ["cuMemAddressReserve", "cuMemImportFromShareableHandle",
-                                   "cuMemGetAllocationPropertiesFromHandle", "cuMemMap", "cuMemSetAccess"])
+@pytest.mark.parametrize("entry", jt.SHARE_ENTRIES["import"])
 def test_an_import_that_fails_part_way_rolls_back_exactly(entry, share_clean):
     with jaxvmm.Slot(PAGE, device="cpu", shareable="posix_fd") as s, s.export() as h:
         s.write(b"kept")
@@ -445,8 +444,7 @@ def test_gpu_fabric_is_either_usable_or_refused_with_the_drivers_answer():
 @pytest.mark.gpu
 def test_gpu_import_rolls_back_at_every_stage():
     with jaxvmm.Slot(2 << 20, device="cuda:0", shareable="posix_fd") as s, s.export() as h:
-        for entry in ("cuMemAddressReserve", "cuMemImportFromShareableHandle",
-                      "cuMemGetAllocationPropertiesFromHandle", "cuMemMap", "cuMemSetAccess"):
+        for entry in jt.SHARE_ENTRIES["import"]:
             live, fds = live_counters("cuda:0"), open_fds()
             with jt.fault(entry, error="CUDA_ERROR_OUT_OF_MEMORY", device="cuda:0"):
                 with pytest.raises(jaxvmm.OutOfMemoryError, match=entry):
@@ -529,6 +527,7 @@ DISTRIBUTED = textwrap.dedent("""
                                    local_device_ids=[rank])
     import jax.numpy as jnp, numpy as np
     from jax.experimental import multihost_utils
+    jax.config.update("jax_default_matmul_precision", "highest")
     import jaxvmm
     dev = jax.local_devices()[0]
     assert jax.process_count() == nproc and len(jax.local_devices()) == 1, jax.local_devices()
@@ -552,12 +551,13 @@ DISTRIBUTED = textwrap.dedent("""
     offloads = sum(s["offloads"] for s in jaxvmm.engine_stats().values())
     assert offloads > 0, jaxvmm.engine_stats()
     for a, b in zip(ref, off):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     # data parallel: average over the processes (a real cross-process collective)
     g_ref = [multihost_utils.process_allgather(g).mean(0) for g in ref]
     g_off = [multihost_utils.process_allgather(g).mean(0) for g in off]
     for a, b in zip(g_ref, g_off):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(g_ref[0], np.asarray(ref[0]))  # the average really mixes both processes' shards
     # eager offload/reload on this process's device
     y = jax.device_put(jnp.arange(1024.0) + rank, dev)
     t = jaxvmm.offload(y)
