@@ -7,8 +7,8 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi -L 2>&1 | tee "$OUT/share_gpus.txt"
-echo "=== tests/test_share.py (JAXVMM_REQUIRE_GPU=1)"
-JAXVMM_REQUIRE_GPU=1 timeout 400 python3 -P -m pytest -q -rs -p no:cacheprovider tests/test_share.py \
+echo "=== tests/test_share.py (JAXVMM_REQUIRE_GPU=1 JAXVMM_REQUIRE_2GPU=1)"
+JAXVMM_REQUIRE_GPU=1 JAXVMM_REQUIRE_2GPU=1 timeout 400 python3 -P -m pytest -q -rs -p no:cacheprovider tests/test_share.py \
   > "$OUT/share_tests.txt" 2>&1
 echo "pytest exit $?"
 grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/share_tests.txt" | tail -20
