@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <unistd.h>
 
 #include "bench.h"
@@ -197,8 +198,12 @@ void DeleteView(DLManagedTensor* t) {
   delete ctx;
   slot->DropView();
   // The slot's Python object died while this view lived: the last view closes it (NotFound: someone
-  // else already did; a failure is quarantined and reported by the registry).
-  if (slot->close_when_unviewed() && slot->views() == 0) (void)Registry::Get().Close(slot->id());
+  // else already did; a failure is quarantined and reported by the registry). Not on this thread: jax
+  // may run the deleter inside a CUDA host callback, where driver calls are forbidden.
+  if (slot->close_when_unviewed() && slot->views() == 0) {
+    int64_t id = slot->id();
+    std::thread([id] { (void)Registry::Get().Close(id); }).detach();
+  }
 }
 
 // A capsule nobody consumed still owns its tensor; a consumed one was renamed "used_dltensor".
