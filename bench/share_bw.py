@@ -163,7 +163,9 @@ def main() -> None:
     body = render(["size", "path", "dir", "GB/s", "x peer"], {3, 4}, rows, a.markdown)
     notes = ["imported: the exporter process's pages, mapped here with Slot.import_ (POSIX FD over SCM_RIGHTS)",
              "peer: a slot this process created on the exporter's device, granted to the importer's (baseline)",
-             "x peer: time of the peer copy in the same direction / time of this row (goal >= 0.8)"]
+             "x peer: time of the peer copy in the same direction / time of this row (goal >= 0.8 for imported)",
+             "view (jit a+1): a kernel on the importer reading the exporter's pages in place and writing a local "
+             "result; bytes read / time (informational: it also writes)"]
     emit(header, body, notes, a.markdown, a.out)
 
 

@@ -375,7 +375,10 @@ class Slot:
                     except Exception:  # noqa: BLE001
                         pass
         if getattr(self, "_channel_fd", None) is not None:
-            self._drop_channel()
+            try:
+                self._drop_channel()
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the kernel closes what is left
+                pass
 
     # ---- data ----
     def write(self, data, offset: int = 0) -> None:

@@ -447,12 +447,15 @@ def test_gpu_fabric_is_either_usable_or_refused_with_the_drivers_answer():
 @pytest.mark.gpu
 def test_gpu_import_rolls_back_at_every_stage():
     with jaxvmm.Slot(2 << 20, device="cuda:0", shareable="posix_fd") as s, s.export() as h:
+        jaxvmm.Slot.import_(h, device="cuda:0").close()  # warm: the driver's own first-import state
         for entry in jt.SHARE_ENTRIES["import"]:
-            live, fds = live_counters("cuda:0"), open_fds()
+            live, fds, slots = live_counters("cuda:0"), share_stats()["fds"], jaxvmm.stats()["slots"]
             with jt.fault(entry, error="CUDA_ERROR_OUT_OF_MEMORY", device="cuda:0"):
                 with pytest.raises(jaxvmm.OutOfMemoryError, match=entry):
                     jaxvmm.Slot.import_(h, device="cuda:0")
-            assert live_counters("cuda:0") == live and open_fds() == fds, entry
+            assert live_counters("cuda:0") == live, entry
+            assert share_stats()["fds"] == fds and jaxvmm.stats()["slots"] == slots, entry
+            assert jaxvmm.stats()["quarantined"] == 0, entry
         with jaxvmm.Slot.import_(h, device="cuda:0"):
             pass
 
@@ -474,6 +477,7 @@ def test_gpu_as_array_aliases_and_blocks_release():
 # GPU: two devices, two processes (NVLink)
 # ---------------------------------------------------------------------------------------------------
 def _exporter_side(importer_device: str) -> None:
+    fds, channels = share_stats()["fds"], share_stats()["channel_fds"]
     server, path = _listen()
     child = _peer("importer", path, device=importer_device, env={"JAX_PLATFORMS": "cuda,cpu",
                                                                  "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
@@ -496,16 +500,17 @@ def _exporter_side(importer_device: str) -> None:
         out, err = child.communicate(timeout=300)
         server.close()
     assert child.returncode == 0, out + err[-3000:]
+    assert share_stats()["fds"] == fds and share_stats()["channel_fds"] == channels  # the exporter's side too
 
 
 @pytest.mark.gpu
-def test_gpu_two_processes_on_one_gpu(share_clean):
+def test_gpu_two_processes_on_one_gpu():
     _exporter_side("cuda:0")
 
 
 @pytest.mark.gpu
 @two_gpus
-def test_two_gpus_exported_on_gpu0_imported_on_gpu1_read_and_written(share_clean):
+def test_two_gpus_exported_on_gpu0_imported_on_gpu1_read_and_written():
     _exporter_side("cuda:1")
 
 
