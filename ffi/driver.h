@@ -44,6 +44,7 @@ namespace jaxvmm {
   X(MemGetInfo, 3020)                            \
   X(MemExportToShareableHandle, 10020)           \
   X(MemImportFromShareableHandle, 10020)         \
+  X(MemGetAllocationPropertiesFromHandle, 10020) \
   /* synchronous copies (Slot.read / Slot.write) */ \
   X(MemcpyHtoD, 3020)                            \
   X(MemcpyDtoH, 3020)                            \
@@ -126,5 +127,9 @@ bool ResultFromName(const std::string& name, CUresult* out);
 
 // POSIX backend knobs (set from Python before the first slot on the cpu platform).
 void SetPosixDeviceCount(int n);
+// jax's ids of this process's cpu devices, in local order. XLA names a cpu device to an FFI handler by its
+// id, which is the local index only in a single process (with jax.distributed, process p's ids differ).
+void SetPosixDeviceIds(const int64_t* ids, int n);
+int PosixLocalOrdinal(int ffi_ordinal);  // the local index of that id; the ordinal itself if unknown
 
 }  // namespace jaxvmm

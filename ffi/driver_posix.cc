@@ -49,7 +49,35 @@ struct Physical {
   void* home;   // PROT_NONE shared mapping that owns the pages while the handle lives
   size_t size;
   int fd;       // -1 unless the handle is exportable (POSIX file descriptor requested or imported)
+  CUmemAllocationProp prop;  // as created, or as decoded from an imported memfd's name
 };
+
+// An exportable handle's memfd is named "jaxvmm-slot:<location type>:<location id>", so an importer can
+// answer cuMemGetAllocationPropertiesFromHandle as the driver does, and a descriptor that is not such a
+// memfd (a file, a pipe, someone else's memfd) is refused at import, as the driver refuses one that is
+// not an allocation's.
+constexpr const char kMemfdPrefix[] = "jaxvmm-slot:";
+
+std::string MemfdName(const CUmemLocation& loc) {
+  return std::string(kMemfdPrefix) + std::to_string(static_cast<int>(loc.type)) + ":" + std::to_string(loc.id);
+}
+
+// Decodes the location from /proc/self/fd/N -> "/memfd:jaxvmm-slot:T:I (deleted)"; false if not ours.
+bool LocationOfMemfd(int fd, CUmemLocation* loc) {
+  char link[64], target[256];
+  std::snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(link, target, sizeof(target) - 1);
+  if (n <= 0) return false;
+  target[n] = '\0';
+  const char* p = std::strstr(target, kMemfdPrefix);
+  if (std::strncmp(target, "/memfd:", 7) != 0 || p != target + 7) return false;
+  int type = -1, id = -1;
+  if (std::sscanf(p + sizeof(kMemfdPrefix) - 1, "%d:%d", &type, &id) != 2) return false;
+  if (type != CU_MEM_LOCATION_TYPE_DEVICE && type != CU_MEM_LOCATION_TYPE_HOST_NUMA) return false;
+  loc->type = static_cast<CUmemLocationType>(type);
+  loc->id = id;
+  return true;
+}
 
 // An fd the process could not open is not "out of memory": EMFILE/ENFILE are reported as an operating
 // system failure so nobody raises a limit that is not the problem.
@@ -269,10 +297,11 @@ CUresult PosixMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const
   if (!ValidLocation(prop->location)) return CUDA_ERROR_INVALID_DEVICE;
   size_t available = 0, total = 0;
   if (ReadMeminfo(&available, &total) && size > available) return CUDA_ERROR_OUT_OF_MEMORY;
-  Physical ph{nullptr, size, -1};
+  if (prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+  Physical ph{nullptr, size, -1, *prop};
   if (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
     // Exportable: the memfd is the shareable handle and lives as long as the handle.
-    ph.fd = memfd_create("jaxvmm-slot", MFD_CLOEXEC);
+    ph.fd = memfd_create(MemfdName(prop->location).c_str(), MFD_CLOEXEC);
     if (ph.fd < 0) return FdError(errno);
     if (ftruncate(ph.fd, static_cast<off_t>(size)) != 0) {
       close(ph.fd);
@@ -385,9 +414,13 @@ CUresult PosixMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle,
   struct stat st;
   if (fstat(src, &st) != 0) return CUDA_ERROR_INVALID_HANDLE;
   if (st.st_size <= 0 || static_cast<size_t>(st.st_size) % PageSize() != 0) return CUDA_ERROR_INVALID_VALUE;
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  if (!LocationOfMemfd(src, &prop.location)) return CUDA_ERROR_INVALID_VALUE;  // not an allocation's memfd
   int fd = fcntl(src, F_DUPFD_CLOEXEC, 0);  // kept: an imported handle can be exported again
   if (fd < 0) return FdError(errno);
-  Physical ph{nullptr, static_cast<size_t>(st.st_size), fd};
+  Physical ph{nullptr, static_cast<size_t>(st.st_size), fd, prop};
   CUresult r = MapHome(fd, ph.size, /*populate=*/false, &ph.home);
   if (r != CUDA_SUCCESS) {
     close(fd);
@@ -398,6 +431,16 @@ CUresult PosixMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle,
   uint64_t h = s.next_handle++;
   s.handles[h] = ph;
   *handle = h;
+  return CUDA_SUCCESS;
+}
+
+CUresult PosixMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CUmemGenericAllocationHandle handle) {
+  if (!prop) return CUDA_ERROR_INVALID_VALUE;
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto h = s.handles.find(handle);
+  if (h == s.handles.end()) return CUDA_ERROR_INVALID_HANDLE;
+  *prop = h->second.prop;
   return CUDA_SUCCESS;
 }
 
@@ -600,5 +643,25 @@ const DriverTable& RawPosixDriver() {
 }
 
 void SetPosixDeviceCount(int n) { g_device_count.store(n > 0 ? n : 1); }
+
+namespace {
+constexpr int kMaxPosixIds = 256;
+std::atomic<int> g_id_count{0};
+std::atomic<int64_t> g_ids[kMaxPosixIds];
+}  // namespace
+
+void SetPosixDeviceIds(const int64_t* ids, int n) {
+  n = n < kMaxPosixIds ? n : kMaxPosixIds;
+  g_id_count.store(0);
+  for (int i = 0; i < n; ++i) g_ids[i].store(ids[i]);
+  g_id_count.store(n);
+}
+
+int PosixLocalOrdinal(int ffi_ordinal) {
+  int n = g_id_count.load();
+  for (int i = 0; i < n; ++i)
+    if (g_ids[i].load() == ffi_ordinal) return i;
+  return ffi_ordinal;
+}
 
 }  // namespace jaxvmm

@@ -86,14 +86,15 @@ ffi::Error PrefetchCuda(CUstream s, int32_t dev, ffi::AnyBuffer t, ffi::Result<f
 }
 
 // ---- cpu: no stream; the POSIX backend's copies complete in the call ----
+// XLA passes a cpu device's id; with jax.distributed that is not the local index the engines use.
 ffi::Error OffloadCpu(int32_t dev, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> t, int64_t sig, int64_t site) {
-  return ToFfi(Offload(Backend::kPosix, nullptr, dev, x, t, sig, site));
+  return ToFfi(Offload(Backend::kPosix, nullptr, PosixLocalOrdinal(dev), x, t, sig, site));
 }
 ffi::Error ReloadCpu(int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> y, int64_t sig, int64_t site) {
-  return ToFfi(Reload(Backend::kPosix, nullptr, dev, t, y, sig, site));
+  return ToFfi(Reload(Backend::kPosix, nullptr, PosixLocalOrdinal(dev), t, y, sig, site));
 }
 ffi::Error PrefetchCpu(int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> o, int64_t) {
-  return ToFfi(Prefetch(Backend::kPosix, nullptr, dev, t, o));
+  return ToFfi(Prefetch(Backend::kPosix, nullptr, PosixLocalOrdinal(dev), t, o));
 }
 
 }  // namespace

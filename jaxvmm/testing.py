@@ -20,6 +20,13 @@ LIFECYCLE_ENTRIES = {
     "close": ("cuMemUnmap", "cuMemRelease", "cuMemAddressFree"),
 }
 
+# ... and each sharing operation (Slot.import_ rolls back exactly at each of these; export leaves nothing open).
+SHARE_ENTRIES = {
+    "import": ("cuMemAddressReserve", "cuMemImportFromShareableHandle", "cuMemGetAllocationPropertiesFromHandle",
+               "cuMemMap", "cuMemSetAccess"),
+    "export": ("cuMemExportToShareableHandle",),
+}
+
 
 def backend_of(device=None) -> str:
     return target_of(device).backend

@@ -43,6 +43,8 @@ LAYERS: dict[str, Group] = {
     "fault": Group(0, ("fault.h", "fault.cc"), only=frozenset({"driver.h"})),  # beside the driver seam
     "status": Group(1, ("status.h", "status.cc")),
     "vmm": Group(2, ("vmm.h", "vmm.cc")),
+    # the exporter's generation channel and the share counters: plain POSIX, beside vmm
+    "share": Group(2, ("share.h", "share.cc"), only=frozenset({"status.h", "driver.h"})),
     "slot": Group(3, ("slot.h", "slot.cc")),
     "registry": Group(4, ("registry.h", "registry.cc")),
     "bench": Group(5, ("bench.h", "bench.cc"),
