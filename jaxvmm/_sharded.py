@@ -24,6 +24,7 @@ on every device's local shard: nothing is gathered, and each device's host copy 
 from __future__ import annotations
 
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -274,30 +275,40 @@ _prefetch_cp.def_partition(_prefetch_partition, infer_sharding_from_operands=_pr
 
 
 # ---- entry points (ops.py validates first) ----
+# Each op is wrapped in a custom_vmap: custom_partitioning has no batching rule, and under jax.vmap an
+# op falls back to what the unsharded path does (one FFI call per batch element, on whole elements).
 def _traced(*xs) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _run(op, x):
+    return op(x) if _traced(x) else jax.jit(op)(x)
+
+
+def _batched(op, per_element):
+    @op.def_vmap
+    def rule(axis_size, in_batched, v):
+        if not in_batched[0]:
+            return op(v), False
+        return jax.vmap(per_element)(v), True
+
+    return op
 
 
 def offload(x, signature: int, site: int, mesh):
     """The token, ``uint32[*token_dims(x.shape, mesh size), 2]`` sharded like ``x``, of an offload of
     ``x`` in which each device offloads its own shard. Outside jit it runs as its own jitted program."""
     dims = token_dims(x.shape, mesh_size(mesh))
-
-    def run(v):
-        return _offload_cp(v, signature, site, dims)
-
-    return run(x) if _traced(x) else jax.jit(run)(x)
+    op = jax.custom_batching.custom_vmap(lambda v: _offload_cp(v, signature, site, dims))
+    return _run(_batched(op, lambda e: _offload_global(e, signature, site, dims)), x)
 
 
 def reload(token, shape, dtype, signature: int, site: int):
-    def run(t):
-        return _reload_cp(t, tuple(int(d) for d in shape), np.dtype(dtype), signature, site)
-
-    return run(token) if _traced(token) else jax.jit(run)(token)
+    shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+    op = jax.custom_batching.custom_vmap(lambda t: _reload_cp(t, shape, dtype, signature, site))
+    return _run(_batched(op, lambda e: _reload_global(e, shape, dtype, signature, site)), token)
 
 
 def prefetch(token, site: int):
-    def run(t):
-        return _prefetch_cp(t, site)
-
-    return run(token) if _traced(token) else jax.jit(run)(token)
+    op = jax.custom_batching.custom_vmap(lambda t: _prefetch_cp(t, site))
+    return _run(_batched(op, lambda e: _prefetch_global(e, site)), token)

@@ -348,6 +348,10 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
 def _check_sharded_ticket(t: Ticket, what: str, reserve: bool) -> list:
     tok = t.token
     shape = tuple(getattr(tok, "shape", ()) or ())
+    if getattr(tok, "dtype", None) == jnp.uint32 and len(shape) > len(t.shape) + 1 and shape[-1:] == (2,):
+        raise _value_error(f"jaxvmm.{what}: the sharded ticket's token has shape {shape}: it holds one ticket per "
+                           f"element of a jax.vmap batch. {what.capitalize()} it inside jax.vmap (e.g. "
+                           f"jax.vmap(jaxvmm.{what})(ticket)), with the same batch axes as the offload")
     if (getattr(tok, "dtype", None) != jnp.uint32 or len(shape) != len(t.shape) + 1 or shape[-1] != 2
             or any(d % max(k, 1) for d, k in zip(t.shape, shape[:-1]))):
         raise errors.InvalidArgumentError(
@@ -381,7 +385,7 @@ def _dep_scalar(deps: list):
     depend on it."""
     s = None
     for d in deps:
-        e = jnp.ravel(d)[0]
+        e = d[(0,) * d.ndim] if d.ndim else d  # indexing, not ravel: ravel of a sharded array gathers it
         if jnp.issubdtype(e.dtype, jnp.complexfloating):
             e = jnp.real(e)
         if e.dtype == jnp.bool_ or e.dtype.itemsize not in _UINT or jax.dtypes.issubdtype(e.dtype, jax.dtypes.extended):
