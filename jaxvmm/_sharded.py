@@ -295,20 +295,75 @@ def _batched(op, per_element):
     return op
 
 
+# Explicit sharding (every mesh axis Explicit: the sharding is part of the type): the spec is known
+# when tracing, and custom_partitioning's outputs would be typed replicated, so the ops are shard_maps.
+def _explicit_entries(x, ndim: int, dims=None):
+    """Per dimension, the axes ``x`` is sharded over when every axis of its mesh is Explicit and the
+    token can follow them (``dims``); None otherwise (the custom_partitioning path)."""
+    sharding = getattr(_typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    types = tuple(getattr(mesh, "axis_types", ()) or ())
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    if explicit is None or not types or any(t != explicit for t in types):
+        return None
+    entries = _entries(sharding.spec, ndim)
+    if dims is not None and _fit(sharding, mesh, dims) != entries:
+        return None
+    return entries
+
+
+def _shard_map(f, x, in_entries, out_spec):
+    import inspect
+
+    fn = getattr(jax, "shard_map", None)
+    if fn is None:
+        from jax.experimental.shard_map import shard_map as fn
+    params = inspect.signature(fn).parameters
+    extra = {"check_vma": False} if "check_vma" in params else {"check_rep": False} if "check_rep" in params else {}
+    sharding = x.sharding if isinstance(x, jax.Array) and not _traced(x) else _typeof(x).sharding
+    return fn(f, mesh=sharding.mesh, in_specs=(_spec(in_entries, x.ndim - len(in_entries)),), out_specs=out_spec,
+              **extra)(x)
+
+
 def offload(x, signature: int, site: int, mesh):
     """The token, ``uint32[*token_dims(x.shape, mesh size), 2]`` sharded like ``x``, of an offload of
     ``x`` in which each device offloads its own shard. Outside jit it runs as its own jitted program."""
     dims = token_dims(x.shape, mesh_size(mesh))
-    op = jax.custom_batching.custom_vmap(lambda v: _offload_cp(v, signature, site, dims))
+    entries = _explicit_entries(x, x.ndim, dims)
+    if entries is not None:
+        cells = _local_cells(dims, entries, mesh)
+
+        def shard(v):
+            return jnp.broadcast_to(_local_offload(v, signature, site), (*cells, 2))
+
+        op = jax.custom_batching.custom_vmap(lambda v: _shard_map(shard, v, entries, _spec(entries, 1)))
+    else:
+        op = jax.custom_batching.custom_vmap(lambda v: _offload_cp(v, signature, site, dims))
     return _run(_batched(op, lambda e: _offload_global(e, signature, site, dims)), x)
 
 
 def reload(token, shape, dtype, signature: int, site: int):
     shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
-    op = jax.custom_batching.custom_vmap(lambda t: _reload_cp(t, shape, dtype, signature, site))
+    entries = _explicit_entries(token, len(shape))
+    if entries is not None:
+        local = _local_cells(shape, entries, _typeof(token).sharding.mesh)
+
+        def shard(t):
+            return _local_reload(_first(t), local, dtype, signature, site)
+
+        op = jax.custom_batching.custom_vmap(lambda t: _shard_map(shard, t, entries, _spec(entries)))
+    else:
+        op = jax.custom_batching.custom_vmap(lambda t: _reload_cp(t, shape, dtype, signature, site))
     return _run(_batched(op, lambda e: _reload_global(e, shape, dtype, signature, site)), token)
 
 
 def prefetch(token, site: int):
-    op = jax.custom_batching.custom_vmap(lambda t: _prefetch_cp(t, site))
+    entries = _explicit_entries(token, token.ndim - 1)
+    if entries is not None:
+        def shard(t):
+            return jnp.broadcast_to(_local_prefetch(_first(t), site), t.shape)
+
+        op = jax.custom_batching.custom_vmap(lambda t: _shard_map(shard, t, entries, _spec(entries, 1)))
+    else:
+        op = jax.custom_batching.custom_vmap(lambda t: _prefetch_cp(t, site))
     return _run(_batched(op, lambda e: _prefetch_global(e, site)), token)

@@ -385,9 +385,12 @@ def _dep_scalar(deps: list):
     depend on it."""
     s = None
     for d in deps:
-        e = d[(0,) * d.ndim] if d.ndim else d  # indexing, not ravel: ravel of a sharded array gathers it
-        if jnp.issubdtype(e.dtype, jnp.complexfloating):
-            e = jnp.real(e)
+        if jnp.issubdtype(d.dtype, jnp.complexfloating):
+            d = jnp.real(d)
+        if _explicitly_sharded(d):  # jax refuses to slice one element out of a dimension typed as sharded
+            e = jnp.max(d)
+        else:
+            e = d[(0,) * d.ndim] if d.ndim else d  # indexing, not ravel: ravel of a sharded array gathers it
         if e.dtype == jnp.bool_ or e.dtype.itemsize not in _UINT or jax.dtypes.issubdtype(e.dtype, jax.dtypes.extended):
             u = e.astype(jnp.uint32) if not jax.dtypes.issubdtype(e.dtype, jax.dtypes.extended) else None
         else:
@@ -395,6 +398,15 @@ def _dep_scalar(deps: list):
         if u is not None:
             s = u if s is None else s | u
     return s
+
+
+def _explicitly_sharded(d) -> bool:
+    """``d``'s type says it is sharded (a mesh with Explicit axes): jax checks slicing against it."""
+    try:
+        spec = getattr(getattr(_sharded._typeof(d), "sharding", None), "spec", None)
+    except TypeError:
+        return False
+    return any(e is not None for e in (spec or ()))
 
 
 def _tie_leaf(x, s):

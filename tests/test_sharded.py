@@ -22,7 +22,7 @@ CASES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sharded_
 
 
 @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
-@pytest.mark.parametrize("case", ["roundtrip", "prefetch_after", "vmap_and_shard_map", "training"])
+@pytest.mark.parametrize("case", ["roundtrip", "prefetch_after", "vmap_and_shard_map", "training", "explicit"])
 def test_sharded_cpu_4_devices(case, partitioner):
     code = textwrap.dedent(f"""
         import runpy, sys
