@@ -358,7 +358,7 @@ def _check_sharded_ticket(t: Ticket, what: str, reserve: bool) -> list:
             f"jaxvmm.{what}: a sharded ticket of shape {t.shape} needs a uint32 token of rank {len(t.shape) + 1} "
             f"ending in 2 whose leading dimensions divide the array's (got {getattr(tok, 'dtype', None)}"
             f"{list(shape)}); was it built by jaxvmm.offload?", code="invalid_argument")
-    if isinstance(tok, (np.ndarray, np.generic)) or isinstance(tok, jax.core.Tracer) or not isinstance(tok, jax.Array):
+    if isinstance(tok, jax.core.Tracer) or not isinstance(tok, jax.Array):  # numpy: not on any device
         return []
     sig = _signature(t.shape, t.dtype)
     checked = []
