@@ -330,7 +330,7 @@ def checkpoint(fn, *, policy=None, prevent_cse=True, static_argnums=(), static_a
                         # reload (which waits for the cotangent) runs every iteration.
                         leaf = jax.lax.optimization_barrier((leaf, tie))[0]
                     res.append(_offload_token(leaf))
-                    kinds.append((leaf.shape, leaf.dtype))
+                    kinds.append((leaf.shape, leaf.dtype, ops._mesh_for(leaf) is not None))
                 else:
                     res.append(leaf)
                     kinds.append(None)
