@@ -57,14 +57,7 @@ struct Channel {
   Round round = Round::kIdle;
   bool waiting = false;   // a knock/request seen but not granted yet (no budget, data not enqueued)
   std::shared_ptr<Ticket> ticket;  // offload: the granted round's ticket; reload: the round's ticket
-  // reload: the ticket the next round will most likely name, copied ahead of time (on h2d) into a
-  // staging cell of the ring; its request then only needs a device-to-device copy into the cell.
-  std::shared_ptr<Ticket> staged;
-  StagingLease staged_lease;
-  CUevent staged_event = nullptr;  // after the copy into staged_lease
-  // reload: the guess moved on into the cell once the previous round was done (cell_event follows
-  // that copy): a request naming it is granted at once.
-  std::shared_ptr<Ticket> in_cell;
+  std::shared_ptr<Ticket> loaded;  // reload: the predicted ticket copied into the cell ahead of time
   CUevent cell_event = nullptr;    // after the last side-stream copy into/out of the cell
   CUstream cell_stream = nullptr;  // the stream that copy ran on (grants are ordered after it)
   CUstream stream = nullptr;       // XLA's stream at the last Prepare: async errors are reported on it
