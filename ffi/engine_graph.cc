@@ -123,7 +123,7 @@ Status Engine::MappedForCapture(Channel& c) {
 
 Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
   std::lock_guard<std::mutex> lock(graph_mu_);
-  Channel* c = channels_.Find(site, ChannelKind::kOffload);
+  Channel* c = channels_.Find(site, ChannelKind::kOffload, meta);
   if (!c || c->slot_id < 0)
     return Status(Code::kInternal, "offload call site " + std::to_string(site) +
                                        " is being captured into a command buffer but its initialize stage never ran");
@@ -148,7 +148,7 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
 
 Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
   std::lock_guard<std::mutex> lock(graph_mu_);
-  Channel* c = channels_.Find(site, ChannelKind::kReload);
+  Channel* c = channels_.Find(site, ChannelKind::kReload, meta);
   if (!c || c->slot_id < 0)
     return Status(Code::kInternal, "reload call site " + std::to_string(site) +
                                        " is being captured into a command buffer but its initialize stage never ran");

@@ -292,3 +292,27 @@ def test_a_failed_correction_gives_0xff_not_another_tickets_bytes(slots, platfor
         with pytest.raises(jaxvmm.errors.VmmError, match="filled with 0xFF"):
             jaxvmm.check()
     jaxvmm.collect()
+
+
+def test_one_call_site_compiled_for_two_shapes_gets_two_channels(platform_device, slots, engine_hygiene):
+    """A traced call site can be compiled for several shapes (the sharded and the unsharded program of
+    one jitted function): each (site, shape) is its own channel, and preparing one never fails the
+    other (the initialize stage used to fail the whole execution with 'prepared for N bytes')."""
+    site = next(_sites)
+    small, big = N, 2 * N
+    xs, ys, toks = [slots(small), slots(big)], [slots(small), slots(big)], [slots(8), slots(8)]
+    with Replay(platform_device) as r:
+        graphs = []
+        for n, x, y, tok in zip((small, big), xs, ys, toks):
+            r.prepare(site, r.OFFLOAD, n)
+            r.prepare(site + (1 << 20), r.RELOAD, n)
+            with r.capture() as g:
+                r.offload(site, x.address, n, tok.address)
+                r.reload(site + (1 << 20), tok.address, y.address, n)
+            graphs.append(g[0])
+        for i in range(3):
+            for k, (n, x, y) in enumerate(zip((small, big), xs, ys)):
+                x.write(data(10 * i + k, n))
+                r.launch(graphs[k])
+                r.synchronize()
+                assert np.array_equal(read(y), data(10 * i + k, n))
