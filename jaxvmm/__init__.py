@@ -27,7 +27,7 @@ from .errors import (
 )
 from .ops import Ticket, after, check, collect, configure, engine_stats, offload, prefetch, reload, synchronize, trim
 from .slots import Slot
-from .remat import checkpoint, policies, remat
+from .remat import checkpoint, policies, print_saved_residuals, remat, saved_residuals
 
 __version__ = "0.1.0"
 
@@ -108,6 +108,8 @@ __all__ = [
     "checkpoint",
     "remat",
     "policies",
+    "saved_residuals",
+    "print_saved_residuals",
     "CudaStatus",
     "cuda_available",
     "driver_memory_info",

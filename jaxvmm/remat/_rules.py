@@ -36,11 +36,10 @@ from jax._src.util import partition_list as _partition_list, split_list as _spli
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
-from .. import ops
+from .. import errors, ops
 
 _HOST = _core.MemorySpace.Host
 _DEVICE = _core.MemorySpace.Device
-_RELOAD = "jaxvmm_reload"
 
 
 class VmmPolicy:
@@ -56,6 +55,10 @@ class VmmPolicy:
     def __call__(self, prim, *avals, **params):
         from .policies import Offloadable, Recompute, Saveable
 
+        if prim is reload_p:
+            # An outer differentiation of a backward pass: the reloaded value is saved, never recomputed
+            # (recomputing would reload the ticket a second time).
+            return True
         case = self.spec.policy(prim, *avals, **params)
         if isinstance(case, (bool, np.bool_)):
             return bool(case)
@@ -230,6 +233,42 @@ def _offload(residuals, tagged, spec, inputs):
     return out, infos
 
 
+# ---- the reload that opens the staged remat ----
+# A primitive of its own: evaluated eagerly (a VJP or linearized function called outside jit) it goes
+# through jaxvmm.reload's synchronous ticket check, so a second call is refused before anything runs.
+reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
+
+_CALLED_TWICE = (
+    "jaxvmm.checkpoint: this VJP or linearized function (from jax.vjp / jax.linearize of a function using "
+    "jaxvmm.checkpoint) was already called once: its offloaded residuals were reloaded then, and a ticket "
+    "is reloaded exactly once. Call jax.vjp / jax.linearize again for another evaluation, batch the "
+    "cotangents with jax.vmap into one call, or use a saving policy (jax.checkpoint_policies) there")
+
+
+def _reload_impl(token, *, shape, dtype):
+    try:
+        return ops.reload(ops.Ticket(token, shape, dtype))
+    except errors.InvalidArgumentError as e:
+        if "already reloaded" in str(e) or "reserved" in str(e):
+            raise errors.InvalidArgumentError(f"{_CALLED_TWICE} ({e})", code="invalid_argument") from e
+        raise
+
+
+def _reload_batch(args, dims, *, shape, dtype):
+    (token,), (d,) = args, dims
+    if d is None:
+        return reload_p.bind(token, shape=shape, dtype=dtype), None
+    out = jax.vmap(lambda t: ops.reload(ops.Ticket(t, shape, dtype)), in_axes=d)(token)
+    return out, 0
+
+
+reload_p.def_impl(_reload_impl)
+reload_p.def_abstract_eval(lambda token, *, shape, dtype: _core.ShapedArray(shape, dtype))
+_mlir.register_lowering(reload_p, _mlir.lower_fun(
+    lambda token, *, shape, dtype: ops.reload(ops.Ticket(token, shape, dtype)), multiple_results=False))
+_batching.primitive_batchers[reload_p] = _reload_batch
+
+
 def _with_reloads(jaxpr, infos):
     """``jaxpr`` (the staged remat body, residuals first) taking ticket tokens in place of the
     offloaded residuals and reloading them first."""
@@ -240,7 +279,7 @@ def _with_reloads(jaxpr, infos):
              for v, info in zip(jaxpr.invars[:n], infos)] + [v.aval for v in jaxpr.invars[n:]]
 
     def staged(*args):
-        res = [ops.reload(ops.Ticket(a, *info)) if info else a for a, info in zip(args[:n], infos)]
+        res = [reload_p.bind(a, shape=info[0], dtype=info[1]) if info else a for a, info in zip(args[:n], infos)]
         return _core.eval_jaxpr(jaxpr, (), *res, *args[n:])
 
     closed = jax.make_jaxpr(staged)(*avals)
@@ -253,8 +292,7 @@ def _with_reloads(jaxpr, infos):
 def _reload_inputs(jaxpr) -> list[int]:
     """Positions of the inputs of ``jaxpr`` that are ticket tokens its reloads read."""
     pos = {v: i for i, v in enumerate(jaxpr.invars)}
-    return sorted({pos[e.invars[0]] for e in jaxpr.eqns
-                   if e.params.get("target_name") == _RELOAD and e.invars and e.invars[0] in pos})
+    return sorted({pos[e.invars[0]] for e in jaxpr.eqns if e.primitive is reload_p and e.invars[0] in pos})
 
 
 # ---- the rules ----

@@ -166,3 +166,71 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
 
 
 remat = checkpoint
+
+
+# ---- what is saved ----
+def _is_offload(eqn) -> bool:
+    """A jaxvmm offload: the ffi call itself, or a call whose body is one (the custom_jvp around it)."""
+    if eqn.params.get("target_name") == "jaxvmm_offload":
+        return True
+    for p in eqn.params.values():
+        body = getattr(p, "jaxpr", p)
+        eqns = getattr(body, "eqns", None)
+        if eqns is not None and any(_is_offload(e) for e in eqns):
+            return True
+    return False
+
+
+def _describe(v, producers, invars) -> tuple:
+    """(aval, description) of residual ``v``, in the words of ``jax.ad_checkpoint.saved_residuals``;
+    a ticket token is described by the array it stands for."""
+    from jax._src import source_info_util
+    from jax.extend.core import Literal
+
+    if isinstance(v, Literal):
+        return v.aval, "from a literal"
+    if v in invars:
+        return v.aval, f"from the argument at flattened index {invars.index(v)}"
+    eqn = producers.get(v)
+    if eqn is None:
+        return v.aval, "from a constant"
+    src = source_info_util.summarize(eqn.source_info)
+    name = eqn.primitive.name
+    if _is_offload(eqn):
+        x = eqn.invars[0]
+        inner = producers.get(x)
+        if inner is not None and inner.primitive.name == "optimization_barrier":
+            x = inner.invars[list(inner.outvars).index(x)]
+        aval, what = _describe(x, producers, invars)
+        return aval, f"offloaded through jaxvmm: {what}"
+    if name == "name":
+        return v.aval, f"named '{eqn.params['name']}' from {src}"
+    if name in ("jit", "pjit"):
+        return v.aval, f"output of jitted function '{eqn.params.get('name')}' from {src}"
+    return v.aval, f"output of {name} from {src}"
+
+
+def saved_residuals(f, *args, **kwargs) -> list:
+    """``jax.ad_checkpoint.saved_residuals`` that names what jaxvmm offloads: one ``(aval, description)``
+    per residual ``jax.vjp(f, *args, **kwargs)`` keeps, in the order the VJP function holds them. A
+    residual offloaded through jaxvmm is listed with the aval of the array it stands for (its ticket
+    token is what stays) and a description starting ``offloaded through jaxvmm:`` followed by JAX's
+    words for the array (``named 'hidden' from ...``)."""
+    flat, tree = jax.tree.flatten((args, kwargs))
+
+    def f_(*flat):
+        a, k = jax.tree.unflatten(tree, flat)
+        return f(*a, **k)
+
+    closed, shape = jax.make_jaxpr(lambda *a: jax.vjp(f_, *a), return_shape=True)(*flat)
+    jaxpr = closed.jaxpr
+    n = len(jax.tree.leaves(shape[1]))
+    producers = {o: e for e in jaxpr.eqns for o in e.outvars}
+    invars = list(jaxpr.invars)
+    return [_describe(v, producers, invars) for v in jaxpr.outvars[len(jaxpr.outvars) - n:]]
+
+
+def print_saved_residuals(f, *args, **kwargs) -> None:
+    """Prints :func:`saved_residuals`, one residual a line, like ``jax.ad_checkpoint.print_saved_residuals``."""
+    for aval, what in saved_residuals(f, *args, **kwargs):
+        print(f"{aval.str_short(short_dtypes=True)} {what}")
