@@ -345,9 +345,37 @@ def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
     new_params = dict(params, jaxpr=jaxpr_unknown, differentiated=True, prevent_cse=prevent_cse)
     recipe = _pe.new_eqn_recipe(trace, in_jaxpr_tracers, out_jaxpr_tracers, _adc.remat_p, new_params,
                                 _core.positional_effects(jaxpr_unknown), _source_info())
+    _log_residuals(tracers, in_used_staged, in_unknowns, jaxpr_unknown, jaxpr_known, num_res, infos if any(tagged) else None)
     for t in out_jaxpr_tracers:
         t.recipe = recipe
     return _merge(out_unknowns, out_knowns, out_jaxpr_tracers)
+
+
+def _log_residuals(tracers, in_used_staged, in_unknowns, jaxpr_unknown, jaxpr_known, num_res, infos):
+    """JAX's residual log (``jax_log_checkpoint_residuals``), offloaded residuals marked as such."""
+    import logging
+
+    from jax._src import config
+
+    level = logging.WARNING if config.log_checkpoint_residuals.value else logging.DEBUG
+    logger = _adc.logger
+    if not logger.isEnabledFor(level):
+        return
+    try:
+        _, staged_unk = _partition_list(in_used_staged, in_unknowns)
+        res_invars, _ = _partition_list(staged_unk, jaxpr_unknown.invars[num_res:])
+        res_outvars = jaxpr_known.outvars[len(jaxpr_known.outvars) - num_res:]
+        body = _adc._saved_residuals(jaxpr_known.replace(outvars=res_outvars), ("",) * len(jaxpr_known.invars))
+        lines = [f"  {v.aval.str_short()}" for v in res_invars]
+        head = "remat-decorated function " + "saving inputs with shapes:\n" * bool(res_invars)
+        tail = "saving these intermediates:\n" * bool(body)
+        inter = [f"  {a.str_short()} from {s}" for a, s in body]
+        moved = sum(1 for i in (infos or ()) if i)
+        note = f"\n{moved} of these intermediates offloaded through jaxvmm" if moved else ""
+        logger.log(level, head + "\n".join(lines) + ("\n" if lines else "") + "and " * bool(lines) * bool(body)
+                   + tail + "\n".join(inter) + note)
+    except Exception:  # as in JAX: a failure to log never fails the computation
+        pass
 
 
 def _merge(unknowns, knowns, staged):
