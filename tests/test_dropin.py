@@ -291,3 +291,45 @@ class TestErrors:
     def test_prevent_cse_pytree_of_non_bools(self):
         with pytest.raises(jaxvmm.InvalidArgumentError, match=r"jaxvmm\.checkpoint: prevent_cse must be a bool"):
             jaxvmm.checkpoint(jnp.sin, prevent_cse=({"a": 1},))
+
+
+def test_second_order_of_checkpointed_cond_equals_jax():
+    """Adapted from test_remat_of_cond (check_grads order 2, reverse mode) with every saved value
+    offloaded: the offload's ordering tie must not give a residual a derivative."""
+    f = lambda x: lax.cond(x > 0.0, lambda c: (jnp.sin(c), jnp.cos(c)), lambda c: (jnp.cos(c), c), x)  # noqa: E731
+    vmm = jaxvmm.checkpoint(f, policy=P.offload_everything_saveable(min_bytes=0))
+    ref = jax.checkpoint(f, policy=CP.everything_saveable)
+
+    def second(ck):
+        def f_vjp(x):
+            out, vjp_fn = jax.vjp(ck, x)
+            return vjp_fn(out)
+        return jax.vjp(f_vjp, 3.0)[1]((1.0,))
+
+    assert_bits_equal(second(vmm), second(ref))
+
+
+def test_excess_precision_residual_equals_primal_use():
+    """Adapted from test_excess_precision_hell: an offloaded bf16 residual is rounded where it is
+    made, so the backward pass sees exactly what the forward pass used."""
+    eps = jnp.finfo("bfloat16").eps
+
+    @jax.custom_vjp
+    def dot(x):
+        return jnp.dot(x, x)
+
+    dot.defvjp(lambda x: (dot(x), None), lambda _, g: (g,))
+
+    @jax.custom_vjp
+    def widen(x):
+        return jnp.float32(1.0) * x.astype("float32")
+
+    widen.defvjp(lambda x: (widen(x), x), lambda x, _: (jnp.float32(1.0) * x.astype("float32"),))
+
+    f = jax.jit(jaxvmm.checkpoint(lambda x: widen(dot(x)), policy=P.offload_everything_saveable(min_bytes=0)))
+    x = (jnp.bfloat16(1) + eps) * jnp.eye(2, dtype="bfloat16")
+    before = estats()
+    y, vjp_fn = jax.vjp(f, x)
+    (y_,) = vjp_fn(jnp.ones_like(y))
+    assert_bits_equal(y_, y)
+    assert delta(estats(), before)["offloads"] >= 1

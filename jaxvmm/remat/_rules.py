@@ -159,6 +159,8 @@ def _retype(jaxpr):
                         env[o] = i
                 continue
         params = {k: _retype_param(p) for k, p in eqn.params.items()}
+        if params.get("memory_space") is _HOST:  # e.g. an instantiated zero residual (empty2) made on the host
+            params["memory_space"] = _DEVICE
         if any(params[k] is not eqn.params[k] for k in params):
             changed = True
         outs = [new(v) for v in eqn.outvars]
@@ -217,7 +219,9 @@ def _offload(residuals, tagged, spec, inputs):
     """Offloads the tagged residuals that can leave; returns (residuals with tokens in their place,
     per residual the (shape, dtype) of an offloaded one or None)."""
     out, infos = [], []
-    deps = [x for x in inputs if isinstance(getattr(x, "aval", None), _core.ShapedArray)]
+    # stop_gradient: the tie is an ordering, not a data path; it must not give the residual a derivative
+    deps = [jax.lax.stop_gradient(x) for x in inputs if isinstance(getattr(x, "aval", None), _core.ShapedArray)
+            and not jax.dtypes.issubdtype(x.aval.dtype, jax.dtypes.extended)]
     for r, tag in zip(residuals, tagged):
         if tag and _offloadable(r, spec):
             if deps:
@@ -319,13 +323,14 @@ def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
     out_used_known = [True] * (len(out_unknowns) - sum(out_unknowns)) + used_res
     jaxpr_known, in_used_known = _pe.dce_jaxpr(jaxpr_known, out_used_known)
     num_res = sum(used_res)
-    jaxpr_known_ = _adc._insert_reduce_precision(jaxpr_known, num_res)
-
-    # jaxvmm: the residuals the policy tagged are host-typed; run the known side without moving them
+    # jaxvmm: the residuals the policy tagged are host-typed; run the known side without moving them.
+    # Retyped before JAX's reduce_precision pass, so that the pass rounds the value itself (which the
+    # primal outputs use too), not a copy of it.
     tagged = [_is_host(v.aval) for v in jaxpr_known.outvars[len(jaxpr_known.outvars) - num_res:]]
     if any(tagged):
-        jaxpr_known_ = _retype(jaxpr_known_)
+        jaxpr_known = _retype(jaxpr_known)
         jaxpr_unknown = _retype(jaxpr_unknown)
+    jaxpr_known_ = _adc._insert_reduce_precision(jaxpr_known, num_res)
 
     in_consts_ = [t.pval.get_known() for t in tracers if t.pval.is_known()]
     _, in_consts = _partition_list(in_used_known, in_consts_)

@@ -194,8 +194,11 @@ def _describe(v, producers, invars) -> tuple:
     eqn = producers.get(v)
     if eqn is None:
         return v.aval, "from a constant"
-    src = source_info_util.summarize(eqn.source_info)
     name = eqn.primitive.name
+    if name == "reduce_precision":  # as JAX does: look through the rounding JAX inserts on residuals
+        aval, what = _describe(eqn.invars[0], producers, invars)
+        return v.aval, what
+    src = source_info_util.summarize(eqn.source_info)
     if _is_offload(eqn):
         x = eqn.invars[0]
         inner = producers.get(x)
