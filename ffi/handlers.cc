@@ -38,20 +38,30 @@ Status CheckToken(const ffi::AnyBuffer& token, const char* what) {
   return Status();
 }
 
+// Errors name the call site (Python maps the number to a source line).
+Status AtSite(Status st, int64_t site) {
+  if (!st.ok() && site > 0) st.Append(" [call site " + std::to_string(site) + "]");
+  return st;
+}
+
 Status Offload(Backend b, CUstream stream, int device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> token,
-               int64_t signature) {
+               int64_t signature, int64_t site) {
   Engine* e = nullptr;
   JAXVMM_RETURN_IF_ERROR(GetEngine(b, device, &e));
   JAXVMM_RETURN_IF_ERROR(CheckToken(*token, "offload"));
-  return e->Offload(stream, Ptr(x.untyped_data()), ArrayMeta{x.size_bytes(), signature}, Ptr(token->untyped_data()));
+  return AtSite(e->Offload(stream, Ptr(x.untyped_data()), ArrayMeta{x.size_bytes(), signature, site},
+                           Ptr(token->untyped_data())),
+                site);
 }
 
 Status Reload(Backend b, CUstream stream, int device, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> y,
-              int64_t signature) {
+              int64_t signature, int64_t site) {
   Engine* e = nullptr;
   JAXVMM_RETURN_IF_ERROR(GetEngine(b, device, &e));
   JAXVMM_RETURN_IF_ERROR(CheckToken(token, "reload"));
-  return e->Reload(stream, Ptr(token.untyped_data()), Ptr(y->untyped_data()), ArrayMeta{y->size_bytes(), signature});
+  return AtSite(e->Reload(stream, Ptr(token.untyped_data()), Ptr(y->untyped_data()),
+                          ArrayMeta{y->size_bytes(), signature, site}),
+                site);
 }
 
 Status Prefetch(Backend b, CUstream stream, int device, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> out) {
@@ -62,22 +72,22 @@ Status Prefetch(Backend b, CUstream stream, int device, ffi::AnyBuffer token, ff
 }
 
 // ---- CUDA: XLA's stream and the device ordinal come from the call's context ----
-ffi::Error OffloadCuda(CUstream s, int32_t dev, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> t, int64_t sig, int64_t) {
-  return ToFfi(Offload(Backend::kCuda, s, dev, x, t, sig));
+ffi::Error OffloadCuda(CUstream s, int32_t dev, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> t, int64_t sig, int64_t site) {
+  return ToFfi(Offload(Backend::kCuda, s, dev, x, t, sig, site));
 }
-ffi::Error ReloadCuda(CUstream s, int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> y, int64_t sig, int64_t) {
-  return ToFfi(Reload(Backend::kCuda, s, dev, t, y, sig));
+ffi::Error ReloadCuda(CUstream s, int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> y, int64_t sig, int64_t site) {
+  return ToFfi(Reload(Backend::kCuda, s, dev, t, y, sig, site));
 }
 ffi::Error PrefetchCuda(CUstream s, int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> o, int64_t) {
   return ToFfi(Prefetch(Backend::kCuda, s, dev, t, o));
 }
 
 // ---- cpu: no stream; the POSIX backend's copies complete in the call ----
-ffi::Error OffloadCpu(int32_t dev, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> t, int64_t sig, int64_t) {
-  return ToFfi(Offload(Backend::kPosix, nullptr, dev, x, t, sig));
+ffi::Error OffloadCpu(int32_t dev, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> t, int64_t sig, int64_t site) {
+  return ToFfi(Offload(Backend::kPosix, nullptr, dev, x, t, sig, site));
 }
-ffi::Error ReloadCpu(int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> y, int64_t sig, int64_t) {
-  return ToFfi(Reload(Backend::kPosix, nullptr, dev, t, y, sig));
+ffi::Error ReloadCpu(int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> y, int64_t sig, int64_t site) {
+  return ToFfi(Reload(Backend::kPosix, nullptr, dev, t, y, sig, site));
 }
 ffi::Error PrefetchCpu(int32_t dev, ffi::AnyBuffer t, ffi::Result<ffi::AnyBuffer> o, int64_t) {
   return ToFfi(Prefetch(Backend::kPosix, nullptr, dev, t, o));

@@ -280,6 +280,24 @@ class TestErrors:
                                                              r"was already called once.*Call jax\.vjp"):
             vjp_fn(jnp.ones_like(x))
 
+    def test_check_names_the_call_site_and_the_ticket_of_a_bad_reload_inside_jit(self):
+        """A ticket reloaded twice inside jit: jaxvmm.check() names the ticket and the Python line of
+        the reload that consumed it a second time."""
+        x = jnp.ones(1024, jnp.float32)
+        t = jaxvmm.offload(x)
+
+        @jax.jit
+        def again(tok):
+            return jaxvmm.reload(jaxvmm.Ticket(tok, (1024,), jnp.float32))  # the line check() names
+
+        line = again.__wrapped__.__code__.co_firstlineno + 2  # the decorator line, the def, then the reload
+        assert_bits_equal(again(t.token), x)
+        again(t.token).block_until_ready()
+        jaxvmm.synchronize()
+        with pytest.raises(jaxvmm.VmmError, match=rf"ticket \d+ was already reloaded.*\[call site \d+: reload at "
+                                                  rf".*test_dropin\.py:{line} \(again\)\]"):
+            jaxvmm.check()
+
     def test_fn_keyword_is_named(self):
         with pytest.raises(TypeError, match=r"jaxvmm\.checkpoint: unsupported keyword argument fn=.*named fun"):
             jaxvmm.checkpoint(fn=jnp.sin)
