@@ -198,11 +198,12 @@ def _offloadable(x, spec) -> bool:
 
 
 _STAGED_THEN_DIFFERENTIATED = (
-    "jaxvmm.checkpoint: a gradient computed inside a staged function (jax.jit, lax.scan/cond body, ...) "
-    "whose residuals jaxvmm offloaded is being differentiated again from outside that function: an "
-    "offloaded residual crosses as an integer ticket, which cannot carry a derivative. Differentiate "
-    "outside the inner jax.jit (e.g. jax.jit(jax.grad(jax.grad(f))) rather than jax.grad(jax.jit(jax.grad(f)))), "
-    "or use a policy that saves instead of offloading (jax.checkpoint_policies.save_only_these_names) there.")
+    "jaxvmm.checkpoint: a function whose first derivative was staged (jax.jit, or a lax.scan/cond that "
+    "JAX linearizes as a jaxpr) with residuals jaxvmm offloaded is being differentiated a second time from "
+    "outside: an offloaded residual crosses as an integer ticket, which cannot carry a derivative. Put "
+    "jax.jit outside the derivatives (jax.jit(jax.hessian(f)) rather than jax.hessian(jax.jit(f)); "
+    "jax.jit(jax.grad(jax.grad(f))) rather than jax.grad(jax.jit(jax.grad(f)))), or use a policy that saves "
+    "instead of offloading (jax.checkpoint_policies.save_only_these_names) for code differentiated twice.")
 
 
 @jax.custom_jvp
@@ -286,7 +287,12 @@ def _with_reloads(jaxpr, infos):
         res = [reload_p.bind(a, shape=info[0], dtype=info[1]) if info else a for a, info in zip(args[:n], infos)]
         return _core.eval_jaxpr(jaxpr, (), *res, *args[n:])
 
-    closed = jax.make_jaxpr(staged)(*avals)
+    try:
+        closed = jax.make_jaxpr(staged)(*avals)
+    except TypeError:  # a jax whose make_jaxpr takes no abstract values: shape/dtype structs
+        closed = jax.make_jaxpr(staged)(*[
+            a if isinstance(a, jax.ShapeDtypeStruct)
+            else jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals])
     new = closed.jaxpr
     if closed.consts or new.constvars:  # nothing in a reload is a constant: keep the assumption loud
         raise NotImplementedError("jaxvmm.checkpoint: internal: the backward remat body has constants")
@@ -336,9 +342,12 @@ def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
     _, in_consts = _partition_list(in_used_known, in_consts_)
     out_consts = _core.eval_jaxpr(jaxpr_known_, (), *in_consts)
     out_knowns, residuals = _split_list(out_consts, [len(out_consts) - num_res])
-    if any(tagged):
+    # A staged body with inputs other than arrays (refs) keeps its residuals on the device.
+    if any(tagged) and all(isinstance(v.aval, _core.ShapedArray) for v in jaxpr_unknown.invars):
         residuals, infos = _offload(residuals, tagged, policy.spec, in_consts)
         jaxpr_unknown = _with_reloads(jaxpr_unknown, infos)
+    else:
+        infos = None
 
     res_tracers = [trace.new_instantiated_const(r) for r in residuals]
     _, tracers_staged = _partition_list(in_used_staged, tracers)
@@ -350,7 +359,7 @@ def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
     new_params = dict(params, jaxpr=jaxpr_unknown, differentiated=True, prevent_cse=prevent_cse)
     recipe = _pe.new_eqn_recipe(trace, in_jaxpr_tracers, out_jaxpr_tracers, _adc.remat_p, new_params,
                                 _core.positional_effects(jaxpr_unknown), _source_info())
-    _log_residuals(tracers, in_used_staged, in_unknowns, jaxpr_unknown, jaxpr_known, num_res, infos if any(tagged) else None)
+    _log_residuals(tracers, in_used_staged, in_unknowns, jaxpr_unknown, jaxpr_known, num_res, infos)
     for t in out_jaxpr_tracers:
         t.recipe = recipe
     return _merge(out_unknowns, out_knowns, out_jaxpr_tracers)
