@@ -330,10 +330,13 @@ def run_child(args) -> dict:
         st = vmm.stats()
         res["mapped_peak_bytes"] = int(st["peak_mapped_bytes"])
         res["mapped_end_bytes"] = int(st["mapped_bytes"])
-        res["prefetch_hits"] = after["prefetch_hits"] - before["prefetch_hits"]
-        res["prefetch_misses"] = after["prefetch_misses"] - before["prefetch_misses"]
-        res["offloads_per_step"] = (after["offloads"] - before["offloads"]) / args.steps
-        res["reloads_per_step"] = (after["reloads"] - before["reloads"]) / args.steps
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        # Graph mode (calls captured into XLA's command buffers): rounds served by the poller.
+        res["prefetch_hits"] = d["prefetch_hits"] + d.get("graph_hits", 0)
+        res["prefetch_misses"] = d["prefetch_misses"] + d.get("graph_misses", 0)
+        res["offloads_per_step"] = d["offloads"] / args.steps
+        res["reloads_per_step"] = (d["reloads"] + d.get("graph_reload_rounds", 0)) / args.steps
+        res["graph_rounds_per_step"] = (d.get("graph_offload_rounds", 0) + d.get("graph_reload_rounds", 0)) / args.steps
         res["pinned_bytes"] = after["pinned_bytes"]
         res["pinned_peak_in_use_bytes"] = after["pinned_peak_in_use_bytes"]
         res["tickets_live"] = after["tickets_live"]
@@ -470,6 +473,8 @@ def evaluate(results: dict, model: str, target: str, variant: str) -> tuple[list
         hits = f"{r['prefetch_hits']}/{r['prefetch_misses']}"
         if r.get("handler_median_us"):
             hits += f", handler {r['handler_median_us']:.1f} us"
+        if r.get("graph_rounds_per_step"):
+            hits += f", {r['graph_rounds_per_step']:.0f} graph rounds/step"
     peak = human(r["device_bytes"]) if r.get("device_bytes") is not None else "n/a"
     if r.get("mapped_peak_bytes"):
         how = "incl." if r.get("device_bytes") is not None else "+"

@@ -44,6 +44,7 @@ namespace jaxvmm {
   X(MemGetInfo, 3020)                            \
   X(MemExportToShareableHandle, 10020)           \
   X(MemImportFromShareableHandle, 10020)         \
+  X(MemGetAllocationPropertiesFromHandle, 10020) \
   /* synchronous copies (Slot.read / Slot.write) */ \
   X(MemcpyHtoD, 3020)                            \
   X(MemcpyDtoH, 3020)                            \
@@ -67,7 +68,15 @@ namespace jaxvmm {
   X(MemcpyDtoDAsync, 3020)                       \
   X(MemsetD8Async, 3020)                         \
   X(MemHostAlloc, 2020)                          \
-  X(MemFreeHost, 2000)
+  X(MemFreeHost, 2000)                           \
+  /* graph mode: the engine asks whether XLA is capturing; tests capture and replay themselves */ \
+  X(StreamIsCapturing, 10000)                    \
+  X(StreamBeginCapture, 10010)                   \
+  X(StreamEndCapture, 10000)                     \
+  X(GraphInstantiateWithFlags, 11040)            \
+  X(GraphLaunch, 10000)                          \
+  X(GraphExecDestroy, 10000)                     \
+  X(GraphDestroy, 10000)
 
 #define JAXVMM_PFN(member, version) PFN_cu##member##_v##version
 
@@ -118,5 +127,9 @@ bool ResultFromName(const std::string& name, CUresult* out);
 
 // POSIX backend knobs (set from Python before the first slot on the cpu platform).
 void SetPosixDeviceCount(int n);
+// jax's ids of this process's cpu devices, in local order. XLA names a cpu device to an FFI handler by its
+// id, which is the local index only in a single process (with jax.distributed, process p's ids differ).
+void SetPosixDeviceIds(const int64_t* ids, int n);
+int PosixLocalOrdinal(int ffi_ordinal);  // the local index of that id; the ordinal itself if unknown
 
 }  // namespace jaxvmm

@@ -16,7 +16,8 @@
 //                    the last mapping is gone
 //
 // Streams are synchronous here: every "async" copy completes before the call returns, host functions
-// run inline, events are always complete. The bookkeeping below validates arguments the way the driver
+// run inline, events are always complete. A capturing stream records its operations instead; a
+// launched graph replays them in order (graph mode tests). The bookkeeping below validates arguments the way the driver
 // does (exact ranges, whole mappings, granularity) so the engine cannot pass CI by luck.
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -33,7 +34,9 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <functional>
 #include <unordered_map>
+#include <vector>
 
 #include "driver.h"
 
@@ -46,7 +49,35 @@ struct Physical {
   void* home;   // PROT_NONE shared mapping that owns the pages while the handle lives
   size_t size;
   int fd;       // -1 unless the handle is exportable (POSIX file descriptor requested or imported)
+  CUmemAllocationProp prop;  // as created, or as decoded from an imported memfd's name
 };
+
+// An exportable handle's memfd is named "jaxvmm-slot:<location type>:<location id>", so an importer can
+// answer cuMemGetAllocationPropertiesFromHandle as the driver does, and a descriptor that is not such a
+// memfd (a file, a pipe, someone else's memfd) is refused at import, as the driver refuses one that is
+// not an allocation's.
+constexpr const char kMemfdPrefix[] = "jaxvmm-slot:";
+
+std::string MemfdName(const CUmemLocation& loc) {
+  return std::string(kMemfdPrefix) + std::to_string(static_cast<int>(loc.type)) + ":" + std::to_string(loc.id);
+}
+
+// Decodes the location from /proc/self/fd/N -> "/memfd:jaxvmm-slot:T:I (deleted)"; false if not ours.
+bool LocationOfMemfd(int fd, CUmemLocation* loc) {
+  char link[64], target[256];
+  std::snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(link, target, sizeof(target) - 1);
+  if (n <= 0) return false;
+  target[n] = '\0';
+  const char* p = std::strstr(target, kMemfdPrefix);
+  if (std::strncmp(target, "/memfd:", 7) != 0 || p != target + 7) return false;
+  int type = -1, id = -1;
+  if (std::sscanf(p + sizeof(kMemfdPrefix) - 1, "%d:%d", &type, &id) != 2) return false;
+  if (type != CU_MEM_LOCATION_TYPE_DEVICE && type != CU_MEM_LOCATION_TYPE_HOST_NUMA) return false;
+  loc->type = static_cast<CUmemLocationType>(type);
+  loc->id = id;
+  return true;
+}
 
 // An fd the process could not open is not "out of memory": EMFILE/ENFILE are reported as an operating
 // system failure so nobody raises a limit that is not the problem.
@@ -266,10 +297,11 @@ CUresult PosixMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const
   if (!ValidLocation(prop->location)) return CUDA_ERROR_INVALID_DEVICE;
   size_t available = 0, total = 0;
   if (ReadMeminfo(&available, &total) && size > available) return CUDA_ERROR_OUT_OF_MEMORY;
-  Physical ph{nullptr, size, -1};
+  if (prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+  Physical ph{nullptr, size, -1, *prop};
   if (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
     // Exportable: the memfd is the shareable handle and lives as long as the handle.
-    ph.fd = memfd_create("jaxvmm-slot", MFD_CLOEXEC);
+    ph.fd = memfd_create(MemfdName(prop->location).c_str(), MFD_CLOEXEC);
     if (ph.fd < 0) return FdError(errno);
     if (ftruncate(ph.fd, static_cast<off_t>(size)) != 0) {
       close(ph.fd);
@@ -382,9 +414,13 @@ CUresult PosixMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle,
   struct stat st;
   if (fstat(src, &st) != 0) return CUDA_ERROR_INVALID_HANDLE;
   if (st.st_size <= 0 || static_cast<size_t>(st.st_size) % PageSize() != 0) return CUDA_ERROR_INVALID_VALUE;
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  if (!LocationOfMemfd(src, &prop.location)) return CUDA_ERROR_INVALID_VALUE;  // not an allocation's memfd
   int fd = fcntl(src, F_DUPFD_CLOEXEC, 0);  // kept: an imported handle can be exported again
   if (fd < 0) return FdError(errno);
-  Physical ph{nullptr, static_cast<size_t>(st.st_size), fd};
+  Physical ph{nullptr, static_cast<size_t>(st.st_size), fd, prop};
   CUresult r = MapHome(fd, ph.size, /*populate=*/false, &ph.home);
   if (r != CUDA_SUCCESS) {
     close(fd);
@@ -398,6 +434,40 @@ CUresult PosixMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle,
   return CUDA_SUCCESS;
 }
 
+CUresult PosixMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CUmemGenericAllocationHandle handle) {
+  if (!prop) return CUDA_ERROR_INVALID_VALUE;
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto h = s.handles.find(handle);
+  if (h == s.handles.end()) return CUDA_ERROR_INVALID_HANDLE;
+  *prop = h->second.prop;
+  return CUDA_SUCCESS;
+}
+
+// ---- streams, graphs: synchronous, except while a stream is capturing ----
+// A stream that captures records its operations instead of running them; an instantiated graph runs
+// the recorded operations in order, inline, on each launch. So a test can record the device work of a
+// handler once and replay it N times without calling the handler again, as XLA's command buffers do.
+struct PosixStream {
+  bool capturing = false;
+  std::vector<std::function<CUresult()>> recorded;
+};
+struct PosixGraph {
+  std::vector<std::function<CUresult()>> ops;
+};
+struct PosixEvent {};
+
+// Runs `op` now, or records it when `s` is capturing.
+template <typename Op>
+CUresult Enqueue(CUstream s, Op op) {
+  auto* ps = reinterpret_cast<PosixStream*>(s);
+  if (ps && ps->capturing) {
+    ps->recorded.emplace_back(std::move(op));
+    return CUDA_SUCCESS;
+  }
+  return op();
+}
+
 // ---- copies (synchronous on this backend) ----
 CUresult PosixMemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
   std::memcpy(reinterpret_cast<void*>(dst), src, n);
@@ -407,33 +477,35 @@ CUresult PosixMemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
   std::memcpy(dst, reinterpret_cast<const void*>(src), n);
   return CUDA_SUCCESS;
 }
-CUresult PosixMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
-  std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
-  return CUDA_SUCCESS;
+CUresult PosixMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+  return Enqueue(s, [=] {
+    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+    return CUDA_SUCCESS;
+  });
 }
-CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream) {
-  return PosixMemcpyHtoD(dst, src, n);
+CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
+  return PosixMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, s);
 }
-CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream) { return PosixMemcpyDtoH(dst, src, n); }
+CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+  return PosixMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
+}
 CUresult PosixMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
   return PosixMemcpyAsync(dst, src, n, s);
 }
-CUresult PosixMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream) {
-  std::memset(reinterpret_cast<void*>(dst), v, n);
-  return CUDA_SUCCESS;
+CUresult PosixMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
+  return Enqueue(s, [=] {
+    std::memset(reinterpret_cast<void*>(dst), v, n);
+    return CUDA_SUCCESS;
+  });
 }
 
-// ---- streams, events, host functions: everything has completed by the time a call returns ----
-struct PosixObject {
-  int kind;
-};
 CUresult PosixStreamCreateWithPriority(CUstream* s, unsigned int, int) {
   if (!s) return CUDA_ERROR_INVALID_VALUE;
-  *s = reinterpret_cast<CUstream>(new PosixObject{1});
+  *s = reinterpret_cast<CUstream>(new PosixStream());
   return CUDA_SUCCESS;
 }
 CUresult PosixStreamDestroy(CUstream s) {
-  delete reinterpret_cast<PosixObject*>(s);
+  delete reinterpret_cast<PosixStream*>(s);
   return CUDA_SUCCESS;
 }
 CUresult PosixStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
@@ -442,7 +514,7 @@ CUresult PosixStreamWaitEvent(CUstream, CUevent, unsigned int) { return CUDA_SUC
 // A stream that waits on a value blocks the calling thread until another thread (a worker) writes it,
 // which is what the GPU's stream would do. A wait that is never satisfied is reported after a long
 // timeout instead of hanging the process.
-CUresult PosixStreamWaitValue64(CUstream, CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
+CUresult WaitValue(CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
   auto* word = reinterpret_cast<std::atomic<uint64_t>*>(addr);
   auto satisfied = [&](uint64_t cur, bool* bad) {
     switch (flags & 0xf) {
@@ -462,25 +534,77 @@ CUresult PosixStreamWaitValue64(CUstream, CUdeviceptr addr, cuuint64_t value, un
     std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 5 : 200));
   }
 }
-CUresult PosixStreamWriteValue64(CUstream, CUdeviceptr addr, cuuint64_t value, unsigned int) {
-  reinterpret_cast<std::atomic<uint64_t>*>(addr)->store(value, std::memory_order_release);
-  return CUDA_SUCCESS;
+CUresult PosixStreamWaitValue64(CUstream s, CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
+  return Enqueue(s, [=] { return WaitValue(addr, value, flags); });
+}
+CUresult PosixStreamWriteValue64(CUstream s, CUdeviceptr addr, cuuint64_t value, unsigned int) {
+  return Enqueue(s, [=] {
+    reinterpret_cast<std::atomic<uint64_t>*>(addr)->store(value, std::memory_order_release);
+    return CUDA_SUCCESS;
+  });
 }
 CUresult PosixEventCreate(CUevent* e, unsigned int) {
   if (!e) return CUDA_ERROR_INVALID_VALUE;
-  *e = reinterpret_cast<CUevent>(new PosixObject{2});
+  *e = reinterpret_cast<CUevent>(new PosixEvent());
   return CUDA_SUCCESS;
 }
 CUresult PosixEventRecord(CUevent, CUstream) { return CUDA_SUCCESS; }
 CUresult PosixEventQuery(CUevent) { return CUDA_SUCCESS; }
 CUresult PosixEventSynchronize(CUevent) { return CUDA_SUCCESS; }
 CUresult PosixEventDestroy(CUevent e) {
-  delete reinterpret_cast<PosixObject*>(e);
+  delete reinterpret_cast<PosixEvent*>(e);
   return CUDA_SUCCESS;
 }
-CUresult PosixLaunchHostFunc(CUstream, CUhostFn fn, void* data) {
+CUresult PosixLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
   if (!fn) return CUDA_ERROR_INVALID_VALUE;
-  fn(data);
+  return Enqueue(s, [=] {
+    fn(data);
+    return CUDA_SUCCESS;
+  });
+}
+CUresult PosixStreamIsCapturing(CUstream s, CUstreamCaptureStatus* status) {
+  if (!status) return CUDA_ERROR_INVALID_VALUE;
+  auto* ps = reinterpret_cast<PosixStream*>(s);
+  *status = ps && ps->capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+  return CUDA_SUCCESS;
+}
+CUresult PosixStreamBeginCapture(CUstream s, CUstreamCaptureMode) {
+  auto* ps = reinterpret_cast<PosixStream*>(s);
+  if (!ps) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;  // the legacy stream cannot capture
+  if (ps->capturing) return CUDA_ERROR_ILLEGAL_STATE;
+  ps->capturing = true;
+  ps->recorded.clear();
+  return CUDA_SUCCESS;
+}
+CUresult PosixStreamEndCapture(CUstream s, CUgraph* graph) {
+  auto* ps = reinterpret_cast<PosixStream*>(s);
+  if (!ps || !graph) return CUDA_ERROR_INVALID_VALUE;
+  if (!ps->capturing) return CUDA_ERROR_ILLEGAL_STATE;
+  ps->capturing = false;
+  *graph = reinterpret_cast<CUgraph>(new PosixGraph{std::move(ps->recorded)});
+  ps->recorded.clear();
+  return CUDA_SUCCESS;
+}
+CUresult PosixGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsigned long long) {
+  if (!exec || !graph) return CUDA_ERROR_INVALID_VALUE;
+  *exec = reinterpret_cast<CUgraphExec>(new PosixGraph(*reinterpret_cast<PosixGraph*>(graph)));
+  return CUDA_SUCCESS;
+}
+CUresult PosixGraphLaunch(CUgraphExec exec, CUstream s) {
+  if (!exec) return CUDA_ERROR_INVALID_VALUE;
+  const auto* g = reinterpret_cast<const PosixGraph*>(exec);
+  return Enqueue(s, [g] {
+    for (const auto& op : g->ops)
+      if (CUresult r = op(); r != CUDA_SUCCESS) return r;
+    return CUDA_SUCCESS;
+  });
+}
+CUresult PosixGraphExecDestroy(CUgraphExec exec) {
+  delete reinterpret_cast<PosixGraph*>(exec);
+  return CUDA_SUCCESS;
+}
+CUresult PosixGraphDestroy(CUgraph graph) {
+  delete reinterpret_cast<PosixGraph*>(graph);
   return CUDA_SUCCESS;
 }
 CUresult PosixMemHostAlloc(void** pp, size_t n, unsigned int) {
@@ -519,5 +643,25 @@ const DriverTable& RawPosixDriver() {
 }
 
 void SetPosixDeviceCount(int n) { g_device_count.store(n > 0 ? n : 1); }
+
+namespace {
+constexpr int kMaxPosixIds = 256;
+std::atomic<int> g_id_count{0};
+std::atomic<int64_t> g_ids[kMaxPosixIds];
+}  // namespace
+
+void SetPosixDeviceIds(const int64_t* ids, int n) {
+  n = n < kMaxPosixIds ? n : kMaxPosixIds;
+  g_id_count.store(0);
+  for (int i = 0; i < n; ++i) g_ids[i].store(ids[i]);
+  g_id_count.store(n);
+}
+
+int PosixLocalOrdinal(int ffi_ordinal) {
+  int n = g_id_count.load();
+  for (int i = 0; i < n; ++i)
+    if (g_ids[i].load() == ffi_ordinal) return i;
+  return ffi_ordinal;
+}
 
 }  // namespace jaxvmm

@@ -72,7 +72,7 @@ struct Engine::Op {
 // ---------------------------------------------------------------- lifetime
 
 Engine::Engine(Backend b, int device)
-    : backend_(b), device_(device), host_pool_(b, device), staging_(b, device), tickets_(EngineKey()) {}
+    : backend_(b), device_(device), host_pool_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device) {}
 
 Status Engine::For(Backend b, int device, Engine** out) {
   std::lock_guard<std::mutex> lock(g_engines_mu);
@@ -120,7 +120,7 @@ Status Engine::Init() {
   const char* stage = "engine init";
   // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ only
   // carries event waits and host functions, so bookkeeping never queues behind a large copy.
-  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_})
+  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &evac_})
     JAXVMM_RETURN_IF_ERROR(
         Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
   void* words = nullptr;
@@ -148,9 +148,10 @@ Status Engine::Init() {
 Engine::~Engine() {
   ScopedContext ctx(backend_, device_);
   const DriverTable& d = Driver(backend_);
+  StopGraph();  // the poller first: it enqueues copies and owns the channels' cells
   // Streams first: a host function that fires later would post to a destroyed worker. Then the
   // workers drain (their tasks may still touch the state below) and stop.
-  for (CUstream s : {h2d_, fix_, d2h_, ctl_})
+  for (CUstream s : {h2d_, fix_, d2h_, ctl_, evac_})
     if (s) d.StreamSynchronize(s);
   if (resolver_) resolver_->Drain();
   if (releaser_) releaser_->Drain();
@@ -165,7 +166,7 @@ Engine::~Engine() {
     for (CUevent e : {op.tok, op.done, op.filled})
       if (e) d.EventDestroy(e);
   for (CUevent e : event_pool_) d.EventDestroy(e);
-  for (CUstream s : {d2h_, h2d_, fix_, ctl_})
+  for (CUstream s : {d2h_, h2d_, fix_, ctl_, evac_})
     if (s) d.StreamDestroy(s);
   if (words_) d.MemFreeHost(words_);
   // staging_ (a member) returns its cells' pages when it is destroyed, after this body.
@@ -339,11 +340,14 @@ void Engine::KeepResident(const std::shared_ptr<Ticket>& t, StagingLease* lease,
   }
 }
 
-Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
+Status Engine::Offload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
   const auto start = std::chrono::steady_clock::now();
   if (meta.nbytes == 0) return Status(Code::kInvalidArgument, "offload of a zero-size array");
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
+  bool capturing = false;
+  JAXVMM_RETURN_IF_ERROR(Capturing(stream, &capturing));
+  if (capturing) return CapturedOffload(stream, site, src, meta, token_out);
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));
   HostBlock host;
@@ -405,11 +409,14 @@ Status Engine::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
   return st;
 }
 
-Status Engine::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
+Status Engine::Reload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
   const auto start = std::chrono::steady_clock::now();
   if (meta.nbytes == 0) return Status(Code::kInvalidArgument, "reload of a zero-size array");
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
+  bool capturing = false;
+  JAXVMM_RETURN_IF_ERROR(Capturing(stream, &capturing));
+  if (capturing) return CapturedReload(stream, site, token_in, dst, meta);
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));
   StagingLease lease;
@@ -477,6 +484,14 @@ Status Engine::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
   const auto start = std::chrono::steady_clock::now();
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
+  bool capturing = false;
+  JAXVMM_RETURN_IF_ERROR(Capturing(stream, &capturing));
+  if (capturing) {
+    // A hint cannot be decided at replay: the recorded work only passes the token on. The reload's
+    // channel prefetches its own prediction instead.
+    return Call(-1, "prefetch (capture)", Entry::kMemcpyAsync,
+                [&] { return Driver(backend_).MemcpyAsync(token_out, token_in, sizeof(uint64_t), stream); });
+  }
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));
   Op* op = nullptr;
@@ -778,6 +793,17 @@ void Engine::Unreserve(uint64_t token) {
 
 Status Engine::Synchronize() {
   {
+    // Graph-mode rounds in progress first (the poller serves them; a replay still running ends them).
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    std::unique_lock<std::mutex> lock(graph_mu_);
+    while (!GraphIdle()) {
+      if (std::chrono::steady_clock::now() > deadline) return Status(Code::kInternal, "graph-mode rounds did not finish within 120 s");
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      lock.lock();
+    }
+  }
+  {
     std::unique_lock<std::mutex> lock(mu_);
     bool ok = cv_.wait_for(lock, std::chrono::seconds(120), [&] {
       for (auto& op : ops_)
@@ -791,7 +817,11 @@ Status Engine::Synchronize() {
   return Status();
 }
 
-size_t Engine::Trim() { return staging_.Trim(); }
+size_t Engine::Trim() {
+  size_t n = staging_.Trim();
+  std::lock_guard<std::mutex> lock(graph_mu_);
+  return n + ReleaseIdleCells(/*now=*/true);
+}
 
 std::vector<std::pair<uint64_t, uint64_t>> Engine::UnclaimedTickets() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -808,8 +838,10 @@ void Engine::SetNextTicketNumber(uint32_t n) {
 }
 
 EngineStats Engine::Stats() {
+  std::lock_guard<std::mutex> glock(graph_mu_);
   std::lock_guard<std::mutex> lock(mu_);
   EngineStats s = stats_;
+  s.graph = graph_stats_;
   s.tickets_live = static_cast<int64_t>(tickets_.live());
   s.ticket_host_bytes = tickets_.host_bytes();
   s.ops_in_flight = static_cast<int64_t>(next_seq_ - 1 - completed_seq_);

@@ -7,7 +7,9 @@
 //   StagingArea  mapped staging cells, budget, device-ordered reuse, idle trim (own lock)
 //   TicketTable  tickets, tokens, lifetimes, prediction (guarded by Engine::mu_)
 //   AsyncErrors  errors found by workers, reported once (guarded by Engine::mu_)
-//   Engine       the op ring, the streams, the workers and the protocol that ties the parts together
+//   ChannelTable graph-mode channels of captured call sites (guarded by Engine::graph_mu_)
+//   Engine       the op ring, the streams, the workers and the protocol that ties the parts together;
+//                graph mode (engine_graph.cc): the captured device work and the poller that serves it
 #pragma once
 
 #include <chrono>
@@ -18,9 +20,11 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <string>
 #include <vector>
 
+#include "channels.h"
 #include "host_pool.h"
 #include "staging.h"
 #include "status.h"
@@ -28,6 +32,17 @@
 #include "worker.h"
 
 namespace jaxvmm {
+
+// Graph mode: call sites captured into command buffers and the rounds their replays made.
+struct GraphStats {
+  int64_t channels = 0;       // (call site, kind) pairs prepared by the initialize stage
+  int64_t prepares = 0;       // initialize-stage calls (once per execution per call site)
+  int64_t captures = 0;       // execute calls that ran under stream capture (recordings)
+  int64_t offload_rounds = 0, reload_rounds = 0;  // device rounds served (replays included)
+  int64_t hits = 0, misses = 0;                   // reload rounds whose cell already held the ticket
+  int64_t mapped_bytes = 0;                       // channel cells with pages now
+  int64_t pages_mapped = 0, pages_returned = 0;
+};
 
 struct EngineStats {
   int64_t offloads = 0, reloads = 0, prefetches = 0;
@@ -43,6 +58,7 @@ struct EngineStats {
   int64_t handler_calls = 0, handler_median_ns = 0, handler_p99_ns = 0;
   HostPoolStats host;
   StagingStats staging;
+  GraphStats graph;
 };
 
 struct EngineConfig {
@@ -74,10 +90,16 @@ class Engine {
   static std::vector<Engine*> All();
 
   // Host-time halves of the three handlers. `stream` is XLA's stream (nullptr on the cpu platform);
-  // buffers are XLA's device (or, on cpu, host) pointers.
-  Status Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out);
-  Status Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta);
+  // buffers are XLA's device (or, on cpu, host) pointers; `site` names the call site. When `stream` is
+  // capturing (XLA records a command buffer), the call site's channel work is enqueued instead: fixed
+  // device work that the poller serves on every replay (engine_graph.cc).
+  Status Offload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out);
+  Status Reload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta);
   Status Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out);
+  // The initialize stage of an offload/reload call site: once per execution, on the host, outside any
+  // capture. Creates the site's channel (pinned words, a reserved cell) and wakes the poller; reports
+  // an asynchronous error of an earlier program on `stream`.
+  Status Prepare(CUstream stream, int64_t site, ChannelKind kind, const ArrayMeta& meta);
 
   // The first asynchronous error not yet reported (check()).
   Status TakeError();
@@ -148,6 +170,31 @@ class Engine {
   // Enqueues on `s`: wait until `src` holds the bytes, then copy them to `dst` (D2D or H2D).
   Status CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t nbytes, const char* stage);
 
+  // Graph mode (engine_graph.cc). Captured*: the fixed device work of a round, enqueued under capture.
+  Status Capturing(CUstream stream, bool* capturing);
+  Status CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out);
+  Status CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta);
+  Status MappedForCapture(Channel& c);  // caller holds graph_mu_
+  void WakePoller();             // caller holds graph_mu_
+  void Poll();                   // the poller thread
+  bool ServiceOffload(Channel& c);  // caller holds graph_mu_ (as do the helpers below)
+  bool ServiceReload(Channel& c);
+  void StageNext(Channel& c);       // reload: copies the predicted next ticket into a staging cell
+  // offload: copies the filled cell into a staging cell on evac_ (the cell is free again in
+  // microseconds) and D2Hs from there; false: no staging cell, the caller D2Hs from the cell
+  bool Evacuate(Channel& c, Ticket& t);
+  void FillInvalid(Channel& c);     // 0xFF into the cell, ordered after every copy into it
+  void Enqueued(Channel& c, const std::shared_ptr<Ticket>& t, const Status& st);  // D2H enqueued (or not)
+  bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
+  bool MapCell(Channel& c);         // pages for the cell within the staging budget; false: not now
+  void UnmapCell(Channel& c);
+  size_t ReleaseIdleCells(bool now);  // cells of idle channels (after IdleMillis unless `now`)
+  void Grant(std::atomic<uint64_t>* word, Channel& c);  // writes 1, ordered after the cell's last copy
+  void Unstage(Channel& c);         // drops a reload channel's staged prediction; caller holds mu_ too
+  void ReportOn(CUstream stream, const Status& st);
+  bool GraphIdle();                 // no round in progress, no D2H outstanding
+  void StopGraph();                 // stops the poller, returns every channel's cell
+
   static void CUDA_CB OnResolve(void* op);
   static void CUDA_CB OnComplete(void* op);
   static void CUDA_CB OnOffloaded(void* op);
@@ -158,7 +205,8 @@ class Engine {
   StagingArea staging_;
   // d2h_: offload copies out; h2d_: reload prefetches (in handler order); fix_: the resolver's
   // corrections and prefetch-hint copies; ctl_: event waits and host functions only.
-  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr;
+  // evac_: graph-mode offloads' device copies out of their channel cells (ahead of the D2H).
+  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr, evac_ = nullptr;
   Words* words_ = nullptr;  // pinned, kRing entries
   std::vector<Op> ops_;
 
@@ -177,6 +225,18 @@ class Engine {
   AsyncErrors errors_;
   bool shutting_down_ = false;
   EngineStats stats_;
+
+  // Graph mode. Lock order: enqueue_mu_ -> graph_mu_ -> mu_. The poller holds graph_mu_ while it serves
+  // a pass (dropping it between passes); handlers on the ring path never take it.
+  std::mutex graph_mu_;
+  ChannelTable channels_;
+  std::vector<std::shared_ptr<Ticket>> graph_d2h_;  // graph-mode offloads whose D2H may still run
+  GraphStats graph_stats_;
+  std::condition_variable poll_cv_;
+  std::chrono::steady_clock::time_point awake_until_;
+  bool any_captured_ = false;
+  bool poll_stop_ = false;
+  std::thread poller_;  // started by the first capture
 
   // Workers last: destroyed first, after ~Engine has synchronized every stream.
   std::unique_ptr<Worker> resolver_, releaser_;

@@ -8,8 +8,12 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <string>
+#include <thread>
+#include <unistd.h>
 
 #include "bench.h"
 #include "driver.h"
@@ -17,6 +21,9 @@
 #include "fault.h"
 #include "handlers.h"
 #include "registry.h"
+#include "replay.h"
+#include "share.h"
+#include "slot.h"
 #include "status.h"
 #include "vmm.h"
 
@@ -88,6 +95,9 @@ nb::dict InfoDict(const SlotInfo& i) {
   d["mapped"] = i.mapped;
   d["mapped_bytes"] = i.mapped_bytes;
   d["last_error"] = i.last_error;
+  d["imported"] = i.imported;
+  d["shareable"] = i.handle_types == CU_MEM_HANDLE_TYPE_NONE ? "" : ShareableName(static_cast<CUmemAllocationHandleType>(i.handle_types));
+  d["views"] = i.views;
   return d;
 }
 
@@ -142,6 +152,71 @@ nb::dict StatsDict() {
   return d;
 }
 
+CUmemAllocationHandleType ParseShareable(const std::string& kind) {
+  if (kind.empty() || kind == "none") return CU_MEM_HANDLE_TYPE_NONE;
+  if (kind == "posix_fd") return CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  if (kind == "fabric") return CU_MEM_HANDLE_TYPE_FABRIC;
+  Check(Status(Code::kInvalidArgument, "unknown shareable handle type '" + kind + "' (expected 'posix_fd' or 'fabric')"));
+  return CU_MEM_HANDLE_TYPE_NONE;
+}
+
+// ---- DLPack (the v0.x ABI every consumer accepts: an unversioned DLManagedTensor in a "dltensor" capsule) ----
+struct DLDevice {
+  int32_t device_type;  // kDLCPU = 1, kDLCUDA = 2
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
+};
+
+// Owns what the tensor points at and keeps the slot (and its view count) alive until the consumer
+// deletes the tensor. The deleter may run on any thread, without the GIL: it touches no Python object.
+struct ViewContext {
+  std::shared_ptr<Slot> slot;
+  std::vector<int64_t> shape, strides;
+  DLManagedTensor tensor;
+};
+
+void DeleteView(DLManagedTensor* t) {
+  auto* ctx = static_cast<ViewContext*>(t->manager_ctx);
+  std::shared_ptr<Slot> slot = std::move(ctx->slot);
+  delete ctx;
+  slot->DropView();
+  // The slot's Python object died while this view lived: the last view closes it (NotFound: someone
+  // else already did; a failure is quarantined and reported by the registry). Not on this thread: jax
+  // may run the deleter inside a CUDA host callback, where driver calls are forbidden.
+  if (slot->close_when_unviewed() && slot->views() == 0) {
+    int64_t id = slot->id();
+    std::thread([id] { (void)Registry::Get().Close(id); }).detach();
+  }
+}
+
+// A capsule nobody consumed still owns its tensor; a consumed one was renamed "used_dltensor".
+void DestroyViewCapsule(PyObject* capsule) {
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    if (t != nullptr) t->deleter(t);
+  } else {
+    PyErr_Clear();
+  }
+}
+
 using ConstBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
@@ -180,6 +255,9 @@ NB_MODULE(_jaxvmm, m) {
   });
 
   m.def("set_posix_device_count", [](int n) { SetPosixDeviceCount(n); });
+  m.def("set_posix_device_ids", [](std::vector<int64_t> ids) {
+    SetPosixDeviceIds(ids.data(), static_cast<int>(ids.size()));
+  });
 
   m.def("granularity", [](const std::string& backend, int device, const std::string& loc, int loc_id) {
     size_t g = 0;
@@ -195,13 +273,14 @@ NB_MODULE(_jaxvmm, m) {
   });
 
   m.def("slot_create", [](const std::string& backend, int device, const std::string& loc, int loc_id,
-                          std::vector<int> access, uint64_t nbytes) {
+                          std::vector<int> access, uint64_t nbytes, const std::string& shareable) {
     SlotSpec spec;
     spec.backend = ParseBackend(backend);
     spec.device = device;
     spec.location = ParseLocation(loc, loc_id);
     spec.access = std::move(access);
     spec.nbytes = nbytes;
+    spec.handle_types = ParseShareable(shareable);
     int64_t id = -1;
     Status st;
     {
@@ -210,6 +289,153 @@ NB_MODULE(_jaxvmm, m) {
     }
     Check(st);
     return id;
+  }, nb::arg("backend"), nb::arg("device"), nb::arg("loc"), nb::arg("loc_id"), nb::arg("access"), nb::arg("nbytes"),
+     nb::arg("shareable") = "");
+
+  // ---- sharing (jaxvmm/share.py) ----
+  m.def("shareable_check", [](const std::string& backend, int device, const std::string& loc, int loc_id,
+                              const std::string& kind) {
+    Backend b = ParseBackend(backend);
+    Location l = ParseLocation(loc, loc_id);
+    CUmemAllocationHandleType t = ParseShareable(kind);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = CheckShareable(b, device, l, t);
+    }
+    Check(st.ok() ? st : Status(st).At(-1, "create"));
+  });
+
+  // Returns (fd, fabric bytes, channel fd, generation, size); the descriptors are new and the caller's.
+  m.def("slot_export", [](int64_t id, const std::string& kind) {
+    std::shared_ptr<Slot> s;
+    Check(Registry::Get().Lookup(id, &s));
+    CUmemAllocationHandleType t = ParseShareable(kind);
+    if (t == CU_MEM_HANDLE_TYPE_NONE) Check(Status(Code::kInvalidArgument, "export needs a handle type").At(id, "export"));
+    ExportedHandle h;
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = s->Export(t, &h);
+    }
+    Check(st);
+    nb::bytes fabric(reinterpret_cast<const char*>(h.fabric.data),
+                     t == CU_MEM_HANDLE_TYPE_FABRIC ? sizeof(h.fabric.data) : 0);
+    return nb::make_tuple(h.fd, fabric, h.channel_fd, h.generation, h.size);
+  });
+
+  // Maps the pages a handle names as a new slot of this process. `fd` is borrowed (never closed here).
+  m.def("slot_import", [](const std::string& backend, int device, std::vector<int> access, const std::string& kind,
+                          int fd, nb::bytes fabric, uint64_t size, uint64_t granularity, uint64_t generation) {
+    SlotSpec spec;
+    spec.backend = ParseBackend(backend);
+    spec.device = device;
+    spec.location = Location{CU_MEM_LOCATION_TYPE_DEVICE, device};  // the importer's device (granularity, access)
+    spec.access = std::move(access);
+    spec.nbytes = size;
+    ImportSource src;
+    src.type = ParseShareable(kind);
+    src.fd = fd;
+    src.alignment = granularity;
+    src.generation = generation;
+    if (src.type == CU_MEM_HANDLE_TYPE_FABRIC) {
+      if (fabric.size() != sizeof(src.fabric.data))
+        Check(Status(Code::kInvalidArgument, "a fabric handle is " + std::to_string(sizeof(src.fabric.data)) +
+                                                 " bytes, got " + std::to_string(fabric.size())).At(-1, "import"));
+      std::memcpy(src.fabric.data, fabric.c_str(), sizeof(src.fabric.data));
+    } else if (src.type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+      Check(Status(Code::kInvalidArgument, "import needs a handle type").At(-1, "import"));
+    }
+    int64_t id = -1;
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = Registry::Get().Import(spec, src, &id);
+    }
+    Check(st);
+    return id;
+  });
+
+  // A DLPack capsule aliasing [offset, offset + nbytes) of the slot; counts as a view until deleted.
+  m.def("slot_dlpack", [](int64_t id, uint64_t offset, std::vector<int64_t> shape, int code, int bits,
+                          int device_type, int device_id) {
+    std::shared_ptr<Slot> s;
+    Check(Registry::Get().Lookup(id, &s));
+    uint64_t n = static_cast<uint64_t>(bits) / 8;
+    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+    Check(s->AddView(offset, n));
+    auto* ctx = new ViewContext{s, shape, std::vector<int64_t>(shape.size(), 1), {}};
+    for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) ctx->strides[i] = ctx->strides[i + 1] * shape[i + 1];
+    DLTensor& t = ctx->tensor.dl_tensor;
+    t.data = reinterpret_cast<void*>(static_cast<uintptr_t>(s->address() + offset));
+    t.device = DLDevice{device_type, device_id};
+    t.ndim = static_cast<int32_t>(shape.size());
+    t.dtype = DLDataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+    t.shape = ctx->shape.data();
+    t.strides = ctx->strides.data();
+    t.byte_offset = 0;
+    ctx->tensor.manager_ctx = ctx;
+    ctx->tensor.deleter = &DeleteView;
+    PyObject* cap = PyCapsule_New(&ctx->tensor, "dltensor", &DestroyViewCapsule);
+    if (cap == nullptr) {
+      DeleteView(&ctx->tensor);
+      throw nb::python_error();
+    }
+    return nb::steal(cap);
+  });
+
+  m.def("slot_close_when_unviewed", [](int64_t id) {
+    std::shared_ptr<Slot> s;
+    if (!Registry::Get().Lookup(id, &s).ok()) return;
+    s->RequestCloseWhenUnviewed();
+    if (s->views() == 0) {  // the last view died in between
+      nb::gil_scoped_release nogil;
+      (void)Registry::Get().Close(id);
+    }
+  });
+
+  m.def("share_stats", [] {
+    ShareStats s = ReadShareStats();
+    nb::dict d;
+    d["exports"] = s.exports;
+    d["imports"] = s.imports;
+    d["imported_slots"] = s.imported_slots;
+    d["views"] = s.views;
+    d["channel_fds"] = s.channel_fds;
+    return d;
+  });
+
+  // Seconds per copy of `nbytes` from slot `src_id` to slot `dst_id` (offset 0) on a stream of `device`,
+  // one entry per iteration (bench/share_bw.py). Both slots must be mapped and accessible from `device`.
+  m.def("bench_slot_copy", [](const std::string& backend, int device, int64_t dst_id, int64_t src_id, uint64_t nbytes,
+                              int iters) {
+    std::shared_ptr<Slot> dst, src;
+    Check(Registry::Get().Lookup(dst_id, &dst));
+    Check(Registry::Get().Lookup(src_id, &src));
+    if (nbytes > dst->spec().nbytes || nbytes > src->spec().nbytes)
+      Check(Status(Code::kInvalidArgument, "nbytes exceeds a slot"));
+    Backend b = ParseBackend(backend);
+    std::vector<double> out;
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      ScopedContext ctx(b, device);
+      st = ctx.status();
+      const DriverTable& d = Driver(b);
+      CUstream stream = nullptr;
+      if (st.ok()) st = Call(-1, "bench", Entry::kStreamCreateWithPriority,
+                             [&] { return d.StreamCreateWithPriority(&stream, CU_STREAM_NON_BLOCKING, 0); });
+      for (int i = 0; st.ok() && i < iters; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        st = Call(-1, "bench", Entry::kMemcpyDtoDAsync,
+                  [&] { return d.MemcpyDtoDAsync(dst->address(), src->address(), nbytes, stream); });
+        if (st.ok()) st = Call(-1, "bench", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(stream); });
+        out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      if (stream != nullptr) d.StreamDestroy(stream);
+    }
+    Check(st);
+    return out;
   });
 
   m.def("slot_info", [](int64_t id) {
@@ -280,7 +506,9 @@ NB_MODULE(_jaxvmm, m) {
   // ---- offload engine ----
   m.def("handlers", [] {
     nb::list out;
-    for (const auto& h : Handlers()) out.append(nb::make_tuple(h.name, h.platform, nb::capsule(h.fn)));
+    auto cap = [](void* f) -> nb::object { return f ? nb::object(nb::capsule(f)) : nb::none(); };
+    for (const auto& h : Handlers())
+      out.append(nb::make_tuple(h.name, h.platform, cap(h.fn), cap(h.graph_fn), cap(h.initialize)));
     return out;
   });
   m.def("ffi_api_version", &FfiApiVersion);
@@ -327,6 +555,16 @@ NB_MODULE(_jaxvmm, m) {
     d["pinned_peak_in_use_bytes"] = s.host.peak_in_use_bytes;
     d["pinned_allocs"] = s.host.driver_allocs;
     d["pinned_limit_bytes"] = s.host.limit_bytes;
+    d["graph_channels"] = s.graph.channels;
+    d["graph_prepares"] = s.graph.prepares;
+    d["graph_captures"] = s.graph.captures;
+    d["graph_offload_rounds"] = s.graph.offload_rounds;
+    d["graph_reload_rounds"] = s.graph.reload_rounds;
+    d["graph_hits"] = s.graph.hits;
+    d["graph_misses"] = s.graph.misses;
+    d["graph_mapped_bytes"] = s.graph.mapped_bytes;
+    d["graph_pages_mapped"] = s.graph.pages_mapped;
+    d["graph_pages_returned"] = s.graph.pages_returned;
     return d;
   });
   m.def("engine_devices", [] {
@@ -358,6 +596,66 @@ NB_MODULE(_jaxvmm, m) {
     engine(backend, device)->Unreserve(token);
   });
   m.def("set_trace", [](bool on) { SetTrace(on); });
+
+  // ---- capture and replay without XLA (tests): the engine's entry points on raw addresses ----
+  m.def("engine_prepare", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, int kind,
+                                   uint64_t nbytes, int64_t signature) {
+    Engine* e = engine(backend, device);
+    nb::gil_scoped_release nogil;
+    Check(e->Prepare(reinterpret_cast<CUstream>(stream), site, static_cast<ChannelKind>(kind), ArrayMeta{nbytes, signature}));
+  });
+  m.def("engine_offload", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t src,
+                                   uint64_t nbytes, int64_t signature, uint64_t token_out) {
+    Engine* e = engine(backend, device);
+    nb::gil_scoped_release nogil;
+    Check(e->Offload(reinterpret_cast<CUstream>(stream), site, src, ArrayMeta{nbytes, signature}, token_out));
+  });
+  m.def("engine_reload", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t token_in,
+                                  uint64_t dst, uint64_t nbytes, int64_t signature) {
+    Engine* e = engine(backend, device);
+    nb::gil_scoped_release nogil;
+    Check(e->Reload(reinterpret_cast<CUstream>(stream), site, token_in, dst, ArrayMeta{nbytes, signature}));
+  });
+  m.def("replay_stream_create", [](const std::string& backend, int device) {
+    uint64_t s = 0;
+    Backend b = ParseBackend(backend);
+    Check(ReplayStreamCreate(b, device, &s));
+    return s;
+  });
+  using StreamFn = Status (*)(Backend, int, uint64_t);
+  for (auto [name, fn] : {std::pair<const char*, StreamFn>{"replay_stream_destroy", &ReplayStreamDestroy},
+                          {"replay_stream_sync", &ReplayStreamSynchronize},
+                          {"replay_begin", &ReplayBeginCapture},
+                          {"replay_destroy", &ReplayDestroy}})
+    m.def(name, [fn](const std::string& backend, int device, uint64_t handle) {
+      Backend b = ParseBackend(backend);
+      Status st;
+      {
+        nb::gil_scoped_release nogil;
+        st = fn(b, device, handle);
+      }
+      Check(st);
+    });
+  m.def("replay_end", [](const std::string& backend, int device, uint64_t stream) {
+    uint64_t x = 0;
+    Backend b = ParseBackend(backend);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = ReplayEndCapture(b, device, stream, &x);
+    }
+    Check(st);
+    return x;
+  });
+  m.def("replay_launch", [](const std::string& backend, int device, uint64_t exec, uint64_t stream) {
+    Backend b = ParseBackend(backend);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = ReplayLaunch(b, device, exec, stream);
+    }
+    Check(st);
+  });
   m.def("engine_trim", [engine](const std::string& backend, int device) {
     Engine* e = engine(backend, device);
     nb::gil_scoped_release nogil;

@@ -36,7 +36,11 @@ void Registry::CountSlot(const Slot& s, int64_t slots, int64_t reserved_bytes) {
   o.reserved_bytes += reserved_bytes;
 }
 
-Status Registry::Create(const SlotSpec& spec, int64_t* id) {
+Status Registry::Create(const SlotSpec& spec, int64_t* id) { return Add(spec, nullptr, id); }
+
+Status Registry::Import(const SlotSpec& spec, const ImportSource& src, int64_t* id) { return Add(spec, &src, id); }
+
+Status Registry::Add(const SlotSpec& spec, const ImportSource* src, int64_t* id) {
   MaybeRetryQuarantine();
   int64_t new_id;
   {
@@ -50,7 +54,8 @@ Status Registry::Create(const SlotSpec& spec, int64_t* id) {
               OwnerGauge(spec.internal, static_cast<int>(spec.backend), spec.device)};
   }
   std::shared_ptr<Slot> slot, remains;
-  Status st = Slot::Create(new_id, spec, gauges, &slot, &remains);
+  Status st = src ? Slot::Import(new_id, spec, *src, gauges, &slot, &remains)
+                  : Slot::Create(new_id, spec, gauges, &slot, &remains);
   if (!st.ok()) {
     if (remains) Quarantine(remains, st, false);
     return st;
@@ -113,6 +118,13 @@ Status Registry::Close(int64_t id) {
     auto it = by_id_.find(id);
     if (it == by_id_.end()) return Status(Code::kNotFound, "no open slot with this id (already closed?)").At(id, "close");
     slot = it->second;
+    if (slot->views() > 0) {
+      Status busy = Status(Code::kState, std::to_string(slot->views()) +
+                                             " zero-copy view(s) (jax.Array from Slot.as_array) still alias the "
+                                             "slot's pages; delete them first (the slot stays open)")
+                        .At(id, "close");
+      return busy;
+    }
     by_id_.erase(it);
     by_base_.erase(slot->address());
     CountSlot(*slot, -1, 0);

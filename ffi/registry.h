@@ -57,6 +57,8 @@ class Registry {
   static Registry& Get();  // never destroyed
 
   Status Create(const SlotSpec& spec, int64_t* id);
+  // Maps another process's pages (Slot::Import) as a new slot of this process.
+  Status Import(const SlotSpec& spec, const ImportSource& src, int64_t* id);
   Status Lookup(int64_t id, std::shared_ptr<Slot>* out) const;
   // Exact provenance: succeeds only for the (base, length) a slot reserved. `length` 0 means the slot's size.
   Status FindRange(CUdeviceptr base, size_t length, int64_t* id) const;
@@ -64,7 +66,8 @@ class Registry {
   Status Release(int64_t id);
   Status Remap(int64_t id);
   // Removes the slot first (it is never handed out again), then tears it down; on failure the remains
-  // go to the quarantine, the failure is logged once, and a kQuarantined status is returned.
+  // go to the quarantine, the failure is logged once, and a kQuarantined status is returned. A slot with
+  // live zero-copy views is refused (kState) and stays open.
   Status Close(int64_t id);
   // Retries quarantined teardowns now; returns how many are still quarantined.
   size_t RetryQuarantine();
@@ -77,6 +80,7 @@ class Registry {
  private:
   Registry() = default;
   void Quarantine(std::shared_ptr<Slot> slot, const Status& why, bool registered);
+  Status Add(const SlotSpec& spec, const ImportSource* src, int64_t* id);
   ByteGauge* DeviceGauge(Backend b, int device);  // caller holds mu_
   ByteGauge* OwnerGauge(bool internal, int backend, int device);  // caller holds mu_; (-1, -1): process-wide
   void CountSlot(const Slot& s, int64_t slots, int64_t reserved_bytes);  // caller holds mu_

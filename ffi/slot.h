@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "driver.h"
+#include "share.h"
 #include "status.h"
 #include "vmm.h"
 
@@ -25,10 +26,29 @@ struct SlotSpec {
   Location location;          // where the physical pages live
   std::vector<int> access;    // devices granted read/write, in one cuMemSetAccess; empty = {device}
   size_t nbytes = 0;          // requested; the reservation is rounded up to the granularity
-  CUmemAllocationHandleType handle_types = CU_MEM_HANDLE_TYPE_NONE;  // shareable handles (later)
+  CUmemAllocationHandleType handle_types = CU_MEM_HANDLE_TYPE_NONE;  // exportable as (POSIX FD, FABRIC)
   bool map_on_create = true;  // false: reserve only; the slot starts RELEASED (staging slots)
   bool internal = false;      // jaxvmm's own (the offload engine's staging slots), not the user's:
                               // accounted apart in stats() so a user's leak check is not disturbed
+};
+
+// What an importer maps: another process's pages, named by a shareable handle.
+struct ImportSource {
+  CUmemAllocationHandleType type = CU_MEM_HANDLE_TYPE_NONE;
+  int fd = -1;                    // POSIX_FILE_DESCRIPTOR: borrowed for the call, never closed by the slot
+  CUmemFabricHandle fabric = {};  // FABRIC
+  size_t alignment = 0;           // the exporter's granularity (the reservation is aligned to it too)
+  uint64_t generation = 0;        // the exporter's generation the handle was exported at
+};
+
+// What Slot::Export hands out. Every descriptor in it is new and owned by the caller.
+struct ExportedHandle {
+  CUmemAllocationHandleType type = CU_MEM_HANDLE_TYPE_NONE;
+  int fd = -1;                    // POSIX_FILE_DESCRIPTOR
+  CUmemFabricHandle fabric = {};  // FABRIC
+  int channel_fd = -1;            // the exporter's generation channel (share.h)
+  uint64_t generation = 0;
+  size_t size = 0;
 };
 
 enum class SlotState : int {
@@ -52,6 +72,9 @@ struct SlotInfo {
   bool mapped;
   size_t mapped_bytes;  // physical bytes still attached (also when a failed stage left some behind)
   std::string last_error;
+  bool imported;        // maps another process's pages (Slot::Import)
+  int handle_types;     // CUmemAllocationHandleType bits the pages can be exported as
+  int64_t views;        // live zero-copy views
 };
 
 // A byte gauge with a high-water mark, updated lock-free. Slots move the process-wide and per-device
@@ -75,6 +98,10 @@ class ByteGauge {
 // Capability and granularity, checked once per (backend, device, location) and cached.
 Status CheckCapability(Backend b, int device, const Location& loc);
 Status Granularity(Backend b, int device, const Location& loc, size_t* out);
+// Whether pages at `loc` can be created exportable as `type` (POSIX FD, FABRIC): the device attribute, then
+// one granule created and released with that handle type requested. Cached like CheckCapability.
+Status CheckShareable(Backend b, int device, const Location& loc, CUmemAllocationHandleType type);
+const char* ShareableName(CUmemAllocationHandleType t);  // "posix_fd", "fabric
 
 class Slot {
  public:
@@ -83,6 +110,22 @@ class Slot {
   // `gauges` (may be empty) follow the bytes of physical memory attached to the slot.
   static Status Create(int64_t id, const SlotSpec& spec, std::vector<ByteGauge*> gauges,
                        std::shared_ptr<Slot>* out, std::shared_ptr<Slot>* remains);
+
+  // reserve -> import -> map -> one access grant, at a new fixed VA of this process; rolls back exactly
+  // like Create. An imported slot cannot be released or remapped (its pages are the exporter's): close it.
+  static Status Import(int64_t id, const SlotSpec& spec, const ImportSource& src, std::vector<ByteGauge*> gauges,
+                       std::shared_ptr<Slot>* out, std::shared_ptr<Slot>* remains);
+  // A shareable handle of the mapped pages (spec.handle_types must include `type`) plus a descriptor of
+  // the generation channel. Nothing is left open on failure.
+  Status Export(CUmemAllocationHandleType type, ExportedHandle* out);
+  // Zero-copy views: AddView succeeds only while the pages are mapped and [offset, offset+n) lies inside
+  // the slot; while any view lives, Release and Teardown are refused (kState). DropView never fails.
+  Status AddView(size_t offset, size_t n);
+  void DropView();
+  int64_t views() const { return views_.load(); }
+  // The Python object is gone while views live: whoever drops the last view closes the slot.
+  void RequestCloseWhenUnviewed() { close_when_unviewed_.store(true); }
+  bool close_when_unviewed() const { return close_when_unviewed_.load(); }
 
   Status Release();   // unmap + release; the VA stays reserved
   Status Remap();     // create + map + access at the same VA; generation + 1
@@ -100,7 +143,10 @@ class Slot {
 
  private:
   Slot(int64_t id, const SlotSpec& spec) : id_(id), spec_(spec) {}
-  Status MapPages(const char* stage);   // create + map + access; rolls back its own partial work
+  Status MapPages(const char* stage);   // create (or import) + map + access; rolls back its own partial work
+  Status CheckNoViews(const char* stage) const;  // caller holds mu_
+  static Status Build(int64_t id, const SlotSpec& spec, const ImportSource* src, std::vector<ByteGauge*> gauges,
+                      std::shared_ptr<Slot>* out, std::shared_ptr<Slot>* remains);
   Status DropPages(const char* stage);  // unmap + release whatever is attached
   Status CheckAccessible(size_t offset, size_t n, const char* stage) const;
   template <typename Copy>
@@ -123,6 +169,13 @@ class Slot {
   std::string last_error_;
   std::vector<ByteGauge*> gauges_;
   int64_t accounted_ = 0;
+  const ImportSource* import_ = nullptr;  // set only during Import (the descriptor is borrowed)
+  bool imported_ = false;
+  bool import_counted_ = false;
+  Location imported_location_;            // where the exporter's pages live (from the handle)
+  ExportChannel channel_;                 // exporters only (spec.handle_types != NONE)
+  std::atomic<int64_t> views_{0};
+  std::atomic<bool> close_when_unviewed_{false};
 };
 
 }  // namespace jaxvmm

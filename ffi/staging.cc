@@ -187,6 +187,21 @@ void StagingArea::Pin(const StagingLease& lease) {
   cells_[lease.cell].pinned = true;
 }
 
+bool StagingArea::Charge(size_t bytes) {
+  ScopedContext ctx(backend_, device_);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!MakeRoom(bytes, /*try_only=*/true)) return false;
+  mapped_ += bytes;
+  stats_.peak_mapped_bytes = std::max<int64_t>(stats_.peak_mapped_bytes, static_cast<int64_t>(mapped_));
+  return true;
+}
+
+void StagingArea::Uncharge(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  mapped_ -= bytes;
+  cv_.notify_all();
+}
+
 size_t StagingArea::Trim() {
   ScopedContext ctx(backend_, device_);
   std::lock_guard<std::mutex> lock(mu_);

@@ -77,6 +77,10 @@ class StagingArea {
   Status Record(StagingLease* lease, CUstream s);
   // The cell is kept as a ticket's device copy: it no longer counts towards Depth() until returned.
   void Pin(const StagingLease& lease);
+  // Graph-mode channel cells (their own slots) share the budget: Charge makes room by returning idle
+  // cells (never waiting) and counts `bytes` as mapped, or returns false; Uncharge gives them back.
+  bool Charge(size_t bytes);
+  void Uncharge(size_t bytes);
   // Returns the pages of every cell not in use and whose last user finished. Returns bytes returned.
   size_t Trim();
   StagingStats Stats() const;

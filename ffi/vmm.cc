@@ -177,6 +177,19 @@ Status PhysicalMemory::Create(Backend b, size_t size, const CUmemAllocationProp&
   return Status();
 }
 
+Status PhysicalMemory::Import(Backend b, void* os_handle, CUmemAllocationHandleType type, int64_t slot,
+                              const char* stage) {
+  if (owned_) return Status(Code::kInternal, "physical memory already owned");
+  CUmemGenericAllocationHandle h = 0;
+  const DriverTable& d = Driver(b);
+  JAXVMM_RETURN_IF_ERROR(Call(slot, stage, Entry::kMemImportFromShareableHandle,
+                              [&] { return d.MemImportFromShareableHandle(&h, os_handle, type); }));
+  backend_ = b;
+  handle_ = h;
+  owned_ = true;
+  return Status();
+}
+
 Status PhysicalMemory::Release(int64_t slot, const char* stage) {
   if (!owned_) return Status();
   const DriverTable& d = Driver(backend_);

@@ -92,6 +92,10 @@ class PhysicalMemory {
   ~PhysicalMemory();
 
   Status Create(Backend b, size_t size, const CUmemAllocationProp& prop, int64_t slot, const char* stage);
+  // cuMemImportFromShareableHandle: `os_handle` is the descriptor (as a pointer-sized integer) for POSIX
+  // file descriptors, or points at a CUmemFabricHandle. The descriptor is borrowed, never closed here; the
+  // imported handle needs its own Release, like a created one.
+  Status Import(Backend b, void* os_handle, CUmemAllocationHandleType type, int64_t slot, const char* stage);
   Status Release(int64_t slot, const char* stage);
 
   bool owned() const { return owned_; }

@@ -23,10 +23,13 @@ from .errors import (
     OutOfMemoryError,
     QuarantinedError,
     SlotStateError,
+    StaleHandleError,
     VmmError,
 )
 from .ops import Ticket, after, check, collect, configure, engine_stats, offload, prefetch, reload, synchronize, trim
 from .slots import Slot
+from . import share
+from .share import ShareHandle, recv_handle, send_handle
 from .remat import checkpoint, policies, print_saved_residuals, remat, saved_residuals
 
 __version__ = "0.1.0"
@@ -67,8 +70,10 @@ def stats() -> dict:
     Keys: ``slots`` (open), ``reserved_bytes``, ``mapped_bytes``, ``peak_mapped_bytes``, ``created``,
     ``closed``, ``releases``, ``remaps``, ``quarantined`` (count), ``quarantined_bytes``, ``quarantine``
     (one dict per quarantined slot: slot, address, size, error, attempts), ``leaked``, ``devices``
-    (the same byte counts per ``"cuda:N"``/``"cpu:N"``) and ``driver`` (live physical handles,
-    reservations and mappings counted at the driver seam, per backend in use).
+    (the same byte counts per ``"cuda:N"``/``"cpu:N"``), ``driver`` (live physical handles,
+    reservations and mappings counted at the driver seam, per backend in use) and ``share`` (``exports``,
+    ``imports``, ``imported_slots`` open, live zero-copy ``views``, ``channel_fds`` held by exportable
+    slots, ``fds`` held by share handles and imported slots).
     """
     s = dict(_lib.stats())
     s["devices"] = {f"{_platform_name(b)}:{d}": dict(v) for (b, d), v in s["devices"].items()}
@@ -78,6 +83,8 @@ def stats() -> dict:
         if any(c["calls"].values()):
             driver[_platform_name(backend)] = {k: c[k] for k in ("live_handles", "live_reservations", "live_mappings")}
     s["driver"] = driver
+    s["share"] = dict(_lib.share_stats())
+    s["share"]["fds"] = share.open_fds()
     s["offload"] = engine_stats()
     return s
 
@@ -96,6 +103,10 @@ def retry_quarantine() -> int:
 
 __all__ = [
     "Slot",
+    "ShareHandle",
+    "send_handle",
+    "recv_handle",
+    "share",
     "Ticket",
     "offload",
     "reload",
@@ -125,6 +136,7 @@ __all__ = [
     "OutOfMemoryError",
     "QuarantinedError",
     "SlotStateError",
+    "StaleHandleError",
     "NotFoundError",
     "InternalError",
 ]

@@ -109,6 +109,7 @@ VARIABLES = {
         EnvVar("JAXVMM_STAGING_IDLE_MS", "int", 1, INT64_MAX, "idle time before staging pages go back (200)"),
         EnvVar("JAXVMM_KEEP_RESIDENT", "int", 0, INT32_MAX, "newest offloads that keep a device copy (0)"),
         EnvVar("JAXVMM_TRACE", "bool", doc="log every lifecycle driver call (off)"),
+        EnvVar("JAXVMM_GRAPH", "bool", doc="let XLA capture the CUDA handlers into command buffers (on)"),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
         EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
     )

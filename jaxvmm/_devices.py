@@ -35,10 +35,12 @@ class Target:
 def _posix_ready() -> None:
     """Tell the POSIX backend how many cpu devices jax has (each gets its own engine)."""
     try:
-        n = len(jax.devices("cpu"))
+        # This process's cpu devices: with jax.distributed, jax.devices("cpu") also lists other processes'.
+        devs = jax.local_devices(backend="cpu")
     except RuntimeError:  # JAX_PLATFORMS excludes cpu: the POSIX backend serves nothing
-        n = 1
-    lib.set_posix_device_count(n)
+        devs = []
+    lib.set_posix_device_count(max(1, len(devs)))
+    lib.set_posix_device_ids([int(d.id) for d in devs])
 
 
 def _platform_devices(platform: str) -> list[jax.Device]:

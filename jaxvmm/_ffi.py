@@ -1,7 +1,14 @@
 """Registers the native XLA FFI targets (``jaxvmm_offload``, ``jaxvmm_reload``, ``jaxvmm_prefetch``)
-for the ``CUDA`` and ``cpu`` platforms, once, at import."""
+for the ``CUDA`` and ``cpu`` platforms, once, at import.
+
+On CUDA the handlers are registered in *graph mode* unless ``JAXVMM_GRAPH=0``: their execute stage is
+marked command-buffer compatible (XLA may capture it into a CUDA graph and replay it without calling
+it), and offload/reload also register an initialize stage, which XLA runs on the host once per
+execution and which prepares the call site's channel (``ffi/engine_graph.cc``)."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 
@@ -10,9 +17,21 @@ from ._native import lib
 TARGETS = ("jaxvmm_offload", "jaxvmm_reload", "jaxvmm_prefetch")
 
 
+def graph_mode() -> bool:
+    """Whether the CUDA handlers were registered as capturable (``JAXVMM_GRAPH``, on by default)."""
+    return os.environ.get("JAXVMM_GRAPH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _register() -> None:
-    for name, platform, capsule in lib.handlers():
-        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    graph = graph_mode()
+    for name, platform, execute, graph_execute, initialize in lib.handlers():
+        if graph and graph_execute is not None:
+            stages = {"execute": graph_execute}
+            if initialize is not None:
+                stages["initialize"] = initialize
+            jax.ffi.register_ffi_target(name, stages, platform=platform)
+        else:
+            jax.ffi.register_ffi_target(name, execute, platform=platform)
 
 
 _register()

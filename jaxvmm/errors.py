@@ -52,6 +52,11 @@ class SlotStateError(VmmError):
     """The slot is in the wrong state for the operation (released, closed)."""
 
 
+class StaleHandleError(SlotStateError):
+    """A share handle (or an imported slot) no longer names the exporter's pages: the exporter released,
+    remapped or closed its slot since the export."""
+
+
 class NotFoundError(VmmError, LookupError):
     """No slot has that id or that exact address range."""
 
@@ -135,6 +140,7 @@ __all__ = [
     "OutOfMemoryError",
     "QuarantinedError",
     "SlotStateError",
+    "StaleHandleError",
     "NotFoundError",
     "InternalError",
     "from_jax_error",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi  # noqa: F401  (registers the FFI targets)
-from . import _config, errors
+from . import _config, _sharded, errors
 from ._devices import _posix_ready, target_of
 from ._native import lib
 
@@ -86,15 +86,22 @@ class Ticket:
     """What ``offload`` returns: a small ``uint32[2]`` token (the data dependency, a jax array that may
     cross jit boundaries) plus the static shape and dtype of the offloaded array.
 
+    For an array sharded over several devices under plain ``jit`` (``sharded`` is True) the token is
+    ``uint32[*dims, 2]``, sharded like the array (``dims[i] = gcd(shape[i], devices)``): each device's
+    block holds its own ticket for its own shard (see ``jaxvmm._sharded``).
+
     Reload a ticket exactly once. When no Python object references a ticket's token any more (and no
     computation in flight can still reload it), its host memory is freed."""
 
-    __slots__ = ("token", "shape", "dtype")
+    __slots__ = ("token", "shape", "dtype", "sharded")
 
-    def __init__(self, token, shape, dtype):
+    def __init__(self, token, shape, dtype, sharded=False):
         self.token = token
         self.shape = _check_shape(shape, "Ticket")
         self.dtype = _check_dtype(dtype, "Ticket")
+        if not isinstance(sharded, (bool, np.bool_)):
+            raise _type_error(f"jaxvmm.Ticket: sharded must be a bool, got {type(sharded).__name__}")
+        self.sharded = bool(sharded)
         if (isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer)
                 and token.dtype == jnp.uint32 and tuple(token.shape)[-1:] == (2,)):
             _track(token)
@@ -104,15 +111,24 @@ class Ticket:
         """Bytes jaxvmm holds for the ticket (sub-byte dtypes: one byte per element)."""
         return int(np.prod(self.shape, dtype=np.int64)) * _storage_dtype(self.dtype).itemsize
 
+    def _local_nbytes(self, token_shard_shape) -> int:
+        """Bytes one device holds for the ticket, given the shape of its block of the token."""
+        if not self.sharded:
+            return self.nbytes
+        dims = tuple(self.token.shape[:-1])
+        local = [d // (k // c) for d, k, c in zip(self.shape, dims, token_shard_shape[:-1])]
+        return int(np.prod(local, dtype=np.int64)) * _storage_dtype(self.dtype).itemsize
+
     def tree_flatten(self):
-        return (self.token,), (self.shape, self.dtype)
+        return (self.token,), (self.shape, self.dtype, self.sharded)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(children[0], *aux)
 
     def __repr__(self) -> str:
-        return f"Ticket(shape={self.shape}, dtype={self.dtype.name})"
+        extra = ", sharded" if self.sharded else ""
+        return f"Ticket(shape={self.shape}, dtype={self.dtype.name}{extra})"
 
 
 # ---- Python-side ticket lifetimes ----
@@ -154,7 +170,9 @@ def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
     for shard in token.addressable_shards:
         # A copy: on cpu np.asarray is a view that would keep the token array alive.
         host = np.array(shard.data, dtype=np.uint32, copy=True).reshape(-1, 2)
-        out.append((shard.device, host.view(np.uint64).reshape(-1)))
+        vals = host.view(np.uint64).reshape(-1)
+        # A sharded ticket's block repeats its device's ticket in every cell: each value once.
+        out.append((shard.device, vals if len(vals) <= 1 else np.array(list(dict.fromkeys(vals.tolist())), np.uint64)))
     return out
 
 
@@ -288,6 +306,22 @@ def _offload_jvp(signature, site, primals, tangents):
         "residuals with correct gradients, or apply jax.lax.stop_gradient(x) before offloading.")
 
 
+def _mesh_for(x):
+    """The mesh an offload of ``x`` is partitioned over (each device offloads its own shard), or None
+    for the one-device path: unsharded arrays, scalars, and shard_map bodies (already per device)."""
+    return _sharded.mesh_of(x) if jnp.ndim(x) else None
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _offload_sharded(x, signature: int, site: int, mesh):
+    return _sharded.offload(x, signature, site, mesh)
+
+
+@_offload_sharded.defjvp
+def _offload_sharded_jvp(signature, site, mesh, primals, tangents):
+    _offload_jvp(signature, site, primals, tangents)
+
+
 def offload(x) -> Ticket:
     """Copy ``x`` into host memory and return a :class:`Ticket` for it.
 
@@ -300,11 +334,16 @@ def offload(x) -> Ticket:
     _posix_ready()  # the cpu engine serves every cpu device the handlers may run on
     _collect()
     wide = _storage_dtype(x.dtype)
+    mesh = _mesh_for(x)
     try:
-        token = _offload(x if wide == x.dtype else x.astype(wide), _signature(x.shape, x.dtype), _new_site("offload"))
+        v = x if wide == x.dtype else x.astype(wide)
+        if mesh is not None:  # sharded over several devices under plain jit: each device offloads its shard
+            token = _offload_sharded(v, _signature(x.shape, x.dtype), _new_site("offload"), mesh)
+        else:
+            token = _offload(v, _signature(x.shape, x.dtype), _new_site("offload"))
     except jax.errors.JaxRuntimeError as e:  # eager: the handler's error, as the jaxvmm error it is
         raise _translate(e) from e
-    return Ticket(token, x.shape, x.dtype)
+    return Ticket(token, x.shape, x.dtype, mesh is not None)
 
 
 # ---- reload / prefetch ----
@@ -314,6 +353,8 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
     if not isinstance(t, Ticket):
         raise _type_error(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
     tok = t.token
+    if t.sharded:
+        return _check_sharded_ticket(t, what, reserve)
     if getattr(tok, "shape", None) is None or tuple(tok.shape)[-1:] != (2,) or tok.dtype != jnp.uint32:
         raise errors.InvalidArgumentError(f"jaxvmm.{what}: the ticket's token is not a uint32[2] array "
                                           f"(got {getattr(tok, 'dtype', None)}{list(getattr(tok, 'shape', ()))}); "
@@ -338,6 +379,37 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
     return []
 
 
+def _check_sharded_ticket(t: Ticket, what: str, reserve: bool) -> list:
+    tok = t.token
+    shape = tuple(getattr(tok, "shape", ()) or ())
+    if getattr(tok, "dtype", None) == jnp.uint32 and len(shape) > len(t.shape) + 1 and shape[-1:] == (2,):
+        raise _value_error(f"jaxvmm.{what}: the sharded ticket's token has shape {shape}: it holds one ticket per "
+                           f"element of a jax.vmap batch. {what.capitalize()} it inside jax.vmap (e.g. "
+                           f"jax.vmap(jaxvmm.{what})(ticket)), with the same batch axes as the offload")
+    if (getattr(tok, "dtype", None) != jnp.uint32 or len(shape) != len(t.shape) + 1 or shape[-1] != 2
+            or any(d % max(k, 1) for d, k in zip(t.shape, shape[:-1]))):
+        raise errors.InvalidArgumentError(
+            f"jaxvmm.{what}: a sharded ticket of shape {t.shape} needs a uint32 token of rank {len(t.shape) + 1} "
+            f"ending in 2 whose leading dimensions divide the array's (got {getattr(tok, 'dtype', None)}"
+            f"{list(shape)}); was it built by jaxvmm.offload?", code="invalid_argument")
+    if isinstance(tok, jax.core.Tracer) or not isinstance(tok, jax.Array):  # numpy: not on any device
+        return []
+    sig = _signature(t.shape, t.dtype)
+    checked = []
+    try:
+        blocks = {shard.device: tuple(shard.data.shape) for shard in tok.addressable_shards}
+        for device, values in _token_values(tok):
+            tgt = target_of(device)
+            for v in values:
+                lib.engine_check(tgt.backend, tgt.ordinal, int(v), t._local_nbytes(blocks[device]), sig, reserve)
+                checked.append((tgt, int(v)))
+    except Exception:
+        for tgt, v in checked if reserve else ():
+            lib.engine_unreserve(tgt.backend, tgt.ordinal, v)
+        raise
+    return checked
+
+
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
@@ -347,9 +419,12 @@ def _dep_scalar(deps: list):
     depend on it."""
     s = None
     for d in deps:
-        e = jnp.ravel(d)[0]
-        if jnp.issubdtype(e.dtype, jnp.complexfloating):
-            e = jnp.real(e)
+        if jnp.issubdtype(d.dtype, jnp.complexfloating):
+            d = jnp.real(d)
+        if _explicitly_sharded(d):  # jax refuses to slice one element out of a dimension typed as sharded
+            e = jnp.max(d)
+        else:
+            e = d[(0,) * d.ndim] if d.ndim else d  # indexing, not ravel: ravel of a sharded array gathers it
         if e.dtype == jnp.bool_ or e.dtype.itemsize not in _UINT or jax.dtypes.issubdtype(e.dtype, jax.dtypes.extended):
             u = e.astype(jnp.uint32) if not jax.dtypes.issubdtype(e.dtype, jax.dtypes.extended) else None
         else:
@@ -357,6 +432,15 @@ def _dep_scalar(deps: list):
         if u is not None:
             s = u if s is None else s | u
     return s
+
+
+def _explicitly_sharded(d) -> bool:
+    """``d``'s type says it is sharded (a mesh with Explicit axes): jax checks slicing against it."""
+    try:
+        spec = getattr(getattr(_sharded._typeof(d), "sharding", None), "spec", None)
+    except TypeError:
+        return False
+    return any(e is not None for e in (spec or ()))
 
 
 def _tie_leaf(x, s):
@@ -448,8 +532,12 @@ def reload(ticket: Ticket, *, after=None) -> jax.Array:
     _collect()
     wide = _storage_dtype(ticket.dtype)  # sub-byte dtypes travel widened (see _storage_dtype)
     try:
-        y = jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, wide), vmap_method="sequential")(
-            ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(_new_site("reload")))
+        if ticket.sharded:  # sharded under plain jit: each device reloads its own shard
+            y = _sharded.reload(ticket.token, ticket.shape, wide, _signature(ticket.shape, ticket.dtype),
+                                _new_site("reload"))
+        else:
+            y = jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, wide), vmap_method="sequential")(
+                ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(_new_site("reload")))
     except Exception as e:
         for tgt, v in reserved:  # the eager reload never ran: the ticket may be reloaded again
             lib.engine_unreserve(tgt.backend, tgt.ordinal, v)
@@ -470,11 +558,14 @@ def prefetch(ticket: Ticket) -> Ticket:
     _posix_ready()
     _check_ticket(ticket, "prefetch", reserve=False)
     try:
-        token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
-            ticket.token, site=np.int64(_new_site("prefetch")))
+        if ticket.sharded:
+            token = _sharded.prefetch(ticket.token, _new_site("prefetch"))
+        else:
+            token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
+                ticket.token, site=np.int64(_new_site("prefetch")))
     except jax.errors.JaxRuntimeError as e:
         raise _translate(e) from e
-    return Ticket(token, ticket.shape, ticket.dtype)
+    return Ticket(token, ticket.shape, ticket.dtype, ticket.sharded)
 
 
 # ---- engine-wide ----

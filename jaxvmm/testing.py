@@ -20,6 +20,13 @@ LIFECYCLE_ENTRIES = {
     "close": ("cuMemUnmap", "cuMemRelease", "cuMemAddressFree"),
 }
 
+# ... and each sharing operation (Slot.import_ rolls back exactly at each of these; export leaves nothing open).
+SHARE_ENTRIES = {
+    "import": ("cuMemAddressReserve", "cuMemImportFromShareableHandle", "cuMemGetAllocationPropertiesFromHandle",
+               "cuMemMap", "cuMemSetAccess"),
+    "export": ("cuMemExportToShareableHandle",),
+}
+
 
 def backend_of(device=None) -> str:
     return target_of(device).backend
@@ -58,3 +65,62 @@ def driver_counters(device=None) -> dict:
     c = dict(lib.fault_counters(backend_of(device)))
     c["calls"] = dict(c["calls"])
     return c
+
+
+class Replay:
+    """Records the engine's offload/reload work on a stream of its own and replays it, without XLA.
+
+    What XLA's command buffers do to a captured handler, made explicit: ``prepare`` is the initialize
+    stage (once per "execution"), ``capture()`` records the calls made inside it (the handlers run once,
+    under stream capture), and ``launch()`` replays the recorded device work with no handler call.
+    Buffers are raw device (cpu: host) addresses, for example of ``jaxvmm.Slot`` objects. Works on the
+    POSIX backend (cpu) and on CUDA.
+    """
+
+    OFFLOAD, RELOAD = 0, 1
+
+    def __init__(self, device=None):
+        t = target_of(device)
+        self.backend, self.device = t.backend, t.ordinal
+        self.stream = lib.replay_stream_create(self.backend, self.device)
+        self.graphs: list[int] = []
+
+    def prepare(self, site: int, kind: int, nbytes: int, signature: int = 0) -> None:
+        lib.engine_prepare(self.backend, self.device, self.stream, site, kind, nbytes, signature)
+
+    def offload(self, site: int, src: int, nbytes: int, token_out: int, signature: int = 0) -> None:
+        lib.engine_offload(self.backend, self.device, self.stream, site, src, nbytes, signature, token_out)
+
+    def reload(self, site: int, token_in: int, dst: int, nbytes: int, signature: int = 0) -> None:
+        lib.engine_reload(self.backend, self.device, self.stream, site, token_in, dst, nbytes, signature)
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Calls inside the block are recorded; yields a list that receives the graph handle."""
+        out: list[int] = []
+        lib.replay_begin(self.backend, self.device, self.stream)
+        try:
+            yield out
+        finally:
+            graph = lib.replay_end(self.backend, self.device, self.stream)
+            self.graphs.append(graph)
+            out.append(graph)
+
+    def launch(self, graph: int) -> None:
+        lib.replay_launch(self.backend, self.device, graph, self.stream)
+
+    def synchronize(self) -> None:
+        lib.replay_stream_sync(self.backend, self.device, self.stream)
+
+    def close(self) -> None:
+        self.synchronize()
+        for g in self.graphs:
+            lib.replay_destroy(self.backend, self.device, g)
+        self.graphs.clear()
+        lib.replay_stream_destroy(self.backend, self.device, self.stream)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

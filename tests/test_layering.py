@@ -43,6 +43,8 @@ LAYERS: dict[str, Group] = {
     "fault": Group(0, ("fault.h", "fault.cc"), only=frozenset({"driver.h"})),  # beside the driver seam
     "status": Group(1, ("status.h", "status.cc")),
     "vmm": Group(2, ("vmm.h", "vmm.cc")),
+    # the exporter's generation channel and the share counters: plain POSIX, beside vmm
+    "share": Group(2, ("share.h", "share.cc"), only=frozenset({"status.h", "driver.h"})),
     "slot": Group(3, ("slot.h", "slot.cc")),
     "registry": Group(4, ("registry.h", "registry.cc")),
     "bench": Group(5, ("bench.h", "bench.cc"),
@@ -56,9 +58,16 @@ LAYERS: dict[str, Group] = {
     "tickets": Group(6, ("tickets.h", "tickets.cc"),
                      only=frozenset({"host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h", "status.h",
                                      "driver.h"})),
-    "engine": Group(7, ("engine.h", "engine.cc")),  # the offload engine: the parts above + workers
-    "handlers": Group(8, ("handlers*.h", "handlers*.cc")),
-    "module": Group(9, ("module.cc",), only=ANY),
+    # graph-mode channels: plain data (pinned words, cell addresses) over tickets; no workers, no engine
+    "channels": Group(7, ("channels.h", "channels.cc"),
+                      only=frozenset({"tickets.h", "host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h",
+                                      "status.h", "driver.h"})),
+    # the offload engine: the parts above + workers; engine_graph.cc is its graph-mode protocol
+    "engine": Group(8, ("engine.h", "engine.cc", "engine_graph.cc")),
+    # capture and replay of engine work without XLA (tests): the driver seam only
+    "replay": Group(5, ("replay.h", "replay.cc"), only=frozenset({"vmm.h", "status.h", "driver.h"})),
+    "handlers": Group(9, ("handlers*.h", "handlers*.cc")),
+    "module": Group(10, ("module.cc",), only=ANY),
 }
 
 # Files in ffi/ that are not code (no includes to check).

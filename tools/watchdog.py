@@ -18,14 +18,20 @@ def main() -> None:
     def dog():
         time.sleep(timeout)
         print(f"\nwatchdog: still running after {timeout:.0f} s", file=sys.stderr, flush=True)
-        try:
-            import jaxvmm
-
-            print("engine_stats:", jaxvmm.engine_stats(), file=sys.stderr)
-            print("stats:", {k: v for k, v in jaxvmm.stats().items() if k != "quarantine"}, file=sys.stderr, flush=True)
-        except Exception as e:  # noqa: BLE001  (diagnostics only)
-            print("watchdog: stats failed:", e, file=sys.stderr)
         faulthandler.dump_traceback(all_threads=True)
+
+        def stats():  # may block if an engine lock is held by a stuck thread: bounded below
+            try:
+                import jaxvmm
+
+                print("engine_stats:", jaxvmm.engine_stats(), file=sys.stderr)
+                print("stats:", {k: v for k, v in jaxvmm.stats().items() if k != "quarantine"}, file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001  (diagnostics only)
+                print("watchdog: stats failed:", e, file=sys.stderr)
+
+        t = threading.Thread(target=stats, daemon=True)
+        t.start()
+        t.join(10)
         os._exit(3)
 
     threading.Thread(target=dog, daemon=True).start()

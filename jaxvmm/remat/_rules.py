@@ -230,8 +230,10 @@ def _offload(residuals, tagged, spec, inputs):
                 # constants would otherwise be hoisted out of lax.scan (offloaded once) while its reload
                 # runs every iteration.
                 r = jax.lax.optimization_barrier((r, deps))[0]
-            out.append(_offload_token(r))
-            infos.append((tuple(r.shape), np.dtype(r.dtype)))
+            tok = _offload_token(r)
+            sharded = jax.numpy.ndim(tok) > 1  # uint32[*dims, 2]: one ticket per shard (jaxvmm._sharded)
+            out.append(tok)
+            infos.append((tuple(r.shape), np.dtype(r.dtype), sharded, jax.typeof(tok) if hasattr(jax, "typeof") else _core.typeof(tok)))
         else:
             out.append(r)
             infos.append(None)
@@ -280,11 +282,16 @@ def _with_reloads(jaxpr, infos):
     if not any(infos):
         return jaxpr
     n = len(infos)
-    avals = [jax.ShapeDtypeStruct((2,), np.uint32) if info else v.aval
-             for v, info in zip(jaxpr.invars[:n], infos)] + [v.aval for v in jaxpr.invars[n:]]
+    avals = [info[3] if info else v.aval for v, info in zip(jaxpr.invars[:n], infos)] + [v.aval for v in jaxpr.invars[n:]]
+
+    def load(a, info):
+        shape, dtype, sharded, _ = info
+        if sharded:  # each device reloads its own shard (jaxvmm._sharded)
+            return ops.reload(ops.Ticket(a, shape, dtype, True))
+        return reload_p.bind(a, shape=shape, dtype=dtype)
 
     def staged(*args):
-        res = [reload_p.bind(a, shape=info[0], dtype=info[1]) if info else a for a, info in zip(args[:n], infos)]
+        res = [load(a, info) if info else a for a, info in zip(args[:n], infos)]
         return _core.eval_jaxpr(jaxpr, (), *res, *args[n:])
 
     try:
@@ -302,7 +309,21 @@ def _with_reloads(jaxpr, infos):
 def _reload_inputs(jaxpr) -> list[int]:
     """Positions of the inputs of ``jaxpr`` that are ticket tokens its reloads read."""
     pos = {v: i for i, v in enumerate(jaxpr.invars)}
-    return sorted({pos[e.invars[0]] for e in jaxpr.eqns if e.primitive is reload_p and e.invars[0] in pos})
+    return sorted({pos[v] for e in jaxpr.eqns if _reloads(e) for v in e.invars
+                   if v in pos and v.aval.dtype == np.uint32 and v.aval.shape[-1:] == (2,)})
+
+
+def _reloads(eqn) -> bool:
+    """``eqn`` is a jaxvmm reload, or a call (shard_map, custom_partitioning, ...) around one."""
+    if eqn.primitive is reload_p or eqn.params.get("target_name") == "jaxvmm_reload":
+        return True
+    if "partitioning" in eqn.primitive.name:
+        return True
+    for p in eqn.params.values():
+        body = getattr(p, "jaxpr", p)
+        if any(_reloads(e) for e in getattr(body, "eqns", ())):
+            return True
+    return False
 
 
 # ---- the rules ----

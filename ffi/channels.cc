@@ -1,0 +1,53 @@
+#include "channels.h"
+
+#include "vmm.h"
+
+namespace jaxvmm {
+
+ChannelTable::~ChannelTable() {
+  const DriverTable& d = Driver(backend_);
+  for (ChannelWords* chunk : chunks_) d.MemFreeHost(chunk);
+}
+
+Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out, bool* created) {
+  *created = false;
+  if (Channel* c = Find(site, kind)) {
+    if (c->meta.nbytes != meta.nbytes || c->meta.signature != meta.signature)
+      return Status(Code::kInvalidArgument, "call site " + std::to_string(site) + " was prepared for " + std::to_string(c->meta.nbytes) +
+                                                " bytes and now runs with " + std::to_string(meta.nbytes));
+    *out = c;
+    return Status();
+  }
+  if (used_ == chunks_.size() * kWordsPerChunk) {
+    void* p = nullptr;
+    JAXVMM_RETURN_IF_ERROR(Call(-1, "graph channels", Entry::kMemHostAlloc, [&] {
+      return Driver(backend_).MemHostAlloc(&p, sizeof(ChannelWords) * kWordsPerChunk,
+                                           CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+    }));
+    auto* chunk = static_cast<ChannelWords*>(p);
+    for (size_t i = 0; i < kWordsPerChunk; ++i) new (&chunk[i]) ChannelWords();
+    chunks_.push_back(chunk);
+  }
+  auto c = std::make_unique<Channel>();
+  c->kind = kind;
+  c->site = site;
+  c->index = static_cast<int64_t>(channels_.size());
+  c->meta = meta;
+  c->w = &chunks_[used_ / kWordsPerChunk][used_ % kWordsPerChunk];
+  ++used_;
+  for (auto* word : {&c->w->knock, &c->w->arm, &c->w->filled, &c->w->token, &c->w->probe, &c->w->request, &c->w->go, &c->w->done})
+    word->store(0, std::memory_order_relaxed);
+  c->last_use = std::chrono::steady_clock::now();
+  *out = c.get();
+  by_site_[{site, static_cast<int>(kind)}] = c.get();
+  channels_.push_back(std::move(c));
+  *created = true;
+  return Status();
+}
+
+Channel* ChannelTable::Find(int64_t site, ChannelKind kind) {
+  auto it = by_site_.find({site, static_cast<int>(kind)});
+  return it == by_site_.end() ? nullptr : it->second;
+}
+
+}  // namespace jaxvmm

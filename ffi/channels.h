@@ -1,0 +1,103 @@
+// Graph-mode channels: what a call site captured into an XLA command buffer (a CUDA graph) talks to.
+//
+// A replayed graph does the same device work every time and never calls the handler, so each
+// (call site, kind) of an engine gets a *channel*: a staging cell at a fixed VA (an internal slot whose
+// pages come and go while the VA stays) and a line of pinned words through which the replayed nodes
+// and the engine's poller hand each round back and forth. The device side only writes constants and
+// copies words; every per-round decision (which ticket, which host block, whether the prediction was
+// right) is the poller's. DESIGN.md, "Graph mode", has the protocol.
+//
+// ChannelTable is plain data with no lock of its own: the engine guards it with Engine::graph_mu_.
+// It owns the pinned word arena (driver calls only when it grows, never on a capturing thread).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "status.h"
+#include "tickets.h"
+
+namespace jaxvmm {
+
+enum class ChannelKind : int { kOffload = 0, kReload = 1 };
+
+// One line of pinned, device-mapped words per channel. Each word has one writer at a time: the
+// device writes a flag to 1 (knock, filled, request, done) and the poller resets it; the poller grants
+// (arm, go) and the device takes the grant back by writing 0.
+struct alignas(64) ChannelWords {
+  // offload: knock (device: a round waits for `arm`), arm (poller: the cell is free and `token` is this
+  // round's), filled (device: the cell holds the round's bytes), token (poller -> device).
+  std::atomic<uint64_t> knock, arm, filled, token;
+  // reload: probe (device: the token it holds), request (device: a round waits for `go`), go (poller:
+  // the cell holds the probed ticket's bytes, or 0xFF), done (device: it copied out of the cell).
+  std::atomic<uint64_t> probe, request, go, done;
+};
+static_assert(sizeof(ChannelWords) == 64, "one cache line per channel");
+
+struct Channel {
+  enum class Round : int {
+    kIdle = 0,     // no round in progress on the device
+    kGranted = 1,  // offload: arm granted, the device will fill the cell; reload: go granted or pending
+  };
+  ChannelKind kind = ChannelKind::kOffload;
+  int64_t site = 0;
+  int64_t index = 0;  // position in the table; names the channel in claims and diagnostics
+  ArrayMeta meta;
+  ChannelWords* w = nullptr;
+  int64_t slot_id = -1;  // the cell: an internal slot, reserved at Prepare, pages mapped on demand
+  CUdeviceptr cell = 0;
+  size_t cell_size = 0;
+  bool mapped = false;
+  bool captured = false;  // some execute recorded this channel's device work
+  int64_t prepares = 0;   // initialize stages seen
+  Round round = Round::kIdle;
+  bool waiting = false;   // a knock/request seen but not granted yet (no budget, data not enqueued)
+  std::shared_ptr<Ticket> ticket;  // offload: the granted round's ticket; reload: the round's ticket
+  // reload: the ticket the next round will most likely name, copied ahead of time (on h2d) into a
+  // staging cell of the ring; its request then only needs a device-to-device copy into the cell.
+  std::shared_ptr<Ticket> staged;
+  StagingLease staged_lease;
+  CUevent staged_event = nullptr;  // after the copy into staged_lease
+  CUevent cell_event = nullptr;    // after the last side-stream copy into/out of the cell
+  CUstream cell_stream = nullptr;  // the stream that copy ran on (grants are ordered after it)
+  CUstream stream = nullptr;       // XLA's stream at the last Prepare: async errors are reported on it
+  std::chrono::steady_clock::time_point last_use;
+  int64_t rounds = 0;
+
+  // The claim a channel puts on a ticket it prefetched (never a sequence number of the op ring).
+  uint64_t Claim() const { return (uint64_t{1} << 63) | static_cast<uint64_t>(index); }
+};
+
+class ChannelTable {
+ public:
+  ChannelTable(Backend b, int device) : backend_(b), device_(device) {}
+  ~ChannelTable();  // frees the word arena; the owner has returned every channel's cell first
+  ChannelTable(const ChannelTable&) = delete;
+  ChannelTable& operator=(const ChannelTable&) = delete;
+
+  // The channel of (site, kind), created with fresh words when new (may grow the arena: only ever
+  // called from the initialize stage, outside any capture). *created says whether it is new.
+  Status GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out, bool* created);
+  // The channel of (site, kind), or null (capture: never creates).
+  Channel* Find(int64_t site, ChannelKind kind);
+  template <typename F>
+  void ForEach(F f) {
+    for (auto& c : channels_) f(*c);
+  }
+  size_t size() const { return channels_.size(); }
+
+ private:
+  static constexpr size_t kWordsPerChunk = 1024;
+  const Backend backend_;
+  const int device_;
+  std::vector<ChannelWords*> chunks_;  // pinned, kWordsPerChunk lines each
+  size_t used_ = 0;                    // lines handed out
+  std::vector<std::unique_ptr<Channel>> channels_;
+  std::map<std::pair<int64_t, int>, Channel*> by_site_;
+};
+
+}  // namespace jaxvmm

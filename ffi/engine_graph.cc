@@ -1,0 +1,607 @@
+// Graph mode: offload/reload call sites captured into XLA command buffers (CUDA graphs).
+//
+// A replay runs the recorded device work and nothing else, so what a round needs from the host (a new
+// ticket and its host block, which ticket a token names, whether the cell already holds it) comes from
+// the poller through the channel's pinned words. The device never touches a cell without a grant:
+//
+//   offload round (XLA's stream)          poller
+//     write knock = 1                      sees knock: cell pages (within the budget), a new ticket,
+//     wait  arm == 1                       token = its token; arm = 1 after the cell's last D2H
+//     write arm = 0
+//     copy  token_out <- token
+//     copy  cell <- x
+//     write filled = 1                     sees filled: D2H cell -> the ticket's host block on d2h_
+//
+//   reload round (XLA's stream)
+//     copy  probe <- token_in              sees request: the ticket `probe` names; go = 1 after its
+//     write request = 1                    bytes are in the cell (a prefetched prediction: at once;
+//     wait  go == 1                        else an H2D on fix_), or after 0xFF for a bad token
+//     write go = 0
+//     copy  y <- cell
+//     write done = 1                       sees done: the ticket is consumed; prefetch the next guess
+//
+// Nothing here runs on a capturing thread except the Captured* enqueues (no allocation there: the
+// channel and its reserved cell were made by the initialize stage). DESIGN.md, "Graph mode".
+#include <algorithm>
+#include <cstdio>
+
+#include "engine.h"
+#include "registry.h"
+#include "vmm.h"
+
+namespace jaxvmm {
+namespace {
+
+// How long the poller keeps spinning after the last round or initialize before it sleeps.
+constexpr auto kSpin = std::chrono::milliseconds(50);
+
+CUdeviceptr Addr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CUdeviceptr>(&word); }
+
+}  // namespace
+
+Status Engine::Capturing(CUstream stream, bool* capturing) {
+  *capturing = false;
+  if (!stream) return Status();  // the cpu platform's handlers have no stream
+  CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+  JAXVMM_RETURN_IF_ERROR(Call(-1, "capture", Entry::kStreamIsCapturing, [&] { return Driver(backend_).StreamIsCapturing(stream, &cs); }));
+  if (cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED)
+    return Status(Code::kInternal, "the stream's capture was invalidated before this call");
+  *capturing = cs == CU_STREAM_CAPTURE_STATUS_ACTIVE;
+  return Status();
+}
+
+void Engine::ReportOn(CUstream stream, const Status& st) {
+  std::fprintf(stderr, "%s\n", st.ToString().c_str());
+  std::lock_guard<std::mutex> lock(mu_);
+  errors_.Record(stream, st);
+  ++stats_.errors;
+}
+
+void Engine::WakePoller() {
+  // Caller holds graph_mu_.
+  awake_until_ = std::max(awake_until_, std::chrono::steady_clock::now() + kSpin);
+  if (any_captured_ && !poller_.joinable()) poller_ = std::thread([this] { Poll(); });
+  poll_cv_.notify_one();
+}
+
+Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const ArrayMeta& meta) {
+  if (meta.nbytes == 0) return Status();
+  ScopedContext ctx(backend_, device_);
+  JAXVMM_RETURN_IF_ERROR(ctx.status());
+  JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));  // an earlier program on this stream failed later
+  std::lock_guard<std::mutex> lock(graph_mu_);
+  ++graph_stats_.prepares;
+  Channel* c = nullptr;
+  bool created = false;
+  JAXVMM_RETURN_IF_ERROR(channels_.GetOrCreate(site, kind, meta, &c, &created));
+  c->stream = stream;
+  if (c->slot_id < 0) {
+    // The cell's VA, reserved once: the captured copies name it on every replay.
+    Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
+    size_t g = 0;
+    JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
+    SlotSpec spec;
+    spec.backend = backend_;
+    spec.device = device_;
+    spec.location = loc;
+    spec.nbytes = (meta.nbytes + g - 1) / g * g;
+    if (spec.nbytes > StagingArea::Budget())
+      return Status(Code::kOutOfMemory, "a graph-mode cell of " + std::to_string(spec.nbytes) + " bytes does not fit the staging budget of " +
+                                            std::to_string(StagingArea::Budget()) +
+                                            " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
+    spec.map_on_create = false;
+    spec.internal = true;
+    int64_t id = -1;
+    JAXVMM_RETURN_IF_ERROR(Registry::Get().Create(spec, &id));
+    std::shared_ptr<Slot> slot;
+    Status st = Registry::Get().Lookup(id, &slot);
+    if (st.ok() && !c->cell_event)
+      st = Call(id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&c->cell_event, CU_EVENT_DISABLE_TIMING); });
+    if (!st.ok()) {
+      (void)Registry::Get().Close(id);
+      return st;
+    }
+    c->slot_id = id;
+    c->cell = slot->address();
+    c->cell_size = spec.nbytes;
+  }
+  if (created) ++graph_stats_.channels;
+  // XLA records a command buffer on the call site's second execution (the first is a warm-up): give
+  // the cell pages before then, so the capture names mapped memory. Later the poller maps on demand.
+  if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c);
+  WakePoller();
+  return Status();
+}
+
+Status Engine::MappedForCapture(Channel& c) {
+  // Caller holds graph_mu_. A re-recording (XLA saw new buffer addresses) may find the cell idle and
+  // returned: map it again so the capture names mapped memory (page calls, not stream work).
+  if (c.mapped || MapCell(c)) return Status();
+  return Status(Code::kOutOfMemory, "graph-mode cell of call site " + std::to_string(c.site) +
+                                        " could not be mapped for capture within the staging budget");
+}
+
+Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
+  std::lock_guard<std::mutex> lock(graph_mu_);
+  Channel* c = channels_.Find(site, ChannelKind::kOffload);
+  if (!c || c->slot_id < 0)
+    return Status(Code::kInternal, "offload call site " + std::to_string(site) +
+                                       " is being captured into a command buffer but its initialize stage never ran");
+  if (c->meta.nbytes != meta.nbytes) return Status(Code::kInvalidArgument, "offload call site captured with another size than it was prepared for");
+  JAXVMM_RETURN_IF_ERROR(MappedForCapture(*c));
+  const DriverTable& d = Driver(backend_);
+  ChannelWords& w = *c->w;
+  const char* stage = "offload (capture)";
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.knock), 1, 0); }));
+  JAXVMM_RETURN_IF_ERROR(
+      Call(-1, stage, Entry::kStreamWaitValue64, [&] { return d.StreamWaitValue64(stream, Addr(w.arm), 1, CU_STREAM_WAIT_VALUE_EQ); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.arm), 0, 0); }));
+  JAXVMM_RETURN_IF_ERROR(
+      Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(token_out, Addr(w.token), sizeof(uint64_t), stream); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c->cell, src, meta.nbytes, stream); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled), 1, 0); }));
+  c->captured = any_captured_ = true;
+  ++graph_stats_.captures;
+  WakePoller();
+  return Status();
+}
+
+Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
+  std::lock_guard<std::mutex> lock(graph_mu_);
+  Channel* c = channels_.Find(site, ChannelKind::kReload);
+  if (!c || c->slot_id < 0)
+    return Status(Code::kInternal, "reload call site " + std::to_string(site) +
+                                       " is being captured into a command buffer but its initialize stage never ran");
+  if (c->meta.nbytes != meta.nbytes) return Status(Code::kInvalidArgument, "reload call site captured with another size than it was prepared for");
+  JAXVMM_RETURN_IF_ERROR(MappedForCapture(*c));
+  const DriverTable& d = Driver(backend_);
+  ChannelWords& w = *c->w;
+  const char* stage = "reload (capture)";
+  JAXVMM_RETURN_IF_ERROR(
+      Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(Addr(w.probe), token_in, sizeof(uint64_t), stream); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.request), 1, 0); }));
+  JAXVMM_RETURN_IF_ERROR(
+      Call(-1, stage, Entry::kStreamWaitValue64, [&] { return d.StreamWaitValue64(stream, Addr(w.go), 1, CU_STREAM_WAIT_VALUE_EQ); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.go), 0, 0); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, c->cell, meta.nbytes, stream); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done), 1, 0); }));
+  c->captured = any_captured_ = true;
+  ++graph_stats_.captures;
+  WakePoller();
+  return Status();
+}
+
+// ---------------------------------------------------------------- the poller
+
+void Engine::Poll() {
+  ScopedContext ctx(backend_, device_);
+  std::unique_lock<std::mutex> lock(graph_mu_);
+  while (!poll_stop_) {
+    bool busy = false;
+    // Offloads first: a reload's token may name a ticket whose `filled` arrived in the same pass.
+    channels_.ForEach([&](Channel& c) {
+      if (c.kind == ChannelKind::kOffload) busy |= ServiceOffload(c);
+    });
+    channels_.ForEach([&](Channel& c) {
+      if (c.kind == ChannelKind::kReload) busy |= ServiceReload(c);
+    });
+    busy |= ReapOffloads();
+    const auto now = std::chrono::steady_clock::now();
+    if (busy) awake_until_ = std::max(awake_until_, now + kSpin);
+    ReleaseIdleCells(/*now=*/false);
+    if (now < awake_until_) {
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    } else {
+      poll_cv_.wait_for(lock, std::chrono::milliseconds(1));
+    }
+  }
+}
+
+bool Engine::MapCell(Channel& c) {
+  if (c.mapped) return true;
+  if (!staging_.Charge(c.cell_size)) {
+    ReleaseIdleCells(/*now=*/true);  // other channels' idle cells first
+    if (!staging_.Charge(c.cell_size)) return false;
+  }
+  Status st = Registry::Get().Remap(c.slot_id);
+  if (!st.ok()) {
+    staging_.Uncharge(c.cell_size);
+    ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode cell; retrying)"));
+    return false;
+  }
+  c.mapped = true;
+  graph_stats_.mapped_bytes += static_cast<int64_t>(c.cell_size);
+  ++graph_stats_.pages_mapped;
+  return true;
+}
+
+void Engine::UnmapCell(Channel& c) {
+  if (!c.mapped) return;
+  Status st = Registry::Get().Release(c.slot_id);
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s (graph-mode cell kept)\n", st.ToString().c_str());
+    return;
+  }
+  c.mapped = false;
+  staging_.Uncharge(c.cell_size);
+  graph_stats_.mapped_bytes -= static_cast<int64_t>(c.cell_size);
+  ++graph_stats_.pages_returned;
+}
+
+void Engine::Unstage(Channel& c) {
+  // Caller holds graph_mu_ and mu_. The copy into the staging cell may still run: the cell's next user
+  // waits for staged_event (recorded as the lease's free event on return).
+  if (!c.staged) return;
+  if (c.staged->claimed_by == c.Claim()) c.staged->claimed_by = 0;
+  c.staged->pins -= 1;
+  Retire(c.staged);
+  c.staged.reset();
+  staging_.Return(&c.staged_lease, h2d_);
+}
+
+size_t Engine::ReleaseIdleCells(bool now) {
+  const auto t = std::chrono::steady_clock::now();
+  const auto idle = std::chrono::milliseconds(StagingArea::IdleMillis());
+  const DriverTable& d = Driver(backend_);
+  size_t released = 0;
+  channels_.ForEach([&](Channel& c) {
+    if (!c.mapped || c.round != Channel::Round::kIdle || c.waiting) return;
+    if (!now && t - c.last_use < idle) return;
+    if (c.cell_stream && d.EventQuery(c.cell_event) != CUDA_SUCCESS) return;  // a copy still uses it
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Unstage(c);
+    }
+    UnmapCell(c);
+    if (!c.mapped) released += c.cell_size;
+  });
+  return released;
+}
+
+void Engine::Grant(std::atomic<uint64_t>* word, Channel& c) {
+  // The device may go on once every copy into (or out of) the cell has finished: at once when the last
+  // one already has, else by a write ordered after it on its stream.
+  const DriverTable& d = Driver(backend_);
+  if (c.cell_stream && d.EventQuery(c.cell_event) != CUDA_SUCCESS) {
+    Status st = Call(-1, "graph grant", Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(c.cell_stream, Addr(*word), 1, 0); });
+    if (st.ok()) return;
+    d.StreamSynchronize(c.cell_stream);
+  }
+  word->store(1, std::memory_order_seq_cst);
+}
+
+bool Engine::ServiceOffload(Channel& c) {
+  ChannelWords& w = *c.w;
+  const DriverTable& d = Driver(backend_);
+  bool busy = false;
+  if (w.filled.load(std::memory_order_acquire) == 1) {
+    // The device copied x into the cell and handed out the round's token: D2H it on d2h_.
+    w.filled.store(0, std::memory_order_relaxed);
+    busy = true;
+    std::shared_ptr<Ticket> t = std::move(c.ticket);
+    c.round = Channel::Round::kIdle;
+    c.last_use = std::chrono::steady_clock::now();
+    ++c.rounds;
+    ++graph_stats_.offload_rounds;
+    if (t && !Evacuate(c, *t)) {
+      // No staging cell: D2H straight out of the channel cell (its next round waits for it).
+      const char* stage = "offload (graph)";
+      Status st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t->host.ptr, c.cell, c.meta.nbytes, d2h_); });
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); });
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, d2h_); });
+      c.cell_stream = d2h_;
+      Enqueued(c, t, st);
+    } else if (t) {
+      Enqueued(c, t, Status());
+    }
+  }
+  // A round waits for its grant. Only one grant is outstanding at a time: a knock that arrives while
+  // a grant is unused (its round never reached the device) is served by that grant.
+  if (c.round == Channel::Round::kIdle && (c.waiting || w.knock.load(std::memory_order_acquire) == 1)) {
+    if (!c.waiting) w.knock.store(0, std::memory_order_relaxed);
+    c.waiting = true;
+    busy = true;
+    if (!MapCell(c)) return busy;  // no room in the staging budget yet: the next pass retries
+    HostBlock host;
+    CUevent ev = nullptr;
+    Status st = host_pool_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
+    if (st.ok()) st = GetEvent(&ev);
+    std::shared_ptr<Ticket> t;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (st.ok()) {
+        t = tickets_.Create(c.meta);
+        t->offload_seq = next_seq_ - 1;
+        t->host = host;
+        t->d2h_done = ev;
+        ++stats_.offloads;
+      } else {
+        if (host.ptr) host_pool_.Free(host);
+        if (ev) event_pool_.push_back(ev);
+        // The round hands out token 0, which no ticket has: its reload fills 0xFF and reports.
+        errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
+        ++stats_.errors;
+      }
+    }
+    w.token.store(t ? t->token : 0, std::memory_order_relaxed);
+    c.ticket = t;
+    c.waiting = false;
+    c.round = Channel::Round::kGranted;
+    c.last_use = std::chrono::steady_clock::now();
+    Grant(&w.arm, c);  // after the cell's previous D2H
+  }
+  return busy;
+}
+
+void Engine::Enqueued(Channel& c, const std::shared_ptr<Ticket>& t, const Status& st) {
+  // The round's D2H is enqueued (or failed to be): the ticket is reloadable, or dropped.
+  std::lock_guard<std::mutex> lock(mu_);
+  if (st.ok()) {
+    t->enqueued = true;
+    graph_d2h_.push_back(t);
+    return;
+  }
+  Driver(backend_).StreamSynchronize(d2h_);
+  t->on_host = t->dropped = true;  // its bytes never reached the host: a reload of it fails
+  Retire(t);
+  errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
+  ++stats_.errors;
+}
+
+bool Engine::Evacuate(Channel& c, Ticket& t) {
+  // evac_: (after the staging cell's previous D2H) cell -> staging cell; the channel cell is free once
+  // that device copy is done. d2h_: staging cell -> the ticket's host block.
+  StagingLease lease;
+  if (!staging_.Acquire(c.meta.nbytes, /*try_only=*/false, &lease).ok() || !lease) return false;
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "offload (graph)";
+  Status st;
+  if (lease.wait) st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(evac_, lease.wait, 0); });
+  if (st.ok()) st = Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(lease.address, c.cell, c.meta.nbytes, evac_); });
+  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, evac_); });
+  if (!st.ok()) {
+    d.StreamSynchronize(evac_);
+    staging_.Return(&lease, nullptr);
+    return false;
+  }
+  c.cell_stream = evac_;
+  st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(d2h_, c.cell_event, 0); });
+  if (st.ok()) st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t.host.ptr, lease.address, c.meta.nbytes, d2h_); });
+  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t.d2h_done, d2h_); });
+  if (!st.ok()) {
+    // The copy into the staging cell happened: D2H from it synchronously, or give up on the ticket.
+    d.StreamSynchronize(evac_);
+    d.StreamSynchronize(d2h_);
+    st = Call(-1, stage, Entry::kMemcpyDtoH, [&] { return d.MemcpyDtoH(t.host.ptr, lease.address, c.meta.nbytes); });
+    if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t.d2h_done, d2h_); });
+  }
+  staging_.Return(&lease, d2h_);  // its next user waits for the D2H
+  if (!st.ok()) ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload D2H)"));
+  return true;
+}
+
+bool Engine::ReapOffloads() {
+  if (graph_d2h_.empty()) return false;
+  const DriverTable& d = Driver(backend_);
+  bool busy = false;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = graph_d2h_.begin(); it != graph_d2h_.end();) {
+    Ticket& t = **it;
+    if (d.EventQuery(t.d2h_done) != CUDA_SUCCESS) {
+      ++it;
+      continue;
+    }
+    t.on_host = true;
+    Retire(*it);
+    it = graph_d2h_.erase(it);
+    busy = true;
+  }
+  return busy;
+}
+
+void Engine::StageNext(Channel& c) {
+  // Copy the ticket the next round will most likely name into a staging cell now (on h2d, behind the
+  // offload's D2H), so that round's grant needs only a device-to-device copy into the channel cell.
+  if (c.staged) return;
+  StagingLease lease;
+  if (!staging_.Acquire(c.meta.nbytes, /*try_only=*/true, &lease).ok() || !lease) return;  // a hint
+  // Held until a later request: pinned, so it never counts towards the cells per size that the ring
+  // path and the offload rounds take turns on (two staged channels would otherwise starve them).
+  staging_.Pin(lease);
+  Source src;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::shared_ptr<Ticket> t = tickets_.Predict(c.meta);
+    if (!t) {
+      staging_.Return(&lease, nullptr);
+      return;
+    }
+    t->claimed_by = c.Claim();
+    t->pins += 1;
+    c.staged = t;
+    src = SourceOf(*t);
+  }
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "reload prefetch (graph)";
+  Status st;
+  if (!c.staged_event) st = Call(-1, stage, Entry::kEventCreate, [&] { return d.EventCreate(&c.staged_event, CU_EVENT_DISABLE_TIMING); });
+  if (st.ok()) st = CopyTicket(h2d_, src, lease.address, c.meta.nbytes, stage);
+  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.staged_event, h2d_); });
+  c.staged_lease = lease;
+  if (!st.ok()) {
+    d.StreamSynchronize(h2d_);
+    std::lock_guard<std::mutex> lock(mu_);
+    Unstage(c);
+  }
+}
+
+void Engine::FillInvalid(Channel& c) {
+  const DriverTable& d = Driver(backend_);
+  Status st;
+  if (c.cell_stream && c.cell_stream != fix_)
+    st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
+  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(c.cell, 0xFF, c.meta.nbytes, fix_); });
+  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
+  c.cell_stream = fix_;
+  if (!st.ok()) {
+    d.StreamSynchronize(fix_);
+    d.StreamSynchronize(h2d_);
+    c.cell_stream = nullptr;
+    ReportOn(c.stream, st);
+  }
+}
+
+bool Engine::ServiceReload(Channel& c) {
+  ChannelWords& w = *c.w;
+  const DriverTable& d = Driver(backend_);
+  bool busy = false;
+  if (w.done.load(std::memory_order_acquire) == 1) {
+    // The device copied the cell out: the round's ticket is consumed and the cell is free.
+    w.done.store(0, std::memory_order_relaxed);
+    busy = true;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (c.ticket) {
+        c.ticket->pins -= 1;
+        Retire(c.ticket);
+        c.ticket.reset();
+      }
+    }
+    c.round = Channel::Round::kIdle;
+    c.last_use = std::chrono::steady_clock::now();
+    ++c.rounds;
+    ++graph_stats_.reload_rounds;
+    StageNext(c);
+  }
+  if (c.round == Channel::Round::kIdle && (c.waiting || w.request.load(std::memory_order_acquire) == 1)) {
+    if (!c.waiting) w.request.store(0, std::memory_order_relaxed);
+    c.waiting = true;
+    busy = true;
+    if (!MapCell(c)) return busy;
+    const uint64_t token = w.probe.load(std::memory_order_acquire);
+    std::string why;
+    Source src;
+    bool hit = false;
+    std::shared_ptr<Ticket> a;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      a = tickets_.Find(token, &why);
+      if (a && (a->meta.nbytes != c.meta.nbytes || a->meta.signature != c.meta.signature)) {
+        why = TokenStr(token) + " holds " + std::to_string(a->meta.nbytes) + " bytes of another shape/dtype than the reload expects (" +
+              std::to_string(c.meta.nbytes) + " bytes)";
+        a = nullptr;
+      }
+      // Its offload's `filled` is not served yet (it precedes this request on the device, so the
+      // next pass serves it): its bytes are not on their way to the host yet.
+      if (a && !a->enqueued) return busy;
+      hit = a && a == c.staged;
+      if (a) {
+        a->consumed = true;
+        if (hit) {
+          if (a->claimed_by == c.Claim()) a->claimed_by = 0;
+          c.staged.reset();  // its pin now belongs to the round
+        } else {
+          a->pins += 1;
+          if (c.staged) tickets_.Learn(a, c.meta.signature);
+          Unstage(c);
+          src = SourceOf(*a);
+        }
+      } else {
+        Unstage(c);
+      }
+    }
+    c.ticket = a;
+    c.waiting = false;
+    c.round = Channel::Round::kGranted;
+    c.last_use = std::chrono::steady_clock::now();
+    if (hit) {
+      ++graph_stats_.hits;
+      // fix_: (after the staged copy and any copy still touching the cell) staging cell -> cell.
+      StagingLease lease = c.staged_lease;
+      c.staged_lease = StagingLease();
+      Status st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.staged_event, 0); });
+      if (st.ok() && c.cell_stream && c.cell_stream != fix_)
+        st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
+      if (st.ok()) st = Call(-1, "reload (graph)", Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c.cell, lease.address, c.meta.nbytes, fix_); });
+      if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
+      c.cell_stream = fix_;
+      staging_.Return(&lease, fix_);
+      if (!st.ok()) {
+        ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
+        FillInvalid(c);
+      }
+      Grant(&w.go, c);
+      StageNext(c);
+      return busy;
+    }
+    ++graph_stats_.misses;
+    if (!a) {
+      ReportOn(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
+                                                            "; the output was filled with 0xFF bytes"));
+      FillInvalid(c);
+      Grant(&w.go, c);
+      return busy;
+    }
+    // A correction on fix_, after any copy still running into the cell (a prefetch of another guess).
+    Status st;
+    if (c.cell_stream && c.cell_stream != fix_)
+      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
+    if (st.ok()) st = CopyTicket(fix_, src, c.cell, c.meta.nbytes, "reload (graph)");
+    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
+    c.cell_stream = fix_;
+    if (!st.ok()) {
+      ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
+      FillInvalid(c);
+    }
+    Grant(&w.go, c);
+    StageNext(c);
+  }
+  return busy;
+}
+
+bool Engine::GraphIdle() {
+  // Caller holds graph_mu_.
+  bool idle = graph_d2h_.empty();
+  channels_.ForEach([&](Channel& c) {
+    if (c.waiting || c.w->knock.load() || c.w->filled.load() || c.w->request.load() || c.w->done.load()) idle = false;
+    // A granted offload whose round never reached the device (its execution stopped) holds no work.
+    if (c.kind == ChannelKind::kReload && c.round != Channel::Round::kIdle) idle = false;
+  });
+  return idle;
+}
+
+void Engine::StopGraph() {
+  {
+    std::lock_guard<std::mutex> lock(graph_mu_);
+    poll_stop_ = true;
+  }
+  poll_cv_.notify_all();
+  if (poller_.joinable()) poller_.join();
+  const DriverTable& d = Driver(backend_);
+  for (CUstream s : {evac_, d2h_, h2d_, fix_})  // every copy into or out of a cell has finished
+    if (s) d.StreamSynchronize(s);
+  std::lock_guard<std::mutex> lock(graph_mu_);
+  channels_.ForEach([&](Channel& c) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      Unstage(c);
+      if (c.ticket) {
+        if (c.kind == ChannelKind::kReload) c.ticket->pins -= 1;
+        else c.ticket->dropped = c.ticket->on_host = true;
+        Retire(c.ticket);
+        c.ticket.reset();
+      }
+    }
+    UnmapCell(c);
+    if (c.slot_id >= 0) (void)Registry::Get().Close(c.slot_id);
+    c.slot_id = -1;
+    for (CUevent* e : {&c.cell_event, &c.staged_event}) {
+      if (*e) d.EventDestroy(*e);
+      *e = nullptr;
+    }
+  });
+}
+
+}  // namespace jaxvmm
