@@ -62,6 +62,9 @@ struct Channel {
   std::shared_ptr<Ticket> staged;
   StagingLease staged_lease;
   CUevent staged_event = nullptr;  // after the copy into staged_lease
+  // reload: the guess moved on into the cell once the previous round was done (cell_event follows
+  // that copy): a request naming it is granted at once.
+  std::shared_ptr<Ticket> in_cell;
   CUevent cell_event = nullptr;    // after the last side-stream copy into/out of the cell
   CUstream cell_stream = nullptr;  // the stream that copy ran on (grants are ordered after it)
   CUstream stream = nullptr;       // XLA's stream at the last Prepare: async errors are reported on it

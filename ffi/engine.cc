@@ -16,6 +16,7 @@ constexpr size_t kTimings = 4096;  // handler host times kept for the median
 std::atomic<int> g_keep{0};
 
 std::mutex g_engines_mu;
+bool g_final = false;  // the process is exiting: no engine may start again (guarded by g_engines_mu)
 std::map<std::pair<int, int>, std::unique_ptr<Engine>>& Engines() {
   static auto* m = new std::map<std::pair<int, int>, std::unique_ptr<Engine>>();
   return *m;
@@ -83,6 +84,9 @@ Status Engine::For(Backend b, int device, Engine** out) {
     *out = it->second.get();
     return Status();
   }
+  // A finalizer running after the exit shutdown (a ticket dropped during interpreter teardown) must
+  // not start threads that would outlive the statics they use.
+  if (g_final) return Status(Code::kUnavailable, "the offload engines were shut down (the process is exiting)");
   std::unique_ptr<Engine> e(new Engine(b, device));
   JAXVMM_RETURN_IF_ERROR(e->Init());
   *out = e.get();
@@ -97,10 +101,11 @@ std::vector<Engine*> Engine::All() {
   return v;
 }
 
-void Engine::ShutdownAll() {
+void Engine::ShutdownAll(bool final) {
   std::map<std::pair<int, int>, std::unique_ptr<Engine>> engines;
   {
     std::lock_guard<std::mutex> lock(g_engines_mu);
+    g_final = g_final || final;
     engines.swap(Engines());
   }
   for (auto& [k, e] : engines) {

@@ -85,8 +85,9 @@ class Engine {
  public:
   // The engine of (b, device), created on first use (streams, events, workers, pinned words).
   static Status For(Backend b, int device, Engine** out);
-  // Every engine: wait for outstanding work, return tickets' host memory, close staging cells.
-  static void ShutdownAll();
+  // Every engine: wait for outstanding work, return tickets' host memory, close staging cells. With
+  // `final` (interpreter exit) no engine is created afterwards: For() fails.
+  static void ShutdownAll(bool final = false);
   static std::vector<Engine*> All();
 
   // Host-time halves of the three handlers. `stream` is XLA's stream (nullptr on the cpu platform);
@@ -180,6 +181,7 @@ class Engine {
   bool ServiceOffload(Channel& c);  // caller holds graph_mu_ (as do the helpers below)
   bool ServiceReload(Channel& c);
   void StageNext(Channel& c);       // reload: copies the predicted next ticket into a staging cell
+  void MoveStagedIntoCell(Channel& c);  // reload, after a round: the staged guess into the idle cell
   // offload: copies the filled cell into a staging cell on evac_ (the cell is free again in
   // microseconds) and D2Hs from there; false: no staging cell, the caller D2Hs from the cell
   bool Evacuate(Channel& c, Ticket& t);
@@ -190,7 +192,7 @@ class Engine {
   void UnmapCell(Channel& c);
   size_t ReleaseIdleCells(bool now);  // cells of idle channels (after IdleMillis unless `now`)
   void Grant(std::atomic<uint64_t>* word, Channel& c);  // writes 1, ordered after the cell's last copy
-  void Unstage(Channel& c);         // drops a reload channel's staged prediction; caller holds mu_ too
+  void Unstage(Channel& c);         // drops a reload channel's guesses (staged, in the cell); caller holds mu_ too
   void ReportOn(CUstream stream, const Status& st);
   bool GraphIdle();                 // no round in progress, no D2H outstanding
   void StopGraph();                 // stops the poller, returns every channel's cell

@@ -233,12 +233,38 @@ void Engine::UnmapCell(Channel& c) {
 void Engine::Unstage(Channel& c) {
   // Caller holds graph_mu_ and mu_. The copy into the staging cell may still run: the cell's next user
   // waits for staged_event (recorded as the lease's free event on return).
-  if (!c.staged) return;
-  if (c.staged->claimed_by == c.Claim()) c.staged->claimed_by = 0;
-  c.staged->pins -= 1;
-  Retire(c.staged);
-  c.staged.reset();
+  for (std::shared_ptr<Ticket>* t : {&c.staged, &c.in_cell}) {
+    if (!*t) continue;
+    if ((*t)->claimed_by == c.Claim()) (*t)->claimed_by = 0;
+    (*t)->pins -= 1;
+    Retire(*t);
+    t->reset();
+  }
   staging_.Return(&c.staged_lease, h2d_);
+}
+
+void Engine::MoveStagedIntoCell(Channel& c) {
+  // The previous round copied the cell out (its `done` was seen): put the staged guess in the cell
+  // now, so a request that names it needs no copy at all.
+  if (!c.staged || c.in_cell || !c.mapped) return;
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "reload prefetch (graph)";
+  StagingLease lease = c.staged_lease;
+  c.staged_lease = StagingLease();
+  Status st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.staged_event, 0); });
+  if (st.ok() && c.cell_stream && c.cell_stream != fix_)
+    st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
+  if (st.ok()) st = Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c.cell, lease.address, c.meta.nbytes, fix_); });
+  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
+  c.cell_stream = fix_;
+  staging_.Return(&lease, fix_);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (st.ok()) {
+    c.in_cell = std::move(c.staged);  // its claim and pin move with it
+    return;
+  }
+  d.StreamSynchronize(fix_);
+  Unstage(c);  // a hint: the request copies what it needs
 }
 
 size_t Engine::ReleaseIdleCells(bool now) {
@@ -473,6 +499,7 @@ bool Engine::ServiceReload(Channel& c) {
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
     ++graph_stats_.reload_rounds;
+    MoveStagedIntoCell(c);
     StageNext(c);
   }
   if (c.round == Channel::Round::kIdle && (c.waiting || w.request.load(std::memory_order_acquire) == 1)) {
@@ -483,7 +510,7 @@ bool Engine::ServiceReload(Channel& c) {
     const uint64_t token = w.probe.load(std::memory_order_acquire);
     std::string why;
     Source src;
-    bool hit = false;
+    bool hit = false, in_cell = false;
     std::shared_ptr<Ticket> a;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -496,15 +523,16 @@ bool Engine::ServiceReload(Channel& c) {
       // Its offload's `filled` is not served yet (it precedes this request on the device, so the
       // next pass serves it): its bytes are not on their way to the host yet.
       if (a && !a->enqueued) return busy;
+      in_cell = a && a == c.in_cell;
       hit = a && a == c.staged;
       if (a) {
         a->consumed = true;
-        if (hit) {
+        if (in_cell || hit) {
           if (a->claimed_by == c.Claim()) a->claimed_by = 0;
-          c.staged.reset();  // its pin now belongs to the round
+          (in_cell ? c.in_cell : c.staged).reset();  // its pin now belongs to the round
         } else {
           a->pins += 1;
-          if (c.staged) tickets_.Learn(a, c.meta.signature);
+          if (c.staged || c.in_cell) tickets_.Learn(a, c.meta.signature);
           Unstage(c);
           src = SourceOf(*a);
         }
@@ -516,6 +544,12 @@ bool Engine::ServiceReload(Channel& c) {
     c.waiting = false;
     c.round = Channel::Round::kGranted;
     c.last_use = std::chrono::steady_clock::now();
+    if (in_cell) {
+      ++graph_stats_.hits;
+      Grant(&w.go, c);  // after the copy into the cell (at once if it is done)
+      StageNext(c);
+      return busy;
+    }
     if (hit) {
       ++graph_stats_.hits;
       // fix_: (after the staged copy and any copy still touching the cell) staging cell -> cell.

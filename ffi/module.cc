@@ -497,11 +497,11 @@ NB_MODULE(_jaxvmm, m) {
     nb::gil_scoped_release nogil;
     return Registry::Get().RetryQuarantine();
   });
-  m.def("close_all", [] {
+  m.def("close_all", [](bool final) {
     nb::gil_scoped_release nogil;
-    Engine::ShutdownAll();
+    Engine::ShutdownAll(final);
     Registry::Get().CloseAll();
-  });
+  }, nb::arg("final") = false);
 
   // ---- offload engine ----
   m.def("handlers", [] {
@@ -585,8 +585,10 @@ NB_MODULE(_jaxvmm, m) {
     }
     Check(st);
   });
-  m.def("engine_drop", [engine](const std::string& backend, int device, uint64_t token) {
-    engine(backend, device)->Drop(token);
+  m.def("engine_drop", [](const std::string& backend, int device, uint64_t token) {
+    // Best effort (Python finalizers): nothing to drop once the engines are gone.
+    Engine* e = nullptr;
+    if (Engine::For(ParseBackend(backend), device, &e).ok()) e->Drop(token);
   });
   m.def("engine_check", [engine](const std::string& backend, int device, uint64_t token, uint64_t nbytes,
                                  int64_t signature, bool reserve) {

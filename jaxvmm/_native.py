@@ -27,7 +27,7 @@ _config.load(lib)
 def _close_all_at_exit() -> None:
     # Return every slot's pages and reservations while the driver is still loaded.
     try:
-        lib.close_all()
+        lib.close_all(final=True)  # and no engine starts again (finalizers run after this)
     except Exception:  # noqa: BLE001 - nothing useful can be raised at exit
         pass
 

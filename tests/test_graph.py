@@ -256,3 +256,58 @@ def test_staged_predictions_never_starve_offload_rounds():
     ''')
     proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_PREFETCH_DEPTH": "2"}, timeout=60)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_failed_evacuation_falls_back_to_a_direct_d2h(slots, platform_device, engine_hygiene):
+    """The poller's device copy out of an offload cell fails: the round's D2H is taken straight from the
+    cell instead, and the data still round-trips (no error: nothing was lost)."""
+    if platform_device != "cpu":
+        pytest.skip("fault injection runs on the cpu backend")
+    x, y, tok = slots(N), slots(N), slots(8)
+    before = stats(platform_device)
+    with Replay(platform_device) as r:
+        g = round_trip_graph(r, x, y, tok)
+        x.write(data(11))
+        with jaxvmm.testing.fault("cuMemcpyDtoDAsync", times=-1, error="CUDA_ERROR_LAUNCH_FAILED", device="cpu"):
+            r.launch(g)
+            r.synchronize()
+            jaxvmm.synchronize()
+        assert np.array_equal(read(y), data(11))
+    after = stats(platform_device)
+    assert after["errors"] == before["errors"]
+    assert after["tickets_live"] == before["tickets_live"]
+
+
+def test_a_failed_correction_gives_0xff_not_another_tickets_bytes(slots, platform_device, engine_hygiene):
+    """A reload round whose ticket was not predicted needs an H2D into its cell; when that fails, the
+    round is released onto 0xFF bytes (never onto whatever the cell held) and the error is reported."""
+    if platform_device != "cpu":
+        pytest.skip("fault injection runs on the cpu backend")
+    x, y, tok = slots(N), slots(N), slots(8)
+    off, rel = next(_sites), next(_sites)
+    with Replay(platform_device) as r:
+        r.prepare(off, r.OFFLOAD, N)
+        r.prepare(rel, r.RELOAD, N)
+        with r.capture() as fwd:
+            r.offload(off, x.address, N, tok.address)
+        with r.capture() as bwd:
+            r.reload(rel, tok.address, y.address, N)
+        tokens = []
+        for i in range(3):
+            x.write(data(20 + i))
+            r.launch(fwd[0])
+            r.synchronize()
+            tokens.append(bytes(tok.read()))
+        tok.write(np.frombuffer(tokens[2], np.uint8))
+        r.launch(bwd[0])  # the newest: now the channel stages tokens[1] as its guess
+        r.synchronize()
+        assert np.array_equal(read(y), data(22))
+        tok.write(np.frombuffer(tokens[0], np.uint8))  # not the guess: a correction (H2D) is needed
+        with jaxvmm.testing.fault("cuMemcpyHtoDAsync", times=-1, device="cpu"):
+            r.launch(bwd[0])
+            r.synchronize()
+            jaxvmm.synchronize()
+        assert np.all(read(y) == 0xFF)
+        with pytest.raises(jaxvmm.errors.VmmError, match="filled with 0xFF"):
+            jaxvmm.check()
+    jaxvmm.collect()
