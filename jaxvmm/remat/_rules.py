@@ -27,6 +27,7 @@ import jax.extend.core
 import numpy as np
 from jax._src import ad_util as _ad_util
 from jax._src import core as _core
+from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 from jax._src import ad_checkpoint as _adc
 from jax._src.dispatch import device_put_p as _device_put_p
@@ -252,28 +253,44 @@ _CALLED_TWICE = (
     "cotangents with jax.vmap into one call, or use a saving policy (jax.checkpoint_policies) there")
 
 
-def _reload_impl(token, *, shape, dtype):
+def _reload_impl(token, *, shape, dtype, sharded=False):
     try:
-        return ops.reload(ops.Ticket(token, shape, dtype))
+        return ops.reload(ops.Ticket(token, shape, dtype, sharded))
     except errors.InvalidArgumentError as e:
         if "already reloaded" in str(e) or "reserved" in str(e):
             raise errors.InvalidArgumentError(f"{_CALLED_TWICE} ({e})", code="invalid_argument") from e
         raise
 
 
-def _reload_batch(args, dims, *, shape, dtype):
+def _reload_batch(args, dims, *, shape, dtype, sharded=False):
     (token,), (d,) = args, dims
     if d is None:
-        return reload_p.bind(token, shape=shape, dtype=dtype), None
-    out = jax.vmap(lambda t: ops.reload(ops.Ticket(t, shape, dtype)), in_axes=d)(token)
+        return reload_p.bind(token, shape=shape, dtype=dtype, sharded=sharded), None
+    out = jax.vmap(lambda t: ops.reload(ops.Ticket(t, shape, dtype, sharded)), in_axes=d)(token)
     return out, 0
 
 
+def _reload_abstract(token, *, shape, dtype, sharded=False):
+    if not sharded:
+        return _core.ShapedArray(shape, dtype)
+    # A sharded ticket's token (uint32[*dims, 2]) is sharded like the data it reloads (jaxvmm._sharded).
+    s = getattr(token, "sharding", None)
+    spec = getattr(s, "spec", None)
+    if s is None or spec is None:
+        return _core.ShapedArray(shape, dtype)
+    return _core.ShapedArray(shape, dtype, sharding=s.update(spec=type(spec)(*tuple(spec)[:len(shape)])))
+
+
 reload_p.def_impl(_reload_impl)
-reload_p.def_abstract_eval(lambda token, *, shape, dtype: _core.ShapedArray(shape, dtype))
+reload_p.def_abstract_eval(_reload_abstract)
 _mlir.register_lowering(reload_p, _mlir.lower_fun(
-    lambda token, *, shape, dtype: ops.reload(ops.Ticket(token, shape, dtype)), multiple_results=False))
+    lambda token, *, shape, dtype, sharded=False: ops.reload(ops.Ticket(token, shape, dtype, sharded)),
+    multiple_results=False))
 _batching.primitive_batchers[reload_p] = _reload_batch
+# A sharded reload lowers to a custom_partitioning call, which needs the program's devices while it is
+# lowered: say so, as custom_partitioning does for itself (else JAX lowers e.g. an eagerly dispatched
+# scan of a backward pass without a device assignment and custom_partitioning asserts).
+getattr(_dispatch, "prim_requires_devices_during_lowering", set()).add(reload_p)
 
 
 def _with_reloads(jaxpr, infos):
@@ -285,10 +302,10 @@ def _with_reloads(jaxpr, infos):
     avals = [info[3] if info else v.aval for v, info in zip(jaxpr.invars[:n], infos)] + [v.aval for v in jaxpr.invars[n:]]
 
     def load(a, info):
+        # The ticket says how it was offloaded (sharded: each device its own shard, jaxvmm._sharded); the
+        # reload follows it, whatever context the staged body is later traced or evaluated in.
         shape, dtype, sharded, _ = info
-        if sharded:  # each device reloads its own shard (jaxvmm._sharded)
-            return ops.reload(ops.Ticket(a, shape, dtype, True))
-        return reload_p.bind(a, shape=shape, dtype=dtype)
+        return reload_p.bind(a, shape=shape, dtype=dtype, sharded=sharded)
 
     def staged(*args):
         res = [load(a, info) if info else a for a, info in zip(args[:n], infos)]
