@@ -11,10 +11,7 @@ ChannelTable::~ChannelTable() {
 
 Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out, bool* created) {
   *created = false;
-  if (Channel* c = Find(site, kind)) {
-    if (c->meta.nbytes != meta.nbytes || c->meta.signature != meta.signature)
-      return Status(Code::kInvalidArgument, "call site " + std::to_string(site) + " was prepared for " + std::to_string(c->meta.nbytes) +
-                                                " bytes and now runs with " + std::to_string(meta.nbytes));
+  if (Channel* c = Find(site, kind, meta)) {
     *out = c;
     return Status();
   }
@@ -39,14 +36,14 @@ Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta
     word->store(0, std::memory_order_relaxed);
   c->last_use = std::chrono::steady_clock::now();
   *out = c.get();
-  by_site_[{site, static_cast<int>(kind)}] = c.get();
+  by_site_[Key{site, static_cast<int>(kind), meta.nbytes, meta.signature}] = c.get();
   channels_.push_back(std::move(c));
   *created = true;
   return Status();
 }
 
-Channel* ChannelTable::Find(int64_t site, ChannelKind kind) {
-  auto it = by_site_.find({site, static_cast<int>(kind)});
+Channel* ChannelTable::Find(int64_t site, ChannelKind kind, const ArrayMeta& meta) {
+  auto it = by_site_.find(Key{site, static_cast<int>(kind), meta.nbytes, meta.signature});
   return it == by_site_.end() ? nullptr : it->second;
 }
 

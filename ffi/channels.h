@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "status.h"
@@ -57,14 +58,7 @@ struct Channel {
   Round round = Round::kIdle;
   bool waiting = false;   // a knock/request seen but not granted yet (no budget, data not enqueued)
   std::shared_ptr<Ticket> ticket;  // offload: the granted round's ticket; reload: the round's ticket
-  // reload: the ticket the next round will most likely name, copied ahead of time (on h2d) into a
-  // staging cell of the ring; its request then only needs a device-to-device copy into the cell.
-  std::shared_ptr<Ticket> staged;
-  StagingLease staged_lease;
-  CUevent staged_event = nullptr;  // after the copy into staged_lease
-  // reload: the guess moved on into the cell once the previous round was done (cell_event follows
-  // that copy): a request naming it is granted at once.
-  std::shared_ptr<Ticket> in_cell;
+  std::shared_ptr<Ticket> loaded;  // reload: the predicted ticket copied into the cell ahead of time
   CUevent cell_event = nullptr;    // after the last side-stream copy into/out of the cell
   CUstream cell_stream = nullptr;  // the stream that copy ran on (grants are ordered after it)
   CUstream stream = nullptr;       // XLA's stream at the last Prepare: async errors are reported on it
@@ -82,11 +76,13 @@ class ChannelTable {
   ChannelTable(const ChannelTable&) = delete;
   ChannelTable& operator=(const ChannelTable&) = delete;
 
-  // The channel of (site, kind), created with fresh words when new (may grow the arena: only ever
-  // called from the initialize stage, outside any capture). *created says whether it is new.
+  // The channel of (site, kind, array), created with fresh words when new (may grow the arena: only
+  // ever called from the initialize stage, outside any capture). *created says whether it is new. One
+  // traced call site can be compiled for several shapes (a sharded and an unsharded program, say), so
+  // the array's size and signature are part of the key.
   Status GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out, bool* created);
-  // The channel of (site, kind), or null (capture: never creates).
-  Channel* Find(int64_t site, ChannelKind kind);
+  // The channel of (site, kind, array), or null (capture: never creates).
+  Channel* Find(int64_t site, ChannelKind kind, const ArrayMeta& meta);
   template <typename F>
   void ForEach(F f) {
     for (auto& c : channels_) f(*c);
@@ -100,7 +96,8 @@ class ChannelTable {
   std::vector<ChannelWords*> chunks_;  // pinned, kWordsPerChunk lines each
   size_t used_ = 0;                    // lines handed out
   std::vector<std::unique_ptr<Channel>> channels_;
-  std::map<std::pair<int64_t, int>, Channel*> by_site_;
+  using Key = std::tuple<int64_t, int, size_t, int64_t>;  // site, kind, nbytes, signature
+  std::map<Key, Channel*> by_site_;
 };
 
 }  // namespace jaxvmm

@@ -180,19 +180,14 @@ class Engine {
   void Poll();                   // the poller thread
   bool ServiceOffload(Channel& c);  // caller holds graph_mu_ (as do the helpers below)
   bool ServiceReload(Channel& c);
-  void StageNext(Channel& c);       // reload: copies the predicted next ticket into a staging cell
-  void MoveStagedIntoCell(Channel& c);  // reload, after a round: the staged guess into the idle cell
-  // offload: copies the filled cell into a staging cell on evac_ (the cell is free again in
-  // microseconds) and D2Hs from there; false: no staging cell, the caller D2Hs from the cell
-  bool Evacuate(Channel& c, Ticket& t);
+  void PrefetchInto(Channel& c);    // copies the predicted ticket into an idle reload cell
   void FillInvalid(Channel& c);     // 0xFF into the cell, ordered after every copy into it
-  void Enqueued(Channel& c, const std::shared_ptr<Ticket>& t, const Status& st);  // D2H enqueued (or not)
   bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
   bool MapCell(Channel& c);         // pages for the cell within the staging budget; false: not now
   void UnmapCell(Channel& c);
   size_t ReleaseIdleCells(bool now);  // cells of idle channels (after IdleMillis unless `now`)
   void Grant(std::atomic<uint64_t>* word, Channel& c);  // writes 1, ordered after the cell's last copy
-  void Unstage(Channel& c);         // drops a reload channel's guesses (staged, in the cell); caller holds mu_ too
+  void Unload(Channel& c);          // drops the prediction a reload cell holds; caller holds mu_ too
   void ReportOn(CUstream stream, const Status& st);
   bool GraphIdle();                 // no round in progress, no D2H outstanding
   void StopGraph();                 // stops the poller, returns every channel's cell
@@ -207,8 +202,7 @@ class Engine {
   StagingArea staging_;
   // d2h_: offload copies out; h2d_: reload prefetches (in handler order); fix_: the resolver's
   // corrections and prefetch-hint copies; ctl_: event waits and host functions only.
-  // evac_: graph-mode offloads' device copies out of their channel cells (ahead of the D2H).
-  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr, evac_ = nullptr;
+  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr;
   Words* words_ = nullptr;  // pinned, kRing entries
   std::vector<Op> ops_;
 

@@ -123,7 +123,7 @@ Status Engine::MappedForCapture(Channel& c) {
 
 Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
   std::lock_guard<std::mutex> lock(graph_mu_);
-  Channel* c = channels_.Find(site, ChannelKind::kOffload);
+  Channel* c = channels_.Find(site, ChannelKind::kOffload, meta);
   if (!c || c->slot_id < 0)
     return Status(Code::kInternal, "offload call site " + std::to_string(site) +
                                        " is being captured into a command buffer but its initialize stage never ran");
@@ -148,7 +148,7 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
 
 Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
   std::lock_guard<std::mutex> lock(graph_mu_);
-  Channel* c = channels_.Find(site, ChannelKind::kReload);
+  Channel* c = channels_.Find(site, ChannelKind::kReload, meta);
   if (!c || c->slot_id < 0)
     return Status(Code::kInternal, "reload call site " + std::to_string(site) +
                                        " is being captured into a command buffer but its initialize stage never ran");
@@ -230,41 +230,13 @@ void Engine::UnmapCell(Channel& c) {
   ++graph_stats_.pages_returned;
 }
 
-void Engine::Unstage(Channel& c) {
-  // Caller holds graph_mu_ and mu_. The copy into the staging cell may still run: the cell's next user
-  // waits for staged_event (recorded as the lease's free event on return).
-  for (std::shared_ptr<Ticket>* t : {&c.staged, &c.in_cell}) {
-    if (!*t) continue;
-    if ((*t)->claimed_by == c.Claim()) (*t)->claimed_by = 0;
-    (*t)->pins -= 1;
-    Retire(*t);
-    t->reset();
-  }
-  staging_.Return(&c.staged_lease, h2d_);
-}
-
-void Engine::MoveStagedIntoCell(Channel& c) {
-  // The previous round copied the cell out (its `done` was seen): put the staged guess in the cell
-  // now, so a request that names it needs no copy at all.
-  if (!c.staged || c.in_cell || !c.mapped) return;
-  const DriverTable& d = Driver(backend_);
-  const char* stage = "reload prefetch (graph)";
-  StagingLease lease = c.staged_lease;
-  c.staged_lease = StagingLease();
-  Status st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.staged_event, 0); });
-  if (st.ok() && c.cell_stream && c.cell_stream != fix_)
-    st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
-  if (st.ok()) st = Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c.cell, lease.address, c.meta.nbytes, fix_); });
-  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
-  c.cell_stream = fix_;
-  staging_.Return(&lease, fix_);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (st.ok()) {
-    c.in_cell = std::move(c.staged);  // its claim and pin move with it
-    return;
-  }
-  d.StreamSynchronize(fix_);
-  Unstage(c);  // a hint: the request copies what it needs
+void Engine::Unload(Channel& c) {
+  // Caller holds graph_mu_ and mu_.
+  if (!c.loaded) return;
+  if (c.loaded->claimed_by == c.Claim()) c.loaded->claimed_by = 0;
+  c.loaded->pins -= 1;
+  Retire(c.loaded);
+  c.loaded.reset();
 }
 
 size_t Engine::ReleaseIdleCells(bool now) {
@@ -278,7 +250,7 @@ size_t Engine::ReleaseIdleCells(bool now) {
     if (c.cell_stream && d.EventQuery(c.cell_event) != CUDA_SUCCESS) return;  // a copy still uses it
     {
       std::lock_guard<std::mutex> lock(mu_);
-      Unstage(c);
+      Unload(c);
     }
     UnmapCell(c);
     if (!c.mapped) released += c.cell_size;
@@ -311,16 +283,23 @@ bool Engine::ServiceOffload(Channel& c) {
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
     ++graph_stats_.offload_rounds;
-    if (t && !Evacuate(c, *t)) {
-      // No staging cell: D2H straight out of the channel cell (its next round waits for it).
+    if (t) {
       const char* stage = "offload (graph)";
       Status st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t->host.ptr, c.cell, c.meta.nbytes, d2h_); });
       if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); });
       if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, d2h_); });
       c.cell_stream = d2h_;
-      Enqueued(c, t, st);
-    } else if (t) {
-      Enqueued(c, t, Status());
+      std::lock_guard<std::mutex> lock(mu_);
+      if (st.ok()) {
+        t->enqueued = true;
+        graph_d2h_.push_back(t);
+      } else {
+        d.StreamSynchronize(d2h_);
+        t->on_host = t->dropped = true;  // its bytes never reached the host: a reload of it fails
+        Retire(t);
+        errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
+        ++stats_.errors;
+      }
     }
   }
   // A round waits for its grant. Only one grant is outstanding at a time: a knock that arrives while
@@ -361,53 +340,6 @@ bool Engine::ServiceOffload(Channel& c) {
   return busy;
 }
 
-void Engine::Enqueued(Channel& c, const std::shared_ptr<Ticket>& t, const Status& st) {
-  // The round's D2H is enqueued (or failed to be): the ticket is reloadable, or dropped.
-  std::lock_guard<std::mutex> lock(mu_);
-  if (st.ok()) {
-    t->enqueued = true;
-    graph_d2h_.push_back(t);
-    return;
-  }
-  Driver(backend_).StreamSynchronize(d2h_);
-  t->on_host = t->dropped = true;  // its bytes never reached the host: a reload of it fails
-  Retire(t);
-  errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
-  ++stats_.errors;
-}
-
-bool Engine::Evacuate(Channel& c, Ticket& t) {
-  // evac_: (after the staging cell's previous D2H) cell -> staging cell; the channel cell is free once
-  // that device copy is done. d2h_: staging cell -> the ticket's host block.
-  StagingLease lease;
-  if (!staging_.Acquire(c.meta.nbytes, /*try_only=*/false, &lease).ok() || !lease) return false;
-  const DriverTable& d = Driver(backend_);
-  const char* stage = "offload (graph)";
-  Status st;
-  if (lease.wait) st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(evac_, lease.wait, 0); });
-  if (st.ok()) st = Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(lease.address, c.cell, c.meta.nbytes, evac_); });
-  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, evac_); });
-  if (!st.ok()) {
-    d.StreamSynchronize(evac_);
-    staging_.Return(&lease, nullptr);
-    return false;
-  }
-  c.cell_stream = evac_;
-  st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(d2h_, c.cell_event, 0); });
-  if (st.ok()) st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t.host.ptr, lease.address, c.meta.nbytes, d2h_); });
-  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t.d2h_done, d2h_); });
-  if (!st.ok()) {
-    // The copy into the staging cell happened: D2H from it synchronously, or give up on the ticket.
-    d.StreamSynchronize(evac_);
-    d.StreamSynchronize(d2h_);
-    st = Call(-1, stage, Entry::kMemcpyDtoH, [&] { return d.MemcpyDtoH(t.host.ptr, lease.address, c.meta.nbytes); });
-    if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t.d2h_done, d2h_); });
-  }
-  staging_.Return(&lease, d2h_);  // its next user waits for the D2H
-  if (!st.ok()) ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload D2H)"));
-  return true;
-}
-
 bool Engine::ReapOffloads() {
   if (graph_d2h_.empty()) return false;
   const DriverTable& d = Driver(backend_);
@@ -427,39 +359,28 @@ bool Engine::ReapOffloads() {
   return busy;
 }
 
-void Engine::StageNext(Channel& c) {
-  // Copy the ticket the next round will most likely name into a staging cell now (on h2d, behind the
-  // offload's D2H), so that round's grant needs only a device-to-device copy into the channel cell.
-  if (c.staged) return;
-  StagingLease lease;
-  if (!staging_.Acquire(c.meta.nbytes, /*try_only=*/true, &lease).ok() || !lease) return;  // a hint
-  // Held until a later request: pinned, so it never counts towards the cells per size that the ring
-  // path and the offload rounds take turns on (two staged channels would otherwise starve them).
-  staging_.Pin(lease);
+void Engine::PrefetchInto(Channel& c) {
+  // The previous round's copy out of the cell is done (its `done` was seen): fill the cell with the
+  // ticket the next round will most likely name, so its grant needs no copy on the device's path.
+  if (!c.mapped || c.loaded) return;
   Source src;
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::shared_ptr<Ticket> t = tickets_.Predict(c.meta);
-    if (!t) {
-      staging_.Return(&lease, nullptr);
-      return;
-    }
+    if (!t) return;
     t->claimed_by = c.Claim();
     t->pins += 1;
-    c.staged = t;
+    c.loaded = t;
     src = SourceOf(*t);
   }
   const DriverTable& d = Driver(backend_);
-  const char* stage = "reload prefetch (graph)";
-  Status st;
-  if (!c.staged_event) st = Call(-1, stage, Entry::kEventCreate, [&] { return d.EventCreate(&c.staged_event, CU_EVENT_DISABLE_TIMING); });
-  if (st.ok()) st = CopyTicket(h2d_, src, lease.address, c.meta.nbytes, stage);
-  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.staged_event, h2d_); });
-  c.staged_lease = lease;
+  Status st = CopyTicket(h2d_, src, c.cell, c.meta.nbytes, "reload prefetch (graph)");
+  if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, h2d_); });
+  c.cell_stream = h2d_;
   if (!st.ok()) {
     d.StreamSynchronize(h2d_);
     std::lock_guard<std::mutex> lock(mu_);
-    Unstage(c);
+    Unload(c);  // a hint: the request copies what it needs
   }
 }
 
@@ -499,8 +420,7 @@ bool Engine::ServiceReload(Channel& c) {
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
     ++graph_stats_.reload_rounds;
-    MoveStagedIntoCell(c);
-    StageNext(c);
+    PrefetchInto(c);
   }
   if (c.round == Channel::Round::kIdle && (c.waiting || w.request.load(std::memory_order_acquire) == 1)) {
     if (!c.waiting) w.request.store(0, std::memory_order_relaxed);
@@ -510,7 +430,7 @@ bool Engine::ServiceReload(Channel& c) {
     const uint64_t token = w.probe.load(std::memory_order_acquire);
     std::string why;
     Source src;
-    bool hit = false, in_cell = false;
+    bool hit = false;
     std::shared_ptr<Ticket> a;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -523,51 +443,29 @@ bool Engine::ServiceReload(Channel& c) {
       // Its offload's `filled` is not served yet (it precedes this request on the device, so the
       // next pass serves it): its bytes are not on their way to the host yet.
       if (a && !a->enqueued) return busy;
-      in_cell = a && a == c.in_cell;
-      hit = a && a == c.staged;
+      hit = a && a == c.loaded;
       if (a) {
         a->consumed = true;
-        if (in_cell || hit) {
+        if (hit) {
           if (a->claimed_by == c.Claim()) a->claimed_by = 0;
-          (in_cell ? c.in_cell : c.staged).reset();  // its pin now belongs to the round
+          c.loaded.reset();  // its pin now belongs to the round
         } else {
           a->pins += 1;
-          if (c.staged || c.in_cell) tickets_.Learn(a, c.meta.signature);
-          Unstage(c);
+          if (c.loaded) tickets_.Learn(a, c.meta.signature);
+          Unload(c);
           src = SourceOf(*a);
         }
       } else {
-        Unstage(c);
+        Unload(c);
       }
     }
     c.ticket = a;
     c.waiting = false;
     c.round = Channel::Round::kGranted;
     c.last_use = std::chrono::steady_clock::now();
-    if (in_cell) {
-      ++graph_stats_.hits;
-      Grant(&w.go, c);  // after the copy into the cell (at once if it is done)
-      StageNext(c);
-      return busy;
-    }
     if (hit) {
       ++graph_stats_.hits;
-      // fix_: (after the staged copy and any copy still touching the cell) staging cell -> cell.
-      StagingLease lease = c.staged_lease;
-      c.staged_lease = StagingLease();
-      Status st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.staged_event, 0); });
-      if (st.ok() && c.cell_stream && c.cell_stream != fix_)
-        st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
-      if (st.ok()) st = Call(-1, "reload (graph)", Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c.cell, lease.address, c.meta.nbytes, fix_); });
-      if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
-      c.cell_stream = fix_;
-      staging_.Return(&lease, fix_);
-      if (!st.ok()) {
-        ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
-        FillInvalid(c);
-      }
-      Grant(&w.go, c);
-      StageNext(c);
+      Grant(&w.go, c);  // after the prefetch copy
       return busy;
     }
     ++graph_stats_.misses;
@@ -590,7 +488,6 @@ bool Engine::ServiceReload(Channel& c) {
       FillInvalid(c);
     }
     Grant(&w.go, c);
-    StageNext(c);
   }
   return busy;
 }
@@ -614,13 +511,13 @@ void Engine::StopGraph() {
   poll_cv_.notify_all();
   if (poller_.joinable()) poller_.join();
   const DriverTable& d = Driver(backend_);
-  for (CUstream s : {evac_, d2h_, h2d_, fix_})  // every copy into or out of a cell has finished
+  for (CUstream s : {d2h_, h2d_, fix_})  // every copy into or out of a cell has finished
     if (s) d.StreamSynchronize(s);
   std::lock_guard<std::mutex> lock(graph_mu_);
   channels_.ForEach([&](Channel& c) {
     {
       std::lock_guard<std::mutex> l(mu_);
-      Unstage(c);
+      Unload(c);
       if (c.ticket) {
         if (c.kind == ChannelKind::kReload) c.ticket->pins -= 1;
         else c.ticket->dropped = c.ticket->on_host = true;
@@ -631,10 +528,8 @@ void Engine::StopGraph() {
     UnmapCell(c);
     if (c.slot_id >= 0) (void)Registry::Get().Close(c.slot_id);
     c.slot_id = -1;
-    for (CUevent* e : {&c.cell_event, &c.staged_event}) {
-      if (*e) d.EventDestroy(*e);
-      *e = nullptr;
-    }
+    if (c.cell_event) d.EventDestroy(c.cell_event);
+    c.cell_event = nullptr;
   });
 }
 

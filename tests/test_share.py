@@ -333,7 +333,9 @@ def _listen():
 
 
 def _peer(role: str, path: str, device: str = "cpu", env: dict | None = None) -> subprocess.Popen:
-    full = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), **(env or {}))
+    full = dict(os.environ)
+    full["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cpu")
+    full.update(env or {})  # may override JAX_PLATFORMS (the GPU peers do)
     full.pop("PYTHONFAULTHANDLER", None)
     return subprocess.Popen([sys.executable, "-c", PEER, role, path, device], env=full,
                             cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
