@@ -112,6 +112,7 @@ VARIABLES = {
         EnvVar("JAXVMM_GRAPH", "bool", doc="let XLA capture the CUDA handlers into command buffers (on)"),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
         EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
+        EnvVar("JAXVMM_REQUIRE_2GPU", "bool", doc="tests: a 2-GPU test with fewer GPUs fails instead of skipping (off)"),
     )
 }
 

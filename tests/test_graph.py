@@ -67,6 +67,29 @@ def round_trip_graph(r: Replay, x, y, tok, n: int = N):
     return g[0]
 
 
+def forward_backward_graphs(r: Replay, x, y, tok, n: int = N):
+    """An offload-only graph (a forward pass) and a reload-only graph (a backward pass)."""
+    off, rel = next(_sites), next(_sites)
+    r.prepare(off, r.OFFLOAD, n)
+    r.prepare(rel, r.RELOAD, n)
+    with r.capture() as fwd:
+        r.offload(off, x.address, n, tok.address)
+    with r.capture() as bwd:
+        r.reload(rel, tok.address, y.address, n)
+    return fwd[0], bwd[0]
+
+
+def offload_rounds(r: Replay, fwd, x, tok, seeds) -> list[bytes]:
+    """Replays the forward graph once per seed; returns the token of each round."""
+    tokens = []
+    for i in seeds:
+        x.write(data(i))
+        r.launch(fwd)
+        r.synchronize()
+        tokens.append(bytes(tok.read()))
+    return tokens
+
+
 def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, engine_hygiene):
     x, y, tok = slots(N), slots(N), slots(8)
     before = stats(platform_device)
@@ -93,25 +116,14 @@ def test_tickets_cross_graphs_and_reloads_are_predicted(platform_device, slots, 
     reverse (the backward pass): every reload after the first finds its ticket already in the cell."""
     K = 8
     x, y, tok = slots(N), slots(N), slots(8)
-    off, rel = next(_sites), next(_sites)
     before = stats(platform_device)
     with Replay(platform_device) as r:
-        r.prepare(off, r.OFFLOAD, N)
-        r.prepare(rel, r.RELOAD, N)
-        with r.capture() as fwd:
-            r.offload(off, x.address, N, tok.address)
-        with r.capture() as bwd:
-            r.reload(rel, tok.address, y.address, N)
-        tokens = []
-        for i in range(K):
-            x.write(data(i))
-            r.launch(fwd[0])
-            r.synchronize()
-            tokens.append(bytes(tok.read()))
+        fwd, bwd = forward_backward_graphs(r, x, y, tok)
+        tokens = offload_rounds(r, fwd, x, tok, range(K))
         assert len(set(tokens)) == K  # a fresh ticket every replay
         for i in reversed(range(K)):
             tok.write(np.frombuffer(tokens[i], np.uint8))
-            r.launch(bwd[0])
+            r.launch(bwd)
             r.synchronize()
             assert np.array_equal(read(y), data(i)), f"ticket {i}"
     after = stats(platform_device)
@@ -265,27 +277,16 @@ def test_a_failed_correction_gives_0xff_not_another_tickets_bytes(slots, platfor
     if platform_device != "cpu":
         pytest.skip("fault injection runs on the cpu backend")
     x, y, tok = slots(N), slots(N), slots(8)
-    off, rel = next(_sites), next(_sites)
     with Replay(platform_device) as r:
-        r.prepare(off, r.OFFLOAD, N)
-        r.prepare(rel, r.RELOAD, N)
-        with r.capture() as fwd:
-            r.offload(off, x.address, N, tok.address)
-        with r.capture() as bwd:
-            r.reload(rel, tok.address, y.address, N)
-        tokens = []
-        for i in range(3):
-            x.write(data(20 + i))
-            r.launch(fwd[0])
-            r.synchronize()
-            tokens.append(bytes(tok.read()))
+        fwd, bwd = forward_backward_graphs(r, x, y, tok)
+        tokens = offload_rounds(r, fwd, x, tok, (20, 21, 22))
         tok.write(np.frombuffer(tokens[2], np.uint8))
-        r.launch(bwd[0])  # the newest: now the channel stages tokens[1] as its guess
+        r.launch(bwd)  # the newest: then the channel prefetches tokens[1], its guess, into the cell
         r.synchronize()
         assert np.array_equal(read(y), data(22))
         tok.write(np.frombuffer(tokens[0], np.uint8))  # not the guess: a correction (H2D) is needed
         with jaxvmm.testing.fault("cuMemcpyHtoDAsync", times=-1, device="cpu"):
-            r.launch(bwd[0])
+            r.launch(bwd)
             r.synchronize()
             jaxvmm.synchronize()
         assert np.all(read(y) == 0xFF)
