@@ -175,7 +175,9 @@ class Engine {
   Status Capturing(CUstream stream, bool* capturing);
   Status CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out);
   Status CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta);
-  Status MappedForCapture(Channel& c);  // caller holds graph_mu_
+  // Caller holds graph_mu_: the prepared channel of a call site being captured, its cell mapped.
+  Status CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out);
+  void Recorded(Channel& c);  // caller holds graph_mu_: counts the recording, wakes the poller
   void WakePoller();             // caller holds graph_mu_
   void Poll();                   // the poller thread
   bool ServiceOffload(Channel& c);  // caller holds graph_mu_ (as do the helpers below)

@@ -113,22 +113,33 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   return Status();
 }
 
-Status Engine::MappedForCapture(Channel& c) {
-  // Caller holds graph_mu_. A re-recording (XLA saw new buffer addresses) may find the cell idle and
-  // returned: map it again so the capture names mapped memory (page calls, not stream work).
-  if (c.mapped || MapCell(c)) return Status();
-  return Status(Code::kOutOfMemory, "graph-mode cell of call site " + std::to_string(c.site) +
-                                        " could not be mapped for capture within the staging budget");
+Status Engine::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out) {
+  // Caller holds graph_mu_. The channel the initialize stage prepared; a re-recording (XLA saw new
+  // buffer addresses) may find its cell idle and returned: map it again so the capture names mapped
+  // memory (page calls, not stream work).
+  const char* what = kind == ChannelKind::kOffload ? "offload" : "reload";
+  Channel* c = channels_.Find(site, kind, meta);
+  if (!c || c->slot_id < 0)
+    return Status(Code::kInternal, std::string(what) + " call site " + std::to_string(site) +
+                                       " is being captured into a command buffer but its initialize stage never ran");
+  if (!c->mapped && !MapCell(*c))
+    return Status(Code::kOutOfMemory, "graph-mode cell of call site " + std::to_string(site) +
+                                          " could not be mapped for capture within the staging budget");
+  *out = c;
+  return Status();
+}
+
+void Engine::Recorded(Channel& c) {
+  // Caller holds graph_mu_: the channel's device work is in a graph now; its rounds need the poller.
+  c.captured = any_captured_ = true;
+  ++graph_stats_.captures;
+  WakePoller();
 }
 
 Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
   std::lock_guard<std::mutex> lock(graph_mu_);
-  Channel* c = channels_.Find(site, ChannelKind::kOffload, meta);
-  if (!c || c->slot_id < 0)
-    return Status(Code::kInternal, "offload call site " + std::to_string(site) +
-                                       " is being captured into a command buffer but its initialize stage never ran");
-  if (c->meta.nbytes != meta.nbytes) return Status(Code::kInvalidArgument, "offload call site captured with another size than it was prepared for");
-  JAXVMM_RETURN_IF_ERROR(MappedForCapture(*c));
+  Channel* c = nullptr;
+  JAXVMM_RETURN_IF_ERROR(CaptureChannel(site, ChannelKind::kOffload, meta, &c));
   const DriverTable& d = Driver(backend_);
   ChannelWords& w = *c->w;
   const char* stage = "offload (capture)";
@@ -140,20 +151,14 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
       Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(token_out, Addr(w.token), sizeof(uint64_t), stream); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c->cell, src, meta.nbytes, stream); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled), 1, 0); }));
-  c->captured = any_captured_ = true;
-  ++graph_stats_.captures;
-  WakePoller();
+  Recorded(*c);
   return Status();
 }
 
 Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
   std::lock_guard<std::mutex> lock(graph_mu_);
-  Channel* c = channels_.Find(site, ChannelKind::kReload, meta);
-  if (!c || c->slot_id < 0)
-    return Status(Code::kInternal, "reload call site " + std::to_string(site) +
-                                       " is being captured into a command buffer but its initialize stage never ran");
-  if (c->meta.nbytes != meta.nbytes) return Status(Code::kInvalidArgument, "reload call site captured with another size than it was prepared for");
-  JAXVMM_RETURN_IF_ERROR(MappedForCapture(*c));
+  Channel* c = nullptr;
+  JAXVMM_RETURN_IF_ERROR(CaptureChannel(site, ChannelKind::kReload, meta, &c));
   const DriverTable& d = Driver(backend_);
   ChannelWords& w = *c->w;
   const char* stage = "reload (capture)";
@@ -165,9 +170,7 @@ Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_i
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.go), 0, 0); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, c->cell, meta.nbytes, stream); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done), 1, 0); }));
-  c->captured = any_captured_ = true;
-  ++graph_stats_.captures;
-  WakePoller();
+  Recorded(*c);
   return Status();
 }
 

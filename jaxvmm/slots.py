@@ -14,6 +14,7 @@ from . import errors
 from . import share as _share
 from ._devices import Target, target_of
 from ._native import lib
+from .ops import _check_shape
 
 # A sanity bound, not a capability: the driver or the kernel reports out-of-memory for real requests.
 MAX_NBYTES = 1 << 48
@@ -127,22 +128,7 @@ def _check_shareable(shareable):
 def _check_view_shape(shape) -> tuple:
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise _type_error(f"jaxvmm: as_array shape must be a tuple of ints, not {type(shape).__name__}") from None
-    out = []
-    for d in dims:
-        if isinstance(d, bool):
-            raise _type_error("jaxvmm: as_array shape holds a bool")
-        try:
-            d = operator.index(d)
-        except TypeError:
-            raise _type_error(f"jaxvmm: as_array shape must hold ints, got {type(d).__name__}") from None
-        if d < 0:
-            raise _value_error(f"jaxvmm: as_array shape {dims} has a negative dimension")
-        out.append(d)
-    return tuple(out)
+    return _check_shape(shape, "Slot.as_array")
 
 
 def _check_view_dtype(dtype) -> np.dtype:

@@ -57,10 +57,16 @@ def slots(platform_device):
         s.close()
 
 
-def round_trip_graph(r: Replay, x, y, tok, n: int = N):
+def prepared_sites(r: Replay, n: int = N) -> tuple[int, int]:
+    """A new offload site and a new reload site of ``n`` bytes, through their initialize stage."""
     off, rel = next(_sites), next(_sites)
     r.prepare(off, r.OFFLOAD, n)
     r.prepare(rel, r.RELOAD, n)
+    return off, rel
+
+
+def round_trip_graph(r: Replay, x, y, tok, n: int = N):
+    off, rel = prepared_sites(r, n)
     with r.capture() as g:
         r.offload(off, x.address, n, tok.address)
         r.reload(rel, tok.address, y.address, n)
@@ -69,9 +75,7 @@ def round_trip_graph(r: Replay, x, y, tok, n: int = N):
 
 def forward_backward_graphs(r: Replay, x, y, tok, n: int = N):
     """An offload-only graph (a forward pass) and a reload-only graph (a backward pass)."""
-    off, rel = next(_sites), next(_sites)
-    r.prepare(off, r.OFFLOAD, n)
-    r.prepare(rel, r.RELOAD, n)
+    off, rel = prepared_sites(r, n)
     with r.capture() as fwd:
         r.offload(off, x.address, n, tok.address)
     with r.capture() as bwd:

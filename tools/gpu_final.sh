@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Device call: build, the small-activation rows, the large MLP rows, then the gpu-marked suite.
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-[[ -x /usr/bin/g++ ]] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
+source "$(dirname "$0")/gpu_prelude.sh"
 T=80 STEPS=30 bash tools/gpu_bench_small.sh
 echo "=== large rows"
 timeout 190 python3 bench/train_step.py --models mlp --targets block_input,mlp_hidden --variants save,native,jaxvmm \

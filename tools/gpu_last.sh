@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Device call: build, the gpu-marked suite, one small-activation row, offload bandwidth at 64 MiB and 4 GiB.
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-[[ -x /usr/bin/g++ ]] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
+source "$(dirname "$0")/gpu_prelude.sh"
 echo "=== gpu tests"
 JAXVMM_REQUIRE_GPU=1 timeout 140 python3 -P -m pytest -q -m gpu tests 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | tail -6
 echo "=== small row"

@@ -2,10 +2,8 @@
 # Device call: build, the gpu-marked tests (JAXVMM_REQUIRE_GPU=1) at XLA's default flags, then the
 # offload/engine/remat GPU tests with command buffers off and with +WHILE.
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-[[ -x /usr/bin/g++ ]] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAXVMM_REQUIRE_GPU=1
-python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
+source "$(dirname "$0")/gpu_prelude.sh"
+export JAXVMM_REQUIRE_GPU=1
 echo "=== gpu tests, default XLA flags"
 timeout ${T1:-330} python3 -P -m pytest -q -m gpu -rfs --durations=8 tests > "$OUT/gpu_tests.txt" 2>&1; echo "rc=$?"
 grep -E "^(FAILED|ERROR)|passed|failed|slowest|^[0-9.]+s " "$OUT/gpu_tests.txt" | tail -25

@@ -3,10 +3,7 @@
 # tests/test_sharded.py (2-GPU roundtrips and data-parallel / FSDP training steps, plus the 4-cpu-device
 # cases in subprocesses) and the shard_map test; full logs in "$OUT".
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-[[ -x /usr/bin/g++ ]] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
+source "$(dirname "$0")/gpu_prelude.sh"
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1; cat "$OUT/gpus.txt"
 echo "=== 2-GPU sharded tests (gpu-marked, must not skip)"
 JAXVMM_REQUIRE_GPU=1 timeout 300 python3 -P -m pytest -q -s -p no:cacheprovider -m gpu tests/test_sharded.py \

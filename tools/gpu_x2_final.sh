@@ -2,10 +2,8 @@
 # Device call (nvidia-h200-x2): build; graph-mode tests; small-activation rows (default, +WHILE);
 # shared slots on 2 GPUs; sharded arrays on 2 GPUs; the gpu-marked offload/engine/remat suite.
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-[[ -x /usr/bin/g++ ]] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAXVMM_REQUIRE_GPU=1
-python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
+source "$(dirname "$0")/gpu_prelude.sh"
+export JAXVMM_REQUIRE_GPU=1
 echo "=== graph tests"
 timeout 100 python3 -P -m pytest -q -m gpu -rfs -s tests/test_graph.py tests/test_graph_xla.py > "$OUT/graph_tests.txt" 2>&1; echo "rc=$?"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/graph_tests.txt" | cut -c1-300 | tail -8
