@@ -398,10 +398,12 @@ def test_after_and_reload_after_free_the_offloaded_bytes_in_one_program_cuda():
 
 
 def test_after_orders_the_schedule_on_cpu():
-    """In the optimized HLO the offload runs before the heavy matmuls and the reload after the last one."""
-    x = jnp.full((256, 256), 0.01, jnp.float32)
-    w = jnp.eye(256, dtype=jnp.float32)
-    text = jax.jit(_ordered).lower(x, w).compile().as_text()
+    """In the optimized HLO the offload runs before the heavy matmuls and the reload after the last one.
+    (The cpu compiler's schedule: on a GPU runner, whose default device is cuda:0, it is pinned to cpu.)"""
+    with jax.default_device(jax.devices("cpu")[0]):
+        x = jnp.full((256, 256), 0.01, jnp.float32)
+        w = jnp.eye(256, dtype=jnp.float32)
+        text = jax.jit(_ordered).lower(x, w).compile().as_text()
     entry = text[text.index("ENTRY"):].splitlines()
     pos = lambda key: [i for i, line in enumerate(entry) if key in line]  # noqa: E731
     off, rel, tanh = pos('"jaxvmm_offload"'), pos('"jaxvmm_reload"'), pos('/tanh"')
