@@ -234,7 +234,7 @@ class Engine {
   std::chrono::steady_clock::time_point awake_until_;
   bool any_captured_ = false;
   bool poll_stop_ = false;
-  std::thread poller_;  // started by the first capture
+  std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage
 
   // Workers last: destroyed first, after ~Engine has synchronized every stream.
   std::unique_ptr<Worker> resolver_, releaser_;

@@ -60,7 +60,9 @@ void Engine::ReportOn(CUstream stream, const Status& st) {
 void Engine::WakePoller() {
   // Caller holds graph_mu_.
   awake_until_ = std::max(awake_until_, std::chrono::steady_clock::now() + kSpin);
-  if (any_captured_ && !poller_.joinable()) poller_ = std::thread([this] { Poll(); });
+  // Started by the first capture, or by the first cell an initialize stage mapped: a site XLA never
+  // captures (a program too small for a command buffer) must still get its pages back when idle.
+  if ((any_captured_ || graph_stats_.mapped_bytes > 0) && !poller_.joinable()) poller_ = std::thread([this] { Poll(); });
   poll_cv_.notify_one();
 }
 
@@ -109,6 +111,7 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   // XLA records a command buffer on the call site's second execution (the first is a warm-up): give
   // the cell pages before then, so the capture names mapped memory. Later the poller maps on demand.
   if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c);
+  c->last_use = std::chrono::steady_clock::now();  // idle from now on until a round or a capture
   WakePoller();
   return Status();
 }
