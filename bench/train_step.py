@@ -207,10 +207,14 @@ def wrap(layer, variant: str, target: str):
 
 
 def build_step(model: str, target: str, variant: str, s: Shapes, attn_impl: str):
+    return build_step_from_body(wrap(make_layer(model, s, attn_impl), variant, target))
+
+
+def build_step_from_body(body):
+    """The jitted training step (value_and_grad of mean(y**2) over a lax.scan of ``body``, then SGD,
+    parameters donated) around a wrapped layer function (bench/capacity.py wraps its own policies)."""
     import jax
     import jax.numpy as jnp
-
-    body = wrap(make_layer(model, s, attn_impl), variant, target)
 
     def loss_fn(params, x):
         y, _ = jax.lax.scan(lambda c, w: (body(c, w), None), x, params)
