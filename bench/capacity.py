@@ -147,9 +147,12 @@ def run_trial(args, policy: str, n: int) -> dict:
     base_used = None
     import jaxvmm
 
-    on_gpu = bool(jaxvmm.cuda_available()) and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu")
+    first_platform = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    on_gpu = first_platform in ("", "cuda", "gpu") and bool(jaxvmm.cuda_available())
     if on_gpu:
+        t0 = time.perf_counter()
         ballast = jaxvmm.Ballast(args.budget)  # before jax initializes: XLA and jaxvmm share the rest
+        res["ballast_s"] = time.perf_counter() - t0
         res["ballast_bytes"] = ballast.nbytes
         res["free_after_ballast"] = ballast.free_after_bytes
         base_used = ballast.total_bytes - ballast.free_after_bytes
@@ -240,24 +243,51 @@ def run_trial(args, policy: str, n: int) -> dict:
 
 
 class Search:
-    """Doubling, then bisection, over n in [lo_bound, hi_bound] to `precision`."""
+    """Doubling, then bisection, over n in [lo_bound, hi_bound] until the largest size known to fit and
+    the smallest known not to are `precision` apart. With `budget`, the measured peaks of the sizes that
+    fit guide the next size (memory grows linearly with the layer count of a scan): a line through them
+    (or, with one point, peak/n per layer, which overestimates the slope) predicts the largest size
+    within the budget, and the next trial is that prediction, kept inside the current bracket and at
+    least `precision` past the largest fit (so a wrong prediction costs a trial, never the search)."""
 
-    def __init__(self, start: int, lo_bound: int, hi_bound: int, precision: int):
+    def __init__(self, start: int, lo_bound: int, hi_bound: int, precision: int, budget: int | None = None):
         self.start, self.min, self.max, self.precision = start, lo_bound, hi_bound, precision
+        self.budget = budget
         self.fit = 0        # largest n known to fit (0: none)
         self.fail = None    # smallest n known not to fit
         self.trials: dict[int, dict] = {}
 
+    def predict(self) -> int | None:
+        pts = sorted((n, r["device_peak_bytes"]) for n, r in self.trials.items()
+                     if r.get("status") == "fit" and r.get("device_peak_bytes"))
+        if not self.budget or not pts:
+            return None
+        if len(pts) == 1:
+            n, peak = pts[0]
+            return int(n * self.budget // peak)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        if b <= 0:
+            return None
+        return int((self.budget - (my - b * mx)) // b)
+
     def next(self) -> int | None:
         if self.fit == 0 and self.fail is None:
             return self.start
-        if self.fail is None:
-            return None if self.fit >= self.max else min(self.max, self.fit * 2)
+        if self.fail is None and self.fit >= self.max:
+            return None
         if self.fit == 0:
             return None if self.fail <= self.min else max(self.min, self.fail // 2)
-        if self.fail - self.fit <= self.precision:
+        if self.fail is not None and self.fail - self.fit <= self.precision:
             return None
-        return (self.fit + self.fail) // 2
+        hi = self.max if self.fail is None else self.fail - 1
+        blind = min(self.max, self.fit * 2) if self.fail is None else (self.fit + self.fail) // 2
+        est = self.predict()
+        if est is None:
+            return blind
+        return max(self.fit + 1, min(hi, max(est, self.fit + self.precision)))
 
     def record(self, n: int, r: dict) -> None:
         self.trials[n] = r
@@ -416,6 +446,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max", type=int, default=64, help="largest n tried (default 64)")
     ap.add_argument("--start", type=int, default=None, help="first n tried (default 16 layers / 4 batch units)")
     ap.add_argument("--precision", type=int, default=None, help="stop bisecting at this gap (default 2; --quick 8)")
+    ap.add_argument("--no-guide", dest="guide", action="store_false",
+                    help="plain doubling and bisection (default: the measured peaks guide the next size)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per trial (default 3; --quick 2)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     ap.add_argument("--time-limit", type=float, default=None,
@@ -491,7 +523,7 @@ def main(argv=None) -> int:
         f"model:     {ts.describe(args.model, s_lo).replace(f'L={s_lo.layers}', 'L=n' if layers else f'L={s_lo.layers}')}"
         + ("" if layers else f" (batch = n x {batch_unit(args, args.small)})"),
         f"search:    n in [{args.min}, {args.max}] {unit}, start {args.start}, doubling then bisection to "
-        f"{args.precision}; {args.warmup} warm-up + {args.steps} timed steps per trial; time limit "
+        f"{args.precision}{' (guided by the measured peaks)' if args.guide else ''}; {args.warmup} warm-up + {args.steps} timed steps per trial; time limit "
         f"{args.time_limit:.0f} s",
         ("budget:    jaxvmm.Ballast holds free - budget before jax starts; XLA_PYTHON_CLIENT_PREALLOCATE=false, "
          f"XLA_PYTHON_CLIENT_ALLOCATOR={args.allocator if args.allocator != 'bfc' else '(default: bfc)'}; "
@@ -504,7 +536,8 @@ def main(argv=None) -> int:
     ]
     print("\n".join(header), flush=True)
 
-    searches = {p: Search(args.start, args.min, args.max, args.precision) for p in args.policies}
+    guide = args.budget if args.guide else None
+    searches = {p: Search(args.start, args.min, args.max, args.precision, guide) for p in args.policies}
     remat_at: dict[int, dict] = {}
     all_trials: list[dict] = []
     cut = False

@@ -43,6 +43,30 @@ def test_search_brackets_the_limit(capacity, limit):
         assert s.fit <= limit < s.fail and s.fail - s.fit <= 2, (s.fit, s.fail)
 
 
+@pytest.mark.parametrize("a,b", [(1.5, 0.83), (0.5, 0.3), (6.0, 2.1), (0.1, 0.05), (20.0, 1.0)])
+def test_guided_search_finds_a_linear_limit_in_few_trials(capacity, a, b):
+    """Peak = a + b*n GiB against a 24 GiB budget (with a little noise): the guided search ends on the
+    exact limit (precision 1) within a few trials."""
+    GiB = 1 << 30
+    budget = 24 * GiB
+    limit = int((24 - a) // b)
+    s = capacity.Search(start=16, lo_bound=4, hi_bound=64, precision=1, budget=budget)
+    trials = 0
+    while not s.done:
+        n = s.next()
+        assert n not in s.trials and 4 <= n <= 64
+        peak = int((a + b * n) * GiB * (1 + 0.002 * ((n * 7) % 3 - 1)))
+        s.record(n, {"status": "fit" if peak <= budget else "oom", "device_peak_bytes": peak})
+        trials += 1
+    if limit >= 64:
+        assert s.fit == 64
+    elif limit < 4:
+        assert s.fit == 0
+    else:
+        assert s.fit in (limit - 1, limit) and s.fail == s.fit + 1, (limit, s.fit, s.fail, sorted(s.trials))
+    assert trials <= 6, sorted(s.trials)
+
+
 def test_search_below_the_minimum(capacity):
     s = capacity.Search(start=16, lo_bound=4, hi_bound=64, precision=2)
     while not s.done:
