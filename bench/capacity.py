@@ -142,7 +142,7 @@ def run_probe() -> dict:
 
 
 def run_trial(args, policy: str, n: int) -> dict:
-    res: dict = {"policy": policy, "n": n}
+    res: dict = {"policy": policy, "n": n, "budget": args.budget}
     ballast = None
     base_used = None
     import jaxvmm
@@ -153,6 +153,9 @@ def run_trial(args, policy: str, n: int) -> dict:
         t0 = time.perf_counter()
         ballast = jaxvmm.Ballast(args.budget)  # before jax initializes: XLA and jaxvmm share the rest
         res["ballast_s"] = time.perf_counter() - t0
+        if ballast.nbytes == 0:
+            res["note"] = (f"no ballast: only {human(ballast.free_before_bytes)} free, not more than the budget "
+                           f"{human(args.budget)}")
         res["ballast_bytes"] = ballast.nbytes
         res["free_after_ballast"] = ballast.free_after_bytes
         base_used = ballast.total_bytes - ballast.free_after_bytes
@@ -510,7 +513,7 @@ def main(argv=None) -> int:
         args.small = not on_gpu
     fwd = [a for a in argv if a not in ("--markdown",)]
     if "--budget" not in " ".join(fwd):
-        fwd += ["--budget", str(args.budget)]
+        fwd += ["--budget", f"{args.budget // 1024}K"]  # (a bare number would be MiB)
     fwd += ["--small" if args.small else "--full"] if "--small" not in fwd and "--full" not in fwd else []
 
     s_lo = shapes(args, args.min, args.small)
@@ -629,6 +632,8 @@ def main(argv=None) -> int:
     errs = [t for t in all_trials if t.get("status") not in ("fit", "oom")]
     for t in errs[:8]:
         notes.append(f"{t['policy']} n={t['n']}: {t.get('status')}: {t.get('error', '')[:200]} (counted as not fitting)")
+    for msg in sorted({t["note"] for t in all_trials if t.get("note")}):
+        notes.append(msg)
     if not on_gpu:
         notes.append("cpu platform: JAX native offload has no separate host memory space here (it moves "
                      "nothing); times are dominated by overheads. GPU figures are what this bench is for.")

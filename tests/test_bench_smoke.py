@@ -77,7 +77,7 @@ def test_search_below_the_minimum(capacity):
 def test_capacity_runs_end_to_end_on_cpu(tmp_path):
     out, js = tmp_path / "cap.md", tmp_path / "cap.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, str(BENCH / "capacity.py"), "--model", "mlp", "--budget", "64M",
+    cmd = [sys.executable, str(BENCH / "capacity.py"), "--model", "mlp",  # cpu default budget: 16 MiB
            "--policies", "remat,jaxvmm-hidden", "--start", "4", "--min", "4", "--max", "4",
            "--steps", "1", "--warmup", "0", "--time-limit", "100", "--markdown", "--out", str(out), "--json", str(js)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
@@ -87,6 +87,8 @@ def test_capacity_runs_end_to_end_on_cpu(tmp_path):
     assert "| jaxvmm offload (names) | >= 4 (cap) |" in text, text
     trials = json.loads(js.read_text())["trials"]
     assert {(t["policy"], t["n"], t["status"]) for t in trials} == {("remat", 4, "fit"), ("jaxvmm-hidden", 4, "fit")}
+    assert all(t["budget"] == 16 << 20 for t in trials), trials  # the parent's default reached the trials
+    assert "within a 16.00 MiB device budget" in text
     vm = next(t for t in trials if t["policy"] == "jaxvmm-hidden")
     # B=64 x D=128 bf16 block inputs (16 KiB) and hidden activations (64 KiB) of 4 layers go to pinned host
     assert vm["pinned_step_peak_bytes"] >= 4 * (16 + 64) * 1024, vm
