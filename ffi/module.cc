@@ -716,13 +716,13 @@ NB_MODULE(_jaxvmm, m) {
 
   // ---- memory timeline (jaxvmm.memory_timeline): samplers by id ----
   static std::mutex sampler_mu;
-  static auto* samplers = new std::map<int64_t, std::unique_ptr<MemorySampler>>();
+  static auto* samplers = new std::map<int64_t, std::shared_ptr<MemorySampler>>();
   static int64_t next_sampler = 1;
   auto sampler = [](int64_t id) {
     std::lock_guard<std::mutex> lock(sampler_mu);
     auto it = samplers->find(id);
     if (it == samplers->end()) Check(Status(Code::kNotFound, "memory sampler " + std::to_string(id) + " is closed"));
-    return it->second.get();
+    return it->second;  // shared: a concurrent close cannot free it under the caller
   };
   m.def("sampler_start", [](const std::string& backend, int device, uint64_t capacity, int64_t interval_ns) {
     Backend b = ParseBackend(backend);
@@ -739,12 +739,12 @@ NB_MODULE(_jaxvmm, m) {
     return id;
   });
   m.def("sampler_stop", [sampler](int64_t id) {
-    MemorySampler* s = sampler(id);
+    std::shared_ptr<MemorySampler> s = sampler(id);
     nb::gil_scoped_release nogil;
     s->Stop();
   });
   m.def("sampler_close", [](int64_t id) {
-    std::unique_ptr<MemorySampler> s;
+    std::shared_ptr<MemorySampler> s;
     {
       std::lock_guard<std::mutex> lock(sampler_mu);
       auto it = samplers->find(id);
