@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -48,8 +49,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _common  # noqa: E402
-import train_step as ts  # noqa: E402  (the model builders: make_layer, init_arrays, specs, shapes)
+import _common
+import train_step as ts  # the model builders: make_layer, init_arrays, specs, shapes
 
 MiB, GiB = _common.MiB, _common.GiB
 POLICIES = ("save", "remat", "native", "jaxvmm-hidden", "jaxvmm-dots", "native-dots", "save-hidden")
@@ -213,7 +214,7 @@ def run_trial(args, policy: str, n: int) -> dict:
                 if i >= args.warmup:
                     times.append(dt)
             del params, x
-        if not all(v == v and abs(v) != float("inf") for v in losses):
+        if not all(math.isfinite(v) for v in losses):
             raise FloatingPointError(f"non-finite loss: {losses}")
     except Exception as e:  # noqa: BLE001
         msg = f"{type(e).__name__}: {e}"
@@ -230,7 +231,8 @@ def run_trial(args, policy: str, n: int) -> dict:
     res["timeline_samples"] = tl.samples_taken
     res["internal_at_peak_bytes"] = tl.internal_at_peak_bytes
     if on_gpu:
-        res["device_peak_bytes"] = tl.peak_used_bytes - base_used  # driver-level, above the ballast
+        # driver-level, above what was in use after the ballast (no ballast: at the timeline's start)
+        res["device_peak_bytes"] = tl.peak_used_bytes - (base_used if base_used is not None else tl.first_used_bytes)
         res["status"] = "fit"
     else:
         # cpu: no device memory to run out of; fit = planned XLA memory + jaxvmm's staging peak <= budget
@@ -317,7 +319,8 @@ def spawn(cmd: list[str], env_extra: dict, timeout: float) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(1.0, timeout))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(1.0, timeout),
+                              check=False)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "error": f"timed out after {timeout:.0f} s", "wall_s": time.perf_counter() - t0}
     wall = time.perf_counter() - t0
@@ -518,16 +521,18 @@ def main(argv=None) -> int:
 
     s_lo = shapes(args, args.min, args.small)
     unit = "layers" if layers else f"batch units of {batch_unit(args, args.small)}"
+    model_line = ts.describe(args.model, s_lo)
+    model_line = model_line.replace(f"L={s_lo.layers}", "L=n") if layers else model_line
+    guided = " (guided by the measured peaks)" if args.guide else ""
     header = [
         f"jaxvmm {probe.get('jaxvmm', '?')} capacity: the largest {'layer count' if layers else 'batch'} that "
         f"trains one step within a {human(args.budget)} device budget",
         f"device:    {probe['device']} ({probe['kind']}), jax {probe['jax']}"
         + (f", {probe['mem_total'] / GiB:,.1f} GiB" if probe.get("mem_total") else ""),
-        f"model:     {ts.describe(args.model, s_lo).replace(f'L={s_lo.layers}', 'L=n' if layers else f'L={s_lo.layers}')}"
-        + ("" if layers else f" (batch = n x {batch_unit(args, args.small)})"),
+        f"model:     {model_line}" + ("" if layers else f" (batch = n x {batch_unit(args, args.small)})"),
         f"search:    n in [{args.min}, {args.max}] {unit}, start {args.start}, doubling then bisection to "
-        f"{args.precision}{' (guided by the measured peaks)' if args.guide else ''}; {args.warmup} warm-up + {args.steps} timed steps per trial; time limit "
-        f"{args.time_limit:.0f} s",
+        f"{args.precision}{guided}; {args.warmup} warm-up + {args.steps} timed steps per trial; "
+        f"time limit {args.time_limit:.0f} s",
         ("budget:    jaxvmm.Ballast holds free - budget before jax starts; XLA_PYTHON_CLIENT_PREALLOCATE=false, "
          f"XLA_PYTHON_CLIENT_ALLOCATOR={args.allocator if args.allocator != 'bfc' else '(default: bfc)'}; "
          "device peak = driver-level used memory (cuMemGetInfo every "
@@ -631,9 +636,9 @@ def main(argv=None) -> int:
         notes.append(f"the time limit ({args.time_limit:.0f} s) cut the search: brackets are as far as it got.")
     errs = [t for t in all_trials if t.get("status") not in ("fit", "oom")]
     for t in errs[:8]:
-        notes.append(f"{t['policy']} n={t['n']}: {t.get('status')}: {t.get('error', '')[:200]} (counted as not fitting)")
-    for msg in sorted({t["note"] for t in all_trials if t.get("note")}):
-        notes.append(msg)
+        notes.append(f"{t['policy']} n={t['n']}: {t.get('status')}: {t.get('error', '')[:200]} "
+                     "(counted as not fitting)")
+    notes.extend(sorted({t["note"] for t in all_trials if t.get("note")}))
     if not on_gpu:
         notes.append("cpu platform: JAX native offload has no separate host memory space here (it moves "
                      "nothing); times are dominated by overheads. GPU figures are what this bench is for.")

@@ -60,7 +60,7 @@ class MemoryTimeline:
         self._id: int | None = None
         self._final: dict | None = None
 
-    def start(self) -> "MemoryTimeline":
+    def start(self) -> MemoryTimeline:
         if self._id is not None or self._final is not None:
             raise RuntimeError("jaxvmm: this memory timeline was already started")
         self._id = int(lib.sampler_start(self.backend, self.ordinal, self.capacity, int(self.interval_us * 1000)))
