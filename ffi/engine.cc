@@ -842,6 +842,11 @@ void Engine::SetNextTicketNumber(uint32_t n) {
   tickets_.SetNextNumber(n);
 }
 
+void Engine::ResetPeaks() {
+  host_pool_.ResetPeak();
+  staging_.ResetPeak();
+}
+
 EngineStats Engine::Stats() {
   std::lock_guard<std::mutex> glock(graph_mu_);
   std::lock_guard<std::mutex> lock(mu_);

@@ -116,6 +116,8 @@ class Engine {
   // Returns the staging area's idle pages to the driver now; returns the bytes returned.
   size_t Trim();
   EngineStats Stats();
+  // The window peaks (pinned host in use, staging mapped) restart from the values now.
+  void ResetPeaks();
   // Every live ticket that no reload has consumed or reserved: (token, sequence number of its offload).
   std::vector<std::pair<uint64_t, uint64_t>> UnclaimedTickets();
   void SetNextTicketNumber(uint32_t n);  // test hook (ticket number wrap-around)

@@ -138,6 +138,7 @@ Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
   if (!ok) return Status(Code::kInternal, "host pool chunk too small after growth");
   stats_.in_use_bytes += static_cast<int64_t>(n);
   stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
+  stats_.window_peak_in_use_bytes = std::max(stats_.window_peak_in_use_bytes, stats_.in_use_bytes);
   return Status();
 }
 
@@ -227,6 +228,11 @@ void HostPool::Trim() {
     }
   }
   stats_.chunks = static_cast<int64_t>(chunks_.size());
+}
+
+void HostPool::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.window_peak_in_use_bytes = stats_.in_use_bytes;
 }
 
 HostPoolStats HostPool::Stats() const {

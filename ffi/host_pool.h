@@ -22,7 +22,8 @@ struct HostBlock {
 struct HostPoolStats {
   int64_t chunk_bytes = 0;   // pinned bytes held from the driver
   int64_t in_use_bytes = 0;  // handed out
-  int64_t peak_in_use_bytes = 0;
+  int64_t peak_in_use_bytes = 0;         // since the pool was created
+  int64_t window_peak_in_use_bytes = 0;  // since the last ResetPeak() (jaxvmm.reset_peaks())
   int64_t driver_allocs = 0;  // cuMemHostAlloc calls so far (steady state: constant)
   int64_t limit_bytes = 0;
   int64_t chunks = 0;
@@ -42,6 +43,7 @@ class HostPool {
   // Returns chunks with nothing allocated in them to the driver.
   void Trim();
   HostPoolStats Stats() const;
+  void ResetPeak();  // window_peak_in_use_bytes := in_use_bytes
 
   // Process-wide knobs (bytes). The default limit is half of physical memory; the default chunk is
   // 256 MiB (a larger request gets a chunk of its own size). The limit bounds the bytes handed out and

@@ -126,7 +126,7 @@ Status StagingArea::Acquire(size_t nbytes, bool try_only, StagingLease* out) {
         empty->size = size;
         empty->free = ev;
         mapped_ += size;
-        stats_.peak_mapped_bytes = std::max<int64_t>(stats_.peak_mapped_bytes, static_cast<int64_t>(mapped_));
+        NotePeak();
         ++stats_.pages_mapped;
         pick = &*empty;
       }
@@ -192,7 +192,7 @@ bool StagingArea::Charge(size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!MakeRoom(bytes, /*try_only=*/true)) return false;
   mapped_ += bytes;
-  stats_.peak_mapped_bytes = std::max<int64_t>(stats_.peak_mapped_bytes, static_cast<int64_t>(mapped_));
+  NotePeak();
   return true;
 }
 
@@ -221,6 +221,16 @@ void StagingArea::Janitor() {
     Trim();
     lock.lock();
   }
+}
+
+void StagingArea::NotePeak() {
+  stats_.peak_mapped_bytes = std::max<int64_t>(stats_.peak_mapped_bytes, static_cast<int64_t>(mapped_));
+  stats_.window_peak_mapped_bytes = std::max<int64_t>(stats_.window_peak_mapped_bytes, static_cast<int64_t>(mapped_));
+}
+
+void StagingArea::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.window_peak_mapped_bytes = static_cast<int64_t>(mapped_);
 }
 
 StagingStats StagingArea::Stats() const {

@@ -28,7 +28,8 @@ namespace jaxvmm {
 struct StagingStats {
   int64_t budget_bytes = 0;
   int64_t mapped_bytes = 0;   // pages of every cell, free or in use
-  int64_t peak_mapped_bytes = 0;
+  int64_t peak_mapped_bytes = 0;         // since the area was created
+  int64_t window_peak_mapped_bytes = 0;  // since the last ResetPeak() (jaxvmm.reset_peaks())
   int64_t cells = 0;
   int64_t acquires = 0;
   int64_t device_waits = 0;   // acquires that made the stream wait for the cell's previous user
@@ -84,8 +85,10 @@ class StagingArea {
   // Returns the pages of every cell not in use and whose last user finished. Returns bytes returned.
   size_t Trim();
   StagingStats Stats() const;
+  void ResetPeak();  // window_peak_mapped_bytes := mapped bytes now
 
  private:
+  void NotePeak();  // caller holds mu_: the peaks after mapped_ grew
   struct Cell {
     int64_t slot_id = -1;  // -1: this entry is empty (its pages went back)
     CUdeviceptr address = 0;

@@ -49,6 +49,9 @@ LAYERS: dict[str, Group] = {
     "registry": Group(4, ("registry.h", "registry.cc")),
     "bench": Group(5, ("bench.h", "bench.cc"),
                    only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
+    # the memory sampler: a thread reading the driver's used memory and the registry's gauges
+    "sampler": Group(5, ("sampler.h", "sampler.cc"),
+                     only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
     "host_pool": Group(3, ("host_pool.h", "host_pool.cc")),  # pinned host memory, built on vmm (beside slot)
     "workers": Group(5, ("worker.h", "worker.cc", "workers.h", "workers.cc")),
     # the staging area: mapped cells over registry slots (beside the workers, never above them)
