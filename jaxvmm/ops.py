@@ -664,7 +664,8 @@ def collect() -> int:
 
 def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int | str | None = None,
               prefetch_depth: int | None = None, keep_resident: int | None = None,
-              staging_budget: int | str | None = None, staging_idle_ms: int | None = None) -> dict:
+              staging_budget: int | str | None = None, staging_idle_ms: int | None = None,
+              host_store: str | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
@@ -687,7 +688,13 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
       prefetches, kept copies and prefetch hints included. An array larger than the budget cannot be
       offloaded.
     staging_idle_ms: how long the staging area stays mapped with no op before its pages go back to the
-      driver (default 200 ms; env ``JAXVMM_STAGING_IDLE_MS``). ``jaxvmm.trim()`` returns them at once."""
+      driver (default 200 ms; env ``JAXVMM_STAGING_IDLE_MS``). ``jaxvmm.trim()`` returns them at once.
+    host_store: where offloaded bytes live on the host (env ``JAXVMM_HOST_STORE``): ``"pinned"`` (the
+      default: page-locked chunks from ``cuMemHostAlloc``) or ``"host_numa"`` (VMM pages created on the
+      device's host NUMA node, mapped at reserved host addresses and granted to the device; their empty
+      chunks go back on ``jaxvmm.trim()``). Applies to offloads from now on; tickets already offloaded
+      keep their store. ``host_pool_limit`` and ``host_pool_chunk`` apply to each store. Where the
+      driver cannot create HOST_NUMA pages, an offload raises ``NotSupportedError``."""
     where = "configure: "
     if host_pool_limit is not None:
         host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
@@ -699,6 +706,11 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
                     ("staging_idle_ms", staging_idle_ms)):
         if isinstance(v, str):  # env strings are parsed by _config; the Python API takes ints
             raise _type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
+    if host_store is not None:
+        if not isinstance(host_store, str):
+            raise _type_error(f"jaxvmm: configure: host_store={host_store!r} is invalid: expected one of "
+                              f"{', '.join(repr(c) for c in _config.HOST_STORES)}")
+        host_store = _config.parse_choice(host_store, where + "host_store", _config.HOST_STORES)
     if prefetch_depth is not None:
         prefetch_depth = _config.parse_int(prefetch_depth, where + "prefetch_depth", lo=1,
                                            hi=_config.MAX_PREFETCH_DEPTH)
@@ -712,9 +724,13 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
                          -1 if keep_resident is None else keep_resident,
                          0 if staging_budget is None else staging_budget,
                          0 if staging_idle_ms is None else staging_idle_ms)
+    if host_store is not None:
+        lib.set_host_store(host_store)
     names = ("host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
              "staging_idle_ms")
-    return {name: int(v) for name, v in zip(names, vals)}
+    out = {name: int(v) for name, v in zip(names, vals)}
+    out["host_store"] = str(lib.host_store())
+    return out
 
 
 def trim() -> int:
