@@ -14,6 +14,15 @@ constexpr uint64_t kRing = 1024;    // ops in flight per engine before the host 
 constexpr size_t kTimings = 4096;  // handler host times kept for the median
 
 std::atomic<int> g_keep{0};
+std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
+
+// Calls copy(offset, bytes) for consecutive pieces of at most `chunk` bytes (0: one piece).
+template <typename F>
+Status InPieces(size_t nbytes, size_t chunk, F&& copy) {
+  if (chunk == 0 || chunk >= nbytes) return copy(size_t{0}, nbytes);
+  for (size_t off = 0; off < nbytes; off += chunk) JAXVMM_RETURN_IF_ERROR(copy(off, std::min(chunk, nbytes - off)));
+  return Status();
+}
 
 std::mutex g_engines_mu;
 bool g_final = false;  // the process is exiting: no engine may start again (guarded by g_engines_mu)
@@ -26,6 +35,8 @@ std::map<std::pair<int, int>, std::unique_ptr<Engine>>& Engines() {
 
 void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
 int EngineConfig::KeepResident() { return g_keep.load(); }
+void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
+size_t EngineConfig::CopyChunk() { return g_copy_chunk.load(); }
 
 // ---------------------------------------------------------------- async errors
 
@@ -673,10 +684,24 @@ Engine::Source Engine::SourceOf(const Ticket& t) {
 
 Status Engine::CopyToHost(CUstream s, const HostBlock& host, CUdeviceptr src, size_t nbytes, const char* stage) {
   const DriverTable& d = Driver(backend_);
-  if (host.unified())
-    return Call(-1, stage, Entry::kMemcpyAsync,
-                [&] { return d.MemcpyAsync(reinterpret_cast<CUdeviceptr>(host.ptr), src, nbytes, s); });
-  return Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(host.ptr, src, nbytes, s); });
+  char* dst = static_cast<char*>(host.ptr);
+  return InPieces(nbytes, EngineConfig::CopyChunk(), [&](size_t off, size_t n) {
+    if (host.unified())
+      return Call(-1, stage, Entry::kMemcpyAsync,
+                  [&] { return d.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst + off), src + off, n, s); });
+    return Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(dst + off, src + off, n, s); });
+  });
+}
+
+Status Engine::CopyFromHost(CUstream s, CUdeviceptr dst, const void* src, bool unified, size_t nbytes, const char* stage) {
+  const DriverTable& d = Driver(backend_);
+  const char* from = static_cast<const char*>(src);
+  return InPieces(nbytes, EngineConfig::CopyChunk(), [&](size_t off, size_t n) {
+    if (unified)
+      return Call(-1, stage, Entry::kMemcpyAsync,
+                  [&] { return d.MemcpyAsync(dst + off, reinterpret_cast<CUdeviceptr>(from + off), n, s); });
+    return Call(-1, stage, Entry::kMemcpyHtoDAsync, [&] { return d.MemcpyHtoDAsync(dst + off, from + off, n, s); });
+  });
 }
 
 Status Engine::CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t nbytes, const char* stage) {
@@ -687,10 +712,7 @@ Status Engine::CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t
     return Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, src.resident, nbytes, s); });
   }
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(s, src.d2h_done, 0); }));
-  if (src.unified)
-    return Call(-1, stage, Entry::kMemcpyAsync,
-                [&] { return d.MemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src.host), nbytes, s); });
-  return Call(-1, stage, Entry::kMemcpyHtoDAsync, [&] { return d.MemcpyHtoDAsync(dst, src.host, nbytes, s); });
+  return CopyFromHost(s, dst, src.host, src.unified, nbytes, stage);
 }
 
 Status Engine::Resident(const std::shared_ptr<Ticket>& t) {

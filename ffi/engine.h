@@ -68,6 +68,11 @@ struct EngineConfig {
   // so that their reloads copy device to device instead of waiting for an H2D. Default 0.
   static void SetKeepResident(int n);
   static int KeepResident();
+  // D2H and H2D copies between a staging cell and a host block are issued in pieces of at most this
+  // many bytes (0: one copy), so that other copies on the copy engines (the other direction, XLA's
+  // D2D snapshots) interleave with a large one instead of queueing behind all of it. Default 64 MiB.
+  static void SetCopyChunk(size_t bytes);
+  static size_t CopyChunk();
 };
 
 // Asynchronous errors (found by a worker after the handler returned). Each is reported once: by the
@@ -176,6 +181,8 @@ class Engine {
   Status CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t nbytes, const char* stage);
   // Enqueues on `s` the D2H of `nbytes` from `src` into `host` (by unified address for host_numa blocks).
   Status CopyToHost(CUstream s, const HostBlock& host, CUdeviceptr src, size_t nbytes, const char* stage);
+  // Enqueues on `s` the H2D of `nbytes` from host memory `src` (unified: a host_numa block) into `dst`.
+  Status CopyFromHost(CUstream s, CUdeviceptr dst, const void* src, bool unified, size_t nbytes, const char* stage);
 
   // Graph mode (engine_graph.cc). Captured*: the fixed device work of a round, enqueued under capture.
   Status Capturing(CUstream stream, bool* capturing);

@@ -704,6 +704,11 @@ NB_MODULE(_jaxvmm, m) {
     else Check(Status(Code::kInvalidArgument, "unknown host store '" + name + "' (expected 'pinned' or 'host_numa')"));
   });
   m.def("host_store", [] { return std::string(HostStoreName(HostStore::Current())); });
+  // Pieces of D2H/H2D copies (0: one copy); returns the value in force. Negative leaves it.
+  m.def("copy_chunk", [](int64_t bytes) {
+    if (bytes >= 0) EngineConfig::SetCopyChunk(static_cast<size_t>(bytes));
+    return static_cast<int64_t>(EngineConfig::CopyChunk());
+  });
 
   m.def("memory_info", [](const std::string& backend, int device) {
     Backend b = ParseBackend(backend);

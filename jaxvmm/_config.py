@@ -114,6 +114,8 @@ VARIABLES = {
     for v in (
         EnvVar("JAXVMM_HOST_POOL_LIMIT", "size", 1, INT64_MAX, "cap on pinned host bytes (default: half of RAM)"),
         EnvVar("JAXVMM_HOST_POOL_CHUNK", "size", 1, INT64_MAX, "bytes pinned per driver allocation (256 MiB)"),
+        EnvVar("JAXVMM_COPY_CHUNK", "size", 0, INT64_MAX,
+               "D2H/H2D copies go in pieces of at most this many bytes; 0: one copy (64 MiB)"),
         EnvVar("JAXVMM_HOST_STORE", "choice", doc="where offloaded bytes live on the host: pinned or host_numa (pinned)",
                choices=HOST_STORES),
         EnvVar("JAXVMM_PREFETCH_DEPTH", "int", 1, MAX_PREFETCH_DEPTH,
@@ -160,6 +162,8 @@ def apply(lib, values: dict) -> None:
                   values.get("JAXVMM_PREFETCH_DEPTH", 0), values.get("JAXVMM_KEEP_RESIDENT", -1),
                   values.get("JAXVMM_STAGING_BUDGET", 0), values.get("JAXVMM_STAGING_IDLE_MS", 0))
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
+    if "JAXVMM_COPY_CHUNK" in values:
+        lib.copy_chunk(values["JAXVMM_COPY_CHUNK"])
     if "JAXVMM_HOST_STORE" in values:
         lib.set_host_store(values["JAXVMM_HOST_STORE"])
     if "JAXVMM_PREDICT" in values:

@@ -665,7 +665,7 @@ def collect() -> int:
 def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int | str | None = None,
               prefetch_depth: int | None = None, keep_resident: int | None = None,
               staging_budget: int | str | None = None, staging_idle_ms: int | None = None,
-              host_store: str | None = None) -> dict:
+              host_store: str | None = None, copy_chunk: int | str | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
@@ -694,7 +694,11 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
       device's host NUMA node, mapped at reserved host addresses and granted to the device; their empty
       chunks go back on ``jaxvmm.trim()``). Applies to offloads from now on; tickets already offloaded
       keep their store. ``host_pool_limit`` and ``host_pool_chunk`` apply to each store. Where the
-      driver cannot create HOST_NUMA pages, an offload raises ``NotSupportedError``."""
+      driver cannot create HOST_NUMA pages, an offload raises ``NotSupportedError``.
+    copy_chunk: the D2H and H2D copies between staging cells and host blocks are issued in pieces of at
+      most this many bytes (default 64 MiB; ``0``: one copy per op; env ``JAXVMM_COPY_CHUNK``), an int
+      or a size string, so that other copies sharing the copy engines (the other direction, XLA's
+      snapshots) interleave with a large one instead of waiting for all of it."""
     where = "configure: "
     if host_pool_limit is not None:
         host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
@@ -706,6 +710,8 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
                     ("staging_idle_ms", staging_idle_ms)):
         if isinstance(v, str):  # env strings are parsed by _config; the Python API takes ints
             raise _type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
+    if copy_chunk is not None:
+        copy_chunk = _config.parse_size(copy_chunk, where + "copy_chunk", lo=0)
     if host_store is not None:
         if not isinstance(host_store, str):
             raise _type_error(f"jaxvmm: configure: host_store={host_store!r} is invalid: expected one of "
@@ -726,10 +732,12 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
                          0 if staging_idle_ms is None else staging_idle_ms)
     if host_store is not None:
         lib.set_host_store(host_store)
+    chunk = int(lib.copy_chunk(-1 if copy_chunk is None else copy_chunk))
     names = ("host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
              "staging_idle_ms")
     out = {name: int(v) for name, v in zip(names, vals)}
     out["host_store"] = str(lib.host_store())
+    out["copy_chunk"] = chunk
     return out
 
 

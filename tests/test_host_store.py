@@ -214,3 +214,39 @@ def test_finished_cells_move_between_pools_subprocess():
     print("OK")
     """
     _run(code)
+
+
+def test_copies_go_in_pieces_subprocess():
+    # copy_chunk splits each D2H/H2D between a cell and a host block into pieces (odd sizes: the offsets
+    # must add up); the bytes are the same, the copies counted at the driver seam are ceil(n / chunk).
+    code = """
+    assert jaxvmm.configure(copy_chunk=12345)["copy_chunk"] == 12345
+    calls = lambda: testing.driver_counters()["calls"]
+    x = bits((100003,), np.float32, 7)          # 400012 bytes: 33 pieces
+    c0 = calls()
+    t = jaxvmm.offload(x)
+    jaxvmm.synchronize()
+    c1 = calls()
+    assert c1["cuMemcpyDtoHAsync"] - c0["cuMemcpyDtoHAsync"] == 33, (c0["cuMemcpyDtoHAsync"], c1["cuMemcpyDtoHAsync"])
+    y = jaxvmm.reload(t)
+    jaxvmm.synchronize()
+    c2 = calls()
+    assert c2["cuMemcpyHtoDAsync"] - c1["cuMemcpyHtoDAsync"] == 33, (c1["cuMemcpyHtoDAsync"], c2["cuMemcpyHtoDAsync"])
+    assert same(y, x)
+    jaxvmm.configure(host_store="host_numa")      # by unified address, in pieces too
+    for chunk in (12345, 0, "1M"):
+        jaxvmm.configure(copy_chunk=chunk)
+        assert same(jaxvmm.reload(jaxvmm.offload(x)), x), chunk
+    assert jaxvmm.configure()["copy_chunk"] == 1 << 20
+    print("OK")
+    """
+    _run(code)
+
+
+@pytest.mark.parametrize("value,exc", [(-1, jaxvmm.InvalidArgumentError), ("lots", jaxvmm.InvalidArgumentError),
+                                       (1.5, jaxvmm.InvalidArgumentError)])
+def test_configure_copy_chunk_validation(value, exc):
+    before = jaxvmm.configure()
+    with pytest.raises(exc, match="configure: copy_chunk"):
+        jaxvmm.configure(copy_chunk=value)
+    assert jaxvmm.configure() == before
