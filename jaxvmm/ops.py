@@ -743,7 +743,8 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
 
 def trim() -> int:
     """Return every idle staging page to the driver now (they also go back by themselves after
-    ``staging_idle_ms`` without an op). Returns the bytes returned."""
+    ``staging_idle_ms`` without an op), and the host_numa store's empty chunks (their VA ranges stay
+    reserved; the pinned pool keeps its chunks). Returns the bytes returned."""
     n = 0
     for backend, device in lib.engine_devices():
         n += int(lib.engine_trim(backend, device))
@@ -758,7 +759,10 @@ def engine_stats() -> dict:
     ``staging_peak_bytes``, ``staging_cells``, ``staging_acquires``, ``staging_device_waits`` (acquires
     whose stream waited for the cell's previous user: back-pressure on the device), ``staging_host_waits``
     (the rare acquires that waited on the host), ``staging_pages_mapped`` / ``staging_pages_returned``
-    (driver page operations: constant in steady state)."""
+    (driver page operations: constant in steady state), ``staging_offload_cells`` /
+    ``staging_reload_cells`` (cells in each direction's pool), and the host store: ``host_store`` (the
+    store new offloads draw from), ``host_store_bytes`` (what it holds), ``pinned_*`` and ``host_numa_*``
+    (bytes held, in use, peak in use, chunks taken and returned, host time spent taking them)."""
     _collect()
     out = {}
     for backend, device in lib.engine_devices():
