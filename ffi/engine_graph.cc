@@ -291,7 +291,7 @@ bool Engine::ServiceOffload(Channel& c) {
     ++graph_stats_.offload_rounds;
     if (t) {
       const char* stage = "offload (graph)";
-      Status st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t->host.ptr, c.cell, c.meta.nbytes, d2h_); });
+      Status st = CopyToHost(d2h_, t->host, c.cell, c.meta.nbytes, stage);
       if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); });
       if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, d2h_); });
       c.cell_stream = d2h_;
@@ -317,7 +317,7 @@ bool Engine::ServiceOffload(Channel& c) {
     if (!MapCell(c)) return busy;  // no room in the staging budget yet: the next pass retries
     HostBlock host;
     CUevent ev = nullptr;
-    Status st = host_pool_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
+    Status st = host_store_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
     if (st.ok()) st = GetEvent(&ev);
     std::shared_ptr<Ticket> t;
     {
@@ -329,7 +329,7 @@ bool Engine::ServiceOffload(Channel& c) {
         t->d2h_done = ev;
         ++stats_.offloads;
       } else {
-        if (host.ptr) host_pool_.Free(host);
+        if (host.ptr) host_store_.Free(host);
         if (ev) event_pool_.push_back(ev);
         // The round hands out token 0, which no ticket has: its reload fills 0xFF and reports.
         errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));

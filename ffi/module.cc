@@ -560,6 +560,18 @@ NB_MODULE(_jaxvmm, m) {
     d["staging_window_peak_bytes"] = s.staging.window_peak_mapped_bytes;
     d["pinned_allocs"] = s.host.driver_allocs;
     d["pinned_limit_bytes"] = s.host.limit_bytes;
+    d["pinned_alloc_ns"] = s.host.alloc_ns;
+    d["host_numa_bytes"] = s.host_numa.chunk_bytes;
+    d["host_numa_in_use_bytes"] = s.host_numa.in_use_bytes;
+    d["host_numa_peak_in_use_bytes"] = s.host_numa.peak_in_use_bytes;
+    d["host_numa_window_peak_bytes"] = s.host_numa.window_peak_in_use_bytes;
+    d["host_numa_allocs"] = s.host_numa.driver_allocs;
+    d["host_numa_frees"] = s.host_numa.driver_frees;
+    d["host_numa_alloc_ns"] = s.host_numa.alloc_ns;
+    d["host_store"] = HostStoreName(s.host_store);
+    d["host_store_bytes"] = s.host_store == HostStoreKind::kHostNuma ? s.host_numa.chunk_bytes : s.host.chunk_bytes;
+    d["staging_offload_cells"] = s.staging.offload_cells;
+    d["staging_reload_cells"] = s.staging.reload_cells;
     d["graph_channels"] = s.graph.channels;
     d["graph_prepares"] = s.graph.prepares;
     d["graph_captures"] = s.graph.captures;
@@ -692,6 +704,19 @@ NB_MODULE(_jaxvmm, m) {
     int64_t idle = StagingArea::IdleMillis();
     nb::gil_scoped_acquire gil;
     return nb::make_tuple(limit, chunk, depth, keep, budget, idle);
+  });
+
+  // The host store new offloads draw from: "pinned" or "host_numa" (validated in Python first).
+  m.def("set_host_store", [](const std::string& name) {
+    if (name == "pinned") HostStore::SetCurrent(HostStoreKind::kPinned);
+    else if (name == "host_numa") HostStore::SetCurrent(HostStoreKind::kHostNuma);
+    else Check(Status(Code::kInvalidArgument, "unknown host store '" + name + "' (expected 'pinned' or 'host_numa')"));
+  });
+  m.def("host_store", [] { return std::string(HostStoreName(HostStore::Current())); });
+  // Pieces of D2H/H2D copies (0: one copy); returns the value in force. Negative leaves it.
+  m.def("copy_chunk", [](int64_t bytes) {
+    if (bytes >= 0) EngineConfig::SetCopyChunk(static_cast<size_t>(bytes));
+    return static_cast<int64_t>(EngineConfig::CopyChunk());
   });
 
   m.def("memory_info", [](const std::string& backend, int device) {

@@ -184,20 +184,24 @@ def memory_timeline(device=None, *, interval_us: float = DEFAULT_INTERVAL_US, ca
 
 
 def host_stats() -> dict:
-    """Pinned host memory of jaxvmm's offload engines, summed over devices: ``pinned_bytes`` (held from
-    the driver), ``in_use_bytes`` (holding offloaded arrays now), ``peak_in_use_bytes`` (since the
-    engines started), ``window_peak_in_use_bytes`` (since the last :func:`reset_peaks`: per step, when a
-    training loop calls reset_peaks() before each step), ``limit_bytes`` (the pool limit per device) and
-    ``staging_window_peak_bytes`` (device staging pages mapped, peak since reset_peaks())."""
+    """Host memory of jaxvmm's offload engines, summed over devices and over both host stores (the
+    pinned pool and, with ``host_store="host_numa"``, the HOST_NUMA store): ``pinned_bytes`` /
+    ``host_numa_bytes`` (held from the driver), ``in_use_bytes`` (holding offloaded arrays now),
+    ``peak_in_use_bytes`` (since the engines started), ``window_peak_in_use_bytes`` (since the last
+    :func:`reset_peaks`: per step, when a training loop calls reset_peaks() before each step),
+    ``limit_bytes`` (the pool limit per device and store) and ``staging_window_peak_bytes`` (device
+    staging pages mapped, peak since reset_peaks())."""
     from .ops import engine_stats
 
-    out = {"pinned_bytes": 0, "in_use_bytes": 0, "peak_in_use_bytes": 0, "window_peak_in_use_bytes": 0,
-           "limit_bytes": 0, "staging_window_peak_bytes": 0}
+    out = {"pinned_bytes": 0, "host_numa_bytes": 0, "in_use_bytes": 0, "peak_in_use_bytes": 0,
+           "window_peak_in_use_bytes": 0, "limit_bytes": 0, "staging_window_peak_bytes": 0}
     for st in engine_stats().values():
         out["pinned_bytes"] += int(st["pinned_bytes"])
-        out["in_use_bytes"] += int(st["pinned_in_use_bytes"])
-        out["peak_in_use_bytes"] += int(st["pinned_peak_in_use_bytes"])
-        out["window_peak_in_use_bytes"] += int(st["pinned_window_peak_bytes"])
+        out["host_numa_bytes"] += int(st.get("host_numa_bytes", 0))
+        for store in ("pinned", "host_numa"):
+            out["in_use_bytes"] += int(st.get(f"{store}_in_use_bytes", 0))
+            out["peak_in_use_bytes"] += int(st.get(f"{store}_peak_in_use_bytes", 0))
+            out["window_peak_in_use_bytes"] += int(st.get(f"{store}_window_peak_bytes", 0))
         out["staging_window_peak_bytes"] += int(st["staging_window_peak_bytes"])
         out["limit_bytes"] = max(out["limit_bytes"], int(st["pinned_limit_bytes"]))
     return out

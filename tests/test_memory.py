@@ -154,6 +154,30 @@ def test_reset_peaks_restarts_the_staging_window():
     assert jaxvmm.host_stats()["staging_window_peak_bytes"] == 0
 
 
+def test_host_stats_count_the_host_numa_store():
+    """With host_store="host_numa" the offloaded bytes live in HOST_NUMA pages, not in the pinned pool:
+    host_stats() counts them all the same (in use now, window peak)."""
+    nbytes = 1 * MiB
+    x = jnp.arange(nbytes // 4, dtype=jnp.float32, device=jdev("cpu"))
+    old = jaxvmm.configure()["host_store"]
+    jaxvmm.configure(host_store="host_numa")
+    try:
+        _wait()
+        jaxvmm.reset_peaks()
+        h0 = jaxvmm.host_stats()
+        t = jaxvmm.offload(x)
+        _wait()
+        h1 = jaxvmm.host_stats()
+        assert h1["in_use_bytes"] - h0["in_use_bytes"] == nbytes
+        assert h1["window_peak_in_use_bytes"] - h0["window_peak_in_use_bytes"] == nbytes
+        assert h1["host_numa_bytes"] >= nbytes
+        assert np.array_equal(np.asarray(jaxvmm.reload(t)), np.asarray(x))
+        _wait()
+        assert jaxvmm.host_stats()["in_use_bytes"] == h0["in_use_bytes"]
+    finally:
+        jaxvmm.configure(host_store=old)
+
+
 def test_host_stats_in_a_jitted_training_step_is_one_steps_worth():
     """Per-step window peak in a jitted step: the offloaded bytes of one step, and back to zero in use
     after each step (offloaded bytes never need more than one step's worth of host memory)."""
