@@ -14,6 +14,7 @@ constexpr uint64_t kRing = 1024;    // ops in flight per engine before the host 
 constexpr size_t kTimings = 4096;  // handler host times kept for the median
 
 std::atomic<int> g_keep{0};
+std::atomic<bool> g_graph_kernels{true};
 
 std::mutex g_engines_mu;
 bool g_final = false;  // the process is exiting: no engine may start again (guarded by g_engines_mu)
@@ -26,6 +27,8 @@ std::map<std::pair<int, int>, std::unique_ptr<Engine>>& Engines() {
 
 void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
 int EngineConfig::KeepResident() { return g_keep.load(); }
+void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
+bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
 
 // ---------------------------------------------------------------- async errors
 
@@ -73,7 +76,7 @@ struct Engine::Op {
 // ---------------------------------------------------------------- lifetime
 
 Engine::Engine(Backend b, int device)
-    : backend_(b), device_(device), host_pool_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device) {}
+    : backend_(b), device_(device), host_pool_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device), kernels_(b) {}
 
 Status Engine::For(Backend b, int device, Engine** out) {
   std::lock_guard<std::mutex> lock(g_engines_mu);
@@ -174,6 +177,7 @@ Engine::~Engine() {
   for (CUstream s : {d2h_, h2d_, fix_, ctl_})
     if (s) d.StreamDestroy(s);
   if (words_) d.MemFreeHost(words_);
+  kernels_.Unload();  // every stream that ran a grant kernel is synchronized
   // staging_ (a member) returns its cells' pages when it is destroyed, after this body.
 }
 

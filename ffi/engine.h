@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "channels.h"
+#include "graph_kernels.h"
 #include "host_pool.h"
 #include "staging.h"
 #include "status.h"
@@ -42,6 +43,13 @@ struct GraphStats {
   int64_t hits = 0, misses = 0;                   // reload rounds whose cell already held the ticket
   int64_t mapped_bytes = 0;                       // channel cells with pages now
   int64_t pages_mapped = 0, pages_returned = 0;
+  // Kernel grants (DESIGN.md, "Graph mode"): rounds whose grant the device took by itself (a pre-armed
+  // offload grant, a reload whose prefetched token matched) vs rounds that waited for the poller.
+  bool kernels = false;        // this engine's captures use the grant kernels
+  std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
+  int64_t grants_device = 0, grants_host = 0;
+  int64_t revokes = 0;         // grants taken back (idle release, trim, budget) before the device used them
+  int64_t revokes_lost = 0;    // revocations that found the grant already taken (the round went on)
 };
 
 struct EngineStats {
@@ -66,6 +74,10 @@ struct EngineConfig {
   // so that their reloads copy device to device instead of waiting for an H2D. Default 0.
   static void SetKeepResident(int n);
   static int KeepResident();
+  // Graph mode: grant rounds on the device with the grant kernels (default on). Read by an engine at
+  // its first initialize stage; its captures keep that protocol.
+  static void SetGraphKernels(bool on);
+  static bool GraphKernels();
 };
 
 // Asynchronous errors (found by a worker after the handler returned). Each is reported once: by the
@@ -189,6 +201,12 @@ class Engine {
   void UnmapCell(Channel& c);
   size_t ReleaseIdleCells(bool now);  // cells of idle channels (after IdleMillis unless `now`)
   void Grant(std::atomic<uint64_t>* word, Channel& c);  // writes 1, ordered after the cell's last copy
+  // Kernel grants (caller holds graph_mu_).
+  bool ServiceOffloadK(Channel& c);
+  bool ServiceReloadK(Channel& c);
+  bool Arm(Channel& c, bool host);  // offload: a reserved token into `arm` on d2h_ (after the cell's D2H)
+  bool Revoke(Channel& c);          // takes an armed grant back; true: none is outstanding any more
+  Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
   void Unload(Channel& c);          // drops the prediction a reload cell holds; caller holds mu_ too
   void ReportOn(CUstream stream, const Status& st);
   bool GraphIdle();                 // no round in progress, no D2H outstanding
@@ -234,6 +252,8 @@ class Engine {
   std::chrono::steady_clock::time_point awake_until_;
   bool any_captured_ = false;
   bool poll_stop_ = false;
+  GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
+  bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture
 
   // Workers last: destroyed first, after ~Engine has synchronized every stream.

@@ -37,14 +37,23 @@ std::string TokenStr(uint64_t token) {
   return buf;
 }
 
-std::shared_ptr<Ticket> TicketTable::Create(const ArrayMeta& meta) {
-  auto t = std::make_shared<Ticket>();
-  t->meta = meta;
+uint64_t TicketTable::ReserveToken() {
   // 2^32 - 1 numbers; skipping the live ones terminates because fewer than that are ever live.
+  uint64_t token = 0;
   do {
     if (next_ == 0) next_ = 1;
-    t->token = MakeToken(next_++, key_);
-  } while (by_token_.count(t->token));
+    token = MakeToken(next_++, key_);
+  } while (by_token_.count(token));
+  return token;
+}
+
+std::shared_ptr<Ticket> TicketTable::Create(const ArrayMeta& meta) { return Create(meta, ReserveToken()); }
+
+std::shared_ptr<Ticket> TicketTable::Create(const ArrayMeta& meta, uint64_t token) {
+  if (token == 0 || by_token_.count(token)) return nullptr;
+  auto t = std::make_shared<Ticket>();
+  t->meta = meta;
+  t->token = token;
   by_token_[t->token] = t;
   order_.push_back(t);
   return t;

@@ -63,6 +63,10 @@ class TicketTable {
   // A new ticket with a fresh token. Numbers wrap at 2^32 and skip numbers still in use, so a new
   // token never aliases a live ticket.
   std::shared_ptr<Ticket> Create(const ArrayMeta& meta);
+  // A fresh token with no ticket yet (a graph-mode grant hands it to the device before the round's
+  // ticket exists), and the ticket of such a token (null if a live ticket took it meanwhile).
+  uint64_t ReserveToken();
+  std::shared_ptr<Ticket> Create(const ArrayMeta& meta, uint64_t token);
   // Test hook: the next ticket number to hand out.
   void SetNextNumber(uint32_t n) { next_ = n; }
 
