@@ -3,12 +3,14 @@
 // A replayed graph does the same device work every time and never calls the handler, so each
 // (call site, kind) of an engine gets a *channel*: a staging cell at a fixed VA (an internal slot whose
 // pages come and go while the VA stays) and a line of pinned words through which the replayed nodes
-// and the engine's poller hand each round back and forth. The device side only writes constants and
-// copies words; every per-round decision (which ticket, which host block, whether the prediction was
-// right) is the poller's. DESIGN.md, "Graph mode", has the protocol.
+// and the engine's poller hand each round back and forth, plus two device-memory words through which
+// the poller arms grants ahead of time that a round's grant kernel takes on the device (graph_kernels.h).
+// Every per-round decision (which ticket, which host block, whether the prediction was right) is still
+// the poller's; it is only made before the round instead of during it. DESIGN.md, "Graph mode".
 //
 // ChannelTable is plain data with no lock of its own: the engine guards it with Engine::graph_mu_.
-// It owns the pinned word arena (driver calls only when it grows, never on a capturing thread).
+// It owns the pinned and device word arenas (driver calls only when they grow, never on a capturing
+// thread).
 #pragma once
 
 #include <atomic>

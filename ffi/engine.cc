@@ -128,7 +128,7 @@ Status Engine::Init() {
   const char* stage = "engine init";
   // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ only
   // carries event waits and host functions, so bookkeeping never queues behind a large copy.
-  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_})
+  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &gd2h_, &gh2d_})
     JAXVMM_RETURN_IF_ERROR(
         Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
   void* words = nullptr;
@@ -159,7 +159,7 @@ Engine::~Engine() {
   StopGraph();  // the poller first: it enqueues copies and owns the channels' cells
   // Streams first: a host function that fires later would post to a destroyed worker. Then the
   // workers drain (their tasks may still touch the state below) and stop.
-  for (CUstream s : {h2d_, fix_, d2h_, ctl_})
+  for (CUstream s : {h2d_, fix_, d2h_, ctl_, gd2h_, gh2d_})
     if (s) d.StreamSynchronize(s);
   if (resolver_) resolver_->Drain();
   if (releaser_) releaser_->Drain();
@@ -174,7 +174,7 @@ Engine::~Engine() {
     for (CUevent e : {op.tok, op.done, op.filled})
       if (e) d.EventDestroy(e);
   for (CUevent e : event_pool_) d.EventDestroy(e);
-  for (CUstream s : {d2h_, h2d_, fix_, ctl_})
+  for (CUstream s : {d2h_, h2d_, fix_, ctl_, gd2h_, gh2d_})
     if (s) d.StreamDestroy(s);
   if (words_) d.MemFreeHost(words_);
   kernels_.Unload();  // every stream that ran a grant kernel is synchronized

@@ -223,6 +223,9 @@ class Engine {
   // d2h_: offload copies out; h2d_: reload prefetches (in handler order); fix_: the resolver's
   // corrections and prefetch-hint copies; ctl_: event waits and host functions only.
   CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr;
+  // Graph mode's copy streams: D2H out of offload cells and the grants behind them (gd2h_), prefetches
+  // into reload cells and their `ready` writes (gh2d_). Nothing on them waits for XLA's streams.
+  CUstream gd2h_ = nullptr, gh2d_ = nullptr;
   Words* words_ = nullptr;  // pinned, kRing entries
   std::vector<Op> ops_;
 

@@ -10,7 +10,7 @@
 //     write arm = 0
 //     copy  token_out <- token
 //     copy  cell <- x
-//     write filled = 1                     sees filled: D2H cell -> the ticket's host block on d2h_
+//     write filled = 1                     sees filled: D2H cell -> the ticket's host block on gd2h_
 //
 //   reload round (XLA's stream)
 //     copy  probe <- token_in              sees request: the ticket `probe` names; go = 1 after its
@@ -307,7 +307,7 @@ bool Engine::ServiceOffload(Channel& c) {
   const DriverTable& d = Driver(backend_);
   bool busy = false;
   if (w.filled.load(std::memory_order_acquire) == 1) {
-    // The device copied x into the cell and handed out the round's token: D2H it on d2h_.
+    // The device copied x into the cell and handed out the round's token: D2H it on gd2h_.
     w.filled.store(0, std::memory_order_relaxed);
     busy = true;
     std::shared_ptr<Ticket> t = std::move(c.ticket);
@@ -317,16 +317,16 @@ bool Engine::ServiceOffload(Channel& c) {
     ++graph_stats_.offload_rounds;
     if (t) {
       const char* stage = "offload (graph)";
-      Status st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t->host.ptr, c.cell, c.meta.nbytes, d2h_); });
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); });
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, d2h_); });
-      c.cell_stream = d2h_;
+      Status st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t->host.ptr, c.cell, c.meta.nbytes, gd2h_); });
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
+      c.cell_stream = gd2h_;
       std::lock_guard<std::mutex> lock(mu_);
       if (st.ok()) {
         t->enqueued = true;
         graph_d2h_.push_back(t);
       } else {
-        d.StreamSynchronize(d2h_);
+        d.StreamSynchronize(gd2h_);
         t->on_host = t->dropped = true;  // its bytes never reached the host: a reload of it fails
         Retire(t);
         errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
@@ -406,22 +406,22 @@ void Engine::PrefetchInto(Channel& c) {
     src = SourceOf(*t);
   }
   const DriverTable& d = Driver(backend_);
-  Status st = CopyTicket(h2d_, src, c.cell, c.meta.nbytes, "reload prefetch (graph)");
+  Status st = CopyTicket(gh2d_, src, c.cell, c.meta.nbytes, "reload prefetch (graph)");
   bool armed = false;
   if (st.ok() && use_kernels_) {
     // The device's grant: `ready` names the token only once its bytes are in the cell (stream order,
     // and the write's default memory barrier makes the copy visible first).
-    st = WriteDevice(h2d_, c.ready, c.loaded->token, "reload prefetch (graph)");
+    st = WriteDevice(gh2d_, c.ready, c.loaded->token, "reload prefetch (graph)");
     armed = st.ok();
   }
-  if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, h2d_); });
-  c.cell_stream = h2d_;
+  if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gh2d_); });
+  c.cell_stream = gh2d_;
   if (armed) {
     c.round = Channel::Round::kArmed;
     c.host_grant = false;
   }
   if (!st.ok()) {
-    d.StreamSynchronize(h2d_);
+    d.StreamSynchronize(gh2d_);
     c.cell_stream = nullptr;  // nothing runs on the cell any more
     if (!armed) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -440,7 +440,7 @@ void Engine::FillInvalid(Channel& c) {
   c.cell_stream = fix_;
   if (!st.ok()) {
     d.StreamSynchronize(fix_);
-    d.StreamSynchronize(h2d_);
+    d.StreamSynchronize(gh2d_);
     c.cell_stream = nullptr;
     ReportOn(c.stream, st);
   }
@@ -551,13 +551,15 @@ Status Engine::WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const c
 }
 
 bool Engine::Arm(Channel& c, bool host) {
-  // Every copy out of an offload cell runs on d2h_, so a write on d2h_ is ordered after the last one.
+  // Every copy out of an offload cell runs on gd2h_, so a write on gd2h_ is ordered after the last one.
+  // gd2h_/gh2d_ never wait on XLA's streams (unlike the ring path's d2h_/h2d_): a grant written there
+  // cannot queue behind work that waits for the very round the grant releases.
   uint64_t token = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     token = tickets_.ReserveToken();
   }
-  Status st = WriteDevice(d2h_, c.arm, token, "offload grant (graph)");
+  Status st = WriteDevice(gd2h_, c.arm, token, "offload grant (graph)");
   if (!st.ok()) {
     ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode grant of call site " + std::to_string(c.site) + "; retrying)"));
     return false;
@@ -576,7 +578,7 @@ bool Engine::Revoke(Channel& c) {
   ScopedContext ctx(backend_, device_);  // trim() calls this from a user thread
   const DriverTable& d = Driver(backend_);
   const bool offload = c.kind == ChannelKind::kOffload;
-  CUstream s = offload ? d2h_ : h2d_;
+  CUstream s = offload ? gd2h_ : gh2d_;
   const uint64_t expect = offload ? 0 : (c.loaded ? c.loaded->token : 0);
   c.w->result.store(0, std::memory_order_relaxed);
   Status st = kernels_.Revoke(s, offload ? c.arm : c.ready, expect, Addr(c.w->result));
@@ -607,7 +609,7 @@ bool Engine::ServiceOffloadK(Channel& c) {
   bool busy = false;
   if (w.filled.load(std::memory_order_acquire) == 1) {
     // The device took grant_token, copied x into the cell and handed the token out: make its ticket,
-    // D2H the cell into it on d2h_, and pre-arm the next round right behind that copy.
+    // D2H the cell into it on gd2h_, and pre-arm the next round right behind that copy.
     w.filled.store(0, std::memory_order_relaxed);
     busy = true;
     const uint64_t token = c.grant_token;
@@ -640,16 +642,16 @@ bool Engine::ServiceOffloadK(Channel& c) {
       }
     }
     if (t) {
-      st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t->host.ptr, c.cell, c.meta.nbytes, d2h_); });
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); });
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, d2h_); });
-      c.cell_stream = d2h_;
+      st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t->host.ptr, c.cell, c.meta.nbytes, gd2h_); });
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
+      c.cell_stream = gd2h_;
       std::lock_guard<std::mutex> lock(mu_);
       if (st.ok()) {
         t->enqueued = true;
         graph_d2h_.push_back(t);
       } else {
-        d.StreamSynchronize(d2h_);
+        d.StreamSynchronize(gd2h_);
         t->on_host = t->dropped = true;  // its bytes never reached the host: a reload of it fails
         Retire(t);
       }
@@ -775,7 +777,7 @@ bool Engine::ServiceReloadK(Channel& c) {
     if (st.ok()) c.cell_stream = fix_;
     if (!st.ok()) {
       // `ready` may still name a prefetched token: wait for every copy, then clear it in order.
-      d.StreamSynchronize(h2d_);
+      d.StreamSynchronize(gh2d_);
       d.StreamSynchronize(fix_);
       st = WriteDevice(fix_, c.ready, 0, "reload (graph)");
       if (st.ok()) d.StreamSynchronize(fix_);
@@ -826,7 +828,7 @@ void Engine::StopGraph() {
   poll_cv_.notify_all();
   if (poller_.joinable()) poller_.join();
   const DriverTable& d = Driver(backend_);
-  for (CUstream s : {d2h_, h2d_, fix_})  // every copy into or out of a cell has finished
+  for (CUstream s : {gd2h_, gh2d_, fix_, d2h_, h2d_})  // every copy into or out of a cell has finished
     if (s) d.StreamSynchronize(s);
   std::lock_guard<std::mutex> lock(graph_mu_);
   channels_.ForEach([&](Channel& c) {
