@@ -567,12 +567,16 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_pages_mapped"] = s.graph.pages_mapped;
     d["graph_pages_returned"] = s.graph.pages_returned;
     d["graph_kernels"] = static_cast<int64_t>(s.graph.kernels);
-    d["graph_kernels_error"] = s.graph.kernels_error;
     d["graph_grants_device"] = s.graph.grants_device;
     d["graph_grants_host"] = s.graph.grants_host;
     d["graph_revokes"] = s.graph.revokes;
     d["graph_revokes_lost"] = s.graph.revokes_lost;
     return d;
+  });
+  // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in
+  // engine_stats(), whose values are all integers.
+  m.def("engine_graph_kernels_error", [engine](const std::string& backend, int device) {
+    return engine(backend, device)->Stats().graph.kernels_error;
   });
   m.def("engine_devices", [] {
     nb::list out;
