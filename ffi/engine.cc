@@ -194,9 +194,11 @@ Status Engine::TakeErrorFor(CUstream stream) {
 }
 
 void Engine::Report(const Op& op, const Status& st) {
-  std::fprintf(stderr, "%s\n", st.ToString().c_str());
+  Status named = st;  // which call site, when the op has one (offload, reload)
+  if (op.meta.site > 0) named.Append(" [call site " + std::to_string(op.meta.site) + "]");
+  std::fprintf(stderr, "%s\n", named.ToString().c_str());
   std::lock_guard<std::mutex> lock(mu_);
-  errors_.Record(op.stream, st);
+  errors_.Record(op.stream, named);
   ++stats_.errors;
 }
 

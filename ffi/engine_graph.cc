@@ -457,6 +457,7 @@ bool Engine::ServiceReload(Channel& c) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (c.ticket) {
+        ++stats_.reloads;  // a ticket's bytes reached XLA's buffer (a 0xFF round had no ticket)
         c.ticket->pins -= 1;
         Retire(c.ticket);
         c.ticket.reset();

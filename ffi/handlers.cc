@@ -38,12 +38,20 @@ Status CheckToken(const ffi::AnyBuffer& token, const char* what) {
   return Status();
 }
 
+// Errors name the call site (Python maps the number to a source line).
+Status AtSite(Status st, int64_t site) {
+  if (!st.ok() && site > 0) st.Append(" [call site " + std::to_string(site) + "]");
+  return st;
+}
+
 Status Offload(Backend b, CUstream stream, int device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> token,
                int64_t signature, int64_t site) {
   Engine* e = nullptr;
   JAXVMM_RETURN_IF_ERROR(GetEngine(b, device, &e));
   JAXVMM_RETURN_IF_ERROR(CheckToken(*token, "offload"));
-  return e->Offload(stream, site, Ptr(x.untyped_data()), ArrayMeta{x.size_bytes(), signature}, Ptr(token->untyped_data()));
+  return AtSite(e->Offload(stream, site, Ptr(x.untyped_data()), ArrayMeta{x.size_bytes(), signature, site},
+                           Ptr(token->untyped_data())),
+                site);
 }
 
 Status Reload(Backend b, CUstream stream, int device, ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> y,
@@ -51,7 +59,9 @@ Status Reload(Backend b, CUstream stream, int device, ffi::AnyBuffer token, ffi:
   Engine* e = nullptr;
   JAXVMM_RETURN_IF_ERROR(GetEngine(b, device, &e));
   JAXVMM_RETURN_IF_ERROR(CheckToken(token, "reload"));
-  return e->Reload(stream, site, Ptr(token.untyped_data()), Ptr(y->untyped_data()), ArrayMeta{y->size_bytes(), signature});
+  return AtSite(e->Reload(stream, site, Ptr(token.untyped_data()), Ptr(y->untyped_data()),
+                          ArrayMeta{y->size_bytes(), signature, site}),
+                site);
 }
 
 // The initialize stage (CUDA): once per execution, on the host, before the execution's device work.

@@ -22,6 +22,7 @@ namespace jaxvmm {
 struct ArrayMeta {
   size_t nbytes = 0;
   int64_t signature = 0;  // hash of dtype and shape, computed in Python
+  int64_t site = 0;       // the Python call site (jaxvmm maps it to a source line), 0: unknown
 };
 
 // Tokens are uint64: the low 32 bits a ticket number, the high 32 bits a check word salted per process

@@ -30,7 +30,7 @@ from .ops import Ticket, after, check, collect, configure, engine_stats, offload
 from .slots import Slot
 from . import share
 from .share import ShareHandle, recv_handle, send_handle
-from .remat import checkpoint, policies, remat
+from .remat import checkpoint, policies, print_saved_residuals, remat, saved_residuals
 
 __version__ = "0.1.0"
 
@@ -119,6 +119,8 @@ __all__ = [
     "checkpoint",
     "remat",
     "policies",
+    "saved_residuals",
+    "print_saved_residuals",
     "CudaStatus",
     "cuda_available",
     "driver_memory_info",

@@ -118,7 +118,10 @@ def from_jax_error(e: BaseException) -> VmmError | None:
             break
     if cls is None:
         cls = DriverError if driver_error else VmmError
-    return cls(text, code=_CODE_OF.get(cls, ""), driver_error=driver_error)
+    err = cls(text, code=_CODE_OF.get(cls, ""), driver_error=driver_error)
+    from . import ops  # the call-site numbers the engine writes, as source lines
+
+    return ops._named(err)
 
 
 def _from_native(code: str, message: str, driver_error: str, slot: int, stage: str) -> VmmError:

@@ -4,7 +4,10 @@ and bring it back later, through fixed-address slots whose pages are returned in
 from __future__ import annotations
 
 import functools
+import collections
 import itertools
+import os
+import re
 import operator
 import sys
 import threading
@@ -21,6 +24,37 @@ from ._devices import _posix_ready, target_of
 from ._native import lib
 
 _sites = itertools.count(1)
+_SITE_LINES: "collections.OrderedDict[int, str]" = collections.OrderedDict()  # site -> "op at file:line (fn)"
+_MAX_SITES = 1 << 14
+_OWN = (os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep, os.sep + "jaxvmm" + os.sep, os.sep + "flax" + os.sep)
+
+
+def _new_site(op: str) -> int:
+    """A new call-site number, remembered with the first user frame that made it (errors name it)."""
+    n = next(_sites)
+    f = sys._getframe(1)
+    while f is not None and (any(o in f.f_code.co_filename for o in _OWN) or f.f_code.co_filename.startswith("<")):
+        f = f.f_back
+    where = f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})" if f is not None else "unknown"
+    with _lock:
+        _SITE_LINES[n] = f"{op} at {where}"
+        if len(_SITE_LINES) > _MAX_SITES:
+            _SITE_LINES.popitem(last=False)
+    return n
+
+
+def _name_sites(msg: str) -> str:
+    """``msg`` with every ``[call site N]`` the engine wrote spelled out as the Python line that made it."""
+    def sub(m):
+        line = _SITE_LINES.get(int(m.group(1)))
+        return f"[call site {m.group(1)}: {line}]" if line else m.group(0)
+    return re.sub(r"\[call site (\d+)\]", sub, msg)
+
+
+def _named(e: Exception) -> Exception:
+    if isinstance(e, errors.VmmError) and e.args and "[call site " in str(e.args[0]):
+        e.args = (_name_sites(str(e.args[0])),) + e.args[1:]
+    return e
 _TOKEN = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
 
@@ -254,7 +288,7 @@ def _check_array(x, what: str):
 
 def _translate(e: Exception) -> Exception:
     """The jaxvmm error an eager ffi call's ``JaxRuntimeError`` carries (see ``errors.from_jax_error``)."""
-    return errors.from_jax_error(e) or e
+    return _named(errors.from_jax_error(e) or e)
 
 
 # ---- offload ----
@@ -304,9 +338,9 @@ def offload(x) -> Ticket:
     try:
         v = x if wide == x.dtype else x.astype(wide)
         if mesh is not None:  # sharded over several devices under plain jit: each device offloads its shard
-            token = _offload_sharded(v, _signature(x.shape, x.dtype), next(_sites), mesh)
+            token = _offload_sharded(v, _signature(x.shape, x.dtype), _new_site("offload"), mesh)
         else:
-            token = _offload(v, _signature(x.shape, x.dtype), next(_sites))
+            token = _offload(v, _signature(x.shape, x.dtype), _new_site("offload"))
     except jax.errors.JaxRuntimeError as e:  # eager: the handler's error, as the jaxvmm error it is
         raise _translate(e) from e
     return Ticket(token, x.shape, x.dtype, mesh is not None)
@@ -500,10 +534,10 @@ def reload(ticket: Ticket, *, after=None) -> jax.Array:
     try:
         if ticket.sharded:  # sharded under plain jit: each device reloads its own shard
             y = _sharded.reload(ticket.token, ticket.shape, wide, _signature(ticket.shape, ticket.dtype),
-                                next(_sites))
+                                _new_site("reload"))
         else:
             y = jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, wide), vmap_method="sequential")(
-                ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(next(_sites)))
+                ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(_new_site("reload")))
     except Exception as e:
         for tgt, v in reserved:  # the eager reload never ran: the ticket may be reloaded again
             lib.engine_unreserve(tgt.backend, tgt.ordinal, v)
@@ -525,10 +559,10 @@ def prefetch(ticket: Ticket) -> Ticket:
     _check_ticket(ticket, "prefetch", reserve=False)
     try:
         if ticket.sharded:
-            token = _sharded.prefetch(ticket.token, next(_sites))
+            token = _sharded.prefetch(ticket.token, _new_site("prefetch"))
         else:
             token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
-                ticket.token, site=np.int64(next(_sites)))
+                ticket.token, site=np.int64(_new_site("prefetch")))
     except jax.errors.JaxRuntimeError as e:
         raise _translate(e) from e
     return Ticket(token, ticket.shape, ticket.dtype, ticket.sharded)
@@ -540,7 +574,10 @@ def check() -> None:
     reload, inside jit, of a ticket that was already reloaded). Handlers also raise it on their next call."""
     _collect()
     for backend, device in lib.engine_devices():
-        lib.engine_take_error(backend, device)
+        try:
+            lib.engine_take_error(backend, device)
+        except errors.VmmError as e:
+            raise _named(e) from None
 
 
 def _live_arrays() -> list:

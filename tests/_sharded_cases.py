@@ -328,6 +328,15 @@ def check_training_step(mesh, style: str, scan: bool, batch=16, width=64, layers
     np.testing.assert_allclose(np.asarray(g2), np.asarray(gr), rtol=1e-4, atol=1e-6)
     s4 = stats(devices)
     assert delta(s2, s4, "tickets_live") == {d: 0 for d in devices}
+    if not scan:
+        # The eager backward reloaded each device's own shard through jaxvmm.reload's synchronous check
+        # (sharded tickets checked on every device): a second call is refused before anything runs.
+        try:
+            vjp_fn(jnp.ones_like(loss))
+        except jaxvmm.errors.InvalidArgumentError as e:
+            assert "already called once" in str(e), e
+        else:
+            raise AssertionError("a second call of a VJP function with sharded offloaded residuals did not raise")
     hlo = got.lower(ws, x).compile().as_text()
     moved = [c for c in collectives(hlo) if f"f32[{batch}," in c]  # an activation gathered whole
     assert not moved, moved

@@ -269,7 +269,9 @@ def test_gpu_offload_storm_stays_within_depth_cells():
         jaxvmm.synchronize()
         s = jaxvmm.engine_stats()["cuda:0"]
         assert s["staging_peak_bytes"] <= 2 * (64 << 20), s
-        assert s["staging_device_waits"] > 0, s
+        # Back-pressure on the device: a ring-path offload waits for a staging cell; a captured scan
+        # body (graph mode) waits for its one cell's grant, after the previous round's D2H.
+        assert s["staging_device_waits"] > 0 or s["graph_offload_rounds"] > 0, s
         print("OK", s["staging_peak_bytes"] >> 20, "MiB peak")
     """), env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, timeout=300))
 

@@ -587,8 +587,11 @@ assert peak() == 0
 # Every op of one size passes through at most DEPTH staging cells: an offload whose cell is still
 # copying out makes XLA's stream wait for it (on the device), a reload's prefetch waits the same way.
 # A cell that was never reused, or staging that grows with the number of ops in flight, pushes the
-# peak past the bound.
-bound = DEPTH * slot
+# peak past the bound. A scan body captured into a command buffer (graph mode, CUDA) runs its rounds
+# through one cell per captured call site instead, whatever the depth.
+def bound():
+    channels = jaxvmm.engine_stats().get(tgt.name, {{}}).get("graph_channels", 0)
+    return max(DEPTH, channels) * slot
 for i in range(3):
     _, ts = jax.jit(fwd)(h0)             # offload and reload in separate executables...
     ys = jax.jit(bwd)(ts)
@@ -596,13 +599,13 @@ for i in range(3):
     jaxvmm.synchronize()
     jaxvmm.trim()
     assert now() == 0, now()             # every staging page went back once the copies were done
-    assert 0 < peak() <= bound, (i, "separate", peak() / slot, DEPTH + L)
+    assert 0 < peak() <= bound(), (i, "separate", peak() / slot, bound() / slot)
     _, ys = step(h0)                     # ...and in one
     assert np.array_equal(np.asarray(ys), expected)
     jaxvmm.synchronize()
     jaxvmm.trim()
     assert now() == 0, now()
-    assert peak() <= bound, (i, "one jit", peak() / slot, DEPTH + L)
+    assert peak() <= bound(), (i, "one jit", peak() / slot, bound() / slot)
 jaxvmm.check()
 s = jaxvmm.engine_stats()[tgt.name]
 assert s["offloads"] == 6 * L and s["reloads"] == 6 * L and s["tickets_live"] == 0 and s["errors"] == 0, s

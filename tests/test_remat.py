@@ -605,7 +605,7 @@ class TestBadInput:
 
     @pytest.mark.parametrize("fn", [3, "f", None, np.ones(3)], ids=["int", "str", "None", "array"])
     def test_non_callable_fn_raises_type_error(self, fn):
-        with pytest.raises(TypeError, match=r"jaxvmm\.checkpoint: fn must be callable"):
+        with pytest.raises(TypeError, match=r"jaxvmm\.checkpoint: fun must be callable"):
             jaxvmm.checkpoint(fn)
 
     @pytest.mark.parametrize("policy", [3, "names", ("hidden",), 1.5], ids=["int", "str", "tuple", "float"])

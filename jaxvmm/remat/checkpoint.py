@@ -1,22 +1,11 @@
 """``jaxvmm.checkpoint``: ``jax.checkpoint`` whose offloadable residuals leave the device through jaxvmm.
 
-How. A policy answers, per primitive application, save (``True``/``Saveable``), offload
-(``Offloadable(src, dst)``) or recompute (``False``/``Recompute``), exactly as for ``jax.checkpoint``.
-The forward rule of a ``jax.custom_vjp`` traces ``jax.vjp(jax.checkpoint(fn, policy=P))`` to a jaxpr,
-where ``P`` is the user's policy with every ``Offloadable`` answer normalized to
-``Offloadable("device", "pinned_host")``. JAX's own partial evaluation then does the bookkeeping: the
-residuals it saves are the outputs of that jaxpr after the primal outputs (the leaves of the VJP
-function), and each residual the policy marked offloadable comes out of a ``device_put`` to the host
-memory space, so its type says ``memory_space=Host``. That type is the tag: no second trace, no
-matching of residuals across traces, no guessing from shapes. The jaxpr is then rewritten so that
-those ``device_put`` calls disappear (the value stays where it is; every host-typed variable, nested
-jaxprs included, becomes a device-typed one) and evaluated. Tagged residuals are offloaded through
-jaxvmm (their ticket tokens become the custom_vjp residuals); saved ones stay on the device as they
-are. The backward rule reloads the tickets (ordered after the cotangent exists), rebuilds the VJP
-function, rewrites its jaxpr the same way (the matching ``device_put`` back to the device goes too)
-and applies it. Gradients are therefore those of ``jax.checkpoint`` with the same policy, computed from
-bit-identical residuals; only where offloaded values live differs (jaxvmm's pinned pool instead of
-XLA's host memory).
+``jaxvmm.checkpoint(fun, policy=P, ...)`` returns ``jax.checkpoint(fun, policy=VmmPolicy(P), ...)``:
+the same ``remat`` primitive, so it composes with everything ``jax.checkpoint`` composes with. A
+policy answers, per primitive application, save (``True``/``Saveable``), offload
+(``Offloadable(src, dst)``) or recompute (``False``/``Recompute``), exactly as for ``jax.checkpoint``;
+what it marks offloadable leaves through jaxvmm instead of XLA's host memory space. How the residuals
+are told apart and moved: ``_rules.py``.
 """
 
 from __future__ import annotations
@@ -26,173 +15,18 @@ import operator
 
 import jax
 import numpy as np
-from jax._src import core as _core
-from jax._src.dispatch import device_put_p as _device_put_p
 
-from .. import errors, ops
-from .policies import Offloadable, OffloadPolicy, Recompute, Saveable, resolve
-
-_HOST = _core.MemorySpace.Host
-_DEVICE = _core.MemorySpace.Device
-
-_HIGHER_ORDER = (
-    "jaxvmm.checkpoint: differentiating a gradient (jax.grad of jax.grad, jax.hessian, jax.jacfwd of "
-    "jax.grad, jax.jvp of jax.grad) through jaxvmm.checkpoint is not supported: an offloaded residual "
-    "crosses from the forward to the backward pass as an integer ticket, so its derivative with respect to "
-    "the inputs cannot follow it. Use jax.checkpoint (same policy: jaxvmm policies are jax policies) for "
-    "code you differentiate twice, or policy=None (recompute everything) there.")
-
-
-_FORWARD_MODE = (
-    "jaxvmm.checkpoint: forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd) of a "
-    "jaxvmm.checkpoint function is not supported: it is a jax.custom_vjp (reverse mode only). Use "
-    "jax.grad/jax.vjp/jax.jacrev, or jax.checkpoint with the same policy for code differentiated forward.")
-
-
-def _offloadable(leaf, policy: OffloadPolicy) -> bool:
-    if not isinstance(leaf, jax.Array):
-        return False
-    dtype = leaf.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or dtype == jax.dtypes.float0:
-        return False
-    nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return nbytes > 0 and nbytes >= policy.min_bytes
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=())
-def _offload_token(x):
-    return ops.offload(x).token
-
-
-@_offload_token.defjvp
-def _offload_token_jvp(primals, tangents):
-    raise TypeError(_HIGHER_ORDER)
-
-
-# ---- the policy JAX sees ----
-def _jax_policy(spec: OffloadPolicy):
-    """The user's policy as JAX sees it: answers checked, ``Offloadable`` normalized to device -> host
-    (the memory kinds the user named do not matter: offloaded values go through jaxvmm)."""
-    user = spec.policy
-    tag = Offloadable(src="device", dst="pinned_host")
-
-    def policy(prim, *avals, **params):
-        case = user(prim, *avals, **params)
-        if isinstance(case, (bool, np.bool_)):
-            return bool(case)
-        if case is Saveable or case is Recompute:
-            return case
-        if isinstance(case, Offloadable):
-            return tag
-        if case is Offloadable or callable(case):
-            hint = (" (Offloadable must be instantiated: Offloadable(src='device', dst='pinned_host'))"
-                    if case is Offloadable else
-                    " (a function: was a policy factory passed without being called, or does the policy "
-                    "return a policy?)")
-        else:
-            hint = ""
-        raise TypeError(f"jaxvmm.checkpoint: the policy {spec!r} answered {case!r} for primitive {prim}{hint}; "
-                        "a policy must return a bool, jaxvmm.policies.Saveable, jaxvmm.policies.Recompute or "
-                        "jaxvmm.policies.Offloadable(src, dst)")
-
-    return policy
-
-
-# ---- rewriting host-tagged jaxprs ----
-def _is_host(aval) -> bool:
-    return getattr(aval, "memory_space", None) is _HOST
-
-
-def _retype_param(p):
-    if isinstance(p, _core.ClosedJaxpr):
-        j = _retype(p.jaxpr)
-        return p if j is p.jaxpr else _core.ClosedJaxpr(j, p.consts)
-    if isinstance(p, _core.Jaxpr):
-        return _retype(p)
-    if isinstance(p, (tuple, list)) and any(isinstance(q, (_core.Jaxpr, _core.ClosedJaxpr)) for q in p):
-        new = [_retype_param(q) for q in p]
-        return p if all(a is b for a, b in zip(new, p)) else type(p)(new)
-    return p
-
-
-def _retype(jaxpr):
-    """``jaxpr`` with every host-memory-space variable turned into a device one, ``device_put`` calls to
-    the host dropped (their output is their input) and ``device_put`` calls of a host value back to the
-    device dropped too. Nested jaxprs (jit, scan, cond, while, remat, custom rules) are rewritten alike.
-    Returns ``jaxpr`` itself when nothing in it is host-typed."""
-    env = {}
-    changed = False
-
-    def new(v):
-        nonlocal changed
-        if isinstance(v, _core.Literal):
-            return v
-        got = env.get(v)
-        if got is not None:
-            return got
-        nv = v
-        if _is_host(v.aval):
-            aval = v.aval.update(memory_space=_DEVICE)
-            nv = _core.DropVar(aval) if isinstance(v, _core.DropVar) else _core.Var(aval)
-            changed = True
-        env[v] = nv
-        return nv
-
-    constvars = [new(v) for v in jaxpr.constvars]
-    invars = [new(v) for v in jaxpr.invars]
-    eqns = []
-    for eqn in jaxpr.eqns:
-        ins = [new(v) for v in eqn.invars]
-        if eqn.primitive is _device_put_p:
-            devices = eqn.params["devices"]
-            to_host = all(d is _HOST for d in devices)
-            back = all(d is _DEVICE for d in devices) and all(_is_host(v.aval) for v in eqn.invars)
-            if to_host or back:
-                changed = True
-                for o, i in zip(eqn.outvars, ins):
-                    if not isinstance(o, _core.DropVar):
-                        env[o] = i
-                continue
-        params = {k: _retype_param(p) for k, p in eqn.params.items()}
-        if any(params[k] is not eqn.params[k] for k in params):
-            changed = True
-        outs = [new(v) for v in eqn.outvars]
-        eqns.append(eqn.replace(invars=ins, outvars=outs, params=params))
-    outvars = [new(v) for v in jaxpr.outvars]
-    if not changed:
-        return jaxpr
-    return jaxpr.replace(constvars=constvars, invars=invars, outvars=outvars, eqns=eqns)
-
-
-def _call_retyped(f, *args):
-    """``f(*args)``, traced to a jaxpr, rewritten by :func:`_retype` and evaluated at the caller's level."""
-    flat, in_tree = jax.tree.flatten(args)
-    keep = [i for i, x in enumerate(flat) if getattr(x, "dtype", None) == jax.dtypes.float0]
-    box = {}
-
-    def traced(*dyn):
-        full = list(dyn)
-        for i in keep:  # float0 (integer inputs' cotangents) cannot be jaxpr inputs: passed as they are
-            full.insert(i, flat[i])
-        out = f(*jax.tree.unflatten(in_tree, full))
-        leaves, box["tree"] = jax.tree.flatten(out)
-        box["static"] = {i: x for i, x in enumerate(leaves) if getattr(x, "dtype", None) == jax.dtypes.float0}
-        return [x for i, x in enumerate(leaves) if i not in box["static"]]
-
-    dyn = [x for i, x in enumerate(flat) if i not in keep]
-    closed = jax.make_jaxpr(traced)(*dyn)
-    vals = iter(_core.eval_jaxpr(_retype(closed.jaxpr), closed.consts, *dyn))
-    n = len(box["static"]) + len(closed.jaxpr.outvars)
-    return jax.tree.unflatten(box["tree"], [box["static"][i] if i in box["static"] else next(vals) for i in range(n)])
-
+from .. import errors
+from . import _rules
+from .policies import resolve
 
 def _static_argnums(static_argnums, nargs: int) -> tuple[int, ...]:
     out = []
     for i in static_argnums:
         if not -nargs <= i < nargs:
-            raise ValueError(f"jaxvmm.checkpoint: static_argnums {i} out of range for {nargs} arguments; the "
+            raise errors.InvalidArgumentError(f"jaxvmm.checkpoint: static_argnums {i} out of range for {nargs} arguments; the "
                              f"function was called with {nargs} positional arguments, so static_argnums must be in "
-                             f"[{-nargs}, {nargs})")
+                             f"[{-nargs}, {nargs})", code="invalid_argument")
         out.append(i % nargs)
     return tuple(sorted(set(out)))
 
@@ -223,30 +57,37 @@ def _check_static_argnames(static_argnames) -> tuple[str, ...]:
     except TypeError:
         names = None
     if names is None or not all(isinstance(n, str) and n for n in names):
-        raise TypeError(f"jaxvmm.checkpoint: static_argnames must be a str or a tuple of str (names of keyword "
-                        f"arguments that are Python values), got {static_argnames!r}")
+        raise errors.InvalidArgumentTypeError(f"jaxvmm.checkpoint: static_argnames must be a str or a tuple of str (names of keyword "
+                        f"arguments that are Python values), got {static_argnames!r}", code="invalid_argument")
     return names
+
 
 
 def _check_prevent_cse(prevent_cse):
     if isinstance(prevent_cse, (bool, np.bool_)):
         return bool(prevent_cse)
-    if isinstance(prevent_cse, (tuple, list)) and all(isinstance(b, (bool, np.bool_)) for b in prevent_cse):
-        return tuple(bool(b) for b in prevent_cse)
-    raise TypeError(f"jaxvmm.checkpoint: prevent_cse must be a bool or a tuple of bools (one per non-static "
-                    f"positional argument), got {prevent_cse!r}; e.g. prevent_cse=False inside lax.scan")
+    leaves = jax.tree.leaves(prevent_cse) if isinstance(prevent_cse, (tuple, list, dict)) else None
+    if leaves is not None and all(isinstance(b, (bool, np.bool_)) for b in leaves):
+        return jax.tree.map(bool, tuple(prevent_cse) if isinstance(prevent_cse, list) else prevent_cse)
+    raise errors.InvalidArgumentTypeError(
+        f"jaxvmm.checkpoint: prevent_cse must be a bool or a tuple of bools (one per positional argument, "
+        f"or a pytree prefix of them), got {prevent_cse!r}; e.g. prevent_cse=False inside lax.scan",
+        code="invalid_argument")
 
 
 _JAX_ONLY = {
-    "concrete": "it is deprecated in jax.checkpoint; mark Python-valued arguments with static_argnums instead",
+    "concrete": "it was removed from jax.checkpoint; mark Python-valued arguments with static_argnums instead",
+    "fn": "the function is the first positional argument (named fun, as in jax.checkpoint)",
 }
 
 
-def checkpoint(fn, *, policy=None, prevent_cse=True, static_argnums=(), static_argnames=(), **unsupported):
-    """``jax.checkpoint(fn, policy=..., prevent_cse=..., static_argnums=..., static_argnames=...)`` whose
+def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), static_argnames=(), **unsupported):
+    """``jax.checkpoint(fun, prevent_cse=..., policy=..., static_argnums=..., static_argnames=...)`` whose
     offloadable residuals leave the device through jaxvmm (pinned host memory) in the forward pass and
-    come back (prefetched in reverse order) in the backward pass. Use it where you use ``jax.checkpoint``,
-    inside ``lax.scan`` over layers too.
+    come back in the backward pass. Use it where you use ``jax.checkpoint``, inside ``lax.scan`` over
+    layers too; it composes with what ``jax.checkpoint`` composes with (``jax.grad``, ``jax.vjp``,
+    ``jax.linearize``, ``jax.jvp``, ``jax.jacfwd``/``jacrev``/``hessian``, ``vmap``, ``jit``, nested
+    checkpoints, keyword arguments, effects and refs ``jax.checkpoint`` allows).
 
     ``policy`` means what it means to ``jax.checkpoint``: ``None`` saves nothing (plain
     rematerialization); what a policy marks saveable (``True``/``Saveable``) is saved on the device; what
@@ -254,113 +95,145 @@ def checkpoint(fn, *, policy=None, prevent_cse=True, static_argnums=(), static_a
     rest is recomputed. ``jaxvmm.policies`` has JAX's policies under JAX's names plus
     ``offload_only_these_names`` and ``offload_everything_saveable``.
 
-    Gradients are those of ``jax.checkpoint`` with the same policy, bit for bit. Not supported:
-    differentiating the gradient again (grad of grad, ``jax.hessian``) and ``jax.jvp``: both raise a
-    ``jaxvmm.checkpoint:`` error. See the module docstring for how residuals are told apart."""
+    Gradients are those of ``jax.checkpoint`` with the same policy, bit for bit. Residuals that an outer
+    differentiation differentiates again (grad of grad, ``jax.hessian``, Hessian-vector products) stay
+    on the device: a ticket cannot carry a derivative. A VJP or linearized function whose residuals
+    were offloaded can be called once (each ticket is reloaded exactly once)."""
     if unsupported:
         name = min(unsupported)
-        why = _JAX_ONLY.get(name, "jaxvmm.checkpoint takes policy, prevent_cse, static_argnums and static_argnames")
-        raise TypeError(f"jaxvmm.checkpoint: unsupported keyword argument {name}={unsupported[name]!r}: {why}")
-    if not callable(fn):
+        why = _JAX_ONLY.get(name, "jaxvmm.checkpoint takes fun, prevent_cse, policy, static_argnums and "
+                                  "static_argnames, like jax.checkpoint")
+        raise errors.InvalidArgumentTypeError(
+            f"jaxvmm.checkpoint: unsupported keyword argument {name}={unsupported[name]!r}: {why}",
+            code="invalid_argument")
+    if not callable(fun):
         hint = (" (it looks like a decorator was given arguments but no function: use "
-                "functools.partial(jaxvmm.checkpoint, policy=...) as the decorator)") if fn is None else ""
-        raise TypeError(f"jaxvmm.checkpoint: fn must be callable, not {type(fn).__name__}{hint}")
-    spec = resolve(policy)
-    jax_policy = _jax_policy(spec)
+                "functools.partial(jaxvmm.checkpoint, policy=...) as the decorator)") if fun is None else ""
+        raise errors.InvalidArgumentTypeError(f"jaxvmm.checkpoint: fun must be callable, not {type(fun).__name__}{hint}",
+                                              code="invalid_argument")
+    jax_policy = _rules.VmmPolicy(resolve(policy))
     prevent_cse = _check_prevent_cse(prevent_cse)
     static_argnums = _check_static_argnums(static_argnums)
     static_argnames = _check_static_argnames(static_argnames)
+    make = functools.partial(jax.checkpoint, prevent_cse=prevent_cse, policy=jax_policy,
+                             static_argnums=static_argnums)
+    plain = make(fun)
+    by_statics = {}  # static keyword values -> jax.checkpoint of fun with them bound (JAX's remat ignores
+    # static_argnames, so they are closed over here; one function per value keeps JAX's trace cache warm)
 
-    @functools.wraps(fn)
+    def ckpt_for(static_kw):
+        if not static_kw:
+            return plain
+        key = tuple(sorted(static_kw.items()))
+        try:
+            hash(key)
+        except TypeError:  # unhashable static values: traced each call, as jax.jit would refuse them
+            key = None
+        got = by_statics.get(key) if key is not None else None
+        if got is None:
+            bound = functools.wraps(fun)(lambda *a, **k: fun(*a, **k, **static_kw))
+            got = make(bound)
+            if key is not None:
+                if len(by_statics) >= 256:
+                    by_statics.clear()
+                by_statics[key] = got
+        return got
+
+    @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        statics = _static_argnums(static_argnums, len(args))
-        dyn_idx = [i for i in range(len(args)) if i not in statics]
-        static_kw = {k: v for k, v in kwargs.items() if k in static_argnames}
-        dyn_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
-        if isinstance(prevent_cse, tuple) and len(prevent_cse) != len(dyn_idx):
-            raise ValueError(f"jaxvmm.checkpoint: prevent_cse has {len(prevent_cse)} entries but the call has "
-                             f"{len(dyn_idx)} non-static positional arguments; give one bool per argument")
-
-        def f_dyn(dyn_args, dyn_kwargs):
-            full = list(args)
-            for i, v in zip(dyn_idx, dyn_args):
-                full[i] = v
-            return fn(*full, **static_kw, **dyn_kwargs)
-
-        dyn_args = tuple(args[i] for i in dyn_idx)
+        if static_argnums:
+            _static_argnums(static_argnums, len(args))
+        if isinstance(prevent_cse, tuple) and not kwargs:
+            n = len(args) - len(set(i % len(args) for i in static_argnums)) if args else 0
+            if len(prevent_cse) != n:
+                raise errors.InvalidArgumentError(
+                    f"jaxvmm.checkpoint: prevent_cse has {len(prevent_cse)} entries but the call has {n} "
+                    "non-static positional arguments; give one bool (or pytree prefix) per argument",
+                    code="invalid_argument")
+        static_kw = {k: kwargs.pop(k) for k in static_argnames if k in kwargs}
         try:
-            # Values fn closes over that are being differentiated (tracers) become explicit inputs, so the
-            # custom_vjp below sees them and gradients reach them; as inputs they are never offloaded.
-            converted, consts = jax.closure_convert(f_dyn, dyn_args, dyn_kw)
+            return ckpt_for(static_kw)(*args, **kwargs)
         except TypeError as e:
-            if "static" in str(e) or "valid JAX type" in str(e):
-                raise TypeError(f"jaxvmm.checkpoint: an argument is not an array ({e}); mark Python-valued "
-                                "arguments with static_argnums (positional) or static_argnames (keyword)") from e
-            raise
-        cse = prevent_cse if isinstance(prevent_cse, bool) else (prevent_cse, True) + (False,) * len(consts)
-        ckpt = jax.checkpoint(converted, policy=jax_policy, prevent_cse=cse)
-        layout = {}  # filled while the forward rule is traced; read by the backward rule
-
-        @jax.custom_vjp
-        def run(*dyn):
-            return ckpt(*dyn)
-
-        def fwd(*dyn):
-            flat, in_tree = jax.tree.flatten(dyn)
-
-            def traced(*flat):
-                out, vjp_fn = jax.vjp(ckpt, *jax.tree.unflatten(in_tree, flat))
-                out_leaves, layout["out_tree"] = jax.tree.flatten(out)
-                res_leaves, layout["res_tree"] = jax.tree.flatten(vjp_fn)
-                layout["n_out"] = len(out_leaves)
-                return out_leaves, res_leaves
-
-            closed = jax.make_jaxpr(traced)(*flat)
-            n_out = layout["n_out"]
-            tagged = [_is_host(v.aval) for v in closed.jaxpr.outvars[n_out:]]
-            vals = _core.eval_jaxpr(_retype(closed.jaxpr), closed.consts, *flat)
-            out, leaves = vals[:n_out], vals[n_out:]
-            tie = next((x for x in jax.tree.leaves(dyn[:2]) if isinstance(x, jax.Array)), None)
-            res, kinds = [], []
-            for leaf, offload in zip(leaves, tagged):
-                if offload and _offloadable(leaf, spec):
-                    if tie is not None:
-                        # Tie the offload to this call's own inputs: a residual that depends only on
-                        # loop constants would otherwise be offloaded once outside lax.scan while its
-                        # reload (which waits for the cotangent) runs every iteration.
-                        leaf = jax.lax.optimization_barrier((leaf, tie))[0]
-                    res.append(_offload_token(leaf))
-                    kinds.append((leaf.shape, leaf.dtype, ops._mesh_for(leaf) is not None))
-                else:
-                    res.append(leaf)
-                    kinds.append(None)
-            layout["kinds"], layout["tagged"] = kinds, tagged
-            return jax.tree.unflatten(layout["out_tree"], out), tuple(res)
-
-        def bwd(res, g):
-            kinds = layout["kinds"]
-            # Reloads wait for the cotangent: without this XLA may schedule them right after the offloads
-            # (outside lax.scan it does), which would keep every residual on the device all along.
-            # The dependency is arithmetic that leaves every token bit unchanged whatever g holds (inf and
-            # nan included; see ops._tie_leaf); XLA:CPU drops optimization barriers before scheduling.
-            tokens = iter(ops._tie([r for r, k in zip(res, kinds) if k is not None], jax.tree.leaves(g), small=True))
-            leaves = [r if k is None else ops.reload(ops.Ticket(next(tokens), *k)) for r, k in zip(res, kinds)]
-            vjp_fn = jax.tree.unflatten(layout["res_tree"], leaves)
-            if not any(layout["tagged"]):
-                return vjp_fn(g)
-            # The VJP function's jaxpr still types the offloaded residuals as host values and moves them
-            # back with device_put: rewrite it so the reloaded (device) values flow in as they are.
-            return _call_retyped(vjp_fn, g)
-
-        run.defvjp(fwd, bwd)
-        try:
-            return run(dyn_args, dyn_kw, *consts)
-        except TypeError as e:
-            if "forward-mode autodiff" in str(e):
-                raise TypeError(_FORWARD_MODE) from e
+            if "is not a valid JAX type" in str(e) and not isinstance(e, errors.VmmError):
+                raise errors.InvalidArgumentTypeError(
+                    f"jaxvmm.checkpoint: an argument is not an array ({str(e).splitlines()[0]}); mark "
+                    "Python-valued arguments with static_argnums (positional) or static_argnames (keyword)",
+                    code="invalid_argument") from e
             raise
 
+    wrapped.policy = jax_policy  # what JAX's remat sees (jaxvmm.saved_residuals reads it)
     return wrapped
 
 
 remat = checkpoint
+
+
+# ---- what is saved ----
+def _is_offload(eqn) -> bool:
+    """A jaxvmm offload: the ffi call itself, or a call whose body is one (the custom_jvp around it)."""
+    if eqn.params.get("target_name") == "jaxvmm_offload":
+        return True
+    for p in eqn.params.values():
+        body = getattr(p, "jaxpr", p)
+        eqns = getattr(body, "eqns", None)
+        if eqns is not None and any(_is_offload(e) for e in eqns):
+            return True
+    return False
+
+
+def _describe(v, producers, invars) -> tuple:
+    """(aval, description) of residual ``v``, in the words of ``jax.ad_checkpoint.saved_residuals``;
+    a ticket token is described by the array it stands for."""
+    from jax._src import source_info_util
+    from jax.extend.core import Literal
+
+    if isinstance(v, Literal):
+        return v.aval, "from a literal"
+    if v in invars:
+        return v.aval, f"from the argument at flattened index {invars.index(v)}"
+    eqn = producers.get(v)
+    if eqn is None:
+        return v.aval, "from a constant"
+    name = eqn.primitive.name
+    if name == "reduce_precision":  # as JAX does: look through the rounding JAX inserts on residuals
+        aval, what = _describe(eqn.invars[0], producers, invars)
+        return v.aval, what
+    src = source_info_util.summarize(eqn.source_info)
+    if _is_offload(eqn):
+        x = eqn.invars[0]
+        inner = producers.get(x)
+        if inner is not None and inner.primitive.name == "optimization_barrier":
+            x = inner.invars[list(inner.outvars).index(x)]
+        aval, what = _describe(x, producers, invars)
+        return aval, f"offloaded through jaxvmm: {what}"
+    if name == "name":
+        return v.aval, f"named '{eqn.params['name']}' from {src}"
+    if name in ("jit", "pjit"):
+        return v.aval, f"output of jitted function '{eqn.params.get('name')}' from {src}"
+    return v.aval, f"output of {name} from {src}"
+
+
+def saved_residuals(f, *args, **kwargs) -> list:
+    """``jax.ad_checkpoint.saved_residuals`` that names what jaxvmm offloads: one ``(aval, description)``
+    per residual ``jax.vjp(f, *args, **kwargs)`` keeps, in the order the VJP function holds them. A
+    residual offloaded through jaxvmm is listed with the aval of the array it stands for (its ticket
+    token is what stays) and a description starting ``offloaded through jaxvmm:`` followed by JAX's
+    words for the array (``named 'hidden' from ...``)."""
+    flat, tree = jax.tree.flatten((args, kwargs))
+
+    def f_(*flat):
+        a, k = jax.tree.unflatten(tree, flat)
+        return f(*a, **k)
+
+    closed, shape = jax.make_jaxpr(lambda *a: jax.vjp(f_, *a), return_shape=True)(*flat)
+    jaxpr = closed.jaxpr
+    n = len(jax.tree.leaves(shape[1]))
+    producers = {o: e for e in jaxpr.eqns for o in e.outvars}
+    invars = list(jaxpr.invars)
+    return [_describe(v, producers, invars) for v in jaxpr.outvars[len(jaxpr.outvars) - n:]]
+
+
+def print_saved_residuals(f, *args, **kwargs) -> None:
+    """Prints :func:`saved_residuals`, one residual a line, like ``jax.ad_checkpoint.print_saved_residuals``."""
+    for aval, what in saved_residuals(f, *args, **kwargs):
+        print(f"{aval.str_short(short_dtypes=True)} {what}")

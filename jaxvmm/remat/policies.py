@@ -176,6 +176,12 @@ save_anything_except_these_names = jax.checkpoint_policies.save_anything_except_
 save_any_names_but_these = jax.checkpoint_policies.save_any_names_but_these
 save_only_these_names = jax.checkpoint_policies.save_only_these_names
 save_from_both_policies = jax.checkpoint_policies.save_from_both_policies
+# Whatever else this JAX has under jax.checkpoint_policies (newer versions add the policy classes
+# SaveOnlyTheseNames, SaveAnyNamesButThese, SaveAndOffloadOnlyTheseNames), under the same name.
+for _name, _value in vars(jax.checkpoint_policies).items():
+    if not _name.startswith("_"):
+        globals().setdefault(_name, _value)
+del _name, _value
 
 # Factories: passing one without calling it is a mistake resolve() names.
 _FACTORIES = {

@@ -1,0 +1,465 @@
+"""How ``jaxvmm.checkpoint`` hooks into ``jax.checkpoint``.
+
+``jaxvmm.checkpoint(fun, policy=P)`` *is* ``jax.checkpoint(fun, policy=VmmPolicy(P))``: the same
+``remat`` primitive, so everything ``jax.checkpoint`` composes with (``jax.jvp``, ``jax.linearize``,
+``jacfwd``, ``vmap``, higher order, effects, refs, its trace cache, ``saved_residuals``) is JAX's own.
+A :class:`VmmPolicy` answers like ``P`` with every ``Offloadable`` normalized to device -> pinned_host.
+
+Residuals are created in exactly one place: the partial evaluation of a ``remat`` application (what
+``jax.grad``/``jax.vjp``/``jax.linearize`` do to it, directly or inside ``jit``/``scan``/``cond``).
+For a ``remat`` whose policy is a :class:`VmmPolicy`, :func:`_partial_eval` replaces JAX's rule: it
+runs JAX's own policy-driven split, in which each residual the policy marked offloadable comes out of
+a ``device_put`` to the host memory space (its type says ``memory_space=Host``: the tag). Those
+``device_put`` calls are removed again (the value stays where it is), tagged residuals are offloaded
+through jaxvmm (their ticket tokens become the residuals) and the staged (backward) ``remat`` starts
+by reloading them. :func:`_transpose` orders those reloads after the cotangents exist. Every other
+``remat`` goes to JAX's rules untouched.
+
+A residual that is itself being differentiated by an outer transformation (the inner residuals of
+``jax.grad(jax.grad(f))``, ``jax.jvp(jax.grad(f))``, ``jax.hessian``) stays on the device: an integer
+ticket cannot carry its derivative. Values are the same either way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.extend.core
+import numpy as np
+from jax._src import ad_util as _ad_util
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+from jax._src import effects as _effects
+from jax._src import ad_checkpoint as _adc
+from jax._src.dispatch import device_put_p as _device_put_p
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.util import partition_list as _partition_list, split_list as _split_list
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
+
+from .. import errors, ops
+
+_HOST = _core.MemorySpace.Host
+_DEVICE = _core.MemorySpace.Device
+
+
+class VmmPolicy:
+    """The policy JAX sees for a ``jaxvmm.checkpoint``: the user's answers, checked, with
+    ``Offloadable`` normalized to device -> pinned_host (jaxvmm ignores the memory kinds the user
+    named). ``spec`` is the resolved :class:`~jaxvmm.policies.OffloadPolicy` (``min_bytes``)."""
+
+    __slots__ = ("spec", "__weakref__")
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def __call__(self, prim, *avals, **params):
+        from .policies import Offloadable, Recompute, Saveable
+
+        if prim is reload_p:
+            # An outer differentiation of a backward pass: the reloaded value is saved, never recomputed
+            # (recomputing would reload the ticket a second time).
+            return True
+        case = self.spec.policy(prim, *avals, **params)
+        if isinstance(case, (bool, np.bool_)):
+            return bool(case)
+        if case is Saveable or case is Recompute:
+            return case
+        if isinstance(case, Offloadable):
+            return _TAG
+        if case is Offloadable or callable(case):
+            hint = (" (Offloadable must be instantiated: Offloadable(src='device', dst='pinned_host'))"
+                    if case is Offloadable else
+                    " (a function: was a policy factory passed without being called, or does the policy "
+                    "return a policy?)")
+        else:
+            hint = ""
+        raise TypeError(f"jaxvmm.checkpoint: the policy {self.spec!r} answered {case!r} for primitive {prim}"
+                        f"{hint}; a policy must return a bool, jaxvmm.policies.Saveable, jaxvmm.policies.Recompute "
+                        "or jaxvmm.policies.Offloadable(src, dst)")
+
+    def __repr__(self) -> str:
+        return f"jaxvmm.checkpoint policy {self.spec!r}"
+
+
+_TAG = _pe.Offloadable(src="device", dst="pinned_host")
+
+
+# ---- a dependency that vmap does not batch ----
+# tie(x, *deps) is x, computed after every dep exists. Under vmap the result keeps x's batching: a
+# ticket token tied to batched cotangents (jax.jacrev, vmap of a VJP function) stays one token, so
+# its reload runs once.
+tie_p = jax.extend.core.Primitive("jaxvmm_tie")
+tie_p.def_impl(lambda x, *deps: x)
+tie_p.def_abstract_eval(lambda x, *deps: x)
+_mlir.register_lowering(tie_p, _mlir.lower_fun(
+    lambda x, *deps: ops._tie([x], list(deps), small=True)[0], multiple_results=False))
+_batching.primitive_batchers[tie_p] = lambda args, dims: (tie_p.bind(*args), dims[0])
+_ad.primitive_jvps[tie_p] = lambda primals, tangents: (tie_p.bind(*primals), tangents[0])
+
+
+def _tie(x, deps):
+    deps = [d for d in deps if isinstance(d, (jax.Array, _core.Tracer)) and getattr(d, "size", 0)
+            and getattr(d, "dtype", None) != jax.dtypes.float0]
+    return tie_p.bind(x, *deps) if deps else x
+
+
+# ---- rewriting host-tagged jaxprs ----
+def _is_host(aval) -> bool:
+    return getattr(aval, "memory_space", None) is _HOST
+
+
+def _retype_param(p):
+    if isinstance(p, _core.ClosedJaxpr):
+        j = _retype(p.jaxpr)
+        return p if j is p.jaxpr else _core.ClosedJaxpr(j, p.consts)
+    if isinstance(p, _core.Jaxpr):
+        return _retype(p)
+    if isinstance(p, (tuple, list)) and any(isinstance(q, (_core.Jaxpr, _core.ClosedJaxpr)) for q in p):
+        new = [_retype_param(q) for q in p]
+        return p if all(a is b for a, b in zip(new, p)) else type(p)(new)
+    return p
+
+
+def _retype(jaxpr):
+    """``jaxpr`` with every host-memory-space variable turned into a device one, ``device_put`` calls to
+    the host dropped (their output is their input) and ``device_put`` calls of a host value back to the
+    device dropped too. Nested jaxprs (jit, scan, cond, while, remat, custom rules) are rewritten alike.
+    Returns ``jaxpr`` itself when nothing in it is host-typed."""
+    env = {}
+    changed = False
+
+    def new(v):
+        nonlocal changed
+        if isinstance(v, _core.Literal):
+            return v
+        got = env.get(v)
+        if got is not None:
+            return got
+        nv = v
+        if _is_host(v.aval):
+            aval = v.aval.update(memory_space=_DEVICE)
+            nv = _core.DropVar(aval) if isinstance(v, _core.DropVar) else _core.Var(aval)
+            changed = True
+        env[v] = nv
+        return nv
+
+    constvars = [new(v) for v in jaxpr.constvars]
+    invars = [new(v) for v in jaxpr.invars]
+    eqns = []
+    for eqn in jaxpr.eqns:
+        ins = [new(v) for v in eqn.invars]
+        if eqn.primitive is _device_put_p:
+            devices = eqn.params["devices"]
+            to_host = all(d is _HOST for d in devices)
+            back = all(d is _DEVICE for d in devices) and all(_is_host(v.aval) for v in eqn.invars)
+            if to_host or back:
+                changed = True
+                for o, i in zip(eqn.outvars, ins):
+                    if not isinstance(o, _core.DropVar):
+                        env[o] = i
+                continue
+        params = {k: _retype_param(p) for k, p in eqn.params.items()}
+        if params.get("memory_space") is _HOST:  # e.g. an instantiated zero residual (empty2) made on the host
+            params["memory_space"] = _DEVICE
+        if any(params[k] is not eqn.params[k] for k in params):
+            changed = True
+        outs = [new(v) for v in eqn.outvars]
+        eqns.append(eqn.replace(invars=ins, outvars=outs, params=params))
+    outvars = [new(v) for v in jaxpr.outvars]
+    if not changed:
+        return jaxpr
+    return jaxpr.replace(constvars=constvars, invars=invars, outvars=outvars, eqns=eqns)
+
+
+# ---- which residuals leave ----
+def _differentiated(x) -> bool:
+    """Whether ``x`` carries a derivative of an outer transformation (then its ticket could not)."""
+    while isinstance(x, _core.Tracer):
+        if isinstance(x, (_ad.JVPTracer, getattr(_ad, "LinearizeTracer", _ad.JVPTracer))):
+            return True
+        inner = getattr(x, "val", None)  # vmap's tracer wraps the value it batches
+        if inner is None:
+            return False
+        x = inner
+    return False
+
+
+def _offloadable(x, spec) -> bool:
+    aval = getattr(x, "aval", None)
+    if not isinstance(aval, _core.ShapedArray) or _differentiated(x):
+        return False
+    dtype = aval.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or dtype == jax.dtypes.float0:
+        return False
+    if not (jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_):
+        return False
+    nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return nbytes > 0 and nbytes >= spec.min_bytes
+
+
+_STAGED_THEN_DIFFERENTIATED = (
+    "jaxvmm.checkpoint: a function whose first derivative was staged (jax.jit, or a lax.scan/cond that "
+    "JAX linearizes as a jaxpr) with residuals jaxvmm offloaded is being differentiated a second time from "
+    "outside: an offloaded residual crosses as an integer ticket, which cannot carry a derivative. Put "
+    "jax.jit outside the derivatives (jax.jit(jax.hessian(f)) rather than jax.hessian(jax.jit(f)); "
+    "jax.jit(jax.grad(jax.grad(f))) rather than jax.grad(jax.jit(jax.grad(f)))), or use a policy that saves "
+    "instead of offloading (jax.checkpoint_policies.save_only_these_names) for code differentiated twice.")
+
+
+@jax.custom_jvp
+def _offload_token(x):
+    return ops.offload(x).token
+
+
+@_offload_token.defjvp
+def _offload_token_jvp(primals, tangents):
+    raise TypeError(_STAGED_THEN_DIFFERENTIATED)
+
+
+def _offload(residuals, tagged, spec, inputs):
+    """Offloads the tagged residuals that can leave; returns (residuals with tokens in their place,
+    per residual the (shape, dtype) of an offloaded one or None)."""
+    out, infos = [], []
+    # stop_gradient: the tie is an ordering, not a data path; it must not give the residual a derivative
+    deps = [jax.lax.stop_gradient(x) for x in inputs if isinstance(getattr(x, "aval", None), _core.ShapedArray)
+            and not jax.dtypes.issubdtype(x.aval.dtype, jax.dtypes.extended)]
+    for r, tag in zip(residuals, tagged):
+        if tag and _offloadable(r, spec):
+            if deps:
+                # Tie the offload to this call's own inputs: a residual that depends only on loop
+                # constants would otherwise be hoisted out of lax.scan (offloaded once) while its reload
+                # runs every iteration.
+                r = jax.lax.optimization_barrier((r, deps))[0]
+            tok = _offload_token(r)
+            sharded = jax.numpy.ndim(tok) > 1  # uint32[*dims, 2]: one ticket per shard (jaxvmm._sharded)
+            out.append(tok)
+            infos.append((tuple(r.shape), np.dtype(r.dtype), sharded, jax.typeof(tok) if hasattr(jax, "typeof") else _core.typeof(tok)))
+        else:
+            out.append(r)
+            infos.append(None)
+    return out, infos
+
+
+# ---- the reload that opens the staged remat ----
+# A primitive of its own: evaluated eagerly (a VJP or linearized function called outside jit) it goes
+# through jaxvmm.reload's synchronous ticket check, so a second call is refused before anything runs.
+reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
+
+_CALLED_TWICE = (
+    "jaxvmm.checkpoint: this VJP or linearized function (from jax.vjp / jax.linearize of a function using "
+    "jaxvmm.checkpoint) was already called once: its offloaded residuals were reloaded then, and a ticket "
+    "is reloaded exactly once. Call jax.vjp / jax.linearize again for another evaluation, batch the "
+    "cotangents with jax.vmap into one call, or use a saving policy (jax.checkpoint_policies) there")
+
+
+def _reload_impl(token, *, shape, dtype, sharded=False):
+    try:
+        return ops.reload(ops.Ticket(token, shape, dtype, sharded))
+    except errors.InvalidArgumentError as e:
+        if "already reloaded" in str(e) or "reserved" in str(e):
+            raise errors.InvalidArgumentError(f"{_CALLED_TWICE} ({e})", code="invalid_argument") from e
+        raise
+
+
+def _reload_batch(args, dims, *, shape, dtype, sharded=False):
+    (token,), (d,) = args, dims
+    if d is None:
+        return reload_p.bind(token, shape=shape, dtype=dtype, sharded=sharded), None
+    out = jax.vmap(lambda t: ops.reload(ops.Ticket(t, shape, dtype, sharded)), in_axes=d)(token)
+    return out, 0
+
+
+def _reload_abstract(token, *, shape, dtype, sharded=False):
+    if not sharded:
+        return _core.ShapedArray(shape, dtype)
+    # A sharded ticket's token (uint32[*dims, 2]) is sharded like the data it reloads (jaxvmm._sharded).
+    s = getattr(token, "sharding", None)
+    spec = getattr(s, "spec", None)
+    if s is None or spec is None:
+        return _core.ShapedArray(shape, dtype)
+    return _core.ShapedArray(shape, dtype, sharding=s.update(spec=type(spec)(*tuple(spec)[:len(shape)])))
+
+
+reload_p.def_impl(_reload_impl)
+reload_p.def_abstract_eval(_reload_abstract)
+_mlir.register_lowering(reload_p, _mlir.lower_fun(
+    lambda token, *, shape, dtype, sharded=False: ops.reload(ops.Ticket(token, shape, dtype, sharded)),
+    multiple_results=False))
+_batching.primitive_batchers[reload_p] = _reload_batch
+# A sharded reload lowers to a custom_partitioning call, which needs the program's devices while it is
+# lowered: say so, as custom_partitioning does for itself (else JAX lowers e.g. an eagerly dispatched
+# scan of a backward pass without a device assignment and custom_partitioning asserts).
+getattr(_dispatch, "prim_requires_devices_during_lowering", set()).add(reload_p)
+
+
+def _with_reloads(jaxpr, infos):
+    """``jaxpr`` (the staged remat body, residuals first) taking ticket tokens in place of the
+    offloaded residuals and reloading them first."""
+    if not any(infos):
+        return jaxpr
+    n = len(infos)
+    avals = [info[3] if info else v.aval for v, info in zip(jaxpr.invars[:n], infos)] + [v.aval for v in jaxpr.invars[n:]]
+
+    def load(a, info):
+        # The ticket says how it was offloaded (sharded: each device its own shard, jaxvmm._sharded); the
+        # reload follows it, whatever context the staged body is later traced or evaluated in.
+        shape, dtype, sharded, _ = info
+        return reload_p.bind(a, shape=shape, dtype=dtype, sharded=sharded)
+
+    def staged(*args):
+        res = [load(a, info) if info else a for a, info in zip(args[:n], infos)]
+        return _core.eval_jaxpr(jaxpr, (), *res, *args[n:])
+
+    try:
+        closed = jax.make_jaxpr(staged)(*avals)
+    except TypeError:  # a jax whose make_jaxpr takes no abstract values: shape/dtype structs
+        closed = jax.make_jaxpr(staged)(*[
+            a if isinstance(a, jax.ShapeDtypeStruct)
+            else jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals])
+    new = closed.jaxpr
+    if closed.consts or new.constvars:  # nothing in a reload is a constant: keep the assumption loud
+        raise NotImplementedError("jaxvmm.checkpoint: internal: the backward remat body has constants")
+    return new
+
+
+def _reload_inputs(jaxpr) -> list[int]:
+    """Positions of the inputs of ``jaxpr`` that are ticket tokens its reloads read."""
+    pos = {v: i for i, v in enumerate(jaxpr.invars)}
+    return sorted({pos[v] for e in jaxpr.eqns if _reloads(e) for v in e.invars
+                   if v in pos and v.aval.dtype == np.uint32 and v.aval.shape[-1:] == (2,)})
+
+
+def _reloads(eqn) -> bool:
+    """``eqn`` is a jaxvmm reload, or a call (shard_map, custom_partitioning, ...) around one."""
+    if eqn.primitive is reload_p or eqn.params.get("target_name") == "jaxvmm_reload":
+        return True
+    if "partitioning" in eqn.primitive.name:
+        return True
+    for p in eqn.params.values():
+        body = getattr(p, "jaxpr", p)
+        if any(_reloads(e) for e in getattr(body, "eqns", ())):
+            return True
+    return False
+
+
+# ---- the rules ----
+_jax_partial_eval = _pe.custom_partial_eval_rules[_adc.remat_p]
+_jax_transpose = _ad.fancy_transposes[_adc.remat_p]
+
+
+def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
+    """JAX's ``remat_partial_eval`` (same steps, same private helpers), plus the offload of the
+    residuals the policy tagged and the reloads that open the staged remat."""
+    policy = params["policy"]
+    if not isinstance(policy, VmmPolicy):
+        return _jax_partial_eval(trace, *tracers, jaxpr=jaxpr, prevent_cse=prevent_cse, **params)
+    assert not jaxpr.constvars
+    disallowed = _effects.remat_allowed_effects.filter_not_in(jaxpr.effects)
+    if disallowed:
+        raise NotImplementedError(f"Effects not supported in partial-eval of `checkpoint`/`remat`: {disallowed}")
+    in_unknowns = [not t.is_known() for t in tracers]
+    jaxpr_known, jaxpr_staged, out_unknowns, out_inst, num_res = _pe.partial_eval_jaxpr_custom(
+        jaxpr, in_unknowns, [True] * len(in_unknowns), False, False, policy)
+    _, out_inst_unknown = _partition_list(out_inst, out_unknowns)
+    jaxpr_unknown, in_used_staged = _pe.dce_jaxpr(jaxpr_staged, out_inst_unknown)
+    used_res, in_used_staged = _split_list(in_used_staged, [num_res])
+    out_used_known = [True] * (len(out_unknowns) - sum(out_unknowns)) + used_res
+    jaxpr_known, in_used_known = _pe.dce_jaxpr(jaxpr_known, out_used_known)
+    num_res = sum(used_res)
+    # jaxvmm: the residuals the policy tagged are host-typed; run the known side without moving them.
+    # Retyped before JAX's reduce_precision pass, so that the pass rounds the value itself (which the
+    # primal outputs use too), not a copy of it.
+    tagged = [_is_host(v.aval) for v in jaxpr_known.outvars[len(jaxpr_known.outvars) - num_res:]]
+    if any(tagged):
+        jaxpr_known = _retype(jaxpr_known)
+        jaxpr_unknown = _retype(jaxpr_unknown)
+    jaxpr_known_ = _adc._insert_reduce_precision(jaxpr_known, num_res)
+
+    in_consts_ = [t.pval.get_known() for t in tracers if t.pval.is_known()]
+    _, in_consts = _partition_list(in_used_known, in_consts_)
+    out_consts = _core.eval_jaxpr(jaxpr_known_, (), *in_consts)
+    out_knowns, residuals = _split_list(out_consts, [len(out_consts) - num_res])
+    # A staged body with inputs other than arrays (refs) keeps its residuals on the device.
+    if any(tagged) and all(isinstance(v.aval, _core.ShapedArray) for v in jaxpr_unknown.invars):
+        residuals, infos = _offload(residuals, tagged, policy.spec, in_consts)
+        jaxpr_unknown = _with_reloads(jaxpr_unknown, infos)
+    else:
+        infos = None
+
+    res_tracers = [trace.new_instantiated_const(r) for r in residuals]
+    _, tracers_staged = _partition_list(in_used_staged, tracers)
+    in_jaxpr_tracers = res_tracers + [trace.instantiate_const(t) for t in tracers_staged]
+    out_jaxpr_tracers = [_pe.JaxprTracer(trace, _pe.PartialVal.unknown(x.aval), None) for x in jaxpr_unknown.outvars]
+    if isinstance(prevent_cse, tuple):
+        _, prevent_cse_ = _partition_list(in_used_staged, prevent_cse)
+        prevent_cse = (True,) * len(res_tracers) + tuple(prevent_cse_)
+    new_params = dict(params, jaxpr=jaxpr_unknown, differentiated=True, prevent_cse=prevent_cse)
+    recipe = _pe.new_eqn_recipe(trace, in_jaxpr_tracers, out_jaxpr_tracers, _adc.remat_p, new_params,
+                                _core.positional_effects(jaxpr_unknown), _source_info())
+    _log_residuals(tracers, in_used_staged, in_unknowns, jaxpr_unknown, jaxpr_known, num_res, infos)
+    for t in out_jaxpr_tracers:
+        t.recipe = recipe
+    return _merge(out_unknowns, out_knowns, out_jaxpr_tracers)
+
+
+def _log_residuals(tracers, in_used_staged, in_unknowns, jaxpr_unknown, jaxpr_known, num_res, infos):
+    """JAX's residual log (``jax_log_checkpoint_residuals``), offloaded residuals marked as such."""
+    import logging
+
+    from jax._src import config
+
+    level = logging.WARNING if config.log_checkpoint_residuals.value else logging.DEBUG
+    logger = _adc.logger
+    if not logger.isEnabledFor(level):
+        return
+    try:
+        _, staged_unk = _partition_list(in_used_staged, in_unknowns)
+        res_invars, _ = _partition_list(staged_unk, jaxpr_unknown.invars[num_res:])
+        res_outvars = jaxpr_known.outvars[len(jaxpr_known.outvars) - num_res:]
+        body = _adc._saved_residuals(jaxpr_known.replace(outvars=res_outvars), ("",) * len(jaxpr_known.invars))
+        lines = [f"  {v.aval.str_short()}" for v in res_invars]
+        head = "remat-decorated function " + "saving inputs with shapes:\n" * bool(res_invars)
+        tail = "saving these intermediates:\n" * bool(body)
+        inter = [f"  {a.str_short()} from {s}" for a, s in body]
+        moved = sum(1 for i in (infos or ()) if i)
+        note = f"\n{moved} of these intermediates offloaded through jaxvmm" if moved else ""
+        logger.log(level, head + "\n".join(lines) + ("\n" if lines else "") + "and " * bool(lines) * bool(body)
+                   + tail + "\n".join(inter) + note)
+    except Exception:  # as in JAX: a failure to log never fails the computation
+        pass
+
+
+def _merge(unknowns, knowns, staged):
+    knowns, staged = iter(knowns), iter(staged)
+    return [next(staged) if u else next(knowns) for u in unknowns]
+
+
+def _source_info():
+    from jax._src import source_info_util
+
+    return source_info_util.current()
+
+
+def _transpose(out_cts, *args, jaxpr, prevent_cse, **params):
+    """JAX's ``remat_transpose``, with the ticket tokens the body reloads tied to the cotangents first:
+    without the tie XLA may schedule a reload right after its offload (outside ``lax.scan`` it does),
+    which would keep the residual on the device all along."""
+    if isinstance(params.get("policy"), VmmPolicy):
+        which = _reload_inputs(jaxpr)
+        if which:
+            deps = [ct for ct in out_cts if not isinstance(ct, _ad_util.Zero)]
+            args = list(args)
+            for i in which:
+                if not _ad.is_undefined_primal(args[i]):
+                    args[i] = _tie(args[i], deps)
+    return _jax_transpose(out_cts, *args, jaxpr=jaxpr, prevent_cse=prevent_cse, **params)
+
+
+def install() -> None:
+    """Routes ``remat`` applications with a :class:`VmmPolicy` through jaxvmm's rules (others keep JAX's)."""
+    _pe.custom_partial_eval_rules[_adc.remat_p] = _partial_eval
+    _ad.fancy_transposes[_adc.remat_p] = _transpose
+
+
+install()

@@ -1,0 +1,353 @@
+"""Issue #9 item 6: ``jaxvmm.checkpoint`` is a drop-in for ``jax.checkpoint``.
+
+Cases adapted from JAX's own ``jax.checkpoint`` tests (``tests/api_test.py``, ``RematTest``: forward
+mode, linearize, vmap, scan/cond, prevent_cse pytrees, ref accumulation, trace caching, saved
+residuals), run with ``jaxvmm.checkpoint`` and a policy that really offloads (engine counters say so),
+and compared bit for bit with ``jax.checkpoint`` under the policy that saves the same residuals on the
+device. ``platform_device`` runs the composition matrix on ``cuda:0`` too (gpu-marked).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+import jaxvmm
+
+from conftest import counter_delta as delta, engine_counters as estats, jdev
+
+P = jaxvmm.policies
+CP = jax.checkpoint_policies
+pytestmark = pytest.mark.usefixtures("engine_hygiene")
+
+
+def assert_bits_equal(got, want) -> None:
+    g, gd = jax.tree.flatten(got)
+    w, wd = jax.tree.flatten(want)
+    assert gd == wd, (gd, wd)
+    for i, (a, b) in enumerate(zip(g, w)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, a.dtype, b.shape, b.dtype)
+        assert np.array_equal(a, b, equal_nan=True), f"leaf {i} differs: {a} vs {b}"
+
+
+def fn(x):
+    h = checkpoint_name(jnp.cos(x) * x, "h")
+    return jnp.sin(h) * x
+
+
+VMM = functools.partial(jaxvmm.checkpoint, policy=P.offload_only_these_names("h"))
+REF = functools.partial(jax.checkpoint, policy=CP.save_only_these_names("h"))
+
+
+def _sum(f):
+    return lambda x: f(x).sum()
+
+
+# (name, transformation of a function f -> the thing to compute, offloads expected)
+COMPOSITIONS = {
+    "grad": (lambda f, x: jax.grad(_sum(f))(x), True),
+    "jit_grad": (lambda f, x: jax.jit(jax.grad(_sum(f)))(x), True),
+    "vjp": (lambda f, x: jax.vjp(f, x)[1](jnp.ones_like(x)), True),
+    "jvp": (lambda f, x: jax.jvp(f, (x,), (jnp.ones_like(x),)), False),
+    "jit_jvp": (lambda f, x: jax.jit(lambda x: jax.jvp(f, (x,), (jnp.sin(x),)))(x), False),
+    "linearize": (lambda f, x: jax.linearize(f, x)[1](jnp.ones_like(x)), True),
+    "jit_linearize": (lambda f, x: jax.jit(lambda x, t: jax.linearize(f, x)[1](t))(x, jnp.ones_like(x)), True),
+    "jacfwd": (lambda f, x: jax.jacfwd(f)(x), False),
+    "jacrev": (lambda f, x: jax.jacrev(f)(x), True),
+    "jit_jacrev": (lambda f, x: jax.jit(jax.jacrev(f))(x), True),
+    "hessian": (lambda f, x: jax.hessian(_sum(f))(x), False),
+    "jit_hessian": (lambda f, x: jax.jit(jax.hessian(_sum(f)))(x), False),
+    "grad_of_grad": (lambda f, x: jax.grad(lambda x: jax.grad(_sum(f))(x).sum())(x), False),
+    "hvp": (lambda f, x: jax.jvp(jax.grad(_sum(f)), (x,), (jnp.cos(x),)), False),
+    "vmap_grad": (lambda f, x: jax.vmap(jax.grad(_sum(f)))(jnp.stack([x, x * 2])), True),
+    "grad_vmap": (lambda f, x: jax.grad(lambda x: jax.vmap(f)(jnp.stack([x, x * 2])).sum())(x), True),
+}
+
+
+@pytest.mark.parametrize("how", sorted(COMPOSITIONS))
+def test_compositions_equal_jax_checkpoint(platform_device, how):
+    """Every transformation jax.checkpoint composes with: bit-equal results; first-order reverse mode
+    and linearize really offload (and reload everything); forward mode has no residuals; second order
+    keeps the residuals it differentiates on the device."""
+    run, offloads = COMPOSITIONS[how]
+    x = jax.device_put(jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32), jdev(platform_device))
+    want = run(REF(fn), x)
+    before = estats(platform_device)
+    got = run(VMM(fn), x)
+    assert_bits_equal(got, want)
+    jaxvmm.check()
+    d = delta(estats(platform_device), before)
+    assert d["offloads"] == d["reloads"] and d["errors"] == 0 and d["tickets_live"] == 0, d
+    assert (d["offloads"] > 0) == offloads, d
+
+
+def test_second_order_offloads_what_the_outer_differentiation_does_not_touch():
+    """grad of grad w.r.t. w only: the inner residual depends on x alone, so it still leaves."""
+    x = jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32)
+    w = jnp.float32(0.5)
+
+    def g(ck):
+        inner = lambda w: jax.grad(lambda x: (ck(fn)(x) * w).sum())(x).sum()  # noqa: E731
+        return jax.grad(inner)(w)
+
+    before = estats()
+    assert_bits_equal(g(VMM), g(REF))
+    d = delta(estats(), before)
+    assert d["offloads"] == d["reloads"] >= 1 and d["tickets_live"] == 0, d
+
+
+def test_scan_of_checkpoint_forward_and_reverse():
+    def loss(ck, x, ws):
+        y, _ = lax.scan(lambda c, w: (ck(lambda c: fn(c * w))(c), None), x, ws)
+        return jnp.sum(y * y)
+
+    x = jnp.linspace(-1.0, 1.0, 32, dtype=jnp.float32)
+    ws = jnp.linspace(0.5, 1.5, 4, dtype=jnp.float32)
+    for f in (lambda ck: jax.jit(jax.grad(functools.partial(loss, ck), argnums=(0, 1))),
+              lambda ck: jax.jit(lambda x, ws: jax.jvp(functools.partial(loss, ck), (x, ws), (x, ws)))):
+        before = estats()
+        assert_bits_equal(f(VMM)(x, ws), f(REF)(x, ws))
+        d = delta(estats(), before)
+        assert d["offloads"] == d["reloads"] and d["tickets_live"] == 0, d
+
+
+def test_checkpoint_of_scan_and_cond():
+    """Adapted from test_remat_of_scan / test_remat_of_cond."""
+    def scanned(x):
+        return lax.scan(lambda c, _: (fn(c), None), x, None, length=3)[0]
+
+    def conded(x):
+        return lax.cond(x.sum() > 0, fn, jnp.sin, x)
+
+    x = jnp.linspace(-1.0, 2.0, 16, dtype=jnp.float32)
+    for body in (scanned, conded):
+        for t in (lambda f: jax.grad(_sum(f))(x), lambda f: jax.linearize(f, x)[1](x), lambda f: jax.jvp(f, (x,), (x,))):
+            assert_bits_equal(t(VMM(body)), t(REF(body)))
+
+
+def test_nested_checkpoints():
+    """Adapted from test_remat_nested / the recursive_checkpoint example."""
+    inner = VMM(fn)
+    outer = jaxvmm.checkpoint(lambda x: inner(jnp.sin(inner(x))), policy=P.offload_everything_saveable(min_bytes=0))
+    ref_inner = REF(fn)
+    ref_outer = jax.checkpoint(lambda x: ref_inner(jnp.sin(ref_inner(x))), policy=CP.everything_saveable)
+    x = jnp.linspace(-1.0, 1.0, 16, dtype=jnp.float32)
+    for t in (lambda f: jax.grad(_sum(f))(x), lambda f: jax.jit(jax.grad(_sum(f)))(x), lambda f: jax.jacfwd(f)(x)):
+        assert_bits_equal(t(outer), t(ref_outer))
+
+
+def test_keyword_arguments_static_argnames_and_fun_name():
+    def f(x, *, scale, flip):
+        return (jnp.sin(x) if flip else jnp.cos(x)) * scale
+
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+    ck = jaxvmm.checkpoint(fun=f, static_argnames="flip", policy=P.offload_everything_saveable(min_bytes=0))
+    for flip in (True, False):
+        got = jax.jvp(lambda x: ck(x, scale=jnp.float32(2.0), flip=flip), (x,), (x,))
+        want = jax.jvp(lambda x: f(x, scale=jnp.float32(2.0), flip=flip), (x,), (x,))
+        assert_bits_equal(got, want)
+        assert_bits_equal(jax.grad(lambda s: ck(x, scale=s, flip=flip).sum())(jnp.float32(2.0)),
+                          jax.grad(lambda s: f(x, scale=s, flip=flip).sum())(jnp.float32(2.0)))
+
+
+def test_prevent_cse_pytree_like_jax():
+    """Adapted from test_remat_partial_cse_prevention_pytree: the barrier keeps only what is asked."""
+    def layer(ck):
+        return ck(lambda dct: dct["x"] @ dct["W"], prevent_cse=({"W": False, "x": True},))
+
+    def loss(ck, Ws, x):
+        for W in Ws:
+            x = layer(ck)(dict(W=W, x=x))
+        return jnp.sum(x ** 2)
+
+    Ws = [jnp.ones((3, 3)) for _ in range(2)]
+    x = jnp.ones(3)
+    txt = jax.jit(jax.grad(functools.partial(loss, jaxvmm.checkpoint), (0, 1))).lower(Ws, x).as_text()
+    assert "optimization_barrier" in txt
+    assert_bits_equal(jax.grad(functools.partial(loss, jaxvmm.checkpoint), (0, 1))(Ws, x),
+                      jax.grad(functools.partial(loss, jax.checkpoint), (0, 1))(Ws, x))
+
+
+def test_effects_jax_checkpoint_allows(capfd):
+    def f(x):
+        jax.debug.print("seen {}", x[0])
+        return fn(x)
+
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+    before = estats()
+    assert_bits_equal(jax.grad(_sum(VMM(f)))(x), jax.grad(_sum(REF(f)))(x))
+    jax.effects_barrier()
+    assert "seen -1" in capfd.readouterr().out
+    d = delta(estats(), before)
+    assert d["offloads"] == d["reloads"] == 1, d
+
+
+@pytest.mark.skipif(not hasattr(jax, "ref"), reason="jax.ref needs a newer jax")
+def test_vjp_with_refs_accumulates_like_jax():
+    """Adapted from test_remat_grad_accum_refs."""
+    f = jaxvmm.checkpoint(jnp.sin, policy=P.offload_everything_saveable(min_bytes=0))
+    p = jnp.linspace(0.0, 2.0, 8, dtype=jnp.float32)
+    _, vjp_fn = jax.vjp(f, p)
+    acc = jax.ref.new_ref(jnp.zeros_like(p))
+    vjp_fn.with_refs(acc)(jnp.ones_like(p))
+    assert_bits_equal(jax.ref.get(acc), jax.grad(lambda p: jax.checkpoint(jnp.sin)(p).sum())(p))
+
+
+@pytest.mark.skipif(not hasattr(jax, "ref"), reason="jax.ref needs a newer jax")
+def test_ref_closed_over_in_scan_body():
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+
+    def run(ck):
+        @jax.jit
+        def go(x):
+            r = jax.ref.new_ref(jnp.zeros_like(x))
+
+            def body(c, _):
+                y = ck(fn)(c)
+                r[...] += y
+                return y, None
+
+            c, _ = lax.scan(body, x, None, length=3)
+            return c, jax.ref.get(r)
+
+        return go(x), jax.jvp(lambda x: go(x), (x,), (x,))
+
+    assert_bits_equal(run(VMM), run(REF))
+
+
+def test_eager_calls_trace_once_like_jax_checkpoint():
+    """Adapted from test_fwd_caching: repeated eager calls (and jax.vjp) reuse JAX's trace cache."""
+    counts = {"vmm": 0, "jax": 0}
+
+    def make(key):
+        def f(x):
+            counts[key] += 1
+            return fn(x)
+        return f
+
+    vmm, ref = VMM(make("vmm")), REF(make("jax"))
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+    for _ in range(10):
+        vmm(x).block_until_ready()
+        ref(x).block_until_ready()
+    assert counts["vmm"] == counts["jax"] == 1, counts
+    for _ in range(5):
+        jax.vjp(vmm, x)[1](x)
+        jax.vjp(ref, x)[1](x)
+    assert counts["vmm"] == counts["jax"], counts
+    s = jaxvmm.checkpoint(lambda x, k: fn(x) * k, static_argnums=1)
+    calls = []
+    s2 = jaxvmm.checkpoint(lambda x, *, k: calls.append(1) or fn(x) * k, static_argnames="k")
+    for _ in range(5):
+        s(x, 2.0)
+        s2(x, k=2.0)
+    assert len(calls) == 1, calls
+
+
+def test_saved_residuals_names_what_the_policy_offloaded(capsys):
+    def f(x, w):
+        h = checkpoint_name(jnp.tanh(x @ w), "hidden")
+        k = checkpoint_name(jnp.sin(x @ w), "kept")
+        return (h * k).sum()
+
+    pol = P.save_and_offload_only_these_names(names_which_can_be_saved=["kept"], names_which_can_be_offloaded=["hidden"])
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 16))
+    res = jaxvmm.saved_residuals(jaxvmm.checkpoint(f, policy=pol), x, w)
+    whats = [w for _, w in res]
+    offloaded = [(a, w) for a, w in res if w.startswith("offloaded through jaxvmm: named 'hidden'")]
+    assert len(offloaded) == 1 and offloaded[0][0].shape == (8, 16), whats
+    jaxvmm.print_saved_residuals(jaxvmm.checkpoint(f, policy=pol), x, w)
+    assert "f32[8,16] offloaded through jaxvmm: named 'hidden'" in capsys.readouterr().out
+
+
+class TestErrors:
+    """Item 7: misuse gives a jaxvmm: error naming the argument and the fix."""
+
+    def test_vjp_function_called_twice(self):
+        f = VMM(fn)
+        x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+        _, vjp_fn = jax.vjp(f, x)
+        first = vjp_fn(jnp.ones_like(x))
+        assert_bits_equal(first, jax.vjp(REF(fn), x)[1](jnp.ones_like(x)))
+        with pytest.raises(jaxvmm.InvalidArgumentError, match=r"jaxvmm\.checkpoint: this VJP or linearized function .* "
+                                                             r"was already called once.*Call jax\.vjp"):
+            vjp_fn(jnp.ones_like(x))
+
+    def test_check_names_the_call_site_and_the_ticket_of_a_bad_reload_inside_jit(self):
+        """A ticket reloaded twice inside jit: jaxvmm.check() names the ticket and the Python line of
+        the reload that consumed it a second time."""
+        x = jnp.ones(1024, jnp.float32)
+        t = jaxvmm.offload(x)
+
+        @jax.jit
+        def again(tok):
+            return jaxvmm.reload(jaxvmm.Ticket(tok, (1024,), jnp.float32))  # the line check() names
+
+        line = again.__wrapped__.__code__.co_firstlineno + 2  # the decorator line, the def, then the reload
+        assert_bits_equal(again(t.token), x)
+        again(t.token).block_until_ready()
+        jaxvmm.synchronize()
+        with pytest.raises(jaxvmm.VmmError, match=rf"ticket \d+ was already reloaded.*\[call site \d+: reload at "
+                                                  rf".*test_dropin\.py:{line} \(again\)\]"):
+            jaxvmm.check()
+
+    def test_fn_keyword_is_named(self):
+        with pytest.raises(TypeError, match=r"jaxvmm\.checkpoint: unsupported keyword argument fn=.*named fun"):
+            jaxvmm.checkpoint(fn=jnp.sin)
+
+    def test_static_argnames_of_wrong_type(self):
+        with pytest.raises(jaxvmm.InvalidArgumentError, match=r"jaxvmm\.checkpoint: static_argnames must be"):
+            jaxvmm.checkpoint(jnp.sin, static_argnames=[1])
+
+    def test_prevent_cse_pytree_of_non_bools(self):
+        with pytest.raises(jaxvmm.InvalidArgumentError, match=r"jaxvmm\.checkpoint: prevent_cse must be a bool"):
+            jaxvmm.checkpoint(jnp.sin, prevent_cse=({"a": 1},))
+
+
+def test_second_order_of_checkpointed_cond_equals_jax():
+    """Adapted from test_remat_of_cond (check_grads order 2, reverse mode) with every saved value
+    offloaded: the offload's ordering tie must not give a residual a derivative."""
+    f = lambda x: lax.cond(x > 0.0, lambda c: (jnp.sin(c), jnp.cos(c)), lambda c: (jnp.cos(c), c), x)  # noqa: E731
+    vmm = jaxvmm.checkpoint(f, policy=P.offload_everything_saveable(min_bytes=0))
+    ref = jax.checkpoint(f, policy=CP.everything_saveable)
+
+    def second(ck):
+        def f_vjp(x):
+            out, vjp_fn = jax.vjp(ck, x)
+            return vjp_fn(out)
+        return jax.vjp(f_vjp, 3.0)[1]((1.0,))
+
+    assert_bits_equal(second(vmm), second(ref))
+
+
+def test_excess_precision_residual_equals_primal_use():
+    """Adapted from test_excess_precision_hell: an offloaded bf16 residual is rounded where it is
+    made, so the backward pass sees exactly what the forward pass used."""
+    eps = jnp.finfo("bfloat16").eps
+
+    @jax.custom_vjp
+    def dot(x):
+        return jnp.dot(x, x)
+
+    dot.defvjp(lambda x: (dot(x), None), lambda _, g: (g,))
+
+    @jax.custom_vjp
+    def widen(x):
+        return jnp.float32(1.0) * x.astype("float32")
+
+    widen.defvjp(lambda x: (widen(x), x), lambda x, _: (jnp.float32(1.0) * x.astype("float32"),))
+
+    f = jax.jit(jaxvmm.checkpoint(lambda x: widen(dot(x)), policy=P.offload_everything_saveable(min_bytes=0)))
+    x = (jnp.bfloat16(1) + eps) * jnp.eye(2, dtype="bfloat16")
+    before = estats()
+    y, vjp_fn = jax.vjp(f, x)
+    (y_,) = vjp_fn(jnp.ones_like(y))
+    assert_bits_equal(y_, y)
+    assert delta(estats(), before)["offloads"] >= 1
