@@ -698,6 +698,7 @@ bool Engine::ServiceReloadK(Channel& c) {
         device = true;
       }
       if (t) {
+        ++stats_.reloads;  // a ticket's bytes reached XLA's buffer (a 0xFF round had no ticket)
         t->pins -= 1;
         Retire(t);
       }

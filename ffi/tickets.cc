@@ -86,12 +86,12 @@ std::shared_ptr<Ticket> TicketTable::Predict(const ArrayMeta& meta) const {
   }();
   if (!enabled) return nullptr;
   // Training reloads in reverse offload order (LIFO); a miss that hit the other end of the queue flips
-  // the guess (Learn). Only tickets whose D2H is enqueued can be copied from.
+  // the guess for that signature (Learn). Only tickets whose D2H is enqueued can be copied from.
   auto fits = [&](const std::shared_ptr<Ticket>& t) {
     return t->enqueued && !t->consumed && !t->dropped && t->claimed_by == 0 && t->meta.nbytes == meta.nbytes &&
            t->meta.signature == meta.signature;
   };
-  if (lifo_) {
+  if (!fifo_.count(meta.signature)) {
     for (auto it = order_.rbegin(); it != order_.rend(); ++it)
       if (fits(*it)) return *it;
   } else {
@@ -108,8 +108,9 @@ void TicketTable::Learn(const std::shared_ptr<Ticket>& actual, int64_t signature
       if (!oldest) oldest = t;
       newest = t;
     }
-  if (actual == oldest && actual != newest) lifo_ = false;
-  if (actual == newest && actual != oldest) lifo_ = true;
+  // Learned per signature: one array's reload order says nothing about another's.
+  if (actual == oldest && actual != newest) fifo_.insert(signature);
+  if (actual == newest && actual != oldest) fifo_.erase(signature);
 }
 
 bool TicketTable::MaybeFree(const std::shared_ptr<Ticket>& t, Retired* out) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "host_pool.h"
@@ -92,7 +93,7 @@ class TicketTable {
  private:
   const uint64_t key_;
   uint32_t next_ = 1;
-  bool lifo_ = true;
+  std::unordered_set<int64_t> fifo_;  // signatures whose reloads were learned to come in offload order
   std::unordered_map<uint64_t, std::shared_ptr<Ticket>> by_token_;
   std::deque<std::shared_ptr<Ticket>> order_;  // offload order, for prediction
   std::deque<uint64_t> recently_reloaded_;     // tokens of freed, consumed tickets (diagnostics only)
