@@ -8,6 +8,7 @@
 namespace jaxvmm {
 
 ChannelTable::~ChannelTable() {
+  ScopedContext ctx(backend_, device_);  // cuMemFree needs the device's context (the engine's is gone by now)
   const DriverTable& d = Driver(backend_);
   for (ChannelWords* chunk : chunks_) d.MemFreeHost(chunk);
   for (CUdeviceptr chunk : device_chunks_) d.MemFree(chunk);

@@ -346,7 +346,10 @@ def test_rounds_take_pre_armed_grants_on_the_device(platform_device, slots, engi
         fwd, bwd = forward_backward_graphs(r, x, y, tok)
         if not kernels_on(platform_device):
             t = target_of(platform_device)
-            pytest.skip(f"grant kernels unavailable: {lib.engine_graph_kernels_error(t.backend, t.ordinal)}")
+            why = f"grant kernels unavailable: {lib.engine_graph_kernels_error(t.backend, t.ordinal)}"
+            if platform_device != "cpu":
+                pytest.fail(why)  # a GPU with a CUDA 12+/13 driver must load the checked-in PTX
+            pytest.skip(why)
         dev0, host0 = grants(platform_device)
         tokens = []
         for i in range(K):
