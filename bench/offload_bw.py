@@ -2,6 +2,7 @@
 
     python bench/offload_bw.py             # 64 MiB, 256 MiB, 1 GiB, 4 GiB on GPU; 16, 64 MiB on cpu
     python bench/offload_bw.py --sizes 256M,1G --iters 50 --markdown --out offload_bw.md
+    python bench/offload_bw.py --sizes 256M,1G --host-store pinned,host_numa --markdown --out bw.md
 
 Everything is measured in one process, size by size:
 
@@ -9,13 +10,22 @@ Everything is measured in one process, size by size:
   reload    a jitted ``jaxvmm.reload(t)`` of N earlier tickets (newest first, the engine's default
             prediction), then ``block_until_ready``: bytes / time
   both      a jitted function that offloads ``x`` while it reloads an earlier ticket of the same size,
-            N calls, then ``jaxvmm.synchronize()``: 2 x bytes / time
+            N calls, then ``jaxvmm.synchronize()``: 2 x bytes / time. Where the engine splits copies
+            into pieces (``copy_chunk``, default 64 MiB) smaller than the size, "both" runs a second
+            time with one copy per op (``copy_chunk=0``) for comparison.
   raw       the same three as plain pinned-memory copies. With torch and a GPU: pinned tensors,
             ``copy_(non_blocking=True)`` on streams of their own, timed with CUDA events. Otherwise
             (cpu, or no torch) numpy memcpy of the same sizes, two threads for "both"; the header says which.
   stream    a fixed matmul workload jitted alone, with one offload of ``x``, and with one on-device copy of
             ``x`` (``x + z``, z a zero scalar argument so XLA cannot fold it): the extra time is what the
             call costs XLA's stream. Goal: offload's cost is about the D2D snapshot copy's, nothing more.
+
+  host store  with ``--host-store pinned,host_numa`` every phase above runs once per host store
+            (``jaxvmm.configure(host_store=...)``), side by side in one process, and each store's section
+            starts with the cost of a cold 1 GiB offload: the store holds nothing, one offload (timed to
+            ``synchronize()``) takes a chunk from the driver, then the same offload warm; the difference
+            and the store's own driver time (``*_alloc_ns``) are reported. A store the driver refuses
+            (HOST_NUMA pages not supported) is reported as such and skipped.
 
 Tickets never pile up: each batch is dropped (``del``) or reloaded before the next, with
 ``jaxvmm.synchronize()`` between phases. A batch holds at most ``window`` tickets (min(3/4 of the host
@@ -271,6 +281,38 @@ def stream_cost(work, a, x, iters: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+COLD_SIZE = 1 * GiB
+
+
+def cold_cost(store: str, device, target, off) -> dict:
+    """ms of one offload of COLD_SIZE bytes into an empty store (its chunk taken from the driver), of the
+    same offload warm, and the store's driver time for the chunk. The store is emptied first: host_numa
+    chunks go back on trim(); the pinned pool returns its empty chunks when its limit is lowered."""
+    knobs = jaxvmm.configure()
+    settle()
+    jaxvmm.trim()
+    jaxvmm.configure(host_pool_limit=1)  # empty pinned chunks go back to the driver ...
+    jaxvmm.configure(host_pool_limit=knobs["host_pool_limit"])  # ... and the limit is restored
+    prefix = "pinned" if store == "pinned" else "host_numa"
+    x = make_array(COLD_SIZE, device)
+    off_x = off.lower(x).compile()  # compiled first: the cold time is the store's, not XLA's
+    times = []
+    s0 = jaxvmm.engine_stats().get(target.name, {})
+    for _ in range(2):  # cold, then warm
+        t0 = time.perf_counter()
+        t = off_x(x)
+        jax.block_until_ready(t)
+        jaxvmm.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        del t
+        settle()
+    s1 = jaxvmm.engine_stats()[target.name]
+    del x
+    return {"cold": times[0], "warm": times[1],
+            "alloc_ms": (s1[f"{prefix}_alloc_ns"] - s0.get(f"{prefix}_alloc_ns", 0)) / 1e6,
+            "allocs": s1[f"{prefix}_allocs"] - s0.get(f"{prefix}_allocs", 0)}
+
+
 def make_work(on_gpu: bool, device):
     """A fixed matmul chain on XLA's stream: ~5 ms on an H200, a few ms on a cpu."""
     n, reps, dtype = (8192, 4, jnp.bfloat16) if on_gpu else (256, 4, jnp.float32)
@@ -290,32 +332,40 @@ def make_work(on_gpu: bool, device):
 
 # ---------------------------------------------------------------- tables
 
-BW_HEADERS = ["size", "direction", "jaxvmm GB/s", "raw GB/s", "ratio", "goal", "prefetch hits"]
-BW_RIGHT = {2, 3, 4, 6}
-COST_HEADERS = ["size", "work ms", "+offload ms", "+D2D copy ms", "offload cost ms", "copy cost ms", "cost/copy",
-                "goal"]
-COST_RIGHT = {1, 2, 3, 4, 5, 6}
+BW_HEADERS = ["size", "store", "direction", "jaxvmm GB/s", "raw GB/s", "ratio", "goal", "prefetch hits"]
+BW_RIGHT = {3, 4, 5, 7}
+COST_HEADERS = ["size", "store", "work ms", "+offload ms", "+D2D copy ms", "offload cost ms", "copy cost ms",
+                "cost/copy", "goal"]
+COST_RIGHT = {2, 3, 4, 5, 6, 7}
+COLD_HEADERS = ["store", "size", "cold offload ms", "warm offload ms", "cold - warm ms", "driver ms (store)",
+                "chunks taken"]
+COLD_RIGHT = {2, 3, 4, 5, 6}
 
 
-def bw_rows(size: int, res: dict, raw: dict, on_gpu: bool) -> list[list[str]]:
+def bw_rows(size: int, store: str, res: dict, raw: dict, on_gpu: bool) -> list[list[str]]:
     rows = []
-    for key, label in (("d2h", "offload (D2H)"), ("h2d", "reload (H2D)"), ("both", "both at once")):
-        mine, base = res[key], raw[key]
+    chunk = jaxvmm.configure()["copy_chunk"]
+    both_label = f"both at once ({human(chunk)} pieces)" if 0 < chunk < size else "both at once"
+    keys = [("d2h", "offload (D2H)"), ("h2d", "reload (H2D)"), ("both", both_label)]
+    if "both_whole" in res:
+        keys.append(("both_whole", "both at once (one copy per op)"))
+    for key, label in keys:
+        mine, base = res[key], raw["both" if key == "both_whole" else key]
         ratio = mine / base if base > 0 else float("inf")
-        if key == "both" and on_gpu:
+        if key.startswith("both") and on_gpu:
             ok, goal = mine >= GOAL_BOTH_GPU, f">= {GOAL_BOTH_GPU:.0f} GB/s"
         else:
             ok, goal = ratio >= GOAL_RATIO, f">= {GOAL_RATIO:.0%}"
-        rows.append([human(size), label, f"{mine:,.1f}", f"{base:,.1f}", f"{ratio:.0%}",
+        rows.append([human(size), store, label, f"{mine:,.1f}", f"{base:,.1f}", f"{ratio:.0%}",
                      f"{goal} {'PASS' if ok else 'MISS'}", res.get(f"hits_{key}", "")])
     return rows
 
 
-def cost_row(size: int, c: dict) -> list[str]:
+def cost_row(size: int, store: str, c: dict) -> list[str]:
     cost, copy = c["offload"] - c["work"], c["copy"] - c["work"]
     ok = cost <= GOAL_COST * max(copy, 0.0) + GOAL_COST_SLACK_MS
     ratio = f"{cost / copy:.2f}x" if copy > 0.005 else "n/a"
-    return [human(size), f"{c['work']:.3f}", f"{c['offload']:.3f}", f"{c['copy']:.3f}", f"{cost:.3f}", f"{copy:.3f}",
+    return [human(size), store, f"{c['work']:.3f}", f"{c['offload']:.3f}", f"{c['copy']:.3f}", f"{cost:.3f}", f"{copy:.3f}",
             ratio, f"{'PASS' if ok else 'MISS'}"]
 
 
@@ -333,6 +383,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="calls per phase and size (default 20 on GPU, 5 on cpu)")
     ap.add_argument("--sizes", type=parse_sizes, default=None,
                     help="comma-separated sizes, e.g. 64M,1G (bare numbers are MiB); overrides the defaults")
+    ap.add_argument("--host-store", default=None,
+                    help="comma-separated host stores to measure side by side: pinned, host_numa "
+                         "(default: the store in force, JAXVMM_HOST_STORE or pinned)")
     ap.add_argument("--markdown", action="store_true", help="emit markdown tables")
     ap.add_argument("--out", metavar="FILE", help="also write the header and tables to FILE")
     args = ap.parse_args(argv)
@@ -344,6 +397,11 @@ def main(argv=None) -> int:
     if iters < 1:
         ap.error("--iters must be >= 1")
     sizes = args.sizes if args.sizes is not None else (GPU_SIZES if on_gpu else CPU_SIZES)
+    stores = [v.strip() for v in (args.host_store or jaxvmm.configure()["host_store"]).split(",") if v.strip()]
+    for v in stores:
+        if v not in ("pinned", "host_numa"):
+            ap.error(f"--host-store: unknown store {v!r} (expected pinned, host_numa)")
+    cold_sizes = [COLD_SIZE] if args.host_store else []
 
     work, a, work_desc = make_work(on_gpu, device)
     baseline = pick_baseline(on_gpu, ordinal)
@@ -363,8 +421,10 @@ def main(argv=None) -> int:
         f"memory:      {free / GiB:,.1f} GiB free of {total / GiB:,.1f} GiB",
         f"raw:         {baseline.describe}",
         f"engine:      host pool limit {knobs['host_pool_limit'] / GiB:,.1f} GiB, chunk "
-        f"{human(knobs['host_pool_chunk'])}, prefetch depth {knobs['prefetch_depth']}",
+        f"{human(knobs['host_pool_chunk'])}, prefetch depth {knobs['prefetch_depth']} per direction, "
+        f"copies in pieces of {human(knobs['copy_chunk']) if knobs['copy_chunk'] else 'any size (one copy)'}",
         f"iterations:  {iters} per phase; stream cost: median of {iters} calls each",
+        f"host stores: {', '.join(stores)}",
         f"workload:    {work_desc}",
     ]
     print("\n".join(header), flush=True)
@@ -376,57 +436,92 @@ def main(argv=None) -> int:
 
     bw: list[list[str]] = []
     costs: list[list[str]] = []
+    colds: list[list[str]] = []
     batching: list[str] = []
+    raws: dict[int, dict] = {}  # the raw baseline, measured once per size
     ok = True
-    for size in sizes:
-        free, _ = jaxvmm.driver_memory_info(device)
-        cap = host_budget // size  # tickets the host pool budget holds at once
-        window = min(iters, cap, int(0.3 * free) // size)
-        if cap < 3 or window < 1 or 4 * size > 0.9 * free:
-            notes.append(f"skipped {human(size)}: needs 3 x size of host pool budget ({host_budget / GiB:,.1f} GiB; "
-                         f"raise JAXVMM_HOST_POOL_LIMIT) and 4 x size free ({free / GiB:,.1f} GiB)")
-            continue
-        depth = 2 if cap >= 5 else 1
-        lag = max(1, min(2, cap - depth - 1))
-        print(f"  measuring {human(size)} (batches of {window}) ...", file=sys.stderr, flush=True)
-        try:
-            raw = baseline.measure(size, iters)
-            x = make_array(size, device)
-            # Correctness and warm-up: one round trip, compared on the device.
-            t = off(x)
-            y = rel(t)
-            if not bool(same(x, y)):
+    for store in stores:
+        jaxvmm.configure(host_store=store)
+        print(f"  host store {store} ...", file=sys.stderr, flush=True)
+        if cold_sizes:
+            free, _ = jaxvmm.driver_memory_info(device)
+            if COLD_SIZE > 0.5 * free or COLD_SIZE > knobs["host_pool_limit"]:
+                notes.append(f"{store}: cold {human(COLD_SIZE)} offload skipped (not enough free memory)")
+            else:
+                try:
+                    c = cold_cost(store, device, target, off)
+                    colds.append([store, human(COLD_SIZE), f"{c['cold']:,.1f}", f"{c['warm']:,.1f}",
+                                  f"{c['cold'] - c['warm']:,.1f}", f"{c['alloc_ms']:,.1f}", str(c["allocs"])])
+                except (jaxvmm.VmmError, RuntimeError) as e:
+                    first = str(e).splitlines()[0]
+                    notes.append(f"host store {store} UNAVAILABLE, skipped: {type(e).__name__}: {first}")
+                    settle()
+                    continue
+        for size in sizes:
+            free, _ = jaxvmm.driver_memory_info(device)
+            cap = host_budget // size  # tickets the host pool budget holds at once
+            window = min(iters, cap, int(0.3 * free) // size)
+            if cap < 3 or window < 1 or 4 * size > 0.9 * free:
+                notes.append(f"skipped {human(size)} ({store}): needs 3 x size of host pool budget "
+                             f"({host_budget / GiB:,.1f} GiB; raise JAXVMM_HOST_POOL_LIMIT) and 4 x size free "
+                             f"({free / GiB:,.1f} GiB)")
+                continue
+            depth = 2 if cap >= 5 else 1
+            lag = max(1, min(2, cap - depth - 1))
+            print(f"  measuring {human(size)} ({store}; batches of {window}) ...", file=sys.stderr, flush=True)
+            try:
+                if size not in raws:
+                    raws[size] = baseline.measure(size, iters)
+                raw = raws[size]
+                x = make_array(size, device)
+                # Correctness and warm-up: one round trip, compared on the device.
+                t = off(x)
+                y = rel(t)
+                if not bool(same(x, y)):
+                    ok = False
+                    notes.append(f"{human(size)} ({store}): RELOADED DATA DIFFERS from what was offloaded")
+                del t, y
+                settle()
+                res: dict = {}
+                offload_phase(off, x, size, min(iters, window), window)  # warm-up: host store and staging
+                res["d2h"] = offload_phase(off, x, size, iters, window)
+                reload_phase(off, rel, x, size, min(iters, window), window)
+                s0 = jaxvmm.engine_stats()[target.name]
+                res["h2d"] = reload_phase(off, rel, x, size, iters, window)
+                res["hits_h2d"] = hits(s0, jaxvmm.engine_stats()[target.name])
+                both_phase(off, both, x, size, min(iters, 3), depth, lag)
+                s0 = jaxvmm.engine_stats()[target.name]
+                res["both"] = both_phase(off, both, x, size, iters, depth, lag)
+                res["hits_both"] = hits(s0, jaxvmm.engine_stats()[target.name])
+                chunk = jaxvmm.configure()["copy_chunk"]
+                if 0 < chunk < size:  # the same with each D2H/H2D issued as one copy, for comparison
+                    jaxvmm.configure(copy_chunk=0)
+                    try:
+                        s0 = jaxvmm.engine_stats()[target.name]
+                        res["both_whole"] = both_phase(off, both, x, size, iters, depth, lag)
+                        res["hits_both_whole"] = hits(s0, jaxvmm.engine_stats()[target.name])
+                    finally:
+                        jaxvmm.configure(copy_chunk=chunk)
+                cost = stream_cost(work, a, x, iters)
+                del x
+                settle()
+            except (jaxvmm.VmmError, RuntimeError, MemoryError) as e:
                 ok = False
-                notes.append(f"{human(size)}: RELOADED DATA DIFFERS from what was offloaded")
-            del t, y
+                notes.append(f"{human(size)} ({store}) failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+                settle()
+                continue
+            st = jaxvmm.engine_stats()[target.name]
+            if st["tickets_live"] or st["ticket_host_bytes"]:
+                ok = False
+                notes.append(f"{human(size)} ({store}): {st['tickets_live']} tickets ({st['ticket_host_bytes']} "
+                             "bytes) still live after the size's phases")
+            bw += bw_rows(size, store, res, raw, on_gpu)
+            batching.append(f"{human(size)}: {window}/{depth}/{lag}")
+            costs.append(cost_row(size, store, cost))
+        if store == "host_numa":
             settle()
-            res: dict = {}
-            offload_phase(off, x, size, min(iters, window), window)  # warm-up: pinned pool and staging
-            res["d2h"] = offload_phase(off, x, size, iters, window)
-            reload_phase(off, rel, x, size, min(iters, window), window)
-            s0 = jaxvmm.engine_stats()[target.name]
-            res["h2d"] = reload_phase(off, rel, x, size, iters, window)
-            res["hits_h2d"] = hits(s0, jaxvmm.engine_stats()[target.name])
-            both_phase(off, both, x, size, min(iters, 3), depth, lag)
-            s0 = jaxvmm.engine_stats()[target.name]
-            res["both"] = both_phase(off, both, x, size, iters, depth, lag)
-            res["hits_both"] = hits(s0, jaxvmm.engine_stats()[target.name])
-            cost = stream_cost(work, a, x, iters)
-            del x
-            settle()
-        except (jaxvmm.VmmError, RuntimeError, MemoryError) as e:
-            ok = False
-            notes.append(f"{human(size)} failed: {type(e).__name__}: {str(e).splitlines()[0]}")
-            settle()
-            continue
-        st = jaxvmm.engine_stats()[target.name]
-        if st["tickets_live"] or st["ticket_host_bytes"]:
-            ok = False
-            notes.append(f"{human(size)}: {st['tickets_live']} tickets ({st['ticket_host_bytes']} bytes) "
-                         "still live after the size's phases")
-        bw += bw_rows(size, res, raw, on_gpu)
-        batching.append(f"{human(size)}: {window}/{depth}/{lag}")
-        costs.append(cost_row(size, cost))
+            jaxvmm.trim()  # the host_numa chunks go back before the next store is measured
+    jaxvmm.configure(host_store=knobs["host_store"])
 
     st = jaxvmm.engine_stats().get(target.name)
     if st is not None:
@@ -434,7 +529,9 @@ def main(argv=None) -> int:
             ok = False
         notes.append(f"engine at the end: {st['offloads']} offloads, {st['reloads']} reloads, prefetch hits "
                      f"{st['prefetch_hits']}/{st['prefetch_hits'] + st['prefetch_misses']}, {st['errors']} errors, "
-                     f"{st['tickets_live']} tickets live, pinned pool {st['pinned_bytes'] / MiB:,.0f} MiB "
+                     f"{st['tickets_live']} tickets live, host_numa store peak in use "
+                     f"{st['host_numa_peak_in_use_bytes'] / MiB:,.0f} MiB ({st['host_numa_allocs']} chunks taken, "
+                     f"{st['host_numa_frees']} returned), pinned pool {st['pinned_bytes'] / MiB:,.0f} MiB "
                      f"(peak in use {st['pinned_peak_in_use_bytes'] / MiB:,.0f} MiB, {st['pinned_allocs']} "
                      f"driver allocations), staging peak {st['staging_peak_bytes'] / MiB:,.0f} MiB in "
                      f"{st['staging_pages_mapped']} page mappings ({st['staging_device_waits']} device waits), "
@@ -451,10 +548,18 @@ def main(argv=None) -> int:
     notes.append("stream cost: extra ms per call over the workload alone (median of calls started with idle copy "
                  "engines); the offload's includes waiting for its staging pages to be mapped.")
 
+    if colds:
+        notes.append(f"cold offload: one {human(COLD_SIZE)} offload into an empty store, timed to synchronize(), "
+                     "then the same offload warm; driver ms = the store's own time taking chunks "
+                     "(cuMemHostAlloc for pinned; reserve + cuMemCreate + map + access for host_numa)")
+    if len(stores) > 1:
+        notes.append("ratio = jaxvmm / raw pinned copies (torch pinned tensors on GPU) for every store")
     tables = []
     if bw:
         tables.append(render(BW_HEADERS, BW_RIGHT, bw, args.markdown))
         tables.append(render(COST_HEADERS, COST_RIGHT, costs, args.markdown))
+    if colds:
+        tables.append(render(COLD_HEADERS, COLD_RIGHT, colds, args.markdown))
     body = "\n\n".join(tables) if tables else "(no sizes measured)"
     emit(header, body, notes, args.markdown, args.out)
     return 0 if bw and ok else 1

@@ -207,10 +207,14 @@ def wrap(layer, variant: str, target: str):
 
 
 def build_step(model: str, target: str, variant: str, s: Shapes, attn_impl: str):
+    return build_step_from_body(wrap(make_layer(model, s, attn_impl), variant, target))
+
+
+def build_step_from_body(body):
+    """The jitted training step (value_and_grad of mean(y**2) over a lax.scan of ``body``, then SGD,
+    parameters donated) around a wrapped layer function (bench/capacity.py wraps its own policies)."""
     import jax
     import jax.numpy as jnp
-
-    body = wrap(make_layer(model, s, attn_impl), variant, target)
 
     def loss_fn(params, x):
         y, _ = jax.lax.scan(lambda c, w: (body(c, w), None), x, params)
@@ -297,21 +301,35 @@ def run_child(args) -> dict:
     if variant == "jaxvmm":
         import jaxvmm as vmm
 
-    params, x = init_arrays(model, s)
-    jax.block_until_ready((params, x))
-    losses, times = [], []
-    before = None
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup and vmm is not None:
-            vmm.synchronize()
-            before = _engine_totals(vmm)
-        t0 = time.perf_counter()
-        loss, params = compiled(params, x)
-        jax.block_until_ready((loss, params))
-        dt = time.perf_counter() - t0
-        losses.append(float(loss))
-        if i >= args.warmup:
-            times.append(dt)
+    import contextlib
+
+    timeline = contextlib.nullcontext()
+    if args.timeline:
+        import jaxvmm
+
+        timeline = jaxvmm.memory_timeline(jax.devices()[0])
+    with timeline as tl:
+        params, x = init_arrays(model, s)
+        jax.block_until_ready((params, x))
+        losses, times = [], []
+        before = None
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup and vmm is not None:
+                vmm.synchronize()
+                before = _engine_totals(vmm)
+            t0 = time.perf_counter()
+            loss, params = compiled(params, x)
+            jax.block_until_ready((loss, params))
+            dt = time.perf_counter() - t0
+            losses.append(float(loss))
+            if i >= args.warmup:
+                times.append(dt)
+    if tl is not None:
+        # One moment's total: driver-level used memory (XLA's live buffers with the platform allocator,
+        # jaxvmm's pages, parameters and inputs) above what was in use before the arrays were made.
+        res["driver_peak_bytes"] = tl.peak_used_bytes - tl.first_used_bytes
+        res["driver_internal_at_peak_bytes"] = tl.internal_at_peak_bytes
+        res["timeline_source"] = tl.source
     res["step_s"] = statistics.median(times)
     res["step_s_min"] = min(times)
     res["loss_first"], res["loss_last"] = losses[0], losses[-1]
@@ -396,12 +414,16 @@ def child_cmd(args, extra: list[str]) -> list[str]:
         cmd += ["--gpt-batch", str(args.gpt_batch)]
     if args.mlp_shape:
         cmd += ["--mlp-shape", args.mlp_shape]
+    if args.timeline:
+        cmd.append("--timeline")
     return cmd
 
 
 def spawn(cmd: list[str], timeout: float) -> dict:
     env = dict(os.environ)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    if "--timeline" in cmd:
+        env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
     env["PYTHONUNBUFFERED"] = "1"
     t0 = time.perf_counter()
     try:
@@ -425,6 +447,8 @@ def mem_measure(r: dict) -> int | None:
     one, else XLA's planned temp + jaxvmm's peak mapped pages."""
     if "error" in r:
         return None
+    if r.get("driver_peak_bytes") is not None:
+        return r["driver_peak_bytes"]
     if r.get("device_bytes") is not None:
         return r["device_bytes"]
     if r.get("temp_bytes") is None:
@@ -485,7 +509,11 @@ def evaluate(results: dict, model: str, target: str, variant: str) -> tuple[list
             if not r.get("handler_calls_per_step"):
                 hits += " (no handler call)"
     peak = human(r["device_bytes"]) if r.get("device_bytes") is not None else "n/a"
-    if r.get("mapped_peak_bytes"):
+    if r.get("driver_peak_bytes") is not None:
+        peak = human(r["driver_peak_bytes"])
+        if variant == "jaxvmm":
+            peak += f" (jaxvmm {human(r['driver_internal_at_peak_bytes'])} at peak)"
+    elif r.get("mapped_peak_bytes"):
         how = "incl." if r.get("device_bytes") is not None else "+"
         peak += f" ({how} {human(r['mapped_peak_bytes'])} staging)"
     if variant == "save":
@@ -573,6 +601,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=("auto", "xla", "cudnn", "einsum"), default="auto",
                     help="gpt attention: jax.nn.dot_product_attention(implementation=xla|cudnn) or a plain "
                          "einsum; auto = cudnn on GPU (xla if it fails to compile), xla on cpu")
+    ap.add_argument("--timeline", action="store_true",
+                    help="peak device = driver-level used memory sampled every 100 us (jaxvmm.memory_timeline), "
+                         "children run with XLA_PYTHON_CLIENT_ALLOCATOR=platform so XLA returns what it frees")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per child process (default 900)")
     ap.add_argument("--out", default=DEFAULT_OUT,
                     help="markdown output (default bench/results/train_step.md)")
@@ -613,6 +644,9 @@ def main(argv=None) -> int:
         header.append(f"{m + ':':11s} {describe(m, shapes_for(m, args.small, args.gpt_batch, args.mlp_shape))}")
     header.append(f"timing:     median of {args.steps} steps after {args.warmup} warm-up steps "
                   f"(jitted value_and_grad + SGD, params donated, block_until_ready each step)")
+    if args.timeline:
+        header.append("memory:     driver-level timeline (jaxvmm.memory_timeline, cuMemGetInfo every 100 us), "
+                      "children run with XLA_PYTHON_CLIENT_ALLOCATOR=platform and XLA_PYTHON_CLIENT_PREALLOCATE=false")
     if "knobs" in probe:
         k = probe["knobs"]
         header.append(f"jaxvmm:     host pool limit {k['host_pool_limit'] / GiB:,.1f} GiB, prefetch depth "
@@ -678,11 +712,20 @@ def main(argv=None) -> int:
     if gpt_attn:
         notes.append("gpt attention: " + ", ".join(sorted(gpt_attn)))
     any_peak = any(r.get("device_bytes") is not None for r in results.values())
-    mem_label = "peak device" if any_peak else "XLA temp + staging"
+    mem_label = ("driver-level peak" if args.timeline else "peak device") if any_peak or args.timeline \
+        else "XLA temp + staging"
     notes.append("offloaded/step: bytes save-on-device keeps for the target (one named value per layer, "
                  "L x per-layer size); the memory goal compares the offload row's device memory with "
                  "save-on-device's: (save - row) >= 95% of that.")
-    if any_peak:
+    if args.timeline:
+        notes.append("peak device (--timeline): the most device memory in use at any one moment of the timed "
+                     "run, driver-level (cuMemGetInfo: total - free, sampled every 100 us by "
+                     "jaxvmm.memory_timeline; cpu: jaxvmm's mapped bytes only), above what was in use before "
+                     "the parameters were made; children ran with XLA_PYTHON_CLIENT_ALLOCATOR=platform, so "
+                     "XLA's freed buffers go back to the driver and the figure is XLA's live bytes plus "
+                     "jaxvmm's pages at the same moment, not a sum of two peaks. '(jaxvmm X at peak)': "
+                     "jaxvmm's staging and graph-mode pages mapped at that moment.")
+    elif any_peak:
         notes.append("peak device: XLA allocator's peak_bytes_in_use over the child's life (parameters, "
                      "gradients and input included; compiled before anything was allocated) + jaxvmm's "
                      "peak_mapped_bytes (staging pages live outside XLA's allocator; the two peaks need not "

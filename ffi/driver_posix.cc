@@ -373,7 +373,9 @@ CUresult PosixMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* 
   if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
   int prot = PROT_NONE;
   for (size_t i = 0; i < count; ++i) {
-    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || !ValidLocation(desc[i].location))
+    // HOST_NUMA: the CPU's access to host pages (the driver ignores the id); here the same protection.
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_HOST_NUMA &&
+        (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || !ValidLocation(desc[i].location)))
       return CUDA_ERROR_INVALID_DEVICE;
     if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) prot |= PROT_READ | PROT_WRITE;
     else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ) prot |= PROT_READ;

@@ -15,6 +15,15 @@ constexpr size_t kTimings = 4096;  // handler host times kept for the median
 
 std::atomic<int> g_keep{0};
 std::atomic<bool> g_graph_kernels{true};
+std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
+
+// Calls copy(offset, bytes) for consecutive pieces of at most `chunk` bytes (0: one piece).
+template <typename F>
+Status InPieces(size_t nbytes, size_t chunk, F&& copy) {
+  if (chunk == 0 || chunk >= nbytes) return copy(size_t{0}, nbytes);
+  for (size_t off = 0; off < nbytes; off += chunk) JAXVMM_RETURN_IF_ERROR(copy(off, std::min(chunk, nbytes - off)));
+  return Status();
+}
 
 std::mutex g_engines_mu;
 bool g_final = false;  // the process is exiting: no engine may start again (guarded by g_engines_mu)
@@ -29,6 +38,8 @@ void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
 int EngineConfig::KeepResident() { return g_keep.load(); }
 void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
 bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
+void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
+size_t EngineConfig::CopyChunk() { return g_copy_chunk.load(); }
 
 // ---------------------------------------------------------------- async errors
 
@@ -60,7 +71,7 @@ struct Engine::Op {
   Kind kind = kOffload;
   int pending = 0;  // the host's reference plus callbacks still to run; the ring entry is reusable at 0
   bool completion_launched = false;  // OnComplete is on ctl_: CompleteTask will run
-  bool offloaded_launched = false;   // OnOffloaded is on d2h_: OffloadedTask will run
+  bool offloaded_launched = false;   // OnOffloaded is on rel_: OffloadedTask will run
   bool abandoned = false;            // its enqueue failed part way: workers release, never consume
   CUstream stream = nullptr;         // XLA's stream for the op (null on cpu)
   CUdeviceptr staging = 0;           // the staging cell's address (reload: what XLA's stream copies out)
@@ -76,7 +87,7 @@ struct Engine::Op {
 // ---------------------------------------------------------------- lifetime
 
 Engine::Engine(Backend b, int device)
-    : backend_(b), device_(device), host_pool_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device), kernels_(b) {}
+    : backend_(b), device_(device), host_store_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device), kernels_(b) {}
 
 Status Engine::For(Backend b, int device, Engine** out) {
   std::lock_guard<std::mutex> lock(g_engines_mu);
@@ -126,9 +137,10 @@ Status Engine::Init() {
   JAXVMM_RETURN_IF_ERROR(ctx.status());
   const DriverTable& d = Driver(backend_);
   const char* stage = "engine init";
-  // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ only
-  // carries event waits and host functions, so bookkeeping never queues behind a large copy.
-  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &gd2h_, &gh2d_})
+  // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ and rel_
+  // only carry event waits and host functions, so bookkeeping never queues behind a large copy and no
+  // copy queues behind bookkeeping.
+  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &rel_, &gd2h_, &gh2d_})
     JAXVMM_RETURN_IF_ERROR(
         Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
   void* words = nullptr;
@@ -159,14 +171,14 @@ Engine::~Engine() {
   StopGraph();  // the poller first: it enqueues copies and owns the channels' cells
   // Streams first: a host function that fires later would post to a destroyed worker. Then the
   // workers drain (their tasks may still touch the state below) and stop.
-  for (CUstream s : {h2d_, fix_, d2h_, ctl_, gd2h_, gh2d_})
+  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_, gd2h_, gh2d_})
     if (s) d.StreamSynchronize(s);
   if (resolver_) resolver_->Drain();
   if (releaser_) releaser_->Drain();
   resolver_.reset();
   releaser_.reset();
   tickets_.ForEach([&](Ticket& t) {
-    host_pool_.Free(t.host);
+    host_store_.Free(t.host);
     if (t.d2h_done) d.EventDestroy(t.d2h_done);
     if (t.resident) staging_.Return(&t.resident, nullptr);
   });
@@ -174,7 +186,7 @@ Engine::~Engine() {
     for (CUevent e : {op.tok, op.done, op.filled})
       if (e) d.EventDestroy(e);
   for (CUevent e : event_pool_) d.EventDestroy(e);
-  for (CUstream s : {d2h_, h2d_, fix_, ctl_, gd2h_, gh2d_})
+  for (CUstream s : {d2h_, h2d_, fix_, ctl_, rel_, gd2h_, gh2d_})
     if (s) d.StreamDestroy(s);
   if (words_) d.MemFreeHost(words_);
   kernels_.Unload();  // every stream that ran a grant kernel is synchronized
@@ -303,7 +315,7 @@ void Engine::AbandonTask(uint64_t seq) {
   cv_.wait(lock, [&] { return op.pending == 1; });
   lock.unlock();
   if (op.stream) d.StreamSynchronize(op.stream);
-  for (CUstream s : {h2d_, fix_, d2h_, ctl_}) d.StreamSynchronize(s);
+  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_}) d.StreamSynchronize(s);
   staging_.Return(&op.lease, nullptr);  // every stream that touched the cell has drained
   lock.lock();
   if (op.kind == Op::kReload && !op.completion_launched) {
@@ -360,13 +372,13 @@ Status Engine::Offload(CUstream stream, int64_t site, CUdeviceptr src, const Arr
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));
   HostBlock host;
-  JAXVMM_RETURN_IF_ERROR(host_pool_.Allocate(meta.nbytes, &host).At(-1, "offload"));
+  JAXVMM_RETURN_IF_ERROR(host_store_.Allocate(meta.nbytes, &host).At(-1, "offload"));
   StagingLease lease;
   CUevent d2h_done = nullptr;
-  Status st = staging_.Acquire(meta.nbytes, /*try_only=*/false, &lease);
+  Status st = staging_.Acquire(meta.nbytes, CellUse::kOffload, /*try_only=*/false, &lease);
   if (st.ok()) st = GetEvent(&d2h_done);
   if (!st.ok()) {
-    host_pool_.Free(host);
+    host_store_.Free(host);
     staging_.Return(&lease, nullptr);
     if (d2h_done) Driver(backend_).EventDestroy(d2h_done);
     return st;
@@ -403,9 +415,11 @@ Status Engine::Offload(CUstream stream, int64_t site, CUdeviceptr src, const Arr
     // The one host function after the D2H also reports the op complete (XLA's stream passed it
     // before the D2H began), so an offload costs one host function, not two.
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(d2h_, op->done, 0); }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(host.ptr, lease.address, meta.nbytes, d2h_); }));
+    JAXVMM_RETURN_IF_ERROR(CopyToHost(d2h_, host, lease.address, meta.nbytes, stage));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(d2h_done, d2h_); }));
-    JAXVMM_RETURN_IF_ERROR(Launch(d2h_, &Engine::OnOffloaded, *op, stage));
+    // The host function waits on rel_, not on d2h_: the next D2H never queues behind it.
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(rel_, d2h_done, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Launch(rel_, &Engine::OnOffloaded, *op, stage));
     std::lock_guard<std::mutex> lock(mu_);
     op->offloaded_launched = op->completion_launched = true;
     t->enqueued = true;
@@ -429,7 +443,7 @@ Status Engine::Reload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdev
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));
   StagingLease lease;
-  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(meta.nbytes, /*try_only=*/false, &lease));
+  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(meta.nbytes, CellUse::kReload, /*try_only=*/false, &lease));
   Op* op = nullptr;
   Source src;
   BeginOp(&op, [&](Op& o) {
@@ -668,7 +682,30 @@ Engine::Source Engine::SourceOf(const Ticket& t) {
   }
   src.d2h_done = t.d2h_done;
   src.host = t.host.ptr;
+  src.unified = t.host.unified();
   return src;
+}
+
+Status Engine::CopyToHost(CUstream s, const HostBlock& host, CUdeviceptr src, size_t nbytes, const char* stage) {
+  const DriverTable& d = Driver(backend_);
+  char* dst = static_cast<char*>(host.ptr);
+  return InPieces(nbytes, EngineConfig::CopyChunk(), [&](size_t off, size_t n) {
+    if (host.unified())
+      return Call(-1, stage, Entry::kMemcpyAsync,
+                  [&] { return d.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst + off), src + off, n, s); });
+    return Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(dst + off, src + off, n, s); });
+  });
+}
+
+Status Engine::CopyFromHost(CUstream s, CUdeviceptr dst, const void* src, bool unified, size_t nbytes, const char* stage) {
+  const DriverTable& d = Driver(backend_);
+  const char* from = static_cast<const char*>(src);
+  return InPieces(nbytes, EngineConfig::CopyChunk(), [&](size_t off, size_t n) {
+    if (unified)
+      return Call(-1, stage, Entry::kMemcpyAsync,
+                  [&] { return d.MemcpyAsync(dst + off, reinterpret_cast<CUdeviceptr>(from + off), n, s); });
+    return Call(-1, stage, Entry::kMemcpyHtoDAsync, [&] { return d.MemcpyHtoDAsync(dst + off, from + off, n, s); });
+  });
 }
 
 Status Engine::CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t nbytes, const char* stage) {
@@ -679,14 +716,14 @@ Status Engine::CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t
     return Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, src.resident, nbytes, s); });
   }
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(s, src.d2h_done, 0); }));
-  return Call(-1, stage, Entry::kMemcpyHtoDAsync, [&] { return d.MemcpyHtoDAsync(dst, src.host, nbytes, s); });
+  return CopyFromHost(s, dst, src.host, src.unified, nbytes, stage);
 }
 
 Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
   // A prefetch hint: copy the ticket to a staging cell now (on fix_), if the budget has room without
   // waiting. Its readers wait for the cell's free event, recorded right after the copy.
   StagingLease lease;
-  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(t->meta.nbytes, /*try_only=*/true, &lease));
+  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(t->meta.nbytes, CellUse::kReload, /*try_only=*/true, &lease));
   if (!lease) return Status(Code::kOutOfMemory, "prefetch: no staging cell free within the staging budget");
   const DriverTable& d = Driver(backend_);
   Source host_only;
@@ -694,6 +731,7 @@ Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
     std::lock_guard<std::mutex> lock(mu_);
     host_only.d2h_done = t->d2h_done;
     host_only.host = t->host.ptr;
+    host_only.unified = t->host.unified();
   }
   Status st;
   if (lease.wait) st = Call(-1, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, lease.wait, 0); });
@@ -714,7 +752,7 @@ void Engine::Retire(const std::shared_ptr<Ticket>& t) {
   Retired r;
   if (!tickets_.MaybeFree(t, &r)) return;
   if (r.d2h_done) event_pool_.push_back(r.d2h_done);
-  host_pool_.Free(r.host);
+  host_store_.Free(r.host);
   // Every reader of the device copy has completed (its op's completion dropped the pin), so the cell
   // is free once the copy that filled it is (its last recorded free event).
   if (r.resident) staging_.Return(&r.resident, nullptr);
@@ -827,7 +865,7 @@ Status Engine::Synchronize() {
 }
 
 size_t Engine::Trim() {
-  size_t n = staging_.Trim();
+  size_t n = staging_.Trim() + host_store_.Trim();
   std::lock_guard<std::mutex> lock(graph_mu_);
   return n + ReleaseIdleCells(/*now=*/true);
 }
@@ -846,6 +884,11 @@ void Engine::SetNextTicketNumber(uint32_t n) {
   tickets_.SetNextNumber(n);
 }
 
+void Engine::ResetPeaks() {
+  host_store_.ResetPeak();
+  staging_.ResetPeak();
+}
+
 EngineStats Engine::Stats() {
   std::lock_guard<std::mutex> glock(graph_mu_);
   std::lock_guard<std::mutex> lock(mu_);
@@ -862,7 +905,9 @@ EngineStats Engine::Stats() {
     s.handler_median_ns = v[v.size() / 2];
     s.handler_p99_ns = v[std::min(v.size() - 1, v.size() * 99 / 100)];
   }
-  s.host = host_pool_.Stats();
+  s.host = host_store_.Stats(HostStoreKind::kPinned);
+  s.host_numa = host_store_.Stats(HostStoreKind::kHostNuma);
+  s.host_store = HostStore::Current();
   s.staging = staging_.Stats();
   return s;
 }

@@ -3,7 +3,7 @@
 // entry points below. The stream protocol is described in DESIGN.md ("Offload and reload").
 //
 // Parts, each owning its state (DESIGN.md, "Engine parts"):
-//   HostPool     pinned host blocks (own lock)
+//   HostStore    host blocks of offloaded tickets: pinned or host_numa pools (own locks)
 //   StagingArea  mapped staging cells, budget, device-ordered reuse, idle trim (own lock)
 //   TicketTable  tickets, tokens, lifetimes, prediction (guarded by Engine::mu_)
 //   AsyncErrors  errors found by workers, reported once (guarded by Engine::mu_)
@@ -64,7 +64,9 @@ struct EngineStats {
   // Host time spent in the handlers (XLA's thread), per call: median and 99th percentile of the last
   // 4096 calls, in nanoseconds.
   int64_t handler_calls = 0, handler_median_ns = 0, handler_p99_ns = 0;
-  HostPoolStats host;
+  HostPoolStats host;       // the pinned pool
+  HostPoolStats host_numa;  // the host_numa pool
+  HostStoreKind host_store = HostStoreKind::kPinned;  // the store new offloads draw from
   StagingStats staging;
   GraphStats graph;
 };
@@ -78,6 +80,11 @@ struct EngineConfig {
   // its first initialize stage; its captures keep that protocol.
   static void SetGraphKernels(bool on);
   static bool GraphKernels();
+  // D2H and H2D copies between a staging cell and a host block are issued in pieces of at most this
+  // many bytes (0: one copy), so that other copies on the copy engines (the other direction, XLA's
+  // D2D snapshots) interleave with a large one instead of queueing behind all of it. Default 64 MiB.
+  static void SetCopyChunk(size_t bytes);
+  static size_t CopyChunk();
 };
 
 // Asynchronous errors (found by a worker after the handler returned). Each is reported once: by the
@@ -125,9 +132,12 @@ class Engine {
   void Unreserve(uint64_t token);  // the eager reload that reserved it failed before it ran
   // Blocks until every enqueued op has completed and the workers are idle.
   Status Synchronize();
-  // Returns the staging area's idle pages to the driver now; returns the bytes returned.
+  // Returns the staging area's idle pages and the host_numa store's empty chunks to the driver now;
+  // returns the bytes returned.
   size_t Trim();
   EngineStats Stats();
+  // The window peaks (pinned host in use, staging mapped) restart from the values now.
+  void ResetPeaks();
   // Every live ticket that no reload has consumed or reserved: (token, sequence number of its offload).
   std::vector<std::pair<uint64_t, uint64_t>> UnclaimedTickets();
   void SetNextTicketNumber(uint32_t n);  // test hook (ticket number wrap-around)
@@ -149,6 +159,7 @@ class Engine {
     CUevent resident_ready = nullptr;  // null: the device copy is complete
     CUevent d2h_done = nullptr;
     const void* host = nullptr;
+    bool unified = false;  // the host block is a host_numa mapping: copy by unified address
   };
   struct alignas(64) Words {
     std::atomic<uint64_t> probe;  // reload: the token the GPU read, copied here by XLA's stream
@@ -182,6 +193,10 @@ class Engine {
   static Source SourceOf(const Ticket& t);  // caller holds mu_
   // Enqueues on `s`: wait until `src` holds the bytes, then copy them to `dst` (D2D or H2D).
   Status CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t nbytes, const char* stage);
+  // Enqueues on `s` the D2H of `nbytes` from `src` into `host` (by unified address for host_numa blocks).
+  Status CopyToHost(CUstream s, const HostBlock& host, CUdeviceptr src, size_t nbytes, const char* stage);
+  // Enqueues on `s` the H2D of `nbytes` from host memory `src` (unified: a host_numa block) into `dst`.
+  Status CopyFromHost(CUstream s, CUdeviceptr dst, const void* src, bool unified, size_t nbytes, const char* stage);
 
   // Graph mode (engine_graph.cc). Captured*: the fixed device work of a round, enqueued under capture.
   Status Capturing(CUstream stream, bool* capturing);
@@ -218,11 +233,14 @@ class Engine {
 
   const Backend backend_;
   const int device_;
-  HostPool host_pool_;
+  HostStore host_store_;
   StagingArea staging_;
   // d2h_: offload copies out; h2d_: reload prefetches (in handler order); fix_: the resolver's
-  // corrections and prefetch-hint copies; ctl_: event waits and host functions only.
-  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr;
+  // corrections and prefetch-hint copies; ctl_: event waits and the resolver's host functions; rel_:
+  // event waits and the releaser's host functions (an offload's D2H done). d2h_ and h2d_ carry copies,
+  // event records and the `ready` writes only: nothing on them waits for the other direction's copies
+  // except a reload's wait for its own ticket's D2H.
+  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr, rel_ = nullptr;
   // Graph mode's copy streams: D2H out of offload cells and the grants behind them (gd2h_), prefetches
   // into reload cells and their `ready` writes (gh2d_). Nothing on them waits for XLA's streams.
   CUstream gd2h_ = nullptr, gh2d_ = nullptr;
@@ -257,7 +275,7 @@ class Engine {
   bool poll_stop_ = false;
   GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
   bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
-  std::thread poller_;  // started by the first capture
+  std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage
 
   // Workers last: destroyed first, after ~Engine has synchronized every stream.
   std::unique_ptr<Worker> resolver_, releaser_;

@@ -60,7 +60,9 @@ void Engine::ReportOn(CUstream stream, const Status& st) {
 void Engine::WakePoller() {
   // Caller holds graph_mu_.
   awake_until_ = std::max(awake_until_, std::chrono::steady_clock::now() + kSpin);
-  if (any_captured_ && !poller_.joinable()) poller_ = std::thread([this] { Poll(); });
+  // Started by the first capture, or by the first cell an initialize stage mapped: a site XLA never
+  // captures (a program too small for a command buffer) must still get its pages back when idle.
+  if ((any_captured_ || graph_stats_.mapped_bytes > 0) && !poller_.joinable()) poller_ = std::thread([this] { Poll(); });
   poll_cv_.notify_one();
 }
 
@@ -123,6 +125,7 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   // XLA records a command buffer on the call site's second execution (the first is a warm-up): give
   // the cell pages before then, so the capture names mapped memory. Later the poller maps on demand.
   if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c);
+  c->last_use = std::chrono::steady_clock::now();  // idle from now on until a round or a capture
   WakePoller();
   return Status();
 }
@@ -317,7 +320,7 @@ bool Engine::ServiceOffload(Channel& c) {
     ++graph_stats_.offload_rounds;
     if (t) {
       const char* stage = "offload (graph)";
-      Status st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t->host.ptr, c.cell, c.meta.nbytes, gd2h_); });
+      Status st = CopyToHost(gd2h_, t->host, c.cell, c.meta.nbytes, stage);
       if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
       if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
       c.cell_stream = gd2h_;
@@ -343,7 +346,7 @@ bool Engine::ServiceOffload(Channel& c) {
     if (!MapCell(c)) return busy;  // no room in the staging budget yet: the next pass retries
     HostBlock host;
     CUevent ev = nullptr;
-    Status st = host_pool_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
+    Status st = host_store_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
     if (st.ok()) st = GetEvent(&ev);
     std::shared_ptr<Ticket> t;
     {
@@ -355,7 +358,7 @@ bool Engine::ServiceOffload(Channel& c) {
         t->d2h_done = ev;
         ++stats_.offloads;
       } else {
-        if (host.ptr) host_pool_.Free(host);
+        if (host.ptr) host_store_.Free(host);
         if (ev) event_pool_.push_back(ev);
         // The round hands out token 0, which no ticket has: its reload fills 0xFF and reports.
         errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
@@ -623,7 +626,7 @@ bool Engine::ServiceOffloadK(Channel& c) {
     const char* stage = "offload (graph)";
     HostBlock host;
     CUevent ev = nullptr;
-    Status st = host_pool_.Allocate(c.meta.nbytes, &host).At(-1, stage);
+    Status st = host_store_.Allocate(c.meta.nbytes, &host).At(-1, stage);
     if (st.ok()) st = GetEvent(&ev);
     std::shared_ptr<Ticket> t;
     {
@@ -638,12 +641,12 @@ bool Engine::ServiceOffloadK(Channel& c) {
         t->d2h_done = ev;
         ++stats_.offloads;
       } else {
-        if (host.ptr) host_pool_.Free(host);
+        if (host.ptr) host_store_.Free(host);
         if (ev) event_pool_.push_back(ev);
       }
     }
     if (t) {
-      st = Call(-1, stage, Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(t->host.ptr, c.cell, c.meta.nbytes, gd2h_); });
+      st = CopyToHost(gd2h_, t->host, c.cell, c.meta.nbytes, stage);
       if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
       if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
       c.cell_stream = gd2h_;

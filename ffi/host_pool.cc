@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <set>
 
@@ -29,9 +30,39 @@ std::set<HostPool*>& Pools() {
   return *p;
 }
 
+std::atomic<int> g_store{static_cast<int>(HostStoreKind::kPinned)};
+
+class PinnedSource : public HostChunkSource {
+ public:
+  PinnedSource(Backend b, int device) : backend_(b), device_(device) {}
+  Status Get(size_t size, void** base, size_t* got) override {
+    ScopedContext ctx(backend_, device_);
+    JAXVMM_RETURN_IF_ERROR(ctx.status());
+    const DriverTable& d = Driver(backend_);
+    JAXVMM_RETURN_IF_ERROR(Call(-1, "host pool", Entry::kMemHostAlloc, [&] {
+      return d.MemHostAlloc(base, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+    }));
+    *got = size;
+    return Status();
+  }
+  void Put(void* base, size_t) override { Driver(backend_).MemFreeHost(base); }
+
+ private:
+  const Backend backend_;
+  const int device_;
+};
+
 }  // namespace
 
-HostPool::HostPool(Backend b, int device) : backend_(b), device_(device) {
+const char* HostStoreName(HostStoreKind k) { return k == HostStoreKind::kHostNuma ? "host_numa" : "pinned"; }
+
+std::unique_ptr<HostChunkSource> MakePinnedSource(Backend b, int device) { return std::make_unique<PinnedSource>(b, device); }
+
+HostPool::HostPool(Backend b, int device, HostStoreKind kind)
+    : backend_(b),
+      device_(device),
+      kind_(kind),
+      source_(kind == HostStoreKind::kHostNuma ? MakeHostNumaSource(b, device) : MakePinnedSource(b, device)) {
   std::lock_guard<std::mutex> lock(g_pools_mu);
   Pools().insert(this);
 }
@@ -55,8 +86,13 @@ HostPool::~HostPool() {
     Pools().erase(this);
   }
   ScopedContext ctx(backend_, device_);
-  for (auto& c : chunks_) Driver(backend_).MemFreeHost(c.base);
-  for (void* b : retired_) Driver(backend_).MemFreeHost(b);
+  for (auto& c : chunks_) source_->Put(c.base, c.size);
+  for (size_t i = 0; i < retired_.size(); ++i) source_->Put(retired_[i], retired_sizes_[i]);
+}
+
+void HostPool::PutChunk(void* base, size_t size) {
+  ScopedContext ctx(backend_, device_);
+  source_->Put(base, size);
 }
 
 Status HostPool::AddChunk(size_t min_bytes, std::unique_lock<std::mutex>& lock) {
@@ -73,24 +109,20 @@ Status HostPool::AddChunk(size_t min_bytes, std::unique_lock<std::mutex>& lock) 
                                             std::to_string(limit) +
                                             " (raise it with jaxvmm.configure(host_pool_limit=...))");
   }
-  // cuMemHostAlloc is slow (~0.6 s/GiB) and may wait for the device: never hold the pool's lock
-  // across it, so frees (from workers that release XLA's stream) are never stuck behind it.
+  // Pinning is slow (~0.6 s/GiB) and may wait for the device: never hold the pool's lock across it,
+  // so frees (from workers that release XLA's stream) are never stuck behind it.
   growing_ += size;
   lock.unlock();
   void* p = nullptr;
-  Status st;
-  {
-    ScopedContext ctx(backend_, device_);
-    st = ctx.status();
-    const DriverTable& d = Driver(backend_);
-    if (st.ok())
-      st = Call(-1, "host pool", Entry::kMemHostAlloc, [&] {
-        return d.MemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
-      });
-  }
+  size_t got = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = source_->Get(size, &p, &got);
+  const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   lock.lock();
   growing_ -= size;
+  stats_.alloc_ns += ns;
   JAXVMM_RETURN_IF_ERROR(st);
+  size = got;
   Chunk c{static_cast<char*>(p), size, {}, 0};
   c.free[0] = size;
   chunks_.push_back(std::move(c));
@@ -138,6 +170,7 @@ Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
   if (!ok) return Status(Code::kInternal, "host pool chunk too small after growth");
   stats_.in_use_bytes += static_cast<int64_t>(n);
   stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
+  stats_.window_peak_in_use_bytes = std::max(stats_.window_peak_in_use_bytes, stats_.in_use_bytes);
   return Status();
 }
 
@@ -178,15 +211,13 @@ void HostPool::DrainRetired(std::unique_lock<std::mutex>& lock) {
   std::vector<size_t> sizes;
   bases.swap(retired_);
   sizes.swap(retired_sizes_);
-  lock.unlock();  // cuMemFreeHost may wait for the device
-  {
-    ScopedContext ctx(backend_, device_);
-    for (void* b : bases) Driver(backend_).MemFreeHost(b);
-  }
+  lock.unlock();  // giving pages back may wait for the device
+  for (size_t i = 0; i < bases.size(); ++i) PutChunk(bases[i], sizes[i]);
   lock.lock();
   for (size_t n : sizes) {
     retired_bytes_ -= n;
     stats_.chunk_bytes -= static_cast<int64_t>(n);
+    ++stats_.driver_frees;
   }
 }
 
@@ -214,19 +245,18 @@ void HostPool::FreeLocked(const HostBlock& block) {
   }
 }
 
-void HostPool::Trim() {
+size_t HostPool::Trim() {
+  std::unique_lock<std::mutex> lock(mu_);
+  // Empty chunks leave the pool under the lock and go back without it (as DrainRetired does).
+  size_t before = static_cast<size_t>(stats_.chunk_bytes);
+  RetireEmptyChunks(0);
+  DrainRetired(lock);
+  return before - static_cast<size_t>(stats_.chunk_bytes);
+}
+
+void HostPool::ResetPeak() {
   std::lock_guard<std::mutex> lock(mu_);
-  ScopedContext ctx(backend_, device_);
-  for (auto it = chunks_.begin(); it != chunks_.end();) {
-    if (it->used == 0) {
-      Driver(backend_).MemFreeHost(it->base);
-      stats_.chunk_bytes -= static_cast<int64_t>(it->size);
-      it = chunks_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  stats_.chunks = static_cast<int64_t>(chunks_.size());
+  stats_.window_peak_in_use_bytes = stats_.in_use_bytes;
 }
 
 HostPoolStats HostPool::Stats() const {
@@ -235,5 +265,25 @@ HostPoolStats HostPool::Stats() const {
   s.limit_bytes = static_cast<int64_t>(Limit());
   return s;
 }
+
+// ---------------------------------------------------------------- the engine's front
+
+HostStore::HostStore(Backend b, int device) : pinned_(b, device, HostStoreKind::kPinned), numa_(b, device, HostStoreKind::kHostNuma) {}
+
+void HostStore::SetCurrent(HostStoreKind k) { g_store.store(static_cast<int>(k)); }
+HostStoreKind HostStore::Current() { return static_cast<HostStoreKind>(g_store.load()); }
+
+Status HostStore::Allocate(size_t nbytes, HostBlock* out) {
+  HostStoreKind k = Current();
+  JAXVMM_RETURN_IF_ERROR(pool(k).Allocate(nbytes, out));
+  out->store = k;
+  return Status();
+}
+
+void HostStore::Free(const HostBlock& block) {
+  if (block) pool(block.store).Free(block);
+}
+
+size_t HostStore::Trim() { return numa_.Trim(); }
 
 }  // namespace jaxvmm

@@ -11,6 +11,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -23,6 +25,7 @@
 #include "handlers.h"
 #include "registry.h"
 #include "replay.h"
+#include "sampler.h"
 #include "share.h"
 #include "slot.h"
 #include "status.h"
@@ -554,8 +557,22 @@ NB_MODULE(_jaxvmm, m) {
     d["pinned_bytes"] = s.host.chunk_bytes;
     d["pinned_in_use_bytes"] = s.host.in_use_bytes;
     d["pinned_peak_in_use_bytes"] = s.host.peak_in_use_bytes;
+    d["pinned_window_peak_bytes"] = s.host.window_peak_in_use_bytes;
+    d["staging_window_peak_bytes"] = s.staging.window_peak_mapped_bytes;
     d["pinned_allocs"] = s.host.driver_allocs;
     d["pinned_limit_bytes"] = s.host.limit_bytes;
+    d["pinned_alloc_ns"] = s.host.alloc_ns;
+    d["host_numa_bytes"] = s.host_numa.chunk_bytes;
+    d["host_numa_in_use_bytes"] = s.host_numa.in_use_bytes;
+    d["host_numa_peak_in_use_bytes"] = s.host_numa.peak_in_use_bytes;
+    d["host_numa_window_peak_bytes"] = s.host_numa.window_peak_in_use_bytes;
+    d["host_numa_allocs"] = s.host_numa.driver_allocs;
+    d["host_numa_frees"] = s.host_numa.driver_frees;
+    d["host_numa_alloc_ns"] = s.host_numa.alloc_ns;
+    d["host_store"] = HostStoreName(s.host_store);
+    d["host_store_bytes"] = s.host_store == HostStoreKind::kHostNuma ? s.host_numa.chunk_bytes : s.host.chunk_bytes;
+    d["staging_offload_cells"] = s.staging.offload_cells;
+    d["staging_reload_cells"] = s.staging.reload_cells;
     d["graph_channels"] = s.graph.channels;
     d["graph_prepares"] = s.graph.prepares;
     d["graph_captures"] = s.graph.captures;
@@ -577,6 +594,9 @@ NB_MODULE(_jaxvmm, m) {
   // engine_stats(), whose values are all integers.
   m.def("engine_graph_kernels_error", [engine](const std::string& backend, int device) {
     return engine(backend, device)->Stats().graph.kernels_error;
+  });
+  m.def("engine_reset_peaks", [engine](const std::string& backend, int device) {
+    engine(backend, device)->ResetPeaks();
   });
   m.def("engine_devices", [] {
     nb::list out;
@@ -711,6 +731,19 @@ NB_MODULE(_jaxvmm, m) {
     return nb::make_tuple(limit, chunk, depth, keep, budget, idle);
   });
 
+  // The host store new offloads draw from: "pinned" or "host_numa" (validated in Python first).
+  m.def("set_host_store", [](const std::string& name) {
+    if (name == "pinned") HostStore::SetCurrent(HostStoreKind::kPinned);
+    else if (name == "host_numa") HostStore::SetCurrent(HostStoreKind::kHostNuma);
+    else Check(Status(Code::kInvalidArgument, "unknown host store '" + name + "' (expected 'pinned' or 'host_numa')"));
+  });
+  m.def("host_store", [] { return std::string(HostStoreName(HostStore::Current())); });
+  // Pieces of D2H/H2D copies (0: one copy); returns the value in force. Negative leaves it.
+  m.def("copy_chunk", [](int64_t bytes) {
+    if (bytes >= 0) EngineConfig::SetCopyChunk(static_cast<size_t>(bytes));
+    return static_cast<int64_t>(EngineConfig::CopyChunk());
+  });
+
   m.def("memory_info", [](const std::string& backend, int device) {
     Backend b = ParseBackend(backend);
     size_t free_b = 0, total = 0;
@@ -729,6 +762,68 @@ NB_MODULE(_jaxvmm, m) {
     }
     Check(st);
     return nb::make_tuple(free_b, total);
+  });
+
+  // ---- memory timeline (jaxvmm.memory_timeline): samplers by id ----
+  static std::mutex sampler_mu;
+  static auto* samplers = new std::map<int64_t, std::shared_ptr<MemorySampler>>();
+  static int64_t next_sampler = 1;
+  auto sampler = [](int64_t id) {
+    std::lock_guard<std::mutex> lock(sampler_mu);
+    auto it = samplers->find(id);
+    if (it == samplers->end()) Check(Status(Code::kNotFound, "memory sampler " + std::to_string(id) + " is closed"));
+    return it->second;  // shared: a concurrent close cannot free it under the caller
+  };
+  m.def("sampler_start", [](const std::string& backend, int device, uint64_t capacity, int64_t interval_ns) {
+    Backend b = ParseBackend(backend);
+    std::unique_ptr<MemorySampler> s;
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = MemorySampler::Start(b, device, static_cast<size_t>(capacity), interval_ns, &s);
+    }
+    Check(st);
+    std::lock_guard<std::mutex> lock(sampler_mu);
+    int64_t id = next_sampler++;
+    (*samplers)[id] = std::move(s);
+    return id;
+  });
+  m.def("sampler_stop", [sampler](int64_t id) {
+    std::shared_ptr<MemorySampler> s = sampler(id);
+    nb::gil_scoped_release nogil;
+    s->Stop();
+  });
+  m.def("sampler_close", [](int64_t id) {
+    std::shared_ptr<MemorySampler> s;
+    {
+      std::lock_guard<std::mutex> lock(sampler_mu);
+      auto it = samplers->find(id);
+      if (it == samplers->end()) return;
+      s = std::move(it->second);
+      samplers->erase(it);
+    }
+    nb::gil_scoped_release nogil;
+    s.reset();
+  });
+  m.def("sampler_summary", [sampler](int64_t id) {
+    MemorySamplerSummary m = sampler(id)->Summary();
+    auto sample = [](const MemorySample& x) { return nb::make_tuple(x.t_ns, x.used, x.mapped, x.internal); };
+    nb::dict d;
+    d["taken"] = m.taken;
+    d["kept"] = m.kept;
+    d["errors"] = m.errors;
+    d["total"] = m.total;
+    d["first"] = sample(m.first);
+    d["peak"] = sample(m.peak);
+    d["peak_mapped"] = m.peak_mapped;
+    d["elapsed_ns"] = m.elapsed_ns;
+    return d;
+  });
+  // The ring, oldest first, as raw int64 quadruples (t_ns, used, mapped, internal).
+  m.def("sampler_series", [sampler](int64_t id) {
+    std::vector<MemorySample> v = sampler(id)->Series();
+    static_assert(sizeof(MemorySample) == 4 * sizeof(int64_t), "packed int64 quadruples");
+    return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(MemorySample));
   });
 
   // ---- test and benchmark hooks (jaxvmm.testing) ----

@@ -197,6 +197,11 @@ void Registry::ResetPeak() {
   for (auto& [key, g] : owner_mapped_) g->ResetPeak();
 }
 
+const ByteGauge* Registry::MappedGauge(Backend b, int device, bool internal_only) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return internal_only ? OwnerGauge(true, static_cast<int>(b), device) : DeviceGauge(b, device);
+}
+
 RegistryStats Registry::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   RegistryStats s;

@@ -76,6 +76,10 @@ class Registry {
 
   RegistryStats Stats() const;
   void ResetPeak();  // peak_mapped_bytes := mapped_bytes, process-wide and per device
+  // The live mapped-bytes gauge of (b, device): every slot, or jaxvmm's internal ones only (staging and
+  // graph-mode cells). The pointer stays valid for the process's life (the registry is never destroyed);
+  // reading it takes no lock (the memory sampler reads it every ~100 us).
+  const ByteGauge* MappedGauge(Backend b, int device, bool internal_only);
 
  private:
   Registry() = default;

@@ -75,7 +75,7 @@ bool StagingArea::MakeRoom(size_t need, bool try_only) {
   return mapped_ + need <= Budget();
 }
 
-Status StagingArea::Acquire(size_t nbytes, bool try_only, StagingLease* out) {
+Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLease* out) {
   *out = StagingLease();
   Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
   size_t g = 0;
@@ -88,19 +88,28 @@ Status StagingArea::Acquire(size_t nbytes, bool try_only, StagingLease* out) {
                                           std::to_string(Budget()) + " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
   last_acquire_ = std::chrono::steady_clock::now();
   for (;;) {
-    // Cells of this size: reuse one whose last user finished; else grow up to Depth() cells; else
-    // take the least recently used one and let the device wait for its previous user.
+    // Cells of this size in `use`'s pool: reuse one whose last user finished; else, while the pool has
+    // fewer than Depth() cells, take a finished idle cell of the other pool (no wait) or map a new one;
+    // else take the pool's least recently used cell and let the device wait for its previous user,
+    // which did the same kind of copy earlier in stream order. Never a wait across pools.
     Cell* finished = nullptr;
     Cell* oldest = nullptr;
-    int count = 0;
+    Cell* other_finished = nullptr;
+    int count = 0, any = 0;
     for (Cell& c : cells_) {
       if (c.slot_id < 0 || c.size != size || c.pinned) continue;
+      ++any;
+      if (c.use != use) {
+        if (!c.in_use && (!other_finished || c.last_use < other_finished->last_use) && Finished(c)) other_finished = &c;
+        continue;
+      }
       ++count;
       if (c.in_use) continue;
       if (!oldest || c.last_use < oldest->last_use) oldest = &c;
       if ((!finished || c.last_use < finished->last_use) && Finished(c)) finished = &c;
     }
     Cell* pick = finished;
+    if (!pick && count < Depth() && other_finished) pick = other_finished;
     if (!pick && count < Depth() && MakeRoom(size, /*try_only=*/oldest != nullptr || try_only)) {
       SlotSpec spec;
       spec.backend = backend_;
@@ -126,7 +135,7 @@ Status StagingArea::Acquire(size_t nbytes, bool try_only, StagingLease* out) {
         empty->size = size;
         empty->free = ev;
         mapped_ += size;
-        stats_.peak_mapped_bytes = std::max<int64_t>(stats_.peak_mapped_bytes, static_cast<int64_t>(mapped_));
+        NotePeak();
         ++stats_.pages_mapped;
         pick = &*empty;
       }
@@ -139,6 +148,7 @@ Status StagingArea::Acquire(size_t nbytes, bool try_only, StagingLease* out) {
     }
     if (pick) {
       pick->in_use = true;
+      pick->use = use;
       pick->last_use = ++clock_;
       ++stats_.acquires;
       out->cell = pick - cells_.data();
@@ -148,11 +158,12 @@ Status StagingArea::Acquire(size_t nbytes, bool try_only, StagingLease* out) {
       return Status();
     }
     if (try_only) return Status();
-    if (count == 0)
+    if (any == 0)
       return Status(Code::kOutOfMemory, "the staging budget of " + std::to_string(Budget()) +
                                             " bytes is held by device copies kept for reloads (keep_resident, prefetch); "
                                             "raise staging_budget or lower keep_resident");
-    // Every cell of this size is held by a handler on another thread right now: wait for one.
+    // Every cell of this size is held by a handler on another thread, or (budget full) by the other
+    // pool's copies still running: wait for one to be returned.
     cv_.wait(lock);
   }
 }
@@ -192,7 +203,7 @@ bool StagingArea::Charge(size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!MakeRoom(bytes, /*try_only=*/true)) return false;
   mapped_ += bytes;
-  stats_.peak_mapped_bytes = std::max<int64_t>(stats_.peak_mapped_bytes, static_cast<int64_t>(mapped_));
+  NotePeak();
   return true;
 }
 
@@ -223,12 +234,26 @@ void StagingArea::Janitor() {
   }
 }
 
+void StagingArea::NotePeak() {
+  stats_.peak_mapped_bytes = std::max<int64_t>(stats_.peak_mapped_bytes, static_cast<int64_t>(mapped_));
+  stats_.window_peak_mapped_bytes = std::max<int64_t>(stats_.window_peak_mapped_bytes, static_cast<int64_t>(mapped_));
+}
+
+void StagingArea::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.window_peak_mapped_bytes = static_cast<int64_t>(mapped_);
+}
+
 StagingStats StagingArea::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   StagingStats s = stats_;
   s.budget_bytes = static_cast<int64_t>(Budget());
   s.mapped_bytes = static_cast<int64_t>(mapped_);
-  for (const Cell& c : cells_) s.cells += c.slot_id >= 0;
+  for (const Cell& c : cells_) {
+    if (c.slot_id < 0) continue;
+    ++s.cells;
+    (c.use == CellUse::kOffload ? s.offload_cells : s.reload_cells) += 1;
+  }
   return s;
 }
 

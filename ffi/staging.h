@@ -25,11 +25,18 @@
 
 namespace jaxvmm {
 
+// Which ops a cell serves. Offloads and reloads draw from pools of their own (Depth() cells each per size),
+// so a reload's H2D never waits for an unrelated offload's D2H out of a shared cell, and an offload's
+// snapshot never waits for a reload's prefetch. A finished idle cell may change pool (no wait involved).
+enum class CellUse : int { kOffload = 0, kReload = 1 };
+
 struct StagingStats {
   int64_t budget_bytes = 0;
   int64_t mapped_bytes = 0;   // pages of every cell, free or in use
-  int64_t peak_mapped_bytes = 0;
+  int64_t peak_mapped_bytes = 0;         // since the area was created
+  int64_t window_peak_mapped_bytes = 0;  // since the last ResetPeak() (jaxvmm.reset_peaks())
   int64_t cells = 0;
+  int64_t offload_cells = 0, reload_cells = 0;  // cells now in each pool (pinned ones included)
   int64_t acquires = 0;
   int64_t device_waits = 0;   // acquires that made the stream wait for the cell's previous user
   int64_t host_waits = 0;     // acquires that had to wait on the host (budget full, other sizes)
@@ -65,10 +72,11 @@ class StagingArea {
   static void SetDepth(int cells);
   static int Depth();
 
-  // A mapped cell of at least `nbytes`. Never blocks on the device except as described above. With
-  // `try_only`, returns only a cell that needs no wait at all (finished, or new within the budget), else
-  // an empty lease (prefetch hints: their stream must never wait for later work).
-  Status Acquire(size_t nbytes, bool try_only, StagingLease* out);
+  // A mapped cell of at least `nbytes` from `use`'s pool. Never blocks on the device except as described
+  // above. With `try_only`, returns only a cell that needs no wait at all (finished, or new within the
+  // budget), else an empty lease (prefetch hints: their stream must never wait for later work). A device
+  // wait (lease.wait) is only ever for a cell whose previous user was of the same `use`.
+  Status Acquire(size_t nbytes, CellUse use, bool try_only, StagingLease* out);
   // Gives the cell back. `after` (may be null): the stream of the last access; the cell's free event is
   // recorded on it. With null, the last recorded free event (or none) still guards the next user.
   Status Return(StagingLease* lease, CUstream after);
@@ -84,8 +92,10 @@ class StagingArea {
   // Returns the pages of every cell not in use and whose last user finished. Returns bytes returned.
   size_t Trim();
   StagingStats Stats() const;
+  void ResetPeak();  // window_peak_mapped_bytes := mapped bytes now
 
  private:
+  void NotePeak();  // caller holds mu_: the peaks after mapped_ grew
   struct Cell {
     int64_t slot_id = -1;  // -1: this entry is empty (its pages went back)
     CUdeviceptr address = 0;
@@ -94,6 +104,7 @@ class StagingArea {
     bool recorded = false;  // `free` has been recorded at least once since the cell was created
     bool in_use = false;
     bool pinned = false;
+    CellUse use = CellUse::kOffload;
     uint64_t last_use = 0;
   };
   bool Finished(const Cell& c) const;                // caller holds mu_

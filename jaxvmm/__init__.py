@@ -28,6 +28,8 @@ from .errors import (
 )
 from .ops import Ticket, after, check, collect, configure, engine_stats, offload, prefetch, reload, synchronize, trim
 from .slots import Slot
+from . import memory
+from .memory import Ballast, MemoryTimeline, host_stats, memory_timeline, reset_peaks
 from . import share
 from .share import ShareHandle, recv_handle, send_handle
 from .remat import checkpoint, policies, print_saved_residuals, remat, saved_residuals
@@ -73,7 +75,10 @@ def stats() -> dict:
     (the same byte counts per ``"cuda:N"``/``"cpu:N"``), ``driver`` (live physical handles,
     reservations and mappings counted at the driver seam, per backend in use) and ``share`` (``exports``,
     ``imports``, ``imported_slots`` open, live zero-copy ``views``, ``channel_fds`` held by exportable
-    slots, ``fds`` held by share handles and imported slots).
+    slots, ``fds`` held by share handles and imported slots), ``offload`` (``engine_stats()``) and ``host``
+    (pinned host memory of the offload engines, summed over devices, see ``jaxvmm.memory.host_stats``:
+    ``in_use_bytes`` now, ``peak_in_use_bytes`` since start, ``window_peak_in_use_bytes`` since the last
+    ``jaxvmm.reset_peaks()``, ``pinned_bytes`` held from the driver, ``limit_bytes``).
     """
     s = dict(_lib.stats())
     s["devices"] = {f"{_platform_name(b)}:{d}": dict(v) for (b, d), v in s["devices"].items()}
@@ -86,6 +91,7 @@ def stats() -> dict:
     s["share"] = dict(_lib.share_stats())
     s["share"]["fds"] = share.open_fds()
     s["offload"] = engine_stats()
+    s["host"] = host_stats()
     return s
 
 
@@ -127,6 +133,12 @@ __all__ = [
     "stats",
     "retry_quarantine",
     "reset_peak_stats",
+    "reset_peaks",
+    "memory",
+    "memory_timeline",
+    "MemoryTimeline",
+    "host_stats",
+    "Ballast",
     "errors",
     "VmmError",
     "InvalidArgumentError",

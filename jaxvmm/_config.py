@@ -91,10 +91,21 @@ def parse_bool(value: str, where: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class EnvVar:
     name: str
-    kind: str  # "size" | "int" | "bool"
+    kind: str  # "size" | "int" | "bool" | "choice"
     lo: int = 0
     hi: int = INT64_MAX
     doc: str = ""
+    choices: tuple = ()
+
+
+HOST_STORES = ("pinned", "host_numa")
+
+
+def parse_choice(value, where: str, choices) -> str:
+    v = value.strip().lower() if isinstance(value, str) else value
+    if v not in choices:
+        raise _bad(where, value, f"expected one of {', '.join(repr(c) for c in choices)}")
+    return v
 
 
 # The one list of environment variables jaxvmm reads (README's table is generated from the same facts).
@@ -103,8 +114,12 @@ VARIABLES = {
     for v in (
         EnvVar("JAXVMM_HOST_POOL_LIMIT", "size", 1, INT64_MAX, "cap on pinned host bytes (default: half of RAM)"),
         EnvVar("JAXVMM_HOST_POOL_CHUNK", "size", 1, INT64_MAX, "bytes pinned per driver allocation (256 MiB)"),
+        EnvVar("JAXVMM_COPY_CHUNK", "size", 0, INT64_MAX,
+               "D2H/H2D copies go in pieces of at most this many bytes; 0: one copy (64 MiB)"),
+        EnvVar("JAXVMM_HOST_STORE", "choice", doc="where offloaded bytes live on the host: pinned or host_numa (pinned)",
+               choices=HOST_STORES),
         EnvVar("JAXVMM_PREFETCH_DEPTH", "int", 1, MAX_PREFETCH_DEPTH,
-               "staging cells per array size copies may use at once (2)"),
+               "staging cells per array size and direction copies may use at once (2)"),
         EnvVar("JAXVMM_STAGING_BUDGET", "size", 1, INT64_MAX, "cap on mapped staging bytes per device (8 GiB)"),
         EnvVar("JAXVMM_STAGING_IDLE_MS", "int", 1, INT64_MAX, "idle time before staging pages go back (200)"),
         EnvVar("JAXVMM_KEEP_RESIDENT", "int", 0, INT32_MAX, "newest offloads that keep a device copy (0)"),
@@ -136,6 +151,8 @@ def read_environment(environ=None) -> dict:
             out[name] = parse_size(raw, name, lo=var.lo, hi=var.hi)
         elif var.kind == "int":
             out[name] = parse_int(raw, name, lo=var.lo, hi=var.hi)
+        elif var.kind == "choice":
+            out[name] = parse_choice(raw, name, var.choices)
         else:
             out[name] = parse_bool(raw, name)
     return out
@@ -148,6 +165,10 @@ def apply(lib, values: dict) -> None:
                   values.get("JAXVMM_STAGING_BUDGET", 0), values.get("JAXVMM_STAGING_IDLE_MS", 0))
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
     lib.set_graph_kernels(bool(values.get("JAXVMM_GRAPH_KERNELS", True)))
+    if "JAXVMM_COPY_CHUNK" in values:
+        lib.copy_chunk(values["JAXVMM_COPY_CHUNK"])
+    if "JAXVMM_HOST_STORE" in values:
+        lib.set_host_store(values["JAXVMM_HOST_STORE"])
     if "JAXVMM_PREDICT" in values:
         # The engine reads this one itself, on its first prediction, and knows only "0" for off.
         os.environ["JAXVMM_PREDICT"] = "1" if values["JAXVMM_PREDICT"] else "0"

@@ -664,7 +664,8 @@ def collect() -> int:
 
 def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int | str | None = None,
               prefetch_depth: int | None = None, keep_resident: int | None = None,
-              staging_budget: int | str | None = None, staging_idle_ms: int | None = None) -> dict:
+              staging_budget: int | str | None = None, staging_idle_ms: int | None = None,
+              host_store: str | None = None, copy_chunk: int | str | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
@@ -687,7 +688,17 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
       prefetches, kept copies and prefetch hints included. An array larger than the budget cannot be
       offloaded.
     staging_idle_ms: how long the staging area stays mapped with no op before its pages go back to the
-      driver (default 200 ms; env ``JAXVMM_STAGING_IDLE_MS``). ``jaxvmm.trim()`` returns them at once."""
+      driver (default 200 ms; env ``JAXVMM_STAGING_IDLE_MS``). ``jaxvmm.trim()`` returns them at once.
+    host_store: where offloaded bytes live on the host (env ``JAXVMM_HOST_STORE``): ``"pinned"`` (the
+      default: page-locked chunks from ``cuMemHostAlloc``) or ``"host_numa"`` (VMM pages created on the
+      device's host NUMA node, mapped at reserved host addresses and granted to the device; their empty
+      chunks go back on ``jaxvmm.trim()``). Applies to offloads from now on; tickets already offloaded
+      keep their store. ``host_pool_limit`` and ``host_pool_chunk`` apply to each store. Where the
+      driver cannot create HOST_NUMA pages, an offload raises ``NotSupportedError``.
+    copy_chunk: the D2H and H2D copies between staging cells and host blocks are issued in pieces of at
+      most this many bytes (default 64 MiB; ``0``: one copy per op; env ``JAXVMM_COPY_CHUNK``), an int
+      or a size string, so that other copies sharing the copy engines (the other direction, XLA's
+      snapshots) interleave with a large one instead of waiting for all of it."""
     where = "configure: "
     if host_pool_limit is not None:
         host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
@@ -699,6 +710,13 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
                     ("staging_idle_ms", staging_idle_ms)):
         if isinstance(v, str):  # env strings are parsed by _config; the Python API takes ints
             raise _type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
+    if copy_chunk is not None:
+        copy_chunk = _config.parse_size(copy_chunk, where + "copy_chunk", lo=0)
+    if host_store is not None:
+        if not isinstance(host_store, str):
+            raise _type_error(f"jaxvmm: configure: host_store={host_store!r} is invalid: expected one of "
+                              f"{', '.join(repr(c) for c in _config.HOST_STORES)}")
+        host_store = _config.parse_choice(host_store, where + "host_store", _config.HOST_STORES)
     if prefetch_depth is not None:
         prefetch_depth = _config.parse_int(prefetch_depth, where + "prefetch_depth", lo=1,
                                            hi=_config.MAX_PREFETCH_DEPTH)
@@ -712,14 +730,21 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
                          -1 if keep_resident is None else keep_resident,
                          0 if staging_budget is None else staging_budget,
                          0 if staging_idle_ms is None else staging_idle_ms)
+    if host_store is not None:
+        lib.set_host_store(host_store)
+    chunk = int(lib.copy_chunk(-1 if copy_chunk is None else copy_chunk))
     names = ("host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
              "staging_idle_ms")
-    return {name: int(v) for name, v in zip(names, vals)}
+    out = {name: int(v) for name, v in zip(names, vals)}
+    out["host_store"] = str(lib.host_store())
+    out["copy_chunk"] = chunk
+    return out
 
 
 def trim() -> int:
     """Return every idle staging page to the driver now (they also go back by themselves after
-    ``staging_idle_ms`` without an op). Returns the bytes returned."""
+    ``staging_idle_ms`` without an op), and the host_numa store's empty chunks (their VA ranges stay
+    reserved; the pinned pool keeps its chunks). Returns the bytes returned."""
     n = 0
     for backend, device in lib.engine_devices():
         n += int(lib.engine_trim(backend, device))
@@ -734,7 +759,10 @@ def engine_stats() -> dict:
     ``staging_peak_bytes``, ``staging_cells``, ``staging_acquires``, ``staging_device_waits`` (acquires
     whose stream waited for the cell's previous user: back-pressure on the device), ``staging_host_waits``
     (the rare acquires that waited on the host), ``staging_pages_mapped`` / ``staging_pages_returned``
-    (driver page operations: constant in steady state)."""
+    (driver page operations: constant in steady state), ``staging_offload_cells`` /
+    ``staging_reload_cells`` (cells in each direction's pool), and the host store: ``host_store`` (the
+    store new offloads draw from), ``host_store_bytes`` (what it holds), ``pinned_*`` and ``host_numa_*``
+    (bytes held, in use, peak in use, chunks taken and returned, host time spent taking them)."""
     _collect()
     out = {}
     for backend, device in lib.engine_devices():

@@ -52,7 +52,8 @@ def test_host_pool_limit_1M_is_one_mebibyte_subprocess():
     ("JAXVMM_HOST_POOL_LIMIT", "lots"), ("JAXVMM_HOST_POOL_LIMIT", "1.5G"), ("JAXVMM_HOST_POOL_CHUNK", "0"),
     ("JAXVMM_PREFETCH_DEPTH", "two"), ("JAXVMM_PREFETCH_DEPTH", "0"), ("JAXVMM_PREFETCH_DEPTH", "99999999999"),
     ("JAXVMM_KEEP_RESIDENT", "-1"), ("JAXVMM_KEEP_RESIDENT", "x"), ("JAXVMM_TRACE", "maybe"),
-    ("JAXVMM_PREDICT", "2"), ("JAXVMM_REQUIRE_GPU", "yes please"),
+    ("JAXVMM_PREDICT", "2"), ("JAXVMM_REQUIRE_GPU", "yes please"), ("JAXVMM_HOST_STORE", "numa"),
+    ("JAXVMM_COPY_CHUNK", "-1"), ("JAXVMM_COPY_CHUNK", "lots"),
 ])
 def test_bad_environment_value_fails_at_import_naming_it_subprocess(name, value):
     code = textwrap.dedent("""
@@ -77,11 +78,13 @@ def test_valid_environment_values_reach_the_core_subprocess():
     """)
     env = {**ENV, "JAXVMM_HOST_POOL_LIMIT": "3GiB", "JAXVMM_HOST_POOL_CHUNK": "64m", "JAXVMM_PREFETCH_DEPTH": "3",
            "JAXVMM_KEEP_RESIDENT": "1", "JAXVMM_TRACE": "0", "JAXVMM_PREDICT": "true",
-           "JAXVMM_STAGING_BUDGET": "96MiB", "JAXVMM_STAGING_IDLE_MS": "75"}
+           "JAXVMM_STAGING_BUDGET": "96MiB", "JAXVMM_STAGING_IDLE_MS": "75", "JAXVMM_HOST_STORE": "host_numa",
+           "JAXVMM_COPY_CHUNK": "8M"}
     r = run_in_subprocess(code, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     want = sorted({"host_pool_limit": 3 * GiB, "host_pool_chunk": 64 * MiB, "prefetch_depth": 3,
-                   "keep_resident": 1, "staging_budget": 96 * MiB, "staging_idle_ms": 75}.items())
+                   "keep_resident": 1, "staging_budget": 96 * MiB, "staging_idle_ms": 75,
+                   "host_store": "host_numa", "copy_chunk": 8 * MiB}.items())
     assert str(want) in r.stdout, r.stdout
 
 

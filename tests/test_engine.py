@@ -268,7 +268,8 @@ def test_gpu_offload_storm_stays_within_depth_cells():
         assert float(total) == sum(range(1, 33)), float(total)
         jaxvmm.synchronize()
         s = jaxvmm.engine_stats()["cuda:0"]
-        assert s["staging_peak_bytes"] <= 2 * (64 << 20), s
+        # prefetch_depth ring cells, plus one cell per graph-mode call site (CUDA command buffers)
+        assert s["staging_peak_bytes"] <= (2 + s["graph_channels"]) * (64 << 20), s
         # Back-pressure on the device: a ring-path offload waits for a staging cell; a captured scan
         # body (graph mode) waits for its one cell's grant, after the previous round's D2H.
         assert s["staging_device_waits"] > 0 or s["graph_offload_rounds"] > 0, s

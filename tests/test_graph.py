@@ -202,6 +202,33 @@ def test_idle_cells_go_back_and_come_again(platform_device, slots, engine_hygien
             jaxvmm.configure(staging_idle_ms=old)
 
 
+def test_cells_of_a_site_never_captured_go_back_when_idle(platform_device):
+    """The initialize stage maps a call site's cell ahead of its capture; when XLA never captures the
+    site (a program too small for a command buffer), the idle timeout still returns those pages. A fresh
+    process: no earlier capture has started the poller."""
+    t = target_of(platform_device)
+    code = textwrap.dedent(f"""
+        import time, jaxvmm
+        from jaxvmm.testing import Replay
+        from jaxvmm._native import lib
+        jaxvmm.configure(staging_idle_ms=50)
+        def mapped():
+            jaxvmm.synchronize()
+            return lib.engine_stats({t.backend!r}, {t.ordinal})["graph_mapped_bytes"]
+        with Replay({platform_device!r}) as r:
+            r.prepare(1 << 40, r.OFFLOAD, {N})
+            r.prepare((1 << 40) + 1, r.RELOAD, {N})
+            assert mapped() > 0
+            deadline = time.monotonic() + 10
+            while mapped() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert mapped() == 0, mapped()
+        print("OK")
+    """)
+    proc = run_in_subprocess(code, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_channel_cells_stay_within_the_staging_budget(platform_device, slots, engine_hygiene):
     """Four offload sites of 2 pages each under a budget of 4 pages: cells are taken back between
     rounds, never exceeding the budget, and every round completes."""

@@ -5,7 +5,7 @@ The core is layered, each layer seeing only the ones below it:
     driver.h -> status.h -> vmm.h -> slot.h -> registry.h -> worker(s) -> engine -> handlers -> module.cc
 
 ``fault.*`` sits beside the driver seam (it may include driver.h only); ``host_pool.*`` sits beside
-slot (vmm.h and below); ``bench.*`` may include the core up to registry.h. Files may include headers
+slot (vmm.h and below), ``host_numa.cc`` (its HOST_NUMA chunks) above it and slot; ``bench.*`` may include the core up to registry.h. Files may include headers
 of lower layers only; a .cc file may also include the headers of its own group. ``*.md`` files are
 prose. Only module.cc sees nanobind, only handlers*.cc see the XLA FFI headers, nothing includes the
 CUDA runtime, and nothing links libcuda/libcudart (the driver is resolved at run time).
@@ -49,7 +49,13 @@ LAYERS: dict[str, Group] = {
     "registry": Group(4, ("registry.h", "registry.cc")),
     "bench": Group(5, ("bench.h", "bench.cc"),
                    only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
+    # the memory sampler: a thread reading the driver's used memory and the registry's gauges
+    "sampler": Group(5, ("sampler.h", "sampler.cc"),
+                     only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
     "host_pool": Group(3, ("host_pool.h", "host_pool.cc")),  # pinned host memory, built on vmm (beside slot)
+    # the host store's host_numa chunks: vmm handles and slot's capability checks (above both)
+    "host_numa": Group(4, ("host_numa.cc",), only=frozenset({"host_pool.h", "slot.h", "vmm.h", "status.h",
+                                                            "driver.h"})),
     "workers": Group(5, ("worker.h", "worker.cc", "workers.h", "workers.cc")),
     # the staging area: mapped cells over registry slots (beside the workers, never above them)
     "staging": Group(5, ("staging.h", "staging.cc"),

@@ -587,11 +587,12 @@ assert peak() == 0
 # Every op of one size passes through at most DEPTH staging cells: an offload whose cell is still
 # copying out makes XLA's stream wait for it (on the device), a reload's prefetch waits the same way.
 # A cell that was never reused, or staging that grows with the number of ops in flight, pushes the
-# peak past the bound. A scan body captured into a command buffer (graph mode, CUDA) runs its rounds
-# through one cell per captured call site instead, whatever the depth.
+# peak past the bound. Graph mode (CUDA) adds one cell per call site an initialize stage prepared: a
+# scan body captured into a command buffer runs its rounds through that cell (its warm-up execution
+# runs on the ring path).
 def bound():
     channels = jaxvmm.engine_stats().get(tgt.name, {{}}).get("graph_channels", 0)
-    return max(DEPTH, channels) * slot
+    return (DEPTH + channels) * slot
 for i in range(3):
     _, ts = jax.jit(fwd)(h0)             # offload and reload in separate executables...
     ys = jax.jit(bwd)(ts)
@@ -1072,8 +1073,10 @@ def test_configure_rejects_bad_values(knob, value):
 def test_configure_returns_values_in_force():
     cur = jaxvmm.configure()
     assert set(cur) == {"host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
-                        "staging_idle_ms"}
-    assert all(isinstance(v, int) and v >= (0 if k == "keep_resident" else 1) for k, v in cur.items())
+                        "staging_idle_ms", "host_store", "copy_chunk"}
+    assert cur["host_store"] in ("pinned", "host_numa")
+    assert all(isinstance(v, int) and v >= (0 if k in ("keep_resident", "copy_chunk") else 1)
+               for k, v in cur.items() if k != "host_store")
     try:
         assert jaxvmm.configure(prefetch_depth=np.int64(5))["prefetch_depth"] == 5
         assert jaxvmm.configure()["prefetch_depth"] == 5

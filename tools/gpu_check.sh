@@ -3,7 +3,7 @@
 # smoke test, the suite with GPU skips turned into failures, then the benchmarks. Logs go to $OUT.
 # STEPS selects what runs, in this order (default: "smoke tests vmm offload"; others: debug, drop,
 # diag (tools/gpu_copy_diag.py), depth (offload_bw at two prefetch depths), train (bench/train_step.py,
-# most of one command's 10 minutes)); TESTS selects test files, PYTEST_K a -k expression.
+# most of one command's 10 minutes), capacity (bench/capacity.py, ~6 minutes; CAP_ARGS=--quick: ~2)); TESTS selects test files, PYTEST_K a -k expression.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -28,4 +28,5 @@ step tests 420 python3 -P -m pytest -q -rs ${PYTEST_K:+-k "$PYTEST_K"} ${TESTS:-
 step vmm 150 python3 bench/vmm_ops.py --markdown
 step offload 300 python3 bench/offload_bw.py --markdown
 step train 580 python3 bench/train_step.py --models ${TRAIN_MODELS:-mlp,gpt} --steps ${TRAIN_STEPS:-10} ${TRAIN_ARGS:-} --out "$OUT/train_step${TRAIN_TAG:-}.md" --plot "$OUT/train_step${TRAIN_TAG:-}.png"
+step capacity 390 python3 bench/capacity.py --markdown --out "$OUT/capacity.md" --json "$OUT/capacity.json" --plot "$OUT/capacity.png" ${CAP_ARGS:-}
 exit 0
