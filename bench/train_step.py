@@ -355,6 +355,8 @@ def run_child(args) -> dict:
         res["offloads_per_step"] = d["offloads"] / args.steps
         res["reloads_per_step"] = (d["reloads"] + d.get("graph_reload_rounds", 0)) / args.steps
         res["graph_rounds_per_step"] = (d.get("graph_offload_rounds", 0) + d.get("graph_reload_rounds", 0)) / args.steps
+        # Rounds that took their grant on the device (no poller round trip on the device's path).
+        res["graph_device_grants_per_step"] = d.get("graph_grants_device", 0) / args.steps
         res["pinned_bytes"] = after["pinned_bytes"]
         res["pinned_peak_in_use_bytes"] = after["pinned_peak_in_use_bytes"]
         res["tickets_live"] = after["tickets_live"]
@@ -502,6 +504,8 @@ def evaluate(results: dict, model: str, target: str, variant: str) -> tuple[list
             hits += f", handler {r['handler_median_us']:.1f} us"
         if r.get("graph_rounds_per_step"):
             hits += f", {r['graph_rounds_per_step']:.0f} graph rounds/step"
+            if r.get("graph_device_grants_per_step"):
+                hits += f" ({r['graph_device_grants_per_step']:.0f} granted on the device)"
             if not r.get("handler_calls_per_step"):
                 hits += " (no handler call)"
     peak = human(r["device_bytes"]) if r.get("device_bytes") is not None else "n/a"

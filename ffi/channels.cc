@@ -1,12 +1,17 @@
 #include "channels.h"
 
+#include <cstddef>
+#include <vector>
+
 #include "vmm.h"
 
 namespace jaxvmm {
 
 ChannelTable::~ChannelTable() {
+  ScopedContext ctx(backend_, device_);  // cuMemFree needs the device's context (the engine's is gone by now)
   const DriverTable& d = Driver(backend_);
   for (ChannelWords* chunk : chunks_) d.MemFreeHost(chunk);
+  for (CUdeviceptr chunk : device_chunks_) d.MemFree(chunk);
 }
 
 Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out, bool* created) {
@@ -23,7 +28,19 @@ Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta
     }));
     auto* chunk = static_cast<ChannelWords*>(p);
     for (size_t i = 0; i < kWordsPerChunk; ++i) new (&chunk[i]) ChannelWords();
+    CUdeviceptr dev = 0;
+    const std::vector<DeviceWords> zeros(kWordsPerChunk, DeviceWords{0, 0});
+    Status st = Call(-1, "graph channels", Entry::kMemAlloc, [&] { return Driver(backend_).MemAlloc(&dev, sizeof(DeviceWords) * kWordsPerChunk); });
+    if (st.ok())
+      st = Call(-1, "graph channels", Entry::kMemcpyHtoD,
+                [&] { return Driver(backend_).MemcpyHtoD(dev, zeros.data(), sizeof(DeviceWords) * kWordsPerChunk); });
+    if (!st.ok()) {
+      if (dev) Driver(backend_).MemFree(dev);
+      Driver(backend_).MemFreeHost(chunk);
+      return st;
+    }
     chunks_.push_back(chunk);
+    device_chunks_.push_back(dev);
   }
   auto c = std::make_unique<Channel>();
   c->kind = kind;
@@ -31,8 +48,11 @@ Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta
   c->index = static_cast<int64_t>(channels_.size());
   c->meta = meta;
   c->w = &chunks_[used_ / kWordsPerChunk][used_ % kWordsPerChunk];
+  const CUdeviceptr dw = device_chunks_[used_ / kWordsPerChunk] + sizeof(DeviceWords) * (used_ % kWordsPerChunk);
+  c->arm = dw + offsetof(DeviceWords, arm);
+  c->ready = dw + offsetof(DeviceWords, ready);
   ++used_;
-  for (auto* word : {&c->w->knock, &c->w->arm, &c->w->filled, &c->w->token, &c->w->probe, &c->w->request, &c->w->go, &c->w->done})
+  for (auto* word : {&c->w->knock, &c->w->arm, &c->w->filled, &c->w->token, &c->w->probe, &c->w->request, &c->w->go, &c->w->done, &c->w->result})
     word->store(0, std::memory_order_relaxed);
   c->last_use = std::chrono::steady_clock::now();
   *out = c.get();

@@ -3,12 +3,14 @@
 // A replayed graph does the same device work every time and never calls the handler, so each
 // (call site, kind) of an engine gets a *channel*: a staging cell at a fixed VA (an internal slot whose
 // pages come and go while the VA stays) and a line of pinned words through which the replayed nodes
-// and the engine's poller hand each round back and forth. The device side only writes constants and
-// copies words; every per-round decision (which ticket, which host block, whether the prediction was
-// right) is the poller's. DESIGN.md, "Graph mode", has the protocol.
+// and the engine's poller hand each round back and forth, plus two device-memory words through which
+// the poller arms grants ahead of time that a round's grant kernel takes on the device (graph_kernels.h).
+// Every per-round decision (which ticket, which host block, whether the prediction was right) is still
+// the poller's; it is only made before the round instead of during it. DESIGN.md, "Graph mode".
 //
 // ChannelTable is plain data with no lock of its own: the engine guards it with Engine::graph_mu_.
-// It owns the pinned word arena (driver calls only when it grows, never on a capturing thread).
+// It owns the pinned and device word arenas (driver calls only when they grow, never on a capturing
+// thread).
 #pragma once
 
 #include <atomic>
@@ -36,19 +38,36 @@ struct alignas(64) ChannelWords {
   // reload: probe (device: the token it holds), request (device: a round waits for `go`), go (poller:
   // the cell holds the probed ticket's bytes, or 0xFF), done (device: it copied out of the cell).
   std::atomic<uint64_t> probe, request, go, done;
+  // kernel grants: what jaxvmm_revoke found (nonzero: the grant was taken back before the device used it).
+  std::atomic<uint64_t> result;
 };
-static_assert(sizeof(ChannelWords) == 64, "one cache line per channel");
+static_assert(sizeof(ChannelWords) == 128, "two cache lines per channel");
+
+// Kernel grants (DESIGN.md, "Graph mode"): the words the device takes grants from, in device memory
+// (cuMemAlloc). The poller writes them only with cuStreamWriteValue64 on a copy stream, ordered after
+// the copy that makes the grant true; the device (or jaxvmm_revoke) takes them back with an atomic.
+struct DeviceWords {
+  uint64_t arm;    // offload: the pre-armed round's token (0: no grant)
+  uint64_t ready;  // reload: the token whose bytes the cell holds (0: none)
+};
+static_assert(sizeof(DeviceWords) == 16, "8-byte aligned words");
 
 struct Channel {
   enum class Round : int {
     kIdle = 0,     // no round in progress on the device
     kGranted = 1,  // offload: arm granted, the device will fill the cell; reload: go granted or pending
+    // Kernel grants only: offload: `arm` holds grant_token (the device may have taken it: only a revoke
+    // tells); reload: `ready` names c.loaded, whose bytes are in the cell.
+    kArmed = 2,
   };
   ChannelKind kind = ChannelKind::kOffload;
   int64_t site = 0;
   int64_t index = 0;  // position in the table; names the channel in claims and diagnostics
   ArrayMeta meta;
   ChannelWords* w = nullptr;
+  CUdeviceptr arm = 0, ready = 0;  // this channel's DeviceWords (kernel grants)
+  uint64_t grant_token = 0;        // offload, kArmed: the token in `arm` (its ticket is made at `filled`)
+  bool host_grant = false;         // the outstanding grant answered a knock/request (counted at the round's end)
   int64_t slot_id = -1;  // the cell: an internal slot, reserved at Prepare, pages mapped on demand
   CUdeviceptr cell = 0;
   size_t cell_size = 0;
@@ -94,6 +113,7 @@ class ChannelTable {
   const Backend backend_;
   const int device_;
   std::vector<ChannelWords*> chunks_;  // pinned, kWordsPerChunk lines each
+  std::vector<CUdeviceptr> device_chunks_;  // device memory, kWordsPerChunk DeviceWords each, zeroed
   size_t used_ = 0;                    // lines handed out
   std::vector<std::unique_ptr<Channel>> channels_;
   using Key = std::tuple<int64_t, int, size_t, int64_t>;  // site, kind, nbytes, signature

@@ -69,6 +69,13 @@ namespace jaxvmm {
   X(MemsetD8Async, 3020)                         \
   X(MemHostAlloc, 2020)                          \
   X(MemFreeHost, 2000)                           \
+  X(MemAlloc, 3020)                              \
+  X(MemFree, 3020)                               \
+  /* graph mode: the grant kernels (PTX loaded at run time, ffi/graph_kernels.h) */ \
+  X(ModuleLoadData, 2000)                        \
+  X(ModuleUnload, 2000)                          \
+  X(ModuleGetFunction, 2000)                     \
+  X(LaunchKernel, 4000)                          \
   /* graph mode: the engine asks whether XLA is capturing; tests capture and replay themselves */ \
   X(StreamIsCapturing, 10000)                    \
   X(StreamBeginCapture, 10010)                   \
@@ -131,5 +138,10 @@ void SetPosixDeviceCount(int n);
 // id, which is the local index only in a single process (with jax.distributed, process p's ids differ).
 void SetPosixDeviceIds(const int64_t* ids, int n);
 int PosixLocalOrdinal(int ffi_ordinal);  // the local index of that id; the ordinal itself if unknown
+
+// Test hook (POSIX backend): `fn(arg)` runs once, right after the next jaxvmm_take_offload kernel took
+// its grant and before the round goes on (on the replaying thread). Orders a revocation after a take
+// deterministically. nullptr clears it.
+void SetPosixAfterTakeHook(void (*fn)(void*), void* arg);
 
 }  // namespace jaxvmm

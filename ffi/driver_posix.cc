@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -108,6 +109,7 @@ struct PosixState {
   std::map<uintptr_t, size_t> mappings;           // base -> size
   std::unordered_map<uint64_t, Physical> handles;  // handle -> home mapping
   std::unordered_map<uintptr_t, size_t> host_allocs;
+  std::unordered_map<uintptr_t, size_t> device_allocs;  // cuMemAlloc
   uint64_t next_handle = 1;
 };
 
@@ -629,6 +631,152 @@ CUresult PosixMemFreeHost(void* p) {
   return CUDA_SUCCESS;
 }
 
+// ---- device memory (cuMemAlloc): ordinary host pages here ----
+CUresult PosixMemAlloc(CUdeviceptr* p, size_t n) {
+  if (!p || n == 0) return CUDA_ERROR_INVALID_VALUE;
+  void* q = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (q == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.device_allocs[reinterpret_cast<uintptr_t>(q)] = n;
+  *p = reinterpret_cast<CUdeviceptr>(q);
+  return CUDA_SUCCESS;
+}
+CUresult PosixMemFree(CUdeviceptr p) {
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto it = s.device_allocs.find(static_cast<uintptr_t>(p));
+  if (it == s.device_allocs.end()) return CUDA_ERROR_INVALID_VALUE;
+  munmap(reinterpret_cast<void*>(p), it->second);
+  s.device_allocs.erase(it);
+  return CUDA_SUCCESS;
+}
+
+// ---- modules and kernels: the graph-mode grant kernels as host functions ----
+// A module "loaded" from a PTX image exposes the kernels the image declares (`.entry NAME`) that this
+// backend implements (ffi/kernels/graph_kernels.cu, same names, same memory-ordering contract: the
+// device's atomics are seq_cst here, its volatile loads are acquire loads, its stores release stores).
+// cuLaunchKernel copies the parameters at launch (or at capture, as a graph node does) and runs the
+// function in stream order.
+using Word = std::atomic<uint64_t>;
+Word* W(uint64_t p) { return reinterpret_cast<Word*>(p); }
+
+std::mutex g_hook_mu;
+void (*g_after_take)(void*) = nullptr;
+void* g_after_take_arg = nullptr;
+
+// Spins as a 1-thread kernel would, with a deadline instead of hanging the process.
+template <typename F>
+CUresult SpinUntil(F done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  for (int spins = 0; !done(); ++spins) {
+    if (spins < 64) continue;
+    if (std::chrono::steady_clock::now() > deadline) return CUDA_ERROR_LAUNCH_TIMEOUT;
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 2 : 100));
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult KTakeOffload(const uint64_t* a) {  // (u64* arm, u32* token_out, u64* knock)
+  Word* arm = W(a[0]);
+  uint64_t t = arm->exchange(0);
+  if (t == 0) {
+    W(a[2])->store(1, std::memory_order_release);
+    CUresult r = SpinUntil([&] { return arm->load(std::memory_order_acquire) != 0 && (t = arm->exchange(0)) != 0; });
+    if (r != CUDA_SUCCESS) return r;
+    W(a[2])->store(0, std::memory_order_release);
+  }
+  auto* out = reinterpret_cast<uint32_t*>(a[1]);
+  out[0] = static_cast<uint32_t>(t);
+  out[1] = static_cast<uint32_t>(t >> 32);
+  void (*hook)(void*) = nullptr;
+  void* arg = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_hook_mu);
+    std::swap(hook, g_after_take);
+    arg = g_after_take_arg;
+  }
+  if (hook) hook(arg);
+  return CUDA_SUCCESS;
+}
+
+CUresult KTakeReload(const uint64_t* a) {  // (u32* token_in, u64* ready, u64* probe, u64* request, u64* go)
+  const auto* in = reinterpret_cast<const uint32_t*>(a[0]);
+  const uint64_t t = uint64_t{in[0]} | (uint64_t{in[1]} << 32);
+  uint64_t expect = t;
+  if (t != 0 && W(a[1])->compare_exchange_strong(expect, 0)) return CUDA_SUCCESS;
+  W(a[2])->store(t, std::memory_order_release);
+  W(a[3])->store(1, std::memory_order_release);
+  CUresult r = SpinUntil([&] { return W(a[4])->load(std::memory_order_acquire) == 1; });
+  if (r != CUDA_SUCCESS) return r;
+  W(a[4])->store(0, std::memory_order_release);
+  return CUDA_SUCCESS;
+}
+
+CUresult KRevoke(const uint64_t* a) {  // (u64* word, u64 expect, u64* result)
+  uint64_t old = 0;
+  if (a[1]) {
+    uint64_t expect = a[1];
+    old = W(a[0])->compare_exchange_strong(expect, 0) ? a[1] : 0;
+  } else {
+    old = W(a[0])->exchange(0);
+  }
+  W(a[2])->store(old, std::memory_order_release);
+  return CUDA_SUCCESS;
+}
+
+struct PosixKernel {
+  const char* name;
+  int params;  // all 8 bytes wide
+  CUresult (*fn)(const uint64_t*);
+};
+constexpr PosixKernel kKernels[] = {
+    {"jaxvmm_take_offload", 3, KTakeOffload},
+    {"jaxvmm_take_reload", 5, KTakeReload},
+    {"jaxvmm_revoke", 3, KRevoke},
+};
+constexpr int kMaxParams = 5;
+struct PosixModule {
+  std::vector<const PosixKernel*> kernels;
+};
+
+CUresult PosixModuleLoadData(CUmodule* m, const void* image) {
+  if (!m || !image) return CUDA_ERROR_INVALID_VALUE;
+  const char* text = static_cast<const char*>(image);
+  if (!std::strstr(text, ".version") || !std::strstr(text, ".target")) return CUDA_ERROR_INVALID_IMAGE;
+  auto* mod = new PosixModule();
+  for (const PosixKernel& k : kKernels) {
+    std::string entry = std::string(".entry ") + k.name + "(";
+    if (std::strstr(text, entry.c_str())) mod->kernels.push_back(&k);
+  }
+  *m = reinterpret_cast<CUmodule>(mod);
+  return CUDA_SUCCESS;
+}
+CUresult PosixModuleUnload(CUmodule m) {
+  if (!m) return CUDA_ERROR_INVALID_HANDLE;
+  delete reinterpret_cast<PosixModule*>(m);
+  return CUDA_SUCCESS;
+}
+CUresult PosixModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+  if (!f || !m || !name) return CUDA_ERROR_INVALID_VALUE;
+  for (const PosixKernel* k : reinterpret_cast<PosixModule*>(m)->kernels)
+    if (std::strcmp(k->name, name) == 0) {
+      *f = reinterpret_cast<CUfunction>(const_cast<PosixKernel*>(k));
+      return CUDA_SUCCESS;
+    }
+  return CUDA_ERROR_NOT_FOUND;
+}
+CUresult PosixLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                           unsigned shared, CUstream s, void** params, void** extra) {
+  if (!f || !params || extra) return CUDA_ERROR_INVALID_VALUE;
+  if (gx != 1 || gy != 1 || gz != 1 || bx != 1 || by != 1 || bz != 1 || shared != 0)
+    return CUDA_ERROR_INVALID_VALUE;  // the grant kernels are one thread
+  const auto* k = reinterpret_cast<const PosixKernel*>(f);
+  std::array<uint64_t, kMaxParams> a{};
+  for (int i = 0; i < k->params; ++i) std::memcpy(&a[i], params[i], sizeof(uint64_t));
+  return Enqueue(s, [k, a] { return k->fn(a.data()); });
+}
+
 DriverTable MakePosixTable() {
   DriverTable t;
 #define X(member, version) t.member = &Posix##member;
@@ -642,6 +790,12 @@ DriverTable MakePosixTable() {
 const DriverTable& RawPosixDriver() {
   static const DriverTable t = MakePosixTable();
   return t;
+}
+
+void SetPosixAfterTakeHook(void (*fn)(void*), void* arg) {
+  std::lock_guard<std::mutex> lock(g_hook_mu);
+  g_after_take = fn;
+  g_after_take_arg = arg;
 }
 
 void SetPosixDeviceCount(int n) { g_device_count.store(n > 0 ? n : 1); }

@@ -14,6 +14,7 @@ constexpr uint64_t kRing = 1024;    // ops in flight per engine before the host 
 constexpr size_t kTimings = 4096;  // handler host times kept for the median
 
 std::atomic<int> g_keep{0};
+std::atomic<bool> g_graph_kernels{true};
 std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
 // Calls copy(offset, bytes) for consecutive pieces of at most `chunk` bytes (0: one piece).
@@ -35,6 +36,8 @@ std::map<std::pair<int, int>, std::unique_ptr<Engine>>& Engines() {
 
 void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
 int EngineConfig::KeepResident() { return g_keep.load(); }
+void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
+bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
 void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
 size_t EngineConfig::CopyChunk() { return g_copy_chunk.load(); }
 
@@ -84,7 +87,7 @@ struct Engine::Op {
 // ---------------------------------------------------------------- lifetime
 
 Engine::Engine(Backend b, int device)
-    : backend_(b), device_(device), host_store_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device) {}
+    : backend_(b), device_(device), host_store_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device), kernels_(b) {}
 
 Status Engine::For(Backend b, int device, Engine** out) {
   std::lock_guard<std::mutex> lock(g_engines_mu);
@@ -137,7 +140,7 @@ Status Engine::Init() {
   // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ and rel_
   // only carry event waits and host functions, so bookkeeping never queues behind a large copy and no
   // copy queues behind bookkeeping.
-  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &rel_})
+  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &rel_, &gd2h_, &gh2d_})
     JAXVMM_RETURN_IF_ERROR(
         Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
   void* words = nullptr;
@@ -168,7 +171,7 @@ Engine::~Engine() {
   StopGraph();  // the poller first: it enqueues copies and owns the channels' cells
   // Streams first: a host function that fires later would post to a destroyed worker. Then the
   // workers drain (their tasks may still touch the state below) and stop.
-  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_})
+  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_, gd2h_, gh2d_})
     if (s) d.StreamSynchronize(s);
   if (resolver_) resolver_->Drain();
   if (releaser_) releaser_->Drain();
@@ -183,9 +186,10 @@ Engine::~Engine() {
     for (CUevent e : {op.tok, op.done, op.filled})
       if (e) d.EventDestroy(e);
   for (CUevent e : event_pool_) d.EventDestroy(e);
-  for (CUstream s : {d2h_, h2d_, fix_, ctl_, rel_})
+  for (CUstream s : {d2h_, h2d_, fix_, ctl_, rel_, gd2h_, gh2d_})
     if (s) d.StreamDestroy(s);
   if (words_) d.MemFreeHost(words_);
+  kernels_.Unload();  // every stream that ran a grant kernel is synchronized
   // staging_ (a member) returns its cells' pages when it is destroyed, after this body.
 }
 

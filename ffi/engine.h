@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "channels.h"
+#include "graph_kernels.h"
 #include "host_pool.h"
 #include "staging.h"
 #include "status.h"
@@ -42,6 +43,13 @@ struct GraphStats {
   int64_t hits = 0, misses = 0;                   // reload rounds whose cell already held the ticket
   int64_t mapped_bytes = 0;                       // channel cells with pages now
   int64_t pages_mapped = 0, pages_returned = 0;
+  // Kernel grants (DESIGN.md, "Graph mode"): rounds whose grant the device took by itself (a pre-armed
+  // offload grant, a reload whose prefetched token matched) vs rounds that waited for the poller.
+  bool kernels = false;        // this engine's captures use the grant kernels
+  std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
+  int64_t grants_device = 0, grants_host = 0;
+  int64_t revokes = 0;         // grants taken back (idle release, trim, budget) before the device used them
+  int64_t revokes_lost = 0;    // revocations that found the grant already taken (the round went on)
 };
 
 struct EngineStats {
@@ -68,6 +76,10 @@ struct EngineConfig {
   // so that their reloads copy device to device instead of waiting for an H2D. Default 0.
   static void SetKeepResident(int n);
   static int KeepResident();
+  // Graph mode: grant rounds on the device with the grant kernels (default on). Read by an engine at
+  // its first initialize stage; its captures keep that protocol.
+  static void SetGraphKernels(bool on);
+  static bool GraphKernels();
   // D2H and H2D copies between a staging cell and a host block are issued in pieces of at most this
   // many bytes (0: one copy), so that other copies on the copy engines (the other direction, XLA's
   // D2D snapshots) interleave with a large one instead of queueing behind all of it. Default 64 MiB.
@@ -204,6 +216,12 @@ class Engine {
   void UnmapCell(Channel& c);
   size_t ReleaseIdleCells(bool now);  // cells of idle channels (after IdleMillis unless `now`)
   void Grant(std::atomic<uint64_t>* word, Channel& c);  // writes 1, ordered after the cell's last copy
+  // Kernel grants (caller holds graph_mu_).
+  bool ServiceOffloadK(Channel& c);
+  bool ServiceReloadK(Channel& c);
+  bool Arm(Channel& c, bool host);  // offload: a reserved token into `arm` on d2h_ (after the cell's D2H)
+  bool Revoke(Channel& c);          // takes an armed grant back; true: none is outstanding any more
+  Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
   void Unload(Channel& c);          // drops the prediction a reload cell holds; caller holds mu_ too
   void ReportOn(CUstream stream, const Status& st);
   bool GraphIdle();                 // no round in progress, no D2H outstanding
@@ -223,6 +241,9 @@ class Engine {
   // event records and the `ready` writes only: nothing on them waits for the other direction's copies
   // except a reload's wait for its own ticket's D2H.
   CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr, rel_ = nullptr;
+  // Graph mode's copy streams: D2H out of offload cells and the grants behind them (gd2h_), prefetches
+  // into reload cells and their `ready` writes (gh2d_). Nothing on them waits for XLA's streams.
+  CUstream gd2h_ = nullptr, gh2d_ = nullptr;
   Words* words_ = nullptr;  // pinned, kRing entries
   std::vector<Op> ops_;
 
@@ -252,6 +273,8 @@ class Engine {
   std::chrono::steady_clock::time_point awake_until_;
   bool any_captured_ = false;
   bool poll_stop_ = false;
+  GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
+  bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage
 
   // Workers last: destroyed first, after ~Engine has synchronized every stream.

@@ -10,7 +10,7 @@
 //     write arm = 0
 //     copy  token_out <- token
 //     copy  cell <- x
-//     write filled = 1                     sees filled: D2H cell -> the ticket's host block on d2h_
+//     write filled = 1                     sees filled: D2H cell -> the ticket's host block on gd2h_
 //
 //   reload round (XLA's stream)
 //     copy  probe <- token_in              sees request: the ticket `probe` names; go = 1 after its
@@ -73,6 +73,20 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));  // an earlier program on this stream failed later
   std::lock_guard<std::mutex> lock(graph_mu_);
   ++graph_stats_.prepares;
+  if (!kernels_.tried() && channels_.size() == 0) {
+    // Once per engine, outside any capture: the protocol its captures record. A driver that cannot
+    // load the PTX keeps the host-granted protocol (stats: graph_kernels = 0 and why).
+    if (EngineConfig::GraphKernels()) {
+      Status ks = kernels_.Load();
+      use_kernels_ = ks.ok();
+      if (!ks.ok()) {
+        graph_stats_.kernels_error = ks.ToString();
+        std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n",
+                     ks.ToString().c_str());
+      }
+    }
+    graph_stats_.kernels = use_kernels_;
+  }
   Channel* c = nullptr;
   bool created = false;
   JAXVMM_RETURN_IF_ERROR(channels_.GetOrCreate(site, kind, meta, &c, &created));
@@ -146,6 +160,13 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
   const DriverTable& d = Driver(backend_);
   ChannelWords& w = *c->w;
   const char* stage = "offload (capture)";
+  if (use_kernels_) {
+    JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c->arm, token_out, Addr(w.knock)));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c->cell, src, meta.nbytes, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled), 1, 0); }));
+    Recorded(*c);
+    return Status();
+  }
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.knock), 1, 0); }));
   JAXVMM_RETURN_IF_ERROR(
       Call(-1, stage, Entry::kStreamWaitValue64, [&] { return d.StreamWaitValue64(stream, Addr(w.arm), 1, CU_STREAM_WAIT_VALUE_EQ); }));
@@ -165,6 +186,13 @@ Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_i
   const DriverTable& d = Driver(backend_);
   ChannelWords& w = *c->w;
   const char* stage = "reload (capture)";
+  if (use_kernels_) {
+    JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, token_in, c->ready, Addr(w.probe), Addr(w.request), Addr(w.go)));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, c->cell, meta.nbytes, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done), 1, 0); }));
+    Recorded(*c);
+    return Status();
+  }
   JAXVMM_RETURN_IF_ERROR(
       Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(Addr(w.probe), token_in, sizeof(uint64_t), stream); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.request), 1, 0); }));
@@ -186,10 +214,10 @@ void Engine::Poll() {
     bool busy = false;
     // Offloads first: a reload's token may name a ticket whose `filled` arrived in the same pass.
     channels_.ForEach([&](Channel& c) {
-      if (c.kind == ChannelKind::kOffload) busy |= ServiceOffload(c);
+      if (c.kind == ChannelKind::kOffload) busy |= use_kernels_ ? ServiceOffloadK(c) : ServiceOffload(c);
     });
     channels_.ForEach([&](Channel& c) {
-      if (c.kind == ChannelKind::kReload) busy |= ServiceReload(c);
+      if (c.kind == ChannelKind::kReload) busy |= use_kernels_ ? ServiceReloadK(c) : ServiceReload(c);
     });
     busy |= ReapOffloads();
     const auto now = std::chrono::steady_clock::now();
@@ -251,8 +279,9 @@ size_t Engine::ReleaseIdleCells(bool now) {
   const DriverTable& d = Driver(backend_);
   size_t released = 0;
   channels_.ForEach([&](Channel& c) {
-    if (!c.mapped || c.round != Channel::Round::kIdle || c.waiting) return;
+    if (!c.mapped || c.round == Channel::Round::kGranted || c.waiting) return;
     if (!now && t - c.last_use < idle) return;
+    if (c.round == Channel::Round::kArmed && !Revoke(c)) return;  // the device took the grant: its round is live
     if (c.cell_stream && d.EventQuery(c.cell_event) != CUDA_SUCCESS) return;  // a copy still uses it
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -281,7 +310,7 @@ bool Engine::ServiceOffload(Channel& c) {
   const DriverTable& d = Driver(backend_);
   bool busy = false;
   if (w.filled.load(std::memory_order_acquire) == 1) {
-    // The device copied x into the cell and handed out the round's token: D2H it on d2h_.
+    // The device copied x into the cell and handed out the round's token: D2H it on gd2h_.
     w.filled.store(0, std::memory_order_relaxed);
     busy = true;
     std::shared_ptr<Ticket> t = std::move(c.ticket);
@@ -291,16 +320,16 @@ bool Engine::ServiceOffload(Channel& c) {
     ++graph_stats_.offload_rounds;
     if (t) {
       const char* stage = "offload (graph)";
-      Status st = CopyToHost(d2h_, t->host, c.cell, c.meta.nbytes, stage);
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, d2h_); });
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, d2h_); });
-      c.cell_stream = d2h_;
+      Status st = CopyToHost(gd2h_, t->host, c.cell, c.meta.nbytes, stage);
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
+      c.cell_stream = gd2h_;
       std::lock_guard<std::mutex> lock(mu_);
       if (st.ok()) {
         t->enqueued = true;
         graph_d2h_.push_back(t);
       } else {
-        d.StreamSynchronize(d2h_);
+        d.StreamSynchronize(gd2h_);
         t->on_host = t->dropped = true;  // its bytes never reached the host: a reload of it fails
         Retire(t);
         errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
@@ -380,13 +409,27 @@ void Engine::PrefetchInto(Channel& c) {
     src = SourceOf(*t);
   }
   const DriverTable& d = Driver(backend_);
-  Status st = CopyTicket(h2d_, src, c.cell, c.meta.nbytes, "reload prefetch (graph)");
-  if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, h2d_); });
-  c.cell_stream = h2d_;
+  Status st = CopyTicket(gh2d_, src, c.cell, c.meta.nbytes, "reload prefetch (graph)");
+  bool armed = false;
+  if (st.ok() && use_kernels_) {
+    // The device's grant: `ready` names the token only once its bytes are in the cell (stream order,
+    // and the write's default memory barrier makes the copy visible first).
+    st = WriteDevice(gh2d_, c.ready, c.loaded->token, "reload prefetch (graph)");
+    armed = st.ok();
+  }
+  if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gh2d_); });
+  c.cell_stream = gh2d_;
+  if (armed) {
+    c.round = Channel::Round::kArmed;
+    c.host_grant = false;
+  }
   if (!st.ok()) {
-    d.StreamSynchronize(h2d_);
-    std::lock_guard<std::mutex> lock(mu_);
-    Unload(c);  // a hint: the request copies what it needs
+    d.StreamSynchronize(gh2d_);
+    c.cell_stream = nullptr;  // nothing runs on the cell any more
+    if (!armed) {
+      std::lock_guard<std::mutex> lock(mu_);
+      Unload(c);  // a hint: the request copies what it needs
+    }
   }
 }
 
@@ -400,7 +443,7 @@ void Engine::FillInvalid(Channel& c) {
   c.cell_stream = fix_;
   if (!st.ok()) {
     d.StreamSynchronize(fix_);
-    d.StreamSynchronize(h2d_);
+    d.StreamSynchronize(gh2d_);
     c.cell_stream = nullptr;
     ReportOn(c.stream, st);
   }
@@ -499,13 +542,285 @@ bool Engine::ServiceReload(Channel& c) {
   return busy;
 }
 
+// ---------------------------------------------------------------- kernel grants
+//
+// The device takes its grant by itself (graph_kernels.cu): an offload round takes the token the poller
+// pre-armed right after the previous round's D2H; a reload round takes `ready` when it names the probed
+// token. The host is on the device's path only when there is no grant (first round, after a revocation,
+// a mispredicted reload): then the device knocks / requests and waits, as in the host-granted protocol.
+
+Status Engine::WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage) {
+  const DriverTable& d = Driver(backend_);
+  return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(s, word, value, 0); });
+}
+
+bool Engine::Arm(Channel& c, bool host) {
+  // Every copy out of an offload cell runs on gd2h_, so a write on gd2h_ is ordered after the last one.
+  // gd2h_/gh2d_ never wait on XLA's streams (unlike the ring path's d2h_/h2d_): a grant written there
+  // cannot queue behind work that waits for the very round the grant releases.
+  uint64_t token = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    token = tickets_.ReserveToken();
+  }
+  Status st = WriteDevice(gd2h_, c.arm, token, "offload grant (graph)");
+  if (!st.ok()) {
+    ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode grant of call site " + std::to_string(c.site) + "; retrying)"));
+    return false;
+  }
+  c.grant_token = token;
+  c.host_grant = host;
+  c.round = Channel::Round::kArmed;
+  c.last_use = std::chrono::steady_clock::now();
+  return true;
+}
+
+bool Engine::Revoke(Channel& c) {
+  // Caller holds graph_mu_. Takes the armed grant back on the stream that wrote it (so after that
+  // write), waits for the kernel, and reads what it found. Only a grant taken back lets the cell go.
+  if (c.round != Channel::Round::kArmed) return c.round == Channel::Round::kIdle;
+  ScopedContext ctx(backend_, device_);  // trim() calls this from a user thread
+  const DriverTable& d = Driver(backend_);
+  const bool offload = c.kind == ChannelKind::kOffload;
+  CUstream s = offload ? gd2h_ : gh2d_;
+  const uint64_t expect = offload ? 0 : (c.loaded ? c.loaded->token : 0);
+  c.w->result.store(0, std::memory_order_relaxed);
+  Status st = kernels_.Revoke(s, offload ? c.arm : c.ready, expect, Addr(c.w->result));
+  if (st.ok()) st = Call(-1, "graph revoke", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(s); });
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s (graph-mode grant kept)\n", st.ToString().c_str());
+    return false;
+  }
+  if (c.w->result.load(std::memory_order_acquire) == 0) {
+    // The device took it first: the round is live (its filled/done comes), the cell stays.
+    ++graph_stats_.revokes_lost;
+    c.round = Channel::Round::kGranted;
+    return false;
+  }
+  ++graph_stats_.revokes;
+  c.round = Channel::Round::kIdle;
+  c.grant_token = 0;  // a reserved number never used: no ticket was made for it
+  if (!offload) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Unload(c);
+  }
+  return true;
+}
+
+bool Engine::ServiceOffloadK(Channel& c) {
+  ChannelWords& w = *c.w;
+  const DriverTable& d = Driver(backend_);
+  bool busy = false;
+  if (w.filled.load(std::memory_order_acquire) == 1) {
+    // The device took grant_token, copied x into the cell and handed the token out: make its ticket,
+    // D2H the cell into it on gd2h_, and pre-arm the next round right behind that copy.
+    w.filled.store(0, std::memory_order_relaxed);
+    busy = true;
+    const uint64_t token = c.grant_token;
+    c.grant_token = 0;
+    c.round = Channel::Round::kIdle;
+    c.last_use = std::chrono::steady_clock::now();
+    ++c.rounds;
+    ++graph_stats_.offload_rounds;
+    ++(c.host_grant ? graph_stats_.grants_host : graph_stats_.grants_device);
+    const char* stage = "offload (graph)";
+    HostBlock host;
+    CUevent ev = nullptr;
+    Status st = host_store_.Allocate(c.meta.nbytes, &host).At(-1, stage);
+    if (st.ok()) st = GetEvent(&ev);
+    std::shared_ptr<Ticket> t;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (st.ok()) {
+        t = tickets_.Create(c.meta, token);
+        if (!t) st = Status(Code::kInternal, TokenStr(token) + " was taken by another ticket before its round ended");
+      }
+      if (t) {
+        t->offload_seq = next_seq_ - 1;
+        t->host = host;
+        t->d2h_done = ev;
+        ++stats_.offloads;
+      } else {
+        if (host.ptr) host_store_.Free(host);
+        if (ev) event_pool_.push_back(ev);
+      }
+    }
+    if (t) {
+      st = CopyToHost(gd2h_, t->host, c.cell, c.meta.nbytes, stage);
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
+      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
+      c.cell_stream = gd2h_;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (st.ok()) {
+        t->enqueued = true;
+        graph_d2h_.push_back(t);
+      } else {
+        d.StreamSynchronize(gd2h_);
+        t->on_host = t->dropped = true;  // its bytes never reached the host: a reload of it fails
+        Retire(t);
+      }
+    }
+    if (!st.ok()) {
+      // The token the device handed out names no ticket: its reload fills 0xFF and reports too.
+      std::lock_guard<std::mutex> lock(mu_);
+      errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
+      ++stats_.errors;
+    }
+    if (c.mapped) Arm(c, /*host=*/false);
+  }
+  // `knock` is a level the device holds while it waits with no grant. An armed grant answers it (its
+  // write may still be on its way behind a D2H); with none, map the cell and arm.
+  if (c.round == Channel::Round::kIdle && (c.waiting || w.knock.load(std::memory_order_acquire) == 1)) {
+    c.waiting = true;
+    busy = true;
+    if (!MapCell(c)) return busy;  // no room in the staging budget yet: the next pass retries
+    if (Arm(c, /*host=*/true)) c.waiting = false;
+  }
+  return busy;
+}
+
+bool Engine::ServiceReloadK(Channel& c) {
+  ChannelWords& w = *c.w;
+  const DriverTable& d = Driver(backend_);
+  bool busy = false;
+  if (w.done.load(std::memory_order_acquire) == 1) {
+    // The device copied the cell out. Its round was granted by the host (c.ticket), or the device
+    // took `ready` itself (c.loaded, the prefetched ticket, is what it copied).
+    w.done.store(0, std::memory_order_relaxed);
+    busy = true;
+    bool device = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::shared_ptr<Ticket> t = std::move(c.ticket);
+      c.ticket.reset();
+      if (!t && c.loaded) {
+        t = std::move(c.loaded);
+        c.loaded.reset();
+        if (t->claimed_by == c.Claim()) t->claimed_by = 0;
+        t->consumed = true;
+        device = true;
+      }
+      if (t) {
+        ++stats_.reloads;  // a ticket's bytes reached XLA's buffer (a 0xFF round had no ticket)
+        t->pins -= 1;
+        Retire(t);
+      }
+    }
+    if (device) {
+      ++graph_stats_.grants_device;
+      ++graph_stats_.hits;
+    } else {
+      ++graph_stats_.grants_host;
+    }
+    c.round = Channel::Round::kIdle;
+    c.last_use = std::chrono::steady_clock::now();
+    ++c.rounds;
+    ++graph_stats_.reload_rounds;
+    PrefetchInto(c);
+  }
+  if (c.round != Channel::Round::kGranted && (c.waiting || w.request.load(std::memory_order_acquire) == 1)) {
+    // The device found no usable `ready` and waits for go: the host decides, as without kernels. A
+    // `done` that came in since this pass read it belongs to the previous round: serve it first.
+    if (w.done.load(std::memory_order_acquire) == 1) return true;
+    if (!c.waiting) w.request.store(0, std::memory_order_relaxed);
+    c.waiting = true;
+    busy = true;
+    if (!MapCell(c)) return busy;
+    const uint64_t token = w.probe.load(std::memory_order_acquire);
+    std::string why;
+    Source src;
+    bool hit = false;
+    std::shared_ptr<Ticket> a;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      a = tickets_.Find(token, &why);
+      if (a && (a->meta.nbytes != c.meta.nbytes || a->meta.signature != c.meta.signature)) {
+        why = TokenStr(token) + " holds " + std::to_string(a->meta.nbytes) + " bytes of another shape/dtype than the reload expects (" +
+              std::to_string(c.meta.nbytes) + " bytes)";
+        a = nullptr;
+      }
+      if (a && !a->enqueued) return busy;  // its offload's `filled` is served on the next pass
+    }
+    if (!a && token != 0) {
+      // A token an offload round handed out whose `filled` is not served yet has no ticket yet.
+      bool pending = false;
+      channels_.ForEach([&](Channel& o) {
+        if (o.kind == ChannelKind::kOffload && o.grant_token == token) pending = true;
+      });
+      if (pending) return busy;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hit = a && a == c.loaded;
+      if (a) {
+        a->consumed = true;
+        if (hit) {
+          if (a->claimed_by == c.Claim()) a->claimed_by = 0;
+          c.loaded.reset();  // its pin now belongs to the round
+        } else {
+          a->pins += 1;
+          if (c.loaded) tickets_.Learn(a, c.meta.signature);
+          Unload(c);
+          src = SourceOf(*a);
+        }
+      } else {
+        Unload(c);
+      }
+    }
+    c.ticket = a;
+    c.waiting = false;
+    c.round = Channel::Round::kGranted;
+    c.host_grant = true;
+    c.last_use = std::chrono::steady_clock::now();
+    // On fix_, after every copy into the cell (a prefetch and its `ready` write): clear `ready` (the
+    // host decides what the cell holds now), put the bytes in, then go.
+    Status st;
+    if (c.cell_stream && c.cell_stream != fix_)
+      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
+    if (st.ok()) st = WriteDevice(fix_, c.ready, 0, "reload (graph)");
+    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
+    if (st.ok()) c.cell_stream = fix_;
+    if (!st.ok()) {
+      // `ready` may still name a prefetched token: wait for every copy, then clear it in order.
+      d.StreamSynchronize(gh2d_);
+      d.StreamSynchronize(fix_);
+      st = WriteDevice(fix_, c.ready, 0, "reload (graph)");
+      if (st.ok()) d.StreamSynchronize(fix_);
+      c.cell_stream = nullptr;
+      if (!st.ok()) ReportOn(c.stream, st);
+    }
+    if (hit) {
+      ++graph_stats_.hits;
+      Grant(&w.go, c);
+      return busy;
+    }
+    ++graph_stats_.misses;
+    if (!a) {
+      ReportOn(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
+                                                            "; the output was filled with 0xFF bytes"));
+      FillInvalid(c);
+      Grant(&w.go, c);
+      return busy;
+    }
+    st = CopyTicket(fix_, src, c.cell, c.meta.nbytes, "reload (graph)");
+    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
+    c.cell_stream = fix_;
+    if (!st.ok()) {
+      ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
+      FillInvalid(c);
+    }
+    Grant(&w.go, c);
+  }
+  return busy;
+}
+
 bool Engine::GraphIdle() {
   // Caller holds graph_mu_.
   bool idle = graph_d2h_.empty();
   channels_.ForEach([&](Channel& c) {
     if (c.waiting || c.w->knock.load() || c.w->filled.load() || c.w->request.load() || c.w->done.load()) idle = false;
     // A granted offload whose round never reached the device (its execution stopped) holds no work.
-    if (c.kind == ChannelKind::kReload && c.round != Channel::Round::kIdle) idle = false;
+    if (c.kind == ChannelKind::kReload && c.round == Channel::Round::kGranted) idle = false;
   });
   return idle;
 }
@@ -518,7 +833,7 @@ void Engine::StopGraph() {
   poll_cv_.notify_all();
   if (poller_.joinable()) poller_.join();
   const DriverTable& d = Driver(backend_);
-  for (CUstream s : {d2h_, h2d_, fix_})  // every copy into or out of a cell has finished
+  for (CUstream s : {gd2h_, gh2d_, fix_, d2h_, h2d_})  // every copy into or out of a cell has finished
     if (s) d.StreamSynchronize(s);
   std::lock_guard<std::mutex> lock(graph_mu_);
   channels_.ForEach([&](Channel& c) {

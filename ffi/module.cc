@@ -21,6 +21,7 @@
 #include "driver.h"
 #include "engine.h"
 #include "fault.h"
+#include "graph_kernels_ptx.h"
 #include "handlers.h"
 #include "registry.h"
 #include "replay.h"
@@ -582,7 +583,17 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_mapped_bytes"] = s.graph.mapped_bytes;
     d["graph_pages_mapped"] = s.graph.pages_mapped;
     d["graph_pages_returned"] = s.graph.pages_returned;
+    d["graph_kernels"] = static_cast<int64_t>(s.graph.kernels);
+    d["graph_grants_device"] = s.graph.grants_device;
+    d["graph_grants_host"] = s.graph.grants_host;
+    d["graph_revokes"] = s.graph.revokes;
+    d["graph_revokes_lost"] = s.graph.revokes_lost;
     return d;
+  });
+  // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in
+  // engine_stats(), whose values are all integers.
+  m.def("engine_graph_kernels_error", [engine](const std::string& backend, int device) {
+    return engine(backend, device)->Stats().graph.kernels_error;
   });
   m.def("engine_reset_peaks", [engine](const std::string& backend, int device) {
     engine(backend, device)->ResetPeaks();
@@ -690,6 +701,20 @@ NB_MODULE(_jaxvmm, m) {
     engine(backend, device)->SetNextTicketNumber(n);
   });
   // Negative (or 0 where 0 is meaningless) leaves a knob as it is; returns every knob's value in force.
+  m.def("set_graph_kernels", [](bool on) { EngineConfig::SetGraphKernels(on); });
+  m.def("graph_kernels_ptx", [] { return std::string(kGraphKernelsPtx); });
+  // Test hook (cpu): right after the next offload round's take kernel took its grant, trim() the cpu
+  // engine of `device` (a revocation ordered after a take, deterministically).
+  m.def("testing_trim_after_next_take", [](int device) {
+    static int dev = 0;
+    dev = device;
+    SetPosixAfterTakeHook(
+        [](void* arg) {
+          Engine* e = nullptr;
+          if (Engine::For(Backend::kPosix, *static_cast<int*>(arg), &e).ok()) e->Trim();
+        },
+        &dev);
+  });
   m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth, int keep_resident,
                         int64_t staging_budget, int64_t staging_idle_ms) {
     nb::gil_scoped_release nogil;  // lowering the limit may return pinned chunks to the driver

@@ -37,14 +37,23 @@ std::string TokenStr(uint64_t token) {
   return buf;
 }
 
-std::shared_ptr<Ticket> TicketTable::Create(const ArrayMeta& meta) {
-  auto t = std::make_shared<Ticket>();
-  t->meta = meta;
+uint64_t TicketTable::ReserveToken() {
   // 2^32 - 1 numbers; skipping the live ones terminates because fewer than that are ever live.
+  uint64_t token = 0;
   do {
     if (next_ == 0) next_ = 1;
-    t->token = MakeToken(next_++, key_);
-  } while (by_token_.count(t->token));
+    token = MakeToken(next_++, key_);
+  } while (by_token_.count(token));
+  return token;
+}
+
+std::shared_ptr<Ticket> TicketTable::Create(const ArrayMeta& meta) { return Create(meta, ReserveToken()); }
+
+std::shared_ptr<Ticket> TicketTable::Create(const ArrayMeta& meta, uint64_t token) {
+  if (token == 0 || by_token_.count(token)) return nullptr;
+  auto t = std::make_shared<Ticket>();
+  t->meta = meta;
+  t->token = token;
   by_token_[t->token] = t;
   order_.push_back(t);
   return t;
@@ -77,12 +86,12 @@ std::shared_ptr<Ticket> TicketTable::Predict(const ArrayMeta& meta) const {
   }();
   if (!enabled) return nullptr;
   // Training reloads in reverse offload order (LIFO); a miss that hit the other end of the queue flips
-  // the guess (Learn). Only tickets whose D2H is enqueued can be copied from.
+  // the guess for that signature (Learn). Only tickets whose D2H is enqueued can be copied from.
   auto fits = [&](const std::shared_ptr<Ticket>& t) {
     return t->enqueued && !t->consumed && !t->dropped && t->claimed_by == 0 && t->meta.nbytes == meta.nbytes &&
            t->meta.signature == meta.signature;
   };
-  if (lifo_) {
+  if (!fifo_.count(meta.signature)) {
     for (auto it = order_.rbegin(); it != order_.rend(); ++it)
       if (fits(*it)) return *it;
   } else {
@@ -99,8 +108,9 @@ void TicketTable::Learn(const std::shared_ptr<Ticket>& actual, int64_t signature
       if (!oldest) oldest = t;
       newest = t;
     }
-  if (actual == oldest && actual != newest) lifo_ = false;
-  if (actual == newest && actual != oldest) lifo_ = true;
+  // Learned per signature: one array's reload order says nothing about another's.
+  if (actual == oldest && actual != newest) fifo_.insert(signature);
+  if (actual == newest && actual != oldest) fifo_.erase(signature);
 }
 
 bool TicketTable::MaybeFree(const std::shared_ptr<Ticket>& t, Retired* out) {

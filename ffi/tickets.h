@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "host_pool.h"
@@ -64,6 +65,10 @@ class TicketTable {
   // A new ticket with a fresh token. Numbers wrap at 2^32 and skip numbers still in use, so a new
   // token never aliases a live ticket.
   std::shared_ptr<Ticket> Create(const ArrayMeta& meta);
+  // A fresh token with no ticket yet (a graph-mode grant hands it to the device before the round's
+  // ticket exists), and the ticket of such a token (null if a live ticket took it meanwhile).
+  uint64_t ReserveToken();
+  std::shared_ptr<Ticket> Create(const ArrayMeta& meta, uint64_t token);
   // Test hook: the next ticket number to hand out.
   void SetNextNumber(uint32_t n) { next_ = n; }
 
@@ -88,7 +93,7 @@ class TicketTable {
  private:
   const uint64_t key_;
   uint32_t next_ = 1;
-  bool lifo_ = true;
+  std::unordered_set<int64_t> fifo_;  // signatures whose reloads were learned to come in offload order
   std::unordered_map<uint64_t, std::shared_ptr<Ticket>> by_token_;
   std::deque<std::shared_ptr<Ticket>> order_;  // offload order, for prediction
   std::deque<uint64_t> recently_reloaded_;     // tokens of freed, consumed tickets (diagnostics only)

@@ -125,6 +125,8 @@ VARIABLES = {
         EnvVar("JAXVMM_KEEP_RESIDENT", "int", 0, INT32_MAX, "newest offloads that keep a device copy (0)"),
         EnvVar("JAXVMM_TRACE", "bool", doc="log every lifecycle driver call (off)"),
         EnvVar("JAXVMM_GRAPH", "bool", doc="let XLA capture the CUDA handlers into command buffers (on)"),
+        EnvVar("JAXVMM_GRAPH_KERNELS", "bool",
+               doc="graph mode: rounds take their grants on the device with tiny kernels (on; off: the host grants every round)"),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
         EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
         EnvVar("JAXVMM_REQUIRE_2GPU", "bool", doc="tests: a 2-GPU test with fewer GPUs fails instead of skipping (off)"),
@@ -162,6 +164,7 @@ def apply(lib, values: dict) -> None:
                   values.get("JAXVMM_PREFETCH_DEPTH", 0), values.get("JAXVMM_KEEP_RESIDENT", -1),
                   values.get("JAXVMM_STAGING_BUDGET", 0), values.get("JAXVMM_STAGING_IDLE_MS", 0))
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
+    lib.set_graph_kernels(bool(values.get("JAXVMM_GRAPH_KERNELS", True)))
     if "JAXVMM_COPY_CHUNK" in values:
         lib.copy_chunk(values["JAXVMM_COPY_CHUNK"])
     if "JAXVMM_HOST_STORE" in values:

@@ -68,6 +68,9 @@ LAYERS: dict[str, Group] = {
     "channels": Group(7, ("channels.h", "channels.cc"),
                       only=frozenset({"tickets.h", "host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h",
                                       "status.h", "driver.h"})),
+    # the graph-mode grant kernels: run-time loaded PTX (graph_kernels_ptx.h, generated) over the driver seam
+    "graph_kernels": Group(5, ("graph_kernels.h", "graph_kernels.cc", "graph_kernels_ptx.h"),
+                           only=frozenset({"vmm.h", "status.h", "driver.h"})),
     # the offload engine: the parts above + workers; engine_graph.cc is its graph-mode protocol
     "engine": Group(8, ("engine.h", "engine.cc", "engine_graph.cc")),
     # capture and replay of engine work without XLA (tests): the driver seam only
