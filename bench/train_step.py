@@ -375,7 +375,8 @@ def _engine_totals(vmm) -> dict:
     tot: dict = {}
     for st in vmm.engine_stats().values():
         for k, v in st.items():
-            tot[k] = tot.get(k, 0) + int(v)
+            if isinstance(v, int) and not isinstance(v, bool):  # counters (host_store names a store)
+                tot[k] = tot.get(k, 0) + v
     for k in ("prefetch_hits", "prefetch_misses", "offloads", "reloads", "pinned_bytes",
               "pinned_peak_in_use_bytes", "tickets_live", "errors"):
         tot.setdefault(k, 0)

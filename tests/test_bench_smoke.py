@@ -94,3 +94,22 @@ def test_capacity_runs_end_to_end_on_cpu(tmp_path):
     assert vm["pinned_step_peak_bytes"] >= 4 * (16 + 64) * 1024, vm
     assert vm["staging_step_peak_bytes"] > 0 and vm["device_peak_bytes"] > vm["planned_bytes"], vm
     assert "x |" in text  # the jaxvmm row has a ratio against remat at the same L
+
+
+def test_train_step_engine_totals_sum_the_counters_only():
+    """bench/train_step.py sums every engine's counters; engine_stats() also names the host store (a
+    string), which once made every jaxvmm row of the bench fail."""
+    import jax.numpy as jnp
+    import jaxvmm
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import train_step
+    finally:
+        sys.path.remove(str(BENCH))
+    x = jnp.arange(1024, dtype=jnp.float32)
+    before = train_step._engine_totals(jaxvmm)
+    y = jaxvmm.reload(jaxvmm.offload(x))
+    assert bool(jnp.array_equal(y, x))
+    after = train_step._engine_totals(jaxvmm)
+    assert after["offloads"] - before["offloads"] == 1 and after["reloads"] - before["reloads"] == 1
