@@ -226,6 +226,8 @@ class Ballast:
     anything); ``nbytes`` is what it holds (0 when less than ``leave_free`` was free). The pages are a
     jaxvmm slot's, so they count in ``jaxvmm.stats()`` as a user slot. :meth:`close` returns them."""
 
+    CHUNK = 8 << 30  # the largest piece one slot holds
+
     def __init__(self, leave_free: int, *, ordinal: int = 0):
         if isinstance(leave_free, bool) or not isinstance(leave_free, int) or leave_free < 0:
             raise ValueError(f"jaxvmm: Ballast: leave_free must be an int >= 0, got {leave_free!r}")

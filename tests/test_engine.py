@@ -255,7 +255,8 @@ def test_gpu_idle_engine_returns_staging_pages_to_the_driver():
 @pytest.mark.gpu
 def test_gpu_offload_storm_stays_within_depth_cells():
     # Activations produced faster than PCIe drains them: XLA's stream waits on the device for a cell,
-    # so staging never grows with the number of offloads in flight.
+    # so staging never grows with the number of offloads in flight. (Open on the H200 with graph mode:
+    # bwd enqueued right behind fwd hangs; tools/gpu_storm_hang.sh shows where. README, limitations.)
     ok(run_in_subprocess(PRELUDE + textwrap.dedent("""
         from jax import lax
         jaxvmm.configure(prefetch_depth=2)
@@ -274,7 +275,7 @@ def test_gpu_offload_storm_stays_within_depth_cells():
         # body (graph mode) waits for its one cell's grant, after the previous round's D2H.
         assert s["staging_device_waits"] > 0 or s["graph_offload_rounds"] > 0, s
         print("OK", s["staging_peak_bytes"] >> 20, "MiB peak")
-    """), env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, timeout=300))
+    """), env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, timeout=120))
 
 
 # ---- bug 6: shutdown with work in flight ----

@@ -35,7 +35,11 @@ def test_timeline_sees_a_slot_mapped_and_released(platform_device):
     assert tl.errors == 0
     assert tl.samples_taken > 20, tl.samples_taken  # ~60 ms at 100 us (sleep granularity: far fewer than 600)
     assert tl.peak_used_bytes - tl.first_used_bytes >= n * (0.9 if platform_device != "cpu" else 1)
-    assert tl.mapped_at_peak_bytes >= n  # the slot's pages were mapped at the moment of the peak
+    if platform_device == "cpu":
+        assert tl.mapped_at_peak_bytes >= n  # the slot's pages were mapped at the moment of the peak
+    # (On a GPU the driver's used figure also moves for reasons of its own, so its peak sample may
+    # come after the release: the series must still have seen the pages mapped.)
+    assert tl.series()[:, 2].max() - tl.series()[0, 2] >= n
     assert tl.internal_at_peak_bytes == 0  # a user slot, not staging
     ser = tl.series()
     assert ser.shape == (tl.samples_taken, 4)
