@@ -209,6 +209,8 @@ class Engine {
   void Poll();                   // the poller thread
   bool ServiceOffload(Channel& c);  // caller holds graph_mu_ (as do the helpers below)
   bool ServiceReload(Channel& c);
+  std::shared_ptr<Ticket> FindForRound(const Channel& c, uint64_t token, std::string* why);  // caller holds mu_
+  bool TakeForRound(Channel& c, const std::shared_ptr<Ticket>& a, Source* src);              // caller holds mu_
   void PrefetchInto(Channel& c);    // copies the predicted ticket into an idle reload cell
   void FillInvalid(Channel& c);     // 0xFF into the cell, ordered after every copy into it
   bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host

@@ -449,6 +449,40 @@ void Engine::FillInvalid(Channel& c) {
   }
 }
 
+std::shared_ptr<Ticket> Engine::FindForRound(const Channel& c, uint64_t token, std::string* why) {
+  // Caller holds mu_. The ticket a reload round's probed token names, if it is one this call site can
+  // reload (same size and signature).
+  std::shared_ptr<Ticket> a = tickets_.Find(token, why);
+  if (a && (a->meta.nbytes != c.meta.nbytes || a->meta.signature != c.meta.signature)) {
+    *why = TokenStr(token) + " holds " + std::to_string(a->meta.nbytes) + " bytes of another shape/dtype than the reload expects (" +
+           std::to_string(c.meta.nbytes) + " bytes)";
+    return nullptr;
+  }
+  return a;
+}
+
+bool Engine::TakeForRound(Channel& c, const std::shared_ptr<Ticket>& a, Source* src) {
+  // Caller holds mu_. The round consumes `a` (null: a bad token): a hit when it is the prediction the
+  // cell already holds (its pin passes to the round), else the prediction is dropped and *src says
+  // where the correction copies from.
+  const bool hit = a && a == c.loaded;
+  if (a) {
+    a->consumed = true;
+    if (hit) {
+      if (a->claimed_by == c.Claim()) a->claimed_by = 0;
+      c.loaded.reset();
+    } else {
+      a->pins += 1;
+      if (c.loaded) tickets_.Learn(a, c.meta.signature);
+      Unload(c);
+      *src = SourceOf(*a);
+    }
+  } else {
+    Unload(c);
+  }
+  return hit;
+}
+
 bool Engine::ServiceReload(Channel& c) {
   ChannelWords& w = *c.w;
   const DriverTable& d = Driver(backend_);
@@ -484,30 +518,11 @@ bool Engine::ServiceReload(Channel& c) {
     std::shared_ptr<Ticket> a;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      a = tickets_.Find(token, &why);
-      if (a && (a->meta.nbytes != c.meta.nbytes || a->meta.signature != c.meta.signature)) {
-        why = TokenStr(token) + " holds " + std::to_string(a->meta.nbytes) + " bytes of another shape/dtype than the reload expects (" +
-              std::to_string(c.meta.nbytes) + " bytes)";
-        a = nullptr;
-      }
+      a = FindForRound(c, token, &why);
       // Its offload's `filled` is not served yet (it precedes this request on the device, so the
       // next pass serves it): its bytes are not on their way to the host yet.
       if (a && !a->enqueued) return busy;
-      hit = a && a == c.loaded;
-      if (a) {
-        a->consumed = true;
-        if (hit) {
-          if (a->claimed_by == c.Claim()) a->claimed_by = 0;
-          c.loaded.reset();  // its pin now belongs to the round
-        } else {
-          a->pins += 1;
-          if (c.loaded) tickets_.Learn(a, c.meta.signature);
-          Unload(c);
-          src = SourceOf(*a);
-        }
-      } else {
-        Unload(c);
-      }
+      hit = TakeForRound(c, a, &src);
     }
     c.ticket = a;
     c.waiting = false;
@@ -733,12 +748,7 @@ bool Engine::ServiceReloadK(Channel& c) {
     std::shared_ptr<Ticket> a;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      a = tickets_.Find(token, &why);
-      if (a && (a->meta.nbytes != c.meta.nbytes || a->meta.signature != c.meta.signature)) {
-        why = TokenStr(token) + " holds " + std::to_string(a->meta.nbytes) + " bytes of another shape/dtype than the reload expects (" +
-              std::to_string(c.meta.nbytes) + " bytes)";
-        a = nullptr;
-      }
+      a = FindForRound(c, token, &why);
       if (a && !a->enqueued) return busy;  // its offload's `filled` is served on the next pass
     }
     if (!a && token != 0) {
@@ -751,21 +761,7 @@ bool Engine::ServiceReloadK(Channel& c) {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      hit = a && a == c.loaded;
-      if (a) {
-        a->consumed = true;
-        if (hit) {
-          if (a->claimed_by == c.Claim()) a->claimed_by = 0;
-          c.loaded.reset();  // its pin now belongs to the round
-        } else {
-          a->pins += 1;
-          if (c.loaded) tickets_.Learn(a, c.meta.signature);
-          Unload(c);
-          src = SourceOf(*a);
-        }
-      } else {
-        Unload(c);
-      }
+      hit = TakeForRound(c, a, &src);
     }
     c.ticket = a;
     c.waiting = false;

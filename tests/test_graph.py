@@ -449,22 +449,30 @@ def test_idle_release_revokes_armed_grants_and_the_next_round_knocks(platform_de
         assert after["errors"] == before["errors"]
 
 
+# A fresh cpu process with one offload/reload site pair recorded as one graph (`round_trip(r)`).
+_ROUND_TRIP_PRELUDE = textwrap.dedent('''
+    import numpy as np, jaxvmm
+    from jaxvmm.testing import Replay
+    from jaxvmm._native import lib
+    N = 3 * 4096 + 100
+    mk = lambda n: jaxvmm.Slot(n, device="cpu")
+    x, y, tok = mk(N), mk(N), mk(8)
+    def round_trip(r):
+        r.prepare(1 << 40, r.OFFLOAD, N); r.prepare((1 << 40) + 1, r.RELOAD, N)
+        with r.capture() as g:
+            r.offload(1 << 40, x.address, N, tok.address)
+            r.reload((1 << 40) + 1, tok.address, y.address, N)
+        return g
+''')
+
+
 def test_a_revoke_after_the_device_took_the_grant_keeps_the_round():
     """trim() runs right after the take kernel took its grant (a POSIX test hook orders it there): the
     revocation finds the grant gone, so the cell stays mapped under the live round, which completes."""
-    code = textwrap.dedent('''
-        import numpy as np, jaxvmm
-        from jaxvmm.testing import Replay
-        from jaxvmm._native import lib
-        N = 3 * 4096 + 100
-        mk = lambda n: jaxvmm.Slot(n, device="cpu")
-        x, y, tok = mk(N), mk(N), mk(8)
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
         with Replay("cpu") as r:
-            r.prepare(1 << 40, r.OFFLOAD, N); r.prepare((1 << 40) + 1, r.RELOAD, N)
-            with r.capture() as g:
-                r.offload(1 << 40, x.address, N, tok.address)
-                r.reload((1 << 40) + 1, tok.address, y.address, N)
+            g = round_trip(r)
             for i in range(3):
                 x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize(); st()
             b = st()
@@ -488,18 +496,9 @@ def test_a_revoke_after_the_device_took_the_grant_keeps_the_round():
 
 def test_without_grant_kernels_the_host_grants_every_round():
     """JAXVMM_GRAPH_KERNELS=0 (or a driver that cannot load the PTX): the host-granted protocol."""
-    code = textwrap.dedent('''
-        import numpy as np, jaxvmm
-        from jaxvmm.testing import Replay
-        from jaxvmm._native import lib
-        N = 3 * 4096 + 100
-        mk = lambda n: jaxvmm.Slot(n, device="cpu")
-        x, y, tok = mk(N), mk(N), mk(8)
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         with Replay("cpu") as r:
-            r.prepare(1 << 40, r.OFFLOAD, N); r.prepare((1 << 40) + 1, r.RELOAD, N)
-            with r.capture() as g:
-                r.offload(1 << 40, x.address, N, tok.address)
-                r.reload((1 << 40) + 1, tok.address, y.address, N)
+            g = round_trip(r)
             for i in range(5):
                 x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
                 assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
