@@ -239,3 +239,19 @@ def engine_hygiene():
     drain_errors(collect=False)
     yield
     drain_errors()
+
+
+def assert_trees_bit_equal(got, want) -> None:
+    """Two pytrees with the same structure whose leaves have the same shape, dtype and bytes (nan
+    payloads and -0.0 included): what "bit-exact" means in these tests."""
+    import numpy as np
+    import jax
+
+    g, gd = jax.tree.flatten(got)
+    w, wd = jax.tree.flatten(want)
+    assert gd == wd, (gd, wd)
+    for i, (a, b) in enumerate(zip(g, w)):
+        a, b = np.ascontiguousarray(np.asarray(a)), np.ascontiguousarray(np.asarray(b))
+        assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, a.dtype, b.shape, b.dtype)
+        if a.tobytes() != b.tobytes():
+            raise AssertionError(f"leaf {i} {a.dtype}{list(a.shape)}: bits differ: {a.ravel()[:8]} vs {b.ravel()[:8]}")

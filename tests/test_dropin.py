@@ -20,21 +20,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxvmm
 
-from conftest import counter_delta as delta, engine_counters as estats, jdev
+from conftest import assert_trees_bit_equal, counter_delta as delta, engine_counters as estats, jdev
 
 P = jaxvmm.policies
 CP = jax.checkpoint_policies
 pytestmark = pytest.mark.usefixtures("engine_hygiene")
-
-
-def assert_bits_equal(got, want) -> None:
-    g, gd = jax.tree.flatten(got)
-    w, wd = jax.tree.flatten(want)
-    assert gd == wd, (gd, wd)
-    for i, (a, b) in enumerate(zip(g, w)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, a.dtype, b.shape, b.dtype)
-        assert np.array_equal(a, b, equal_nan=True), f"leaf {i} differs: {a} vs {b}"
 
 
 def fn(x):
@@ -81,7 +71,7 @@ def test_compositions_equal_jax_checkpoint(platform_device, how):
     want = run(REF(fn), x)
     before = estats(platform_device)
     got = run(VMM(fn), x)
-    assert_bits_equal(got, want)
+    assert_trees_bit_equal(got, want)
     jaxvmm.check()
     d = delta(estats(platform_device), before)
     assert d["offloads"] == d["reloads"] and d["errors"] == 0 and d["tickets_live"] == 0, d
@@ -98,7 +88,7 @@ def test_second_order_offloads_what_the_outer_differentiation_does_not_touch():
         return jax.grad(inner)(w)
 
     before = estats()
-    assert_bits_equal(g(VMM), g(REF))
+    assert_trees_bit_equal(g(VMM), g(REF))
     d = delta(estats(), before)
     assert d["offloads"] == d["reloads"] >= 1 and d["tickets_live"] == 0, d
 
@@ -113,7 +103,7 @@ def test_scan_of_checkpoint_forward_and_reverse():
     for f in (lambda ck: jax.jit(jax.grad(functools.partial(loss, ck), argnums=(0, 1))),
               lambda ck: jax.jit(lambda x, ws: jax.jvp(functools.partial(loss, ck), (x, ws), (x, ws)))):
         before = estats()
-        assert_bits_equal(f(VMM)(x, ws), f(REF)(x, ws))
+        assert_trees_bit_equal(f(VMM)(x, ws), f(REF)(x, ws))
         d = delta(estats(), before)
         assert d["offloads"] == d["reloads"] and d["tickets_live"] == 0, d
 
@@ -129,7 +119,7 @@ def test_checkpoint_of_scan_and_cond():
     x = jnp.linspace(-1.0, 2.0, 16, dtype=jnp.float32)
     for body in (scanned, conded):
         for t in (lambda f: jax.grad(_sum(f))(x), lambda f: jax.linearize(f, x)[1](x), lambda f: jax.jvp(f, (x,), (x,))):
-            assert_bits_equal(t(VMM(body)), t(REF(body)))
+            assert_trees_bit_equal(t(VMM(body)), t(REF(body)))
 
 
 def test_nested_checkpoints():
@@ -140,7 +130,7 @@ def test_nested_checkpoints():
     ref_outer = jax.checkpoint(lambda x: ref_inner(jnp.sin(ref_inner(x))), policy=CP.everything_saveable)
     x = jnp.linspace(-1.0, 1.0, 16, dtype=jnp.float32)
     for t in (lambda f: jax.grad(_sum(f))(x), lambda f: jax.jit(jax.grad(_sum(f)))(x), lambda f: jax.jacfwd(f)(x)):
-        assert_bits_equal(t(outer), t(ref_outer))
+        assert_trees_bit_equal(t(outer), t(ref_outer))
 
 
 def test_keyword_arguments_static_argnames_and_fun_name():
@@ -152,8 +142,8 @@ def test_keyword_arguments_static_argnames_and_fun_name():
     for flip in (True, False):
         got = jax.jvp(lambda x: ck(x, scale=jnp.float32(2.0), flip=flip), (x,), (x,))
         want = jax.jvp(lambda x: f(x, scale=jnp.float32(2.0), flip=flip), (x,), (x,))
-        assert_bits_equal(got, want)
-        assert_bits_equal(jax.grad(lambda s: ck(x, scale=s, flip=flip).sum())(jnp.float32(2.0)),
+        assert_trees_bit_equal(got, want)
+        assert_trees_bit_equal(jax.grad(lambda s: ck(x, scale=s, flip=flip).sum())(jnp.float32(2.0)),
                           jax.grad(lambda s: f(x, scale=s, flip=flip).sum())(jnp.float32(2.0)))
 
 
@@ -171,7 +161,7 @@ def test_prevent_cse_pytree_like_jax():
     x = jnp.ones(3)
     txt = jax.jit(jax.grad(functools.partial(loss, jaxvmm.checkpoint), (0, 1))).lower(Ws, x).as_text()
     assert "optimization_barrier" in txt
-    assert_bits_equal(jax.grad(functools.partial(loss, jaxvmm.checkpoint), (0, 1))(Ws, x),
+    assert_trees_bit_equal(jax.grad(functools.partial(loss, jaxvmm.checkpoint), (0, 1))(Ws, x),
                       jax.grad(functools.partial(loss, jax.checkpoint), (0, 1))(Ws, x))
 
 
@@ -182,7 +172,7 @@ def test_effects_jax_checkpoint_allows(capfd):
 
     x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
     before = estats()
-    assert_bits_equal(jax.grad(_sum(VMM(f)))(x), jax.grad(_sum(REF(f)))(x))
+    assert_trees_bit_equal(jax.grad(_sum(VMM(f)))(x), jax.grad(_sum(REF(f)))(x))
     jax.effects_barrier()
     assert "seen -1" in capfd.readouterr().out
     d = delta(estats(), before)
@@ -197,7 +187,7 @@ def test_vjp_with_refs_accumulates_like_jax():
     _, vjp_fn = jax.vjp(f, p)
     acc = jax.ref.new_ref(jnp.zeros_like(p))
     vjp_fn.with_refs(acc)(jnp.ones_like(p))
-    assert_bits_equal(jax.ref.get(acc), jax.grad(lambda p: jax.checkpoint(jnp.sin)(p).sum())(p))
+    assert_trees_bit_equal(jax.ref.get(acc), jax.grad(lambda p: jax.checkpoint(jnp.sin)(p).sum())(p))
 
 
 @pytest.mark.skipif(not hasattr(jax, "ref"), reason="jax.ref needs a newer jax")
@@ -219,7 +209,7 @@ def test_ref_closed_over_in_scan_body():
 
         return go(x), jax.jvp(lambda x: go(x), (x,), (x,))
 
-    assert_bits_equal(run(VMM), run(REF))
+    assert_trees_bit_equal(run(VMM), run(REF))
 
 
 def test_eager_calls_trace_once_like_jax_checkpoint():
@@ -275,7 +265,7 @@ class TestErrors:
         x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
         _, vjp_fn = jax.vjp(f, x)
         first = vjp_fn(jnp.ones_like(x))
-        assert_bits_equal(first, jax.vjp(REF(fn), x)[1](jnp.ones_like(x)))
+        assert_trees_bit_equal(first, jax.vjp(REF(fn), x)[1](jnp.ones_like(x)))
         with pytest.raises(jaxvmm.InvalidArgumentError, match=r"jaxvmm\.checkpoint: this VJP or linearized function .* "
                                                              r"was already called once.*Call jax\.vjp"):
             vjp_fn(jnp.ones_like(x))
@@ -291,7 +281,7 @@ class TestErrors:
             return jaxvmm.reload(jaxvmm.Ticket(tok, (1024,), jnp.float32))  # the line check() names
 
         line = again.__wrapped__.__code__.co_firstlineno + 2  # the decorator line, the def, then the reload
-        assert_bits_equal(again(t.token), x)
+        assert_trees_bit_equal(again(t.token), x)
         again(t.token).block_until_ready()
         jaxvmm.synchronize()
         with pytest.raises(jaxvmm.VmmError, match=rf"ticket \d+ was already reloaded.*\[call site \d+: reload at "
@@ -324,7 +314,7 @@ def test_second_order_of_checkpointed_cond_equals_jax():
             return vjp_fn(out)
         return jax.vjp(f_vjp, 3.0)[1]((1.0,))
 
-    assert_bits_equal(second(vmm), second(ref))
+    assert_trees_bit_equal(second(vmm), second(ref))
 
 
 def test_excess_precision_residual_equals_primal_use():
@@ -349,5 +339,5 @@ def test_excess_precision_residual_equals_primal_use():
     before = estats()
     y, vjp_fn = jax.vjp(f, x)
     (y_,) = vjp_fn(jnp.ones_like(y))
-    assert_bits_equal(y_, y)
+    assert_trees_bit_equal(y_, y)
     assert delta(estats(), before)["offloads"] >= 1

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxvmm
 from jaxvmm._devices import target_of
 
-from conftest import counter_delta as delta, dkey, engine_counters as estats, jdev, run_in_subprocess
+from conftest import assert_trees_bit_equal, counter_delta as delta, dkey, engine_counters as estats, jdev, run_in_subprocess
 
 P = jaxvmm.policies
 CP = jax.checkpoint_policies
@@ -41,16 +41,6 @@ pytestmark = pytest.mark.usefixtures("engine_hygiene")
 # ---------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------
-
-
-def assert_trees_bit_equal(got, want) -> None:
-    got_leaves, got_def = jax.tree.flatten(got)
-    want_leaves, want_def = jax.tree.flatten(want)
-    assert got_def == want_def, (got_def, want_def)
-    for i, (a, b) in enumerate(zip(got_leaves, want_leaves)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, a.dtype, b.shape, b.dtype)
-        assert np.array_equal(a, b), f"leaf {i} differs: max |diff| = {np.max(np.abs(a - b))}"
 
 
 def assert_trees_close(got, want, rtol=1e-6, atol=1e-7) -> None:

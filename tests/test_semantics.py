@@ -22,28 +22,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxvmm
 
-from conftest import counter_delta as delta, engine_counters as estats, jdev
+from conftest import assert_trees_bit_equal, counter_delta as delta, engine_counters as estats, jdev
 
 P = jaxvmm.policies
 CP = jax.checkpoint_policies
 L = 3
 pytestmark = pytest.mark.usefixtures("engine_hygiene")
-
-
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
-
-
-def assert_bits_equal(got, want) -> None:
-    """Leaf by leaf, the same bits (nan payloads and -0.0 included)."""
-    g, gd = jax.tree.flatten(got)
-    w, wd = jax.tree.flatten(want)
-    assert gd == wd, (gd, wd)
-    for i, (a, b) in enumerate(zip(g, w)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, a.dtype, b.shape, b.dtype)
-        assert np.array_equal(bits(a), bits(b)), f"leaf {i}: bits differ"
 
 
 # ---- an MLP block whose input and hidden activation are named ----
@@ -110,7 +94,7 @@ def test_offload_reload_of_non_finite_values_is_bit_exact(dtype, where):
     assert not np.isfinite(np.asarray(x, np.float32)).all()
     roundtrip = lambda a: jaxvmm.reload(jaxvmm.offload(a))  # noqa: E731
     got = jax.jit(roundtrip)(x) if where == "jit" else roundtrip(x)
-    assert_bits_equal(got, x)
+    assert_trees_bit_equal(got, x)
     jaxvmm.synchronize()
     jaxvmm.check()
 
@@ -150,7 +134,7 @@ def test_non_finite_gradients_equal_jax_checkpoint(case, jit):
     assert not all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(want))  # the case is non-finite
     before = estats()
     got = vmm(p, x)
-    assert_bits_equal(got, want)
+    assert_trees_bit_equal(got, want)
     jaxvmm.check()
     d = delta(estats(), before)
     assert d["offloads"] == d["reloads"] == L and d["errors"] == 0 and d["tickets_live"] == 0, d
@@ -195,7 +179,7 @@ def test_dynamic_loss_scaling_with_overflow_steps_keeps_training_and_leaks_nothi
     assert not flags[0] and flags[-1], flags  # overflow steps first, then real steps
     finite_losses = [v for v, f in zip(losses, flags) if f]
     assert len(finite_losses) >= 2 and finite_losses[-1] < finite_losses[0], losses
-    assert_bits_equal(got, want)
+    assert_trees_bit_equal(got, want)
     assert after["tickets_live"] == base["tickets_live"], (base, after)
     assert after["ticket_host_bytes"] == base["ticket_host_bytes"], (base, after)
     assert after["errors"] == base["errors"]
@@ -231,7 +215,7 @@ def test_save_and_offload_only_these_names(saved, offloaded, spelling):
     want = jax.jit(ref)(p, x)
     before = estats()
     got = jax.jit(vmm)(p, x)
-    assert_bits_equal(got, want)
+    assert_trees_bit_equal(got, want)
     d = delta(estats(), before)
     assert d["offloads"] == d["reloads"] == L * len(offloaded) and d["tickets_live"] == 0, d
 
@@ -262,7 +246,7 @@ def test_offload_dot_with_no_batch_dims(spelling):
     assert offloaded_shapes(vmm, p, x) == [(B, 4 * D)]  # x @ w1 (once: scan body)
     before = estats()
     got = jax.jit(vmm)(p, x)
-    assert_bits_equal(got, jax.jit(ref)(p, x))
+    assert_trees_bit_equal(got, jax.jit(ref)(p, x))
     d = delta(estats(), before)
     assert d["offloads"] == d["reloads"] == L and d["tickets_live"] == 0, d
 
@@ -280,7 +264,7 @@ def test_jax_saving_policies_save_on_device(policy):
     ref = jax.value_and_grad(scan_loss(lambda f: jax.checkpoint(f, policy=policy)), argnums=(0, 1))
     assert offloaded_shapes(vmm, p, x) == []
     before = estats()
-    assert_bits_equal(jax.jit(vmm)(p, x), jax.jit(ref)(p, x))
+    assert_trees_bit_equal(jax.jit(vmm)(p, x), jax.jit(ref)(p, x))
     assert delta(estats(), before)["offloads"] == 0
 
 
@@ -304,7 +288,7 @@ def test_custom_policy_offloadable_any_memory_kind():
     ref = jax.value_and_grad(scan_loss(lambda f: jax.checkpoint(f, policy=CP.save_only_these_names(
         "hidden", "block_in"))), argnums=(0, 1))
     assert offloaded_shapes(vmm, p, x) == [(B, 4 * D)]
-    assert_bits_equal(jax.jit(vmm)(p, x), jax.jit(ref)(p, x))
+    assert_trees_bit_equal(jax.jit(vmm)(p, x), jax.jit(ref)(p, x))
 
 
 def test_policies_mirror_jax_names():
@@ -380,7 +364,7 @@ def _one_program_memory(device):
     assert base - ordered >= 0.9 * y_bytes, (base, ordered, y_bytes)
     before = estats(device)
     got = jax.jit(_ordered)(x, w)
-    assert_bits_equal(got, jax.jit(_no_offload)(x, w))
+    assert_trees_bit_equal(got, jax.jit(_no_offload)(x, w))
     jaxvmm.check()
     d = delta(estats(device), before)
     assert d["offloads"] == d["reloads"] == 1 and d["tickets_live"] == 0, d
@@ -417,14 +401,14 @@ def test_after_is_bit_exact(dtype):
     x = jnp.asarray(raw).astype(dtype) if dtype not in (np.float32,) else jnp.asarray(raw)
     dep = (jnp.asarray(raw), jnp.asarray([np.nan], jnp.float32))
     got = jax.jit(jaxvmm.after)(dep, {"a": x, "b": [x]})
-    assert_bits_equal(got, {"a": x, "b": [x]})
-    assert_bits_equal(jaxvmm.after(dep, x), x)
+    assert_trees_bit_equal(got, {"a": x, "b": [x]})
+    assert_trees_bit_equal(jaxvmm.after(dep, x), x)
 
 
 def test_after_gradient_and_tickets():
     x = jnp.linspace(-1.0, 1.0, 16, dtype=jnp.float32)
     g = jax.grad(lambda x: jnp.sum(jnp.sin(jaxvmm.after(jnp.inf, x))))(x)
-    assert_bits_equal(g, jnp.cos(x))
+    assert_trees_bit_equal(g, jnp.cos(x))
 
     @jax.jit
     def f(x):
@@ -433,9 +417,9 @@ def test_after_gradient_and_tickets():
         assert isinstance(t, jaxvmm.Ticket)
         return jaxvmm.reload(t, after=[x, jnp.nan])
 
-    assert_bits_equal(f(x), x * 2)
+    assert_trees_bit_equal(f(x), x * 2)
     t = jaxvmm.offload(x)  # eager: reload(after=) works on concrete tickets too
-    assert_bits_equal(jaxvmm.reload(t, after=x + 1), x)
+    assert_trees_bit_equal(jaxvmm.reload(t, after=x + 1), x)
     jaxvmm.synchronize()
     jaxvmm.check()
     with pytest.raises(TypeError, match=r"jaxvmm\.after: x must be an array"):
@@ -484,7 +468,7 @@ class TestCheckpointMisuse:
         x, y = jnp.linspace(0.0, 1.0, 8), jnp.linspace(1.0, 2.0, 8)
         got = jax.grad(lambda x, y: jaxvmm.checkpoint(f, prevent_cse=(True, False))(x, y).sum(), (0, 1))(x, y)
         want = jax.grad(lambda x, y: jax.checkpoint(f, prevent_cse=(True, False))(x, y).sum(), (0, 1))(x, y)
-        assert_bits_equal(got, want)
+        assert_trees_bit_equal(got, want)
         with pytest.raises(ValueError, match=r"jaxvmm\.checkpoint: prevent_cse has 3 entries but the call has 2"):
             jaxvmm.checkpoint(f, prevent_cse=(True, True, True))(x, y)
 
@@ -517,7 +501,7 @@ class TestCheckpointMisuse:
         """Was refused while jaxvmm.checkpoint was a custom_vjp; now it is jax.checkpoint's remat."""
         f = jaxvmm.checkpoint(jnp.sin)
         x = jnp.linspace(0.0, 1.0, 3)
-        assert_bits_equal(jax.jvp(f, (x,), (jnp.ones(3),)), jax.jvp(jax.checkpoint(jnp.sin), (x,), (jnp.ones(3),)))
+        assert_trees_bit_equal(jax.jvp(f, (x,), (jnp.ones(3),)), jax.jvp(jax.checkpoint(jnp.sin), (x,), (jnp.ones(3),)))
 
 
 def _offloading(fn):
@@ -535,7 +519,7 @@ def test_differentiating_a_gradient_through_an_offloading_checkpoint_equals_jax(
         return {"grad_of_grad": lambda: jax.grad(g)(x), "hessian": lambda: jax.hessian(lambda x: f(x).sum())(x),
                 "jit_hessian": lambda: jax.jit(jax.hessian(lambda x: f(x).sum()))(x)}[how]()
 
-    assert_bits_equal(run(_offloading(fn)), run(jax.checkpoint(fn, policy=CP.everything_saveable)))
+    assert_trees_bit_equal(run(_offloading(fn)), run(jax.checkpoint(fn, policy=CP.everything_saveable)))
 
 
 def test_a_staged_gradient_differentiated_again_from_outside_is_refused_clearly():
@@ -561,4 +545,4 @@ def test_second_order_without_offload_equals_jax_checkpoint(policy):
                 jax.grad(lambda x: jax.grad(lambda x: ck(x).sum())(x).sum())(x))
 
     want = second_order(jax.checkpoint(fn, policy=policy))
-    assert_bits_equal(second_order(jaxvmm.checkpoint(fn, policy=policy)), want)
+    assert_trees_bit_equal(second_order(jaxvmm.checkpoint(fn, policy=policy)), want)
