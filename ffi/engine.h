@@ -224,6 +224,7 @@ class Engine {
   bool Arm(Channel& c, bool host);  // offload: a reserved token into `arm` on d2h_ (after the cell's D2H)
   bool Revoke(Channel& c);          // takes an armed grant back; true: none is outstanding any more
   Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
+  Status WarmKernels(Channel& c);   // each grant kernel launched once (loaded), at the first initialize
   void Unload(Channel& c);          // drops the prediction a reload cell holds; caller holds mu_ too
   void ReportOn(CUstream stream, const Status& st);
   bool GraphIdle();                 // no round in progress, no D2H outstanding

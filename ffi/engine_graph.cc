@@ -73,7 +73,8 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));  // an earlier program on this stream failed later
   std::lock_guard<std::mutex> lock(graph_mu_);
   ++graph_stats_.prepares;
-  if (!kernels_.tried() && channels_.size() == 0) {
+  const bool first = !kernels_.tried() && channels_.size() == 0;
+  if (first) {
     // Once per engine, outside any capture: the protocol its captures record. A driver that cannot
     // load the PTX keeps the host-granted protocol (stats: graph_kernels = 0 and why).
     if (EngineConfig::GraphKernels()) {
@@ -90,6 +91,19 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   Channel* c = nullptr;
   bool created = false;
   JAXVMM_RETURN_IF_ERROR(channels_.GetOrCreate(site, kind, meta, &c, &created));
+  if (first && use_kernels_) {
+    // Before any round of this engine can wait on the device: under lazy module loading (the CUDA
+    // default) a kernel's first launch may wait for the whole device to drain while holding the
+    // context's lock. Launched first under a capture (graph_mu_ held) or by a revocation (the poller)
+    // while another channel's round waits for the poller, that wait never ends. Nothing of this
+    // engine waits on the device yet, so the loads end; if they fail, the host-granted protocol runs.
+    Status ws = WarmKernels(*c);
+    if (!ws.ok()) {
+      use_kernels_ = graph_stats_.kernels = false;
+      graph_stats_.kernels_error = ws.ToString();
+      std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ws.ToString().c_str());
+    }
+  }
   c->stream = stream;
   if (c->slot_id < 0) {
     // The cell's VA, reserved once: the captured copies name it on every replay.
@@ -128,6 +142,33 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   c->last_use = std::chrono::steady_clock::now();  // idle from now on until a round or a capture
   WakePoller();
   return Status();
+}
+
+Status Engine::WarmKernels(Channel& c) {
+  // Caller holds graph_mu_; `c` is the engine's first channel, its words all 0 and no round started.
+  // Each kernel runs once on gd2h_ with arguments that make it return at once, leaving the words at 0:
+  // take_offload takes arm = 1 and writes it into `ready`; take_reload finds `ready` naming the token
+  // it reads from `ready` and takes it; revoke finds `arm` empty.
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "graph kernels (warm-up)";
+  ChannelWords& w = *c.w;
+  Status st = WriteDevice(gd2h_, c.arm, 1, stage);
+  if (st.ok()) st = kernels_.TakeOffload(gd2h_, c.arm, c.ready, Addr(w.knock));
+  if (st.ok()) st = kernels_.TakeReload(gd2h_, c.ready, c.ready, Addr(w.probe), Addr(w.request), Addr(w.go));
+  if (st.ok()) st = kernels_.Revoke(gd2h_, c.arm, 0, Addr(w.result));
+  Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
+  if (st.ok()) st = sync;
+  if (st.ok() && (w.knock.load() || w.request.load() || w.result.load()))
+    st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set)");
+  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result}) word->store(0, std::memory_order_relaxed);
+  if (!st.ok()) {
+    st = Status(st.code(), st.ToString() + " (warm-up of the grant kernels at the engine's first initialize stage)");
+    // Leave the device words at 0 for the host-granted protocol (it never reads them).
+    (void)WriteDevice(gd2h_, c.arm, 0, stage);
+    (void)WriteDevice(gd2h_, c.ready, 0, stage);
+    d.StreamSynchronize(gd2h_);
+  }
+  return st;
 }
 
 Status Engine::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out) {

@@ -494,6 +494,48 @@ def test_a_revoke_after_the_device_took_the_grant_keeps_the_round():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_grant_kernels_are_warmed_at_the_first_initialize_and_a_failed_warm_up_falls_back():
+    """The engine's first initialize stage launches each grant kernel once (under lazy module loading a
+    kernel's first launch may wait for the device to drain: it must never come while a round waits on
+    the device). A launch that fails there leaves the engine on the host-granted protocol, whose rounds
+    work, and says why."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        import jaxvmm.testing as T
+        with Replay("cpu") as r:
+            with T.fault("cuLaunchKernel", nth=1, error="CUDA_ERROR_LAUNCH_FAILED"):
+                g = round_trip(r)
+            for i in range(4):
+                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
+                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
+        jaxvmm.synchronize()
+        s = lib.engine_stats("posix", 0)
+        assert s["graph_kernels"] == 0 and s["graph_grants_device"] == 0, s
+        assert s["graph_offload_rounds"] == 4 and s["graph_reload_rounds"] == 4 and s["errors"] == 0, s
+        why = lib.engine_graph_kernels_error("posix", 0)
+        assert "warm-up" in why and "cuLaunchKernel" in why, why
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    # Without the fault the same warm-up succeeds and every round after it takes a device grant.
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        with Replay("cpu") as r:
+            g = round_trip(r)
+            for i in range(4):
+                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
+                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
+        jaxvmm.synchronize()
+        s = lib.engine_stats("posix", 0)
+        assert s["graph_kernels"] == 1 and s["errors"] == 0 and s["tickets_live"] == 0, s
+        assert s["graph_offload_rounds"] == 4 and s["graph_grants_device"] >= 3, s
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_without_grant_kernels_the_host_grants_every_round():
     """JAXVMM_GRAPH_KERNELS=0 (or a driver that cannot load the PTX): the host-granted protocol."""
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
