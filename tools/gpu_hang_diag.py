@@ -1,0 +1,170 @@
+"""GPU diagnostic for the storm hang (fwd offloads 32 x 64 MiB in a captured scan; bwd, called right after
+without a block, reloads them). Each experiment runs in its own subprocess with a time limit and reports
+PASS or HANG; on a hang the native stacks of every thread are written to $OUT/stacks_<name>.txt (gdb,
+eu-stack or py-spy, whichever exists) and the frames that matter are printed.
+
+The hypothesis it tests (ffi/DESIGN.md, "Graph mode", limits): loading a CUDA module (XLA does it on the
+first run of every executable, GpuExecutable::ResolveConstantGlobals -> LoadModule) or lazily loading a
+kernel on its first launch waits for the device to drain *while holding the context's lock*. The device
+cannot drain: fwd's remaining rounds wait for grants only the poller writes, and the poller's next CUDA
+call (cuStreamWriteValue64, cuMemcpyDtoHAsync, cuEventRecord/Query, cuMemHostAlloc) queues behind that
+lock, with graph_mu_ held (so engine_stats() hangs too).
+
+    python3 tools/gpu_hang_diag.py [names...]     (default: all, in the order below)
+
+  fresh_jit    fwd (no block), then a *new* unrelated jit: hangs => any first run while rounds are pending
+  warm_bwd     one blocked fwd/bwd pair first (both executables loaded), then fwd + bwd without a block
+  eager        the storm without a block under CUDA_MODULE_LOADING=EAGER (lazy kernel loads ruled out)
+  host_grants  the storm without a block under JAXVMM_GRAPH_KERNELS=0 (no jaxvmm kernels at all)
+  storm        the storm without a block (the reported hang)
+"""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+LIMIT = float(os.environ.get("DIAG_LIMIT", "45"))
+OUT = os.environ.get("OUT", "out")
+
+PRELUDE = textwrap.dedent("""
+    import os, sys, threading, time, faulthandler
+    import jax, jax.numpy as jnp
+    from jax import lax
+    import jaxvmm
+    print("PID", os.getpid(), flush=True)
+    jaxvmm.configure(prefetch_depth=2)
+    KEYS = ("offloads", "reloads", "graph_captures", "graph_offload_rounds", "graph_reload_rounds",
+            "graph_prepares", "handler_calls", "seq_issued", "seq_completed", "errors", "graph_kernels")
+    def show(tag):
+        s = jaxvmm.engine_stats().get("cuda:0", {})
+        print(f"{tag}:", {k: s.get(k) for k in KEYS}, flush=True)
+    def watchdog(after):
+        def run():
+            time.sleep(after)
+            print("child watchdog: stuck; python stacks:", flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+            t = threading.Thread(target=lambda: show("stats (late)"), daemon=True)
+            t.start(); t.join(5)
+            if t.is_alive(): print("engine_stats() blocked too (an engine lock is held)", flush=True)
+        threading.Thread(target=run, daemon=True).start()
+    watchdog(float(os.environ.get("CHILD_WATCHDOG", "20")))
+    n = 16 << 20
+    h = jnp.ones((n,), jnp.float32)
+    fwd = jax.jit(lambda h: lax.scan(lambda h, _: (h + 1, jaxvmm.offload(h)), h, None, length=32)[1])
+    bwd = jax.jit(lambda ts: lax.scan(lambda c, t: (c + jaxvmm.reload(t)[0], None), 0.0, ts, reverse=True)[0])
+    WANT = float(sum(range(1, 33)))
+""")
+
+EXPERIMENTS = {
+    "fresh_jit": ({}, """
+        ts = fwd(h)
+        show("after fwd (no block)")
+        y = jax.jit(lambda x: x * 3.0 + 1.0)(h)   # a new executable: its module is loaded now
+        show("after the fresh jit was enqueued")
+        print("fresh", float(y[0]), flush=True)
+        jax.block_until_ready(ts)
+        print("RESULT PASS", flush=True)
+    """),
+    "warm_bwd": ({}, """
+        ts = fwd(h); jax.block_until_ready(ts)
+        assert float(bwd(ts)) == WANT
+        jaxvmm.synchronize()
+        show("after the blocked warm-up pair")
+        ts = fwd(h)
+        total = bwd(ts)
+        show("after fwd + bwd enqueued (no block)")
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """),
+    "eager": ({"CUDA_MODULE_LOADING": "EAGER"}, """
+        ts = fwd(h)
+        total = bwd(ts)
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """),
+    "host_grants": ({"JAXVMM_GRAPH_KERNELS": "0"}, """
+        ts = fwd(h)
+        total = bwd(ts)
+        show("after")
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """),
+    "storm": ({}, """
+        ts = fwd(h)
+        show("after fwd (no block)")
+        total = bwd(ts)
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """),
+}
+
+INTERESTING = ("cu", "jaxvmm", "Engine", "Poll", "Resolve", "Load", "Module", "Library", "Initialize", "Execute",
+               "Prepare", "Captured", "pthread_mutex", "futex", "lock")
+
+
+def native_stacks(pid: int) -> str:
+    for cmd in (["gdb", "-p", str(pid), "-batch", "-ex", "set pagination off", "-ex", "thread apply all bt 30"],
+                ["eu-stack", "-p", str(pid)],
+                ["py-spy", "dump", "--native", "--pid", str(pid)]):
+        if shutil.which(cmd[0]):
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+                return f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr[-2000:]}"
+            except Exception as e:  # noqa: BLE001  (diagnostics only)
+                return f"{cmd[0]} failed: {e}"
+    lines = ["no gdb/eu-stack/py-spy; per-thread kernel wait channels:"]
+    for tid in sorted(os.listdir(f"/proc/{pid}/task")):
+        try:
+            comm = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+            wchan = open(f"/proc/{pid}/task/{tid}/wchan").read().strip()
+            lines.append(f"  {tid} {comm:20s} {wchan}")
+        except OSError:
+            pass
+    return "\n".join(lines)
+
+
+def summarize(stacks: str) -> str:
+    # Keep, per thread, its header and the frames naming CUDA, jaxvmm or XLA's load/execute path.
+    out, keep = [], []
+    for line in stacks.splitlines():
+        if line.startswith("Thread ") or line.startswith("TID ") or line.startswith("Thread 0x"):
+            if keep:
+                out.extend(keep[:14])
+            keep = [line]
+        elif any(k in line for k in INTERESTING):
+            keep.append("    " + line.strip()[:220])
+    if keep:
+        out.extend(keep[:14])
+    return "\n".join(out[:400])
+
+
+def run(name: str) -> str:
+    env_extra, body = EXPERIMENTS[name]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               CHILD_WATCHDOG=str(LIMIT - 15), **env_extra)
+    code = PRELUDE + textwrap.dedent(body)
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        out, _ = p.communicate(timeout=LIMIT)
+        verdict = "PASS" if "RESULT PASS" in out else ("FAIL rc=%d" % p.returncode)
+    except subprocess.TimeoutExpired:
+        stacks = native_stacks(p.pid)
+        os.makedirs(OUT, exist_ok=True)
+        with open(os.path.join(OUT, f"stacks_{name}.txt"), "w") as f:
+            f.write(stacks)
+        p.kill()
+        out, _ = p.communicate()
+        verdict = "HANG"
+        out += "\n--- native stacks (filtered; full text in $OUT/stacks_%s.txt) ---\n%s" % (name, summarize(stacks))
+    dt = time.monotonic() - t0
+    tail = "\n".join(l for l in out.splitlines() if "site-packages" not in l or "jaxvmm" in l)[-6000:]
+    return f"===== {name} ({', '.join(f'{k}={v}' for k, v in env_extra.items()) or 'default env'}): {verdict} in {dt:.1f} s\n{tail}\n"
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(EXPERIMENTS)
+    verdicts = []
+    for n in names:
+        text = run(n)
+        print(text, flush=True)
+        verdicts.append(text.splitlines()[0])
+    print("\n".join(["SUMMARY"] + verdicts))
