@@ -52,6 +52,7 @@ namespace jaxvmm {
   X(StreamCreateWithPriority, 5050)              \
   X(StreamDestroy, 4000)                         \
   X(StreamSynchronize, 2000)                     \
+  X(CtxSynchronize, 2000)                        \
   X(StreamQuery, 2000)                           \
   X(StreamWaitEvent, 3020)                       \
   X(StreamWaitValue64, 11070)                    \

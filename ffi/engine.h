@@ -132,6 +132,11 @@ class Engine {
   void Unreserve(uint64_t token);  // the eager reload that reserved it failed before it ran
   // Blocks until every enqueued op has completed and the workers are idle.
   Status Synchronize();
+  // Before the first run of a newly compiled program (module loads): once this engine's call sites were
+  // captured, waits until the device has drained, holding no engine lock, so graph-mode rounds still
+  // pending complete (the poller serves them) before the driver loads a module. *waited: whether it did.
+  // DESIGN.md, "Graph mode", module loads.
+  Status QuiesceForModuleLoad(bool* waited);
   // Returns the staging area's idle pages and the host_numa store's empty chunks to the driver now;
   // returns the bytes returned.
   size_t Trim();

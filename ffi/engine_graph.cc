@@ -851,6 +851,19 @@ bool Engine::ServiceReloadK(Channel& c) {
   return busy;
 }
 
+Status Engine::QuiesceForModuleLoad(bool* waited) {
+  *waited = false;
+  {
+    std::lock_guard<std::mutex> lock(graph_mu_);
+    if (!any_captured_) return Status();  // no round of this engine can be pending on the device
+  }
+  ScopedContext ctx(backend_, device_);
+  JAXVMM_RETURN_IF_ERROR(ctx.status());
+  JAXVMM_RETURN_IF_ERROR(Call(-1, "quiesce before a module load", Entry::kCtxSynchronize, [&] { return Driver(backend_).CtxSynchronize(); }));
+  *waited = true;
+  return Status();
+}
+
 bool Engine::GraphIdle() {
   // Caller holds graph_mu_.
   bool idle = graph_d2h_.empty();

@@ -689,6 +689,24 @@ NB_MODULE(_jaxvmm, m) {
     }
     Check(st);
   });
+  // Every engine whose call sites were captured: wait for the device to drain (no engine lock held), so
+  // that a module load (the first run of a newly compiled program) never waits for rounds that need
+  // the poller's driver calls. Returns how many engines waited.
+  m.def("engines_quiesce_for_module_load", []() {
+    int waited = 0;
+    Status first;
+    {
+      nb::gil_scoped_release nogil;
+      for (Engine* e : Engine::All()) {
+        bool w = false;
+        Status st = e->QuiesceForModuleLoad(&w);
+        if (!st.ok() && first.ok()) first = st;
+        waited += w ? 1 : 0;
+      }
+    }
+    Check(first);
+    return waited;
+  });
   m.def("engine_trim", [engine](const std::string& backend, int device) {
     Engine* e = engine(backend, device);
     nb::gil_scoped_release nogil;

@@ -33,6 +33,9 @@ from .memory import Ballast, MemoryTimeline, host_stats, memory_timeline, reset_
 from . import share
 from .share import ShareHandle, recv_handle, send_handle
 from .remat import checkpoint, policies, print_saved_residuals, remat, saved_residuals
+from . import _module_loads
+
+_module_loads.install()
 
 __version__ = "0.1.0"
 

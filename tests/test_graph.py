@@ -536,6 +536,33 @@ def test_grant_kernels_are_warmed_at_the_first_initialize_and_a_failed_warm_up_f
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_a_new_program_waits_for_pending_rounds_before_its_first_run():
+    """XLA loads a program's module on its first run, and a module load may wait for the device to drain
+    holding the context's lock, while pending rounds wait for the poller's next driver call. So once an
+    engine's call sites were captured, every backend compile makes the engines wait for the device (no
+    lock held) before the new program runs; before any capture it costs nothing."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        import jax, jax.numpy as jnp
+        from jaxvmm import _module_loads as M
+        jax.jit(lambda a: a + 1)(jnp.ones(3)).block_until_ready()
+        assert M.waits == 0, M.waits  # nothing captured yet: no wait
+        with Replay("cpu") as r:
+            g = round_trip(r)
+            x.write(np.full(N, 7, np.uint8)); r.launch(g[0]); r.synchronize()
+        before = M.waits
+        f = jax.jit(lambda a: a * 5 - 2)
+        f(jnp.ones(3)).block_until_ready()   # a new program: compiled, then its first run
+        assert M.waits > before, (before, M.waits)
+        after = M.waits
+        f(jnp.ones(3)).block_until_ready()   # cached: no compile, no wait
+        assert M.waits == after, (after, M.waits)
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_without_grant_kernels_the_host_grants_every_round():
     """JAXVMM_GRAPH_KERNELS=0 (or a driver that cannot load the PTX): the host-granted protocol."""
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
