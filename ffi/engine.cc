@@ -609,6 +609,12 @@ void Engine::ResolveTask(uint64_t seq) {
   cv_.notify_all();
     return;
   }
+  // The token may name a graph-mode offload round the device finished before this op (stream order)
+  // whose `filled` the poller has not served: wait for it, else the ticket is "unknown" (kernel grants)
+  // or its D2H is not enqueued yet and a copy from its host block would read stale bytes.
+  lock.unlock();
+  WaitForGraphRound(token);
+  lock.lock();
   std::string why;
   std::shared_ptr<Ticket> a = tickets_.Find(token, &why);
   if (a && op.kind == Op::kReload && (a->meta.nbytes != op.meta.nbytes || a->meta.signature != op.meta.signature))
@@ -820,6 +826,7 @@ void Engine::Drop(uint64_t token) {
 }
 
 Status Engine::CheckTicket(uint64_t token, const ArrayMeta& meta, bool reserve) {
+  WaitForGraphRound(token);  // a graph-mode round that made this token may not be served yet
   std::lock_guard<std::mutex> lock(mu_);
   std::string why;
   auto t = tickets_.Find(token, &why);

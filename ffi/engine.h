@@ -140,6 +140,8 @@ class Engine {
   // Returns the staging area's idle pages and the host_numa store's empty chunks to the driver now;
   // returns the bytes returned.
   size_t Trim();
+  // Test hook: while paused the poller serves no round (a round the device finished stays unserved).
+  void PausePoller(bool paused);
   EngineStats Stats();
   // The window peaks (pinned host in use, staging mapped) restart from the values now.
   void ResetPeaks();
@@ -214,6 +216,9 @@ class Engine {
   void Poll();                   // the poller thread
   bool ServiceOffload(Channel& c);  // caller holds graph_mu_ (as do the helpers below)
   bool ServiceReload(Channel& c);
+  // A ring-path resolve of `token` waits while it names a graph-mode offload round the device finished
+  // but the poller has not served yet (no ticket yet, or its D2H not enqueued). Caller holds no lock.
+  void WaitForGraphRound(uint64_t token);
   std::shared_ptr<Ticket> FindForRound(const Channel& c, uint64_t token, std::string* why);  // caller holds mu_
   bool TakeForRound(Channel& c, const std::shared_ptr<Ticket>& a, Source* src);              // caller holds mu_
   void PrefetchInto(Channel& c);    // copies the predicted ticket into an idle reload cell
@@ -281,6 +286,7 @@ class Engine {
   std::chrono::steady_clock::time_point awake_until_;
   bool any_captured_ = false;
   bool poll_stop_ = false;
+  bool poll_paused_ = false;  // test hook (PausePoller): passes skipped while set
   GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
   bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage

@@ -252,6 +252,10 @@ void Engine::Poll() {
   ScopedContext ctx(backend_, device_);
   std::unique_lock<std::mutex> lock(graph_mu_);
   while (!poll_stop_) {
+    if (poll_paused_) {
+      poll_cv_.wait_for(lock, std::chrono::milliseconds(1));
+      continue;
+    }
     bool busy = false;
     // Offloads first: a reload's token may name a ticket whose `filled` arrived in the same pass.
     channels_.ForEach([&](Channel& c) {
@@ -862,6 +866,36 @@ Status Engine::QuiesceForModuleLoad(bool* waited) {
   JAXVMM_RETURN_IF_ERROR(Call(-1, "quiesce before a module load", Entry::kCtxSynchronize, [&] { return Driver(backend_).CtxSynchronize(); }));
   *waited = true;
   return Status();
+}
+
+void Engine::PausePoller(bool paused) {
+  {
+    std::lock_guard<std::mutex> lock(graph_mu_);
+    poll_paused_ = paused;
+  }
+  poll_cv_.notify_all();
+}
+
+void Engine::WaitForGraphRound(uint64_t token) {
+  // The poller never waits for the resolver, so this wait ends as soon as it serves the round's
+  // `filled`. Bounded anyway: past the deadline the resolve goes on and reports what it finds.
+  if (token == 0) return;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (;;) {
+    bool pending = false;
+    {
+      std::lock_guard<std::mutex> glock(graph_mu_);
+      channels_.ForEach([&](Channel& o) {
+        if (o.kind == ChannelKind::kOffload && o.grant_token == token) pending = true;  // kernel grants: no ticket yet
+      });
+      std::lock_guard<std::mutex> lock(mu_);
+      std::string why;
+      std::shared_ptr<Ticket> a = tickets_.Find(token, &why);
+      if (a && !a->enqueued) pending = true;  // host grants: made at knock, its D2H not enqueued yet
+    }
+    if (!pending || std::chrono::steady_clock::now() > deadline) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 bool Engine::GraphIdle() {

@@ -623,7 +623,13 @@ NB_MODULE(_jaxvmm, m) {
   });
   m.def("engine_check", [engine](const std::string& backend, int device, uint64_t token, uint64_t nbytes,
                                  int64_t signature, bool reserve) {
-    Check(engine(backend, device)->CheckTicket(token, ArrayMeta{nbytes, signature}, reserve));
+    Engine* e = engine(backend, device);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;  // it may wait for the poller to serve the round that made the token
+      st = e->CheckTicket(token, ArrayMeta{nbytes, signature}, reserve);
+    }
+    Check(st);
   });
   m.def("engine_unreserve", [engine](const std::string& backend, int device, uint64_t token) {
     engine(backend, device)->Unreserve(token);
@@ -723,6 +729,10 @@ NB_MODULE(_jaxvmm, m) {
   m.def("graph_kernels_ptx", [] { return std::string(kGraphKernelsPtx); });
   // Test hook (cpu): right after the next offload round's take kernel took its grant, trim() the cpu
   // engine of `device` (a revocation ordered after a take, deterministically).
+  // Test hook: pause (or resume) the graph-mode poller of the engine of (backend, device).
+  m.def("testing_pause_poller", [engine](const std::string& backend, int device, bool paused) {
+    engine(backend, device)->PausePoller(paused);
+  });
   m.def("testing_trim_after_next_take", [](int device) {
     static int dev = 0;
     dev = device;

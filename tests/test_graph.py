@@ -466,6 +466,56 @@ _ROUND_TRIP_PRELUDE = textwrap.dedent('''
 ''')
 
 
+def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
+    """A graph-mode offload round finished on the device (it took its pre-armed grant and handed out its
+    token) but the poller has not served its `filled` yet: no ticket exists for the token. A ring-path
+    reload of that token (the first, uncaptured iteration of a backward program enqueued right behind
+    the forward one) must wait for the poller, not report an unknown ticket and return 0xFF bytes."""
+    code = textwrap.dedent('''
+        import threading, time, numpy as np, jax, jax.numpy as jnp, jaxvmm
+        from jaxvmm.testing import Replay
+        from jaxvmm._native import lib
+        from jaxvmm.ops import _signature
+        shape, dtype = (3 * 1024 + 25,), np.float32
+        N = 4 * shape[0]
+        sig = _signature(shape, dtype)
+        data = lambda i: np.random.default_rng(i).integers(0, 256, N, dtype=np.uint8)
+        x, tok = jaxvmm.Slot(N, device="cpu"), jaxvmm.Slot(8, device="cpu")
+        with Replay("cpu") as r:
+            r.prepare(1 << 40, r.OFFLOAD, N, sig)
+            with r.capture() as g:
+                r.offload(1 << 40, x.address, N, tok.address, sig)
+            x.write(data(1)); r.launch(g[0]); r.synchronize()
+            t1 = bytes(tok.read())
+            time.sleep(0.1)  # the poller served round 1 and armed round 2's grant behind its D2H
+            lib.testing_pause_poller("posix", 0, True)
+            x.write(data(2)); r.launch(g[0]); r.synchronize()  # takes the armed grant: no poller needed
+            t2 = bytes(tok.read())
+            threading.Timer(0.3, lambda: lib.testing_pause_poller("posix", 0, False)).start()
+            inside_jit = jax.jit(lambda t: jaxvmm.reload(jaxvmm.Ticket(t, shape, dtype)))  # the resolver's path
+            for t, i, reload in ((t2, 2, inside_jit), (t1, 1, inside_jit)):
+                y = reload(jnp.asarray(np.frombuffer(t, np.uint32)))
+                got = np.asarray(y).view(np.uint8)
+                assert np.array_equal(got, data(i)), (i, got[:8], data(i)[:8])
+            # The eager path checks a concrete token synchronously: the same wait for the poller.
+            x.write(data(3)); r.launch(g[0]); r.synchronize()
+            time.sleep(0.1)  # served, and round 4's grant armed
+            lib.testing_pause_poller("posix", 0, True)
+            x.write(data(4)); r.launch(g[0]); r.synchronize()
+            t4 = bytes(tok.read())
+            threading.Timer(0.3, lambda: lib.testing_pause_poller("posix", 0, False)).start()
+            y = jaxvmm.reload(jaxvmm.Ticket(jnp.asarray(np.frombuffer(t4, np.uint32)), shape, dtype))
+            assert np.array_equal(np.asarray(y).view(np.uint8), data(4))
+            jaxvmm.collect()  # round 3's ticket: its token never reached a jax array
+            jaxvmm.synchronize()
+            jaxvmm.check()
+            assert lib.engine_stats("posix", 0)["graph_grants_device"] >= 1  # round 2 took an armed grant
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_a_revoke_after_the_device_took_the_grant_keeps_the_round():
     """trim() runs right after the take kernel took its grant (a POSIX test hook orders it there): the
     revocation finds the grant gone, so the cell stays mapped under the live round, which completes."""
