@@ -463,6 +463,10 @@ _ROUND_TRIP_PRELUDE = textwrap.dedent('''
             r.offload(1 << 40, x.address, N, tok.address)
             r.reload((1 << 40) + 1, tok.address, y.address, N)
         return g
+    def replay_rounds(r, g, n):  # n replays, each bit-exact
+        for i in range(n):
+            x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
+            assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
 ''')
 
 
@@ -554,9 +558,7 @@ def test_grant_kernels_are_warmed_at_the_first_initialize_and_a_failed_warm_up_f
         with Replay("cpu") as r:
             with T.fault("cuLaunchKernel", nth=1, error="CUDA_ERROR_LAUNCH_FAILED"):
                 g = round_trip(r)
-            for i in range(4):
-                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
-                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
+            replay_rounds(r, g, 4)
         jaxvmm.synchronize()
         s = lib.engine_stats("posix", 0)
         assert s["graph_kernels"] == 0 and s["graph_grants_device"] == 0, s
@@ -572,9 +574,7 @@ def test_grant_kernels_are_warmed_at_the_first_initialize_and_a_failed_warm_up_f
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         with Replay("cpu") as r:
             g = round_trip(r)
-            for i in range(4):
-                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
-                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
+            replay_rounds(r, g, 4)
         jaxvmm.synchronize()
         s = lib.engine_stats("posix", 0)
         assert s["graph_kernels"] == 1 and s["errors"] == 0 and s["tickets_live"] == 0, s
@@ -618,9 +618,7 @@ def test_without_grant_kernels_the_host_grants_every_round():
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         with Replay("cpu") as r:
             g = round_trip(r)
-            for i in range(5):
-                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
-                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
+            replay_rounds(r, g, 5)
         jaxvmm.synchronize()
         s = lib.engine_stats("posix", 0)
         assert s["graph_kernels"] == 0 and s["graph_grants_device"] == 0, s
