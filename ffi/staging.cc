@@ -53,26 +53,32 @@ void StagingArea::Drop(Cell& c) {
   c = Cell();
 }
 
-bool StagingArea::MakeRoom(size_t need, bool try_only) {
-  // Caller holds mu_. Cells whose last user finished go first (oldest first); without `try_only`,
-  // cells whose last user is still running are waited for on the host (the rare case).
-  for (int pass = 0; pass < 2 && mapped_ + need > Budget(); ++pass) {
-    if (pass == 1 && try_only) break;
+bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
+  // Caller holds mu_ (through `wait` when given). Cells whose last user finished go first (oldest
+  // first). With `wait`, cells whose last user is still running are then waited for on the host (the
+  // rare case: the budget is full of other sizes' copies in flight), with mu_ dropped while waiting:
+  // a graph-mode round the device is blocked in may need the poller, whose Charge() takes mu_.
+  bool counted = false;
+  for (;;) {
     std::vector<Cell*> idle;
     for (Cell& c : cells_)
       if (c.slot_id >= 0 && !c.in_use) idle.push_back(&c);
     std::sort(idle.begin(), idle.end(), [](const Cell* a, const Cell* b) { return a->last_use < b->last_use; });
+    bool running = false;
     for (Cell* c : idle) {
       if (mapped_ + need <= Budget()) break;
-      if (pass == 0 && !Finished(*c)) continue;
-      if (pass == 1) {
-        ++stats_.host_waits;
-        Driver(backend_).EventSynchronize(c->free);
+      if (!Finished(*c)) {
+        running = true;
+        continue;
       }
       Drop(*c);
     }
+    if (mapped_ + need <= Budget()) return true;
+    if (!wait || !running) return false;
+    if (!counted) ++stats_.host_waits;
+    counted = true;
+    cv_.wait_for(*wait, std::chrono::microseconds(100));  // the cells may change meanwhile: scan again
   }
-  return mapped_ + need <= Budget();
 }
 
 Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLease* out) {
@@ -110,7 +116,7 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
     }
     Cell* pick = finished;
     if (!pick && count < Depth() && other_finished) pick = other_finished;
-    if (!pick && count < Depth() && MakeRoom(size, /*try_only=*/oldest != nullptr || try_only)) {
+    if (!pick && count < Depth() && MakeRoom(size, oldest != nullptr || try_only ? nullptr : &lock)) {
       SlotSpec spec;
       spec.backend = backend_;
       spec.device = device_;
@@ -201,7 +207,7 @@ void StagingArea::Pin(const StagingLease& lease) {
 bool StagingArea::Charge(size_t bytes) {
   ScopedContext ctx(backend_, device_);
   std::lock_guard<std::mutex> lock(mu_);
-  if (!MakeRoom(bytes, /*try_only=*/true)) return false;
+  if (!MakeRoom(bytes, /*wait=*/nullptr)) return false;
   mapped_ += bytes;
   NotePeak();
   return true;

@@ -109,7 +109,7 @@ class StagingArea {
   };
   bool Finished(const Cell& c) const;                // caller holds mu_
   void Drop(Cell& c);                                // returns its pages; caller holds mu_
-  bool MakeRoom(size_t need, bool try_only);         // evicts other cells; caller holds mu_
+  bool MakeRoom(size_t need, std::unique_lock<std::mutex>* wait);  // evicts other cells; caller holds mu_
   void Janitor();                                    // trims after IdleMillis() without an acquire
 
   const Backend backend_;
