@@ -91,13 +91,14 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   Channel* c = nullptr;
   bool created = false;
   JAXVMM_RETURN_IF_ERROR(channels_.GetOrCreate(site, kind, meta, &c, &created));
-  if (first && use_kernels_) {
+  if (use_kernels_ && !kernels_warmed_ && !any_captured_) {
     // Before any round of this engine can wait on the device: under lazy module loading (the CUDA
     // default) a kernel's first launch may wait for the whole device to drain while holding the
     // context's lock. Launched first under a capture (graph_mu_ held) or by a revocation (the poller)
     // while another channel's round waits for the poller, that wait never ends. Nothing of this
     // engine waits on the device yet, so the loads end; if they fail, the host-granted protocol runs.
     Status ws = WarmKernels(*c);
+    kernels_warmed_ = ws.ok();
     if (!ws.ok()) {
       use_kernels_ = graph_stats_.kernels = false;
       graph_stats_.kernels_error = ws.ToString();
@@ -622,9 +623,14 @@ bool Engine::Arm(Channel& c, bool host) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     token = tickets_.ReserveToken();
+    armed_tokens_.insert(token);  // before the device can take it (WaitForGraphRound)
   }
   Status st = WriteDevice(gd2h_, c.arm, token, "offload grant (graph)");
   if (!st.ok()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      armed_tokens_.erase(token);
+    }
     ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode grant of call site " + std::to_string(c.site) + "; retrying)"));
     return false;
   }
@@ -659,6 +665,10 @@ bool Engine::Revoke(Channel& c) {
   }
   ++graph_stats_.revokes;
   c.round = Channel::Round::kIdle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_tokens_.erase(c.grant_token);
+  }
   c.grant_token = 0;  // a reserved number never used: no ticket was made for it
   if (!offload) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -691,6 +701,7 @@ bool Engine::ServiceOffloadK(Channel& c) {
     std::shared_ptr<Ticket> t;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      armed_tokens_.erase(token);  // from now on its ticket (or its absence) speaks for it
       if (st.ok()) {
         t = tickets_.Create(c.meta, token);
         if (!t) st = Status(Code::kInternal, TokenStr(token) + " was taken by another ticket before its round ended");
@@ -877,23 +888,21 @@ void Engine::PausePoller(bool paused) {
 }
 
 void Engine::WaitForGraphRound(uint64_t token) {
-  // The poller never waits for the resolver, so this wait ends as soon as it serves the round's
-  // `filled`. Bounded anyway: past the deadline the resolve goes on and reports what it finds.
+  // Only mu_ (never graph_mu_, which the poller holds across slow driver calls): the poller never
+  // waits for the resolver, so this wait ends as soon as it serves the round's `filled`. Bounded
+  // anyway: past the deadline the resolve goes on and reports what it finds.
   if (token == 0) return;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   for (;;) {
-    bool pending = false;
     {
-      std::lock_guard<std::mutex> glock(graph_mu_);
-      channels_.ForEach([&](Channel& o) {
-        if (o.kind == ChannelKind::kOffload && o.grant_token == token) pending = true;  // kernel grants: no ticket yet
-      });
       std::lock_guard<std::mutex> lock(mu_);
       std::string why;
       std::shared_ptr<Ticket> a = tickets_.Find(token, &why);
-      if (a && !a->enqueued) pending = true;  // host grants: made at knock, its D2H not enqueued yet
+      // Kernel grants: no ticket yet for an armed token; host grants: made at knock, D2H not enqueued.
+      const bool pending = a ? !a->enqueued : armed_tokens_.count(token) > 0;
+      if (!pending) return;
     }
-    if (!pending || std::chrono::steady_clock::now() > deadline) return;
+    if (std::chrono::steady_clock::now() > deadline) return;
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }

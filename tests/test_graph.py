@@ -613,6 +613,35 @@ def test_a_new_program_waits_for_pending_rounds_before_its_first_run():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_the_warm_up_runs_even_when_the_first_initialize_stage_failed():
+    """The first initialize stage loads the kernels, then fails to make its channel (device words):
+    the next initialize stage still warms the kernels before any round can wait (a failing launch
+    there shows it ran: the engine falls back to host grants and says the warm-up failed)."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        import jaxvmm.testing as T
+        with Replay("cpu") as r:
+            with T.fault("cuMemAlloc", nth=1):
+                try:
+                    r.prepare(1 << 40, r.OFFLOAD, N)
+                except Exception as e:
+                    assert "cuMemAlloc" in str(e), e
+                else:
+                    raise AssertionError("the injected cuMemAlloc failure did not fail the initialize stage")
+            with T.fault("cuLaunchKernel", nth=1, error="CUDA_ERROR_LAUNCH_FAILED"):
+                g = round_trip(r)
+            replay_rounds(r, g, 3)
+        jaxvmm.synchronize()
+        s = lib.engine_stats("posix", 0)
+        why = lib.engine_graph_kernels_error("posix", 0)
+        assert s["graph_kernels"] == 0 and "warm-up" in why, (s["graph_kernels"], why)
+        jaxvmm.check()
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_without_grant_kernels_the_host_grants_every_round():
     """JAXVMM_GRAPH_KERNELS=0 (or a driver that cannot load the PTX): the host-granted protocol."""
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
