@@ -217,6 +217,9 @@ class Engine {
   void Poll();                   // the poller thread
   bool ServiceOffload(Channel& c);  // caller holds graph_mu_ (as do the helpers below)
   bool ServiceReload(Channel& c);
+  std::shared_ptr<Ticket> MakeRoundTicket(const Channel& c, uint64_t token, Status* st);  // takes mu_
+  Status CopyOutOfCell(Channel& c, const std::shared_ptr<Ticket>& t);  // D2H on gd2h_; takes mu_
+  void RecordOffloadError(const Channel& c, const Status& st);         // takes mu_
   // A ring-path resolve of `token` waits while it names a graph-mode offload round the device finished
   // but the poller has not served yet (no ticket yet, or its D2H not enqueued). Caller holds no lock.
   void WaitForGraphRound(uint64_t token);

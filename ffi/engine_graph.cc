@@ -351,9 +351,61 @@ void Engine::Grant(std::atomic<uint64_t>* word, Channel& c) {
   word->store(1, std::memory_order_seq_cst);
 }
 
+std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token, Status* st) {
+  // A graph-mode offload round's ticket, with its host block and d2h_done event: a new token (0), or
+  // the reserved token the device took (kernel grants). Null, and *st says why, when it cannot be made.
+  HostBlock host;
+  CUevent ev = nullptr;
+  *st = host_store_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
+  if (st->ok()) *st = GetEvent(&ev);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (token) armed_tokens_.erase(token);  // from now on its ticket (or its absence) speaks for it
+  std::shared_ptr<Ticket> t;
+  if (st->ok()) {
+    t = token ? tickets_.Create(c.meta, token) : tickets_.Create(c.meta);
+    if (!t) *st = Status(Code::kInternal, TokenStr(token) + " was taken by another ticket before its round ended");
+  }
+  if (t) {
+    t->offload_seq = next_seq_ - 1;
+    t->host = host;
+    t->d2h_done = ev;
+    ++stats_.offloads;
+  } else {
+    if (host.ptr) host_store_.Free(host);
+    if (ev) event_pool_.push_back(ev);
+  }
+  return t;
+}
+
+Status Engine::CopyOutOfCell(Channel& c, const std::shared_ptr<Ticket>& t) {
+  // The round's bytes, D2H out of the cell into t's host block on gd2h_: t is reloadable once that is
+  // enqueued. A failure drops t (its bytes never reached the host: a reload of it fails).
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "offload (graph)";
+  Status st = CopyToHost(gd2h_, t->host, c.cell, c.meta.nbytes, stage);
+  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
+  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
+  c.cell_stream = gd2h_;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (st.ok()) {
+    t->enqueued = true;
+    graph_d2h_.push_back(t);
+  } else {
+    d.StreamSynchronize(gd2h_);
+    t->on_host = t->dropped = true;
+    Retire(t);
+  }
+  return st;
+}
+
+void Engine::RecordOffloadError(const Channel& c, const Status& st) {
+  std::lock_guard<std::mutex> lock(mu_);
+  errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
+  ++stats_.errors;
+}
+
 bool Engine::ServiceOffload(Channel& c) {
   ChannelWords& w = *c.w;
-  const DriverTable& d = Driver(backend_);
   bool busy = false;
   if (w.filled.load(std::memory_order_acquire) == 1) {
     // The device copied x into the cell and handed out the round's token: D2H it on gd2h_.
@@ -365,22 +417,8 @@ bool Engine::ServiceOffload(Channel& c) {
     ++c.rounds;
     ++graph_stats_.offload_rounds;
     if (t) {
-      const char* stage = "offload (graph)";
-      Status st = CopyToHost(gd2h_, t->host, c.cell, c.meta.nbytes, stage);
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
-      c.cell_stream = gd2h_;
-      std::lock_guard<std::mutex> lock(mu_);
-      if (st.ok()) {
-        t->enqueued = true;
-        graph_d2h_.push_back(t);
-      } else {
-        d.StreamSynchronize(gd2h_);
-        t->on_host = t->dropped = true;  // its bytes never reached the host: a reload of it fails
-        Retire(t);
-        errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
-        ++stats_.errors;
-      }
+      Status st = CopyOutOfCell(c, t);
+      if (!st.ok()) RecordOffloadError(c, st);
     }
   }
   // A round waits for its grant. Only one grant is outstanding at a time: a knock that arrives while
@@ -390,27 +428,10 @@ bool Engine::ServiceOffload(Channel& c) {
     c.waiting = true;
     busy = true;
     if (!MapCell(c)) return busy;  // no room in the staging budget yet: the next pass retries
-    HostBlock host;
-    CUevent ev = nullptr;
-    Status st = host_store_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
-    if (st.ok()) st = GetEvent(&ev);
-    std::shared_ptr<Ticket> t;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (st.ok()) {
-        t = tickets_.Create(c.meta);
-        t->offload_seq = next_seq_ - 1;
-        t->host = host;
-        t->d2h_done = ev;
-        ++stats_.offloads;
-      } else {
-        if (host.ptr) host_store_.Free(host);
-        if (ev) event_pool_.push_back(ev);
-        // The round hands out token 0, which no ticket has: its reload fills 0xFF and reports.
-        errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
-        ++stats_.errors;
-      }
-    }
+    Status st;
+    std::shared_ptr<Ticket> t = MakeRoundTicket(c, /*token=*/0, &st);
+    // Without one the round hands out token 0, which no ticket has: its reload fills 0xFF and reports.
+    if (!t) RecordOffloadError(c, st);
     w.token.store(t ? t->token : 0, std::memory_order_relaxed);
     c.ticket = t;
     c.waiting = false;
@@ -668,18 +689,14 @@ bool Engine::Revoke(Channel& c) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     armed_tokens_.erase(c.grant_token);
+    if (!offload) Unload(c);
   }
   c.grant_token = 0;  // a reserved number never used: no ticket was made for it
-  if (!offload) {
-    std::lock_guard<std::mutex> lock(mu_);
-    Unload(c);
-  }
   return true;
 }
 
 bool Engine::ServiceOffloadK(Channel& c) {
   ChannelWords& w = *c.w;
-  const DriverTable& d = Driver(backend_);
   bool busy = false;
   if (w.filled.load(std::memory_order_acquire) == 1) {
     // The device took grant_token, copied x into the cell and handed the token out: make its ticket,
@@ -693,50 +710,11 @@ bool Engine::ServiceOffloadK(Channel& c) {
     ++c.rounds;
     ++graph_stats_.offload_rounds;
     ++(c.host_grant ? graph_stats_.grants_host : graph_stats_.grants_device);
-    const char* stage = "offload (graph)";
-    HostBlock host;
-    CUevent ev = nullptr;
-    Status st = host_store_.Allocate(c.meta.nbytes, &host).At(-1, stage);
-    if (st.ok()) st = GetEvent(&ev);
-    std::shared_ptr<Ticket> t;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      armed_tokens_.erase(token);  // from now on its ticket (or its absence) speaks for it
-      if (st.ok()) {
-        t = tickets_.Create(c.meta, token);
-        if (!t) st = Status(Code::kInternal, TokenStr(token) + " was taken by another ticket before its round ended");
-      }
-      if (t) {
-        t->offload_seq = next_seq_ - 1;
-        t->host = host;
-        t->d2h_done = ev;
-        ++stats_.offloads;
-      } else {
-        if (host.ptr) host_store_.Free(host);
-        if (ev) event_pool_.push_back(ev);
-      }
-    }
-    if (t) {
-      st = CopyToHost(gd2h_, t->host, c.cell, c.meta.nbytes, stage);
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
-      if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
-      c.cell_stream = gd2h_;
-      std::lock_guard<std::mutex> lock(mu_);
-      if (st.ok()) {
-        t->enqueued = true;
-        graph_d2h_.push_back(t);
-      } else {
-        d.StreamSynchronize(gd2h_);
-        t->on_host = t->dropped = true;  // its bytes never reached the host: a reload of it fails
-        Retire(t);
-      }
-    }
-    if (!st.ok()) {
-      // The token the device handed out names no ticket: its reload fills 0xFF and reports too.
-      std::lock_guard<std::mutex> lock(mu_);
-      errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
-      ++stats_.errors;
-    }
+    Status st;
+    std::shared_ptr<Ticket> t = MakeRoundTicket(c, token, &st);
+    if (t) st = CopyOutOfCell(c, t);
+    // Failed: the token the device handed out names no ticket; its reload fills 0xFF and reports too.
+    if (!st.ok()) RecordOffloadError(c, st);
     if (c.mapped) Arm(c, /*host=*/false);
   }
   // `knock` is a level the device holds while it waits with no grant. An armed grant answers it (its
@@ -806,14 +784,8 @@ bool Engine::ServiceReloadK(Channel& c) {
       std::lock_guard<std::mutex> lock(mu_);
       a = FindForRound(c, token, &why);
       if (a && !a->enqueued) return busy;  // its offload's `filled` is served on the next pass
-    }
-    if (!a && token != 0) {
       // A token an offload round handed out whose `filled` is not served yet has no ticket yet.
-      bool pending = false;
-      channels_.ForEach([&](Channel& o) {
-        if (o.kind == ChannelKind::kOffload && o.grant_token == token) pending = true;
-      });
-      if (pending) return busy;
+      if (!a && armed_tokens_.count(token)) return busy;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
