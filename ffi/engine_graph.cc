@@ -369,6 +369,7 @@ std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token
     t->offload_seq = next_seq_ - 1;
     t->host = host;
     t->d2h_done = ev;
+    t->graph_round = true;
     ++stats_.offloads;
   } else {
     if (host.ptr) host_store_.Free(host);
@@ -466,16 +467,24 @@ void Engine::PrefetchInto(Channel& c) {
   // ticket the next round will most likely name, so its grant needs no copy on the device's path.
   if (!c.mapped || c.loaded) return;
   Source src;
+  const DriverTable& d = Driver(backend_);
+  // Only a ticket whose bytes can be copied without waiting on XLA's streams: a graph round's (its D2H
+  // on gd2h_ only follows its own round), or a ring-path one whose D2H already finished. A ring-path
+  // D2H waits for an event of XLA's stream; a ticket offloaded *after* this channel's next round (the
+  // next program, enqueued behind this one) would hold the cell, and the next round's request waits
+  // for the cell's copies: the device would wait for itself.
+  auto usable = [&](const Ticket& t) {
+    return t.graph_round || t.on_host || (t.d2h_done && d.EventQuery(t.d2h_done) == CUDA_SUCCESS);
+  };
   {
     std::lock_guard<std::mutex> lock(mu_);
-    std::shared_ptr<Ticket> t = tickets_.Predict(c.meta);
+    std::shared_ptr<Ticket> t = tickets_.Predict(c.meta, usable);
     if (!t) return;
     t->claimed_by = c.Claim();
     t->pins += 1;
     c.loaded = t;
     src = SourceOf(*t);
   }
-  const DriverTable& d = Driver(backend_);
   Status st = CopyTicket(gh2d_, src, c.cell, c.meta.nbytes, "reload prefetch (graph)");
   bool armed = false;
   if (st.ok() && use_kernels_) {
