@@ -72,6 +72,8 @@ struct Channel {
   CUdeviceptr cell = 0;
   size_t cell_size = 0;
   bool mapped = false;
+  bool host_pages = false;  // mapped with host (HOST_NUMA) pages: the device had no memory for them
+  int map_failures = 0;     // MapCell attempts failed in a row (reported once per streak)
   bool captured = false;  // some execute recorded this channel's device work
   int64_t prepares = 0;   // initialize stages seen
   Round round = Round::kIdle;

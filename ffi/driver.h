@@ -145,4 +145,8 @@ int PosixLocalOrdinal(int ffi_ordinal);  // the local index of that id; the ordi
 // deterministically. nullptr clears it.
 void SetPosixAfterTakeHook(void (*fn)(void*), void* arg);
 
+// Test hook (POSIX backend): device-location cuMemCreate fails with CUDA_ERROR_OUT_OF_MEMORY once the
+// live device-location handles would exceed `bytes` (a device whose memory XLA holds); < 0: no limit.
+void SetPosixDeviceMemoryLimit(int64_t bytes);
+
 }  // namespace jaxvmm

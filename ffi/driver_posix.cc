@@ -51,6 +51,7 @@ struct Physical {
   size_t size;
   int fd;       // -1 unless the handle is exportable (POSIX file descriptor requested or imported)
   CUmemAllocationProp prop;  // as created, or as decoded from an imported memfd's name
+  bool device_bytes = false;  // counted in PosixState::device_bytes (created at a device location)
 };
 
 // An exportable handle's memfd is named "jaxvmm-slot:<location type>:<location id>", so an importer can
@@ -111,7 +112,10 @@ struct PosixState {
   std::unordered_map<uintptr_t, size_t> host_allocs;
   std::unordered_map<uintptr_t, size_t> device_allocs;  // cuMemAlloc
   uint64_t next_handle = 1;
+  int64_t device_bytes = 0;  // live device-location handles created here (SetPosixDeviceMemoryLimit)
 };
+
+std::atomic<int64_t> g_device_limit{-1};
 
 PosixState& S() {
   static PosixState* s = new PosixState();  // never destroyed: slots may be torn down at exit
@@ -319,6 +323,15 @@ CUresult PosixMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const
   }
   PosixState& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
+  if (prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
+    const int64_t limit = g_device_limit.load();
+    if (limit >= 0 && s.device_bytes + static_cast<int64_t>(size) > limit) {
+      DropPhysical(ph);
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    s.device_bytes += static_cast<int64_t>(size);
+    ph.device_bytes = true;
+  }
   uint64_t h = s.next_handle++;
   s.handles[h] = ph;
   *handle = h;
@@ -330,6 +343,7 @@ CUresult PosixMemRelease(CUmemGenericAllocationHandle handle) {
   std::lock_guard<std::mutex> lock(s.mu);
   auto it = s.handles.find(handle);
   if (it == s.handles.end()) return CUDA_ERROR_INVALID_VALUE;
+  if (it->second.device_bytes) s.device_bytes -= static_cast<int64_t>(it->second.size);
   DropPhysical(it->second);  // mapped pages stay alive until their last unmap
   s.handles.erase(it);
   return CUDA_SUCCESS;
@@ -798,6 +812,8 @@ void SetPosixAfterTakeHook(void (*fn)(void*), void* arg) {
   g_after_take = fn;
   g_after_take_arg = arg;
 }
+
+void SetPosixDeviceMemoryLimit(int64_t bytes) { g_device_limit.store(bytes < 0 ? -1 : bytes); }
 
 void SetPosixDeviceCount(int n) { g_device_count.store(n > 0 ? n : 1); }
 

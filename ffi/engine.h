@@ -51,6 +51,7 @@ struct GraphStats {
   int64_t grants_device = 0, grants_host = 0;
   int64_t revokes = 0;         // grants taken back (idle release, trim, budget) before the device used them
   int64_t revokes_lost = 0;    // revocations that found the grant already taken (the round went on)
+  int64_t host_cells = 0;      // cells mapped with host pages because the device was out of memory
 };
 
 struct EngineStats {
@@ -230,7 +231,8 @@ class Engine {
   bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
   bool MapCell(Channel& c);         // pages for the cell within the staging budget; false: not now
   void UnmapCell(Channel& c);
-  size_t ReleaseIdleCells(bool now);  // cells of idle channels (after IdleMillis unless `now`)
+  // Cells of idle channels (after IdleMillis unless `now`; only those with device pages if `device_only`).
+  size_t ReleaseIdleCells(bool now, bool device_only = false);
   void Grant(std::atomic<uint64_t>* word, Channel& c);  // writes 1, ordered after the cell's last copy
   // Kernel grants (caller holds graph_mu_).
   bool ServiceOffloadK(Channel& c);

@@ -286,11 +286,31 @@ bool Engine::MapCell(Channel& c) {
     if (!staging_.Charge(c.cell_size)) return false;
   }
   Status st = Registry::Get().Remap(c.slot_id);
+  if (st.code() == Code::kOutOfMemory) {
+    // The device is full (XLA's buffers, other processes). A round may be waiting for this cell on the
+    // device, and the memory it needs may be freed only by that very program: waiting could be
+    // forever. Other channels' idle cells first, then host pages at the same VA (the copies into and
+    // out of the cell cross PCIe; the pages go back when the channel is idle, as device pages do).
+    ReleaseIdleCells(/*now=*/true, /*device_only=*/true);
+    st = Registry::Get().Remap(c.slot_id);
+    Location host;
+    if (st.code() == Code::kOutOfMemory && HostNumaLocation(backend_, device_, &host).ok()) {
+      Status hs = Registry::Get().RemapAt(c.slot_id, host);
+      if (hs.ok()) {
+        std::fprintf(stderr, "jaxvmm: graph-mode cell of call site %lld (%zu bytes) mapped with host pages: the device is out of memory (%s)\n",
+                     static_cast<long long>(c.site), c.cell_size, st.ToString().c_str());
+        c.host_pages = true;
+        ++graph_stats_.host_cells;
+        st = hs;
+      }
+    }
+  }
   if (!st.ok()) {
     staging_.Uncharge(c.cell_size);
-    ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode cell; retrying)"));
+    if (c.map_failures++ == 0) ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode cell; retrying)"));
     return false;
   }
+  c.map_failures = 0;
   c.mapped = true;
   graph_stats_.mapped_bytes += static_cast<int64_t>(c.cell_size);
   ++graph_stats_.pages_mapped;
@@ -305,6 +325,7 @@ void Engine::UnmapCell(Channel& c) {
     return;
   }
   c.mapped = false;
+  c.host_pages = false;
   staging_.Uncharge(c.cell_size);
   graph_stats_.mapped_bytes -= static_cast<int64_t>(c.cell_size);
   ++graph_stats_.pages_returned;
@@ -319,13 +340,13 @@ void Engine::Unload(Channel& c) {
   c.loaded.reset();
 }
 
-size_t Engine::ReleaseIdleCells(bool now) {
+size_t Engine::ReleaseIdleCells(bool now, bool device_only) {
   const auto t = std::chrono::steady_clock::now();
   const auto idle = std::chrono::milliseconds(StagingArea::IdleMillis());
   const DriverTable& d = Driver(backend_);
   size_t released = 0;
   channels_.ForEach([&](Channel& c) {
-    if (!c.mapped || c.round == Channel::Round::kGranted || c.waiting) return;
+    if (!c.mapped || c.round == Channel::Round::kGranted || c.waiting || (device_only && c.host_pages)) return;
     if (!now && t - c.last_use < idle) return;
     if (c.round == Channel::Round::kArmed && !Revoke(c)) return;  // the device took the grant: its round is live
     if (c.cell_stream && d.EventQuery(c.cell_event) != CUDA_SUCCESS) return;  // a copy still uses it

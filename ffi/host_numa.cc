@@ -98,17 +98,11 @@ class HostNumaSource : public HostChunkSource {
   Status Resolve() {
     std::lock_guard<std::mutex> lock(mu_);
     if (granule_) return Status();
-    const DriverTable& d = Driver(backend_);
-    CUdevice dev;
-    JAXVMM_RETURN_IF_ERROR(Call(-1, "host_numa store", Entry::kDeviceGet, [&] { return d.DeviceGet(&dev, device_); }));
-    int node = -1;
-    CUresult r = d.DeviceGetAttribute(&node, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, dev);
-    if (r != CUDA_SUCCESS || node < 0) node = 0;
-    Location loc{CU_MEM_LOCATION_TYPE_HOST_NUMA, node};
-    JAXVMM_RETURN_IF_ERROR(CheckCapability(backend_, device_, loc).At(-1, "host_numa store"));
+    Location loc;
+    JAXVMM_RETURN_IF_ERROR(HostNumaLocation(backend_, device_, &loc).At(-1, "host_numa store"));
     size_t g = 0;
     JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
-    node_ = node;
+    node_ = loc.id;
     granule_ = std::max<size_t>(g, 1);
     return Status();
   }

@@ -588,6 +588,7 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_grants_host"] = s.graph.grants_host;
     d["graph_revokes"] = s.graph.revokes;
     d["graph_revokes_lost"] = s.graph.revokes_lost;
+    d["graph_cells_host"] = s.graph.host_cells;
     return d;
   });
   // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in
@@ -733,6 +734,8 @@ NB_MODULE(_jaxvmm, m) {
   m.def("testing_pause_poller", [engine](const std::string& backend, int device, bool paused) {
     engine(backend, device)->PausePoller(paused);
   });
+  // Test hook (cpu): device-location pages beyond `bytes` fail to be created (out of memory); < 0: no limit.
+  m.def("testing_posix_device_limit", [](int64_t bytes) { SetPosixDeviceMemoryLimit(bytes); });
   m.def("testing_trim_after_next_take", [](int device) {
     static int dev = 0;
     dev = device;

@@ -101,10 +101,14 @@ Status Registry::Release(int64_t id) {
   return st;
 }
 
-Status Registry::Remap(int64_t id) {
+Status Registry::Remap(int64_t id) { return RemapAt(id, nullptr); }
+
+Status Registry::RemapAt(int64_t id, const Location& where) { return RemapAt(id, &where); }
+
+Status Registry::RemapAt(int64_t id, const Location* where) {
   std::shared_ptr<Slot> slot;
   JAXVMM_RETURN_IF_ERROR(Lookup(id, &slot));
-  Status st = slot->Remap();
+  Status st = slot->Remap(where);
   std::lock_guard<std::mutex> lock(mu_);
   if (st.ok()) ++remaps_;
   return st;

@@ -65,6 +65,7 @@ class Registry {
 
   Status Release(int64_t id);
   Status Remap(int64_t id);
+  Status RemapAt(int64_t id, const Location& where);  // pages at `where` for this mapping (Slot::Remap)
   // Removes the slot first (it is never handed out again), then tears it down; on failure the remains
   // go to the quarantine, the failure is logged once, and a kQuarantined status is returned. A slot with
   // live zero-copy views is refused (kState) and stays open.
@@ -82,6 +83,7 @@ class Registry {
   const ByteGauge* MappedGauge(Backend b, int device, bool internal_only);
 
  private:
+  Status RemapAt(int64_t id, const Location* where);  // null: the slot's own location
   Registry() = default;
   void Quarantine(std::shared_ptr<Slot> slot, const Status& why, bool registered);
   Status Add(const SlotSpec& spec, const ImportSource* src, int64_t* id);

@@ -193,6 +193,20 @@ Status Granularity(Backend b, int device, const Location& loc, size_t* out) {
   return Status();
 }
 
+Status HostNumaLocation(Backend b, int device, Location* out) {
+  {
+    ScopedContext ctx(b, device);
+    JAXVMM_RETURN_IF_ERROR(ctx.status());
+    const DriverTable& d = Driver(b);
+    CUdevice dev;
+    JAXVMM_RETURN_IF_ERROR(Call(-1, "host NUMA node", Entry::kDeviceGet, [&] { return d.DeviceGet(&dev, device); }));
+    int node = -1;
+    if (d.DeviceGetAttribute(&node, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, dev) != CUDA_SUCCESS || node < 0) node = 0;
+    *out = Location{CU_MEM_LOCATION_TYPE_HOST_NUMA, node};
+  }
+  return CheckCapability(b, device, *out);
+}
+
 // ---- lifecycle ----
 Status Slot::Create(int64_t id, const SlotSpec& spec, std::vector<ByteGauge*> gauges, std::shared_ptr<Slot>* out,
                     std::shared_ptr<Slot>* remains) {
@@ -251,7 +265,7 @@ Status Slot::Build(int64_t id, const SlotSpec& spec_in, const ImportSource* src,
   if (st.ok()) st = slot->va_.Reserve(spec.backend, slot->size_, g, id, kStage);
   if (st.ok()) {
     slot->address_ = slot->va_.base();
-    if (spec.map_on_create) st = slot->MapPages(kStage);
+    if (spec.map_on_create) st = slot->MapPages(kStage, spec.location);
   }
   slot->import_ = nullptr;
   if (!st.ok()) {
@@ -281,11 +295,11 @@ Status Slot::Build(int64_t id, const SlotSpec& spec_in, const ImportSource* src,
   return Status();
 }
 
-Status Slot::MapPages(const char* stage) {
+Status Slot::MapPages(const char* stage, const Location& where) {
   const SlotSpec& s = spec_;
   Status st;
   if (import_ == nullptr) {
-    st = pages_.Create(s.backend, size_, MakeProp(s.location, s.handle_types), id_, stage);
+    st = pages_.Create(s.backend, size_, MakeProp(where, s.handle_types), id_, stage);
   } else {
     void* os_handle = import_->type == CU_MEM_HANDLE_TYPE_FABRIC
                           ? const_cast<void*>(static_cast<const void*>(&import_->fabric))
@@ -313,6 +327,7 @@ Status Slot::MapPages(const char* stage) {
     return st;
   }
   accessible_ = true;
+  mapped_location_ = where;
   return Status();
 }
 
@@ -355,7 +370,7 @@ Status Slot::Release() {
   return st;
 }
 
-Status Slot::Remap() {
+Status Slot::Remap(const Location* where) {
   constexpr const char* kStage = "remap";
   std::lock_guard<std::mutex> lock(mu_);
   if (state_ != SlotState::kReleased)
@@ -363,7 +378,7 @@ Status Slot::Remap() {
   ScopedContext ctx(spec_.backend, spec_.device);
   if (!ctx.status().ok()) return Status(ctx.status()).At(id_, kStage);
   Status st = DropPages(kStage);  // finish what an earlier failed release left behind
-  if (st.ok()) st = MapPages(kStage);
+  if (st.ok()) st = MapPages(kStage, where ? *where : spec_.location);
   Account();
   if (!st.ok()) {
     Remember(st);
@@ -494,7 +509,7 @@ SlotInfo Slot::Info() const {
   return SlotInfo{id_,
                   spec_.backend,
                   spec_.device,
-                  imported_ ? imported_location_ : spec_.location,
+                  imported_ ? imported_location_ : (state_ == SlotState::kMapped ? mapped_location_ : spec_.location),
                   address_,
                   spec_.nbytes,
                   size_,

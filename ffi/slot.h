@@ -98,6 +98,9 @@ class ByteGauge {
 // Capability and granularity, checked once per (backend, device, location) and cached.
 Status CheckCapability(Backend b, int device, const Location& loc);
 Status Granularity(Backend b, int device, const Location& loc, size_t* out);
+// The host NUMA node nearest `device` (CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID; node 0 where the driver names
+// none), checked like CheckCapability: where host pages the device may map live.
+Status HostNumaLocation(Backend b, int device, Location* out);
 // Whether pages at `loc` can be created exportable as `type` (POSIX FD, FABRIC): the device attribute, then
 // one granule created and released with that handle type requested. Cached like CheckCapability.
 Status CheckShareable(Backend b, int device, const Location& loc, CUmemAllocationHandleType type);
@@ -128,7 +131,10 @@ class Slot {
   bool close_when_unviewed() const { return close_when_unviewed_.load(); }
 
   Status Release();   // unmap + release; the VA stays reserved
-  Status Remap();     // create + map + access at the same VA; generation + 1
+  // create + map + access at the same VA; generation + 1. `where` (null: spec().location) puts the pages
+  // elsewhere for this mapping only, e.g. on the host when the device has no memory left; the device's
+  // access grant is the same.
+  Status Remap(const Location* where = nullptr);
   Status Teardown();  // unmap -> release -> free, each stage committed; a retry resumes
   Status Write(size_t offset, const void* src, size_t n);
   Status Read(size_t offset, void* dst, size_t n);
@@ -143,7 +149,7 @@ class Slot {
 
  private:
   Slot(int64_t id, const SlotSpec& spec) : id_(id), spec_(spec) {}
-  Status MapPages(const char* stage);   // create (or import) + map + access; rolls back its own partial work
+  Status MapPages(const char* stage, const Location& where);  // create (or import) + map + access; rolls back its own partial work
   Status CheckNoViews(const char* stage) const;  // caller holds mu_
   static Status Build(int64_t id, const SlotSpec& spec, const ImportSource* src, std::vector<ByteGauge*> gauges,
                       std::shared_ptr<Slot>* out, std::shared_ptr<Slot>* remains);
@@ -173,6 +179,7 @@ class Slot {
   bool imported_ = false;
   bool import_counted_ = false;
   Location imported_location_;            // where the exporter's pages live (from the handle)
+  Location mapped_location_;   // where the pages mapped now live (spec_.location unless Remap moved them)
   ExportChannel channel_;                 // exporters only (spec.handle_types != NONE)
   std::atomic<int64_t> views_{0};
   std::atomic<bool> close_when_unviewed_{false};
