@@ -218,6 +218,24 @@ def _collect() -> None:
         lib.engine_drop(tgt.backend, tgt.ordinal, v)
 
 
+def _keep(token) -> bool:
+    """Marks the tickets of a concrete token array kept: reloads no longer consume them, so a function
+    holding the token (a ``jax.vjp`` function) may reload them any number of times, eagerly or inside
+    ``jax.jit``. They are freed when the last array holding the token dies (the lifetime registry
+    above tracks it from now on) or by :func:`collect`. Returns False for a traced token (inside a
+    trace a reload consumes its ticket: nothing outside the program can reload it again)."""
+    if not isinstance(token, jax.Array) or isinstance(token, jax.core.Tracer):
+        return False
+    if token.dtype != jnp.uint32 or tuple(token.shape)[-1:] != (2,):
+        raise _value_error(f"jaxvmm: internal: not a ticket token: {token.dtype}{list(token.shape)}")
+    _track(token)
+    for device, values in _token_values(token):
+        tgt = target_of(device)
+        for v in values:
+            lib.engine_keep(tgt.backend, tgt.ordinal, int(v))
+    return True
+
+
 # ---- validation ----
 def _type_error(msg: str) -> errors.InvalidArgumentTypeError:
     return errors.InvalidArgumentTypeError(msg, code="invalid_argument")

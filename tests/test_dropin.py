@@ -19,6 +19,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxvmm
+from jaxvmm.remat import _rules
 
 from conftest import assert_trees_bit_equal, counter_delta as delta, engine_counters as estats, jdev
 
@@ -260,15 +261,19 @@ def test_saved_residuals_names_what_the_policy_offloaded(capsys):
 class TestErrors:
     """Item 7: misuse gives a jaxvmm: error naming the argument and the fix."""
 
-    def test_vjp_function_called_twice(self):
-        f = VMM(fn)
+    def test_vjp_function_of_a_jitted_forward_called_twice_names_the_fix_when_eager(self):
+        """A VJP function whose residuals were offloaded inside jax.jit: its tickets are consumed by the
+        first (jitted) backward; evaluating the backward eagerly afterwards is refused with the fix."""
         x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
-        _, vjp_fn = jax.vjp(f, x)
-        first = vjp_fn(jnp.ones_like(x))
-        assert_trees_bit_equal(first, jax.vjp(REF(fn), x)[1](jnp.ones_like(x)))
-        with pytest.raises(jaxvmm.InvalidArgumentError, match=r"jaxvmm\.checkpoint: this VJP or linearized function .* "
-                                                             r"was already called once.*Call jax\.vjp"):
-            vjp_fn(jnp.ones_like(x))
+        _, vjp_fn = jax.vjp(jax.jit(VMM(fn)), x)
+        assert_trees_bit_equal(vjp_fn(jnp.ones_like(x)), jax.vjp(jax.jit(REF(fn)), x)[1](jnp.ones_like(x)))
+        jaxvmm.synchronize()
+        tokens = [a for a in jax.tree.leaves(vjp_fn) if getattr(a, "dtype", None) == jnp.uint32]
+        assert len(tokens) == 1, tokens
+        with pytest.raises(jaxvmm.InvalidArgumentError, match=r"jaxvmm\.checkpoint: this VJP or linearized function "
+                                                             r"was already called once.*inside a jitted program.*"
+                                                             r"Take jax\.vjp / jax\.linearize outside jax\.jit"):
+            _rules._reload_impl(tokens[0], shape=(8,), dtype=np.dtype(np.float32))
 
     def test_check_names_the_call_site_and_the_ticket_of_a_bad_reload_inside_jit(self):
         """A ticket reloaded twice inside jit: jaxvmm.check() names the ticket and the Python line of
@@ -341,3 +346,104 @@ def test_excess_precision_residual_equals_primal_use():
     (y_,) = vjp_fn(jnp.ones_like(y))
     assert_trees_bit_equal(y_, y)
     assert delta(estats(), before)["offloads"] >= 1
+
+
+# ---- a VJP / linearized function called more than once (its tickets are kept, freed when it dies) ----
+def _x(device="cpu", n=64):
+    return jax.device_put(jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32), jdev(device))
+
+
+def test_vjp_function_called_three_times_equals_jax_checkpoint_and_frees_on_del(platform_device):
+    import gc
+
+    x = _x(platform_device)
+    cts = [jnp.cos(x) * (i + 1) for i in range(3)]
+    _, ref_fn = jax.vjp(REF(fn), x)
+    want = [ref_fn(c) for c in cts]
+    before = estats(platform_device)
+    _, vjp_fn = jax.vjp(VMM(fn), x)
+    got = [vjp_fn(c) for c in cts]
+    for g, w in zip(got, want):
+        assert_trees_bit_equal(g, w)
+    jaxvmm.check()
+    d = delta(estats(platform_device), before)
+    # one offload, reloaded by each of the three calls; the ticket lives while vjp_fn does
+    assert d["offloads"] == 1 and d["reloads"] == 3 and d["tickets_live"] == 1 and d["errors"] == 0, d
+    del vjp_fn, got
+    gc.collect()
+    d = delta(estats(platform_device), before)
+    assert d["tickets_live"] == 0 and d["ticket_host_bytes"] == 0, d
+
+
+def test_linearized_function_called_twice(platform_device):
+    import gc
+
+    x = _x(platform_device)
+    before = estats(platform_device)
+    y, lin = jax.linearize(VMM(fn), x)
+    y_ref, lin_ref = jax.linearize(REF(fn), x)
+    assert_trees_bit_equal(y, y_ref)
+    for t in (jnp.ones_like(x), jnp.sin(x)):
+        assert_trees_bit_equal(lin(t), lin_ref(t))
+    d = delta(estats(platform_device), before)
+    assert d["offloads"] == 1 and d["reloads"] == 2 and d["tickets_live"] == 1, d
+    del lin
+    gc.collect()
+    assert delta(estats(platform_device), before)["tickets_live"] == 0
+
+
+def test_jit_of_vjp_function_called_twice(platform_device):
+    """jax.jit(vjp_fn): the residual tokens are constants of the jitted program; every call reloads."""
+    import gc
+
+    x = _x(platform_device)
+    before = estats(platform_device)
+    _, vjp_fn = jax.vjp(VMM(fn), x)
+    _, ref_fn = jax.vjp(REF(fn), x)
+    jitted, ref_jitted = jax.jit(vjp_fn), jax.jit(ref_fn)
+    for c in (jnp.ones_like(x), jnp.cos(x), jnp.ones_like(x)):
+        assert_trees_bit_equal(jitted(c), ref_jitted(c))
+    assert_trees_bit_equal(vjp_fn(jnp.sin(x)), ref_fn(jnp.sin(x)))  # and eagerly after the jitted calls
+    jaxvmm.check()
+    d = delta(estats(platform_device), before)
+    assert d["offloads"] == 1 and d["reloads"] == 4 and d["errors"] == 0, d
+    del vjp_fn, jitted
+    gc.collect()
+    assert delta(estats(platform_device), before)["tickets_live"] == 0
+
+
+def test_uncalled_vjp_function_frees_its_tickets_when_it_dies():
+    import gc
+
+    x = _x()
+    before = estats()
+    _, vjp_fn = jax.vjp(VMM(fn), x)
+    assert delta(estats(), before)["tickets_live"] == 1
+    del vjp_fn
+    gc.collect()
+    assert delta(estats(), before)["tickets_live"] == 0
+
+
+def test_training_loops_do_not_leak_tickets(platform_device):
+    """A jitted step (tickets made and consumed inside the program) and an eager one (tickets kept,
+    freed as each step's VJP function dies): ten steps each, no ticket left, same parameters as
+    jax.checkpoint's."""
+    x = _x(platform_device, 32)
+    w0 = jax.device_put(jnp.full((32,), 0.5, jnp.float32), jdev(platform_device))
+
+    def loss(ck, w):
+        return (ck(fn)(x * w) ** 2).sum()
+
+    for wrap in (jax.jit, lambda f: f):
+        before = estats(platform_device)
+        steps = {}
+        for name, ck in (("vmm", VMM), ("ref", REF)):
+            step = wrap(lambda w, ck=ck: w - 0.01 * jax.grad(functools.partial(loss, ck))(w))
+            w = w0
+            for _ in range(10):
+                w = step(w)
+            steps[name] = w
+        assert_trees_bit_equal(steps["vmm"], steps["ref"])
+        jaxvmm.check()
+        d = delta(estats(platform_device), before)
+        assert d["offloads"] == d["reloads"] == 10 and d["tickets_live"] == 0 and d["errors"] == 0, d

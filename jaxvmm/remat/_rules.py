@@ -242,19 +242,27 @@ def _offload(residuals, tagged, spec, inputs):
 
 
 # ---- the reload that opens the staged remat ----
-# A primitive of its own: evaluated eagerly (a VJP or linearized function called outside jit) it goes
-# through jaxvmm.reload's synchronous ticket check, so a second call is refused before anything runs.
+# A primitive of its own: evaluated eagerly (a VJP or linearized function called outside jit) it keeps
+# the ticket (a kept ticket is not consumed by reloads; it is freed when the last array holding its token
+# dies) and goes through jaxvmm.reload's synchronous ticket check. Tokens made eagerly (jax.vjp outside
+# jit) are kept when they are made (_partial_eval), so jax.jit(vjp_fn) may be called again too. Inside a
+# traced program a reload of a token made in the same program consumes it (no leak in a training step).
 reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
 
 _CALLED_TWICE = (
-    "jaxvmm.checkpoint: this VJP or linearized function (from jax.vjp / jax.linearize of a function using "
-    "jaxvmm.checkpoint) was already called once: its offloaded residuals were reloaded then, and a ticket "
-    "is reloaded exactly once. Call jax.vjp / jax.linearize again for another evaluation, batch the "
-    "cotangents with jax.vmap into one call, or use a saving policy (jax.checkpoint_policies) there")
+    "jaxvmm.checkpoint: this VJP or linearized function was already called once, and its offloaded residuals "
+    "were made inside a jitted program (jax.vjp(jax.jit(f)), or a jitted forward pass that returned it), "
+    "whose jitted backward consumed their tickets. Take jax.vjp / jax.linearize outside jax.jit (its function "
+    "may then be called, or jitted and called, any number of times), call jax.vjp / jax.linearize again for "
+    "another evaluation, batch the cotangents with jax.vmap into one call, or use a saving policy "
+    "(jax.checkpoint_policies) there")
 
 
 def _reload_impl(token, *, shape, dtype, sharded=False):
+    # Evaluated eagerly: the token is a Python-held array (a VJP or linearized function's residual) that
+    # may be reloaded again; keep its ticket (freed when the token's last array dies).
     try:
+        ops._keep(token)
         return ops.reload(ops.Ticket(token, shape, dtype, sharded))
     except errors.InvalidArgumentError as e:
         if "already reloaded" in str(e) or "reserved" in str(e):
@@ -383,6 +391,12 @@ def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
     # A staged body with inputs other than arrays (refs) keeps its residuals on the device.
     if any(tagged) and all(isinstance(v.aval, _core.ShapedArray) for v in jaxpr_unknown.invars):
         residuals, infos = _offload(residuals, tagged, policy.spec, in_consts)
+        for r, info in zip(residuals, infos):
+            if info:
+                # An eager jax.vjp / jax.linearize: the token reaches Python inside the returned function,
+                # which may be called (or jitted and called) any number of times: its ticket is kept, not
+                # consumed by a reload, and freed when the function (the last array holding the token) dies.
+                ops._keep(r)
         jaxpr_unknown = _with_reloads(jaxpr_unknown, infos)
     else:
         infos = None

@@ -97,8 +97,10 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
 
     Gradients are those of ``jax.checkpoint`` with the same policy, bit for bit. Residuals that an outer
     differentiation differentiates again (grad of grad, ``jax.hessian``, Hessian-vector products) stay
-    on the device: a ticket cannot carry a derivative. A VJP or linearized function whose residuals
-    were offloaded can be called once (each ticket is reloaded exactly once)."""
+    on the device: a ticket cannot carry a derivative. A VJP or linearized function taken outside
+    ``jax.jit`` may be called (or jitted and called) any number of times; its offloaded residuals are
+    freed when it dies. One whose forward pass ran inside ``jax.jit`` (``jax.vjp(jax.jit(f))``) can be
+    called once: its jitted backward consumes the tickets."""
     if unsupported:
         name = min(unsupported)
         why = _JAX_ONLY.get(name, "jaxvmm.checkpoint takes fun, prevent_cse, policy, static_argnums and "
