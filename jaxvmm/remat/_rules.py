@@ -17,7 +17,14 @@ by reloading them. :func:`_transpose` orders those reloads after the cotangents 
 
 A residual that is itself being differentiated by an outer transformation (the inner residuals of
 ``jax.grad(jax.grad(f))``, ``jax.jvp(jax.grad(f))``, ``jax.hessian``) stays on the device: an integer
-ticket cannot carry its derivative. Values are the same either way.
+ticket cannot carry its derivative. Values are the same either way. When the first derivative was
+staged before the outer transformation sees it (``jax.hessian(jax.jit(f))``), the offload is already
+in a jaxpr: forward mode over it offloads the residual's tangent too (see *derivatives of a staged first
+derivative*); reverse mode over it is refused.
+
+Tickets whose tokens reach Python (an eager ``jax.vjp``/``jax.linearize``) are *kept*: reloads do not
+consume them, so the returned function may be called any number of times, and they are freed when the
+last array holding the token dies. Inside a trace a reload consumes its ticket.
 """
 
 from __future__ import annotations
@@ -56,9 +63,10 @@ class VmmPolicy:
     def __call__(self, prim, *avals, **params):
         from .policies import Offloadable, Recompute, Saveable
 
-        if prim is reload_p:
+        if prim is reload_p or prim is shadow_p:
             # An outer differentiation of a backward pass: the reloaded value is saved, never recomputed
-            # (recomputing would reload the ticket a second time).
+            # (recomputing would reload the ticket a second time); a shadow stays a device value (its
+            # tangent is the ticket of the residual's tangent).
             return True
         case = self.spec.policy(prim, *avals, **params)
         if isinstance(case, (bool, np.bool_)):
@@ -200,11 +208,13 @@ def _offloadable(x, spec) -> bool:
 
 _STAGED_THEN_DIFFERENTIATED = (
     "jaxvmm.checkpoint: a function whose first derivative was staged (jax.jit, or a lax.scan/cond that "
-    "JAX linearizes as a jaxpr) with residuals jaxvmm offloaded is being differentiated a second time from "
-    "outside: an offloaded residual crosses as an integer ticket, which cannot carry a derivative. Put "
-    "jax.jit outside the derivatives (jax.jit(jax.hessian(f)) rather than jax.hessian(jax.jit(f)); "
-    "jax.jit(jax.grad(jax.grad(f))) rather than jax.grad(jax.jit(jax.grad(f)))), or use a policy that saves "
-    "instead of offloading (jax.checkpoint_policies.save_only_these_names) for code differentiated twice.")
+    "JAX linearizes as a jaxpr) with residuals jaxvmm offloaded is being differentiated a second time in "
+    "reverse mode from outside (jax.grad(jax.jit(jax.grad(f))), jtu.check_grads(jax.jit(f), order=2, "
+    "modes=['rev'])): an offloaded residual crosses as an integer ticket, which cannot carry a linear "
+    "derivative. Forward mode over it works (jax.hessian(jax.jit(f)), jax.jvp / jax.jacfwd of a jitted "
+    "gradient). Put jax.jit outside the derivatives (jax.jit(jax.grad(jax.grad(f))) rather than "
+    "jax.grad(jax.jit(jax.grad(f)))), or use a policy that saves instead of offloading "
+    "(jax.checkpoint_policies.save_only_these_names) for code differentiated twice in reverse mode.")
 
 
 @jax.custom_jvp
@@ -217,9 +227,57 @@ def _offload_token_jvp(primals, tangents):
     raise TypeError(_STAGED_THEN_DIFFERENTIATED)
 
 
+# ---- derivatives of a staged first derivative ----
+# A residual offloaded inside a trace (jax.jit, scan, ...) may be differentiated later by a
+# transformation applied from outside that trace (jax.hessian(jax.jit(f)): the outer jacfwd pushes
+# tangents through the jaxpr of jacrev(f), offloads and reloads included). Its ticket token is an
+# integer (its tangent is float0, which JAX drops), so such an offload also makes a *shadow*: a
+# float32[2] residual (zeros) that travels with the token to its reload. Pushed forward (JVP), the
+# shadow's tangent is the token of a second ticket holding x's tangent (its bits), offloaded where x is;
+# the reload's JVP reloads that ticket as the residual's tangent. No tangent (a symbolic zero) means the
+# offload was not differentiated: the reloaded value's tangent is zero. Reverse mode over it
+# (linearize: the tangent would become a linear input of an integer ticket) is refused.
+_SHADOW = _core.ShapedArray((2,), np.dtype(np.float32))
+
+
+def _linearizing(t) -> bool:
+    """``t`` is a tangent that JAX is linearizing (partial evaluation: reverse mode), not pushing forward."""
+    while isinstance(t, _core.Tracer):
+        if isinstance(t, _pe.JaxprTracer) and not t.pval.is_known():
+            return True
+        t = getattr(t, "val", None)  # vmap's tracer wraps the value it batches
+    return False
+
+
+shadow_p = jax.extend.core.Primitive("jaxvmm_checkpoint_shadow")
+_zeros2 = lambda x: jax.numpy.zeros((2,), np.float32)  # noqa: E731
+shadow_p.def_impl(_zeros2)
+shadow_p.def_abstract_eval(lambda x: _SHADOW)
+_mlir.register_lowering(shadow_p, _mlir.lower_fun(_zeros2, multiple_results=False))
+_batching.primitive_batchers[shadow_p] = lambda args, dims: (shadow_p.bind(*args), None)
+
+
+def _shadow_jvp(primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    if _linearizing(x_dot):
+        raise TypeError(_STAGED_THEN_DIFFERENTIATED)
+    token = ops.offload(x_dot).token
+    if jax.numpy.ndim(token) > 1:
+        raise errors.InvalidArgumentError(
+            "jaxvmm.checkpoint: a residual offloaded as a sharded ticket (an array sharded over several devices "
+            "under plain jit) is being differentiated again in forward mode from outside its staged first "
+            "derivative; put jax.jit outside the derivatives, or save that residual "
+            "(jax.checkpoint_policies.save_only_these_names)", code="invalid_argument")
+    return shadow_p.bind(x), jax.lax.bitcast_convert_type(token, np.float32)
+
+
+_ad.primitive_jvps[shadow_p] = _shadow_jvp
+
+
 def _offload(residuals, tagged, spec, inputs):
-    """Offloads the tagged residuals that can leave; returns (residuals with tokens in their place,
-    per residual the (shape, dtype) of an offloaded one or None)."""
+    """Offloads the tagged residuals that can leave; returns (residuals with tokens in their place, each
+    followed by its shadow when the offload is traced; per original residual the (shape, dtype, sharded,
+    token aval, has shadow) of an offloaded one or None)."""
     out, infos = [], []
     # stop_gradient: the tie is an ordering, not a data path; it must not give the residual a derivative
     deps = [jax.lax.stop_gradient(x) for x in inputs if isinstance(getattr(x, "aval", None), _core.ShapedArray)
@@ -231,10 +289,24 @@ def _offload(residuals, tagged, spec, inputs):
                 # constants would otherwise be hoisted out of lax.scan (offloaded once) while its reload
                 # runs every iteration.
                 r = jax.lax.optimization_barrier((r, deps))[0]
-            tok = _offload_token(r)
+            traced = isinstance(r, _core.Tracer)
+            if traced:  # may be differentiated again from outside this trace: with a shadow
+                # The token carries no derivative (stop_gradient: JAX drops custom_jvp rules from the known
+                # jaxprs it partially evaluates, so the offload must not be differentiated at all); x's
+                # derivative travels through the shadow.
+                tok, shadow = ops.offload(jax.lax.stop_gradient(r)).token, shadow_p.bind(r)
+            else:
+                tok = _offload_token(r)
+                # An eager jax.vjp / jax.linearize: the token reaches Python inside the returned function,
+                # which may be called (or jitted and called) any number of times: its ticket is kept, not
+                # consumed by a reload, and freed when the function (the last array holding the token) dies.
+                ops._keep(tok)
             sharded = jax.numpy.ndim(tok) > 1  # uint32[*dims, 2]: one ticket per shard (jaxvmm._sharded)
             out.append(tok)
-            infos.append((tuple(r.shape), np.dtype(r.dtype), sharded, jax.typeof(tok) if hasattr(jax, "typeof") else _core.typeof(tok)))
+            if traced:
+                out.append(shadow)
+            infos.append((tuple(r.shape), np.dtype(r.dtype), sharded,
+                          jax.typeof(tok) if hasattr(jax, "typeof") else _core.typeof(tok), traced))
         else:
             out.append(r)
             infos.append(None)
@@ -258,7 +330,7 @@ _CALLED_TWICE = (
     "(jax.checkpoint_policies) there")
 
 
-def _reload_impl(token, *, shape, dtype, sharded=False):
+def _reload_impl(token, *shadow, shape, dtype, sharded=False):
     # Evaluated eagerly: the token is a Python-held array (a VJP or linearized function's residual) that
     # may be reloaded again; keep its ticket (freed when the token's last array dies).
     try:
@@ -271,14 +343,14 @@ def _reload_impl(token, *, shape, dtype, sharded=False):
 
 
 def _reload_batch(args, dims, *, shape, dtype, sharded=False):
-    (token,), (d,) = args, dims
+    (token, *shadow), (d, *_) = args, dims
     if d is None:
-        return reload_p.bind(token, shape=shape, dtype=dtype, sharded=sharded), None
+        return reload_p.bind(token, *shadow, shape=shape, dtype=dtype, sharded=sharded), None
     out = jax.vmap(lambda t: ops.reload(ops.Ticket(t, shape, dtype, sharded)), in_axes=d)(token)
     return out, 0
 
 
-def _reload_abstract(token, *, shape, dtype, sharded=False):
+def _reload_abstract(token, *shadow, shape, dtype, sharded=False):
     if not sharded:
         return _core.ShapedArray(shape, dtype)
     # A sharded ticket's token (uint32[*dims, 2]) is sharded like the data it reloads (jaxvmm._sharded).
@@ -292,9 +364,25 @@ def _reload_abstract(token, *, shape, dtype, sharded=False):
 reload_p.def_impl(_reload_impl)
 reload_p.def_abstract_eval(_reload_abstract)
 _mlir.register_lowering(reload_p, _mlir.lower_fun(
-    lambda token, *, shape, dtype, sharded=False: ops.reload(ops.Ticket(token, shape, dtype, sharded)),
+    lambda token, *shadow, shape, dtype, sharded=False: ops.reload(ops.Ticket(token, shape, dtype, sharded)),
     multiple_results=False))
 _batching.primitive_batchers[reload_p] = _reload_batch
+
+
+def _reload_jvp(primals, tangents, *, shape, dtype, sharded=False):
+    """The residual's tangent, from the ticket whose token the shadow's tangent holds (see *derivatives
+    of a staged first derivative* above); none when the offload was not differentiated."""
+    y = reload_p.bind(*primals, shape=shape, dtype=dtype, sharded=sharded)
+    shadow_dot = tangents[1] if len(tangents) > 1 else _ad_util.Zero(_SHADOW)
+    if isinstance(shadow_dot, _ad_util.Zero):
+        return y, _ad_util.Zero(_core.ShapedArray(shape, dtype))
+    if _linearizing(shadow_dot):
+        raise TypeError(_STAGED_THEN_DIFFERENTIATED)
+    token_dot = jax.lax.bitcast_convert_type(shadow_dot, np.uint32)
+    return y, reload_p.bind(token_dot, shape=shape, dtype=dtype, sharded=False)
+
+
+_ad.primitive_jvps[reload_p] = _reload_jvp
 # A sharded reload lowers to a custom_partitioning call, which needs the program's devices while it is
 # lowered: say so, as custom_partitioning does for itself (else JAX lowers e.g. an eagerly dispatched
 # scan of a backward pass without a device assignment and custom_partitioning asserts).
@@ -307,17 +395,27 @@ def _with_reloads(jaxpr, infos):
     if not any(infos):
         return jaxpr
     n = len(infos)
-    avals = [info[3] if info else v.aval for v, info in zip(jaxpr.invars[:n], infos)] + [v.aval for v in jaxpr.invars[n:]]
+    avals = []
+    for v, info in zip(jaxpr.invars[:n], infos):
+        avals += ([info[3]] + [_SHADOW] * info[4]) if info else [v.aval]
+    avals += [v.aval for v in jaxpr.invars[n:]]
 
-    def load(a, info):
+    def load(a, shadow, info):
         # The ticket says how it was offloaded (sharded: each device its own shard, jaxvmm._sharded); the
         # reload follows it, whatever context the staged body is later traced or evaluated in.
-        shape, dtype, sharded, _ = info
-        return reload_p.bind(a, shape=shape, dtype=dtype, sharded=sharded)
+        shape, dtype, sharded, _, _ = info
+        return reload_p.bind(a, *shadow, shape=shape, dtype=dtype, sharded=sharded)
 
     def staged(*args):
-        res = [load(a, info) if info else a for a, info in zip(args[:n], infos)]
-        return _core.eval_jaxpr(jaxpr, (), *res, *args[n:])
+        args = list(args)
+        res = []
+        for info in infos:
+            a = args.pop(0)
+            if info:
+                shadow = [args.pop(0)] if info[4] else []
+                a = load(a, shadow, info)
+            res.append(a)
+        return _core.eval_jaxpr(jaxpr, (), *res, *args)
 
     try:
         closed = jax.make_jaxpr(staged)(*avals)
@@ -391,12 +489,6 @@ def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
     # A staged body with inputs other than arrays (refs) keeps its residuals on the device.
     if any(tagged) and all(isinstance(v.aval, _core.ShapedArray) for v in jaxpr_unknown.invars):
         residuals, infos = _offload(residuals, tagged, policy.spec, in_consts)
-        for r, info in zip(residuals, infos):
-            if info:
-                # An eager jax.vjp / jax.linearize: the token reaches Python inside the returned function,
-                # which may be called (or jitted and called) any number of times: its ticket is kept, not
-                # consumed by a reload, and freed when the function (the last array holding the token) dies.
-                ops._keep(r)
         jaxpr_unknown = _with_reloads(jaxpr_unknown, infos)
     else:
         infos = None
