@@ -169,7 +169,9 @@ def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
     out = []
     for shard in token.addressable_shards:
         # A copy: on cpu np.asarray is a view that would keep the token array alive.
-        host = np.array(shard.data, dtype=np.uint32, copy=True).reshape(-1, 2)
+        host = np.array(shard.data, copy=True)
+        # float32: the bits of a token (jaxvmm.checkpoint carries a residual's tangent ticket that way)
+        host = (host.view(np.uint32) if host.dtype == np.float32 else host.astype(np.uint32)).reshape(-1, 2)
         vals = host.view(np.uint64).reshape(-1)
         # A sharded ticket's block repeats its device's ticket in every cell: each value once.
         out.append((shard.device, vals if len(vals) <= 1 else np.array(list(dict.fromkeys(vals.tolist())), np.uint64)))

@@ -63,7 +63,7 @@ class VmmPolicy:
     def __call__(self, prim, *avals, **params):
         from .policies import Offloadable, Recompute, Saveable
 
-        if prim is reload_p or prim is shadow_p:
+        if prim in (reload_p, shadow_p, tangent_offload_p, tangent_reload_p):
             # An outer differentiation of a backward pass: the reloaded value is saved, never recomputed
             # (recomputing would reload the ticket a second time); a shadow stays a device value (its
             # tangent is the ticket of the residual's tangent).
@@ -206,15 +206,9 @@ def _offloadable(x, spec) -> bool:
     return nbytes > 0 and nbytes >= spec.min_bytes
 
 
-_STAGED_THEN_DIFFERENTIATED = (
-    "jaxvmm.checkpoint: a function whose first derivative was staged (jax.jit, or a lax.scan/cond that "
-    "JAX linearizes as a jaxpr) with residuals jaxvmm offloaded is being differentiated a second time in "
-    "reverse mode from outside (jax.grad(jax.jit(jax.grad(f))), jtu.check_grads(jax.jit(f), order=2, "
-    "modes=['rev'])): an offloaded residual crosses as an integer ticket, which cannot carry a linear "
-    "derivative. Forward mode over it works (jax.hessian(jax.jit(f)), jax.jvp / jax.jacfwd of a jitted "
-    "gradient). Put jax.jit outside the derivatives (jax.jit(jax.grad(jax.grad(f))) rather than "
-    "jax.grad(jax.jit(jax.grad(f)))), or use a policy that saves instead of offloading "
-    "(jax.checkpoint_policies.save_only_these_names) for code differentiated twice in reverse mode.")
+_EAGER_OFFLOAD_DIFFERENTIATED = (
+    "jaxvmm.checkpoint: internal: a residual offloaded outside any trace is being differentiated; "
+    "please report this with the code that raised it")
 
 
 @jax.custom_jvp
@@ -224,29 +218,20 @@ def _offload_token(x):
 
 @_offload_token.defjvp
 def _offload_token_jvp(primals, tangents):
-    raise TypeError(_STAGED_THEN_DIFFERENTIATED)
+    raise TypeError(_EAGER_OFFLOAD_DIFFERENTIATED)
 
 
 # ---- derivatives of a staged first derivative ----
 # A residual offloaded inside a trace (jax.jit, scan, ...) may be differentiated later by a
 # transformation applied from outside that trace (jax.hessian(jax.jit(f)): the outer jacfwd pushes
-# tangents through the jaxpr of jacrev(f), offloads and reloads included). Its ticket token is an
-# integer (its tangent is float0, which JAX drops), so such an offload also makes a *shadow*: a
-# float32[2] residual (zeros) that travels with the token to its reload. Pushed forward (JVP), the
-# shadow's tangent is the token of a second ticket holding x's tangent (its bits), offloaded where x is;
-# the reload's JVP reloads that ticket as the residual's tangent. No tangent (a symbolic zero) means the
-# offload was not differentiated: the reloaded value's tangent is zero. Reverse mode over it
-# (linearize: the tangent would become a linear input of an integer ticket) is refused.
+# tangents through the jaxpr of jacrev(f), offloads and reloads included; jax.grad(jax.jit(jax.grad(f)))
+# linearizes and transposes it). Its ticket token is an integer (its tangent is float0, which JAX
+# drops), and the offload itself is not differentiated (stop_gradient), so such an offload also makes a
+# *shadow*: a float32[2] residual (zeros) that travels with the token to its reload. Its tangent is
+# tangent_offload_p(x_dot): the bits of the token of a second ticket holding x's tangent, offloaded where
+# x is; the reload's JVP gives tangent_reload_p(shadow_dot) as the residual's tangent. No tangent (a
+# symbolic zero) means the offload was not differentiated: the reloaded value's tangent is zero.
 _SHADOW = _core.ShapedArray((2,), np.dtype(np.float32))
-
-
-def _linearizing(t) -> bool:
-    """``t`` is a tangent that JAX is linearizing (partial evaluation: reverse mode), not pushing forward."""
-    while isinstance(t, _core.Tracer):
-        if isinstance(t, _pe.JaxprTracer) and not t.pval.is_known():
-            return True
-        t = getattr(t, "val", None)  # vmap's tracer wraps the value it batches
-    return False
 
 
 shadow_p = jax.extend.core.Primitive("jaxvmm_checkpoint_shadow")
@@ -257,18 +242,71 @@ _mlir.register_lowering(shadow_p, _mlir.lower_fun(_zeros2, multiple_results=Fals
 _batching.primitive_batchers[shadow_p] = lambda args, dims: (shadow_p.bind(*args), None)
 
 
-def _shadow_jvp(primals, tangents):
-    (x,), (x_dot,) = primals, tangents
-    if _linearizing(x_dot):
-        raise TypeError(_STAGED_THEN_DIFFERENTIATED)
-    token = ops.offload(x_dot).token
+# The tangent of an offloaded residual as a ticket, linear in the tangent: tangent_offload_p(x_dot) is the
+# float32[2] bits of the token of a ticket holding x_dot; tangent_reload_p(t) brings it back. Each is the
+# other's transpose (reverse mode over a staged first derivative: the cotangent of the reloaded tangent
+# is offloaded where the reload was, and reloaded where the offload was).
+tangent_offload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_tangent_offload")
+tangent_reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_tangent_reload")
+
+
+def _tangent_offload(x):
+    token = ops.offload(x).token
     if jax.numpy.ndim(token) > 1:
         raise errors.InvalidArgumentError(
             "jaxvmm.checkpoint: a residual offloaded as a sharded ticket (an array sharded over several devices "
-            "under plain jit) is being differentiated again in forward mode from outside its staged first "
-            "derivative; put jax.jit outside the derivatives, or save that residual "
-            "(jax.checkpoint_policies.save_only_these_names)", code="invalid_argument")
-    return shadow_p.bind(x), jax.lax.bitcast_convert_type(token, np.float32)
+            "under plain jit) is being differentiated again from outside its staged first derivative; put jax.jit "
+            "outside the derivatives, or save that residual (jax.checkpoint_policies.save_only_these_names)",
+            code="invalid_argument")
+    bits = jax.lax.bitcast_convert_type(token, np.float32)
+    if isinstance(bits, jax.Array) and not isinstance(bits, _core.Tracer):
+        ops._track(bits)  # evaluated eagerly: the ticket lives while its (float) token array does
+    return bits
+
+
+def _tangent_reload(t, *, shape, dtype):
+    return ops.reload(ops.Ticket(jax.lax.bitcast_convert_type(t, np.uint32), shape, dtype))
+
+
+tangent_offload_p.def_impl(_tangent_offload)
+tangent_offload_p.def_abstract_eval(lambda x: _SHADOW)
+_mlir.register_lowering(tangent_offload_p, _mlir.lower_fun(_tangent_offload, multiple_results=False))
+_batching.primitive_batchers[tangent_offload_p] = lambda args, dims: (
+    jax.vmap(_tangent_offload, in_axes=dims[0])(args[0]) if dims[0] is not None else tangent_offload_p.bind(args[0]),
+    0 if dims[0] is not None else None)
+tangent_reload_p.def_impl(_tangent_reload)
+tangent_reload_p.def_abstract_eval(lambda t, *, shape, dtype: _core.ShapedArray(shape, dtype))
+_mlir.register_lowering(tangent_reload_p, _mlir.lower_fun(_tangent_reload, multiple_results=False))
+
+
+def _tangent_reload_batch(args, dims, *, shape, dtype):
+    if dims[0] is None:
+        return tangent_reload_p.bind(args[0], shape=shape, dtype=dtype), None
+    return jax.vmap(lambda t: _tangent_reload(t, shape=shape, dtype=dtype), in_axes=dims[0])(args[0]), 0
+
+
+_batching.primitive_batchers[tangent_reload_p] = _tangent_reload_batch
+
+
+def _tangent_offload_transpose(ct, x):
+    if isinstance(ct, _ad_util.Zero):
+        return [_ad_util.Zero(x.aval)]
+    return [tangent_reload_p.bind(ct, shape=tuple(x.aval.shape), dtype=np.dtype(x.aval.dtype))]
+
+
+def _tangent_reload_transpose(ct, t, *, shape, dtype):
+    if isinstance(ct, _ad_util.Zero):
+        return [_ad_util.Zero(_SHADOW)]
+    return [tangent_offload_p.bind(ct)]
+
+
+_ad.primitive_transposes[tangent_offload_p] = _tangent_offload_transpose
+_ad.primitive_transposes[tangent_reload_p] = _tangent_reload_transpose
+
+
+def _shadow_jvp(primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    return shadow_p.bind(x), tangent_offload_p.bind(x_dot)
 
 
 _ad.primitive_jvps[shadow_p] = _shadow_jvp
@@ -376,10 +414,7 @@ def _reload_jvp(primals, tangents, *, shape, dtype, sharded=False):
     shadow_dot = tangents[1] if len(tangents) > 1 else _ad_util.Zero(_SHADOW)
     if isinstance(shadow_dot, _ad_util.Zero):
         return y, _ad_util.Zero(_core.ShapedArray(shape, dtype))
-    if _linearizing(shadow_dot):
-        raise TypeError(_STAGED_THEN_DIFFERENTIATED)
-    token_dot = jax.lax.bitcast_convert_type(shadow_dot, np.uint32)
-    return y, reload_p.bind(token_dot, shape=shape, dtype=dtype, sharded=False)
+    return y, tangent_reload_p.bind(shadow_dot, shape=shape, dtype=np.dtype(dtype))
 
 
 _ad.primitive_jvps[reload_p] = _reload_jvp
