@@ -631,7 +631,8 @@ def synchronize() -> None:
 
 
 def _is_token_array(a) -> bool:
-    return a.dtype == jnp.uint32 and a.ndim >= 1 and a.shape[-1] == 2 and not a.is_deleted()
+    # float32: the bits of a token (jaxvmm.checkpoint's tangent tickets travel that way)
+    return a.dtype in (jnp.uint32, jnp.float32) and a.ndim >= 1 and a.shape[-1] == 2 and not a.is_deleted()
 
 
 def _sweep_unreachable() -> int:

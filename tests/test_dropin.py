@@ -353,6 +353,17 @@ def _x(device="cpu", n=64):
     return jax.device_put(jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32), jdev(device))
 
 
+def _equal_jitted(got, want, device):
+    """Results of two different jitted programs: bit for bit on cpu (checked there); on a GPU, where XLA
+    may fold or fuse the program that saves on the device differently (a residual that is a constant
+    of the program is folded on the host), within 2 ulp."""
+    if device == "cpu":
+        assert_trees_bit_equal(got, want)
+        return
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2.5e-7, atol=1e-6)
+
+
 def test_vjp_function_called_three_times_equals_jax_checkpoint_and_frees_on_del(platform_device):
     import gc
 
@@ -401,8 +412,10 @@ def test_jit_of_vjp_function_called_twice(platform_device):
     _, vjp_fn = jax.vjp(VMM(fn), x)
     _, ref_fn = jax.vjp(REF(fn), x)
     jitted, ref_jitted = jax.jit(vjp_fn), jax.jit(ref_fn)
-    for c in (jnp.ones_like(x), jnp.cos(x), jnp.ones_like(x)):
-        assert_trees_bit_equal(jitted(c), ref_jitted(c))
+    outs = [jitted(c) for c in (jnp.ones_like(x), jnp.cos(x), jnp.ones_like(x))]
+    assert_trees_bit_equal(outs[0], outs[2])  # the same call twice: the same reload, the same bits
+    for out, c in zip(outs, (jnp.ones_like(x), jnp.cos(x), jnp.ones_like(x))):
+        _equal_jitted(out, ref_jitted(c), platform_device)
     assert_trees_bit_equal(vjp_fn(jnp.sin(x)), ref_fn(jnp.sin(x)))  # and eagerly after the jitted calls
     jaxvmm.check()
     d = delta(estats(platform_device), before)
@@ -443,7 +456,7 @@ def test_training_loops_do_not_leak_tickets(platform_device):
             for _ in range(10):
                 w = step(w)
             steps[name] = w
-        assert_trees_bit_equal(steps["vmm"], steps["ref"])
+        _equal_jitted(steps["vmm"], steps["ref"], platform_device)
         jaxvmm.check()
         d = delta(estats(platform_device), before)
         assert d["offloads"] == d["reloads"] == 10 and d["tickets_live"] == 0 and d["errors"] == 0, d
@@ -475,7 +488,7 @@ def test_forward_over_a_staged_first_derivative_equals_jax_checkpoint(platform_d
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
         tangents = 1
     else:
-        assert_trees_bit_equal(got, want)
+        _equal_jitted(got, want, platform_device)
         tangents = x.size  # jacfwd: one tangent per basis vector, each offloaded with the residual
     # the residual once, and its tangent(s), each offloaded and reloaded once; nothing left
     assert d["offloads"] == d["reloads"] == 1 + tangents and d["tickets_live"] == 0 and d["errors"] == 0, d
@@ -523,7 +536,7 @@ def test_reverse_over_a_staged_first_derivative_equals_jax_checkpoint(platform_d
     want = run(REF(fn), x)
     before = estats(platform_device)
     got = run(VMM(fn), x)
-    assert_trees_bit_equal(got, want)
+    _equal_jitted(got, want, platform_device)
     jaxvmm.check()
     d = delta(estats(platform_device), before)
     assert d["offloads"] == d["reloads"] >= 2 and d["tickets_live"] == 0 and d["errors"] == 0, d
