@@ -271,8 +271,8 @@ class TestErrors:
         tokens = [a for a in jax.tree.leaves(vjp_fn) if getattr(a, "dtype", None) == jnp.uint32]
         assert len(tokens) == 1, tokens
         with pytest.raises(jaxvmm.InvalidArgumentError, match=r"jaxvmm\.checkpoint: this VJP or linearized function "
-                                                             r"was already called once.*inside a jitted program.*"
-                                                             r"Take jax\.vjp / jax\.linearize outside jax\.jit"):
+                                                             r"was already called once.*inside a compiled program.*"
+                                                             r"Call jax\.vjp / jax\.linearize again"):
             _rules._reload_impl(tokens[0], shape=(8,), dtype=np.dtype(np.float32))
 
     def test_check_names_the_call_site_and_the_ticket_of_a_bad_reload_inside_jit(self):
@@ -572,3 +572,18 @@ def test_tangent_ticket_evaluated_eagerly_lives_while_its_float_token_does():
     gc.collect()
     d = delta(estats(), before)
     assert d["tickets_live"] == 0 and d["errors"] == 0, d
+
+
+def test_vjp_function_over_a_scan_of_checkpoints_called_twice_is_an_error_not_a_value():
+    """lax.scan is compiled: the residuals its forward offloads are consumed by the backward scan. A
+    second call is an error (on cpu raised by that call), never a silently reused value."""
+    def loss(ck, x):
+        y, _ = lax.scan(lambda c, w: (ck(lambda c: fn(c * w))(c), None), x, jnp.linspace(0.5, 1.5, 3))
+        return (y * y).sum()
+
+    x = _x("cpu", 8)
+    _, vjp_fn = jax.vjp(functools.partial(loss, VMM), x)
+    assert_trees_bit_equal(vjp_fn(jnp.float32(1.0)), jax.vjp(functools.partial(loss, REF), x)[1](jnp.float32(1.0)))
+    with pytest.raises(Exception, match=r"jaxvmm: reload: ticket \d+ was already reloaded"):
+        jax.block_until_ready(vjp_fn(jnp.float32(1.0)))
+        jaxvmm.check()

@@ -361,11 +361,11 @@ reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
 
 _CALLED_TWICE = (
     "jaxvmm.checkpoint: this VJP or linearized function was already called once, and its offloaded residuals "
-    "were made inside a jitted program (jax.vjp(jax.jit(f)), or a jitted forward pass that returned it), "
-    "whose jitted backward consumed their tickets. Take jax.vjp / jax.linearize outside jax.jit (its function "
-    "may then be called, or jitted and called, any number of times), call jax.vjp / jax.linearize again for "
-    "another evaluation, batch the cotangents with jax.vmap into one call, or use a saving policy "
-    "(jax.checkpoint_policies) there")
+    "were made inside a compiled program (jax.vjp(jax.jit(f)), a jitted forward pass that returned it, or a "
+    "lax.scan), whose compiled backward consumed their tickets. Call jax.vjp / jax.linearize again for "
+    "another evaluation, batch the cotangents with jax.vmap into one call, take jax.vjp / jax.linearize "
+    "outside jax.jit (residuals offloaded op by op are kept: the function may then be called any number of "
+    "times), or use a saving policy (jax.checkpoint_policies) there")
 
 
 def _reload_impl(token, *shadow, shape, dtype, sharded=False):

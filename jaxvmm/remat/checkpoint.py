@@ -101,8 +101,9 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
     (``jax.hessian(jax.jit(f))``, ``jax.jvp(jax.jit(jax.grad(f)))``), forward mode over it offloads the
     residuals' tangents with them; reverse mode over it (``jax.grad(jax.jit(jax.grad(f)))``) is refused. A VJP or linearized function taken outside
     ``jax.jit`` may be called (or jitted and called) any number of times; its offloaded residuals are
-    freed when it dies. One whose forward pass ran inside ``jax.jit`` (``jax.vjp(jax.jit(f))``) can be
-    called once: its jitted backward consumes the tickets."""
+    freed when it dies. Residuals offloaded inside a compiled program (``jax.vjp(jax.jit(f))``, a
+    ``lax.scan`` over checkpointed layers) are consumed by their first compiled reload: such a function
+    can be called once."""
     if unsupported:
         name = min(unsupported)
         why = _JAX_ONLY.get(name, "jaxvmm.checkpoint takes fun, prevent_cse, policy, static_argnums and "
