@@ -19,12 +19,13 @@ A residual that is itself being differentiated by an outer transformation (the i
 ``jax.grad(jax.grad(f))``, ``jax.jvp(jax.grad(f))``, ``jax.hessian``) stays on the device: an integer
 ticket cannot carry its derivative. Values are the same either way. When the first derivative was
 staged before the outer transformation sees it (``jax.hessian(jax.jit(f))``), the offload is already
-in a jaxpr: forward mode over it offloads the residual's tangent too (see *derivatives of a staged first
-derivative*); reverse mode over it is refused.
+in a jaxpr: the residual's tangent (forward mode) or cotangent (reverse mode) goes through tickets too
+(see *derivatives of a staged first derivative*).
 
-Tickets whose tokens reach Python (an eager ``jax.vjp``/``jax.linearize``) are *kept*: reloads do not
-consume them, so the returned function may be called any number of times, and they are freed when the
-last array holding the token dies. Inside a trace a reload consumes its ticket.
+Tickets offloaded eagerly (an eager ``jax.vjp``/``jax.linearize``: the token reaches Python) or reloaded
+eagerly are *kept*: reloads do not consume them, so the returned function may be called any number of
+times, and they are freed when the last array holding the token dies. A compiled reload of a ticket
+made in a compiled program consumes it.
 """
 
 from __future__ import annotations
