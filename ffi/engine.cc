@@ -643,7 +643,7 @@ void Engine::ResolveTask(uint64_t seq) {
   const bool hit = a && op.ticket == a;
   if (op.ticket && op.ticket->claimed_by == seq) op.ticket->claimed_by = 0;
   if (a) {
-    a->consumed = true;
+    MarkReloaded(*a);
     if (!hit) a->pins += 1;  // a prediction already pinned it
     op.actual = a;
   }
@@ -831,11 +831,22 @@ Status Engine::CheckTicket(uint64_t token, const ArrayMeta& meta, bool reserve) 
   std::string why;
   auto t = tickets_.Find(token, &why);
   if (!t) return Status(Code::kInvalidArgument, why);
-  if (t->reserved)
+  if (t->reserved && !t->kept)
     return Status(Code::kInvalidArgument, TokenStr(token) + " was already reloaded (a ticket can be reloaded once)");
   if (t->meta.nbytes != meta.nbytes || t->meta.signature != meta.signature)
     return Status(Code::kInvalidArgument, TokenStr(token) + " does not match the shape/dtype of the reload");
-  if (reserve) t->reserved = true;  // the eager reload that follows is the one allowed reload
+  if (reserve && !t->kept) t->reserved = true;  // the eager reload that follows is the one allowed reload
+  return Status();
+}
+
+Status Engine::Keep(uint64_t token) {
+  WaitForGraphRound(token);
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string why;
+  auto t = tickets_.Find(token, &why);
+  if (!t) return Status(Code::kInvalidArgument, why);
+  t->kept = true;
+  t->reserved = false;
   return Status();
 }
 

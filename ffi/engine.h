@@ -132,6 +132,10 @@ class Engine {
   // reserves it for the eager reload about to run (a second eager reload is refused synchronously).
   Status CheckTicket(uint64_t token, const ArrayMeta& meta, bool reserve);
   void Unreserve(uint64_t token);  // the eager reload that reserved it failed before it ran
+  // Marks the live ticket of `token` kept: reloads no longer consume it (any number may read it) and it
+  // is freed when dropped (Python: the last array holding its token died). For tokens that reached
+  // Python, where a function (a jax.vjp function) may reload them more than once.
+  Status Keep(uint64_t token);
   // Blocks until every enqueued op has completed and the workers are idle.
   Status Synchronize();
   // Before the first run of a newly compiled program (module loads): once this engine's call sites were

@@ -564,7 +564,7 @@ bool Engine::TakeForRound(Channel& c, const std::shared_ptr<Ticket>& a, Source* 
   // where the correction copies from.
   const bool hit = a && a == c.loaded;
   if (a) {
-    a->consumed = true;
+    MarkReloaded(*a);
     if (hit) {
       if (a->claimed_by == c.Claim()) a->claimed_by = 0;
       c.loaded.reset();
@@ -776,7 +776,7 @@ bool Engine::ServiceReloadK(Channel& c) {
         t = std::move(c.loaded);
         c.loaded.reset();
         if (t->claimed_by == c.Claim()) t->claimed_by = 0;
-        t->consumed = true;
+        MarkReloaded(*t);
         device = true;
       }
       if (t) {

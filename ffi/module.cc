@@ -635,6 +635,15 @@ NB_MODULE(_jaxvmm, m) {
   m.def("engine_unreserve", [engine](const std::string& backend, int device, uint64_t token) {
     engine(backend, device)->Unreserve(token);
   });
+  m.def("engine_keep", [engine](const std::string& backend, int device, uint64_t token) {
+    Engine* e = engine(backend, device);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;  // it may wait for the poller to serve the round that made the token
+      st = e->Keep(token);
+    }
+    Check(st);
+  });
   m.def("set_trace", [](bool on) { SetTrace(on); });
 
   // ---- capture and replay without XLA (tests): the engine's entry points on raw addresses ----

@@ -45,6 +45,8 @@ struct Ticket {
   bool on_host = false;        // D2H finished and seen by the releaser
   bool consumed = false;       // a reload resolved to it
   bool reserved = false;       // an eager reload checked it (a second eager reload is refused)
+  bool kept = false;           // reloads do not consume it (its token lives in Python, which may reload it
+                               // any number of times, e.g. a jax.vjp function called twice); freed when dropped
   bool dropped = false;        // Python let go of it, or its offload failed
   uint64_t claimed_by = 0;     // the reload op that predicted it, until that op resolves
   int pins = 0;                // ops that may still read its host block or device copy
@@ -53,6 +55,11 @@ struct Ticket {
   // readers wait for the cell's free event (recorded after the copy that filled it).
   StagingLease resident;
 };
+
+// A reload resolved to `t`: it is consumed (freed once nothing reads it), unless it is kept.
+inline void MarkReloaded(Ticket& t) {
+  if (!t.kept) t.consumed = true;
+}
 
 // Resources a freed ticket held; its owner returns them.
 struct Retired {

@@ -169,7 +169,9 @@ def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
     out = []
     for shard in token.addressable_shards:
         # A copy: on cpu np.asarray is a view that would keep the token array alive.
-        host = np.array(shard.data, dtype=np.uint32, copy=True).reshape(-1, 2)
+        host = np.array(shard.data, copy=True)
+        # float32: the bits of a token (jaxvmm.checkpoint carries a residual's tangent ticket that way)
+        host = (host.view(np.uint32) if host.dtype == np.float32 else host.astype(np.uint32)).reshape(-1, 2)
         vals = host.view(np.uint64).reshape(-1)
         # A sharded ticket's block repeats its device's ticket in every cell: each value once.
         out.append((shard.device, vals if len(vals) <= 1 else np.array(list(dict.fromkeys(vals.tolist())), np.uint64)))
@@ -216,6 +218,24 @@ def _collect() -> None:
     for device, v in drops:
         tgt = target_of(device)
         lib.engine_drop(tgt.backend, tgt.ordinal, v)
+
+
+def _keep(token) -> bool:
+    """Marks the tickets of a concrete token array kept: reloads no longer consume them, so a function
+    holding the token (a ``jax.vjp`` function) may reload them any number of times, eagerly or inside
+    ``jax.jit``. They are freed when the last array holding the token dies (the lifetime registry
+    above tracks it from now on) or by :func:`collect`. Returns False for a traced token (inside a
+    trace a reload consumes its ticket: nothing outside the program can reload it again)."""
+    if not isinstance(token, jax.Array) or isinstance(token, jax.core.Tracer):
+        return False
+    if token.dtype != jnp.uint32 or tuple(token.shape)[-1:] != (2,):
+        raise _value_error(f"jaxvmm: internal: not a ticket token: {token.dtype}{list(token.shape)}")
+    _track(token)
+    for device, values in _token_values(token):
+        tgt = target_of(device)
+        for v in values:
+            lib.engine_keep(tgt.backend, tgt.ordinal, int(v))
+    return True
 
 
 # ---- validation ----
@@ -611,7 +631,8 @@ def synchronize() -> None:
 
 
 def _is_token_array(a) -> bool:
-    return a.dtype == jnp.uint32 and a.ndim >= 1 and a.shape[-1] == 2 and not a.is_deleted()
+    # float32: the bits of a token (jaxvmm.checkpoint's tangent tickets travel that way)
+    return a.dtype in (jnp.uint32, jnp.float32) and a.ndim >= 1 and a.shape[-1] == 2 and not a.is_deleted()
 
 
 def _sweep_unreachable() -> int:

@@ -17,7 +17,15 @@ by reloading them. :func:`_transpose` orders those reloads after the cotangents 
 
 A residual that is itself being differentiated by an outer transformation (the inner residuals of
 ``jax.grad(jax.grad(f))``, ``jax.jvp(jax.grad(f))``, ``jax.hessian``) stays on the device: an integer
-ticket cannot carry its derivative. Values are the same either way.
+ticket cannot carry its derivative. Values are the same either way. When the first derivative was
+staged before the outer transformation sees it (``jax.hessian(jax.jit(f))``), the offload is already
+in a jaxpr: the residual's tangent (forward mode) or cotangent (reverse mode) goes through tickets too
+(see *derivatives of a staged first derivative*).
+
+Tickets offloaded eagerly (an eager ``jax.vjp``/``jax.linearize``: the token reaches Python) or reloaded
+eagerly are *kept*: reloads do not consume them, so the returned function may be called any number of
+times, and they are freed when the last array holding the token dies. A compiled reload of a ticket
+made in a compiled program consumes it.
 """
 
 from __future__ import annotations
@@ -56,9 +64,10 @@ class VmmPolicy:
     def __call__(self, prim, *avals, **params):
         from .policies import Offloadable, Recompute, Saveable
 
-        if prim is reload_p:
+        if prim in (reload_p, shadow_p, tangent_offload_p, tangent_reload_p):
             # An outer differentiation of a backward pass: the reloaded value is saved, never recomputed
-            # (recomputing would reload the ticket a second time).
+            # (recomputing would reload the ticket a second time); a shadow stays a device value (its
+            # tangent is the ticket of the residual's tangent).
             return True
         case = self.spec.policy(prim, *avals, **params)
         if isinstance(case, (bool, np.bool_)):
@@ -198,13 +207,9 @@ def _offloadable(x, spec) -> bool:
     return nbytes > 0 and nbytes >= spec.min_bytes
 
 
-_STAGED_THEN_DIFFERENTIATED = (
-    "jaxvmm.checkpoint: a function whose first derivative was staged (jax.jit, or a lax.scan/cond that "
-    "JAX linearizes as a jaxpr) with residuals jaxvmm offloaded is being differentiated a second time from "
-    "outside: an offloaded residual crosses as an integer ticket, which cannot carry a derivative. Put "
-    "jax.jit outside the derivatives (jax.jit(jax.hessian(f)) rather than jax.hessian(jax.jit(f)); "
-    "jax.jit(jax.grad(jax.grad(f))) rather than jax.grad(jax.jit(jax.grad(f)))), or use a policy that saves "
-    "instead of offloading (jax.checkpoint_policies.save_only_these_names) for code differentiated twice.")
+_EAGER_OFFLOAD_DIFFERENTIATED = (
+    "jaxvmm.checkpoint: internal: a residual offloaded outside any trace is being differentiated; "
+    "please report this with the code that raised it")
 
 
 @jax.custom_jvp
@@ -214,12 +219,104 @@ def _offload_token(x):
 
 @_offload_token.defjvp
 def _offload_token_jvp(primals, tangents):
-    raise TypeError(_STAGED_THEN_DIFFERENTIATED)
+    raise TypeError(_EAGER_OFFLOAD_DIFFERENTIATED)
+
+
+# ---- derivatives of a staged first derivative ----
+# A residual offloaded inside a trace (jax.jit, scan, ...) may be differentiated later by a
+# transformation applied from outside that trace (jax.hessian(jax.jit(f)): the outer jacfwd pushes
+# tangents through the jaxpr of jacrev(f), offloads and reloads included; jax.grad(jax.jit(jax.grad(f)))
+# linearizes and transposes it). Its ticket token is an integer (its tangent is float0, which JAX
+# drops), and the offload itself is not differentiated (stop_gradient), so such an offload also makes a
+# *shadow*: a float32[2] residual (zeros) that travels with the token to its reload. Its tangent is
+# tangent_offload_p(x_dot): the bits of the token of a second ticket holding x's tangent, offloaded where
+# x is; the reload's JVP gives tangent_reload_p(shadow_dot) as the residual's tangent. No tangent (a
+# symbolic zero) means the offload was not differentiated: the reloaded value's tangent is zero.
+_SHADOW = _core.ShapedArray((2,), np.dtype(np.float32))
+
+
+shadow_p = jax.extend.core.Primitive("jaxvmm_checkpoint_shadow")
+_zeros2 = lambda x: jax.numpy.zeros((2,), np.float32)  # noqa: E731
+shadow_p.def_impl(_zeros2)
+shadow_p.def_abstract_eval(lambda x: _SHADOW)
+_mlir.register_lowering(shadow_p, _mlir.lower_fun(_zeros2, multiple_results=False))
+_batching.primitive_batchers[shadow_p] = lambda args, dims: (shadow_p.bind(*args), None)
+
+
+# The tangent of an offloaded residual as a ticket, linear in the tangent: tangent_offload_p(x_dot) is the
+# float32[2] bits of the token of a ticket holding x_dot; tangent_reload_p(t) brings it back. Each is the
+# other's transpose (reverse mode over a staged first derivative: the cotangent of the reloaded tangent
+# is offloaded where the reload was, and reloaded where the offload was).
+tangent_offload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_tangent_offload")
+tangent_reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_tangent_reload")
+
+
+def _tangent_offload(x):
+    token = ops.offload(x).token
+    if jax.numpy.ndim(token) > 1:
+        raise errors.InvalidArgumentError(
+            "jaxvmm.checkpoint: a residual offloaded as a sharded ticket (an array sharded over several devices "
+            "under plain jit) is being differentiated again from outside its staged first derivative; put jax.jit "
+            "outside the derivatives, or save that residual (jax.checkpoint_policies.save_only_these_names)",
+            code="invalid_argument")
+    bits = jax.lax.bitcast_convert_type(token, np.float32)
+    if isinstance(bits, jax.Array) and not isinstance(bits, _core.Tracer):
+        ops._track(bits)  # evaluated eagerly: the ticket lives while its (float) token array does
+    return bits
+
+
+def _tangent_reload(t, *, shape, dtype):
+    return ops.reload(ops.Ticket(jax.lax.bitcast_convert_type(t, np.uint32), shape, dtype))
+
+
+tangent_offload_p.def_impl(_tangent_offload)
+tangent_offload_p.def_abstract_eval(lambda x: _SHADOW)
+_mlir.register_lowering(tangent_offload_p, _mlir.lower_fun(_tangent_offload, multiple_results=False))
+_batching.primitive_batchers[tangent_offload_p] = lambda args, dims: (
+    jax.vmap(_tangent_offload, in_axes=dims[0])(args[0]) if dims[0] is not None else tangent_offload_p.bind(args[0]),
+    0 if dims[0] is not None else None)
+tangent_reload_p.def_impl(_tangent_reload)
+tangent_reload_p.def_abstract_eval(lambda t, *, shape, dtype: _core.ShapedArray(shape, dtype))
+_mlir.register_lowering(tangent_reload_p, _mlir.lower_fun(_tangent_reload, multiple_results=False))
+
+
+def _tangent_reload_batch(args, dims, *, shape, dtype):
+    if dims[0] is None:
+        return tangent_reload_p.bind(args[0], shape=shape, dtype=dtype), None
+    return jax.vmap(lambda t: _tangent_reload(t, shape=shape, dtype=dtype), in_axes=dims[0])(args[0]), 0
+
+
+_batching.primitive_batchers[tangent_reload_p] = _tangent_reload_batch
+
+
+def _tangent_offload_transpose(ct, x):
+    if isinstance(ct, _ad_util.Zero):
+        return [_ad_util.Zero(x.aval)]
+    return [tangent_reload_p.bind(ct, shape=tuple(x.aval.shape), dtype=np.dtype(x.aval.dtype))]
+
+
+def _tangent_reload_transpose(ct, t, *, shape, dtype):
+    if isinstance(ct, _ad_util.Zero):
+        return [_ad_util.Zero(_SHADOW)]
+    return [tangent_offload_p.bind(ct)]
+
+
+_ad.primitive_transposes[tangent_offload_p] = _tangent_offload_transpose
+_ad.primitive_transposes[tangent_reload_p] = _tangent_reload_transpose
+
+
+def _shadow_jvp(primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    return shadow_p.bind(x), tangent_offload_p.bind(x_dot)
+
+
+_ad.primitive_jvps[shadow_p] = _shadow_jvp
 
 
 def _offload(residuals, tagged, spec, inputs):
-    """Offloads the tagged residuals that can leave; returns (residuals with tokens in their place,
-    per residual the (shape, dtype) of an offloaded one or None)."""
+    """Offloads the tagged residuals that can leave; returns (residuals with tokens in their place, each
+    followed by its shadow when the offload is traced; per original residual the (shape, dtype, sharded,
+    token aval, has shadow) of an offloaded one or None)."""
     out, infos = [], []
     # stop_gradient: the tie is an ordering, not a data path; it must not give the residual a derivative
     deps = [jax.lax.stop_gradient(x) for x in inputs if isinstance(getattr(x, "aval", None), _core.ShapedArray)
@@ -231,10 +328,24 @@ def _offload(residuals, tagged, spec, inputs):
                 # constants would otherwise be hoisted out of lax.scan (offloaded once) while its reload
                 # runs every iteration.
                 r = jax.lax.optimization_barrier((r, deps))[0]
-            tok = _offload_token(r)
+            traced = isinstance(r, _core.Tracer)
+            if traced:  # may be differentiated again from outside this trace: with a shadow
+                # The token carries no derivative (stop_gradient: JAX drops custom_jvp rules from the known
+                # jaxprs it partially evaluates, so the offload must not be differentiated at all); x's
+                # derivative travels through the shadow.
+                tok, shadow = ops.offload(jax.lax.stop_gradient(r)).token, shadow_p.bind(r)
+            else:
+                tok = _offload_token(r)
+                # An eager jax.vjp / jax.linearize: the token reaches Python inside the returned function,
+                # which may be called (or jitted and called) any number of times: its ticket is kept, not
+                # consumed by a reload, and freed when the function (the last array holding the token) dies.
+                ops._keep(tok)
             sharded = jax.numpy.ndim(tok) > 1  # uint32[*dims, 2]: one ticket per shard (jaxvmm._sharded)
             out.append(tok)
-            infos.append((tuple(r.shape), np.dtype(r.dtype), sharded, jax.typeof(tok) if hasattr(jax, "typeof") else _core.typeof(tok)))
+            if traced:
+                out.append(shadow)
+            infos.append((tuple(r.shape), np.dtype(r.dtype), sharded,
+                          jax.typeof(tok) if hasattr(jax, "typeof") else _core.typeof(tok), traced))
         else:
             out.append(r)
             infos.append(None)
@@ -242,19 +353,27 @@ def _offload(residuals, tagged, spec, inputs):
 
 
 # ---- the reload that opens the staged remat ----
-# A primitive of its own: evaluated eagerly (a VJP or linearized function called outside jit) it goes
-# through jaxvmm.reload's synchronous ticket check, so a second call is refused before anything runs.
+# A primitive of its own: evaluated eagerly (a VJP or linearized function called outside jit) it keeps
+# the ticket (a kept ticket is not consumed by reloads; it is freed when the last array holding its token
+# dies) and goes through jaxvmm.reload's synchronous ticket check. Tokens made eagerly (jax.vjp outside
+# jit) are kept when they are made (_partial_eval), so jax.jit(vjp_fn) may be called again too. Inside a
+# traced program a reload of a token made in the same program consumes it (no leak in a training step).
 reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
 
 _CALLED_TWICE = (
-    "jaxvmm.checkpoint: this VJP or linearized function (from jax.vjp / jax.linearize of a function using "
-    "jaxvmm.checkpoint) was already called once: its offloaded residuals were reloaded then, and a ticket "
-    "is reloaded exactly once. Call jax.vjp / jax.linearize again for another evaluation, batch the "
-    "cotangents with jax.vmap into one call, or use a saving policy (jax.checkpoint_policies) there")
+    "jaxvmm.checkpoint: this VJP or linearized function was already called once, and its offloaded residuals "
+    "were made inside a compiled program (jax.vjp(jax.jit(f)), a jitted forward pass that returned it, or a "
+    "lax.scan), whose compiled backward consumed their tickets. Call jax.vjp / jax.linearize again for "
+    "another evaluation, batch the cotangents with jax.vmap into one call, take jax.vjp / jax.linearize "
+    "outside jax.jit (residuals offloaded op by op are kept: the function may then be called any number of "
+    "times), or use a saving policy (jax.checkpoint_policies) there")
 
 
-def _reload_impl(token, *, shape, dtype, sharded=False):
+def _reload_impl(token, *shadow, shape, dtype, sharded=False):
+    # Evaluated eagerly: the token is a Python-held array (a VJP or linearized function's residual) that
+    # may be reloaded again; keep its ticket (freed when the token's last array dies).
     try:
+        ops._keep(token)
         return ops.reload(ops.Ticket(token, shape, dtype, sharded))
     except errors.InvalidArgumentError as e:
         if "already reloaded" in str(e) or "reserved" in str(e):
@@ -263,14 +382,14 @@ def _reload_impl(token, *, shape, dtype, sharded=False):
 
 
 def _reload_batch(args, dims, *, shape, dtype, sharded=False):
-    (token,), (d,) = args, dims
+    (token, *shadow), (d, *_) = args, dims
     if d is None:
-        return reload_p.bind(token, shape=shape, dtype=dtype, sharded=sharded), None
+        return reload_p.bind(token, *shadow, shape=shape, dtype=dtype, sharded=sharded), None
     out = jax.vmap(lambda t: ops.reload(ops.Ticket(t, shape, dtype, sharded)), in_axes=d)(token)
     return out, 0
 
 
-def _reload_abstract(token, *, shape, dtype, sharded=False):
+def _reload_abstract(token, *shadow, shape, dtype, sharded=False):
     if not sharded:
         return _core.ShapedArray(shape, dtype)
     # A sharded ticket's token (uint32[*dims, 2]) is sharded like the data it reloads (jaxvmm._sharded).
@@ -284,9 +403,22 @@ def _reload_abstract(token, *, shape, dtype, sharded=False):
 reload_p.def_impl(_reload_impl)
 reload_p.def_abstract_eval(_reload_abstract)
 _mlir.register_lowering(reload_p, _mlir.lower_fun(
-    lambda token, *, shape, dtype, sharded=False: ops.reload(ops.Ticket(token, shape, dtype, sharded)),
+    lambda token, *shadow, shape, dtype, sharded=False: ops.reload(ops.Ticket(token, shape, dtype, sharded)),
     multiple_results=False))
 _batching.primitive_batchers[reload_p] = _reload_batch
+
+
+def _reload_jvp(primals, tangents, *, shape, dtype, sharded=False):
+    """The residual's tangent, from the ticket whose token the shadow's tangent holds (see *derivatives
+    of a staged first derivative* above); none when the offload was not differentiated."""
+    y = reload_p.bind(*primals, shape=shape, dtype=dtype, sharded=sharded)
+    shadow_dot = tangents[1] if len(tangents) > 1 else _ad_util.Zero(_SHADOW)
+    if isinstance(shadow_dot, _ad_util.Zero):
+        return y, _ad_util.Zero(_core.ShapedArray(shape, dtype))
+    return y, tangent_reload_p.bind(shadow_dot, shape=shape, dtype=np.dtype(dtype))
+
+
+_ad.primitive_jvps[reload_p] = _reload_jvp
 # A sharded reload lowers to a custom_partitioning call, which needs the program's devices while it is
 # lowered: say so, as custom_partitioning does for itself (else JAX lowers e.g. an eagerly dispatched
 # scan of a backward pass without a device assignment and custom_partitioning asserts).
@@ -299,17 +431,27 @@ def _with_reloads(jaxpr, infos):
     if not any(infos):
         return jaxpr
     n = len(infos)
-    avals = [info[3] if info else v.aval for v, info in zip(jaxpr.invars[:n], infos)] + [v.aval for v in jaxpr.invars[n:]]
+    avals = []
+    for v, info in zip(jaxpr.invars[:n], infos):
+        avals += ([info[3]] + [_SHADOW] * info[4]) if info else [v.aval]
+    avals += [v.aval for v in jaxpr.invars[n:]]
 
-    def load(a, info):
+    def load(a, shadow, info):
         # The ticket says how it was offloaded (sharded: each device its own shard, jaxvmm._sharded); the
         # reload follows it, whatever context the staged body is later traced or evaluated in.
-        shape, dtype, sharded, _ = info
-        return reload_p.bind(a, shape=shape, dtype=dtype, sharded=sharded)
+        shape, dtype, sharded, _, _ = info
+        return reload_p.bind(a, *shadow, shape=shape, dtype=dtype, sharded=sharded)
 
     def staged(*args):
-        res = [load(a, info) if info else a for a, info in zip(args[:n], infos)]
-        return _core.eval_jaxpr(jaxpr, (), *res, *args[n:])
+        args = list(args)
+        res = []
+        for info in infos:
+            a = args.pop(0)
+            if info:
+                shadow = [args.pop(0)] if info[4] else []
+                a = load(a, shadow, info)
+            res.append(a)
+        return _core.eval_jaxpr(jaxpr, (), *res, *args)
 
     try:
         closed = jax.make_jaxpr(staged)(*avals)

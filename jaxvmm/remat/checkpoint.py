@@ -97,8 +97,13 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
 
     Gradients are those of ``jax.checkpoint`` with the same policy, bit for bit. Residuals that an outer
     differentiation differentiates again (grad of grad, ``jax.hessian``, Hessian-vector products) stay
-    on the device: a ticket cannot carry a derivative. A VJP or linearized function whose residuals
-    were offloaded can be called once (each ticket is reloaded exactly once)."""
+    on the device: a ticket cannot carry a derivative. When the first derivative was staged first
+    (``jax.hessian(jax.jit(f))``, ``jax.jvp(jax.jit(jax.grad(f)))``), forward mode over it offloads the
+    residuals' tangents with them; reverse mode over it (``jax.grad(jax.jit(jax.grad(f)))``) is refused. A VJP or linearized function taken outside
+    ``jax.jit`` may be called (or jitted and called) any number of times; its offloaded residuals are
+    freed when it dies. Residuals offloaded inside a compiled program (``jax.vjp(jax.jit(f))``, a
+    ``lax.scan`` over checkpointed layers) are consumed by their first compiled reload: such a function
+    can be called once."""
     if unsupported:
         name = min(unsupported)
         why = _JAX_ONLY.get(name, "jaxvmm.checkpoint takes fun, prevent_cse, policy, static_argnums and "
@@ -199,9 +204,15 @@ def _describe(v, producers, invars) -> tuple:
         aval, what = _describe(eqn.invars[0], producers, invars)
         return v.aval, what
     src = source_info_util.summarize(eqn.source_info)
+    if name == "jaxvmm_checkpoint_shadow":  # travels with a traced offload's token (see remat/_rules.py)
+        return v.aval, ("jaxvmm shadow of the residual offloaded before it (under forward-mode differentiation "
+                        "it carries the ticket of that residual's tangent)")
     if _is_offload(eqn):
         x = eqn.invars[0]
         inner = producers.get(x)
+        if inner is not None and inner.primitive.name == "stop_gradient":  # the traced offload's input
+            x = inner.invars[0]
+            inner = producers.get(x)
         if inner is not None and inner.primitive.name == "optimization_barrier":
             x = inner.invars[list(inner.outvars).index(x)]
         aval, what = _describe(x, producers, invars)

@@ -1,0 +1,74 @@
+"""JAX's own ``jax.checkpoint`` tests (``RematTest`` in JAX's ``tests/api_test.py``) with ``jax.checkpoint``
+and ``jax.remat`` replaced by ``jaxvmm.checkpoint`` (README, *Drop-in for jax.checkpoint*).
+
+    python3 tools/remat_test.py --api-test /path/to/jax/tests/api_test.py            # the tests' own policies
+    python3 tools/remat_test.py --api-test /path/to/jax/tests/api_test.py --forced   # every saved value offloaded
+
+``--forced`` turns every policy answer that saves (``True``/``Saveable``) into ``Offloadable`` and a
+missing policy into ``jaxvmm.policies.offload_everything_saveable(min_bytes=0)``, so that what the tests
+save goes through jaxvmm. The file is written to ``--out`` (default: a temporary directory) and run with
+pytest; arguments after ``--`` go to pytest. Needs absl-py (JAX's test utilities import it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+FORCING = '''
+import jaxvmm
+from jax._src.interpreters.partial_eval import Offloadable as _Off, Saveable as _Sav
+_real_ckpt = jaxvmm.checkpoint
+def _offloading(policy):
+    if policy is None:
+        return jaxvmm.policies.offload_everything_saveable(min_bytes=0)
+    def p(prim, *a, **k):
+        r = policy(prim, *a, **k)
+        return _Off("device", "pinned_host") if (r is True or r is _Sav) else r
+    return p
+def _vmm_ckpt(fun=None, *, policy=None, **kw):
+    return _real_ckpt(fun, policy=_offloading(policy), **kw)
+class _NS: pass
+_vmm = _NS(); _vmm.checkpoint = _vmm_ckpt; _vmm.policies = jaxvmm.policies
+'''
+
+
+def extract(src: str, forced: bool) -> str:
+    lines = src.splitlines(keepends=True)
+    start = next(i for i, l in enumerate(lines) if l.startswith("class RematTest("))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("class "))
+    while end > start and lines[end - 1].startswith("@"):  # the next class's decorators
+        end -= 1
+    first_class = next(i for i, l in enumerate(lines) if l.startswith("class "))
+    head = "".join(lines[:first_class])
+    body = "".join(lines[start:end])
+    main = "".join(lines[next(i for i, l in enumerate(lines) if l.startswith("if __name__")):])
+    name = "_vmm.checkpoint" if forced else "jaxvmm.checkpoint"
+    body = re.sub(r"\bjax\.(?:remat|checkpoint)\b(?!_)", name, body)
+    prelude = FORCING if forced else "\nimport jaxvmm\n"
+    return head + prelude + body + "\n" + main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--api-test", required=True, help="JAX's tests/api_test.py (same version as the jax installed)")
+    ap.add_argument("--forced", action="store_true", help="offload every value the tests save")
+    ap.add_argument("--out", default=None, help="where to write the test file (default: a temporary directory)")
+    ap.add_argument("pytest_args", nargs="*")
+    a = ap.parse_args()
+    with open(a.api_test) as f:
+        text = extract(f.read(), a.forced)
+    out = a.out or tempfile.mkdtemp(prefix="jaxvmm_remattest_")
+    path = os.path.join(out, "test_jax_remat_offload.py" if a.forced else "test_jax_remat.py")
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}", flush=True)
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, *a.pytest_args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
