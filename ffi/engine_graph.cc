@@ -542,7 +542,13 @@ void Engine::PrefetchInto(Channel& c) {
     Cell& cell = c.cells[i];
     if (cell.round != Channel::Round::kIdle || cell.loaded) continue;
     if (cell.stream && cell.stream != gh2d_ && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a correction/0xFF still runs
-    if (!cell.mapped && (!use_kernels_ || !MapCell(c, i, /*evict=*/false))) continue;
+    if (!cell.mapped) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!tickets_.Predict(c.meta)) return;  // nothing to guess: no pages for it
+      }
+      if (!use_kernels_ || !MapCell(c, i, /*evict=*/false)) continue;
+    }
     Source src;
     {
       std::lock_guard<std::mutex> lock(mu_);
