@@ -235,9 +235,9 @@ Status Engine::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& m
   if (!c || c->ncells == 0)
     return Status(Code::kInternal, std::string(what) + " call site " + std::to_string(site) +
                                        " is being captured into a command buffer but its initialize stage never ran");
-  // Host grants record copies that name cell 0. Kernel grants record no cell address: the device
-  // finds a cell through its grant, and the poller maps a cell before it grants it.
-  if (!use_kernels_ && !c->cells[0].mapped && !MapCell(*c, 0))
+  // Host grants and one cell record copies that name cell 0. K > 1 cells record no cell address: the
+  // device finds a cell through its grant, and the poller maps a cell before it grants it.
+  if ((!use_kernels_ || c->ncells == 1) && !c->cells[0].mapped && !MapCell(*c, 0))
     return Status(Code::kOutOfMemory, "graph-mode cell of call site " + std::to_string(site) +
                                           " could not be mapped for capture within the staging budget");
   *out = c;
@@ -262,7 +262,13 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
     // Two nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that cell
     // (the copy's last block publishes the cell's filled word).
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c->dw, token_out, Addr(w.knock)));
-    JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, src, meta.nbytes, /*out=*/false));
+    if (c->ncells == 1) {
+      // One cell (JAXVMM_GRAPH_CELLS=1): the copy names it, as before K cells.
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c->cells[0].addr, src, meta.nbytes, stream); }));
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled[0]), 1, 0); }));
+    } else {
+      JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, src, meta.nbytes, /*out=*/false));
+    }
     Recorded(*c);
     return Status();
   }
@@ -288,7 +294,12 @@ Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_i
   const char* stage = "reload (capture)";
   if (use_kernels_) {
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, c->dw, token_in, Addr(w.probe), Addr(w.request), Addr(w.go)));
-    JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, dst, meta.nbytes, /*out=*/true));
+    if (c->ncells == 1) {
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, c->cells[0].addr, meta.nbytes, stream); }));
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done[0]), 1, 0); }));
+    } else {
+      JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, dst, meta.nbytes, /*out=*/true));
+    }
     Recorded(*c);
     return Status();
   }

@@ -939,9 +939,12 @@ _ODD_COPIES = [(1, 0, 0), (3, 1, 0), (15, 0, 1), (16, 0, 0), (17, 3, 3), (4095, 
                (65536 + 7, 1, 2), ((1 << 20) + 5, 0, 0), ((3 << 20) + 1, 5, 13), (N, 16, 8)]
 
 
-def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_device, slots, engine_hygiene):
-    """Each round trip goes through the cell-copy kernel in both directions; the bytes come back exact
-    and the copy writes nothing outside the destination range."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_device, slots, engine_hygiene, graph_cells, k):
+    """Each round trip goes through the cell-copy kernel in both directions (K = 2; K = 1 records
+    plain copies of its one cell); the bytes come back exact and nothing outside the destination range
+    is written."""
+    graph_cells(k)
     pad = 64
     for n, src_off, dst_off in _ODD_COPIES:
         x, y, tok = slots(n + pad), slots(n + pad), slots(8)
