@@ -22,15 +22,13 @@
 #include <tuple>
 #include <vector>
 
+#include "graph_words.h"
 #include "status.h"
 #include "tickets.h"
 
 namespace jaxvmm {
 
 enum class ChannelKind : int { kOffload = 0, kReload = 1 };
-
-// At most this many cells per channel (jaxvmm.configure(graph_cells=K), validated in Python).
-inline constexpr int kMaxCells = 4;
 
 // One line of pinned, device-mapped words per channel. Each word has one writer at a time: the
 // device writes a flag to 1 (knock, filled, request, done) and the poller resets it; the poller grants
@@ -50,23 +48,6 @@ struct alignas(64) ChannelWords {
   std::atomic<uint64_t> filled[kMaxCells], done[kMaxCells];
 };
 static_assert(sizeof(ChannelWords) == 128, "two cache lines per channel");
-
-// Kernel grants (DESIGN.md, "Graph mode"): the words the device takes grants from, in device memory
-// (cuMemAlloc), one line per channel; the same layout as `Cells` in ffi/kernels/graph_kernels.cu. The
-// poller writes them only with cuStreamWriteValue64 on a copy stream, ordered after the copy that makes
-// the grant true; the device (or jaxvmm_revoke) takes grants back with an atomic.
-struct DeviceWords {
-  uint64_t grant[kMaxCells];  // offload: cell i's armed token (0: none); reload: the token cell i holds
-  uint64_t cell[kMaxCells];   // the cells' addresses (written once, at the channel's first initialize)
-  uint64_t flag[kMaxCells];   // &filled[i] / &done[i] (idem)
-  uint64_t ncells;            // K (idem)
-  uint64_t next;              // offload: the cell the next take scans first (the device's round robin)
-  uint64_t ptr;               // the cell the round took (take kernel -> copy kernel)
-  uint64_t publish;           // that cell's flag (the copy kernel's last block writes 1 there)
-  uint64_t blocks;            // copy kernel: blocks finished
-  uint64_t pad[15];
-};
-static_assert(sizeof(DeviceWords) == 256, "the layout of Cells in graph_kernels.cu");
 
 // One of a channel's K staging cells: an internal slot whose VA is reserved once and whose pages are
 // mapped on demand and returned when idle, and the state of the round that uses it.

@@ -40,8 +40,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "channels.h"  // DeviceWords: the grant kernels' words
 #include "driver.h"
+#include "graph_words.h"  // DeviceWords: the grant kernels' words
 
 namespace jaxvmm {
 namespace {
@@ -680,7 +680,7 @@ CUresult SpinUntil(F done) {
   return CUDA_SUCCESS;
 }
 
-// A channel's device words (channels.h, DeviceWords: the layout of `Cells` in graph_kernels.cu).
+// A channel's device words (graph_words.h, DeviceWords: the layout of `Cells` in graph_kernels.cu).
 Word* Grant(const uint64_t* a, uint64_t i) { return W(a[0] + offsetof(DeviceWords, grant) + sizeof(uint64_t) * i); }
 DeviceWords* Cells(const uint64_t* a) { return reinterpret_cast<DeviceWords*>(a[0]); }
 void Choose(DeviceWords* c, uint64_t i) {

@@ -3,7 +3,7 @@
 // with cuModuleLoadData: no CUDA toolkit is needed to build jaxvmm. driver_posix.cc implements the same
 // kernels as host functions with the same memory-ordering contract.
 //
-// A channel has K cells (a ring). Its words in device memory (`Cells`, channels.h: the same layout)
+// A channel has K cells (a ring). Its words in device memory (`Cells`; graph_words.h, DeviceWords: the same layout)
 // hold one grant per cell (offload: the armed token; reload: the token whose bytes the cell holds),
 // the cells' addresses and the pinned words each cell's round publishes (filled/done), all written by
 // the poller only with cuStreamWriteValue64 on its copy streams, ordered after the copy that makes the
@@ -26,7 +26,7 @@ struct Cells {
   u64 blocks;                   // copy kernel: blocks finished (the last one resets it)
   u64 pad[15];
 };
-static_assert(sizeof(Cells) == 256, "Cells layout (channels.h)");
+static_assert(sizeof(Cells) == 256, "Cells layout (graph_words.h)");
 
 __device__ __forceinline__ void backoff(unsigned* ns) {
   __nanosleep(*ns);
