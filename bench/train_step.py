@@ -353,7 +353,7 @@ def run_child(args) -> dict:
         res["prefetch_hits"] = d["prefetch_hits"] + d.get("graph_hits", 0)
         res["prefetch_misses"] = d["prefetch_misses"] + d.get("graph_misses", 0)
         res["offloads_per_step"] = d["offloads"] / args.steps
-        res["reloads_per_step"] = (d["reloads"] + d.get("graph_reload_rounds", 0)) / args.steps
+        res["reloads_per_step"] = d["reloads"] / args.steps  # graph-mode rounds included (engine_stats)
         res["graph_rounds_per_step"] = (d.get("graph_offload_rounds", 0) + d.get("graph_reload_rounds", 0)) / args.steps
         # Rounds that took their grant on the device (no poller round trip on the device's path).
         res["graph_device_grants_per_step"] = d.get("graph_grants_device", 0) / args.steps

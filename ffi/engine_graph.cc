@@ -447,6 +447,7 @@ std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token
     t->offload_seq = next_seq_ - 1;
     t->host = host;
     t->d2h_done = ev;
+    t->graph_round = true;
     ++stats_.offloads;
   } else {
     if (host.ptr) host_store_.Free(host);
@@ -549,6 +550,14 @@ void Engine::PrefetchInto(Channel& c) {
   // grants need no copy on the device's path. Cells other than the one just freed are mapped only
   // within the budget as it is (no other channel's cell is returned for a guess).
   const DriverTable& d = Driver(backend_);
+  // Only a ticket whose bytes can be copied without waiting on XLA's streams: a graph round's (its D2H
+  // on gd2h_ only follows its own round), or a ring-path one whose D2H already finished. A ring-path
+  // D2H waits for an event of XLA's stream; a ticket offloaded *after* this channel's next round (the
+  // next program, enqueued behind this one) would hold the cell, and the next round's request waits
+  // for the cell's copies: the device would wait for itself.
+  auto usable = [&](const Ticket& t) {
+    return t.graph_round || t.on_host || (t.d2h_done && d.EventQuery(t.d2h_done) == CUDA_SUCCESS);
+  };
   for (int i = 0; i < c.ncells; ++i) {
     Cell& cell = c.cells[i];
     if (cell.round != Channel::Round::kIdle || cell.loaded) continue;
@@ -556,14 +565,14 @@ void Engine::PrefetchInto(Channel& c) {
     if (!cell.mapped) {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (!tickets_.Predict(c.meta)) return;  // nothing to guess: no pages for it
+        if (!tickets_.Predict(c.meta, usable)) return;  // nothing to guess: no pages for it
       }
       if (!use_kernels_ || !MapCell(c, i, /*evict=*/false)) continue;
     }
     Source src;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      std::shared_ptr<Ticket> t = tickets_.Predict(c.meta);
+      std::shared_ptr<Ticket> t = tickets_.Predict(c.meta, usable);
       if (!t) return;
       t->claimed_by = c.Claim();
       t->pins += 1;

@@ -78,7 +78,7 @@ std::shared_ptr<Ticket> TicketTable::Find(uint64_t token, std::string* why) cons
   return it->second;
 }
 
-std::shared_ptr<Ticket> TicketTable::Predict(const ArrayMeta& meta) const {
+std::shared_ptr<Ticket> TicketTable::Predict(const ArrayMeta& meta, const std::function<bool(const Ticket&)>& usable) const {
   // JAXVMM_PREDICT=0 turns prediction off (diagnostics); Python validated and normalized the value.
   static const bool enabled = [] {
     const char* v = std::getenv("JAXVMM_PREDICT");
@@ -89,7 +89,7 @@ std::shared_ptr<Ticket> TicketTable::Predict(const ArrayMeta& meta) const {
   // the guess for that signature (Learn). Only tickets whose D2H is enqueued can be copied from.
   auto fits = [&](const std::shared_ptr<Ticket>& t) {
     return t->enqueued && !t->consumed && !t->dropped && t->claimed_by == 0 && t->meta.nbytes == meta.nbytes &&
-           t->meta.signature == meta.signature;
+           t->meta.signature == meta.signature && (!usable || usable(*t));
   };
   if (!fifo_.count(meta.signature)) {
     for (auto it = order_.rbegin(); it != order_.rend(); ++it)

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -39,6 +40,8 @@ struct Ticket {
   HostBlock host;
   CUevent d2h_done = nullptr;  // recorded on the D2H stream after the copy
   bool enqueued = false;       // its D2H and d2h_done are enqueued: a reload may copy from it
+  bool graph_round = false;    // made by a graph-mode round: its D2H runs on gd2h_, which never waits
+                               // on XLA's streams (a ring-path D2H waits for an event of XLA's stream)
   bool on_host = false;        // D2H finished and seen by the releaser
   bool consumed = false;       // a reload resolved to it
   bool reserved = false;       // an eager reload checked it (a second eager reload is refused)
@@ -75,8 +78,8 @@ class TicketTable {
   // The live ticket of `token`, or null with *why set (forged, gone, already reloaded).
   std::shared_ptr<Ticket> Find(uint64_t token, std::string* why) const;
   // The predicted ticket for a reload of `meta`: the newest (LIFO) or oldest (FIFO) unconsumed,
-  // unclaimed ticket of that shape/dtype whose D2H is enqueued.
-  std::shared_ptr<Ticket> Predict(const ArrayMeta& meta) const;
+  // unclaimed ticket of that shape/dtype whose D2H is enqueued (and that `usable` accepts, if given).
+  std::shared_ptr<Ticket> Predict(const ArrayMeta& meta, const std::function<bool(const Ticket&)>& usable = nullptr) const;
   // A reload resolved to `actual` while `predicted` was guessed: learn LIFO vs FIFO.
   void Learn(const std::shared_ptr<Ticket>& actual, int64_t signature);
 

@@ -255,8 +255,12 @@ def test_gpu_idle_engine_returns_staging_pages_to_the_driver():
 @pytest.mark.gpu
 def test_gpu_offload_storm_stays_within_depth_cells():
     # Activations produced faster than PCIe drains them: XLA's stream waits on the device for a cell,
-    # so staging never grows with the number of offloads in flight. (Open on the H200 with graph mode:
-    # bwd enqueued right behind fwd hangs; tools/gpu_storm_hang.sh shows where. README, limitations.)
+    # so staging never grows with the number of offloads in flight. Both programs enqueued without a
+    # block, twice: bwd's first run right behind fwd's (a module load while rounds are pending:
+    # jaxvmm/_module_loads.py), and fwd's second run (its first uncaptured iteration, a ring-path
+    # offload) right behind bwd's rounds, whose prefetch once guessed that ticket and waited for its
+    # D2H, which waits for the device to pass those very rounds (a hang on the H200; POSIX streams
+    # are synchronous, so only a GPU can show it).
     ok(run_in_subprocess(PRELUDE + textwrap.dedent("""
         from jax import lax
         jaxvmm.configure(prefetch_depth=2)

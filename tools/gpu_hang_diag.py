@@ -77,12 +77,93 @@ PRELUDE = textwrap.dedent("""
     WANT = float(sum(range(1, 33)))
 """)
 
+BARE_PRELUDE = (PRELUDE.split("jaxvmm.configure(prefetch_depth=2)")[0].replace("import jax, jax.numpy as jnp", "import jax")
+                + PRELUDE[PRELUDE.index("KEYS = "):PRELUDE.index('if os.environ.get("DIAG_NO_BARRIER")')])
 NB = {"DIAG_NO_BARRIER": "1"}
+BARE = {"DIAG_BARE": "1"}  # a minimal prelude: jax is not initialized before the body runs
 EXPERIMENTS = {
+    # tests/test_graph.py::test_cells_of_a_site_never_captured_go_back_when_idle (engine entry points
+    # before jax initializes; no capture, no round)
+    "never_captured": (BARE, """
+        from jaxvmm.testing import Replay
+        from jaxvmm._native import lib
+        jaxvmm.configure(staging_idle_ms=50)
+        def mapped(tag):
+            print(tag, "synchronize...", flush=True); jaxvmm.synchronize()
+            print(tag, "stats...", flush=True); s = lib.engine_stats("cuda", 0)
+            print(tag, {k: s[k] for k in ("graph_mapped_bytes", "graph_kernels", "graph_channels")}, flush=True)
+            return s["graph_mapped_bytes"]
+        with Replay("cuda:0") as r:
+            print("prepare offload", flush=True); r.prepare(1 << 40, r.OFFLOAD, 12388)
+            print("prepare reload", flush=True); r.prepare((1 << 40) + 1, r.RELOAD, 12388)
+            assert mapped("first") > 0
+            deadline = time.monotonic() + 10
+            while mapped("poll") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            print("RESULT", "PASS" if mapped("last") == 0 else "FAIL still mapped", flush=True)
+    """),
+    # tests/test_engine.py::test_gpu_idle_engine_returns_staging_pages_to_the_driver
+    "idle_engine": (BARE, """
+        import jax.numpy as jnp
+        jaxvmm.configure(staging_idle_ms=1000)
+        x = jnp.arange(64 << 20, dtype=jnp.float32)
+        step = jax.jit(lambda x: jaxvmm.reload(jaxvmm.offload(x)))
+        for i in range(3):
+            y = step(x); print("step", i, flush=True)
+        print("equal", bool(jnp.array_equal(y, x)), flush=True)
+        jaxvmm.synchronize(); show("after synchronize")
+        s = jaxvmm.engine_stats()["cuda:0"]
+        print({k: v for k, v in s.items() if "staging" in k or "graph" in k}, flush=True)
+        deadline = time.time() + 10
+        while jaxvmm.engine_stats()["cuda:0"]["staging_mapped_bytes"] and time.time() < deadline:
+            time.sleep(0.05)
+        s = jaxvmm.engine_stats()["cuda:0"]
+        print({k: v for k, v in s.items() if "staging" in k or "graph" in k}, flush=True)
+        print("RESULT", "PASS" if s["staging_mapped_bytes"] == 0 else "FAIL still mapped", flush=True)
+    """),
     "storm": ({}, """
         ts = fwd(h)
         show("after fwd (no block)")
         total = bwd(ts)
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """),
+    # tests/test_engine.py::test_gpu_offload_storm_stays_within_depth_cells: the pair twice (XLA records
+    # its command buffers on a program's second run)
+    "storm2": ({}, """
+        for i in range(2):
+            ts = fwd(h)
+            show(f"{i}: after fwd (no block)")
+            total = bwd(ts)
+            show(f"{i}: after bwd (no block)")
+            print(i, "total", float(total), flush=True)
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """),
+    "storm2_nobarrier": (NB, """
+        for i in range(2):
+            ts = fwd(h)
+            total = bwd(ts)
+            show(f"{i}: after bwd (no block)")
+            print(i, "total", float(total), flush=True)
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """),
+    # the test itself: iteration 2's fwd (its first command-buffer recording) is enqueued while
+    # iteration 1's bwd (first run: ring path, no capture) still waits for its reloads
+    "storm3": ({}, """
+        for i in range(2):
+            total = bwd(fwd(h))
+            show(f"{i}: after bwd (no block)")
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """),
+    "storm3_eager": ({"CUDA_MODULE_LOADING": "EAGER"}, """
+        for i in range(2):
+            total = bwd(fwd(h))
+            show(f"{i}: after bwd (no block)")
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """),
+    "storm3_nograph": ({"JAXVMM_GRAPH": "0"}, """
+        for i in range(2):
+            total = bwd(fwd(h))
+            show(f"{i}: after bwd (no block)")
         print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
     """),
     "fresh_jit": ({}, """
@@ -176,9 +257,9 @@ def run(name: str) -> str:
     env_extra, body = EXPERIMENTS[name]
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
                CHILD_WATCHDOG=str(LIMIT - 15), **env_extra)
-    code = PRELUDE + textwrap.dedent(body)
+    code = (BARE_PRELUDE if env_extra.get("DIAG_BARE") else PRELUDE) + textwrap.dedent(body)
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    p = subprocess.Popen([sys.executable, "-P", "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         out, _ = p.communicate(timeout=LIMIT)
         verdict = "PASS" if "RESULT PASS" in out else ("FAIL rc=%d" % p.returncode)
