@@ -29,7 +29,7 @@ Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta
     auto* chunk = static_cast<ChannelWords*>(p);
     for (size_t i = 0; i < kWordsPerChunk; ++i) new (&chunk[i]) ChannelWords();
     CUdeviceptr dev = 0;
-    const std::vector<DeviceWords> zeros(kWordsPerChunk, DeviceWords{0, 0});
+    const std::vector<DeviceWords> zeros(kWordsPerChunk, DeviceWords{});
     Status st = Call(-1, "graph channels", Entry::kMemAlloc, [&] { return Driver(backend_).MemAlloc(&dev, sizeof(DeviceWords) * kWordsPerChunk); });
     if (st.ok())
       st = Call(-1, "graph channels", Entry::kMemcpyHtoD,
@@ -49,11 +49,14 @@ Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta
   c->meta = meta;
   c->w = &chunks_[used_ / kWordsPerChunk][used_ % kWordsPerChunk];
   const CUdeviceptr dw = device_chunks_[used_ / kWordsPerChunk] + sizeof(DeviceWords) * (used_ % kWordsPerChunk);
-  c->arm = dw + offsetof(DeviceWords, arm);
-  c->ready = dw + offsetof(DeviceWords, ready);
+  c->dw = dw;
   ++used_;
-  for (auto* word : {&c->w->knock, &c->w->arm, &c->w->filled, &c->w->token, &c->w->probe, &c->w->request, &c->w->go, &c->w->done, &c->w->result})
+  for (auto* word : {&c->w->knock, &c->w->arm, &c->w->token, &c->w->probe, &c->w->request, &c->w->go, &c->w->result})
     word->store(0, std::memory_order_relaxed);
+  for (int i = 0; i < kMaxCells; ++i) {
+    c->w->filled[i].store(0, std::memory_order_relaxed);
+    c->w->done[i].store(0, std::memory_order_relaxed);
+  }
   c->last_use = std::chrono::steady_clock::now();
   *out = c.get();
   by_site_[Key{site, static_cast<int>(kind), meta.nbytes, meta.signature}] = c.get();

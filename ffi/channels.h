@@ -14,6 +14,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -21,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "graph_words.h"
 #include "status.h"
 #include "tickets.h"
 
@@ -32,60 +34,66 @@ enum class ChannelKind : int { kOffload = 0, kReload = 1 };
 // device writes a flag to 1 (knock, filled, request, done) and the poller resets it; the poller grants
 // (arm, go) and the device takes the grant back by writing 0.
 struct alignas(64) ChannelWords {
-  // offload: knock (device: a round waits for `arm`), arm (poller: the cell is free and `token` is this
-  // round's), filled (device: the cell holds the round's bytes), token (poller -> device).
-  std::atomic<uint64_t> knock, arm, filled, token;
+  // offload: knock (device: a round waits for a grant), arm (host grants: the cell is free and `token`
+  // is this round's), token (poller -> device, host grants).
+  std::atomic<uint64_t> knock, arm, token;
   // reload: probe (device: the token it holds), request (device: a round waits for `go`), go (poller:
-  // the cell holds the probed ticket's bytes, or 0xFF), done (device: it copied out of the cell).
-  std::atomic<uint64_t> probe, request, go, done;
+  // 1 + the cell that holds the probed ticket's bytes, or 0xFF).
+  std::atomic<uint64_t> probe, request, go;
   // kernel grants: what jaxvmm_revoke found (nonzero: the grant was taken back before the device used it).
   std::atomic<uint64_t> result;
+  std::atomic<uint64_t> unused;
+  // Per cell (device: the round that used cell i is through the cell): offload filled[i] (the cell
+  // holds the round's bytes), reload done[i] (the device copied the cell out).
+  std::atomic<uint64_t> filled[kMaxCells], done[kMaxCells];
 };
 static_assert(sizeof(ChannelWords) == 128, "two cache lines per channel");
 
-// Kernel grants (DESIGN.md, "Graph mode"): the words the device takes grants from, in device memory
-// (cuMemAlloc). The poller writes them only with cuStreamWriteValue64 on a copy stream, ordered after
-// the copy that makes the grant true; the device (or jaxvmm_revoke) takes them back with an atomic.
-struct DeviceWords {
-  uint64_t arm;    // offload: the pre-armed round's token (0: no grant)
-  uint64_t ready;  // reload: the token whose bytes the cell holds (0: none)
-};
-static_assert(sizeof(DeviceWords) == 16, "8-byte aligned words");
-
-struct Channel {
+// One of a channel's K staging cells: an internal slot whose VA is reserved once and whose pages are
+// mapped on demand and returned when idle, and the state of the round that uses it.
+struct Cell {
   enum class Round : int {
-    kIdle = 0,     // no round in progress on the device
-    kGranted = 1,  // offload: arm granted, the device will fill the cell; reload: go granted or pending
-    // Kernel grants only: offload: `arm` holds grant_token (the device may have taken it: only a revoke
-    // tells); reload: `ready` names c.loaded, whose bytes are in the cell.
+    kIdle = 0,     // no grant out: the device does not touch the cell
+    kGranted = 1,  // a round may be using the cell (host grant, or a device take a revoke found)
+    // Kernel grants only: offload: grant[i] holds grant_token (the device may have taken it: only a
+    // revoke tells); reload: grant[i] names `loaded`, whose bytes are in the cell.
     kArmed = 2,
   };
+  int64_t slot_id = -1;  // reserved at the channel's first initialize stage
+  CUdeviceptr addr = 0;
+  bool mapped = false;
+  bool host_pages = false;  // mapped with host (HOST_NUMA) pages: the device had no memory for them
+  Round round = Round::kIdle;
+  uint64_t grant_token = 0;        // offload, kArmed: the token in grant[i] (its ticket is made at filled[i])
+  bool host_grant = false;         // the outstanding grant answered a knock/request (counted at the round's end)
+  std::shared_ptr<Ticket> ticket;  // offload (host grants): the granted round's ticket; reload: the round's ticket
+  std::shared_ptr<Ticket> loaded;  // reload: the predicted ticket copied into the cell ahead of time
+  CUevent event = nullptr;         // after the last side-stream copy into/out of the cell
+  CUstream stream = nullptr;       // the stream that copy ran on (grants are ordered after it)
+};
+
+struct Channel {
+  using Round = Cell::Round;
   ChannelKind kind = ChannelKind::kOffload;
   int64_t site = 0;
   int64_t index = 0;  // position in the table; names the channel in claims and diagnostics
   ArrayMeta meta;
   ChannelWords* w = nullptr;
-  CUdeviceptr arm = 0, ready = 0;  // this channel's DeviceWords (kernel grants)
-  uint64_t grant_token = 0;        // offload, kArmed: the token in `arm` (its ticket is made at `filled`)
-  bool host_grant = false;         // the outstanding grant answered a knock/request (counted at the round's end)
-  int64_t slot_id = -1;  // the cell: an internal slot, reserved at Prepare, pages mapped on demand
-  CUdeviceptr cell = 0;
+  CUdeviceptr dw = 0;  // this channel's DeviceWords (kernel grants)
+  int ncells = 0;      // K: cells reserved (1 with host grants); fixed at the first initialize stage
+  Cell cells[kMaxCells];
   size_t cell_size = 0;
-  bool mapped = false;
-  bool host_pages = false;  // mapped with host (HOST_NUMA) pages: the device had no memory for them
   int map_failures = 0;     // MapCell attempts failed in a row (reported once per streak)
   bool captured = false;  // some execute recorded this channel's device work
   int64_t prepares = 0;   // initialize stages seen
-  Round round = Round::kIdle;
   bool waiting = false;   // a knock/request seen but not granted yet (no budget, data not enqueued)
-  std::shared_ptr<Ticket> ticket;  // offload: the granted round's ticket; reload: the round's ticket
-  std::shared_ptr<Ticket> loaded;  // reload: the predicted ticket copied into the cell ahead of time
-  CUevent cell_event = nullptr;    // after the last side-stream copy into/out of the cell
-  CUstream cell_stream = nullptr;  // the stream that copy ran on (grants are ordered after it)
-  CUstream stream = nullptr;       // XLA's stream at the last Prepare: async errors are reported on it
+  CUstream stream = nullptr;  // XLA's stream at the last Prepare: async errors are reported on it
   std::chrono::steady_clock::time_point last_use;
   int64_t rounds = 0;
 
+  // Addresses of the device words.
+  CUdeviceptr Grant(int i) const { return dw + offsetof(DeviceWords, grant) + sizeof(uint64_t) * i; }
+  CUdeviceptr Word(size_t offset) const { return dw + offset; }
   // The claim a channel puts on a ticket it prefetched (never a sequence number of the op ring).
   uint64_t Claim() const { return (uint64_t{1} << 63) | static_cast<uint64_t>(index); }
 };

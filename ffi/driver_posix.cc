@@ -29,6 +29,7 @@
 #include <chrono>
 #include <thread>
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "driver.h"
+#include "graph_words.h"  // DeviceWords: the grant kernels' words
 
 namespace jaxvmm {
 namespace {
@@ -692,15 +694,34 @@ CUresult SpinUntil(F done) {
   return CUDA_SUCCESS;
 }
 
-CUresult KTakeOffload(const uint64_t* a) {  // (u64* arm, u32* token_out, u64* knock)
-  Word* arm = W(a[0]);
-  uint64_t t = arm->exchange(0);
-  if (t == 0) {
+// A channel's device words (graph_words.h, DeviceWords: the layout of `Cells` in graph_kernels.cu).
+Word* Grant(const uint64_t* a, uint64_t i) { return W(a[0] + offsetof(DeviceWords, grant) + sizeof(uint64_t) * i); }
+DeviceWords* Cells(const uint64_t* a) { return reinterpret_cast<DeviceWords*>(a[0]); }
+void Choose(DeviceWords* c, uint64_t i) {
+  c->ptr = c->cell[i];
+  c->publish = c->flag[i];
+}
+
+CUresult KTakeOffload(const uint64_t* a) {  // (Cells* cells, u32* token_out, u64* knock)
+  DeviceWords* c = Cells(a);
+  const uint64_t k = c->ncells, start = c->next;
+  if (k == 0 || k > kMaxCells) return CUDA_ERROR_ILLEGAL_ADDRESS;  // the device would spin forever
+  uint64_t t = 0, i = 0;
+  auto scan = [&] {
+    for (uint64_t j = 0; j < k && t == 0; ++j) {
+      i = (start + j) % k;
+      if (Grant(a, i)->load(std::memory_order_acquire) != 0) t = Grant(a, i)->exchange(0);
+    }
+    return t != 0;
+  };
+  if (!scan()) {
     W(a[2])->store(1, std::memory_order_release);
-    CUresult r = SpinUntil([&] { return arm->load(std::memory_order_acquire) != 0 && (t = arm->exchange(0)) != 0; });
+    CUresult r = SpinUntil(scan);
     if (r != CUDA_SUCCESS) return r;
     W(a[2])->store(0, std::memory_order_release);
   }
+  c->next = (i + 1) % k;
+  Choose(c, i);
   auto* out = reinterpret_cast<uint32_t*>(a[1]);
   out[0] = static_cast<uint32_t>(t);
   out[1] = static_cast<uint32_t>(t >> 32);
@@ -715,16 +736,40 @@ CUresult KTakeOffload(const uint64_t* a) {  // (u64* arm, u32* token_out, u64* k
   return CUDA_SUCCESS;
 }
 
-CUresult KTakeReload(const uint64_t* a) {  // (u32* token_in, u64* ready, u64* probe, u64* request, u64* go)
-  const auto* in = reinterpret_cast<const uint32_t*>(a[0]);
+CUresult KTakeReload(const uint64_t* a) {  // (Cells* cells, u32* token_in, u64* probe, u64* request, u64* go)
+  DeviceWords* c = Cells(a);
+  const auto* in = reinterpret_cast<const uint32_t*>(a[1]);
   const uint64_t t = uint64_t{in[0]} | (uint64_t{in[1]} << 32);
-  uint64_t expect = t;
-  if (t != 0 && W(a[1])->compare_exchange_strong(expect, 0)) return CUDA_SUCCESS;
+  const uint64_t k = c->ncells;
+  if (k == 0 || k > kMaxCells) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  if (t != 0)
+    for (uint64_t i = 0; i < k; ++i) {
+      uint64_t expect = t;
+      if (Grant(a, i)->compare_exchange_strong(expect, 0)) {
+        Choose(c, i);
+        return CUDA_SUCCESS;
+      }
+    }
   W(a[2])->store(t, std::memory_order_release);
   W(a[3])->store(1, std::memory_order_release);
-  CUresult r = SpinUntil([&] { return W(a[4])->load(std::memory_order_acquire) == 1; });
+  uint64_t g = 0;
+  CUresult r = SpinUntil([&] { return (g = W(a[4])->load(std::memory_order_acquire)) != 0; });
   if (r != CUDA_SUCCESS) return r;
   W(a[4])->store(0, std::memory_order_release);
+  if (g > k) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  Choose(c, g - 1);
+  return CUDA_SUCCESS;
+}
+
+// The whole grid's copy at once (memmove: any size and alignment), then the last block's publish.
+CUresult KCellCopy(const uint64_t* a) {  // (Cells* cells, u64 other, u64 nbytes, u64 out)
+  DeviceWords* c = Cells(a);
+  if (!c->ptr || !c->publish) return CUDA_ERROR_ILLEGAL_ADDRESS;  // no take kernel chose a cell
+  void* cell = reinterpret_cast<void*>(c->ptr);
+  void* other = reinterpret_cast<void*>(a[1]);
+  if (a[3]) std::memmove(other, cell, a[2]);
+  else std::memmove(cell, other, a[2]);
+  W(c->publish)->store(1, std::memory_order_release);
   return CUDA_SUCCESS;
 }
 
@@ -744,11 +789,13 @@ struct PosixKernel {
   const char* name;
   int params;  // all 8 bytes wide
   CUresult (*fn)(const uint64_t*);
+  bool grid;   // launched as a grid (the copy kernel); the grant kernels are one thread
 };
 constexpr PosixKernel kKernels[] = {
-    {"jaxvmm_take_offload", 3, KTakeOffload},
-    {"jaxvmm_take_reload", 5, KTakeReload},
-    {"jaxvmm_revoke", 3, KRevoke},
+    {"jaxvmm_take_offload", 3, KTakeOffload, false},
+    {"jaxvmm_take_reload", 5, KTakeReload, false},
+    {"jaxvmm_revoke", 3, KRevoke, false},
+    {"jaxvmm_cell_copy", 4, KCellCopy, true},
 };
 constexpr int kMaxParams = 5;
 struct PosixModule {
@@ -784,9 +831,10 @@ CUresult PosixModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
 CUresult PosixLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                            unsigned shared, CUstream s, void** params, void** extra) {
   if (!f || !params || extra) return CUDA_ERROR_INVALID_VALUE;
-  if (gx != 1 || gy != 1 || gz != 1 || bx != 1 || by != 1 || bz != 1 || shared != 0)
-    return CUDA_ERROR_INVALID_VALUE;  // the grant kernels are one thread
   const auto* k = reinterpret_cast<const PosixKernel*>(f);
+  if (gx == 0 || bx == 0 || gy != 1 || gz != 1 || by != 1 || bz != 1 || shared != 0 || bx > 1024)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (!k->grid && (gx != 1 || bx != 1)) return CUDA_ERROR_INVALID_VALUE;  // the grant kernels are one thread
   std::array<uint64_t, kMaxParams> a{};
   for (int i = 0; i < k->params; ++i) std::memcpy(&a[i], params[i], sizeof(uint64_t));
   return Enqueue(s, [k, a] { return k->fn(a.data()); });

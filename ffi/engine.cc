@@ -15,6 +15,7 @@ constexpr size_t kTimings = 4096;  // handler host times kept for the median
 
 std::atomic<int> g_keep{0};
 std::atomic<bool> g_graph_kernels{true};
+std::atomic<int> g_graph_cells{2};
 std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
 // Calls copy(offset, bytes) for consecutive pieces of at most `chunk` bytes (0: one piece).
@@ -38,6 +39,8 @@ void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
 int EngineConfig::KeepResident() { return g_keep.load(); }
 void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
 bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
+void EngineConfig::SetGraphCells(int k) { g_graph_cells.store(std::clamp(k, 1, kMaxCells)); }
+int EngineConfig::GraphCells() { return g_graph_cells.load(); }
 void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
 size_t EngineConfig::CopyChunk() { return g_copy_chunk.load(); }
 

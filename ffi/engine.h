@@ -52,6 +52,7 @@ struct GraphStats {
   int64_t revokes = 0;         // grants taken back (idle release, trim, budget) before the device used them
   int64_t revokes_lost = 0;    // revocations that found the grant already taken (the round went on)
   int64_t host_cells = 0;      // cells mapped with host pages because the device was out of memory
+  int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
 };
 
 struct EngineStats {
@@ -82,6 +83,10 @@ struct EngineConfig {
   // its first initialize stage; its captures keep that protocol.
   static void SetGraphKernels(bool on);
   static bool GraphKernels();
+  // Graph mode with grant kernels: staging cells per channel (1..kMaxCells, default 2), so consecutive
+  // rounds of one call site overlap their copies. Read when a channel is first prepared.
+  static void SetGraphCells(int k);
+  static int GraphCells();
   // D2H and H2D copies between a staging cell and a host block are issued in pieces of at most this
   // many bytes (0: one copy), so that other copies on the copy engines (the other direction, XLA's
   // D2D snapshots) interleave with a large one instead of queueing behind all of it. Default 64 MiB.
@@ -223,29 +228,35 @@ class Engine {
   bool ServiceOffload(Channel& c);  // caller holds graph_mu_ (as do the helpers below)
   bool ServiceReload(Channel& c);
   std::shared_ptr<Ticket> MakeRoundTicket(const Channel& c, uint64_t token, Status* st);  // takes mu_
-  Status CopyOutOfCell(Channel& c, const std::shared_ptr<Ticket>& t);  // D2H on gd2h_; takes mu_
+  Status CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t);  // D2H of cell i on gd2h_; takes mu_
   void RecordOffloadError(const Channel& c, const Status& st);         // takes mu_
   // A ring-path resolve of `token` waits while it names a graph-mode offload round the device finished
   // but the poller has not served yet (no ticket yet, or its D2H not enqueued). Caller holds no lock.
   void WaitForGraphRound(uint64_t token);
   std::shared_ptr<Ticket> FindForRound(const Channel& c, uint64_t token, std::string* why);  // caller holds mu_
-  bool TakeForRound(Channel& c, const std::shared_ptr<Ticket>& a, Source* src);              // caller holds mu_
-  void PrefetchInto(Channel& c);    // copies the predicted ticket into an idle reload cell
-  void FillInvalid(Channel& c);     // 0xFF into the cell, ordered after every copy into it
+  // Caller holds mu_: the round consumes `a` in cell i (a hit when the cell holds it).
+  bool TakeForRound(Channel& c, int i, const std::shared_ptr<Ticket>& a, Source* src);
+  void PrefetchInto(Channel& c);    // copies the next predictions into the channel's idle reload cells
+  void FillInvalid(Channel& c, int i);  // 0xFF into cell i, ordered after every copy into it
   bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
-  bool MapCell(Channel& c);         // pages for the cell within the staging budget; false: not now
-  void UnmapCell(Channel& c);
+  // Pages for cell i within the staging budget (evict: return other channels' idle cells to make
+  // room); false: not now.
+  bool MapCell(Channel& c, int i, bool evict = true);
+  void UnmapCell(Channel& c, int i);
   // Cells of idle channels (after IdleMillis unless `now`; only those with device pages if `device_only`).
   size_t ReleaseIdleCells(bool now, bool device_only = false);
-  void Grant(std::atomic<uint64_t>* word, Channel& c);  // writes 1, ordered after the cell's last copy
+  // Writes `value` into `word`, ordered after cell i's last side-stream copy.
+  void Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value = 1);
   // Kernel grants (caller holds graph_mu_).
   bool ServiceOffloadK(Channel& c);
   bool ServiceReloadK(Channel& c);
-  bool Arm(Channel& c, bool host);  // offload: a reserved token into `arm` on d2h_ (after the cell's D2H)
-  bool Revoke(Channel& c);          // takes an armed grant back; true: none is outstanding any more
+  bool Arm(Channel& c, int i, bool host);  // offload: a reserved token into grant[i] on gd2h_ (after the cell's D2H)
+  void ArmIdleCells(Channel& c);    // offload: arms every idle cell it can map within the budget
+  bool Revoke(Channel& c, int i);   // takes cell i's armed grant back; true: none is outstanding any more
   Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
   Status WarmKernels(Channel& c);   // each grant kernel launched once (loaded), at the first initialize
-  void Unload(Channel& c);          // drops the prediction a reload cell holds; caller holds mu_ too
+  Status SetUpCells(Channel& c);    // the channel's constant device words (K, cells, flags)
+  void Unload(Channel& c, int i);   // drops the prediction reload cell i holds; caller holds mu_ too
   void ReportOn(CUstream stream, const Status& st);
   bool GraphIdle();                 // no round in progress, no D2H outstanding
   void StopGraph();                 // stops the poller, returns every channel's cell

@@ -1,8 +1,16 @@
 // Graph mode: offload/reload call sites captured into XLA command buffers (CUDA graphs).
 //
 // A replay runs the recorded device work and nothing else, so what a round needs from the host (a new
-// ticket and its host block, which ticket a token names, whether the cell already holds it) comes from
-// the poller through the channel's pinned words. The device never touches a cell without a grant:
+// ticket and its host block, which ticket a token names, whether a cell already holds it) comes from
+// the poller through the channel's pinned and device words. The device never touches a cell without a
+// grant, and a grant is always ordered after every copy into or out of that cell.
+//
+// Kernel grants (the default): a channel has K cells; a round is two nodes, a take kernel that takes
+// a cell's pre-armed grant (or knocks/requests and waits for the poller) and leaves the cell's address
+// in a device word, and a copy kernel into/out of that address whose last block publishes the cell's
+// filled/done word. The poller arms each offload cell behind its own D2H and prefetches the next
+// predictions into the idle reload cells. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host
+// grants every round:
 //
 //   offload round (XLA's stream)          poller
 //     write knock = 1                      sees knock: cell pages (within the budget), a new ticket,
@@ -21,7 +29,7 @@
 //     write done = 1                       sees done: the ticket is consumed; prefetch the next guess
 //
 // Nothing here runs on a capturing thread except the Captured* enqueues (no allocation there: the
-// channel and its reserved cell were made by the initialize stage). DESIGN.md, "Graph mode".
+// channel and its reserved cells were made by the initialize stage). DESIGN.md, "Graph mode".
 #include <algorithm>
 #include <cstdio>
 
@@ -31,6 +39,9 @@
 
 namespace jaxvmm {
 namespace {
+
+// Call sites whose arrays are larger get one cell whatever graph_cells says (Prepare).
+constexpr size_t kMultiCellBytes = 32ull << 20;
 
 // How long the poller keeps spinning after the last round or initialize before it sleeps.
 constexpr auto kSpin = std::chrono::milliseconds(50);
@@ -106,8 +117,9 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
     }
   }
   c->stream = stream;
-  if (c->slot_id < 0) {
-    // The cell's VA, reserved once: the captured copies name it on every replay.
+  if (c->ncells == 0) {
+    // The cells' VAs, reserved once (host grants: the captured copies name cell 0). K is fixed from
+    // here on: kernel grants record kernels that read it from the channel's device words.
     Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
     size_t g = 0;
     JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
@@ -122,53 +134,101 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
                                             " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
     spec.map_on_create = false;
     spec.internal = true;
-    int64_t id = -1;
-    JAXVMM_RETURN_IF_ERROR(Registry::Get().Create(spec, &id));
-    std::shared_ptr<Slot> slot;
-    Status st = Registry::Get().Lookup(id, &slot);
-    if (st.ok() && !c->cell_event)
-      st = Call(id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&c->cell_event, CU_EVENT_DISABLE_TIMING); });
+    // More than one cell only for arrays up to kMultiCellBytes: a second cell of a large activation
+    // costs as much device memory as the activation (what offloading is meant to free), and a large
+    // activation comes with enough compute per iteration to hide the previous round's copy.
+    const int k = use_kernels_ && spec.nbytes <= kMultiCellBytes ? EngineConfig::GraphCells() : 1;
+    Status st;
+    int made = 0;
+    for (; made < k && st.ok(); ++made) {
+      Cell& cell = c->cells[made];
+      int64_t id = -1;
+      st = Registry::Get().Create(spec, &id);
+      if (!st.ok()) break;
+      std::shared_ptr<Slot> slot;
+      st = Registry::Get().Lookup(id, &slot);
+      if (st.ok() && !cell.event)
+        st = Call(id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&cell.event, CU_EVENT_DISABLE_TIMING); });
+      if (!st.ok()) {
+        (void)Registry::Get().Close(id);
+        break;
+      }
+      cell.slot_id = id;
+      cell.addr = slot->address();
+    }
+    c->cell_size = spec.nbytes;
+    if (st.ok()) {
+      c->ncells = k;
+      if (use_kernels_) st = SetUpCells(*c);
+    }
     if (!st.ok()) {
-      (void)Registry::Get().Close(id);
+      for (Cell& cell : c->cells) {
+        if (cell.slot_id >= 0) (void)Registry::Get().Close(cell.slot_id);
+        cell.slot_id = -1;
+        cell.addr = 0;
+      }
+      c->ncells = 0;
       return st;
     }
-    c->slot_id = id;
-    c->cell = slot->address();
-    c->cell_size = spec.nbytes;
+    graph_stats_.cells += k;
   }
   if (created) ++graph_stats_.channels;
   // XLA records a command buffer on the call site's second execution (the first is a warm-up): give
-  // the cell pages before then, so the capture names mapped memory. Later the poller maps on demand.
-  if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c);
+  // cell 0 pages before then (host grants: the capture names it; kernel grants: the first round's grant
+  // needs no mapping). Later the poller maps on demand.
+  if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c, 0);
   c->last_use = std::chrono::steady_clock::now();  // idle from now on until a round or a capture
   WakePoller();
   return Status();
 }
 
+Status Engine::SetUpCells(Channel& c) {
+  // Caller holds graph_mu_, outside any capture. The constant part of the channel's device words, on
+  // gd2h_ (it never waits on XLA's streams), synchronized before any round can read them.
+  const char* stage = "graph channel";
+  Status st = WriteDevice(gd2h_, c.Word(offsetof(DeviceWords, ncells)), static_cast<uint64_t>(c.ncells), stage);
+  for (int i = 0; i < c.ncells && st.ok(); ++i) {
+    st = WriteDevice(gd2h_, c.Word(offsetof(DeviceWords, cell) + sizeof(uint64_t) * i), c.cells[i].addr, stage);
+    if (st.ok())
+      st = WriteDevice(gd2h_, c.Word(offsetof(DeviceWords, flag) + sizeof(uint64_t) * i),
+                       Addr(c.kind == ChannelKind::kOffload ? c.w->filled[i] : c.w->done[i]), stage);
+  }
+  Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return Driver(backend_).StreamSynchronize(gd2h_); });
+  return st.ok() ? sync : st;
+}
+
 Status Engine::WarmKernels(Channel& c) {
   // Caller holds graph_mu_; `c` is the engine's first channel, its words all 0 and no round started.
   // Each kernel runs once on gd2h_ with arguments that make it return at once, leaving the words at 0:
-  // take_offload takes arm = 1 and writes it into `ready`; take_reload finds `ready` naming the token
-  // it reads from `ready` and takes it; revoke finds `arm` empty.
+  // with one cell (its "cell" the pinned word `token`, its flag `filled[0]`) whose grant[0] = 1,
+  // take_offload takes the grant and writes the token into grant[0]; take_reload finds grant[0] naming
+  // the token it reads from grant[0] and takes it; the copy kernel copies the cell into `probe` and
+  // publishes filled[0]; revoke finds grant[0] empty.
   const DriverTable& d = Driver(backend_);
   const char* stage = "graph kernels (warm-up)";
   ChannelWords& w = *c.w;
-  Status st = WriteDevice(gd2h_, c.arm, 1, stage);
-  if (st.ok()) st = kernels_.TakeOffload(gd2h_, c.arm, c.ready, Addr(w.knock));
-  if (st.ok()) st = kernels_.TakeReload(gd2h_, c.ready, c.ready, Addr(w.probe), Addr(w.request), Addr(w.go));
-  if (st.ok()) st = kernels_.Revoke(gd2h_, c.arm, 0, Addr(w.result));
+  const CUdeviceptr g0 = c.Grant(0);
+  const CUdeviceptr ncells = c.Word(offsetof(DeviceWords, ncells)), cell0 = c.Word(offsetof(DeviceWords, cell)),
+                    flag0 = c.Word(offsetof(DeviceWords, flag));
+  Status st = WriteDevice(gd2h_, ncells, 1, stage);
+  if (st.ok()) st = WriteDevice(gd2h_, cell0, Addr(w.token), stage);
+  if (st.ok()) st = WriteDevice(gd2h_, flag0, Addr(w.filled[0]), stage);
+  if (st.ok()) st = WriteDevice(gd2h_, g0, 1, stage);
+  if (st.ok()) st = kernels_.TakeOffload(gd2h_, c.dw, g0, Addr(w.knock));
+  if (st.ok()) st = kernels_.TakeReload(gd2h_, c.dw, g0, Addr(w.probe), Addr(w.request), Addr(w.go));
+  if (st.ok()) st = kernels_.CellCopy(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), /*out=*/true);
+  if (st.ok()) st = kernels_.Revoke(gd2h_, g0, 0, Addr(w.result));
   Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
   if (st.ok()) st = sync;
-  if (st.ok() && (w.knock.load() || w.request.load() || w.result.load()))
-    st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set)");
-  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result}) word->store(0, std::memory_order_relaxed);
-  if (!st.ok()) {
-    st = Status(st.code(), st.ToString() + " (warm-up of the grant kernels at the engine's first initialize stage)");
-    // Leave the device words at 0 for the host-granted protocol (it never reads them).
-    (void)WriteDevice(gd2h_, c.arm, 0, stage);
-    (void)WriteDevice(gd2h_, c.ready, 0, stage);
-    d.StreamSynchronize(gd2h_);
-  }
+  if (st.ok() && (w.knock.load() || w.request.load() || w.result.load() || w.filled[0].load() != 1))
+    st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set, or the copy did not publish)");
+  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0]}) word->store(0, std::memory_order_relaxed);
+  // Leave the device words as a new channel's (SetUpCells writes the constants).
+  for (CUdeviceptr word : {g0, ncells, cell0, flag0, c.Word(offsetof(DeviceWords, next)), c.Word(offsetof(DeviceWords, ptr)),
+                           c.Word(offsetof(DeviceWords, publish)), c.Word(offsetof(DeviceWords, blocks))})
+    (void)WriteDevice(gd2h_, word, 0, stage);
+  d.StreamSynchronize(gd2h_);
+  if (!st.ok()) st = Status(st.code(), st.ToString() + " (warm-up of the grant kernels at the engine's first initialize stage)");
   return st;
 }
 
@@ -178,10 +238,12 @@ Status Engine::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& m
   // memory (page calls, not stream work).
   const char* what = kind == ChannelKind::kOffload ? "offload" : "reload";
   Channel* c = channels_.Find(site, kind, meta);
-  if (!c || c->slot_id < 0)
+  if (!c || c->ncells == 0)
     return Status(Code::kInternal, std::string(what) + " call site " + std::to_string(site) +
                                        " is being captured into a command buffer but its initialize stage never ran");
-  if (!c->mapped && !MapCell(*c))
+  // Host grants and one cell record copies that name cell 0. K > 1 cells record no cell address: the
+  // device finds a cell through its grant, and the poller maps a cell before it grants it.
+  if ((!use_kernels_ || c->ncells == 1) && !c->cells[0].mapped && !MapCell(*c, 0))
     return Status(Code::kOutOfMemory, "graph-mode cell of call site " + std::to_string(site) +
                                           " could not be mapped for capture within the staging budget");
   *out = c;
@@ -203,20 +265,28 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
   ChannelWords& w = *c->w;
   const char* stage = "offload (capture)";
   if (use_kernels_) {
-    JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c->arm, token_out, Addr(w.knock)));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c->cell, src, meta.nbytes, stream); }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled), 1, 0); }));
+    // Two nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that cell
+    // (the copy's last block publishes the cell's filled word).
+    JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c->dw, token_out, Addr(w.knock)));
+    if (c->ncells == 1) {
+      // One cell (JAXVMM_GRAPH_CELLS=1): the copy names it, as before K cells.
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c->cells[0].addr, src, meta.nbytes, stream); }));
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled[0]), 1, 0); }));
+    } else {
+      JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, src, meta.nbytes, /*out=*/false));
+    }
     Recorded(*c);
     return Status();
   }
+  const CUdeviceptr cell = c->cells[0].addr;
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.knock), 1, 0); }));
   JAXVMM_RETURN_IF_ERROR(
       Call(-1, stage, Entry::kStreamWaitValue64, [&] { return d.StreamWaitValue64(stream, Addr(w.arm), 1, CU_STREAM_WAIT_VALUE_EQ); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.arm), 0, 0); }));
   JAXVMM_RETURN_IF_ERROR(
       Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(token_out, Addr(w.token), sizeof(uint64_t), stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c->cell, src, meta.nbytes, stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled), 1, 0); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(cell, src, meta.nbytes, stream); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled[0]), 1, 0); }));
   Recorded(*c);
   return Status();
 }
@@ -229,20 +299,25 @@ Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_i
   ChannelWords& w = *c->w;
   const char* stage = "reload (capture)";
   if (use_kernels_) {
-    JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, token_in, c->ready, Addr(w.probe), Addr(w.request), Addr(w.go)));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, c->cell, meta.nbytes, stream); }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done), 1, 0); }));
+    JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, c->dw, token_in, Addr(w.probe), Addr(w.request), Addr(w.go)));
+    if (c->ncells == 1) {
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, c->cells[0].addr, meta.nbytes, stream); }));
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done[0]), 1, 0); }));
+    } else {
+      JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, dst, meta.nbytes, /*out=*/true));
+    }
     Recorded(*c);
     return Status();
   }
+  const CUdeviceptr cell = c->cells[0].addr;
   JAXVMM_RETURN_IF_ERROR(
       Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(Addr(w.probe), token_in, sizeof(uint64_t), stream); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.request), 1, 0); }));
   JAXVMM_RETURN_IF_ERROR(
       Call(-1, stage, Entry::kStreamWaitValue64, [&] { return d.StreamWaitValue64(stream, Addr(w.go), 1, CU_STREAM_WAIT_VALUE_EQ); }));
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.go), 0, 0); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, c->cell, meta.nbytes, stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done), 1, 0); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, cell, meta.nbytes, stream); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done[0]), 1, 0); }));
   Recorded(*c);
   return Status();
 }
@@ -279,27 +354,29 @@ void Engine::Poll() {
   }
 }
 
-bool Engine::MapCell(Channel& c) {
-  if (c.mapped) return true;
+bool Engine::MapCell(Channel& c, int i, bool evict) {
+  Cell& cell = c.cells[i];
+  if (cell.mapped) return true;
   if (!staging_.Charge(c.cell_size)) {
+    if (!evict) return false;
     ReleaseIdleCells(/*now=*/true);  // other channels' idle cells first
     if (!staging_.Charge(c.cell_size)) return false;
   }
-  Status st = Registry::Get().Remap(c.slot_id);
-  if (st.code() == Code::kOutOfMemory) {
+  Status st = Registry::Get().Remap(cell.slot_id);
+  if (st.code() == Code::kOutOfMemory && evict) {  // (a cell armed ahead, with no round waiting, just waits)
     // The device is full (XLA's buffers, other processes). A round may be waiting for this cell on the
     // device, and the memory it needs may be freed only by that very program: waiting could be
     // forever. Other channels' idle cells first, then host pages at the same VA (the copies into and
     // out of the cell cross PCIe; the pages go back when the channel is idle, as device pages do).
     ReleaseIdleCells(/*now=*/true, /*device_only=*/true);
-    st = Registry::Get().Remap(c.slot_id);
+    st = Registry::Get().Remap(cell.slot_id);
     Location host;
     if (st.code() == Code::kOutOfMemory && HostNumaLocation(backend_, device_, &host).ok()) {
-      Status hs = Registry::Get().RemapAt(c.slot_id, host);
+      Status hs = Registry::Get().RemapAt(cell.slot_id, host);
       if (hs.ok()) {
         std::fprintf(stderr, "jaxvmm: graph-mode cell of call site %lld (%zu bytes) mapped with host pages: the device is out of memory (%s)\n",
                      static_cast<long long>(c.site), c.cell_size, st.ToString().c_str());
-        c.host_pages = true;
+        cell.host_pages = true;
         ++graph_stats_.host_cells;
         st = hs;
       }
@@ -307,37 +384,39 @@ bool Engine::MapCell(Channel& c) {
   }
   if (!st.ok()) {
     staging_.Uncharge(c.cell_size);
-    if (c.map_failures++ == 0) ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode cell; retrying)"));
+    if (evict && c.map_failures++ == 0) ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode cell; retrying)"));
     return false;
   }
   c.map_failures = 0;
-  c.mapped = true;
+  cell.mapped = true;
   graph_stats_.mapped_bytes += static_cast<int64_t>(c.cell_size);
   ++graph_stats_.pages_mapped;
   return true;
 }
 
-void Engine::UnmapCell(Channel& c) {
-  if (!c.mapped) return;
-  Status st = Registry::Get().Release(c.slot_id);
+void Engine::UnmapCell(Channel& c, int i) {
+  Cell& cell = c.cells[i];
+  if (!cell.mapped) return;
+  Status st = Registry::Get().Release(cell.slot_id);
   if (!st.ok()) {
     std::fprintf(stderr, "%s (graph-mode cell kept)\n", st.ToString().c_str());
     return;
   }
-  c.mapped = false;
-  c.host_pages = false;
+  cell.mapped = false;
+  cell.host_pages = false;
   staging_.Uncharge(c.cell_size);
   graph_stats_.mapped_bytes -= static_cast<int64_t>(c.cell_size);
   ++graph_stats_.pages_returned;
 }
 
-void Engine::Unload(Channel& c) {
+void Engine::Unload(Channel& c, int i) {
   // Caller holds graph_mu_ and mu_.
-  if (!c.loaded) return;
-  if (c.loaded->claimed_by == c.Claim()) c.loaded->claimed_by = 0;
-  c.loaded->pins -= 1;
-  Retire(c.loaded);
-  c.loaded.reset();
+  Cell& cell = c.cells[i];
+  if (!cell.loaded) return;
+  if (cell.loaded->claimed_by == c.Claim()) cell.loaded->claimed_by = 0;
+  cell.loaded->pins -= 1;
+  Retire(cell.loaded);
+  cell.loaded.reset();
 }
 
 size_t Engine::ReleaseIdleCells(bool now, bool device_only) {
@@ -346,30 +425,35 @@ size_t Engine::ReleaseIdleCells(bool now, bool device_only) {
   const DriverTable& d = Driver(backend_);
   size_t released = 0;
   channels_.ForEach([&](Channel& c) {
-    if (!c.mapped || c.round == Channel::Round::kGranted || c.waiting || (device_only && c.host_pages)) return;
+    if (c.waiting) return;
     if (!now && t - c.last_use < idle) return;
-    if (c.round == Channel::Round::kArmed && !Revoke(c)) return;  // the device took the grant: its round is live
-    if (c.cell_stream && d.EventQuery(c.cell_event) != CUDA_SUCCESS) return;  // a copy still uses it
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      Unload(c);
+    for (int i = 0; i < c.ncells; ++i) {
+      Cell& cell = c.cells[i];
+      if (!cell.mapped || cell.round == Channel::Round::kGranted || (device_only && cell.host_pages)) continue;
+      if (cell.round == Channel::Round::kArmed && !Revoke(c, i)) continue;  // the device took the grant: its round is live
+      if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy still uses it
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Unload(c, i);
+      }
+      UnmapCell(c, i);
+      if (!cell.mapped) released += c.cell_size;
     }
-    UnmapCell(c);
-    if (!c.mapped) released += c.cell_size;
   });
   return released;
 }
 
-void Engine::Grant(std::atomic<uint64_t>* word, Channel& c) {
-  // The device may go on once every copy into (or out of) the cell has finished: at once when the last
+void Engine::Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value) {
+  // The device may go on once every copy into (or out of) cell i has finished: at once when the last
   // one already has, else by a write ordered after it on its stream.
   const DriverTable& d = Driver(backend_);
-  if (c.cell_stream && d.EventQuery(c.cell_event) != CUDA_SUCCESS) {
-    Status st = Call(-1, "graph grant", Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(c.cell_stream, Addr(*word), 1, 0); });
+  Cell& cell = c.cells[i];
+  if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) {
+    Status st = Call(-1, "graph grant", Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(cell.stream, Addr(*word), value, 0); });
     if (st.ok()) return;
-    d.StreamSynchronize(c.cell_stream);
+    d.StreamSynchronize(cell.stream);
   }
-  word->store(1, std::memory_order_seq_cst);
+  word->store(value, std::memory_order_seq_cst);
 }
 
 std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token, Status* st) {
@@ -399,15 +483,16 @@ std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token
   return t;
 }
 
-Status Engine::CopyOutOfCell(Channel& c, const std::shared_ptr<Ticket>& t) {
-  // The round's bytes, D2H out of the cell into t's host block on gd2h_: t is reloadable once that is
+Status Engine::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t) {
+  // The round's bytes, D2H out of cell i into t's host block on gd2h_: t is reloadable once that is
   // enqueued. A failure drops t (its bytes never reached the host: a reload of it fails).
   const DriverTable& d = Driver(backend_);
   const char* stage = "offload (graph)";
-  Status st = CopyToHost(gd2h_, t->host, c.cell, c.meta.nbytes, stage);
+  Cell& cell = c.cells[i];
+  Status st = CopyToHost(gd2h_, t->host, cell.addr, c.meta.nbytes, stage);
   if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
-  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gd2h_); });
-  c.cell_stream = gd2h_;
+  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gd2h_); });
+  cell.stream = gd2h_;
   std::lock_guard<std::mutex> lock(mu_);
   if (st.ok()) {
     t->enqueued = true;
@@ -427,39 +512,42 @@ void Engine::RecordOffloadError(const Channel& c, const Status& st) {
 }
 
 bool Engine::ServiceOffload(Channel& c) {
+  // Host grants: one cell.
   ChannelWords& w = *c.w;
+  Cell& cell = c.cells[0];
   bool busy = false;
-  if (w.filled.load(std::memory_order_acquire) == 1) {
+  if (w.filled[0].load(std::memory_order_acquire) == 1) {
     // The device copied x into the cell and handed out the round's token: D2H it on gd2h_.
-    w.filled.store(0, std::memory_order_relaxed);
+    w.filled[0].store(0, std::memory_order_relaxed);
     busy = true;
-    std::shared_ptr<Ticket> t = std::move(c.ticket);
-    c.round = Channel::Round::kIdle;
+    std::shared_ptr<Ticket> t = std::move(cell.ticket);
+    cell.ticket.reset();
+    cell.round = Channel::Round::kIdle;
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
     ++graph_stats_.offload_rounds;
     if (t) {
-      Status st = CopyOutOfCell(c, t);
+      Status st = CopyOutOfCell(c, 0, t);
       if (!st.ok()) RecordOffloadError(c, st);
     }
   }
   // A round waits for its grant. Only one grant is outstanding at a time: a knock that arrives while
   // a grant is unused (its round never reached the device) is served by that grant.
-  if (c.round == Channel::Round::kIdle && (c.waiting || w.knock.load(std::memory_order_acquire) == 1)) {
+  if (cell.round == Channel::Round::kIdle && (c.waiting || w.knock.load(std::memory_order_acquire) == 1)) {
     if (!c.waiting) w.knock.store(0, std::memory_order_relaxed);
     c.waiting = true;
     busy = true;
-    if (!MapCell(c)) return busy;  // no room in the staging budget yet: the next pass retries
+    if (!MapCell(c, 0)) return busy;  // no room in the staging budget yet: the next pass retries
     Status st;
     std::shared_ptr<Ticket> t = MakeRoundTicket(c, /*token=*/0, &st);
     // Without one the round hands out token 0, which no ticket has: its reload fills 0xFF and reports.
     if (!t) RecordOffloadError(c, st);
     w.token.store(t ? t->token : 0, std::memory_order_relaxed);
-    c.ticket = t;
+    cell.ticket = t;
     c.waiting = false;
-    c.round = Channel::Round::kGranted;
+    cell.round = Channel::Round::kGranted;
     c.last_use = std::chrono::steady_clock::now();
-    Grant(&w.arm, c);  // after the cell's previous D2H
+    Grant(&w.arm, c, 0);  // after the cell's previous D2H
   }
   return busy;
 }
@@ -484,10 +572,10 @@ bool Engine::ReapOffloads() {
 }
 
 void Engine::PrefetchInto(Channel& c) {
-  // The previous round's copy out of the cell is done (its `done` was seen): fill the cell with the
-  // ticket the next round will most likely name, so its grant needs no copy on the device's path.
-  if (!c.mapped || c.loaded) return;
-  Source src;
+  // A round of the channel ended: fill each idle cell with a ticket a next round will most likely name
+  // (the next predictions, each claimed by the channel so the next cell gets the one after), so their
+  // grants need no copy on the device's path. Cells other than the one just freed are mapped only
+  // within the budget as it is (no other channel's cell is returned for a guess).
   const DriverTable& d = Driver(backend_);
   // Only a ticket whose bytes can be copied without waiting on XLA's streams: a graph round's (its D2H
   // on gd2h_ only follows its own round), or a ring-path one whose D2H already finished. A ring-path
@@ -497,51 +585,66 @@ void Engine::PrefetchInto(Channel& c) {
   auto usable = [&](const Ticket& t) {
     return t.graph_round || t.on_host || (t.d2h_done && d.EventQuery(t.d2h_done) == CUDA_SUCCESS);
   };
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::shared_ptr<Ticket> t = tickets_.Predict(c.meta, usable);
-    if (!t) return;
-    t->claimed_by = c.Claim();
-    t->pins += 1;
-    c.loaded = t;
-    src = SourceOf(*t);
-  }
-  Status st = CopyTicket(gh2d_, src, c.cell, c.meta.nbytes, "reload prefetch (graph)");
-  bool armed = false;
-  if (st.ok() && use_kernels_) {
-    // The device's grant: `ready` names the token only once its bytes are in the cell (stream order,
-    // and the write's default memory barrier makes the copy visible first).
-    st = WriteDevice(gh2d_, c.ready, c.loaded->token, "reload prefetch (graph)");
-    armed = st.ok();
-  }
-  if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, gh2d_); });
-  c.cell_stream = gh2d_;
-  if (armed) {
-    c.round = Channel::Round::kArmed;
-    c.host_grant = false;
-  }
-  if (!st.ok()) {
-    d.StreamSynchronize(gh2d_);
-    c.cell_stream = nullptr;  // nothing runs on the cell any more
-    if (!armed) {
+  for (int i = 0; i < c.ncells; ++i) {
+    Cell& cell = c.cells[i];
+    if (cell.round != Channel::Round::kIdle || cell.loaded) continue;
+    if (cell.stream && cell.stream != gh2d_ && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a correction/0xFF still runs
+    if (!cell.mapped) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!tickets_.Predict(c.meta, usable)) return;  // nothing to guess: no pages for it
+      }
+      if (!use_kernels_ || !MapCell(c, i, /*evict=*/false)) continue;
+    }
+    Source src;
+    {
       std::lock_guard<std::mutex> lock(mu_);
-      Unload(c);  // a hint: the request copies what it needs
+      std::shared_ptr<Ticket> t = tickets_.Predict(c.meta, usable);
+      if (!t) return;
+      t->claimed_by = c.Claim();
+      t->pins += 1;
+      cell.loaded = t;
+      src = SourceOf(*t);
+    }
+    Status st = CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, "reload prefetch (graph)");
+    bool armed = false;
+    if (st.ok() && use_kernels_) {
+      // The device's grant: grant[i] names the token only once its bytes are in the cell (stream
+      // order, and the write's default memory barrier makes the copy visible first).
+      st = WriteDevice(gh2d_, c.Grant(i), cell.loaded->token, "reload prefetch (graph)");
+      armed = st.ok();
+    }
+    if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gh2d_); });
+    cell.stream = gh2d_;
+    if (armed) {
+      cell.round = Channel::Round::kArmed;
+      cell.host_grant = false;
+    }
+    if (!st.ok()) {
+      d.StreamSynchronize(gh2d_);
+      cell.stream = nullptr;  // nothing runs on the cell any more
+      if (!armed) {
+        std::lock_guard<std::mutex> lock(mu_);
+        Unload(c, i);  // a hint: the request copies what it needs
+      }
+      return;
     }
   }
 }
 
-void Engine::FillInvalid(Channel& c) {
+void Engine::FillInvalid(Channel& c, int i) {
   const DriverTable& d = Driver(backend_);
+  Cell& cell = c.cells[i];
   Status st;
-  if (c.cell_stream && c.cell_stream != fix_)
-    st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
-  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(c.cell, 0xFF, c.meta.nbytes, fix_); });
-  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
-  c.cell_stream = fix_;
+  if (cell.stream && cell.stream != fix_)
+    st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, cell.event, 0); });
+  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(cell.addr, 0xFF, c.meta.nbytes, fix_); });
+  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
+  cell.stream = fix_;
   if (!st.ok()) {
     d.StreamSynchronize(fix_);
     d.StreamSynchronize(gh2d_);
-    c.cell_stream = nullptr;
+    cell.stream = nullptr;
     ReportOn(c.stream, st);
   }
 }
@@ -558,56 +661,61 @@ std::shared_ptr<Ticket> Engine::FindForRound(const Channel& c, uint64_t token, s
   return a;
 }
 
-bool Engine::TakeForRound(Channel& c, const std::shared_ptr<Ticket>& a, Source* src) {
-  // Caller holds mu_. The round consumes `a` (null: a bad token): a hit when it is the prediction the
-  // cell already holds (its pin passes to the round), else the prediction is dropped and *src says
-  // where the correction copies from.
-  const bool hit = a && a == c.loaded;
+bool Engine::TakeForRound(Channel& c, int i, const std::shared_ptr<Ticket>& a, Source* src) {
+  // Caller holds mu_. The round consumes `a` (null: a bad token) in cell i: a hit when it is the
+  // prediction cell i already holds (its pin passes to the round), else cell i's prediction is dropped
+  // and *src says where the correction copies from.
+  Cell& cell = c.cells[i];
+  const bool hit = a && a == cell.loaded;
   if (a) {
     MarkReloaded(*a);
     if (hit) {
       if (a->claimed_by == c.Claim()) a->claimed_by = 0;
-      c.loaded.reset();
+      cell.loaded.reset();
     } else {
       a->pins += 1;
-      if (c.loaded) tickets_.Learn(a, c.meta.signature);
-      Unload(c);
+      bool guessed = false;
+      for (int j = 0; j < c.ncells; ++j) guessed |= c.cells[j].loaded != nullptr;
+      if (guessed) tickets_.Learn(a, c.meta.signature);
+      Unload(c, i);
       *src = SourceOf(*a);
     }
   } else {
-    Unload(c);
+    Unload(c, i);
   }
   return hit;
 }
 
 bool Engine::ServiceReload(Channel& c) {
+  // Host grants: one cell.
   ChannelWords& w = *c.w;
+  Cell& cell = c.cells[0];
   const DriverTable& d = Driver(backend_);
   bool busy = false;
-  if (w.done.load(std::memory_order_acquire) == 1) {
+  if (w.done[0].load(std::memory_order_acquire) == 1) {
     // The device copied the cell out: the round's ticket is consumed and the cell is free.
-    w.done.store(0, std::memory_order_relaxed);
+    w.done[0].store(0, std::memory_order_relaxed);
     busy = true;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (c.ticket) {
+      if (cell.ticket) {
         ++stats_.reloads;  // a ticket's bytes reached XLA's buffer (a 0xFF round had no ticket)
-        c.ticket->pins -= 1;
-        Retire(c.ticket);
-        c.ticket.reset();
+        cell.ticket->pins -= 1;
+        Retire(cell.ticket);
+        cell.ticket.reset();
       }
     }
-    c.round = Channel::Round::kIdle;
+    cell.round = Channel::Round::kIdle;
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
     ++graph_stats_.reload_rounds;
     PrefetchInto(c);
   }
-  if (c.round == Channel::Round::kIdle && (c.waiting || w.request.load(std::memory_order_acquire) == 1)) {
+  if (cell.round == Channel::Round::kIdle && (c.waiting || w.request.load(std::memory_order_acquire) == 1)) {
     if (!c.waiting) w.request.store(0, std::memory_order_relaxed);
     c.waiting = true;
     busy = true;
-    if (!MapCell(c)) return busy;
+    if (!MapCell(c, 0)) return busy;
     const uint64_t token = w.probe.load(std::memory_order_acquire);
     std::string why;
     Source src;
@@ -619,64 +727,66 @@ bool Engine::ServiceReload(Channel& c) {
       // Its offload's `filled` is not served yet (it precedes this request on the device, so the
       // next pass serves it): its bytes are not on their way to the host yet.
       if (a && !a->enqueued) return busy;
-      hit = TakeForRound(c, a, &src);
+      hit = TakeForRound(c, 0, a, &src);
     }
-    c.ticket = a;
+    cell.ticket = a;
     c.waiting = false;
-    c.round = Channel::Round::kGranted;
+    cell.round = Channel::Round::kGranted;
     c.last_use = std::chrono::steady_clock::now();
     if (hit) {
       ++graph_stats_.hits;
-      Grant(&w.go, c);  // after the prefetch copy
+      Grant(&w.go, c, 0);  // after the prefetch copy
       return busy;
     }
     ++graph_stats_.misses;
     if (!a) {
       ReportOn(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
                                                             "; the output was filled with 0xFF bytes"));
-      FillInvalid(c);
-      Grant(&w.go, c);
+      FillInvalid(c, 0);
+      Grant(&w.go, c, 0);
       return busy;
     }
     // A correction on fix_, after any copy still running into the cell (a prefetch of another guess).
     Status st;
-    if (c.cell_stream && c.cell_stream != fix_)
-      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
-    if (st.ok()) st = CopyTicket(fix_, src, c.cell, c.meta.nbytes, "reload (graph)");
-    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
-    c.cell_stream = fix_;
+    if (cell.stream && cell.stream != fix_)
+      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, cell.event, 0); });
+    if (st.ok()) st = CopyTicket(fix_, src, cell.addr, c.meta.nbytes, "reload (graph)");
+    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
+    cell.stream = fix_;
     if (!st.ok()) {
       ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
-      FillInvalid(c);
+      FillInvalid(c, 0);
     }
-    Grant(&w.go, c);
+    Grant(&w.go, c, 0);
   }
   return busy;
 }
 
 // ---------------------------------------------------------------- kernel grants
 //
-// The device takes its grant by itself (graph_kernels.cu): an offload round takes the token the poller
-// pre-armed right after the previous round's D2H; a reload round takes `ready` when it names the probed
-// token. The host is on the device's path only when there is no grant (first round, after a revocation,
-// a mispredicted reload): then the device knocks / requests and waits, as in the host-granted protocol.
+// The device takes its grant by itself (graph_kernels.cu): an offload round takes a token the poller
+// pre-armed in one of the channel's K cells right after that cell's previous D2H; a reload round takes
+// the cell whose grant names the probed token. The host is on the device's path only when there is no
+// grant (first round, after a revocation, a mispredicted reload): then the device knocks / requests and
+// waits, as in the host-granted protocol.
 
 Status Engine::WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage) {
   const DriverTable& d = Driver(backend_);
   return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(s, word, value, 0); });
 }
 
-bool Engine::Arm(Channel& c, bool host) {
+bool Engine::Arm(Channel& c, int i, bool host) {
   // Every copy out of an offload cell runs on gd2h_, so a write on gd2h_ is ordered after the last one.
   // gd2h_/gh2d_ never wait on XLA's streams (unlike the ring path's d2h_/h2d_): a grant written there
   // cannot queue behind work that waits for the very round the grant releases.
+  Cell& cell = c.cells[i];
   uint64_t token = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     token = tickets_.ReserveToken();
     armed_tokens_.insert(token);  // before the device can take it (WaitForGraphRound)
   }
-  Status st = WriteDevice(gd2h_, c.arm, token, "offload grant (graph)");
+  Status st = WriteDevice(gd2h_, c.Grant(i), token, "offload grant (graph)");
   if (!st.ok()) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -685,24 +795,36 @@ bool Engine::Arm(Channel& c, bool host) {
     ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode grant of call site " + std::to_string(c.site) + "; retrying)"));
     return false;
   }
-  c.grant_token = token;
-  c.host_grant = host;
-  c.round = Channel::Round::kArmed;
-  c.last_use = std::chrono::steady_clock::now();
+  cell.grant_token = token;
+  cell.host_grant = host;
+  cell.round = Channel::Round::kArmed;
   return true;
 }
 
-bool Engine::Revoke(Channel& c) {
-  // Caller holds graph_mu_. Takes the armed grant back on the stream that wrote it (so after that
+void Engine::ArmIdleCells(Channel& c) {
+  // A round of the channel ended: every idle cell gets a grant behind its own D2H, so the next K rounds
+  // find one each. Cells without pages are mapped only within the budget as it is: a channel whose K
+  // cells do not fit runs on fewer (a round that finds none armed knocks, as with one cell).
+  for (int i = 0; i < c.ncells; ++i) {
+    Cell& cell = c.cells[i];
+    if (cell.round != Channel::Round::kIdle) continue;
+    if (!cell.mapped && !MapCell(c, i, /*evict=*/false)) continue;
+    Arm(c, i, /*host=*/false);
+  }
+}
+
+bool Engine::Revoke(Channel& c, int i) {
+  // Caller holds graph_mu_. Takes cell i's armed grant back on the stream that wrote it (so after that
   // write), waits for the kernel, and reads what it found. Only a grant taken back lets the cell go.
-  if (c.round != Channel::Round::kArmed) return c.round == Channel::Round::kIdle;
+  Cell& cell = c.cells[i];
+  if (cell.round != Channel::Round::kArmed) return cell.round == Channel::Round::kIdle;
   ScopedContext ctx(backend_, device_);  // trim() calls this from a user thread
   const DriverTable& d = Driver(backend_);
   const bool offload = c.kind == ChannelKind::kOffload;
   CUstream s = offload ? gd2h_ : gh2d_;
-  const uint64_t expect = offload ? 0 : (c.loaded ? c.loaded->token : 0);
+  const uint64_t expect = offload ? 0 : (cell.loaded ? cell.loaded->token : 0);
   c.w->result.store(0, std::memory_order_relaxed);
-  Status st = kernels_.Revoke(s, offload ? c.arm : c.ready, expect, Addr(c.w->result));
+  Status st = kernels_.Revoke(s, c.Grant(i), expect, Addr(c.w->result));
   if (st.ok()) st = Call(-1, "graph revoke", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(s); });
   if (!st.ok()) {
     std::fprintf(stderr, "%s (graph-mode grant kept)\n", st.ToString().c_str());
@@ -711,49 +833,64 @@ bool Engine::Revoke(Channel& c) {
   if (c.w->result.load(std::memory_order_acquire) == 0) {
     // The device took it first: the round is live (its filled/done comes), the cell stays.
     ++graph_stats_.revokes_lost;
-    c.round = Channel::Round::kGranted;
+    cell.round = Channel::Round::kGranted;
     return false;
   }
   ++graph_stats_.revokes;
-  c.round = Channel::Round::kIdle;
+  cell.round = Channel::Round::kIdle;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    armed_tokens_.erase(c.grant_token);
-    if (!offload) Unload(c);
+    if (offload) armed_tokens_.erase(cell.grant_token);
+    else Unload(c, i);
   }
-  c.grant_token = 0;  // a reserved number never used: no ticket was made for it
+  cell.grant_token = 0;  // a reserved number never used: no ticket was made for it
   return true;
 }
 
 bool Engine::ServiceOffloadK(Channel& c) {
   ChannelWords& w = *c.w;
   bool busy = false;
-  if (w.filled.load(std::memory_order_acquire) == 1) {
-    // The device took grant_token, copied x into the cell and handed the token out: make its ticket,
-    // D2H the cell into it on gd2h_, and pre-arm the next round right behind that copy.
-    w.filled.store(0, std::memory_order_relaxed);
+  for (int i = 0; i < c.ncells; ++i) {
+    if (w.filled[i].load(std::memory_order_acquire) != 1) continue;
+    // The device took cell i's grant_token, copied x into the cell and handed the token out: make its
+    // ticket, D2H the cell into it on gd2h_, and pre-arm the cell again right behind that copy.
+    w.filled[i].store(0, std::memory_order_relaxed);
     busy = true;
-    const uint64_t token = c.grant_token;
-    c.grant_token = 0;
-    c.round = Channel::Round::kIdle;
+    Cell& cell = c.cells[i];
+    const uint64_t token = cell.grant_token;
+    cell.grant_token = 0;
+    cell.round = Channel::Round::kIdle;
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
     ++graph_stats_.offload_rounds;
-    ++(c.host_grant ? graph_stats_.grants_host : graph_stats_.grants_device);
+    ++(cell.host_grant ? graph_stats_.grants_host : graph_stats_.grants_device);
     Status st;
     std::shared_ptr<Ticket> t = MakeRoundTicket(c, token, &st);
-    if (t) st = CopyOutOfCell(c, t);
+    if (t) st = CopyOutOfCell(c, i, t);
     // Failed: the token the device handed out names no ticket; its reload fills 0xFF and reports too.
     if (!st.ok()) RecordOffloadError(c, st);
-    if (c.mapped) Arm(c, /*host=*/false);
   }
+  if (busy) ArmIdleCells(c);
   // `knock` is a level the device holds while it waits with no grant. An armed grant answers it (its
-  // write may still be on its way behind a D2H); with none, map the cell and arm.
-  if (c.round == Channel::Round::kIdle && (c.waiting || w.knock.load(std::memory_order_acquire) == 1)) {
+  // write may still be on its way behind a D2H); with none, map an idle cell and arm it.
+  bool armed = false;
+  for (int i = 0; i < c.ncells; ++i) armed |= c.cells[i].round == Channel::Round::kArmed;
+  if (armed) c.waiting = false;  // a knock seen earlier is answered by that grant
+  if (!armed && (c.waiting || w.knock.load(std::memory_order_acquire) == 1)) {
     c.waiting = true;
     busy = true;
-    if (!MapCell(c)) return busy;  // no room in the staging budget yet: the next pass retries
-    if (Arm(c, /*host=*/true)) c.waiting = false;
+    int pick = -1;
+    for (int i = 0; i < c.ncells; ++i) {
+      if (c.cells[i].round != Channel::Round::kIdle) continue;
+      if (pick < 0 || (c.cells[i].mapped && !c.cells[pick].mapped)) pick = i;
+    }
+    if (pick < 0) return busy;  // every cell is under a live round: its filled comes first
+    if (!MapCell(c, pick)) return busy;  // no room in the staging budget yet: the next pass retries
+    if (Arm(c, pick, /*host=*/true)) {
+      c.waiting = false;
+      c.last_use = std::chrono::steady_clock::now();
+      ArmIdleCells(c);  // and the channel's other cells: the rounds after this one find their grants
+    }
   }
   return busy;
 }
@@ -762,19 +899,21 @@ bool Engine::ServiceReloadK(Channel& c) {
   ChannelWords& w = *c.w;
   const DriverTable& d = Driver(backend_);
   bool busy = false;
-  if (w.done.load(std::memory_order_acquire) == 1) {
-    // The device copied the cell out. Its round was granted by the host (c.ticket), or the device
-    // took `ready` itself (c.loaded, the prefetched ticket, is what it copied).
-    w.done.store(0, std::memory_order_relaxed);
+  for (int i = 0; i < c.ncells; ++i) {
+    if (w.done[i].load(std::memory_order_acquire) != 1) continue;
+    // The device copied cell i out. Its round was granted by the host (cell.ticket), or the device
+    // took grant[i] itself (cell.loaded, the prefetched ticket, is what it copied).
+    w.done[i].store(0, std::memory_order_relaxed);
     busy = true;
+    Cell& cell = c.cells[i];
     bool device = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      std::shared_ptr<Ticket> t = std::move(c.ticket);
-      c.ticket.reset();
-      if (!t && c.loaded) {
-        t = std::move(c.loaded);
-        c.loaded.reset();
+      std::shared_ptr<Ticket> t = std::move(cell.ticket);
+      cell.ticket.reset();
+      if (!t && cell.loaded) {
+        t = std::move(cell.loaded);
+        cell.loaded.reset();
         if (t->claimed_by == c.Claim()) t->claimed_by = 0;
         MarkReloaded(*t);
         device = true;
@@ -791,24 +930,23 @@ bool Engine::ServiceReloadK(Channel& c) {
     } else {
       ++graph_stats_.grants_host;
     }
-    c.round = Channel::Round::kIdle;
+    cell.round = Channel::Round::kIdle;
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
     ++graph_stats_.reload_rounds;
-    PrefetchInto(c);
   }
-  if (c.round != Channel::Round::kGranted && (c.waiting || w.request.load(std::memory_order_acquire) == 1)) {
-    // The device found no usable `ready` and waits for go: the host decides, as without kernels. A
-    // `done` that came in since this pass read it belongs to the previous round: serve it first.
-    if (w.done.load(std::memory_order_acquire) == 1) return true;
+  if (busy) PrefetchInto(c);
+  if (c.waiting || w.request.load(std::memory_order_acquire) == 1) {
+    // The device found no cell whose grant names its token and waits for go: the host decides, as
+    // without kernels. A `done` that came in since this pass read it belongs to the previous round:
+    // serve it first.
+    for (int i = 0; i < c.ncells; ++i)
+      if (w.done[i].load(std::memory_order_acquire) == 1) return true;
     if (!c.waiting) w.request.store(0, std::memory_order_relaxed);
     c.waiting = true;
     busy = true;
-    if (!MapCell(c)) return busy;
     const uint64_t token = w.probe.load(std::memory_order_acquire);
     std::string why;
-    Source src;
-    bool hit = false;
     std::shared_ptr<Ticket> a;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -817,53 +955,71 @@ bool Engine::ServiceReloadK(Channel& c) {
       // A token an offload round handed out whose `filled` is not served yet has no ticket yet.
       if (!a && armed_tokens_.count(token)) return busy;
     }
+    // The cell: the one that holds `a` already (its grant was not written yet when the device looked),
+    // else an idle mapped one, else any the device is not using (its guess is dropped). The device is
+    // in this round, so it takes no other grant of the channel until go.
+    int j = -1;
+    for (int i = 0; i < c.ncells && j < 0; ++i)
+      if (a && c.cells[i].loaded == a) j = i;
+    for (int pass = 0; pass < 3 && j < 0; ++pass)
+      for (int i = 0; i < c.ncells && j < 0; ++i) {
+        const Cell& cell = c.cells[i];
+        if (cell.round == Channel::Round::kGranted) continue;
+        if (pass == 0 ? (cell.mapped && !cell.loaded) : pass == 1 ? cell.mapped : true) j = i;
+      }
+    if (j < 0) return busy;
+    if (!MapCell(c, j)) return busy;
+    Cell& cell = c.cells[j];
+    Source src;
+    bool hit = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      hit = TakeForRound(c, a, &src);
+      hit = TakeForRound(c, j, a, &src);
     }
-    c.ticket = a;
+    cell.ticket = a;
     c.waiting = false;
-    c.round = Channel::Round::kGranted;
-    c.host_grant = true;
+    cell.round = Channel::Round::kGranted;
+    cell.host_grant = true;
     c.last_use = std::chrono::steady_clock::now();
-    // On fix_, after every copy into the cell (a prefetch and its `ready` write): clear `ready` (the
+    const uint64_t go = static_cast<uint64_t>(j) + 1;
+    // On fix_, after every copy into the cell (a prefetch and its grant write): clear grant[j] (the
     // host decides what the cell holds now), put the bytes in, then go.
     Status st;
-    if (c.cell_stream && c.cell_stream != fix_)
-      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, c.cell_event, 0); });
-    if (st.ok()) st = WriteDevice(fix_, c.ready, 0, "reload (graph)");
-    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
-    if (st.ok()) c.cell_stream = fix_;
+    if (cell.stream && cell.stream != fix_)
+      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, cell.event, 0); });
+    if (st.ok()) st = WriteDevice(fix_, c.Grant(j), 0, "reload (graph)");
+    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
+    if (st.ok()) cell.stream = fix_;
     if (!st.ok()) {
-      // `ready` may still name a prefetched token: wait for every copy, then clear it in order.
+      // grant[j] may still name a prefetched token: wait for every copy, then clear it in order.
       d.StreamSynchronize(gh2d_);
       d.StreamSynchronize(fix_);
-      st = WriteDevice(fix_, c.ready, 0, "reload (graph)");
+      st = WriteDevice(fix_, c.Grant(j), 0, "reload (graph)");
       if (st.ok()) d.StreamSynchronize(fix_);
-      c.cell_stream = nullptr;
+      cell.stream = nullptr;
       if (!st.ok()) ReportOn(c.stream, st);
     }
     if (hit) {
       ++graph_stats_.hits;
-      Grant(&w.go, c);
+      Grant(&w.go, c, j, go);
       return busy;
     }
     ++graph_stats_.misses;
     if (!a) {
       ReportOn(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
                                                             "; the output was filled with 0xFF bytes"));
-      FillInvalid(c);
-      Grant(&w.go, c);
+      FillInvalid(c, j);
+      Grant(&w.go, c, j, go);
       return busy;
     }
-    st = CopyTicket(fix_, src, c.cell, c.meta.nbytes, "reload (graph)");
-    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(c.cell_event, fix_); });
-    c.cell_stream = fix_;
+    st = CopyTicket(fix_, src, cell.addr, c.meta.nbytes, "reload (graph)");
+    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
+    cell.stream = fix_;
     if (!st.ok()) {
       ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
-      FillInvalid(c);
+      FillInvalid(c, j);
     }
-    Grant(&w.go, c);
+    Grant(&w.go, c, j, go);
   }
   return busy;
 }
@@ -913,9 +1069,12 @@ bool Engine::GraphIdle() {
   // Caller holds graph_mu_.
   bool idle = graph_d2h_.empty();
   channels_.ForEach([&](Channel& c) {
-    if (c.waiting || c.w->knock.load() || c.w->filled.load() || c.w->request.load() || c.w->done.load()) idle = false;
+    if (c.waiting || c.w->knock.load() || c.w->request.load()) idle = false;
+    for (int i = 0; i < kMaxCells; ++i)
+      if (c.w->filled[i].load() || c.w->done[i].load()) idle = false;
     // A granted offload whose round never reached the device (its execution stopped) holds no work.
-    if (c.kind == ChannelKind::kReload && c.round == Channel::Round::kGranted) idle = false;
+    for (int i = 0; i < c.ncells; ++i)
+      if (c.kind == ChannelKind::kReload && c.cells[i].round == Channel::Round::kGranted) idle = false;
   });
   return idle;
 }
@@ -932,21 +1091,24 @@ void Engine::StopGraph() {
     if (s) d.StreamSynchronize(s);
   std::lock_guard<std::mutex> lock(graph_mu_);
   channels_.ForEach([&](Channel& c) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      Unload(c);
-      if (c.ticket) {
-        if (c.kind == ChannelKind::kReload) c.ticket->pins -= 1;
-        else c.ticket->dropped = c.ticket->on_host = true;
-        Retire(c.ticket);
-        c.ticket.reset();
+    for (int i = 0; i < kMaxCells; ++i) {
+      Cell& cell = c.cells[i];
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        Unload(c, i);
+        if (cell.ticket) {
+          if (c.kind == ChannelKind::kReload) cell.ticket->pins -= 1;
+          else cell.ticket->dropped = cell.ticket->on_host = true;
+          Retire(cell.ticket);
+          cell.ticket.reset();
+        }
       }
+      UnmapCell(c, i);
+      if (cell.slot_id >= 0) (void)Registry::Get().Close(cell.slot_id);
+      cell.slot_id = -1;
+      if (cell.event) d.EventDestroy(cell.event);
+      cell.event = nullptr;
     }
-    UnmapCell(c);
-    if (c.slot_id >= 0) (void)Registry::Get().Close(c.slot_id);
-    c.slot_id = -1;
-    if (c.cell_event) d.EventDestroy(c.cell_event);
-    c.cell_event = nullptr;
   });
 }
 

@@ -18,7 +18,7 @@ Status GraphKernels::Load() {
     CUfunction* f;
   };
   for (Want w : {Want{"jaxvmm_take_offload", &take_offload_}, Want{"jaxvmm_take_reload", &take_reload_},
-                 Want{"jaxvmm_revoke", &revoke_}}) {
+                 Want{"jaxvmm_revoke", &revoke_}, Want{"jaxvmm_cell_copy", &cell_copy_}}) {
     if (!st.ok()) break;
     st = Call(-1, stage, Entry::kModuleGetFunction, [&] { return d.ModuleGetFunction(w.f, module_, w.name); });
   }
@@ -35,20 +35,32 @@ void GraphKernels::Unload() {
   module_ = nullptr;
 }
 
-Status GraphKernels::Launch(CUfunction f, CUstream s, void** params, const char* stage) const {
+Status GraphKernels::Launch(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks, unsigned threads) const {
   const DriverTable& d = Driver(backend_);
-  return Call(-1, stage, Entry::kLaunchKernel, [&] { return d.LaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, params, nullptr); });
+  return Call(-1, stage, Entry::kLaunchKernel, [&] { return d.LaunchKernel(f, blocks, 1, 1, threads, 1, 1, 0, s, params, nullptr); });
 }
 
-Status GraphKernels::TakeOffload(CUstream s, CUdeviceptr arm, CUdeviceptr token_out, CUdeviceptr knock) const {
-  void* p[] = {&arm, &token_out, &knock};
+Status GraphKernels::TakeOffload(CUstream s, CUdeviceptr cells, CUdeviceptr token_out, CUdeviceptr knock) const {
+  void* p[] = {&cells, &token_out, &knock};
   return Launch(take_offload_, s, p, "offload (capture)");
 }
 
-Status GraphKernels::TakeReload(CUstream s, CUdeviceptr token_in, CUdeviceptr ready, CUdeviceptr probe, CUdeviceptr request,
+Status GraphKernels::TakeReload(CUstream s, CUdeviceptr cells, CUdeviceptr token_in, CUdeviceptr probe, CUdeviceptr request,
                                 CUdeviceptr go) const {
-  void* p[] = {&token_in, &ready, &probe, &request, &go};
+  void* p[] = {&cells, &token_in, &probe, &request, &go};
   return Launch(take_reload_, s, p, "reload (capture)");
+}
+
+unsigned GraphKernels::CopyBlocks(size_t nbytes) {
+  const size_t per_block = size_t{kCopyThreads} * 16 * 4;
+  const size_t b = (nbytes + per_block - 1) / per_block;
+  return static_cast<unsigned>(b < 1 ? 1 : b > kMaxCopyBlocks ? kMaxCopyBlocks : b);
+}
+
+Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out) const {
+  unsigned long long n = nbytes, o = out ? 1 : 0;
+  void* p[] = {&cells, &other, &n, &o};
+  return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads);
 }
 
 Status GraphKernels::Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const {

@@ -1,6 +1,7 @@
 // The graph-mode grant kernels: a module loaded at run time from checked-in PTX (graph_kernels_ptx.h,
 // made by tools/gen_ptx.sh from ffi/kernels/graph_kernels.cu), so building jaxvmm needs no CUDA
-// toolkit. Each launch is one thread, capturable (XLA's capture records it as a kernel node).
+// toolkit. Each launch is capturable (XLA's capture records it as a kernel node); the grant kernels are
+// one thread, the cell copy a grid.
 //
 // Load it outside any capture (the engine does at its first initialize stage); Unload only after every
 // stream that may still run one of its kernels is synchronized. A driver that cannot load it (no PTX
@@ -29,21 +30,28 @@ class GraphKernels {
   const std::string& why() const { return why_; }  // why it did not load ("" when it did)
   void Unload();
 
-  // jaxvmm_take_offload(arm, token_out, knock); see graph_kernels.cu.
-  Status TakeOffload(CUstream s, CUdeviceptr arm, CUdeviceptr token_out, CUdeviceptr knock) const;
-  // jaxvmm_take_reload(token_in, ready, probe, request, go).
-  Status TakeReload(CUstream s, CUdeviceptr token_in, CUdeviceptr ready, CUdeviceptr probe, CUdeviceptr request,
+  // jaxvmm_take_offload(cells, token_out, knock); see graph_kernels.cu. `cells`: a channel's DeviceWords.
+  Status TakeOffload(CUstream s, CUdeviceptr cells, CUdeviceptr token_out, CUdeviceptr knock) const;
+  // jaxvmm_take_reload(cells, token_in, probe, request, go).
+  Status TakeReload(CUstream s, CUdeviceptr cells, CUdeviceptr token_in, CUdeviceptr probe, CUdeviceptr request,
                     CUdeviceptr go) const;
+  // jaxvmm_cell_copy(cells, other, nbytes, out): the round's copy into (out false) or out of the cell
+  // the take kernel chose; its last block publishes the cell's filled/done word.
+  Status CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out) const;
+  // The copy kernel's grid for nbytes: 256 threads a block, enough blocks for four 16-byte units a
+  // thread, at most kMaxCopyBlocks (grid-stride beyond).
+  static unsigned CopyBlocks(size_t nbytes);
+  static constexpr unsigned kCopyThreads = 256, kMaxCopyBlocks = 1024;
   // jaxvmm_revoke(word, expect, result).
   Status Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const;
 
  private:
-  Status Launch(CUfunction f, CUstream s, void** params, const char* stage) const;
+  Status Launch(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks = 1, unsigned threads = 1) const;
   const Backend backend_;
   bool tried_ = false;
   std::string why_;
   CUmodule module_ = nullptr;
-  CUfunction take_offload_ = nullptr, take_reload_ = nullptr, revoke_ = nullptr;
+  CUfunction take_offload_ = nullptr, take_reload_ = nullptr, revoke_ = nullptr, cell_copy_ = nullptr;
 };
 
 }  // namespace jaxvmm

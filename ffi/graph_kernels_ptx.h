@@ -17,52 +17,153 @@ inline constexpr const char kGraphKernelsPtx[] = R"ptx(
 	.param .u64 jaxvmm_take_offload_param_2
 )
 {
-	.reg .pred 	%p<5>;
-	.reg .b32 	%r<7>;
-	.reg .b64 	%rd<15>;
+	.reg .pred 	%p<22>;
+	.reg .b32 	%r<16>;
+	.reg .b64 	%rd<77>;
 
-	ld.param.u64 	%rd7, [jaxvmm_take_offload_param_0];
-	ld.param.u64 	%rd6, [jaxvmm_take_offload_param_1];
-	ld.param.u64 	%rd8, [jaxvmm_take_offload_param_2];
-	cvta.to.global.u64 	%rd1, %rd8;
-	cvta.to.global.u64 	%rd2, %rd7;
-	atom.global.exch.b64 	%rd14, [%rd2], 0;
-	setp.ne.s64 	%p1, %rd14, 0;
-	@%p1 bra 	$L__BB0_5;
+	ld.param.u64 	%rd38, [jaxvmm_take_offload_param_0];
+	ld.param.u64 	%rd35, [jaxvmm_take_offload_param_1];
+	ld.param.u64 	%rd39, [jaxvmm_take_offload_param_2];
+	cvta.to.global.u64 	%rd1, %rd39;
+	cvta.to.global.u64 	%rd2, %rd38;
+	add.s64 	%rd3, %rd2, 96;
+	ld.global.u64 	%rd4, [%rd2+104];
+	mov.u64 	%rd66, 0;
+	ld.global.u64 	%rd5, [%rd2+96];
+	setp.eq.s64 	%p6, %rd5, 0;
+	mov.pred 	%p20, -1;
+	mov.u64 	%rd73, %rd66;
+	@%p6 bra 	$L__BB0_8;
 
-	mov.u64 	%rd9, 1;
-	st.volatile.global.u64 	[%rd1], %rd9;
-	membar.sys;
-	mov.u32 	%r6, 32;
-	bra.uni 	$L__BB0_2;
-
-$L__BB0_6:
-	// begin inline asm
-	nanosleep.u32 %r6;
-	// end inline asm
-	setp.lt.u32 	%p4, %r6, 2048;
-	selp.u32 	%r5, 1, 0, %p4;
-	shl.b32 	%r6, %r6, %r5;
+	mov.u64 	%rd63, 0;
+	cvt.u32.u64 	%r3, %rd5;
 
 $L__BB0_2:
-	ld.volatile.global.u64 	%rd10, [%rd2];
-	setp.eq.s64 	%p2, %rd10, 0;
-	@%p2 bra 	$L__BB0_6;
+	add.s64 	%rd7, %rd63, %rd4;
+	or.b64  	%rd41, %rd7, %rd5;
+	and.b64  	%rd42, %rd41, -4294967296;
+	setp.eq.s64 	%p7, %rd42, 0;
+	@%p7 bra 	$L__BB0_4;
 
-	atom.global.exch.b64 	%rd14, [%rd2], 0;
-	setp.eq.s64 	%p3, %rd14, 0;
-	@%p3 bra 	$L__BB0_6;
+	rem.u64 	%rd73, %rd7, %rd5;
+	bra.uni 	$L__BB0_5;
 
-	mov.u64 	%rd11, 0;
-	st.volatile.global.u64 	[%rd1], %rd11;
-	membar.sys;
+$L__BB0_4:
+	cvt.u32.u64 	%r4, %rd7;
+	rem.u32 	%r5, %r4, %r3;
+	cvt.u64.u32 	%rd73, %r5;
 
 $L__BB0_5:
-	cvta.to.global.u64 	%rd12, %rd6;
+	shl.b64 	%rd44, %rd73, 3;
+	add.s64 	%rd11, %rd2, %rd44;
+	mov.u64 	%rd66, 0;
+	ld.volatile.global.u64 	%rd45, [%rd11];
+	setp.eq.s64 	%p8, %rd45, 0;
+	@%p8 bra 	$L__BB0_7;
+
+	atom.global.exch.b64 	%rd66, [%rd11], 0;
+
+$L__BB0_7:
+	add.s64 	%rd63, %rd63, 1;
+	setp.lt.u64 	%p9, %rd63, %rd5;
+	setp.eq.s64 	%p20, %rd66, 0;
+	and.pred  	%p10, %p20, %p9;
+	@%p10 bra 	$L__BB0_2;
+
+$L__BB0_8:
+	not.pred 	%p11, %p20;
+	@%p11 bra 	$L__BB0_20;
+
+	mov.u64 	%rd46, 1;
+	st.volatile.global.u64 	[%rd1], %rd46;
+	membar.sys;
+	mov.u32 	%r15, 32;
+	cvt.u32.u64 	%r7, %rd5;
+	bra.uni 	$L__BB0_10;
+
+$L__BB0_24:
+	// begin inline asm
+	nanosleep.u32 %r15;
+	// end inline asm
+	setp.lt.u32 	%p19, %r15, 2048;
+	selp.u32 	%r14, 1, 0, %p19;
+	shl.b32 	%r15, %r15, %r14;
+
+$L__BB0_10:
+	mov.pred 	%p21, -1;
+	mov.u64 	%rd66, 0;
+	@%p6 bra 	$L__BB0_18;
+
+	mov.u64 	%rd69, 0;
+
+$L__BB0_12:
+	add.s64 	%rd19, %rd69, %rd4;
+	or.b64  	%rd49, %rd19, %rd5;
+	and.b64  	%rd50, %rd49, -4294967296;
+	setp.eq.s64 	%p14, %rd50, 0;
+	@%p14 bra 	$L__BB0_14;
+
+	rem.u64 	%rd73, %rd19, %rd5;
+	bra.uni 	$L__BB0_15;
+
+$L__BB0_14:
+	cvt.u32.u64 	%r8, %rd19;
+	rem.u32 	%r9, %r8, %r7;
+	cvt.u64.u32 	%rd73, %r9;
+
+$L__BB0_15:
+	shl.b64 	%rd52, %rd73, 3;
+	add.s64 	%rd23, %rd2, %rd52;
+	mov.u64 	%rd66, 0;
+	ld.volatile.global.u64 	%rd53, [%rd23];
+	setp.eq.s64 	%p15, %rd53, 0;
+	@%p15 bra 	$L__BB0_17;
+
+	atom.global.exch.b64 	%rd66, [%rd23], 0;
+
+$L__BB0_17:
+	add.s64 	%rd69, %rd69, 1;
+	setp.lt.u64 	%p16, %rd69, %rd5;
+	setp.eq.s64 	%p21, %rd66, 0;
+	and.pred  	%p17, %p21, %p16;
+	@%p17 bra 	$L__BB0_12;
+
+$L__BB0_18:
+	@%p21 bra 	$L__BB0_24;
+
+	mov.u64 	%rd54, 0;
+	st.volatile.global.u64 	[%rd1], %rd54;
+	membar.sys;
+
+$L__BB0_20:
 	membar.gl;
-	st.global.u32 	[%rd12], %rd14;
-	shr.u64 	%rd13, %rd14, 32;
-	st.global.u32 	[%rd12+4], %rd13;
+	add.s64 	%rd31, %rd73, 1;
+	or.b64  	%rd55, %rd31, %rd5;
+	and.b64  	%rd56, %rd55, -4294967296;
+	setp.eq.s64 	%p18, %rd56, 0;
+	@%p18 bra 	$L__BB0_22;
+
+	rem.u64 	%rd76, %rd31, %rd5;
+	bra.uni 	$L__BB0_23;
+
+$L__BB0_22:
+	cvt.u32.u64 	%r10, %rd5;
+	cvt.u32.u64 	%r11, %rd31;
+	rem.u32 	%r12, %r11, %r10;
+	cvt.u64.u32 	%rd76, %r12;
+
+$L__BB0_23:
+	cvta.to.global.u64 	%rd57, %rd35;
+	st.global.u64 	[%rd3+8], %rd76;
+	shl.b64 	%rd58, %rd73, 3;
+	add.s64 	%rd59, %rd2, %rd58;
+	ld.global.u64 	%rd60, [%rd59+32];
+	st.global.u64 	[%rd3+16], %rd60;
+	ld.global.u64 	%rd61, [%rd59+64];
+	st.global.u64 	[%rd3+24], %rd61;
+	st.global.u32 	[%rd57], %rd66;
+	shr.u64 	%rd62, %rd66, 32;
+	st.global.u32 	[%rd57+4], %rd62;
 	ret;
 
 }
@@ -75,63 +176,84 @@ $L__BB0_5:
 	.param .u64 jaxvmm_take_reload_param_4
 )
 {
-	.reg .pred 	%p<6>;
+	.reg .pred 	%p<9>;
 	.reg .b32 	%r<7>;
-	.reg .b64 	%rd<20>;
+	.reg .b64 	%rd<37>;
 
-	ld.param.u64 	%rd6, [jaxvmm_take_reload_param_0];
-	ld.param.u64 	%rd3, [jaxvmm_take_reload_param_1];
-	ld.param.u64 	%rd4, [jaxvmm_take_reload_param_2];
-	ld.param.u64 	%rd5, [jaxvmm_take_reload_param_3];
-	ld.param.u64 	%rd7, [jaxvmm_take_reload_param_4];
-	cvta.to.global.u64 	%rd1, %rd7;
-	cvta.to.global.u64 	%rd8, %rd6;
-	ld.global.u32 	%rd9, [%rd8];
-	ld.global.u32 	%rd10, [%rd8+4];
-	bfi.b64 	%rd2, %rd10, %rd9, 32, 32;
+	ld.param.u64 	%rd15, [jaxvmm_take_reload_param_0];
+	ld.param.u64 	%rd16, [jaxvmm_take_reload_param_1];
+	ld.param.u64 	%rd13, [jaxvmm_take_reload_param_2];
+	ld.param.u64 	%rd14, [jaxvmm_take_reload_param_3];
+	ld.param.u64 	%rd17, [jaxvmm_take_reload_param_4];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd18, %rd16;
+	ld.global.u32 	%rd19, [%rd18];
+	ld.global.u32 	%rd20, [%rd18+4];
+	bfi.b64 	%rd2, %rd20, %rd19, 32, 32;
+	cvta.to.global.u64 	%rd3, %rd15;
+	add.s64 	%rd4, %rd3, 96;
 	setp.eq.s64 	%p1, %rd2, 0;
-	@%p1 bra 	$L__BB1_3;
+	ld.global.u64 	%rd5, [%rd3+96];
+	setp.eq.s64 	%p2, %rd5, 0;
+	or.pred  	%p3, %p1, %p2;
+	@%p3 bra 	$L__BB1_4;
 
-	cvta.to.global.u64 	%rd11, %rd3;
-	mov.u64 	%rd12, 0;
-	atom.global.cas.b64 	%rd13, [%rd11], %rd2, %rd12;
-	setp.ne.s64 	%p2, %rd13, %rd2;
-	@%p2 bra 	$L__BB1_3;
+	mov.u64 	%rd21, 0;
+	mov.u64 	%rd34, %rd21;
 
-	membar.gl;
-	bra.uni 	$L__BB1_7;
+$L__BB1_2:
+	shl.b64 	%rd22, %rd34, 3;
+	add.s64 	%rd23, %rd3, %rd22;
+	atom.global.cas.b64 	%rd25, [%rd23], %rd2, %rd21;
+	setp.eq.s64 	%p4, %rd25, %rd2;
+	@%p4 bra 	$L__BB1_9;
 
-$L__BB1_3:
-	cvta.to.global.u64 	%rd14, %rd4;
-	st.volatile.global.u64 	[%rd14], %rd2;
+	add.s64 	%rd34, %rd34, 1;
+	setp.lt.u64 	%p5, %rd34, %rd5;
+	@%p5 bra 	$L__BB1_2;
+
+$L__BB1_4:
+	cvta.to.global.u64 	%rd26, %rd13;
+	st.volatile.global.u64 	[%rd26], %rd2;
 	membar.sys;
-	cvta.to.global.u64 	%rd15, %rd5;
-	mov.u64 	%rd16, 1;
-	st.volatile.global.u64 	[%rd15], %rd16;
+	cvta.to.global.u64 	%rd27, %rd14;
+	mov.u64 	%rd28, 1;
+	st.volatile.global.u64 	[%rd27], %rd28;
 	membar.sys;
-	ld.volatile.global.u64 	%rd17, [%rd1];
-	setp.eq.s64 	%p3, %rd17, 1;
-	@%p3 bra 	$L__BB1_6;
+	ld.volatile.global.u64 	%rd35, [%rd1];
+	setp.ne.s64 	%p6, %rd35, 0;
+	@%p6 bra 	$L__BB1_7;
 
 	mov.u32 	%r6, 32;
 
-$L__BB1_5:
+$L__BB1_6:
 	// begin inline asm
 	nanosleep.u32 %r6;
 	// end inline asm
-	setp.lt.u32 	%p4, %r6, 2048;
-	selp.u32 	%r5, 1, 0, %p4;
+	setp.lt.u32 	%p7, %r6, 2048;
+	selp.u32 	%r5, 1, 0, %p7;
 	shl.b32 	%r6, %r6, %r5;
-	ld.volatile.global.u64 	%rd18, [%rd1];
-	setp.ne.s64 	%p5, %rd18, 1;
-	@%p5 bra 	$L__BB1_5;
-
-$L__BB1_6:
-	mov.u64 	%rd19, 0;
-	st.volatile.global.u64 	[%rd1], %rd19;
-	membar.sys;
+	ld.volatile.global.u64 	%rd35, [%rd1];
+	setp.eq.s64 	%p8, %rd35, 0;
+	@%p8 bra 	$L__BB1_6;
 
 $L__BB1_7:
+	mov.u64 	%rd29, 0;
+	st.volatile.global.u64 	[%rd1], %rd29;
+	membar.sys;
+	add.s64 	%rd34, %rd35, -1;
+	bra.uni 	$L__BB1_8;
+
+$L__BB1_9:
+	membar.gl;
+
+$L__BB1_8:
+	shl.b64 	%rd30, %rd34, 3;
+	add.s64 	%rd31, %rd3, %rd30;
+	ld.global.u64 	%rd32, [%rd31+32];
+	st.global.u64 	[%rd4+16], %rd32;
+	ld.global.u64 	%rd33, [%rd31+64];
+	st.global.u64 	[%rd4+24], %rd33;
 	ret;
 
 }
@@ -166,6 +288,581 @@ $L__BB2_3:
 	cvta.to.global.u64 	%rd10, %rd6;
 	st.volatile.global.u64 	[%rd10], %rd9;
 	membar.sys;
+	ret;
+
+}
+	// .globl	jaxvmm_cell_copy
+.visible .entry jaxvmm_cell_copy(
+	.param .u64 jaxvmm_cell_copy_param_0,
+	.param .u64 jaxvmm_cell_copy_param_1,
+	.param .u64 jaxvmm_cell_copy_param_2,
+	.param .u64 jaxvmm_cell_copy_param_3
+)
+{
+	.reg .pred 	%p<49>;
+	.reg .b16 	%rs<20>;
+	.reg .b32 	%r<85>;
+	.reg .b64 	%rd<324>;
+
+	ld.param.u64 	%rd136, [jaxvmm_cell_copy_param_0];
+	ld.param.u64 	%rd138, [jaxvmm_cell_copy_param_1];
+	ld.param.u64 	%rd137, [jaxvmm_cell_copy_param_2];
+	ld.param.u64 	%rd139, [jaxvmm_cell_copy_param_3];
+	cvta.to.global.u64 	%rd140, %rd136;
+	ld.volatile.global.u64 	%rd141, [%rd140+112];
+	setp.eq.s64 	%p1, %rd139, 0;
+	selp.b64 	%rd1, %rd141, %rd138, %p1;
+	selp.b64 	%rd2, %rd138, %rd141, %p1;
+	xor.b64  	%rd3, %rd1, %rd2;
+	and.b64  	%rd142, %rd3, 15;
+	setp.eq.s64 	%p2, %rd142, 0;
+	@%p2 bra 	$L__BB3_44;
+
+	and.b64  	%rd143, %rd3, 7;
+	setp.eq.s64 	%p3, %rd143, 0;
+	@%p3 bra 	$L__BB3_33;
+
+	and.b64  	%rd144, %rd3, 3;
+	setp.eq.s64 	%p4, %rd144, 0;
+	@%p4 bra 	$L__BB3_22;
+
+	and.b64  	%rd145, %rd3, 1;
+	setp.eq.b64 	%p5, %rd145, 1;
+	mov.pred 	%p6, 0;
+	xor.pred  	%p7, %p5, %p6;
+	not.pred 	%p8, %p7;
+	mov.u32 	%r1, %ctaid.x;
+	cvt.u64.u32 	%rd4, %r1;
+	mov.u32 	%r2, %ntid.x;
+	cvt.u64.u32 	%rd5, %r2;
+	mul.wide.u32 	%rd146, %r1, %r2;
+	mov.u32 	%r3, %tid.x;
+	cvt.u64.u32 	%rd6, %r3;
+	add.s64 	%rd7, %rd146, %rd6;
+	mov.u32 	%r4, %nctaid.x;
+	cvt.u64.u32 	%rd8, %r4;
+	mul.wide.u32 	%rd9, %r4, %r2;
+	@%p8 bra 	$L__BB3_11;
+	bra.uni 	$L__BB3_4;
+
+$L__BB3_11:
+	and.b64  	%rd26, %rd1, 1;
+	min.u64 	%rd27, %rd26, %rd137;
+	setp.ge.u64 	%p15, %rd7, %rd27;
+	@%p15 bra 	$L__BB3_14;
+
+	mov.u64 	%rd298, %rd7;
+
+$L__BB3_13:
+	add.s64 	%rd160, %rd2, %rd298;
+	ld.u8 	%rs7, [%rd160];
+	add.s64 	%rd161, %rd1, %rd298;
+	st.u8 	[%rd161], %rs7;
+	add.s64 	%rd298, %rd298, %rd9;
+	setp.lt.u64 	%p16, %rd298, %rd27;
+	@%p16 bra 	$L__BB3_13;
+
+$L__BB3_14:
+	sub.s64 	%rd30, %rd137, %rd27;
+	shr.u64 	%rd31, %rd30, 1;
+	mul.lo.s64 	%rd32, %rd9, 3;
+	add.s64 	%rd162, %rd7, %rd32;
+	setp.ge.u64 	%p17, %rd162, %rd31;
+	mov.u64 	%rd302, %rd7;
+	@%p17 bra 	$L__BB3_17;
+
+	mul.lo.s64 	%rd163, %rd4, %rd5;
+	shl.b64 	%rd164, %rd163, 1;
+	shl.b64 	%rd165, %rd6, 1;
+	add.s64 	%rd166, %rd164, %rd165;
+	add.s64 	%rd167, %rd166, -1;
+	not.b64 	%rd168, %rd137;
+	not.b64 	%rd169, %rd26;
+	max.u64 	%rd170, %rd169, %rd168;
+	sub.s64 	%rd171, %rd167, %rd170;
+	add.s64 	%rd300, %rd2, %rd171;
+	mul.lo.s64 	%rd172, %rd8, %rd5;
+	shl.b64 	%rd34, %rd172, 1;
+	add.s64 	%rd301, %rd1, %rd171;
+	mov.u64 	%rd302, %rd7;
+
+$L__BB3_16:
+	ld.u16 	%rs8, [%rd300];
+	add.s64 	%rd173, %rd300, %rd34;
+	ld.u16 	%rs9, [%rd173];
+	add.s64 	%rd174, %rd173, %rd34;
+	ld.u16 	%rs10, [%rd174];
+	add.s64 	%rd175, %rd174, %rd34;
+	add.s64 	%rd300, %rd175, %rd34;
+	ld.u16 	%rs11, [%rd175];
+	st.u16 	[%rd301], %rs8;
+	add.s64 	%rd176, %rd301, %rd34;
+	st.u16 	[%rd176], %rs9;
+	add.s64 	%rd177, %rd176, %rd34;
+	st.u16 	[%rd177], %rs10;
+	add.s64 	%rd178, %rd177, %rd34;
+	add.s64 	%rd301, %rd178, %rd34;
+	st.u16 	[%rd178], %rs11;
+	add.s64 	%rd179, %rd302, %rd9;
+	add.s64 	%rd302, %rd32, %rd179;
+	add.s64 	%rd180, %rd302, %rd32;
+	setp.lt.u64 	%p18, %rd180, %rd31;
+	@%p18 bra 	$L__BB3_16;
+
+$L__BB3_17:
+	setp.ge.u64 	%p19, %rd302, %rd31;
+	@%p19 bra 	$L__BB3_20;
+
+	add.s64 	%rd43, %rd1, %rd27;
+	add.s64 	%rd44, %rd2, %rd27;
+
+$L__BB3_19:
+	shl.b64 	%rd181, %rd302, 1;
+	add.s64 	%rd182, %rd44, %rd181;
+	ld.u16 	%rs12, [%rd182];
+	add.s64 	%rd183, %rd43, %rd181;
+	st.u16 	[%rd183], %rs12;
+	add.s64 	%rd302, %rd302, %rd9;
+	setp.lt.u64 	%p20, %rd302, %rd31;
+	@%p20 bra 	$L__BB3_19;
+
+$L__BB3_20:
+	and.b64  	%rd184, %rd30, -2;
+	add.s64 	%rd185, %rd27, %rd7;
+	add.s64 	%rd304, %rd185, %rd184;
+	setp.ge.u64 	%p21, %rd304, %rd137;
+	@%p21 bra 	$L__BB3_55;
+
+$L__BB3_21:
+	add.s64 	%rd186, %rd2, %rd304;
+	ld.u8 	%rs13, [%rd186];
+	add.s64 	%rd187, %rd1, %rd304;
+	st.u8 	[%rd187], %rs13;
+	add.s64 	%rd304, %rd304, %rd9;
+	setp.lt.u64 	%p22, %rd304, %rd137;
+	@%p22 bra 	$L__BB3_21;
+	bra.uni 	$L__BB3_55;
+
+$L__BB3_44:
+	mov.u32 	%r38, %ctaid.x;
+	cvt.u64.u32 	%rd108, %r38;
+	mov.u32 	%r39, %ntid.x;
+	cvt.u64.u32 	%rd109, %r39;
+	mul.wide.u32 	%rd250, %r38, %r39;
+	mov.u32 	%r40, %tid.x;
+	cvt.u64.u32 	%rd110, %r40;
+	add.s64 	%rd111, %rd250, %rd110;
+	mov.u32 	%r41, %nctaid.x;
+	cvt.u64.u32 	%rd112, %r41;
+	mul.wide.u32 	%rd113, %r41, %r39;
+	neg.s64 	%rd251, %rd1;
+	and.b64  	%rd114, %rd251, 15;
+	min.u64 	%rd115, %rd114, %rd137;
+	setp.ge.u64 	%p39, %rd111, %rd115;
+	@%p39 bra 	$L__BB3_47;
+
+	mov.u64 	%rd318, %rd111;
+
+$L__BB3_46:
+	add.s64 	%rd252, %rd2, %rd318;
+	ld.u8 	%rs18, [%rd252];
+	add.s64 	%rd253, %rd1, %rd318;
+	st.u8 	[%rd253], %rs18;
+	add.s64 	%rd318, %rd318, %rd113;
+	setp.lt.u64 	%p40, %rd318, %rd115;
+	@%p40 bra 	$L__BB3_46;
+
+$L__BB3_47:
+	sub.s64 	%rd118, %rd137, %rd115;
+	shr.u64 	%rd119, %rd118, 4;
+	add.s64 	%rd120, %rd2, %rd115;
+	mul.lo.s64 	%rd121, %rd113, 3;
+	add.s64 	%rd254, %rd111, %rd121;
+	setp.ge.u64 	%p41, %rd254, %rd119;
+	mov.u64 	%rd321, %rd111;
+	@%p41 bra 	$L__BB3_50;
+
+	mul.lo.s64 	%rd255, %rd112, %rd109;
+	shl.b64 	%rd122, %rd255, 4;
+	mul.lo.s64 	%rd256, %rd108, %rd109;
+	shl.b64 	%rd257, %rd256, 4;
+	shl.b64 	%rd258, %rd110, 4;
+	add.s64 	%rd259, %rd257, %rd258;
+	add.s64 	%rd260, %rd259, -1;
+	not.b64 	%rd261, %rd137;
+	not.b64 	%rd262, %rd114;
+	max.u64 	%rd263, %rd262, %rd261;
+	sub.s64 	%rd264, %rd260, %rd263;
+	add.s64 	%rd320, %rd1, %rd264;
+	mul.lo.s64 	%rd124, %rd255, -48;
+	mov.u64 	%rd321, %rd111;
+
+$L__BB3_49:
+	shl.b64 	%rd265, %rd321, 4;
+	add.s64 	%rd266, %rd120, %rd265;
+	shl.b64 	%rd267, %rd113, 2;
+	shl.b64 	%rd268, %rd113, 4;
+	add.s64 	%rd269, %rd266, %rd268;
+	ld.v4.u32 	{%r42, %r43, %r44, %r45}, [%rd269];
+	add.s64 	%rd270, %rd269, %rd122;
+	ld.v4.u32 	{%r50, %r51, %r52, %r53}, [%rd270];
+	add.s64 	%rd271, %rd270, %rd122;
+	ld.v4.u32 	{%r58, %r59, %r60, %r61}, [%rd271];
+	add.s64 	%rd272, %rd271, %rd124;
+	ld.v4.u32 	{%r66, %r67, %r68, %r69}, [%rd272];
+	st.v4.u32 	[%rd320], {%r66, %r67, %r68, %r69};
+	add.s64 	%rd273, %rd320, %rd122;
+	st.v4.u32 	[%rd273], {%r42, %r43, %r44, %r45};
+	add.s64 	%rd274, %rd273, %rd122;
+	st.v4.u32 	[%rd274], {%r50, %r51, %r52, %r53};
+	add.s64 	%rd275, %rd274, %rd122;
+	add.s64 	%rd320, %rd275, %rd122;
+	st.v4.u32 	[%rd275], {%r58, %r59, %r60, %r61};
+	add.s64 	%rd321, %rd267, %rd321;
+	add.s64 	%rd276, %rd321, %rd121;
+	setp.lt.u64 	%p42, %rd276, %rd119;
+	@%p42 bra 	$L__BB3_49;
+
+$L__BB3_50:
+	setp.ge.u64 	%p43, %rd321, %rd119;
+	@%p43 bra 	$L__BB3_53;
+
+	add.s64 	%rd130, %rd1, %rd115;
+
+$L__BB3_52:
+	shl.b64 	%rd277, %rd321, 4;
+	add.s64 	%rd278, %rd130, %rd277;
+	add.s64 	%rd279, %rd120, %rd277;
+	ld.v4.u32 	{%r74, %r75, %r76, %r77}, [%rd279];
+	st.v4.u32 	[%rd278], {%r74, %r75, %r76, %r77};
+	add.s64 	%rd321, %rd321, %rd113;
+	setp.lt.u64 	%p44, %rd321, %rd119;
+	@%p44 bra 	$L__BB3_52;
+
+$L__BB3_53:
+	and.b64  	%rd280, %rd118, -16;
+	add.s64 	%rd281, %rd115, %rd111;
+	add.s64 	%rd323, %rd281, %rd280;
+	setp.ge.u64 	%p45, %rd323, %rd137;
+	@%p45 bra 	$L__BB3_55;
+
+$L__BB3_54:
+	add.s64 	%rd282, %rd2, %rd323;
+	ld.u8 	%rs19, [%rd282];
+	add.s64 	%rd283, %rd1, %rd323;
+	st.u8 	[%rd283], %rs19;
+	add.s64 	%rd323, %rd323, %rd113;
+	setp.lt.u64 	%p46, %rd323, %rd137;
+	@%p46 bra 	$L__BB3_54;
+	bra.uni 	$L__BB3_55;
+
+$L__BB3_33:
+	mov.u32 	%r14, %ctaid.x;
+	cvt.u64.u32 	%rd80, %r14;
+	mov.u32 	%r15, %ntid.x;
+	cvt.u64.u32 	%rd81, %r15;
+	mul.wide.u32 	%rd218, %r14, %r15;
+	mov.u32 	%r16, %tid.x;
+	cvt.u64.u32 	%rd82, %r16;
+	add.s64 	%rd83, %rd218, %rd82;
+	mov.u32 	%r17, %nctaid.x;
+	cvt.u64.u32 	%rd84, %r17;
+	mul.wide.u32 	%rd85, %r17, %r15;
+	neg.s64 	%rd219, %rd1;
+	and.b64  	%rd86, %rd219, 7;
+	min.u64 	%rd87, %rd86, %rd137;
+	setp.ge.u64 	%p31, %rd83, %rd87;
+	@%p31 bra 	$L__BB3_36;
+
+	mov.u64 	%rd312, %rd83;
+
+$L__BB3_35:
+	add.s64 	%rd220, %rd2, %rd312;
+	ld.u8 	%rs16, [%rd220];
+	add.s64 	%rd221, %rd1, %rd312;
+	st.u8 	[%rd221], %rs16;
+	add.s64 	%rd312, %rd312, %rd85;
+	setp.lt.u64 	%p32, %rd312, %rd87;
+	@%p32 bra 	$L__BB3_35;
+
+$L__BB3_36:
+	sub.s64 	%rd90, %rd137, %rd87;
+	shr.u64 	%rd91, %rd90, 3;
+	add.s64 	%rd92, %rd2, %rd87;
+	mul.lo.s64 	%rd93, %rd85, 3;
+	add.s64 	%rd222, %rd83, %rd93;
+	setp.ge.u64 	%p33, %rd222, %rd91;
+	mov.u64 	%rd315, %rd83;
+	@%p33 bra 	$L__BB3_39;
+
+	mul.lo.s64 	%rd223, %rd84, %rd81;
+	shl.b64 	%rd94, %rd223, 3;
+	mul.lo.s64 	%rd224, %rd80, %rd81;
+	shl.b64 	%rd225, %rd224, 3;
+	shl.b64 	%rd226, %rd82, 3;
+	add.s64 	%rd227, %rd225, %rd226;
+	add.s64 	%rd228, %rd227, -1;
+	not.b64 	%rd229, %rd137;
+	not.b64 	%rd230, %rd86;
+	max.u64 	%rd231, %rd230, %rd229;
+	sub.s64 	%rd232, %rd228, %rd231;
+	add.s64 	%rd314, %rd1, %rd232;
+	mul.lo.s64 	%rd96, %rd223, -24;
+	mov.u64 	%rd315, %rd83;
+
+$L__BB3_38:
+	add.s64 	%rd233, %rd315, %rd85;
+	shl.b64 	%rd234, %rd233, 3;
+	add.s64 	%rd235, %rd92, %rd234;
+	ld.v2.u32 	{%r18, %r19}, [%rd235];
+	add.s64 	%rd236, %rd235, %rd94;
+	ld.v2.u32 	{%r22, %r23}, [%rd236];
+	add.s64 	%rd237, %rd236, %rd94;
+	ld.v2.u32 	{%r26, %r27}, [%rd237];
+	add.s64 	%rd238, %rd237, %rd96;
+	ld.v2.u32 	{%r30, %r31}, [%rd238];
+	st.v2.u32 	[%rd314], {%r30, %r31};
+	add.s64 	%rd239, %rd314, %rd94;
+	st.v2.u32 	[%rd239], {%r18, %r19};
+	add.s64 	%rd240, %rd239, %rd94;
+	st.v2.u32 	[%rd240], {%r22, %r23};
+	add.s64 	%rd241, %rd240, %rd94;
+	add.s64 	%rd314, %rd241, %rd94;
+	st.v2.u32 	[%rd241], {%r26, %r27};
+	add.s64 	%rd315, %rd93, %rd233;
+	add.s64 	%rd242, %rd315, %rd93;
+	setp.lt.u64 	%p34, %rd242, %rd91;
+	@%p34 bra 	$L__BB3_38;
+
+$L__BB3_39:
+	setp.ge.u64 	%p35, %rd315, %rd91;
+	@%p35 bra 	$L__BB3_42;
+
+	add.s64 	%rd102, %rd1, %rd87;
+
+$L__BB3_41:
+	shl.b64 	%rd243, %rd315, 3;
+	add.s64 	%rd244, %rd92, %rd243;
+	ld.v2.u32 	{%r34, %r35}, [%rd244];
+	add.s64 	%rd245, %rd102, %rd243;
+	st.v2.u32 	[%rd245], {%r34, %r35};
+	add.s64 	%rd315, %rd315, %rd85;
+	setp.lt.u64 	%p36, %rd315, %rd91;
+	@%p36 bra 	$L__BB3_41;
+
+$L__BB3_42:
+	and.b64  	%rd246, %rd90, -8;
+	add.s64 	%rd247, %rd87, %rd83;
+	add.s64 	%rd317, %rd247, %rd246;
+	setp.ge.u64 	%p37, %rd317, %rd137;
+	@%p37 bra 	$L__BB3_55;
+
+$L__BB3_43:
+	add.s64 	%rd248, %rd2, %rd317;
+	ld.u8 	%rs17, [%rd248];
+	add.s64 	%rd249, %rd1, %rd317;
+	st.u8 	[%rd249], %rs17;
+	add.s64 	%rd317, %rd317, %rd85;
+	setp.lt.u64 	%p38, %rd317, %rd137;
+	@%p38 bra 	$L__BB3_43;
+	bra.uni 	$L__BB3_55;
+
+$L__BB3_22:
+	mov.u32 	%r5, %ctaid.x;
+	cvt.u64.u32 	%rd50, %r5;
+	mov.u32 	%r6, %ntid.x;
+	cvt.u64.u32 	%rd51, %r6;
+	mul.wide.u32 	%rd188, %r5, %r6;
+	mov.u32 	%r7, %tid.x;
+	cvt.u64.u32 	%rd52, %r7;
+	add.s64 	%rd53, %rd188, %rd52;
+	mov.u32 	%r8, %nctaid.x;
+	cvt.u64.u32 	%rd54, %r8;
+	mul.wide.u32 	%rd55, %r8, %r6;
+	neg.s64 	%rd189, %rd1;
+	and.b64  	%rd56, %rd189, 3;
+	min.u64 	%rd57, %rd56, %rd137;
+	setp.ge.u64 	%p23, %rd53, %rd57;
+	@%p23 bra 	$L__BB3_25;
+
+	mov.u64 	%rd305, %rd53;
+
+$L__BB3_24:
+	add.s64 	%rd190, %rd2, %rd305;
+	ld.u8 	%rs14, [%rd190];
+	add.s64 	%rd191, %rd1, %rd305;
+	st.u8 	[%rd191], %rs14;
+	add.s64 	%rd305, %rd305, %rd55;
+	setp.lt.u64 	%p24, %rd305, %rd57;
+	@%p24 bra 	$L__BB3_24;
+
+$L__BB3_25:
+	sub.s64 	%rd60, %rd137, %rd57;
+	shr.u64 	%rd61, %rd60, 2;
+	mul.lo.s64 	%rd62, %rd55, 3;
+	add.s64 	%rd192, %rd53, %rd62;
+	setp.ge.u64 	%p25, %rd192, %rd61;
+	mov.u64 	%rd309, %rd53;
+	@%p25 bra 	$L__BB3_28;
+
+	mul.lo.s64 	%rd193, %rd50, %rd51;
+	shl.b64 	%rd194, %rd193, 2;
+	shl.b64 	%rd195, %rd52, 2;
+	add.s64 	%rd196, %rd194, %rd195;
+	add.s64 	%rd197, %rd196, -1;
+	not.b64 	%rd198, %rd137;
+	not.b64 	%rd199, %rd56;
+	max.u64 	%rd200, %rd199, %rd198;
+	sub.s64 	%rd201, %rd197, %rd200;
+	add.s64 	%rd307, %rd2, %rd201;
+	mul.lo.s64 	%rd202, %rd54, %rd51;
+	shl.b64 	%rd64, %rd202, 2;
+	add.s64 	%rd308, %rd1, %rd201;
+	mov.u64 	%rd309, %rd53;
+
+$L__BB3_27:
+	ld.u32 	%r9, [%rd307];
+	add.s64 	%rd203, %rd307, %rd64;
+	ld.u32 	%r10, [%rd203];
+	add.s64 	%rd204, %rd203, %rd64;
+	ld.u32 	%r11, [%rd204];
+	add.s64 	%rd205, %rd204, %rd64;
+	add.s64 	%rd307, %rd205, %rd64;
+	ld.u32 	%r12, [%rd205];
+	st.u32 	[%rd308], %r9;
+	add.s64 	%rd206, %rd308, %rd64;
+	st.u32 	[%rd206], %r10;
+	add.s64 	%rd207, %rd206, %rd64;
+	st.u32 	[%rd207], %r11;
+	add.s64 	%rd208, %rd207, %rd64;
+	add.s64 	%rd308, %rd208, %rd64;
+	st.u32 	[%rd208], %r12;
+	add.s64 	%rd209, %rd309, %rd55;
+	add.s64 	%rd309, %rd62, %rd209;
+	add.s64 	%rd210, %rd309, %rd62;
+	setp.lt.u64 	%p26, %rd210, %rd61;
+	@%p26 bra 	$L__BB3_27;
+
+$L__BB3_28:
+	setp.ge.u64 	%p27, %rd309, %rd61;
+	@%p27 bra 	$L__BB3_31;
+
+	add.s64 	%rd73, %rd1, %rd57;
+	add.s64 	%rd74, %rd2, %rd57;
+
+$L__BB3_30:
+	shl.b64 	%rd211, %rd309, 2;
+	add.s64 	%rd212, %rd74, %rd211;
+	ld.u32 	%r13, [%rd212];
+	add.s64 	%rd213, %rd73, %rd211;
+	st.u32 	[%rd213], %r13;
+	add.s64 	%rd309, %rd309, %rd55;
+	setp.lt.u64 	%p28, %rd309, %rd61;
+	@%p28 bra 	$L__BB3_30;
+
+$L__BB3_31:
+	and.b64  	%rd214, %rd60, -4;
+	add.s64 	%rd215, %rd57, %rd53;
+	add.s64 	%rd311, %rd215, %rd214;
+	setp.ge.u64 	%p29, %rd311, %rd137;
+	@%p29 bra 	$L__BB3_55;
+
+$L__BB3_32:
+	add.s64 	%rd216, %rd2, %rd311;
+	ld.u8 	%rs15, [%rd216];
+	add.s64 	%rd217, %rd1, %rd311;
+	st.u8 	[%rd217], %rs15;
+	add.s64 	%rd311, %rd311, %rd55;
+	setp.lt.u64 	%p30, %rd311, %rd137;
+	@%p30 bra 	$L__BB3_32;
+	bra.uni 	$L__BB3_55;
+
+$L__BB3_4:
+	mul.lo.s64 	%rd10, %rd9, 3;
+	add.s64 	%rd147, %rd7, %rd10;
+	setp.ge.u64 	%p9, %rd147, %rd137;
+	mov.u64 	%rd295, %rd7;
+	@%p9 bra 	$L__BB3_7;
+
+	add.s64 	%rd293, %rd2, %rd7;
+	mul.lo.s64 	%rd12, %rd8, %rd5;
+	add.s64 	%rd294, %rd1, %rd7;
+	mov.u64 	%rd295, %rd7;
+
+$L__BB3_6:
+	ld.u8 	%rs1, [%rd293];
+	add.s64 	%rd148, %rd293, %rd12;
+	ld.u8 	%rs2, [%rd148];
+	add.s64 	%rd149, %rd148, %rd12;
+	ld.u8 	%rs3, [%rd149];
+	add.s64 	%rd150, %rd149, %rd12;
+	add.s64 	%rd293, %rd150, %rd12;
+	ld.u8 	%rs4, [%rd150];
+	st.u8 	[%rd294], %rs1;
+	add.s64 	%rd151, %rd294, %rd12;
+	st.u8 	[%rd151], %rs2;
+	add.s64 	%rd152, %rd151, %rd12;
+	st.u8 	[%rd152], %rs3;
+	add.s64 	%rd153, %rd152, %rd12;
+	add.s64 	%rd294, %rd153, %rd12;
+	st.u8 	[%rd153], %rs4;
+	add.s64 	%rd154, %rd295, %rd9;
+	add.s64 	%rd295, %rd10, %rd154;
+	add.s64 	%rd155, %rd295, %rd10;
+	setp.lt.u64 	%p10, %rd155, %rd137;
+	@%p10 bra 	$L__BB3_6;
+
+$L__BB3_7:
+	setp.ge.u64 	%p11, %rd295, %rd137;
+	@%p11 bra 	$L__BB3_9;
+
+$L__BB3_8:
+	add.s64 	%rd156, %rd2, %rd295;
+	ld.u8 	%rs5, [%rd156];
+	add.s64 	%rd157, %rd1, %rd295;
+	st.u8 	[%rd157], %rs5;
+	add.s64 	%rd295, %rd295, %rd9;
+	setp.lt.u64 	%p12, %rd295, %rd137;
+	@%p12 bra 	$L__BB3_8;
+
+$L__BB3_9:
+	add.s64 	%rd297, %rd7, %rd137;
+	setp.ge.u64 	%p13, %rd297, %rd7;
+	@%p13 bra 	$L__BB3_55;
+
+$L__BB3_10:
+	add.s64 	%rd158, %rd2, %rd297;
+	ld.u8 	%rs6, [%rd158];
+	add.s64 	%rd159, %rd1, %rd297;
+	st.u8 	[%rd159], %rs6;
+	add.s64 	%rd297, %rd297, %rd9;
+	setp.lt.u64 	%p14, %rd297, %rd137;
+	@%p14 bra 	$L__BB3_10;
+
+$L__BB3_55:
+	mov.u32 	%r82, %tid.x;
+	membar.gl;
+	bar.sync 	0;
+	setp.ne.s32 	%p47, %r82, 0;
+	@%p47 bra 	$L__BB3_58;
+
+	add.s64 	%rd285, %rd140, 128;
+	atom.global.add.u64 	%rd286, [%rd285], 1;
+	mov.u32 	%r83, %nctaid.x;
+	add.s32 	%r84, %r83, -1;
+	cvt.u64.u32 	%rd287, %r84;
+	setp.ne.s64 	%p48, %rd286, %rd287;
+	@%p48 bra 	$L__BB3_58;
+
+	mov.u64 	%rd289, 0;
+	st.global.u64 	[%rd140+128], %rd289;
+	membar.sys;
+	ld.global.u64 	%rd290, [%rd140+120];
+	mov.u64 	%rd291, 1;
+	st.volatile.u64 	[%rd290], %rd291;
+	membar.sys;
+
+$L__BB3_58:
 	ret;
 
 }

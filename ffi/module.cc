@@ -589,6 +589,7 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_revokes"] = s.graph.revokes;
     d["graph_revokes_lost"] = s.graph.revokes_lost;
     d["graph_cells_host"] = s.graph.host_cells;
+    d["graph_cells"] = s.graph.cells;
     return d;
   });
   // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in
@@ -736,6 +737,13 @@ NB_MODULE(_jaxvmm, m) {
   });
   // Negative (or 0 where 0 is meaningless) leaves a knob as it is; returns every knob's value in force.
   m.def("set_graph_kernels", [](bool on) { EngineConfig::SetGraphKernels(on); });
+  // Graph-mode cells per channel for channels prepared from now on (validated in Python first); 0
+  // leaves it. Returns the value in force.
+  m.def("graph_cells", [](int k) {
+    if (k > 0) EngineConfig::SetGraphCells(k);
+    return EngineConfig::GraphCells();
+  });
+  m.def("graph_max_cells", [] { return kMaxCells; });
   m.def("graph_kernels_ptx", [] { return std::string(kGraphKernelsPtx); });
   // Test hook (cpu): right after the next offload round's take kernel took its grant, trim() the cpu
   // engine of `device` (a revocation ordered after a take, deterministically).

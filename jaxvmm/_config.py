@@ -22,6 +22,8 @@ INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 # More jaxvmm ops than the engine's ring of op records can never be in flight, so a deeper prefetch means nothing.
 MAX_PREFETCH_DEPTH = 1024
+# Graph-mode cells per channel (ffi/channels.h, kMaxCells).
+MAX_GRAPH_CELLS = 4
 
 _UNITS = {
     "": 1,
@@ -127,6 +129,8 @@ VARIABLES = {
         EnvVar("JAXVMM_GRAPH", "bool", doc="let XLA capture the CUDA handlers into command buffers (on)"),
         EnvVar("JAXVMM_GRAPH_KERNELS", "bool",
                doc="graph mode: rounds take their grants on the device with tiny kernels (on; off: the host grants every round)"),
+        EnvVar("JAXVMM_GRAPH_CELLS", "int", 1, MAX_GRAPH_CELLS,
+               "graph mode with grant kernels: staging cells per call site, so consecutive rounds overlap their copies (2)"),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
         EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
         EnvVar("JAXVMM_REQUIRE_2GPU", "bool", doc="tests: a 2-GPU test with fewer GPUs fails instead of skipping (off)"),
@@ -165,6 +169,8 @@ def apply(lib, values: dict) -> None:
                   values.get("JAXVMM_STAGING_BUDGET", 0), values.get("JAXVMM_STAGING_IDLE_MS", 0))
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
     lib.set_graph_kernels(bool(values.get("JAXVMM_GRAPH_KERNELS", True)))
+    if "JAXVMM_GRAPH_CELLS" in values:
+        lib.graph_cells(values["JAXVMM_GRAPH_CELLS"])
     if "JAXVMM_COPY_CHUNK" in values:
         lib.copy_chunk(values["JAXVMM_COPY_CHUNK"])
     if "JAXVMM_HOST_STORE" in values:

@@ -686,7 +686,8 @@ def collect() -> int:
 def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int | str | None = None,
               prefetch_depth: int | None = None, keep_resident: int | None = None,
               staging_budget: int | str | None = None, staging_idle_ms: int | None = None,
-              host_store: str | None = None, copy_chunk: int | str | None = None) -> dict:
+              host_store: str | None = None, copy_chunk: int | str | None = None,
+              graph_cells: int | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
@@ -719,7 +720,13 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
     copy_chunk: the D2H and H2D copies between staging cells and host blocks are issued in pieces of at
       most this many bytes (default 64 MiB; ``0``: one copy per op; env ``JAXVMM_COPY_CHUNK``), an int
       or a size string, so that other copies sharing the copy engines (the other direction, XLA's
-      snapshots) interleave with a large one instead of waiting for all of it."""
+      snapshots) interleave with a large one instead of waiting for all of it.
+    graph_cells: graph mode with grant kernels (command buffers): staging cells per call site and
+      direction, 1 to 4 (default 2; env ``JAXVMM_GRAPH_CELLS``). Consecutive rounds of one call site
+      (the iterations of a scan) take turns on them, so a round's copy into or out of its cell overlaps
+      the next iterations' compute; each cell is device memory counted in the staging budget (a channel
+      runs on fewer when the budget has no room). Applies to call sites prepared from now on; ``1`` is
+      the single-cell protocol."""
     where = "configure: "
     if host_pool_limit is not None:
         host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
@@ -728,7 +735,7 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
     if staging_budget is not None:
         staging_budget = _config.parse_size(staging_budget, where + "staging_budget")
     for name, v in (("prefetch_depth", prefetch_depth), ("keep_resident", keep_resident),
-                    ("staging_idle_ms", staging_idle_ms)):
+                    ("staging_idle_ms", staging_idle_ms), ("graph_cells", graph_cells)):
         if isinstance(v, str):  # env strings are parsed by _config; the Python API takes ints
             raise _type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
     if copy_chunk is not None:
@@ -745,6 +752,8 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
         keep_resident = _config.parse_int(keep_resident, where + "keep_resident", lo=0, hi=_config.INT32_MAX)
     if staging_idle_ms is not None:
         staging_idle_ms = _config.parse_int(staging_idle_ms, where + "staging_idle_ms", lo=1, hi=_config.INT64_MAX)
+    if graph_cells is not None:
+        graph_cells = _config.parse_int(graph_cells, where + "graph_cells", lo=1, hi=_config.MAX_GRAPH_CELLS)
     vals = lib.configure(-1 if host_pool_limit is None else host_pool_limit,
                          0 if host_pool_chunk is None else host_pool_chunk,
                          0 if prefetch_depth is None else prefetch_depth,
@@ -759,6 +768,7 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
     out = {name: int(v) for name, v in zip(names, vals)}
     out["host_store"] = str(lib.host_store())
     out["copy_chunk"] = chunk
+    out["graph_cells"] = int(lib.graph_cells(0 if graph_cells is None else graph_cells))
     return out
 
 

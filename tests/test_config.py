@@ -54,6 +54,7 @@ def test_host_pool_limit_1M_is_one_mebibyte_subprocess():
     ("JAXVMM_KEEP_RESIDENT", "-1"), ("JAXVMM_KEEP_RESIDENT", "x"), ("JAXVMM_TRACE", "maybe"),
     ("JAXVMM_PREDICT", "2"), ("JAXVMM_REQUIRE_GPU", "yes please"), ("JAXVMM_HOST_STORE", "numa"),
     ("JAXVMM_COPY_CHUNK", "-1"), ("JAXVMM_COPY_CHUNK", "lots"),
+    ("JAXVMM_GRAPH_CELLS", "0"), ("JAXVMM_GRAPH_CELLS", "5"), ("JAXVMM_GRAPH_CELLS", "two"),
 ])
 def test_bad_environment_value_fails_at_import_naming_it_subprocess(name, value):
     code = textwrap.dedent("""
@@ -79,12 +80,12 @@ def test_valid_environment_values_reach_the_core_subprocess():
     env = {**ENV, "JAXVMM_HOST_POOL_LIMIT": "3GiB", "JAXVMM_HOST_POOL_CHUNK": "64m", "JAXVMM_PREFETCH_DEPTH": "3",
            "JAXVMM_KEEP_RESIDENT": "1", "JAXVMM_TRACE": "0", "JAXVMM_PREDICT": "true",
            "JAXVMM_STAGING_BUDGET": "96MiB", "JAXVMM_STAGING_IDLE_MS": "75", "JAXVMM_HOST_STORE": "host_numa",
-           "JAXVMM_COPY_CHUNK": "8M"}
+           "JAXVMM_COPY_CHUNK": "8M", "JAXVMM_GRAPH_CELLS": "3"}
     r = run_in_subprocess(code, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     want = sorted({"host_pool_limit": 3 * GiB, "host_pool_chunk": 64 * MiB, "prefetch_depth": 3,
                    "keep_resident": 1, "staging_budget": 96 * MiB, "staging_idle_ms": 75,
-                   "host_store": "host_numa", "copy_chunk": 8 * MiB}.items())
+                   "host_store": "host_numa", "copy_chunk": 8 * MiB, "graph_cells": 3}.items())
     assert str(want) in r.stdout, r.stdout
 
 
@@ -115,6 +116,7 @@ def test_configure_accepts_size_strings():
     {"host_pool_limit": 1 << 64}, {"host_pool_chunk": 1 << 63}, {"prefetch_depth": 1 << 31},
     {"prefetch_depth": 1 << 40}, {"keep_resident": 1 << 31}, {"keep_resident": 1 << 64}, {"host_pool_limit": "1Q"},
     {"prefetch_depth": 0}, {"keep_resident": -1}, {"prefetch_depth": True}, {"prefetch_depth": 2.0},
+    {"graph_cells": 0}, {"graph_cells": 5}, {"graph_cells": "2"}, {"graph_cells": True}, {"graph_cells": 2.0},
 ])
 def test_configure_refuses_values_the_core_cannot_hold(kwargs):
     before = jaxvmm.configure()
@@ -151,3 +153,13 @@ def test_lowering_the_pool_limit_is_enforced_and_shrinks_the_pool_subprocess():
     """)
     r = run_in_subprocess(code, env=ENV)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_configure_graph_cells_round_trips():
+    before = jaxvmm.configure()["graph_cells"]
+    try:
+        for k in (1, 3, 4, 2):
+            assert jaxvmm.configure(graph_cells=k)["graph_cells"] == k
+            assert jaxvmm.configure()["graph_cells"] == k
+    finally:
+        jaxvmm.configure(graph_cells=before)

@@ -311,14 +311,17 @@ def test_a_failed_correction_gives_0xff_not_another_tickets_bytes(slots, platfor
     if platform_device != "cpu":
         pytest.skip("fault injection runs on the cpu backend")
     x, y, tok = slots(N), slots(N), slots(8)
+    k = jaxvmm.configure()["graph_cells"]  # the reload channel's cells each hold a guess
     with Replay(platform_device) as r:
         fwd, bwd = forward_backward_graphs(r, x, y, tok)
-        tokens = offload_rounds(r, fwd, x, tok, (20, 21, 22))
-        tok.write(np.frombuffer(tokens[2], np.uint8))
-        r.launch(bwd)  # the newest: then the channel prefetches tokens[1], its guess, into the cell
+        seeds = list(range(20, 20 + k + 2))
+        tokens = offload_rounds(r, fwd, x, tok, seeds)
+        tok.write(np.frombuffer(tokens[-1], np.uint8))
+        r.launch(bwd)  # the newest: then the channel prefetches its next k guesses into its cells
         r.synchronize()
-        assert np.array_equal(read(y), data(22))
-        tok.write(np.frombuffer(tokens[0], np.uint8))  # not the guess: a correction (H2D) is needed
+        assert np.array_equal(read(y), data(seeds[-1]))
+        stats(platform_device)  # the poller served the round and staged the guesses
+        tok.write(np.frombuffer(tokens[0], np.uint8))  # no cell's guess: a correction (H2D) is needed
         with jaxvmm.testing.fault("cuMemcpyHtoDAsync", times=-1, device="cpu"):
             r.launch(bwd)
             r.synchronize()
@@ -326,6 +329,9 @@ def test_a_failed_correction_gives_0xff_not_another_tickets_bytes(slots, platfor
         assert np.all(read(y) == 0xFF)
         with pytest.raises(jaxvmm.errors.VmmError, match="filled with 0xFF"):
             jaxvmm.check()
+    # The reload channel's other cells still hold guesses (claimed tickets collect() leaves alone):
+    # trim() takes them back, then collect() frees the tickets no reload took.
+    jaxvmm.trim()
     jaxvmm.collect()
 
 
@@ -751,3 +757,301 @@ def test_replays_racing_trim_lose_no_round(platform_device, slots, engine_hygien
     assert after["graph_offload_rounds"] - before["graph_offload_rounds"] == 100
     assert after["tickets_live"] == before["tickets_live"]
     assert after["errors"] == before["errors"]
+
+
+# ---------------------------------------------------------------- K cells per channel (DESIGN.md, "Graph mode")
+
+@pytest.fixture
+def graph_cells():
+    """Sets jaxvmm.configure(graph_cells=K) for channels prepared inside the test, restores it after."""
+    old = jaxvmm.configure()["graph_cells"]
+
+    def set_k(k):
+        jaxvmm.configure(graph_cells=k)
+        return k
+
+    yield set_k
+    jaxvmm.configure(graph_cells=old)
+
+
+def need_kernels(device):
+    if not kernels_on(device):
+        t = target_of(device)
+        why = f"grant kernels unavailable: {lib.engine_graph_kernels_error(t.backend, t.ordinal)}"
+        if device != "cpu":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
+    """A fresh process per K: round trips and a forward/backward pass are bit-exact, each channel
+    reserves K cells, the offload channel keeps K of them armed (mapped), and on the POSIX backend's
+    synchronous streams only the first round of each direction waits for the poller."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
+        K = {k}
+        jaxvmm.configure(staging_idle_ms=600000)  # no cell goes back by time: mapped bytes are exact
+        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+        cell = jaxvmm.Slot(N, device="cpu").size  # one cell: N rounded up to the granularity
+        with Replay("cpu") as r:
+            g = round_trip(r)
+            replay_rounds(r, g, 20)
+            s = st()
+            assert s["graph_kernels"] == 1 and s["graph_cells"] == 2 * K, s
+            # The offload channel arms all K cells behind their D2H; the reload channel used one (no
+            # ticket is left to predict after a round trip).
+            assert s["graph_mapped_bytes"] == (K + 1) * cell, (s["graph_mapped_bytes"], cell)
+            assert s["graph_offload_rounds"] == 20 and s["graph_grants_device"] >= 19, s
+            # A forward pass then a backward pass (LIFO), each its own graph.
+            fs, rs = (1 << 41), (1 << 41) + 1
+            r.prepare(fs, r.OFFLOAD, N); r.prepare(rs, r.RELOAD, N)
+            with r.capture() as fwd:
+                r.offload(fs, x.address, N, tok.address)
+            with r.capture() as bwd:
+                r.reload(rs, tok.address, y.address, N)
+            b = st()
+            R = 2 * K + 3
+            tokens = []
+            for i in range(R):
+                x.write(np.full(N, 100 + i, np.uint8)); r.launch(fwd[0]); r.synchronize()
+                tokens.append(bytes(tok.read()))
+                st()  # the poller served the round (and armed the cell again) before the next one
+            assert len(set(tokens)) == R
+            m = st()
+            for i in reversed(range(R)):
+                tok.write(np.frombuffer(tokens[i], np.uint8)); r.launch(bwd[0]); r.synchronize()
+                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == 100 + i), i
+                st()  # ... and staged its next guesses
+                if i == R - 2:  # the reload channel prefetched its next K guesses, one per cell (its
+                    # first cell was mapped by its initialize stage)
+                    assert st()["graph_mapped_bytes"] - m["graph_mapped_bytes"] == (K - 1) * cell
+            a = st()
+            assert a["graph_grants_host"] - b["graph_grants_host"] == 2, (a, b)  # the first round of each
+            assert a["graph_grants_device"] - b["graph_grants_device"] == 2 * R - 2, (a, b)
+            assert a["errors"] == 0 and a["tickets_live"] == 0, a
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(k)},
+                             timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("k,rounds", [(1, 2), (2, 2), (3, 3)])
+def test_k_armed_grants_are_taken_with_the_poller_paused(platform_device, slots, engine_hygiene, graph_cells, k, rounds):
+    """One graph holds `rounds` offload rounds of one call site back to back (an unrolled scan). Once
+    the poller has armed the channel's K cells, it is paused: with K >= rounds every round takes a
+    grant on the device and the replay finishes with no host on its path; with one cell the second
+    round waits (knocks) until the poller runs again. Every round's bytes come back bit-exact."""
+    import threading
+
+    graph_cells(k)
+    xs = [slots(N) for _ in range(rounds)]
+    toks = [slots(8) for _ in range(rounds)]
+    y, tok_in = slots(N), slots(8)
+    t = target_of(platform_device)
+    off, rel = next(_sites), next(_sites)
+    with Replay(platform_device) as r:
+        r.prepare(off, r.OFFLOAD, N)
+        r.prepare(rel, r.RELOAD, N)
+        with r.capture() as fwd:
+            for x, tok in zip(xs, toks):
+                r.offload(off, x.address, N, tok.address)
+        with r.capture() as bwd:
+            r.reload(rel, tok_in.address, y.address, N)
+        need_kernels(platform_device)
+        for i, x in enumerate(xs):
+            x.write(data(200 + i))
+        r.launch(fwd[0])  # the first round knocks; the poller then arms every cell
+        r.synchronize()
+        first = [bytes(tok.read()) for tok in toks]
+        before = stats(platform_device)  # every round served, every cell armed again behind its D2H
+        for i, x in enumerate(xs):
+            x.write(data(300 + i))
+        finished = threading.Event()
+        errors = []
+
+        def replay():
+            try:
+                r.launch(fwd[0])
+                r.synchronize()
+                finished.set()
+            except Exception as e:  # reported by the main thread
+                errors.append(e)
+
+        lib.testing_pause_poller(t.backend, t.ordinal, True)
+        worker = threading.Thread(target=replay)
+        try:
+            worker.start()
+            finished_paused = finished.wait(3.0)
+        finally:
+            lib.testing_pause_poller(t.backend, t.ordinal, False)
+            worker.join(60)
+        assert not errors and finished.is_set(), errors
+        after = stats(platform_device)
+        second = [bytes(tok.read()) for tok in toks]
+        if k >= rounds:
+            assert finished_paused, "a round waited for the paused poller although K cells were armed"
+            assert after["graph_grants_device"] - before["graph_grants_device"] == rounds, (before, after)
+        else:
+            assert not finished_paused, "with one cell the second round must wait for the poller"
+        assert len(set(first + second)) == 2 * rounds
+        for seed, token in [(200 + i, tk) for i, tk in enumerate(first)] + [(300 + i, tk) for i, tk in enumerate(second)]:
+            tok_in.write(np.frombuffer(token, np.uint8))
+            r.launch(bwd[0])
+            r.synchronize()
+            assert np.array_equal(read(y), data(seed)), seed
+    assert stats(platform_device)["errors"] == before["errors"]
+
+
+def test_trim_revokes_every_armed_cell_and_the_next_round_knocks(platform_device, slots, engine_hygiene, graph_cells):
+    """K = 3: the offload channel holds three armed cells; trim() takes back each grant (three
+    revocations), returns every cell's pages, and the next round knocks and gets all cells again."""
+    graph_cells(3)
+    x, y, tok = slots(N), slots(N), slots(8)
+    cell = jaxvmm.Slot(N, device=platform_device)
+    size = cell.size
+    cell.close()
+    with Replay(platform_device) as r:
+        g = round_trip_graph(r, x, y, tok)
+        need_kernels(platform_device)
+        for i in range(4):
+            x.write(data(60 + i))
+            r.launch(g)
+            r.synchronize()
+            assert np.array_equal(read(y), data(60 + i))
+        before = stats(platform_device)
+        assert before["graph_mapped_bytes"] >= 4 * size  # 3 armed offload cells + the reload cell
+        jaxvmm.trim()
+        mid = stats(platform_device)
+        assert mid["graph_mapped_bytes"] == 0
+        # Other channels of this process may hold armed cells too; the exact count per round is in
+        # test_a_revoke_after_a_take_keeps_that_cell_and_takes_the_others_back.
+        assert mid["graph_revokes"] - before["graph_revokes"] >= 3, (before, mid)
+        assert mid["graph_revokes_lost"] == before["graph_revokes_lost"]
+        x.write(data(70))
+        r.launch(g)
+        r.synchronize()
+        assert np.array_equal(read(y), data(70))
+        after = stats(platform_device)
+        assert after["graph_grants_host"] - mid["graph_grants_host"] >= 1
+        assert after["graph_mapped_bytes"] >= 4 * size  # every offload cell armed again
+        assert after["errors"] == before["errors"] and after["tickets_live"] == before["tickets_live"]
+
+
+def test_a_revoke_after_a_take_keeps_that_cell_and_takes_the_others_back():
+    """K = 3, trim() right after a take (POSIX hook): the cell the round took is kept (a lost revoke),
+    the other two cells' grants are taken back, and every round completes bit-exact."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+        with Replay("cpu") as r:
+            g = round_trip(r)
+            replay_rounds(r, g, 3)
+            b = st()
+            assert b["graph_kernels"] == 1 and b["graph_cells"] == 6, b
+            for i in range(3, 6):
+                lib.testing_trim_after_next_take(0)
+                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
+                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
+                st()
+            a = st()
+            assert a["graph_revokes_lost"] - b["graph_revokes_lost"] == 3, (a, b)
+            assert a["graph_revokes"] - b["graph_revokes"] == 6, (a, b)
+            assert a["graph_offload_rounds"] - b["graph_offload_rounds"] == 3
+            assert a["errors"] == b["errors"] and a["tickets_live"] == b["tickets_live"]
+            jaxvmm.trim()
+            assert st()["graph_mapped_bytes"] == 0
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "3"},
+                             timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("budget_cells", [2, 3])
+def test_a_budget_smaller_than_k_cells_runs_on_fewer(budget_cells):
+    """K = 3 for an offload and a reload channel (6 cells) under a staging budget of 2 or 3 cells: the
+    channels run on the cells the budget gives (never more mapped than the budget), rounds still take
+    device grants, and every round is bit-exact."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
+        cell = jaxvmm.Slot(N, device="cpu").size
+        jaxvmm.configure(staging_budget={budget_cells} * cell)
+        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+        with Replay("cpu") as r:
+            g = round_trip(r)
+            for i in range(12):
+                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
+                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
+                s = st()
+                assert s["graph_mapped_bytes"] <= {budget_cells} * cell, s
+                assert s["staging_mapped_bytes"] <= {budget_cells} * cell, s
+            assert s["graph_cells"] == 6 and s["graph_offload_rounds"] == 12, s
+            assert s["graph_grants_device"] >= 10, s
+            assert s["errors"] == 0, s
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "3"},
+                             timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# Byte counts and (source, destination) offsets that take every path of the copy kernel: 16/8/4/2/1-byte
+# units, a head before the first aligned unit, a tail after the last, fewer bytes than one unit.
+_ODD_COPIES = [(1, 0, 0), (3, 1, 0), (15, 0, 1), (16, 0, 0), (17, 3, 3), (4095, 8, 0), (4097, 4, 0), (4099, 2, 6),
+               (65536 + 7, 1, 2), ((1 << 20) + 5, 0, 0), ((3 << 20) + 1, 5, 13), (N, 16, 8)]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_device, slots, engine_hygiene, graph_cells, k):
+    """Each round trip goes through the cell-copy kernel in both directions (K = 2; K = 1 records
+    plain copies of its one cell); the bytes come back exact and nothing outside the destination range
+    is written."""
+    graph_cells(k)
+    pad = 64
+    for n, src_off, dst_off in _ODD_COPIES:
+        x, y, tok = slots(n + pad), slots(n + pad), slots(8)
+        off, rel = next(_sites), next(_sites)
+        guard = np.full(n + pad, 0xA5, np.uint8)
+        with Replay(platform_device) as r:
+            r.prepare(off, r.OFFLOAD, n)
+            r.prepare(rel, r.RELOAD, n)
+            with r.capture() as g:
+                r.offload(off, x.address + src_off, n, tok.address)
+                r.reload(rel, tok.address, y.address + dst_off, n)
+            for i in range(3):
+                x.write(data(n + i, n), src_off)
+                y.write(guard)
+                r.launch(g[0])
+                r.synchronize()
+                got = read(y)
+                assert np.array_equal(got[dst_off:dst_off + n], data(n + i, n)), (n, src_off, dst_off, i)
+                assert np.all(got[:dst_off] == 0xA5) and np.all(got[dst_off + n:] == 0xA5), (n, src_off, dst_off)
+
+
+@pytest.mark.gpu
+def test_gpu_large_unaligned_copy_uses_the_grid_stride_loop(platform_device, slots, engine_hygiene):
+    """More bytes than one pass of the copy kernel's largest grid covers (1024 blocks x 256 threads x
+    4 x 16 bytes = 16 MiB), unaligned by one byte at both ends, and a mutually misaligned pair."""
+    if platform_device == "cpu":
+        pytest.skip("the copy kernel's grid runs on a GPU")
+    n = (24 << 20) + 3  # <= 32 MiB: a K-cell call site (larger ones get one cell and a memcpy node)
+    for src_off, dst_off in ((1, 1), (0, 4)):
+        x, y, tok = slots(n + 64), slots(n + 64), slots(8)
+        off, rel = next(_sites), next(_sites)
+        with Replay(platform_device) as r:
+            r.prepare(off, r.OFFLOAD, n)
+            r.prepare(rel, r.RELOAD, n)
+            with r.capture() as g:
+                r.offload(off, x.address + src_off, n, tok.address)
+                r.reload(rel, tok.address, y.address + dst_off, n)
+            want = data(5, n)
+            x.write(want, src_off)
+            y.write(np.full(n + 64, 0x5A, np.uint8))
+            for _ in range(2):
+                r.launch(g[0])
+                r.synchronize()
+                got = read(y)
+                assert np.array_equal(got[dst_off:dst_off + n], want), (src_off, dst_off)
+                assert np.all(got[:dst_off] == 0x5A) and np.all(got[dst_off + n:] == 0x5A)

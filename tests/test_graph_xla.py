@@ -99,3 +99,63 @@ def test_train_steps_bit_exact_in_every_command_buffer_mode(mode):
         # XLA captured the calls and replayed them: far more rounds than recordings.
         assert s["graph_captures"] > 0, s
         assert s["graph_offload_rounds"] + s["graph_reload_rounds"] > 2 * s["graph_captures"], s
+
+
+# A 32-iteration layer scan trained under jaxvmm.checkpoint with K = 2 cells per channel: bit-exact
+# against jax.checkpoint, and most rounds take their grant on the device (the poller arms each cell
+# behind its own D2H, and prefetches the next two predictions into the reload cells).
+SCAN32 = textwrap.dedent("""
+    import json, jax, jax.numpy as jnp, numpy as np, jaxvmm
+    from jax.ad_checkpoint import checkpoint_name
+    P = jaxvmm.policies
+    L, B, D, STEPS = 32, 256, 512, 6
+    assert jaxvmm.configure()["graph_cells"] == 2
+
+    def layer(h, w):
+        return jnp.tanh(checkpoint_name(jax.nn.gelu(h @ w), "hidden") @ w.T)
+
+    def loss(ws, x, ckpt):
+        f = ckpt(layer)
+        h, _ = jax.lax.scan(lambda h, w: (f(h, w), None), x, ws)
+        return jnp.sum(h * h)
+
+    def train(ckpt):
+        step = jax.jit(lambda ws, x: jax.value_and_grad(loss)(ws, x, ckpt))
+        ws = jax.random.normal(jax.random.key(0), (L, D, D), jnp.float32) / D ** 0.5
+        x = jax.random.normal(jax.random.key(1), (B, D), jnp.float32)
+        out = []
+        for i in range(STEPS):
+            l, g = step(ws, x)
+            ws = ws - 0.01 * g
+            out.append(float(l))
+        return out, np.asarray(ws)
+
+    ref_l, ref_w = train(lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("hidden")))
+    before = jaxvmm.engine_stats().get("cuda:0", {})
+    got_l, got_w = train(lambda f: jaxvmm.checkpoint(f, policy=P.offload_only_these_names("hidden")))
+    jaxvmm.synchronize()
+    jaxvmm.check()
+    s = jaxvmm.engine_stats()["cuda:0"]
+    d = {k: v - before.get(k, 0) for k, v in s.items() if isinstance(v, int)}
+    print("RESULT", json.dumps(dict(losses_equal=ref_l == got_l, weights_equal=bool(np.array_equal(ref_w, got_w)),
+                                    stats=d, tickets_live=s["tickets_live"])))
+""")
+
+
+@pytest.mark.parametrize("mode", ["min_graph_size_1", "while"])
+def test_scan_of_32_with_two_cells_takes_most_grants_on_the_device(mode):
+    flags = f"{MODES[mode]} {DETERMINISTIC}".strip()
+    proc = run_in_subprocess(SCAN32, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                                          "JAXVMM_GRAPH_CELLS": "2"}, timeout=240)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    r = json.loads(lines[-1][len("RESULT "):])
+    s = r["stats"]
+    rounds = s["graph_offload_rounds"] + s["graph_reload_rounds"]
+    print(mode, {k: s[k] for k in ("graph_offload_rounds", "graph_reload_rounds", "graph_grants_device",
+                                   "graph_grants_host", "graph_hits", "graph_misses", "graph_captures")})
+    assert r["losses_equal"] and r["weights_equal"], r
+    assert r["tickets_live"] == 0, r
+    assert s["graph_captures"] > 0 and rounds >= 32, s
+    assert s["graph_grants_device"] + s["graph_grants_host"] == rounds, s
+    assert s["graph_grants_device"] >= rounds // 2, s

@@ -39,7 +39,7 @@ class Group:
 
 # The layering table. Lower rank = lower layer.
 LAYERS: dict[str, Group] = {
-    "driver": Group(0, ("driver.h", "driver.cc", "driver_posix.cc", "driver_cuda.cc")),
+    "driver": Group(0, ("driver.h", "driver.cc", "driver_posix.cc", "driver_cuda.cc", "graph_words.h")),
     "fault": Group(0, ("fault.h", "fault.cc"), only=frozenset({"driver.h"})),  # beside the driver seam
     "status": Group(1, ("status.h", "status.cc")),
     "vmm": Group(2, ("vmm.h", "vmm.cc")),
@@ -67,7 +67,7 @@ LAYERS: dict[str, Group] = {
     # graph-mode channels: plain data (pinned words, cell addresses) over tickets; no workers, no engine
     "channels": Group(7, ("channels.h", "channels.cc"),
                       only=frozenset({"tickets.h", "host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h",
-                                      "status.h", "driver.h"})),
+                                      "status.h", "driver.h", "graph_words.h"})),
     # the graph-mode grant kernels: run-time loaded PTX (graph_kernels_ptx.h, generated) over the driver seam
     "graph_kernels": Group(5, ("graph_kernels.h", "graph_kernels.cc", "graph_kernels_ptx.h"),
                            only=frozenset({"vmm.h", "status.h", "driver.h"})),

@@ -1073,7 +1073,7 @@ def test_configure_rejects_bad_values(knob, value):
 def test_configure_returns_values_in_force():
     cur = jaxvmm.configure()
     assert set(cur) == {"host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
-                        "staging_idle_ms", "host_store", "copy_chunk"}
+                        "staging_idle_ms", "host_store", "copy_chunk", "graph_cells"}
     assert cur["host_store"] in ("pinned", "host_numa")
     assert all(isinstance(v, int) and v >= (0 if k in ("keep_resident", "copy_chunk") else 1)
                for k, v in cur.items() if k != "host_store")

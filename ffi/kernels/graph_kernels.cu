@@ -1,58 +1,100 @@
-// Graph-mode grant kernels (DESIGN.md, "Graph mode"). One thread each; recorded into the captured
-// round like any other node. The PTX of this file is checked in as ffi/graph_kernels_ptx.h
-// (tools/gen_ptx.sh), loaded at run time with cuModuleLoadData: no CUDA toolkit is needed to build
-// jaxvmm. driver_posix.cc implements the same kernels as host functions with the same memory-ordering
-// contract.
+// Graph-mode kernels (DESIGN.md, "Graph mode"). Recorded into the captured round like any other node.
+// The PTX of this file is checked in as ffi/graph_kernels_ptx.h (tools/gen_ptx.sh), loaded at run time
+// with cuModuleLoadData: no CUDA toolkit is needed to build jaxvmm. driver_posix.cc implements the same
+// kernels as host functions with the same memory-ordering contract.
 //
-// Words: `arm` and `ready` are device memory (cuMemAlloc), written by the poller only with
-// cuStreamWriteValue64 on its copy streams (ordered after the copy that makes the grant true) and
-// taken back by the device or by jaxvmm_revoke with an atomic. knock/probe/request/go/result are
-// pinned host words the poller reads.
+// A channel has K cells (a ring). Its words in device memory (`Cells`; graph_words.h, DeviceWords: the same layout)
+// hold one grant per cell (offload: the armed token; reload: the token whose bytes the cell holds),
+// the cells' addresses and the pinned words each cell's round publishes (filled/done), all written by
+// the poller only with cuStreamWriteValue64 on its copy streams, ordered after the copy that makes the
+// grant true, and taken back by the device or by jaxvmm_revoke with an atomic. A round is two nodes:
+// the take kernel picks the cell whose grant it took and leaves its address in `ptr` (and its flag in
+// `publish`); jaxvmm_cell_copy copies into or out of `*ptr` and its last block publishes.
+// knock/probe/request/go/result are pinned host words the poller reads.
 typedef unsigned long long u64;
+
+#define JAXVMM_MAX_CELLS 4
+
+struct Cells {
+  u64 grant[JAXVMM_MAX_CELLS];  // offload: armed token (0: none); reload: the token the cell holds
+  u64 cell[JAXVMM_MAX_CELLS];   // the cells' addresses (constant)
+  u64 flag[JAXVMM_MAX_CELLS];   // the pinned filled/done word of each cell (constant)
+  u64 ncells;                   // K (constant)
+  u64 next;                     // offload: where the next scan starts (round robin)
+  u64 ptr;                      // the chosen cell's address (take kernel -> copy kernel)
+  u64 publish;                  // the chosen cell's flag word
+  u64 blocks;                   // copy kernel: blocks finished (the last one resets it)
+  u64 pad[15];
+};
+static_assert(sizeof(Cells) == 256, "Cells layout (graph_words.h)");
 
 __device__ __forceinline__ void backoff(unsigned* ns) {
   __nanosleep(*ns);
   if (*ns < 2048) *ns *= 2;
 }
 
-// Offload round: take the pre-armed grant (arm holds the round's token, 0: none). Without one, knock
-// (a level the device holds while it waits) until the poller arms.
-extern "C" __global__ void jaxvmm_take_offload(u64* arm, unsigned* token_out, volatile u64* knock) {
-  u64 t = atomicExch(arm, 0ull);
+__device__ __forceinline__ void choose(Cells* c, u64 i) {
+  c->ptr = c->cell[i];
+  c->publish = c->flag[i];
+}
+
+// Offload round: take a pre-armed grant, scanning the K cells from `next` (the cell armed longest
+// ago first). Without one, knock (a level the device holds while it waits) until the poller arms.
+extern "C" __global__ void jaxvmm_take_offload(Cells* c, unsigned* token_out, volatile u64* knock) {
+  const u64 k = c->ncells, start = c->next;
+  u64 t = 0, i = 0;
+  for (u64 j = 0; j < k && t == 0; ++j) {
+    i = (start + j) % k;
+    if (*(volatile u64*)&c->grant[i] != 0) t = atomicExch(&c->grant[i], 0ull);
+  }
   if (t == 0) {
     *knock = 1;
     __threadfence_system();
     unsigned ns = 32;
     for (;;) {
-      if (*(volatile u64*)arm != 0 && (t = atomicExch(arm, 0ull)) != 0) break;
+      for (u64 j = 0; j < k && t == 0; ++j) {
+        i = (start + j) % k;
+        if (*(volatile u64*)&c->grant[i] != 0) t = atomicExch(&c->grant[i], 0ull);
+      }
+      if (t != 0) break;
       backoff(&ns);
     }
     *knock = 0;
     __threadfence_system();
   }
   __threadfence();
+  c->next = (i + 1) % k;
+  choose(c, i);
   token_out[0] = (unsigned)t;
   token_out[1] = (unsigned)(t >> 32);
 }
 
-// Reload round: if `ready` names the probed token, the cell already holds its bytes (the poller wrote
-// ready after the prefetch copy): consume the grant and go on. Else publish the probe, request and
-// wait for go (the poller corrects the cell, or fills it with 0xFF).
-extern "C" __global__ void jaxvmm_take_reload(const unsigned* token_in, u64* ready, volatile u64* probe,
+// Reload round: if a cell's grant names the probed token, that cell already holds its bytes (the
+// poller wrote the grant after the prefetch copy): consume it and go on. Else publish the probe,
+// request and wait for go = 1 + the cell the poller put the bytes in (or filled with 0xFF).
+extern "C" __global__ void jaxvmm_take_reload(Cells* c, const unsigned* token_in, volatile u64* probe,
                                               volatile u64* request, volatile u64* go) {
   const u64 t = (u64)token_in[0] | ((u64)token_in[1] << 32);
-  if (t != 0 && atomicCAS(ready, t, 0ull) == t) {
-    __threadfence();
-    return;
+  const u64 k = c->ncells;
+  if (t != 0) {
+    for (u64 i = 0; i < k; ++i) {
+      if (atomicCAS(&c->grant[i], t, 0ull) == t) {
+        __threadfence();
+        choose(c, i);
+        return;
+      }
+    }
   }
   *probe = t;
   __threadfence_system();
   *request = 1;
   __threadfence_system();
   unsigned ns = 32;
-  while (*go != 1) backoff(&ns);
+  u64 g;
+  while ((g = *go) == 0) backoff(&ns);
   *go = 0;
   __threadfence_system();
+  choose(c, g - 1);
 }
 
 // Revocation (poller, on the stream that wrote the grant, so it runs after that write): take the
@@ -62,4 +104,56 @@ extern "C" __global__ void jaxvmm_revoke(u64* word, u64 expect, volatile u64* re
   const u64 old = expect ? atomicCAS(word, expect, 0ull) : atomicExch(word, 0ull);
   *result = expect ? (old == expect ? old : 0ull) : old;
   __threadfence_system();
+}
+
+// Grid-stride copy of n bytes in units of V, after a head of bytes that aligns dst to sizeof(V)
+// (src is aligned alike: the caller checked dst ^ src), and a tail of bytes. Four loads in flight per
+// thread before their stores.
+template <typename V>
+__device__ __forceinline__ void copy_as(char* dst, const char* src, u64 n) {
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  const u64 w = sizeof(V);
+  u64 head = (w - ((u64)dst & (w - 1))) & (w - 1);
+  if (head > n) head = n;
+  for (u64 i = tid; i < head; i += stride) dst[i] = src[i];
+  const u64 nv = (n - head) / w;
+  V* d = (V*)(dst + head);
+  const V* s = (const V*)(src + head);
+  u64 i = tid;
+  for (; i + 3 * stride < nv; i += 4 * stride) {
+    const V a = s[i], b = s[i + stride], e = s[i + 2 * stride], f = s[i + 3 * stride];
+    d[i] = a;
+    d[i + stride] = b;
+    d[i + 2 * stride] = e;
+    d[i + 3 * stride] = f;
+  }
+  for (; i < nv; i += stride) d[i] = s[i];
+  for (u64 j = head + nv * w + tid; j < n; j += stride) dst[j] = src[j];
+}
+
+// The copy of a round: out == 0: the chosen cell <- other (offload); out != 0: other <- the chosen
+// cell (reload). Any byte count and alignment (16-byte units when dst and src agree mod 16). The last
+// block to finish publishes the cell's flag (filled/done) after every block's stores are visible.
+extern "C" __global__ void jaxvmm_cell_copy(Cells* c, u64 other, u64 n, u64 out) {
+  char* cell = (char*)*(volatile u64*)&c->ptr;
+  char* dst = out ? (char*)other : cell;
+  const char* src = out ? (const char*)cell : (const char*)other;
+  const u64 mis = (u64)dst ^ (u64)src;
+  if ((mis & 15) == 0) copy_as<uint4>(dst, src, n);
+  else if ((mis & 7) == 0) copy_as<uint2>(dst, src, n);
+  else if ((mis & 3) == 0) copy_as<unsigned>(dst, src, n);
+  else if ((mis & 1) == 0) copy_as<unsigned short>(dst, src, n);
+  else copy_as<unsigned char>(dst, src, n);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u64 done = atomicAdd(&c->blocks, 1ull);
+    if (done == gridDim.x - 1) {
+      c->blocks = 0;
+      __threadfence_system();
+      *(volatile u64*)c->publish = 1;
+      __threadfence_system();
+    }
+  }
 }

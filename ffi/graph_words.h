@@ -1,0 +1,29 @@
+// Graph mode's device words (DESIGN.md, "Graph mode"): the layout the grant and copy kernels share
+// with the engine (ffi/kernels/graph_kernels.cu, `Cells`) and with the POSIX backend's host versions
+// of those kernels (driver_posix.cc). Plain data at the bottom of the include graph, beside driver.h.
+#pragma once
+
+#include <cstdint>
+
+namespace jaxvmm {
+
+// At most this many cells per channel (jaxvmm.configure(graph_cells=K), validated in Python).
+inline constexpr int kMaxCells = 4;
+
+// Kernel grants: the words the device takes grants from, in device memory (cuMemAlloc), one line per
+// channel. The poller writes them only with cuStreamWriteValue64 on a copy stream, ordered after the
+// copy that makes the grant true; the device (or jaxvmm_revoke) takes grants back with an atomic.
+struct DeviceWords {
+  uint64_t grant[kMaxCells];  // offload: cell i's armed token (0: none); reload: the token cell i holds
+  uint64_t cell[kMaxCells];   // the cells' addresses (written once, at the channel's first initialize)
+  uint64_t flag[kMaxCells];   // &filled[i] / &done[i] (idem)
+  uint64_t ncells;            // K (idem)
+  uint64_t next;              // offload: the cell the next take scans first (the device's round robin)
+  uint64_t ptr;               // the cell the round took (take kernel -> copy kernel)
+  uint64_t publish;           // that cell's flag (the copy kernel's last block writes 1 there)
+  uint64_t blocks;            // copy kernel: blocks finished
+  uint64_t pad[15];
+};
+static_assert(sizeof(DeviceWords) == 256, "the layout of Cells in graph_kernels.cu");
+
+}  // namespace jaxvmm
