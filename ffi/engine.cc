@@ -647,6 +647,7 @@ void Engine::ResolveTask(uint64_t seq) {
   if (op.ticket && op.ticket->claimed_by == seq) op.ticket->claimed_by = 0;
   if (a) {
     MarkReloaded(*a);
+    if (a->claimed_by != 0) stale_guesses_ = true;  // a graph-mode reload cell may hold it as a guess
     if (!hit) a->pins += 1;  // a prediction already pinned it
     op.actual = a;
   }
@@ -864,11 +865,13 @@ Status Engine::Synchronize() {
     // Graph-mode rounds in progress first (the poller serves them; a replay still running ends them).
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     std::unique_lock<std::mutex> lock(graph_mu_);
+    DropStaleGuesses();  // here too: an engine with no poller (no graph channel) has none to drop them
     while (!GraphIdle()) {
       if (std::chrono::steady_clock::now() > deadline) return Status(Code::kInternal, "graph-mode rounds did not finish within 120 s");
       lock.unlock();
       std::this_thread::sleep_for(std::chrono::microseconds(100));
       lock.lock();
+      DropStaleGuesses();
     }
   }
   {

@@ -245,6 +245,7 @@ class Engine {
   void UnmapCell(Channel& c, int i);
   // Cells of idle channels (after IdleMillis unless `now`; only those with device pages if `device_only`).
   size_t ReleaseIdleCells(bool now, bool device_only = false);
+  void DropStaleGuesses();  // reload cells whose guess another reload consumed: revoke and unload
   // Writes `value` into `word`, ordered after cell i's last side-stream copy.
   void Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value = 1);
   // Kernel grants (caller holds graph_mu_).
@@ -311,7 +312,10 @@ class Engine {
   bool kernels_warmed_ = false;  // WarmKernels ran (graph_mu_)
   // Kernel grants: tokens armed for a round whose ticket is not made yet (made when the poller serves
   // the round's `filled`). Guarded by mu_, so a resolve can tell a pending round without graph_mu_.
-  std::unordered_set<uint64_t> armed_tokens_;  // test hook (PausePoller): passes skipped while set
+  std::unordered_set<uint64_t> armed_tokens_;
+  // A reload consumed a ticket some reload cell may hold as a guess (mu_): the poller takes such
+  // guesses back (DropStaleGuesses) and GraphIdle waits for that.
+  bool stale_guesses_ = false;  // test hook (PausePoller): passes skipped while set
   GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
   bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage

@@ -341,6 +341,7 @@ void Engine::Poll() {
       if (c.kind == ChannelKind::kReload) busy |= use_kernels_ ? ServiceReloadK(c) : ServiceReload(c);
     });
     busy |= ReapOffloads();
+    DropStaleGuesses();
     const auto now = std::chrono::steady_clock::now();
     if (busy) awake_until_ = std::max(awake_until_, now + kSpin);
     ReleaseIdleCells(/*now=*/false);
@@ -673,6 +674,7 @@ bool Engine::TakeForRound(Channel& c, int i, const std::shared_ptr<Ticket>& a, S
       if (a->claimed_by == c.Claim()) a->claimed_by = 0;
       cell.loaded.reset();
     } else {
+      if (a->claimed_by != 0) stale_guesses_ = true;  // another cell holds it as a guess
       a->pins += 1;
       bool guessed = false;
       for (int j = 0; j < c.ncells; ++j) guessed |= c.cells[j].loaded != nullptr;
@@ -1065,9 +1067,42 @@ void Engine::WaitForGraphRound(uint64_t token) {
   }
 }
 
+void Engine::DropStaleGuesses() {
+  // Caller holds graph_mu_. A consumed ticket a cell still holds as its guess stays pinned (live, its
+  // host block held) until the cell goes idle: take the guess back now. An armed one is revoked first
+  // (its `ready` names the token); a revoke the device won leaves a live round, served as usual.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stale_guesses_) return;
+    stale_guesses_ = false;
+  }
+  channels_.ForEach([&](Channel& c) {
+    if (c.kind != ChannelKind::kReload) return;
+    for (int i = 0; i < c.ncells; ++i) {
+      Cell& cell = c.cells[i];
+      bool stale = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stale = cell.loaded && (cell.loaded->consumed || cell.loaded->dropped);
+      }
+      if (!stale) continue;
+      if (cell.round == Channel::Round::kArmed) {
+        (void)Revoke(c, i);  // unloads on success
+      } else if (cell.round == Channel::Round::kIdle) {
+        std::lock_guard<std::mutex> lock(mu_);
+        Unload(c, i);
+      }
+    }
+  });
+}
+
 bool Engine::GraphIdle() {
   // Caller holds graph_mu_.
   bool idle = graph_d2h_.empty();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stale_guesses_) idle = false;  // the poller's next pass takes them back
+  }
   channels_.ForEach([&](Channel& c) {
     if (c.waiting || c.w->knock.load() || c.w->request.load()) idle = false;
     for (int i = 0; i < kMaxCells; ++i)

@@ -537,6 +537,49 @@ def test_gpu_cells_get_host_pages_when_the_device_is_full():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+def test_a_guess_another_call_site_consumed_is_dropped_at_once():
+    """Found on the H200 (`jax.jit(jax.hessian(jax.jit(f)))` left one ticket live): a reload channel's
+    cell holds a guess (a prefetched ticket) that another call site then reloads. The ticket is consumed
+    but stayed pinned by the stale guess until the cell went idle. Now the poller takes the guess back
+    (revoking its grant) and synchronize() waits for that: nothing is left live."""
+    code = textwrap.dedent('''
+        import time, numpy as np, jaxvmm
+        from jaxvmm.testing import Replay
+        from jaxvmm._native import lib
+        jaxvmm.configure(staging_idle_ms=60000)   # no idle release to hide a stale guess
+        N = 3 * 4096 + 100
+        mk = lambda n: jaxvmm.Slot(n, device="cpu")
+        x, ya, yb, tok, ta, tb = mk(N), mk(N), mk(N), mk(8), mk(8), mk(8)
+        O, RA, RB = 1 << 41, (1 << 41) + 1, (1 << 41) + 2
+        stats = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            for site, kind in ((O, r.OFFLOAD), (RA, r.RELOAD), (RB, r.RELOAD)):
+                r.prepare(site, kind, N)
+            with r.capture() as go:
+                r.offload(O, x.address, N, tok.address)
+            with r.capture() as ga:
+                r.reload(RA, ta.address, ya.address, N)
+            with r.capture() as gb:
+                r.reload(RB, tb.address, yb.address, N)
+            tokens = []
+            for i in (1, 2):
+                x.write(np.full(N, i, np.uint8)); r.launch(go[0]); r.synchronize()
+                tokens.append(bytes(tok.read()))
+            jaxvmm.synchronize()
+            ta.write(tokens[1]); r.launch(ga[0]); r.synchronize()   # A reloads T2; its guess: T1
+            jaxvmm.synchronize()
+            tb.write(tokens[0]); r.launch(gb[0]); r.synchronize()   # B reloads T1
+            jaxvmm.synchronize()
+            s = stats()
+            assert np.all(np.frombuffer(bytes(ya.read()), np.uint8) == 2)
+            assert np.all(np.frombuffer(bytes(yb.read()), np.uint8) == 1)
+            assert s["tickets_live"] == 0 and s["errors"] == 0, s
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
     """A graph-mode offload round finished on the device (it took its pre-armed grant and handed out its
     token) but the poller has not served its `filled` yet: no ticket exists for the token. A ring-path
