@@ -18,11 +18,15 @@ from conftest import run_in_subprocess
 
 pytestmark = pytest.mark.gpu
 
-SCRIPT = textwrap.dedent("""
+
+def _train_prelude(L: int, STEPS: int) -> str:
+    """A subprocess script's start: an L-layer scan of checkpointed tanh/gelu layers (B=256, D=512, f32)
+    and train(ckpt), STEPS SGD steps of its jitted value_and_grad -> (losses, final weights)."""
+    return textwrap.dedent(f"""
     import json, jax, jax.numpy as jnp, numpy as np, jaxvmm
     from jax.ad_checkpoint import checkpoint_name
     P = jaxvmm.policies
-    L, B, D, STEPS = 6, 256, 512, 12
+    L, B, D, STEPS = {L}, 256, 512, {STEPS}
 
     def layer(h, w):
         return jnp.tanh(checkpoint_name(jax.nn.gelu(h @ w), "hidden") @ w.T)
@@ -42,6 +46,10 @@ SCRIPT = textwrap.dedent("""
             ws = ws - 0.01 * g
             out.append(float(l))
         return out, np.asarray(ws)
+    """)
+
+
+SCRIPT = _train_prelude(L=6, STEPS=12) + textwrap.dedent("""
 
     ref_l, ref_w = train(lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("hidden")))
     ref2_l, _ = train(lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("hidden")))
@@ -104,31 +112,8 @@ def test_train_steps_bit_exact_in_every_command_buffer_mode(mode):
 # A 32-iteration layer scan trained under jaxvmm.checkpoint with K = 2 cells per channel: bit-exact
 # against jax.checkpoint, and most rounds take their grant on the device (the poller arms each cell
 # behind its own D2H, and prefetches the next two predictions into the reload cells).
-SCAN32 = textwrap.dedent("""
-    import json, jax, jax.numpy as jnp, numpy as np, jaxvmm
-    from jax.ad_checkpoint import checkpoint_name
-    P = jaxvmm.policies
-    L, B, D, STEPS = 32, 256, 512, 6
+SCAN32 = _train_prelude(L=32, STEPS=6) + textwrap.dedent("""
     assert jaxvmm.configure()["graph_cells"] == 2
-
-    def layer(h, w):
-        return jnp.tanh(checkpoint_name(jax.nn.gelu(h @ w), "hidden") @ w.T)
-
-    def loss(ws, x, ckpt):
-        f = ckpt(layer)
-        h, _ = jax.lax.scan(lambda h, w: (f(h, w), None), x, ws)
-        return jnp.sum(h * h)
-
-    def train(ckpt):
-        step = jax.jit(lambda ws, x: jax.value_and_grad(loss)(ws, x, ckpt))
-        ws = jax.random.normal(jax.random.key(0), (L, D, D), jnp.float32) / D ** 0.5
-        x = jax.random.normal(jax.random.key(1), (B, D), jnp.float32)
-        out = []
-        for i in range(STEPS):
-            l, g = step(ws, x)
-            ws = ws - 0.01 * g
-            out.append(float(l))
-        return out, np.asarray(ws)
 
     ref_l, ref_w = train(lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("hidden")))
     before = jaxvmm.engine_stats().get("cuda:0", {})
