@@ -1089,6 +1089,13 @@ void Engine::DropStaleGuesses() {
       if (cell.round == Channel::Round::kArmed) {
         (void)Revoke(c, i);  // unloads on success
       } else if (cell.round == Channel::Round::kIdle) {
+        // Host grants: an unarmed guess whose prefetch may still read the ticket's host block (or
+        // device copy): as an idle release, only once that copy has ended (the next pass retries).
+        if (cell.stream && Driver(backend_).EventQuery(cell.event) != CUDA_SUCCESS) {
+          std::lock_guard<std::mutex> lock(mu_);
+          stale_guesses_ = true;
+          continue;
+        }
         std::lock_guard<std::mutex> lock(mu_);
         Unload(c, i);
       }
