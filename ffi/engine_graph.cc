@@ -1076,6 +1076,7 @@ void Engine::DropStaleGuesses() {
     if (!stale_guesses_) return;
     stale_guesses_ = false;
   }
+  ScopedContext ctx(backend_, device_);  // Synchronize calls this from a user thread
   channels_.ForEach([&](Channel& c) {
     if (c.kind != ChannelKind::kReload) return;
     for (int i = 0; i < c.ncells; ++i) {
