@@ -779,6 +779,7 @@ void Engine::Completed(uint64_t seq) {
     std::string why;
     if (auto t = tickets_.Find(it->first, &why)) {
       t->dropped = true;
+      if (t->claimed_by != 0) stale_guesses_ = true;  // a graph-mode reload cell may hold it as a guess
       ++stats_.drops;
       Retire(t);
     }
@@ -822,6 +823,7 @@ void Engine::Drop(uint64_t token) {
     std::string why;
     if (auto t = tickets_.Find(token, &why)) {
       t->dropped = true;
+      if (t->claimed_by != 0) stale_guesses_ = true;  // a graph-mode reload cell may hold it as a guess
       ++stats_.drops;
       Retire(t);
     }

@@ -308,14 +308,14 @@ class Engine {
   std::chrono::steady_clock::time_point awake_until_;
   bool any_captured_ = false;
   bool poll_stop_ = false;
-  bool poll_paused_ = false;
+  bool poll_paused_ = false;  // test hook (PausePoller): passes skipped while set
   bool kernels_warmed_ = false;  // WarmKernels ran (graph_mu_)
   // Kernel grants: tokens armed for a round whose ticket is not made yet (made when the poller serves
   // the round's `filled`). Guarded by mu_, so a resolve can tell a pending round without graph_mu_.
   std::unordered_set<uint64_t> armed_tokens_;
-  // A reload consumed a ticket some reload cell may hold as a guess (mu_): the poller takes such
-  // guesses back (DropStaleGuesses) and GraphIdle waits for that.
-  bool stale_guesses_ = false;  // test hook (PausePoller): passes skipped while set
+  // A reload consumed (or a drop freed) a ticket some reload cell may hold as a guess (mu_): the
+  // poller takes such guesses back (DropStaleGuesses) and GraphIdle waits for that.
+  bool stale_guesses_ = false;
   GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
   bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage

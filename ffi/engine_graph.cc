@@ -1076,6 +1076,7 @@ void Engine::DropStaleGuesses() {
     if (!stale_guesses_) return;
     stale_guesses_ = false;
   }
+  ScopedContext ctx(backend_, device_);  // Synchronize calls this from a user thread
   channels_.ForEach([&](Channel& c) {
     if (c.kind != ChannelKind::kReload) return;
     for (int i = 0; i < c.ncells; ++i) {
@@ -1089,6 +1090,14 @@ void Engine::DropStaleGuesses() {
       if (cell.round == Channel::Round::kArmed) {
         (void)Revoke(c, i);  // unloads on success
       } else if (cell.round == Channel::Round::kIdle) {
+        // Host grants: an unarmed guess whose prefetch may still read the ticket's host block (or
+        // device copy): as an idle release, only once that copy has ended (the next pass retries;
+        // only NOT_READY waits, so a failed context cannot hold synchronize() here).
+        if (cell.stream && Driver(backend_).EventQuery(cell.event) == CUDA_ERROR_NOT_READY) {
+          std::lock_guard<std::mutex> lock(mu_);
+          stale_guesses_ = true;
+          continue;
+        }
         std::lock_guard<std::mutex> lock(mu_);
         Unload(c, i);
       }

@@ -580,6 +580,103 @@ def test_a_guess_another_call_site_consumed_is_dropped_at_once():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+def test_a_stale_guess_is_not_freed_while_its_prefetch_still_copies():
+    """Host grants (JAXVMM_GRAPH_KERNELS=0): a reload cell's guess is copied into the cell on gh2d_ with
+    no grant (the cell stays idle). Another call site then reloads that ticket, so the guess is stale.
+    Taking it back must wait for the cell's copy (its host block is the copy's source) as an idle
+    release does; it unloaded at once, freeing the block under the running copy. cuEventQuery is made
+    to say NOT_READY (a copy still running): the ticket stays until the copy ends, then goes."""
+    code = textwrap.dedent('''
+        import time, numpy as np, jaxvmm
+        import jaxvmm.testing as T
+        from jaxvmm.testing import Replay
+        from jaxvmm._native import lib
+        jaxvmm.configure(staging_idle_ms=60000)   # no idle release
+        N = 3 * 4096 + 100
+        mk = lambda n: jaxvmm.Slot(n, device="cpu")
+        x, ya, yb, tok, ta, tb = mk(N), mk(N), mk(N), mk(8), mk(8), mk(8)
+        O, RA, RB = 1 << 43, (1 << 43) + 1, (1 << 43) + 2
+        stats = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            for site, kind in ((O, r.OFFLOAD), (RA, r.RELOAD), (RB, r.RELOAD)):
+                r.prepare(site, kind, N)
+            with r.capture() as go:
+                r.offload(O, x.address, N, tok.address)
+            with r.capture() as ga:
+                r.reload(RA, ta.address, ya.address, N)
+            with r.capture() as gb:
+                r.reload(RB, tb.address, yb.address, N)
+            tokens = []
+            for i in (1, 2):
+                x.write(np.full(N, i, np.uint8)); r.launch(go[0]); r.synchronize()
+                tokens.append(bytes(tok.read()))
+            jaxvmm.synchronize()
+            assert stats()["graph_kernels"] == 0
+            ta.write(tokens[1]); r.launch(ga[0]); r.synchronize()   # A reloads T2; its guess: T1
+            jaxvmm.synchronize()
+            assert stats()["tickets_live"] == 1
+            T.arm_fault("cuEventQuery", times=-1, error="CUDA_ERROR_NOT_READY")  # every copy "still runs"
+            try:
+                tb.write(tokens[0]); r.launch(gb[0]); r.synchronize()   # B reloads T1: A's guess is stale
+                time.sleep(0.3)                                          # poller passes
+                s = stats()
+                assert s["tickets_live"] == 1, s   # A's prefetch of T1 may still read T1's host block
+            finally:
+                T.clear_faults()
+            jaxvmm.synchronize()
+            s = stats()
+            assert np.all(np.frombuffer(bytes(ya.read()), np.uint8) == 2)
+            assert np.all(np.frombuffer(bytes(yb.read()), np.uint8) == 1)
+            assert s["tickets_live"] == 0 and s["errors"] == 0, s
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "0"}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_a_guess_whose_ticket_is_dropped_is_taken_back_at_once():
+    """A reload cell holds a guess (a prefetched, pinned ticket) whose token then dies in Python
+    (engine_drop: the forward's residual is never reloaded). The drop marked the ticket dropped but
+    nothing told the poller, so the guess kept it pinned (live, its host block held, the cell armed with
+    a ticket no round can name) while the channel stayed busy; synchronize() returned with it live.
+    Now a drop of a claimed ticket is a stale guess like a consumed one: taken back at once."""
+    code = textwrap.dedent('''
+        import numpy as np, jaxvmm
+        from jaxvmm.testing import Replay
+        from jaxvmm._native import lib
+        jaxvmm.configure(staging_idle_ms=60000)   # no idle release to hide a stale guess
+        N = 3 * 4096 + 100
+        mk = lambda n: jaxvmm.Slot(n, device="cpu")
+        x, y, tok, tin = mk(N), mk(N), mk(8), mk(8)
+        O, R = 1 << 42, (1 << 42) + 1
+        stats = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            r.prepare(O, r.OFFLOAD, N); r.prepare(R, r.RELOAD, N)
+            with r.capture() as go:
+                r.offload(O, x.address, N, tok.address)
+            with r.capture() as gr:
+                r.reload(R, tin.address, y.address, N)
+            tokens = []
+            for i in (1, 2):
+                x.write(np.full(N, i, np.uint8)); r.launch(go[0]); r.synchronize()
+                tokens.append(bytes(tok.read()))
+            jaxvmm.synchronize()
+            tin.write(tokens[1]); r.launch(gr[0]); r.synchronize()   # reloads T2; its guess: T1
+            jaxvmm.synchronize()
+            assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == 2)
+            s = stats()
+            assert s["tickets_live"] == 1 and s["errors"] == 0, s     # T1, held by the guess
+            lib.engine_drop("posix", 0, int(np.frombuffer(tokens[0], np.uint64)[0]))  # T1's token died
+            jaxvmm.synchronize()
+            s = stats()
+            assert s["tickets_live"] == 0 and s["errors"] == 0, s
+            assert s["graph_revokes"] >= 1, s                         # the armed guess was taken back
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
     """A graph-mode offload round finished on the device (it took its pre-armed grant and handed out its
     token) but the poller has not served its `filled` yet: no ticket exists for the token. A ring-path
