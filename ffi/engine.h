@@ -239,8 +239,8 @@ class Engine {
   void PrefetchInto(Channel& c);    // copies the next predictions into the channel's idle reload cells
   void FillInvalid(Channel& c, int i);  // 0xFF into cell i, ordered after every copy into it
   bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
-  // Pages for cell i within the staging budget (evict: return other channels' idle cells to make
-  // room); false: not now.
+  // Pages for cell i within the staging budget; false: not now. `evict` when a round (or a capture)
+  // needs the cell: other channels' idle cells go to make room, and a full device gives host pages.
   bool MapCell(Channel& c, int i, bool evict = true);
   void UnmapCell(Channel& c, int i);
   // Cells of idle channels (after IdleMillis unless `now`; only those with device pages if `device_only`).

@@ -176,7 +176,9 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   // XLA records a command buffer on the call site's second execution (the first is a warm-up): give
   // cell 0 pages before then (host grants: the capture names it; kernel grants: the first round's grant
   // needs no mapping). Later the poller maps on demand.
-  if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c, 0);
+  // (Within the budget's free room and on the device only: no round waits for it yet, so a full device
+  // is left to the capture, which must have pages and takes host pages if it has to.)
+  if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c, 0, /*evict=*/false);
   c->last_use = std::chrono::steady_clock::now();  // idle from now on until a round or a capture
   WakePoller();
   return Status();

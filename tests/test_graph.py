@@ -491,6 +491,8 @@ def test_a_cell_the_device_has_no_memory_for_is_mapped_with_host_pages():
             assert stats()["graph_mapped_bytes"] == 0, stats()
             lib.testing_posix_device_limit(0)   # no device page can be created any more
             try:
+                r.prepare((1 << 40) + 7, r.OFFLOAD, N)  # an initialize stage: no round waits, no host pages
+                assert stats()["graph_cells_host"] == 0, stats()
                 done = threading.Event()
                 threading.Thread(target=lambda: (replay_rounds(r, g, 3), done.set()), daemon=True).start()
                 assert done.wait(30), "the rounds waited forever for device pages"
