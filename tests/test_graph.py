@@ -539,35 +539,48 @@ def test_gpu_cells_get_host_pages_when_the_device_is_full():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+_GUESS_PRELUDE = textwrap.dedent('''
+    import time, numpy as np, jaxvmm
+    import jaxvmm.testing as T
+    from jaxvmm.testing import Replay
+    from jaxvmm._native import lib
+    jaxvmm.configure(staging_idle_ms=60000)   # no idle release to hide a stale guess
+    N = 3 * 4096 + 100
+    mk = lambda n: jaxvmm.Slot(n, device="cpu")
+    stats = lambda: lib.engine_stats("posix", 0)
+    def offload_site_and_reload_sites(r, base, outs):
+        """One offload call site at `base` and a reload call site per (token slot, output slot) in
+        `outs`, each captured alone; two offload rounds of 1s and 2s: (x, offload graph, reload graphs,
+        the two tokens)."""
+        x, tok = mk(N), mk(8)
+        r.prepare(base, r.OFFLOAD, N)
+        for k in range(len(outs)):
+            r.prepare(base + 1 + k, r.RELOAD, N)
+        with r.capture() as go:
+            r.offload(base, x.address, N, tok.address)
+        graphs = []
+        for k, (tin, y) in enumerate(outs):
+            with r.capture() as g:
+                r.reload(base + 1 + k, tin.address, y.address, N)
+            graphs.append(g)
+        tokens = []
+        for i in (1, 2):
+            x.write(np.full(N, i, np.uint8)); r.launch(go[0]); r.synchronize()
+            tokens.append(bytes(tok.read()))
+        jaxvmm.synchronize()
+        return x, go, graphs, tokens
+''')
+
+
 def test_a_guess_another_call_site_consumed_is_dropped_at_once():
     """Found on the H200 (`jax.jit(jax.hessian(jax.jit(f)))` left one ticket live): a reload channel's
     cell holds a guess (a prefetched ticket) that another call site then reloads. The ticket is consumed
     but stayed pinned by the stale guess until the cell went idle. Now the poller takes the guess back
     (revoking its grant) and synchronize() waits for that: nothing is left live."""
-    code = textwrap.dedent('''
-        import time, numpy as np, jaxvmm
-        from jaxvmm.testing import Replay
-        from jaxvmm._native import lib
-        jaxvmm.configure(staging_idle_ms=60000)   # no idle release to hide a stale guess
-        N = 3 * 4096 + 100
-        mk = lambda n: jaxvmm.Slot(n, device="cpu")
-        x, ya, yb, tok, ta, tb = mk(N), mk(N), mk(N), mk(8), mk(8), mk(8)
-        O, RA, RB = 1 << 41, (1 << 41) + 1, (1 << 41) + 2
-        stats = lambda: lib.engine_stats("posix", 0)
+    code = _GUESS_PRELUDE + textwrap.dedent('''
+        ya, yb, ta, tb = mk(N), mk(N), mk(8), mk(8)
         with Replay("cpu") as r:
-            for site, kind in ((O, r.OFFLOAD), (RA, r.RELOAD), (RB, r.RELOAD)):
-                r.prepare(site, kind, N)
-            with r.capture() as go:
-                r.offload(O, x.address, N, tok.address)
-            with r.capture() as ga:
-                r.reload(RA, ta.address, ya.address, N)
-            with r.capture() as gb:
-                r.reload(RB, tb.address, yb.address, N)
-            tokens = []
-            for i in (1, 2):
-                x.write(np.full(N, i, np.uint8)); r.launch(go[0]); r.synchronize()
-                tokens.append(bytes(tok.read()))
-            jaxvmm.synchronize()
+            x, go, (ga, gb), tokens = offload_site_and_reload_sites(r, 1 << 41, [(ta, ya), (tb, yb)])
             ta.write(tokens[1]); r.launch(ga[0]); r.synchronize()   # A reloads T2; its guess: T1
             jaxvmm.synchronize()
             tb.write(tokens[0]); r.launch(gb[0]); r.synchronize()   # B reloads T1
@@ -588,31 +601,10 @@ def test_a_stale_guess_is_not_freed_while_its_prefetch_still_copies():
     Taking it back must wait for the cell's copy (its host block is the copy's source) as an idle
     release does; it unloaded at once, freeing the block under the running copy. cuEventQuery is made
     to say NOT_READY (a copy still running): the ticket stays until the copy ends, then goes."""
-    code = textwrap.dedent('''
-        import time, numpy as np, jaxvmm
-        import jaxvmm.testing as T
-        from jaxvmm.testing import Replay
-        from jaxvmm._native import lib
-        jaxvmm.configure(staging_idle_ms=60000)   # no idle release
-        N = 3 * 4096 + 100
-        mk = lambda n: jaxvmm.Slot(n, device="cpu")
-        x, ya, yb, tok, ta, tb = mk(N), mk(N), mk(N), mk(8), mk(8), mk(8)
-        O, RA, RB = 1 << 43, (1 << 43) + 1, (1 << 43) + 2
-        stats = lambda: lib.engine_stats("posix", 0)
+    code = _GUESS_PRELUDE + textwrap.dedent('''
+        ya, yb, ta, tb = mk(N), mk(N), mk(8), mk(8)
         with Replay("cpu") as r:
-            for site, kind in ((O, r.OFFLOAD), (RA, r.RELOAD), (RB, r.RELOAD)):
-                r.prepare(site, kind, N)
-            with r.capture() as go:
-                r.offload(O, x.address, N, tok.address)
-            with r.capture() as ga:
-                r.reload(RA, ta.address, ya.address, N)
-            with r.capture() as gb:
-                r.reload(RB, tb.address, yb.address, N)
-            tokens = []
-            for i in (1, 2):
-                x.write(np.full(N, i, np.uint8)); r.launch(go[0]); r.synchronize()
-                tokens.append(bytes(tok.read()))
-            jaxvmm.synchronize()
+            x, go, (ga, gb), tokens = offload_site_and_reload_sites(r, 1 << 43, [(ta, ya), (tb, yb)])
             assert stats()["graph_kernels"] == 0
             ta.write(tokens[1]); r.launch(ga[0]); r.synchronize()   # A reloads T2; its guess: T1
             jaxvmm.synchronize()
@@ -642,27 +634,10 @@ def test_a_guess_whose_ticket_is_dropped_is_taken_back_at_once():
     nothing told the poller, so the guess kept it pinned (live, its host block held, the cell armed with
     a ticket no round can name) while the channel stayed busy; synchronize() returned with it live.
     Now a drop of a claimed ticket is a stale guess like a consumed one: taken back at once."""
-    code = textwrap.dedent('''
-        import numpy as np, jaxvmm
-        from jaxvmm.testing import Replay
-        from jaxvmm._native import lib
-        jaxvmm.configure(staging_idle_ms=60000)   # no idle release to hide a stale guess
-        N = 3 * 4096 + 100
-        mk = lambda n: jaxvmm.Slot(n, device="cpu")
-        x, y, tok, tin = mk(N), mk(N), mk(8), mk(8)
-        O, R = 1 << 42, (1 << 42) + 1
-        stats = lambda: lib.engine_stats("posix", 0)
+    code = _GUESS_PRELUDE + textwrap.dedent('''
+        y, tin = mk(N), mk(8)
         with Replay("cpu") as r:
-            r.prepare(O, r.OFFLOAD, N); r.prepare(R, r.RELOAD, N)
-            with r.capture() as go:
-                r.offload(O, x.address, N, tok.address)
-            with r.capture() as gr:
-                r.reload(R, tin.address, y.address, N)
-            tokens = []
-            for i in (1, 2):
-                x.write(np.full(N, i, np.uint8)); r.launch(go[0]); r.synchronize()
-                tokens.append(bytes(tok.read()))
-            jaxvmm.synchronize()
+            x, go, (gr,), tokens = offload_site_and_reload_sites(r, 1 << 42, [(tin, y)])
             tin.write(tokens[1]); r.launch(gr[0]); r.synchronize()   # reloads T2; its guess: T1
             jaxvmm.synchronize()
             assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == 2)
@@ -729,23 +704,28 @@ def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_a_revoke_after_the_device_took_the_grant_keeps_the_round():
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_revoke_after_the_device_took_the_grant_keeps_the_round(k):
     """trim() runs right after the take kernel took its grant (a POSIX test hook orders it there): the
-    revocation finds the grant gone, so the cell stays mapped under the live round, which completes."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+    revocation finds that grant gone, so the cell stays mapped under the live round, which completes
+    bit-exact; with K = 3 cells the other two cells' grants are taken back."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
+        K = {k}
         st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
         with Replay("cpu") as r:
             g = round_trip(r)
-            for i in range(3):
-                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize(); st()
+            replay_rounds(r, g, 3)
             b = st()
-            assert b["graph_kernels"] == 1, b
+            assert b["graph_kernels"] == 1 and b["graph_cells"] == 2 * K, b
             for i in range(3, 6):
                 lib.testing_trim_after_next_take(0)
                 x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
                 assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
+                st()
             a = st()
             assert a["graph_revokes_lost"] - b["graph_revokes_lost"] == 3, (a, b)
+            if K > 1:
+                assert a["graph_revokes"] - b["graph_revokes"] == 3 * (K - 1), (a, b)
             assert a["graph_offload_rounds"] - b["graph_offload_rounds"] == 3
             assert a["errors"] == b["errors"] and a["tickets_live"] == b["tickets_live"]
             jaxvmm.trim()
@@ -753,7 +733,8 @@ def test_a_revoke_after_the_device_took_the_grant_keeps_the_round():
         jaxvmm.collect()
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=60)
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(k)},
+                             timeout=60)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -1079,36 +1060,6 @@ def test_trim_revokes_every_armed_cell_and_the_next_round_knocks(platform_device
         assert after["graph_grants_host"] - mid["graph_grants_host"] >= 1
         assert after["graph_mapped_bytes"] >= 4 * size  # every offload cell armed again
         assert after["errors"] == before["errors"] and after["tickets_live"] == before["tickets_live"]
-
-
-def test_a_revoke_after_a_take_keeps_that_cell_and_takes_the_others_back():
-    """K = 3, trim() right after a take (POSIX hook): the cell the round took is kept (a lost revoke),
-    the other two cells' grants are taken back, and every round completes bit-exact."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
-        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
-        with Replay("cpu") as r:
-            g = round_trip(r)
-            replay_rounds(r, g, 3)
-            b = st()
-            assert b["graph_kernels"] == 1 and b["graph_cells"] == 6, b
-            for i in range(3, 6):
-                lib.testing_trim_after_next_take(0)
-                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
-                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
-                st()
-            a = st()
-            assert a["graph_revokes_lost"] - b["graph_revokes_lost"] == 3, (a, b)
-            assert a["graph_revokes"] - b["graph_revokes"] == 6, (a, b)
-            assert a["graph_offload_rounds"] - b["graph_offload_rounds"] == 3
-            assert a["errors"] == b["errors"] and a["tickets_live"] == b["tickets_live"]
-            jaxvmm.trim()
-            assert st()["graph_mapped_bytes"] == 0
-        jaxvmm.collect()
-        print("OK")
-    ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "3"},
-                             timeout=60)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("budget_cells", [2, 3])
