@@ -868,12 +868,14 @@ Status Engine::Synchronize() {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     std::unique_lock<std::mutex> lock(graph_mu_);
     DropStaleGuesses();  // here too: an engine with no poller (no graph channel) has none to drop them
+    ReleaseUnpins(/*all=*/false);
     while (!GraphIdle()) {
       if (std::chrono::steady_clock::now() > deadline) return Status(Code::kInternal, "graph-mode rounds did not finish within 120 s");
       lock.unlock();
       std::this_thread::sleep_for(std::chrono::microseconds(100));
       lock.lock();
       DropStaleGuesses();
+      ReleaseUnpins(/*all=*/false);
     }
   }
   {
@@ -892,6 +894,7 @@ Status Engine::Synchronize() {
 
 size_t Engine::Trim() {
   size_t n = staging_.Trim() + host_store_.Trim();
+  ScopedContext ctx(backend_, device_);  // a user thread: the cells' event queries and revocations
   std::lock_guard<std::mutex> lock(graph_mu_);
   return n + ReleaseIdleCells(/*now=*/true);
 }

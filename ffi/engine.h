@@ -246,6 +246,7 @@ class Engine {
   // Cells of idle channels (after IdleMillis unless `now`; only those with device pages if `device_only`).
   size_t ReleaseIdleCells(bool now, bool device_only = false);
   void DropStaleGuesses();  // reload cells whose guess another reload consumed: revoke and unload
+  void ReleaseUnpins(bool all);  // unloaded guesses' pins whose cell copy has ended (all: streams synced)
   // Writes `value` into `word`, ordered after cell i's last side-stream copy.
   void Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value = 1);
   // Kernel grants (caller holds graph_mu_).
@@ -316,6 +317,9 @@ class Engine {
   // A reload consumed (or a drop freed) a ticket some reload cell may hold as a guess (mu_): the
   // poller takes such guesses back (DropStaleGuesses) and GraphIdle waits for that.
   bool stale_guesses_ = false;
+  // Unloaded guesses whose cell's copy (the prefetch that reads them) may still run, with that cell's
+  // event at the time (graph_mu_): unpinned by ReleaseUnpins once it has completed.
+  std::vector<std::pair<CUevent, std::shared_ptr<Ticket>>> unpin_after_;
   GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
   bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage

@@ -344,6 +344,7 @@ void Engine::Poll() {
     });
     busy |= ReapOffloads();
     DropStaleGuesses();
+    ReleaseUnpins(/*all=*/false);
     const auto now = std::chrono::steady_clock::now();
     if (busy) awake_until_ = std::max(awake_until_, now + kSpin);
     ReleaseIdleCells(/*now=*/false);
@@ -413,10 +414,16 @@ void Engine::UnmapCell(Channel& c, int i) {
 }
 
 void Engine::Unload(Channel& c, int i) {
-  // Caller holds graph_mu_ and mu_.
+  // Caller holds graph_mu_ and mu_. The guess's pin outlives the cell's last copy (its prefetch reads the
+  // ticket's host block or device copy): while that copy may still run, the pin waits in unpin_after_.
   Cell& cell = c.cells[i];
   if (!cell.loaded) return;
   if (cell.loaded->claimed_by == c.Claim()) cell.loaded->claimed_by = 0;
+  if (cell.stream && cell.event && Driver(backend_).EventQuery(cell.event) == CUDA_ERROR_NOT_READY) {
+    unpin_after_.emplace_back(cell.event, std::move(cell.loaded));
+    cell.loaded.reset();
+    return;
+  }
   cell.loaded->pins -= 1;
   Retire(cell.loaded);
   cell.loaded.reset();
@@ -1069,6 +1076,24 @@ void Engine::WaitForGraphRound(uint64_t token) {
   }
 }
 
+void Engine::ReleaseUnpins(bool all) {
+  // Caller holds graph_mu_. Pins of unloaded guesses whose cell's copy has ended since (all: the
+  // streams were synchronized).
+  if (unpin_after_.empty()) return;
+  ScopedContext ctx(backend_, device_);  // Synchronize calls this from a user thread
+  const DriverTable& d = Driver(backend_);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = unpin_after_.begin(); it != unpin_after_.end();) {
+    if (!all && d.EventQuery(it->first) == CUDA_ERROR_NOT_READY) {
+      ++it;
+      continue;
+    }
+    it->second->pins -= 1;
+    Retire(it->second);
+    it = unpin_after_.erase(it);
+  }
+}
+
 void Engine::DropStaleGuesses() {
   // Caller holds graph_mu_. A consumed ticket a cell still holds as its guess stays pinned (live, its
   // host block held) until the cell goes idle: take the guess back now. An armed one is revoked first
@@ -1109,7 +1134,7 @@ void Engine::DropStaleGuesses() {
 
 bool Engine::GraphIdle() {
   // Caller holds graph_mu_.
-  bool idle = graph_d2h_.empty();
+  bool idle = graph_d2h_.empty() && unpin_after_.empty();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stale_guesses_) idle = false;  // the poller's next pass takes them back
@@ -1156,6 +1181,7 @@ void Engine::StopGraph() {
       cell.event = nullptr;
     }
   });
+  ReleaseUnpins(/*all=*/true);  // every stream was synchronized above
 }
 
 }  // namespace jaxvmm

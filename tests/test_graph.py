@@ -550,8 +550,8 @@ _GUESS_PRELUDE = textwrap.dedent('''
     stats = lambda: lib.engine_stats("posix", 0)
     def offload_site_and_reload_sites(r, base, outs):
         """One offload call site at `base` and a reload call site per (token slot, output slot) in
-        `outs`, each captured alone; two offload rounds of 1s and 2s: (x, offload graph, reload graphs,
-        the two tokens)."""
+        `outs`, each captured alone; two offload rounds of 1s and 2s: (x, its token slot, offload graph,
+        reload graphs, the two tokens)."""
         x, tok = mk(N), mk(8)
         r.prepare(base, r.OFFLOAD, N)
         for k in range(len(outs)):
@@ -568,7 +568,7 @@ _GUESS_PRELUDE = textwrap.dedent('''
             x.write(np.full(N, i, np.uint8)); r.launch(go[0]); r.synchronize()
             tokens.append(bytes(tok.read()))
         jaxvmm.synchronize()
-        return x, go, graphs, tokens
+        return x, tok, go, graphs, tokens
 ''')
 
 
@@ -580,7 +580,7 @@ def test_a_guess_another_call_site_consumed_is_dropped_at_once():
     code = _GUESS_PRELUDE + textwrap.dedent('''
         ya, yb, ta, tb = mk(N), mk(N), mk(8), mk(8)
         with Replay("cpu") as r:
-            x, go, (ga, gb), tokens = offload_site_and_reload_sites(r, 1 << 41, [(ta, ya), (tb, yb)])
+            x, tok, go, (ga, gb), tokens = offload_site_and_reload_sites(r, 1 << 41, [(ta, ya), (tb, yb)])
             ta.write(tokens[1]); r.launch(ga[0]); r.synchronize()   # A reloads T2; its guess: T1
             jaxvmm.synchronize()
             tb.write(tokens[0]); r.launch(gb[0]); r.synchronize()   # B reloads T1
@@ -604,7 +604,7 @@ def test_a_stale_guess_is_not_freed_while_its_prefetch_still_copies():
     code = _GUESS_PRELUDE + textwrap.dedent('''
         ya, yb, ta, tb = mk(N), mk(N), mk(8), mk(8)
         with Replay("cpu") as r:
-            x, go, (ga, gb), tokens = offload_site_and_reload_sites(r, 1 << 43, [(ta, ya), (tb, yb)])
+            x, tok, go, (ga, gb), tokens = offload_site_and_reload_sites(r, 1 << 43, [(ta, ya), (tb, yb)])
             assert stats()["graph_kernels"] == 0
             ta.write(tokens[1]); r.launch(ga[0]); r.synchronize()   # A reloads T2; its guess: T1
             jaxvmm.synchronize()
@@ -628,6 +628,42 @@ def test_a_stale_guess_is_not_freed_while_its_prefetch_still_copies():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+def test_a_round_that_misses_keeps_the_old_guess_until_its_prefetch_ends():
+    """Review finding: a request that misses unloads its cell's guess before fix_ waits for that cell's
+    prefetch. When the guess was consumed elsewhere meanwhile (its take-back was held back because the
+    prefetch still copied), that unload freed the ticket's host block under the running copy. Host
+    grants; cuEventQuery says NOT_READY (every copy "still runs"): the ticket must stay live until the
+    prefetch ends."""
+    code = _GUESS_PRELUDE + textwrap.dedent('''
+        ya, yb, ta, tb = mk(N), mk(N), mk(8), mk(8)
+        with Replay("cpu") as r:
+            x, tok, go, (ga, gb), tokens = offload_site_and_reload_sites(r, 1 << 44, [(ta, ya), (tb, yb)])
+            ta.write(tokens[1]); r.launch(ga[0]); r.synchronize()   # A reloads T2; its guess: T1
+            x.write(np.full(N, 3, np.uint8)); r.launch(go[0]); r.synchronize()
+            T3 = bytes(tok.read())
+            jaxvmm.synchronize()
+            assert stats()["graph_kernels"] == 0 and stats()["tickets_live"] == 2, stats()   # T1 (A's guess), T3
+            T.arm_fault("cuEventQuery", times=-1, error="CUDA_ERROR_NOT_READY")  # every copy "still runs"
+            try:
+                tb.write(tokens[0]); r.launch(gb[0]); r.synchronize()   # B reloads T1: A's guess is stale
+                time.sleep(0.2)
+                ta.write(T3); r.launch(ga[0]); r.synchronize()          # A reloads T3: a miss on A's cell
+                time.sleep(0.2)
+                s = stats()
+                assert s["tickets_live"] >= 1, s   # T1: A's prefetch may still read its host block
+            finally:
+                T.clear_faults()
+            jaxvmm.synchronize()
+            s = stats()
+            assert np.all(np.frombuffer(bytes(ya.read()), np.uint8) == 3)
+            assert np.all(np.frombuffer(bytes(yb.read()), np.uint8) == 1)
+            assert s["tickets_live"] == 0 and s["errors"] == 0, s
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "0"}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 def test_a_guess_whose_ticket_is_dropped_is_taken_back_at_once():
     """A reload cell holds a guess (a prefetched, pinned ticket) whose token then dies in Python
     (engine_drop: the forward's residual is never reloaded). The drop marked the ticket dropped but
@@ -637,7 +673,7 @@ def test_a_guess_whose_ticket_is_dropped_is_taken_back_at_once():
     code = _GUESS_PRELUDE + textwrap.dedent('''
         y, tin = mk(N), mk(8)
         with Replay("cpu") as r:
-            x, go, (gr,), tokens = offload_site_and_reload_sites(r, 1 << 42, [(tin, y)])
+            x, tok, go, (gr,), tokens = offload_site_and_reload_sites(r, 1 << 42, [(tin, y)])
             tin.write(tokens[1]); r.launch(gr[0]); r.synchronize()   # reloads T2; its guess: T1
             jaxvmm.synchronize()
             assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == 2)
