@@ -867,15 +867,15 @@ Status Engine::Synchronize() {
     // Graph-mode rounds in progress first (the poller serves them; a replay still running ends them).
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     std::unique_lock<std::mutex> lock(graph_mu_);
-    DropStaleGuesses();  // here too: an engine with no poller (no graph channel) has none to drop them
-    ReleaseUnpins(/*all=*/false);
-    while (!GraphIdle()) {
+    for (;;) {
+      // Here too, not only in the poller: an engine with no graph channel has no poller.
+      DropStaleGuesses();
+      ReleaseUnpins(/*all=*/false);
+      if (GraphIdle()) break;
       if (std::chrono::steady_clock::now() > deadline) return Status(Code::kInternal, "graph-mode rounds did not finish within 120 s");
       lock.unlock();
       std::this_thread::sleep_for(std::chrono::microseconds(100));
       lock.lock();
-      DropStaleGuesses();
-      ReleaseUnpins(/*all=*/false);
     }
   }
   {

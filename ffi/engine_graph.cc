@@ -1117,14 +1117,8 @@ void Engine::DropStaleGuesses() {
       if (cell.round == Channel::Round::kArmed) {
         (void)Revoke(c, i);  // unloads on success
       } else if (cell.round == Channel::Round::kIdle) {
-        // Host grants: an unarmed guess whose prefetch may still read the ticket's host block (or
-        // device copy): as an idle release, only once that copy has ended (the next pass retries;
-        // only NOT_READY waits, so a failed context cannot hold synchronize() here).
-        if (cell.stream && Driver(backend_).EventQuery(cell.event) == CUDA_ERROR_NOT_READY) {
-          std::lock_guard<std::mutex> lock(mu_);
-          stale_guesses_ = true;
-          continue;
-        }
+        // Host grants: an unarmed guess. Its prefetch may still read the ticket: Unload keeps the pin
+        // until that copy has ended (unpin_after_).
         std::lock_guard<std::mutex> lock(mu_);
         Unload(c, i);
       }
