@@ -79,6 +79,31 @@ PRELUDE = textwrap.dedent("""
 
 BARE_PRELUDE = (PRELUDE.split("jaxvmm.configure(prefetch_depth=2)")[0].replace("import jax, jax.numpy as jnp", "import jax")
                 + PRELUDE[PRELUDE.index("KEYS = "):PRELUDE.index('if os.environ.get("DIAG_NO_BARRIER")')])
+# Bodies run under several environments (with and without the barrier, ...).
+# fwd, then bwd right behind it without a block (the reported hang).
+STORM = """
+        ts = fwd(h)
+        show("after fwd (no block)")
+        total = bwd(ts)
+        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+    """
+# fwd (no block), then a new unrelated program: its module is loaded while fwd's rounds are pending.
+FRESH_JIT = """
+        ts = fwd(h)
+        show("after fwd (no block)")
+        y = jax.jit(lambda x: x * 3.0 + 1.0)(h)   # a new executable: its module is loaded now
+        show("after the fresh jit was enqueued")
+        print("fresh", float(y[0]), flush=True)
+        jax.block_until_ready(ts)
+        print("RESULT PASS", flush=True)
+    """
+# The storm test's exact sequence (tests/test_engine.py).
+STORM3 = """
+    for i in range(2):
+        total = bwd(fwd(h))
+        show(f"{i}: after bwd (no block)")
+    print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
+"""
 NB = {"DIAG_NO_BARRIER": "1"}
 BARE = {"DIAG_BARE": "1"}  # a minimal prelude: jax is not initialized before the body runs
 EXPERIMENTS = {
@@ -121,12 +146,7 @@ EXPERIMENTS = {
         print({k: v for k, v in s.items() if "staging" in k or "graph" in k}, flush=True)
         print("RESULT", "PASS" if s["staging_mapped_bytes"] == 0 else "FAIL still mapped", flush=True)
     """),
-    "storm": ({}, """
-        ts = fwd(h)
-        show("after fwd (no block)")
-        total = bwd(ts)
-        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
-    """),
+    "storm": ({}, STORM),
     # tests/test_engine.py::test_gpu_offload_storm_stays_within_depth_cells: the pair twice (XLA records
     # its command buffers on a program's second run)
     "storm2": ({}, """
@@ -148,48 +168,12 @@ EXPERIMENTS = {
     """),
     # the test itself: iteration 2's fwd (its first command-buffer recording) is enqueued while
     # iteration 1's bwd (first run: ring path, no capture) still waits for its reloads
-    "storm3": ({}, """
-        for i in range(2):
-            total = bwd(fwd(h))
-            show(f"{i}: after bwd (no block)")
-        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
-    """),
-    "storm3_eager": ({"CUDA_MODULE_LOADING": "EAGER"}, """
-        for i in range(2):
-            total = bwd(fwd(h))
-            show(f"{i}: after bwd (no block)")
-        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
-    """),
-    "storm3_nograph": ({"JAXVMM_GRAPH": "0"}, """
-        for i in range(2):
-            total = bwd(fwd(h))
-            show(f"{i}: after bwd (no block)")
-        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
-    """),
-    "fresh_jit": ({}, """
-        ts = fwd(h)
-        show("after fwd (no block)")
-        y = jax.jit(lambda x: x * 3.0 + 1.0)(h)   # a new executable: its module is loaded now
-        show("after the fresh jit was enqueued")
-        print("fresh", float(y[0]), flush=True)
-        jax.block_until_ready(ts)
-        print("RESULT PASS", flush=True)
-    """),
-    "storm_nobarrier": ({"DIAG_NO_BARRIER": "1"}, """
-        ts = fwd(h)
-        show("after fwd (no block)")
-        total = bwd(ts)
-        print("RESULT", "PASS" if float(total) == WANT else f"WRONG {float(total)}", flush=True)
-    """),
-    "fresh_jit_nobarrier": ({"DIAG_NO_BARRIER": "1"}, """
-        ts = fwd(h)
-        show("after fwd (no block)")
-        y = jax.jit(lambda x: x * 3.0 + 1.0)(h)   # a new executable: its module is loaded now
-        show("after the fresh jit was enqueued")
-        print("fresh", float(y[0]), flush=True)
-        jax.block_until_ready(ts)
-        print("RESULT PASS", flush=True)
-    """),
+    "storm3": ({}, STORM3),
+    "storm3_eager": ({"CUDA_MODULE_LOADING": "EAGER"}, STORM3),
+    "storm3_nograph": ({"JAXVMM_GRAPH": "0"}, STORM3),
+    "fresh_jit": ({}, FRESH_JIT),
+    "storm_nobarrier": ({"DIAG_NO_BARRIER": "1"}, STORM),
+    "fresh_jit_nobarrier": ({"DIAG_NO_BARRIER": "1"}, FRESH_JIT),
     "warm_bwd_nobarrier": ({"DIAG_NO_BARRIER": "1"}, """
         ts = fwd(h); jax.block_until_ready(ts)
         assert float(bwd(ts)) == WANT
