@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "bench.h"
+#include "debug_stacks.h"
 #include "driver.h"
 #include "engine.h"
 #include "fault.h"
@@ -646,6 +647,12 @@ NB_MODULE(_jaxvmm, m) {
     Check(st);
   });
   m.def("set_trace", [](bool on) { SetTrace(on); });
+  // Every thread's native stack to stderr (tools/watchdog.py, for hangs); returns how many answered.
+  m.def("debug_thread_stacks", [] {
+    nb::gil_scoped_release nogil;
+    std::fflush(stderr);
+    return DumpThreadStacks(2);
+  });
 
   // ---- capture and replay without XLA (tests): the engine's entry points on raw addresses ----
   m.def("engine_prepare", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, int kind,

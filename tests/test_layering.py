@@ -40,6 +40,8 @@ class Group:
 # The layering table. Lower rank = lower layer.
 LAYERS: dict[str, Group] = {
     "driver": Group(0, ("driver.h", "driver.cc", "driver_posix.cc", "driver_cuda.cc", "graph_words.h")),
+    # hang diagnostics: every thread's native stack from a signal handler (plain POSIX, includes nothing of ours)
+    "debug_stacks": Group(0, ("debug_stacks.h", "debug_stacks.cc"), only=frozenset()),
     "fault": Group(0, ("fault.h", "fault.cc"), only=frozenset({"driver.h"})),  # beside the driver seam
     "status": Group(1, ("status.h", "status.cc")),
     "vmm": Group(2, ("vmm.h", "vmm.cc")),
