@@ -229,6 +229,36 @@ Status Engine::GetEvent(CUevent* out) {
   return Call(-1, "event", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(out, CU_EVENT_DISABLE_TIMING); });
 }
 
+bool Engine::TakePooledEvent(CUevent* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (event_pool_.empty()) return false;
+  *out = event_pool_.back();
+  event_pool_.pop_back();
+  return true;
+}
+
+Status Engine::TopUpRoundEvents() {
+  // XLA's thread, in an initialize stage (graph_mu_ held; no round of this program runs yet): enough
+  // spare events for every round ticket the poller may make before the next initialize stage.
+  constexpr size_t kSpare = 256;
+  size_t want = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const size_t target = kSpare + 2 * graph_live_peak_;
+    want = event_pool_.size() < target ? target - event_pool_.size() : 0;
+  }
+  std::vector<CUevent> made;
+  Status st;
+  for (size_t i = 0; i < want && st.ok(); ++i) {
+    CUevent e = nullptr;
+    st = Call(-1, "graph events", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&e, CU_EVENT_DISABLE_TIMING); });
+    if (st.ok()) made.push_back(e);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  event_pool_.insert(event_pool_.end(), made.begin(), made.end());
+  return st;
+}
+
 Status Engine::BeginOp(Op** out, const std::function<void(Op&)>& fill) {
   std::unique_lock<std::mutex> lock(mu_);
   // Backpressure: the host may run at most kRing ops ahead of the GPU.

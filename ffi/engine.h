@@ -53,6 +53,7 @@ struct GraphStats {
   int64_t revokes_lost = 0;    // revocations that found the grant already taken (the round went on)
   int64_t host_cells = 0;      // cells mapped with host pages because the device was out of memory
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
+  int64_t event_misses = 0;    // round tickets whose event the poller had to create (the pool made ahead was empty)
 };
 
 struct EngineStats {
@@ -195,6 +196,12 @@ class Engine {
   void FinishEnqueue(Op& op, const Status& st, std::chrono::steady_clock::time_point start);
   Status TakeErrorFor(CUstream stream);
   Status GetEvent(CUevent* out);  // from the pool, or a new one
+  // Graph mode: round tickets take their d2h_done event from the pool, which XLA's threads fill ahead
+  // (TopUpRoundEvents, in each initialize stage). The poller must not create driver objects: a
+  // cuGraphLaunch blocked on the device (its rounds waiting for the poller) holds the driver lock
+  // cuEventCreate needs (measured on the H200; DESIGN.md, driver facts).
+  Status TopUpRoundEvents();
+  bool TakePooledEvent(CUevent* out);
   void KeepResident(const std::shared_ptr<Ticket>& t, StagingLease* lease, CUstream stream);  // caller holds mu_
 
   // Worker side.
@@ -294,6 +301,7 @@ class Engine {
   std::vector<std::shared_ptr<Ticket>> kept_;  // newest offloads keeping their staging cell
   std::vector<std::pair<uint64_t, uint64_t>> pending_drops_;  // (token, after seq)
   std::vector<CUevent> event_pool_;
+  size_t graph_live_peak_ = 0;  // the most tickets live when a round ticket was made (sizes the pool)
   std::vector<int64_t> handler_ns_;  // ring of the last kTimings handler host times
   AsyncErrors errors_;
   bool shutting_down_ = false;

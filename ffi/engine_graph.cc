@@ -179,6 +179,9 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   // (Within the budget's free room and on the device only: no round waits for it yet, so a full device
   // is left to the capture, which must have pages and takes host pages if it has to.)
   if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c, 0, /*evict=*/false);
+  // Round tickets' events, made here rather than by the poller (TopUpRoundEvents). A failure is left
+  // to the round that would need one (it then creates its own, counted in event_misses).
+  (void)TopUpRoundEvents();
   c->last_use = std::chrono::steady_clock::now();  // idle from now on until a round or a capture
   WakePoller();
   return Status();
@@ -472,8 +475,12 @@ std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token
   HostBlock host;
   CUevent ev = nullptr;
   *st = host_store_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
-  if (st->ok()) *st = GetEvent(&ev);
+  if (st->ok() && !TakePooledEvent(&ev)) {
+    ++graph_stats_.event_misses;  // the pool made ahead ran dry: create one (see TopUpRoundEvents)
+    *st = GetEvent(&ev);
+  }
   std::lock_guard<std::mutex> lock(mu_);
+  graph_live_peak_ = std::max(graph_live_peak_, tickets_.live() + 1);
   if (token) armed_tokens_.erase(token);  // from now on its ticket (or its absence) speaks for it
   std::shared_ptr<Ticket> t;
   if (st->ok()) {

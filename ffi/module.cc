@@ -590,6 +590,7 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_revokes"] = s.graph.revokes;
     d["graph_revokes_lost"] = s.graph.revokes_lost;
     d["graph_cells_host"] = s.graph.host_cells;
+    d["graph_event_misses"] = s.graph.event_misses;
     d["graph_cells"] = s.graph.cells;
     return d;
   });

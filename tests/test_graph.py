@@ -138,6 +138,31 @@ def test_tickets_cross_graphs_and_reloads_are_predicted(platform_device, slots, 
     assert after["tickets_live"] == before["tickets_live"]
 
 
+def test_rounds_take_events_made_ahead_never_creating_one(platform_device, slots, engine_hygiene):
+    """The poller makes no driver object while rounds wait: on the H200 a cuGraphLaunch blocked on the
+    device (its rounds waiting for the poller) held the driver lock cuEventCreate takes, and the poller,
+    making a round ticket's event, waited for it forever (capacity trial, 25 layers). The initialize stage
+    fills the event pool ahead; with every cuEventCreate failing after it, rounds still succeed."""
+    K = 40
+    x, y, tok = slots(N), slots(N), slots(8)
+    before = stats(platform_device)
+    with Replay(platform_device) as r:
+        fwd, bwd = forward_backward_graphs(r, x, y, tok)
+        with jaxvmm.testing.fault("cuEventCreate", times=-1, device=platform_device):
+            tokens = offload_rounds(r, fwd, x, tok, range(K))  # K tickets live at once, each with an event
+            for i in reversed(range(K)):
+                tok.write(np.frombuffer(tokens[i], np.uint8))
+                r.launch(bwd)
+                r.synchronize()
+                assert np.array_equal(read(y), data(i)), f"ticket {i}"
+            jaxvmm.synchronize()
+            after = stats(platform_device)
+    assert after["errors"] == before["errors"], after
+    assert after["graph_event_misses"] == before["graph_event_misses"]
+    assert after["graph_offload_rounds"] - before["graph_offload_rounds"] == K
+    assert after["tickets_live"] == before["tickets_live"]
+
+
 def test_a_bad_token_gives_0xff_and_an_error(platform_device, slots, engine_hygiene):
     x, y, tok = slots(N), slots(N), slots(8)
     rel = next(_sites)
