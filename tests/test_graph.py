@@ -1155,11 +1155,12 @@ _ODD_COPIES = [(1, 0, 0), (3, 1, 0), (15, 0, 1), (16, 0, 0), (17, 3, 3), (4095, 
                (65536 + 7, 1, 2), ((1 << 20) + 5, 0, 0), ((3 << 20) + 1, 5, 13), (N, 16, 8)]
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3])
 def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_device, slots, engine_hygiene, graph_cells, k):
-    """Each round trip goes through the cell-copy kernel in both directions (K = 2; K = 1 records
-    plain copies of its one cell); the bytes come back exact and nothing outside the destination range
-    is written."""
+    """Each round trip goes through the fused kernel (or, two_node, the cell-copy kernel) in both
+    directions (K = 2, 3; K = 1 records plain copies of its one cell); the bytes come back exact and
+    nothing outside the destination range is written. Each size is a new channel, so its first
+    offload round knocks and its first reload round requests while the grid's other blocks wait."""
     graph_cells(k)
     pad = 64
     for n, src_off, dst_off in _ODD_COPIES:
@@ -1185,7 +1186,8 @@ def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_devi
 @pytest.mark.gpu
 def test_gpu_large_unaligned_copy_uses_the_grid_stride_loop(platform_device, slots, engine_hygiene):
     """More bytes than one pass of the copy kernel's largest grid covers (1024 blocks x 256 threads x
-    4 x 16 bytes = 16 MiB), unaligned by one byte at both ends, and a mutually misaligned pair."""
+    4 x 16 bytes = 16 MiB; the fused kernel's 128 blocks cover 2 MiB a pass), unaligned by one byte at
+    both ends, and a mutually misaligned pair."""
     if platform_device == "cpu":
         pytest.skip("the copy kernel's grid runs on a GPU")
     n = (24 << 20) + 3  # <= 32 MiB: a K-cell call site (larger ones get one cell and a memcpy node)
