@@ -5,10 +5,11 @@
 // the poller through the channel's pinned and device words. The device never touches a cell without a
 // grant, and a grant is always ordered after every copy into or out of that cell.
 //
-// Kernel grants (the default): a channel has K cells; a round is two nodes, a take kernel that takes
-// a cell's pre-armed grant (or knocks/requests and waits for the poller) and leaves the cell's address
-// in a device word, and a copy kernel into/out of that address whose last block publishes the cell's
-// filled/done word. The poller arms each offload cell behind its own D2H and prefetches the next
+// Kernel grants (the default): a channel has K cells; a round (K > 1) is one fused kernel whose first
+// block to arrive takes a cell's pre-armed grant (or knocks/requests and waits for the poller) and
+// publishes the cell's address to the other blocks, all of which then copy into/out of it; the last
+// block publishes the cell's filled/done word. JAXVMM_GRAPH_FUSED=0 records two nodes instead: a take
+// kernel that leaves the cell's address in a device word, and a copy kernel into/out of that address. The poller arms each offload cell behind its own D2H and prefetches the next
 // predictions into the idle reload cells. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host
 // grants every round:
 //
