@@ -9,8 +9,9 @@
 // block to arrive takes a cell's pre-armed grant (or knocks/requests and waits for the poller) and
 // publishes the cell's address to the other blocks, all of which then copy into/out of it; the last
 // block publishes the cell's filled/done word. JAXVMM_GRAPH_FUSED=0 records two nodes instead: a take
-// kernel that leaves the cell's address in a device word, and a copy kernel into/out of that address. The poller arms each offload cell behind its own D2H and prefetches the next
-// predictions into the idle reload cells. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host
+// kernel that leaves the cell's address in a device word, and a copy kernel into/out of that address.
+// The poller arms each offload cell behind its own D2H and prefetches the next predictions into the
+// idle reload cells. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host
 // grants every round:
 //
 //   offload round (XLA's stream)          poller
