@@ -177,7 +177,7 @@ SCAN_K = _train_prelude(L=16, STEPS=4, B=129, D=509) + textwrap.dedent("""
 def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused):
     flags = f"{MODES[mode]} {DETERMINISTIC}".strip()
     proc = run_in_subprocess(SCAN_K, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-                                          "JAXVMM_GRAPH_FUSED": fused}, timeout=300)
+                                          "JAXVMM_GRAPH_FUSED": fused}, timeout=180)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads(lines[-1][len("RESULT "):])

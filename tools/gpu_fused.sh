@@ -12,7 +12,7 @@ export JAXVMM_REQUIRE_GPU=1
 show() { grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Timeout|^E " "$1" | sed 's/^tests\///' | cut -c1-240 | tail -${2:-40}; }
 if [[ "${T_TESTS:-300}" != 0 ]]; then
   echo "=== gpu tests: tests/test_graph.py (fused and two-node) + K = 1..3 under XLA"
-  timeout ${T_TESTS:-300} python3 -P -m pytest -v -rfs --tb=short --timeout=180 -p no:cacheprovider -m gpu tests/test_graph.py \
+  timeout ${T_TESTS:-300} python3 -P -m pytest -v -rfs --tb=short --timeout=200 -p no:cacheprovider -m gpu tests/test_graph.py \
     tests/test_graph_xla.py::test_rounds_of_one_to_three_cells_are_bit_exact -s > "$OUT/fused_tests.txt" 2>&1
   echo "rc=$?"; show "$OUT/fused_tests.txt" 60
   grep -E "^(default|while) (fused|two-node) K" "$OUT/fused_tests.txt" | cut -c1-400
