@@ -2,7 +2,8 @@
 # One device call (~6-8 minutes on an H200): build; the graph-mode gpu tests (tests/test_graph.py, every
 # test fused and two-node) and the K = 1..3 XLA training test; then the small-activation row (64 MLP
 # layers, 1 MiB hidden activations, 128 rounds a step) with fused rounds (one kernel node) and two-node
-# rounds (JAXVMM_GRAPH_FUSED=0), in XLA's default command-buffer mode and with +WHILE.
+# rounds (JAXVMM_GRAPH_FUSED=0), in XLA's default command-buffer mode and with +WHILE, after
+# bench/graph_rounds.py (the rounds' own device time, both ways, without XLA).
 # Usage: tools/gpu_fused.sh   (OUT=dir for the full logs; T_TESTS: seconds for the tests, default 300,
 # 0 skips them; T_ROW: seconds per row, 90; FUSED: the settings to measure, default "1 0", empty: no
 # rows). Tests and rows together may pass a 10-minute device call: run T_TESTS=0 and FUSED= apart.
@@ -16,6 +17,13 @@ if [[ "${T_TESTS:-300}" != 0 ]]; then
     tests/test_graph_xla.py::test_rounds_of_one_to_three_cells_are_bit_exact -s > "$OUT/fused_tests.txt" 2>&1
   echo "rc=$?"; show "$OUT/fused_tests.txt" 60
   grep -E "^(default|while) (fused|two-node) K" "$OUT/fused_tests.txt" | cut -c1-400
+fi
+if [[ -n "${FUSED-1 0}" ]]; then
+  echo "=== bench/graph_rounds.py: device time per round, fused against two-node (64 rounds of 1 MiB, and 256 KiB)"
+  for size in 1M 256K; do
+    timeout 60 python3 bench/graph_rounds.py --size $size --reps 40 > "$OUT/graph_rounds_$size.txt" 2>&1; echo "rc=$?"
+    tail -5 "$OUT/graph_rounds_$size.txt"
+  done
 fi
 for F in ${FUSED-1 0}; do
   for mode in "" "--xla_gpu_enable_command_buffer=+WHILE"; do
