@@ -773,6 +773,48 @@ CUresult KCellCopy(const uint64_t* a) {  // (Cells* cells, u64 other, u64 nbytes
   return CUDA_SUCCESS;
 }
 
+// A fused round (jaxvmm_fused_offload / jaxvmm_fused_reload): the grid's first block to arrive takes
+// (the take kernel's function, after-take hook included), releases `ready`, then the whole grid's copy
+// (memmove), then the last block's reset of the round's words and publish. A round that finds the
+// words of the previous one still set fails (on a device its blocks would skip the take and copy
+// through a stale cell), so the cpu tests check that every replay leaves them as it found them.
+Word* Field(uint64_t& f) { return reinterpret_cast<Word*>(&f); }
+CUresult FusedRound(const uint64_t* a, CUresult (*take)(const uint64_t*), const uint64_t* take_args, bool out) {
+  DeviceWords* c = Cells(a);
+  if (Field(c->arrive)->fetch_add(1) != 0 || Field(c->ready)->load(std::memory_order_acquire) != 0 ||
+      Field(c->blocks)->load(std::memory_order_acquire) != 0)
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+  CUresult r = take(take_args);
+  if (r != CUDA_SUCCESS) {
+    Field(c->arrive)->store(0, std::memory_order_release);
+    return r;
+  }
+  Field(c->ready)->store(1, std::memory_order_release);
+  // The other blocks: they saw `ready` (acquire), then read the chosen cell.
+  if (Field(c->ready)->load(std::memory_order_acquire) != 1) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  void* cell = reinterpret_cast<void*>(Field(c->ptr)->load(std::memory_order_relaxed));
+  const uint64_t publish = Field(c->publish)->load(std::memory_order_relaxed);
+  if (!cell || !publish) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  void* other = reinterpret_cast<void*>(a[1]);
+  if (out) std::memmove(other, cell, a[2]);
+  else std::memmove(cell, other, a[2]);
+  Field(c->blocks)->store(0, std::memory_order_relaxed);
+  Field(c->arrive)->store(0, std::memory_order_relaxed);
+  Field(c->ready)->store(0, std::memory_order_relaxed);
+  W(publish)->store(1, std::memory_order_release);
+  return CUDA_SUCCESS;
+}
+
+CUresult KFusedOffload(const uint64_t* a) {  // (Cells* cells, u64 src, u64 nbytes, u32* token_out, u64* knock)
+  const uint64_t take[] = {a[0], a[3], a[4]};
+  return FusedRound(a, KTakeOffload, take, /*out=*/false);
+}
+
+CUresult KFusedReload(const uint64_t* a) {  // (Cells* cells, u64 dst, u64 nbytes, u32* token_in, u64* probe, u64* request, u64* go)
+  const uint64_t take[] = {a[0], a[3], a[4], a[5], a[6]};
+  return FusedRound(a, KTakeReload, take, /*out=*/true);
+}
+
 CUresult KRevoke(const uint64_t* a) {  // (u64* word, u64 expect, u64* result)
   uint64_t old = 0;
   if (a[1]) {
@@ -789,15 +831,17 @@ struct PosixKernel {
   const char* name;
   int params;  // all 8 bytes wide
   CUresult (*fn)(const uint64_t*);
-  bool grid;   // launched as a grid (the copy kernel); the grant kernels are one thread
+  bool grid;   // launched as a grid (the copy and fused kernels); the grant kernels are one thread
 };
 constexpr PosixKernel kKernels[] = {
     {"jaxvmm_take_offload", 3, KTakeOffload, false},
     {"jaxvmm_take_reload", 5, KTakeReload, false},
     {"jaxvmm_revoke", 3, KRevoke, false},
     {"jaxvmm_cell_copy", 4, KCellCopy, true},
+    {"jaxvmm_fused_offload", 5, KFusedOffload, true},
+    {"jaxvmm_fused_reload", 7, KFusedReload, true},
 };
-constexpr int kMaxParams = 5;
+constexpr int kMaxParams = 7;
 struct PosixModule {
   std::vector<const PosixKernel*> kernels;
 };

@@ -16,6 +16,7 @@ constexpr size_t kTimings = 4096;  // handler host times kept for the median
 std::atomic<int> g_keep{0};
 std::atomic<bool> g_graph_kernels{true};
 std::atomic<int> g_graph_cells{2};
+std::atomic<bool> g_graph_fused{true};
 std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
 // Calls copy(offset, bytes) for consecutive pieces of at most `chunk` bytes (0: one piece).
@@ -41,6 +42,8 @@ void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
 bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
 void EngineConfig::SetGraphCells(int k) { g_graph_cells.store(std::clamp(k, 1, kMaxCells)); }
 int EngineConfig::GraphCells() { return g_graph_cells.load(); }
+void EngineConfig::SetGraphFused(bool on) { g_graph_fused.store(on); }
+bool EngineConfig::GraphFused() { return g_graph_fused.load(); }
 void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
 size_t EngineConfig::CopyChunk() { return g_copy_chunk.load(); }
 

@@ -54,6 +54,7 @@ struct GraphStats {
   int64_t host_cells = 0;      // cells mapped with host pages because the device was out of memory
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
   int64_t event_misses = 0;    // round tickets whose event the poller had to create (the pool made ahead was empty)
+  int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
 };
 
 struct EngineStats {
@@ -88,6 +89,11 @@ struct EngineConfig {
   // rounds of one call site overlap their copies. Read when a channel is first prepared.
   static void SetGraphCells(int k);
   static int GraphCells();
+  // Graph mode with grant kernels and K > 1 cells: record each round as one fused take + copy kernel
+  // (default on) instead of a take kernel then a copy kernel. Read at each capture (a channel's rounds
+  // may be recorded either way: each round leaves the channel's words as it found them).
+  static void SetGraphFused(bool on);
+  static bool GraphFused();
   // D2H and H2D copies between a staging cell and a host block are issued in pieces of at most this
   // many bytes (0: one copy), so that other copies on the copy engines (the other direction, XLA's
   // D2D snapshots) interleave with a large one instead of queueing behind all of it. Default 64 MiB.

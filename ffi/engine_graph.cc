@@ -5,11 +5,13 @@
 // the poller through the channel's pinned and device words. The device never touches a cell without a
 // grant, and a grant is always ordered after every copy into or out of that cell.
 //
-// Kernel grants (the default): a channel has K cells; a round is two nodes, a take kernel that takes
-// a cell's pre-armed grant (or knocks/requests and waits for the poller) and leaves the cell's address
-// in a device word, and a copy kernel into/out of that address whose last block publishes the cell's
-// filled/done word. The poller arms each offload cell behind its own D2H and prefetches the next
-// predictions into the idle reload cells. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host
+// Kernel grants (the default): a channel has K cells; a round (K > 1) is one fused kernel whose first
+// block to arrive takes a cell's pre-armed grant (or knocks/requests and waits for the poller) and
+// publishes the cell's address to the other blocks, all of which then copy into/out of it; the last
+// block publishes the cell's filled/done word. JAXVMM_GRAPH_FUSED=0 records two nodes instead: a take
+// kernel that leaves the cell's address in a device word, and a copy kernel into/out of that address.
+// The poller arms each offload cell behind its own D2H and prefetches the next predictions into the
+// idle reload cells. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host
 // grants every round:
 //
 //   offload round (XLA's stream)          poller
@@ -208,7 +210,9 @@ Status Engine::WarmKernels(Channel& c) {
   // with one cell (its "cell" the pinned word `token`, its flag `filled[0]`) whose grant[0] = 1,
   // take_offload takes the grant and writes the token into grant[0]; take_reload finds grant[0] naming
   // the token it reads from grant[0] and takes it; the copy kernel copies the cell into `probe` and
-  // publishes filled[0]; revoke finds grant[0] empty.
+  // publishes filled[0]; revoke finds grant[0] empty. The fused kernels first, alike (one block each):
+  // fused_offload takes grant[0] = 1, writes token 1 into grant[0] and copies `probe` into the cell;
+  // fused_reload takes grant[0] (it names token 1) and copies the cell into `probe`.
   const DriverTable& d = Driver(backend_);
   const char* stage = "graph kernels (warm-up)";
   ChannelWords& w = *c.w;
@@ -218,6 +222,9 @@ Status Engine::WarmKernels(Channel& c) {
   Status st = WriteDevice(gd2h_, ncells, 1, stage);
   if (st.ok()) st = WriteDevice(gd2h_, cell0, Addr(w.token), stage);
   if (st.ok()) st = WriteDevice(gd2h_, flag0, Addr(w.filled[0]), stage);
+  if (st.ok()) st = WriteDevice(gd2h_, g0, 1, stage);
+  if (st.ok()) st = kernels_.FusedOffload(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), g0, Addr(w.knock));
+  if (st.ok()) st = kernels_.FusedReload(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), g0, Addr(w.probe), Addr(w.request), Addr(w.go));
   if (st.ok()) st = WriteDevice(gd2h_, g0, 1, stage);
   if (st.ok()) st = kernels_.TakeOffload(gd2h_, c.dw, g0, Addr(w.knock));
   if (st.ok()) st = kernels_.TakeReload(gd2h_, c.dw, g0, Addr(w.probe), Addr(w.request), Addr(w.go));
@@ -230,7 +237,8 @@ Status Engine::WarmKernels(Channel& c) {
   for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0]}) word->store(0, std::memory_order_relaxed);
   // Leave the device words as a new channel's (SetUpCells writes the constants).
   for (CUdeviceptr word : {g0, ncells, cell0, flag0, c.Word(offsetof(DeviceWords, next)), c.Word(offsetof(DeviceWords, ptr)),
-                           c.Word(offsetof(DeviceWords, publish)), c.Word(offsetof(DeviceWords, blocks))})
+                           c.Word(offsetof(DeviceWords, publish)), c.Word(offsetof(DeviceWords, blocks)),
+                           c.Word(offsetof(DeviceWords, arrive)), c.Word(offsetof(DeviceWords, ready))})
     (void)WriteDevice(gd2h_, word, 0, stage);
   d.StreamSynchronize(gd2h_);
   if (!st.ok()) st = Status(st.code(), st.ToString() + " (warm-up of the grant kernels at the engine's first initialize stage)");
@@ -270,6 +278,14 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
   ChannelWords& w = *c->w;
   const char* stage = "offload (capture)";
   if (use_kernels_) {
+    if (c->ncells > 1 && EngineConfig::GraphFused()) {
+      // One node: the fused kernel takes a cell's grant and copies x into it (its last block publishes
+      // the cell's filled word).
+      JAXVMM_RETURN_IF_ERROR(kernels_.FusedOffload(stream, c->dw, src, meta.nbytes, token_out, Addr(w.knock)));
+      ++graph_stats_.fused_captures;
+      Recorded(*c);
+      return Status();
+    }
     // Two nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that cell
     // (the copy's last block publishes the cell's filled word).
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c->dw, token_out, Addr(w.knock)));
@@ -304,6 +320,13 @@ Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_i
   ChannelWords& w = *c->w;
   const char* stage = "reload (capture)";
   if (use_kernels_) {
+    if (c->ncells > 1 && EngineConfig::GraphFused()) {
+      JAXVMM_RETURN_IF_ERROR(
+          kernels_.FusedReload(stream, c->dw, dst, meta.nbytes, token_in, Addr(w.probe), Addr(w.request), Addr(w.go)));
+      ++graph_stats_.fused_captures;
+      Recorded(*c);
+      return Status();
+    }
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, c->dw, token_in, Addr(w.probe), Addr(w.request), Addr(w.go)));
     if (c->ncells == 1) {
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, c->cells[0].addr, meta.nbytes, stream); }));

@@ -18,7 +18,8 @@ Status GraphKernels::Load() {
     CUfunction* f;
   };
   for (Want w : {Want{"jaxvmm_take_offload", &take_offload_}, Want{"jaxvmm_take_reload", &take_reload_},
-                 Want{"jaxvmm_revoke", &revoke_}, Want{"jaxvmm_cell_copy", &cell_copy_}}) {
+                 Want{"jaxvmm_revoke", &revoke_}, Want{"jaxvmm_cell_copy", &cell_copy_},
+                 Want{"jaxvmm_fused_offload", &fused_offload_}, Want{"jaxvmm_fused_reload", &fused_reload_}}) {
     if (!st.ok()) break;
     st = Call(-1, stage, Entry::kModuleGetFunction, [&] { return d.ModuleGetFunction(w.f, module_, w.name); });
   }
@@ -61,6 +62,25 @@ Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, 
   unsigned long long n = nbytes, o = out ? 1 : 0;
   void* p[] = {&cells, &other, &n, &o};
   return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads);
+}
+
+unsigned GraphKernels::FusedBlocks(size_t nbytes) {
+  const unsigned b = CopyBlocks(nbytes);
+  return b > kMaxFusedBlocks ? kMaxFusedBlocks : b;
+}
+
+Status GraphKernels::FusedOffload(CUstream s, CUdeviceptr cells, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out,
+                                  CUdeviceptr knock) const {
+  unsigned long long n = nbytes;
+  void* p[] = {&cells, &src, &n, &token_out, &knock};
+  return Launch(fused_offload_, s, p, "offload (capture)", FusedBlocks(nbytes), kCopyThreads);
+}
+
+Status GraphKernels::FusedReload(CUstream s, CUdeviceptr cells, CUdeviceptr dst, size_t nbytes, CUdeviceptr token_in,
+                                 CUdeviceptr probe, CUdeviceptr request, CUdeviceptr go) const {
+  unsigned long long n = nbytes;
+  void* p[] = {&cells, &dst, &n, &token_in, &probe, &request, &go};
+  return Launch(fused_reload_, s, p, "reload (capture)", FusedBlocks(nbytes), kCopyThreads);
 }
 
 Status GraphKernels::Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const {

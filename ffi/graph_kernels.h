@@ -1,7 +1,7 @@
 // The graph-mode grant kernels: a module loaded at run time from checked-in PTX (graph_kernels_ptx.h,
 // made by tools/gen_ptx.sh from ffi/kernels/graph_kernels.cu), so building jaxvmm needs no CUDA
 // toolkit. Each launch is capturable (XLA's capture records it as a kernel node); the grant kernels are
-// one thread, the cell copy a grid.
+// one thread, the cell copy and the fused rounds (take + copy in one node) a grid.
 //
 // Load it outside any capture (the engine does at its first initialize stage); Unload only after every
 // stream that may still run one of its kernels is synchronized. A driver that cannot load it (no PTX
@@ -42,6 +42,19 @@ class GraphKernels {
   // thread, at most kMaxCopyBlocks (grid-stride beyond).
   static unsigned CopyBlocks(size_t nbytes);
   static constexpr unsigned kCopyThreads = 256, kMaxCopyBlocks = 1024;
+  // jaxvmm_fused_offload(cells, src, nbytes, token_out, knock): a whole offload round in one node (the
+  // first block to arrive takes the grant as TakeOffload does, every block copies its share into the
+  // chosen cell, the last publishes filled).
+  Status FusedOffload(CUstream s, CUdeviceptr cells, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out, CUdeviceptr knock) const;
+  // jaxvmm_fused_reload(cells, dst, nbytes, token_in, probe, request, go): a whole reload round.
+  Status FusedReload(CUstream s, CUdeviceptr cells, CUdeviceptr dst, size_t nbytes, CUdeviceptr token_in, CUdeviceptr probe,
+                     CUdeviceptr request, CUdeviceptr go) const;
+  // The fused kernels' grid: CopyBlocks, at most kMaxFusedBlocks. Its blocks wait for the taker while it
+  // waits for the host; a bounded grid keeps that from filling the device (128 blocks of 256 threads:
+  // one block per SM on an H100/H200, all resident on any GPU with 16 SMs or more). Progress does not
+  // need residency (the taker is a block that runs; blocks not yet scheduled wait for nothing).
+  static unsigned FusedBlocks(size_t nbytes);
+  static constexpr unsigned kMaxFusedBlocks = 128;
   // jaxvmm_revoke(word, expect, result).
   Status Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const;
 
@@ -52,6 +65,7 @@ class GraphKernels {
   std::string why_;
   CUmodule module_ = nullptr;
   CUfunction take_offload_ = nullptr, take_reload_ = nullptr, revoke_ = nullptr, cell_copy_ = nullptr;
+  CUfunction fused_offload_ = nullptr, fused_reload_ = nullptr;
 };
 
 }  // namespace jaxvmm

@@ -856,13 +856,1455 @@ $L__BB3_55:
 
 	mov.u64 	%rd289, 0;
 	st.global.u64 	[%rd140+128], %rd289;
+	st.global.u64 	[%rd140+136], %rd289;
+	st.global.u64 	[%rd140+144], %rd289;
 	membar.sys;
-	ld.global.u64 	%rd290, [%rd140+120];
+	ld.volatile.global.u64 	%rd290, [%rd140+120];
 	mov.u64 	%rd291, 1;
 	st.volatile.u64 	[%rd290], %rd291;
 	membar.sys;
 
 $L__BB3_58:
+	ret;
+
+}
+	// .globl	jaxvmm_fused_offload
+.visible .entry jaxvmm_fused_offload(
+	.param .u64 jaxvmm_fused_offload_param_0,
+	.param .u64 jaxvmm_fused_offload_param_1,
+	.param .u64 jaxvmm_fused_offload_param_2,
+	.param .u64 jaxvmm_fused_offload_param_3,
+	.param .u64 jaxvmm_fused_offload_param_4
+)
+{
+	.reg .pred 	%p<74>;
+	.reg .b16 	%rs<20>;
+	.reg .b32 	%r<103>;
+	.reg .b64 	%rd<403>;
+	// demoted variable
+	.shared .align 8 .u64 _ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell;
+
+	ld.param.u64 	%rd170, [jaxvmm_fused_offload_param_0];
+	ld.param.u64 	%rd171, [jaxvmm_fused_offload_param_1];
+	ld.param.u64 	%rd172, [jaxvmm_fused_offload_param_2];
+	ld.param.u64 	%rd173, [jaxvmm_fused_offload_param_3];
+	ld.param.u64 	%rd174, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1, %rd174;
+	mov.u32 	%r1, %tid.x;
+	setp.ne.s32 	%p5, %r1, 0;
+	cvta.to.global.u64 	%rd2, %rd170;
+	@%p5 bra 	$L__BB4_31;
+
+	add.s64 	%rd3, %rd2, 144;
+	add.s64 	%rd175, %rd2, 136;
+	atom.global.add.u64 	%rd176, [%rd175], 1;
+	setp.eq.s64 	%p6, %rd176, 0;
+	@%p6 bra 	$L__BB4_6;
+
+	ld.volatile.global.u64 	%rd177, [%rd3];
+	setp.ne.s64 	%p7, %rd177, 0;
+	@%p7 bra 	$L__BB4_5;
+
+	mov.u32 	%r101, 32;
+
+$L__BB4_4:
+	// begin inline asm
+	nanosleep.u32 %r101;
+	// end inline asm
+	setp.lt.u32 	%p8, %r101, 256;
+	selp.u32 	%r8, 1, 0, %p8;
+	shl.b32 	%r101, %r101, %r8;
+	ld.volatile.global.u64 	%rd178, [%rd3];
+	setp.eq.s64 	%p9, %rd178, 0;
+	@%p9 bra 	$L__BB4_4;
+
+$L__BB4_5:
+	membar.gl;
+	bra.uni 	$L__BB4_30;
+
+$L__BB4_6:
+	ld.global.u64 	%rd4, [%rd3+-40];
+	mov.u64 	%rd360, 0;
+	ld.global.u64 	%rd5, [%rd3+-48];
+	setp.eq.s64 	%p11, %rd5, 0;
+	mov.pred 	%p72, -1;
+	mov.u64 	%rd367, %rd360;
+	@%p11 bra 	$L__BB4_14;
+
+	mov.u64 	%rd357, 0;
+	cvt.u32.u64 	%r9, %rd5;
+
+$L__BB4_8:
+	add.s64 	%rd7, %rd357, %rd4;
+	or.b64  	%rd182, %rd7, %rd5;
+	and.b64  	%rd183, %rd182, -4294967296;
+	setp.eq.s64 	%p12, %rd183, 0;
+	@%p12 bra 	$L__BB4_10;
+
+	rem.u64 	%rd367, %rd7, %rd5;
+	bra.uni 	$L__BB4_11;
+
+$L__BB4_10:
+	cvt.u32.u64 	%r10, %rd7;
+	rem.u32 	%r11, %r10, %r9;
+	cvt.u64.u32 	%rd367, %r11;
+
+$L__BB4_11:
+	shl.b64 	%rd185, %rd367, 3;
+	add.s64 	%rd11, %rd2, %rd185;
+	mov.u64 	%rd360, 0;
+	ld.volatile.global.u64 	%rd186, [%rd11];
+	setp.eq.s64 	%p13, %rd186, 0;
+	@%p13 bra 	$L__BB4_13;
+
+	atom.global.exch.b64 	%rd360, [%rd11], 0;
+
+$L__BB4_13:
+	add.s64 	%rd357, %rd357, 1;
+	setp.lt.u64 	%p14, %rd357, %rd5;
+	setp.eq.s64 	%p72, %rd360, 0;
+	and.pred  	%p15, %p72, %p14;
+	@%p15 bra 	$L__BB4_8;
+
+$L__BB4_14:
+	not.pred 	%p16, %p72;
+	@%p16 bra 	$L__BB4_26;
+
+	mov.u64 	%rd187, 1;
+	st.volatile.global.u64 	[%rd1], %rd187;
+	membar.sys;
+	mov.u32 	%r102, 32;
+	cvt.u32.u64 	%r13, %rd5;
+	bra.uni 	$L__BB4_16;
+
+$L__BB4_90:
+	// begin inline asm
+	nanosleep.u32 %r102;
+	// end inline asm
+	setp.lt.u32 	%p71, %r102, 2048;
+	selp.u32 	%r100, 1, 0, %p71;
+	shl.b32 	%r102, %r102, %r100;
+
+$L__BB4_16:
+	mov.pred 	%p73, -1;
+	mov.u64 	%rd360, 0;
+	@%p11 bra 	$L__BB4_24;
+
+	mov.u64 	%rd363, 0;
+
+$L__BB4_18:
+	add.s64 	%rd19, %rd363, %rd4;
+	or.b64  	%rd190, %rd19, %rd5;
+	and.b64  	%rd191, %rd190, -4294967296;
+	setp.eq.s64 	%p19, %rd191, 0;
+	@%p19 bra 	$L__BB4_20;
+
+	rem.u64 	%rd367, %rd19, %rd5;
+	bra.uni 	$L__BB4_21;
+
+$L__BB4_20:
+	cvt.u32.u64 	%r14, %rd19;
+	rem.u32 	%r15, %r14, %r13;
+	cvt.u64.u32 	%rd367, %r15;
+
+$L__BB4_21:
+	shl.b64 	%rd193, %rd367, 3;
+	add.s64 	%rd23, %rd2, %rd193;
+	mov.u64 	%rd360, 0;
+	ld.volatile.global.u64 	%rd194, [%rd23];
+	setp.eq.s64 	%p20, %rd194, 0;
+	@%p20 bra 	$L__BB4_23;
+
+	atom.global.exch.b64 	%rd360, [%rd23], 0;
+
+$L__BB4_23:
+	add.s64 	%rd363, %rd363, 1;
+	setp.lt.u64 	%p21, %rd363, %rd5;
+	setp.eq.s64 	%p73, %rd360, 0;
+	and.pred  	%p22, %p73, %p21;
+	@%p22 bra 	$L__BB4_18;
+
+$L__BB4_24:
+	@%p73 bra 	$L__BB4_90;
+
+	mov.u64 	%rd195, 0;
+	st.volatile.global.u64 	[%rd1], %rd195;
+	membar.sys;
+
+$L__BB4_26:
+	membar.gl;
+	add.s64 	%rd31, %rd367, 1;
+	or.b64  	%rd196, %rd31, %rd5;
+	and.b64  	%rd197, %rd196, -4294967296;
+	setp.eq.s64 	%p23, %rd197, 0;
+	@%p23 bra 	$L__BB4_28;
+
+	rem.u64 	%rd370, %rd31, %rd5;
+	bra.uni 	$L__BB4_29;
+
+$L__BB4_28:
+	cvt.u32.u64 	%r16, %rd5;
+	cvt.u32.u64 	%r17, %rd31;
+	rem.u32 	%r18, %r17, %r16;
+	cvt.u64.u32 	%rd370, %r18;
+
+$L__BB4_29:
+	cvta.to.global.u64 	%rd198, %rd173;
+	st.global.u64 	[%rd3+-40], %rd370;
+	shl.b64 	%rd199, %rd367, 3;
+	add.s64 	%rd200, %rd2, %rd199;
+	ld.global.u64 	%rd201, [%rd200+32];
+	st.global.u64 	[%rd3+-32], %rd201;
+	ld.global.u64 	%rd202, [%rd200+64];
+	st.global.u64 	[%rd3+-24], %rd202;
+	st.global.u32 	[%rd198], %rd360;
+	shr.u64 	%rd203, %rd360, 32;
+	st.global.u32 	[%rd198+4], %rd203;
+	membar.gl;
+	atom.global.exch.b64 	%rd205, [%rd3], 1;
+
+$L__BB4_30:
+	ld.volatile.global.u64 	%rd206, [%rd3+-32];
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd206;
+
+$L__BB4_31:
+	bar.sync 	0;
+	cvta.to.global.u64 	%rd35, %rd171;
+	ld.shared.u64 	%rd36, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	xor.b64  	%rd37, %rd36, %rd171;
+	and.b64  	%rd207, %rd37, 15;
+	setp.eq.s64 	%p24, %rd207, 0;
+	@%p24 bra 	$L__BB4_75;
+
+	and.b64  	%rd208, %rd37, 7;
+	setp.eq.s64 	%p25, %rd208, 0;
+	@%p25 bra 	$L__BB4_64;
+
+	and.b64  	%rd209, %rd37, 3;
+	setp.eq.s64 	%p26, %rd209, 0;
+	@%p26 bra 	$L__BB4_53;
+
+	and.b64  	%rd210, %rd37, 1;
+	setp.eq.b64 	%p27, %rd210, 1;
+	mov.pred 	%p28, 0;
+	xor.pred  	%p29, %p27, %p28;
+	not.pred 	%p30, %p29;
+	mov.u32 	%r19, %ctaid.x;
+	cvt.u64.u32 	%rd38, %r19;
+	mov.u32 	%r20, %ntid.x;
+	cvt.u64.u32 	%rd39, %r20;
+	mul.wide.u32 	%rd211, %r19, %r20;
+	cvt.u64.u32 	%rd40, %r1;
+	add.s64 	%rd41, %rd211, %rd40;
+	mov.u32 	%r21, %nctaid.x;
+	cvt.u64.u32 	%rd42, %r21;
+	mul.wide.u32 	%rd43, %r21, %r20;
+	@%p30 bra 	$L__BB4_42;
+	bra.uni 	$L__BB4_35;
+
+$L__BB4_42:
+	and.b64  	%rd60, %rd36, 1;
+	min.u64 	%rd61, %rd60, %rd172;
+	setp.ge.u64 	%p37, %rd41, %rd61;
+	@%p37 bra 	$L__BB4_45;
+
+	mov.u64 	%rd377, %rd41;
+
+$L__BB4_44:
+	add.s64 	%rd225, %rd35, %rd377;
+	ld.global.u8 	%rs7, [%rd225];
+	add.s64 	%rd226, %rd36, %rd377;
+	st.u8 	[%rd226], %rs7;
+	add.s64 	%rd377, %rd377, %rd43;
+	setp.lt.u64 	%p38, %rd377, %rd61;
+	@%p38 bra 	$L__BB4_44;
+
+$L__BB4_45:
+	sub.s64 	%rd64, %rd172, %rd61;
+	shr.u64 	%rd65, %rd64, 1;
+	mul.lo.s64 	%rd66, %rd43, 3;
+	add.s64 	%rd227, %rd41, %rd66;
+	setp.ge.u64 	%p39, %rd227, %rd65;
+	mov.u64 	%rd381, %rd41;
+	@%p39 bra 	$L__BB4_48;
+
+	mul.lo.s64 	%rd228, %rd38, %rd39;
+	shl.b64 	%rd229, %rd228, 1;
+	shl.b64 	%rd230, %rd40, 1;
+	add.s64 	%rd231, %rd229, %rd230;
+	add.s64 	%rd232, %rd231, -1;
+	not.b64 	%rd233, %rd172;
+	not.b64 	%rd234, %rd60;
+	max.u64 	%rd235, %rd234, %rd233;
+	sub.s64 	%rd236, %rd232, %rd235;
+	add.s64 	%rd379, %rd35, %rd236;
+	mul.lo.s64 	%rd237, %rd42, %rd39;
+	shl.b64 	%rd68, %rd237, 1;
+	add.s64 	%rd380, %rd36, %rd236;
+	mov.u64 	%rd381, %rd41;
+
+$L__BB4_47:
+	ld.global.u16 	%rs8, [%rd379];
+	add.s64 	%rd238, %rd379, %rd68;
+	ld.global.u16 	%rs9, [%rd238];
+	add.s64 	%rd239, %rd238, %rd68;
+	ld.global.u16 	%rs10, [%rd239];
+	add.s64 	%rd240, %rd239, %rd68;
+	add.s64 	%rd379, %rd240, %rd68;
+	ld.global.u16 	%rs11, [%rd240];
+	st.u16 	[%rd380], %rs8;
+	add.s64 	%rd241, %rd380, %rd68;
+	st.u16 	[%rd241], %rs9;
+	add.s64 	%rd242, %rd241, %rd68;
+	st.u16 	[%rd242], %rs10;
+	add.s64 	%rd243, %rd242, %rd68;
+	add.s64 	%rd380, %rd243, %rd68;
+	st.u16 	[%rd243], %rs11;
+	add.s64 	%rd244, %rd381, %rd43;
+	add.s64 	%rd381, %rd66, %rd244;
+	add.s64 	%rd245, %rd381, %rd66;
+	setp.lt.u64 	%p40, %rd245, %rd65;
+	@%p40 bra 	$L__BB4_47;
+
+$L__BB4_48:
+	setp.ge.u64 	%p41, %rd381, %rd65;
+	@%p41 bra 	$L__BB4_51;
+
+	add.s64 	%rd77, %rd36, %rd61;
+	add.s64 	%rd78, %rd35, %rd61;
+
+$L__BB4_50:
+	shl.b64 	%rd246, %rd381, 1;
+	add.s64 	%rd247, %rd78, %rd246;
+	ld.global.u16 	%rs12, [%rd247];
+	add.s64 	%rd248, %rd77, %rd246;
+	st.u16 	[%rd248], %rs12;
+	add.s64 	%rd381, %rd381, %rd43;
+	setp.lt.u64 	%p42, %rd381, %rd65;
+	@%p42 bra 	$L__BB4_50;
+
+$L__BB4_51:
+	and.b64  	%rd249, %rd64, -2;
+	add.s64 	%rd250, %rd61, %rd41;
+	add.s64 	%rd383, %rd250, %rd249;
+	setp.ge.u64 	%p43, %rd383, %rd172;
+	@%p43 bra 	$L__BB4_86;
+
+$L__BB4_52:
+	add.s64 	%rd251, %rd35, %rd383;
+	ld.global.u8 	%rs13, [%rd251];
+	add.s64 	%rd252, %rd36, %rd383;
+	st.u8 	[%rd252], %rs13;
+	add.s64 	%rd383, %rd383, %rd43;
+	setp.lt.u64 	%p44, %rd383, %rd172;
+	@%p44 bra 	$L__BB4_52;
+	bra.uni 	$L__BB4_86;
+
+$L__BB4_75:
+	mov.u32 	%r53, %ctaid.x;
+	cvt.u64.u32 	%rd142, %r53;
+	mov.u32 	%r54, %ntid.x;
+	cvt.u64.u32 	%rd143, %r54;
+	mul.wide.u32 	%rd315, %r53, %r54;
+	cvt.u64.u32 	%rd144, %r1;
+	add.s64 	%rd145, %rd315, %rd144;
+	mov.u32 	%r55, %nctaid.x;
+	cvt.u64.u32 	%rd146, %r55;
+	mul.wide.u32 	%rd147, %r55, %r54;
+	neg.s64 	%rd316, %rd36;
+	and.b64  	%rd148, %rd316, 15;
+	min.u64 	%rd149, %rd148, %rd172;
+	setp.ge.u64 	%p61, %rd145, %rd149;
+	@%p61 bra 	$L__BB4_78;
+
+	mov.u64 	%rd397, %rd145;
+
+$L__BB4_77:
+	add.s64 	%rd317, %rd35, %rd397;
+	ld.global.u8 	%rs18, [%rd317];
+	add.s64 	%rd318, %rd36, %rd397;
+	st.u8 	[%rd318], %rs18;
+	add.s64 	%rd397, %rd397, %rd147;
+	setp.lt.u64 	%p62, %rd397, %rd149;
+	@%p62 bra 	$L__BB4_77;
+
+$L__BB4_78:
+	sub.s64 	%rd152, %rd172, %rd149;
+	shr.u64 	%rd153, %rd152, 4;
+	add.s64 	%rd154, %rd35, %rd149;
+	mul.lo.s64 	%rd155, %rd147, 3;
+	add.s64 	%rd319, %rd145, %rd155;
+	setp.ge.u64 	%p63, %rd319, %rd153;
+	mov.u64 	%rd400, %rd145;
+	@%p63 bra 	$L__BB4_81;
+
+	mul.lo.s64 	%rd320, %rd146, %rd143;
+	shl.b64 	%rd156, %rd320, 4;
+	mul.lo.s64 	%rd321, %rd142, %rd143;
+	shl.b64 	%rd322, %rd321, 4;
+	shl.b64 	%rd323, %rd144, 4;
+	add.s64 	%rd324, %rd322, %rd323;
+	add.s64 	%rd325, %rd324, -1;
+	not.b64 	%rd326, %rd172;
+	not.b64 	%rd327, %rd148;
+	max.u64 	%rd328, %rd327, %rd326;
+	sub.s64 	%rd329, %rd325, %rd328;
+	add.s64 	%rd399, %rd36, %rd329;
+	mul.lo.s64 	%rd158, %rd320, -48;
+	mov.u64 	%rd400, %rd145;
+
+$L__BB4_80:
+	shl.b64 	%rd330, %rd400, 4;
+	add.s64 	%rd331, %rd154, %rd330;
+	shl.b64 	%rd332, %rd147, 2;
+	shl.b64 	%rd333, %rd147, 4;
+	add.s64 	%rd334, %rd331, %rd333;
+	ld.global.v4.u32 	{%r56, %r57, %r58, %r59}, [%rd334];
+	add.s64 	%rd335, %rd334, %rd156;
+	ld.global.v4.u32 	{%r64, %r65, %r66, %r67}, [%rd335];
+	add.s64 	%rd336, %rd335, %rd156;
+	ld.global.v4.u32 	{%r72, %r73, %r74, %r75}, [%rd336];
+	add.s64 	%rd337, %rd336, %rd158;
+	ld.global.v4.u32 	{%r80, %r81, %r82, %r83}, [%rd337];
+	st.v4.u32 	[%rd399], {%r80, %r81, %r82, %r83};
+	add.s64 	%rd338, %rd399, %rd156;
+	st.v4.u32 	[%rd338], {%r56, %r57, %r58, %r59};
+	add.s64 	%rd339, %rd338, %rd156;
+	st.v4.u32 	[%rd339], {%r64, %r65, %r66, %r67};
+	add.s64 	%rd340, %rd339, %rd156;
+	add.s64 	%rd399, %rd340, %rd156;
+	st.v4.u32 	[%rd340], {%r72, %r73, %r74, %r75};
+	add.s64 	%rd400, %rd332, %rd400;
+	add.s64 	%rd341, %rd400, %rd155;
+	setp.lt.u64 	%p64, %rd341, %rd153;
+	@%p64 bra 	$L__BB4_80;
+
+$L__BB4_81:
+	setp.ge.u64 	%p65, %rd400, %rd153;
+	@%p65 bra 	$L__BB4_84;
+
+	add.s64 	%rd164, %rd36, %rd149;
+
+$L__BB4_83:
+	shl.b64 	%rd342, %rd400, 4;
+	add.s64 	%rd343, %rd164, %rd342;
+	add.s64 	%rd344, %rd154, %rd342;
+	ld.global.v4.u32 	{%r88, %r89, %r90, %r91}, [%rd344];
+	st.v4.u32 	[%rd343], {%r88, %r89, %r90, %r91};
+	add.s64 	%rd400, %rd400, %rd147;
+	setp.lt.u64 	%p66, %rd400, %rd153;
+	@%p66 bra 	$L__BB4_83;
+
+$L__BB4_84:
+	and.b64  	%rd345, %rd152, -16;
+	add.s64 	%rd346, %rd149, %rd145;
+	add.s64 	%rd402, %rd346, %rd345;
+	setp.ge.u64 	%p67, %rd402, %rd172;
+	@%p67 bra 	$L__BB4_86;
+
+$L__BB4_85:
+	add.s64 	%rd347, %rd35, %rd402;
+	ld.global.u8 	%rs19, [%rd347];
+	add.s64 	%rd348, %rd36, %rd402;
+	st.u8 	[%rd348], %rs19;
+	add.s64 	%rd402, %rd402, %rd147;
+	setp.lt.u64 	%p68, %rd402, %rd172;
+	@%p68 bra 	$L__BB4_85;
+	bra.uni 	$L__BB4_86;
+
+$L__BB4_64:
+	mov.u32 	%r30, %ctaid.x;
+	cvt.u64.u32 	%rd114, %r30;
+	mov.u32 	%r31, %ntid.x;
+	cvt.u64.u32 	%rd115, %r31;
+	mul.wide.u32 	%rd283, %r30, %r31;
+	cvt.u64.u32 	%rd116, %r1;
+	add.s64 	%rd117, %rd283, %rd116;
+	mov.u32 	%r32, %nctaid.x;
+	cvt.u64.u32 	%rd118, %r32;
+	mul.wide.u32 	%rd119, %r32, %r31;
+	neg.s64 	%rd284, %rd36;
+	and.b64  	%rd120, %rd284, 7;
+	min.u64 	%rd121, %rd120, %rd172;
+	setp.ge.u64 	%p53, %rd117, %rd121;
+	@%p53 bra 	$L__BB4_67;
+
+	mov.u64 	%rd391, %rd117;
+
+$L__BB4_66:
+	add.s64 	%rd285, %rd35, %rd391;
+	ld.global.u8 	%rs16, [%rd285];
+	add.s64 	%rd286, %rd36, %rd391;
+	st.u8 	[%rd286], %rs16;
+	add.s64 	%rd391, %rd391, %rd119;
+	setp.lt.u64 	%p54, %rd391, %rd121;
+	@%p54 bra 	$L__BB4_66;
+
+$L__BB4_67:
+	sub.s64 	%rd124, %rd172, %rd121;
+	shr.u64 	%rd125, %rd124, 3;
+	add.s64 	%rd126, %rd35, %rd121;
+	mul.lo.s64 	%rd127, %rd119, 3;
+	add.s64 	%rd287, %rd117, %rd127;
+	setp.ge.u64 	%p55, %rd287, %rd125;
+	mov.u64 	%rd394, %rd117;
+	@%p55 bra 	$L__BB4_70;
+
+	mul.lo.s64 	%rd288, %rd118, %rd115;
+	shl.b64 	%rd128, %rd288, 3;
+	mul.lo.s64 	%rd289, %rd114, %rd115;
+	shl.b64 	%rd290, %rd289, 3;
+	shl.b64 	%rd291, %rd116, 3;
+	add.s64 	%rd292, %rd290, %rd291;
+	add.s64 	%rd293, %rd292, -1;
+	not.b64 	%rd294, %rd172;
+	not.b64 	%rd295, %rd120;
+	max.u64 	%rd296, %rd295, %rd294;
+	sub.s64 	%rd297, %rd293, %rd296;
+	add.s64 	%rd393, %rd36, %rd297;
+	mul.lo.s64 	%rd130, %rd288, -24;
+	mov.u64 	%rd394, %rd117;
+
+$L__BB4_69:
+	add.s64 	%rd298, %rd394, %rd119;
+	shl.b64 	%rd299, %rd298, 3;
+	add.s64 	%rd300, %rd126, %rd299;
+	ld.global.v2.u32 	{%r33, %r34}, [%rd300];
+	add.s64 	%rd301, %rd300, %rd128;
+	ld.global.v2.u32 	{%r37, %r38}, [%rd301];
+	add.s64 	%rd302, %rd301, %rd128;
+	ld.global.v2.u32 	{%r41, %r42}, [%rd302];
+	add.s64 	%rd303, %rd302, %rd130;
+	ld.global.v2.u32 	{%r45, %r46}, [%rd303];
+	st.v2.u32 	[%rd393], {%r45, %r46};
+	add.s64 	%rd304, %rd393, %rd128;
+	st.v2.u32 	[%rd304], {%r33, %r34};
+	add.s64 	%rd305, %rd304, %rd128;
+	st.v2.u32 	[%rd305], {%r37, %r38};
+	add.s64 	%rd306, %rd305, %rd128;
+	add.s64 	%rd393, %rd306, %rd128;
+	st.v2.u32 	[%rd306], {%r41, %r42};
+	add.s64 	%rd394, %rd127, %rd298;
+	add.s64 	%rd307, %rd394, %rd127;
+	setp.lt.u64 	%p56, %rd307, %rd125;
+	@%p56 bra 	$L__BB4_69;
+
+$L__BB4_70:
+	setp.ge.u64 	%p57, %rd394, %rd125;
+	@%p57 bra 	$L__BB4_73;
+
+	add.s64 	%rd136, %rd36, %rd121;
+
+$L__BB4_72:
+	shl.b64 	%rd308, %rd394, 3;
+	add.s64 	%rd309, %rd126, %rd308;
+	ld.global.v2.u32 	{%r49, %r50}, [%rd309];
+	add.s64 	%rd310, %rd136, %rd308;
+	st.v2.u32 	[%rd310], {%r49, %r50};
+	add.s64 	%rd394, %rd394, %rd119;
+	setp.lt.u64 	%p58, %rd394, %rd125;
+	@%p58 bra 	$L__BB4_72;
+
+$L__BB4_73:
+	and.b64  	%rd311, %rd124, -8;
+	add.s64 	%rd312, %rd121, %rd117;
+	add.s64 	%rd396, %rd312, %rd311;
+	setp.ge.u64 	%p59, %rd396, %rd172;
+	@%p59 bra 	$L__BB4_86;
+
+$L__BB4_74:
+	add.s64 	%rd313, %rd35, %rd396;
+	ld.global.u8 	%rs17, [%rd313];
+	add.s64 	%rd314, %rd36, %rd396;
+	st.u8 	[%rd314], %rs17;
+	add.s64 	%rd396, %rd396, %rd119;
+	setp.lt.u64 	%p60, %rd396, %rd172;
+	@%p60 bra 	$L__BB4_74;
+	bra.uni 	$L__BB4_86;
+
+$L__BB4_53:
+	mov.u32 	%r22, %ctaid.x;
+	cvt.u64.u32 	%rd84, %r22;
+	mov.u32 	%r23, %ntid.x;
+	cvt.u64.u32 	%rd85, %r23;
+	mul.wide.u32 	%rd253, %r22, %r23;
+	cvt.u64.u32 	%rd86, %r1;
+	add.s64 	%rd87, %rd253, %rd86;
+	mov.u32 	%r24, %nctaid.x;
+	cvt.u64.u32 	%rd88, %r24;
+	mul.wide.u32 	%rd89, %r24, %r23;
+	neg.s64 	%rd254, %rd36;
+	and.b64  	%rd90, %rd254, 3;
+	min.u64 	%rd91, %rd90, %rd172;
+	setp.ge.u64 	%p45, %rd87, %rd91;
+	@%p45 bra 	$L__BB4_56;
+
+	mov.u64 	%rd384, %rd87;
+
+$L__BB4_55:
+	add.s64 	%rd255, %rd35, %rd384;
+	ld.global.u8 	%rs14, [%rd255];
+	add.s64 	%rd256, %rd36, %rd384;
+	st.u8 	[%rd256], %rs14;
+	add.s64 	%rd384, %rd384, %rd89;
+	setp.lt.u64 	%p46, %rd384, %rd91;
+	@%p46 bra 	$L__BB4_55;
+
+$L__BB4_56:
+	sub.s64 	%rd94, %rd172, %rd91;
+	shr.u64 	%rd95, %rd94, 2;
+	mul.lo.s64 	%rd96, %rd89, 3;
+	add.s64 	%rd257, %rd87, %rd96;
+	setp.ge.u64 	%p47, %rd257, %rd95;
+	mov.u64 	%rd388, %rd87;
+	@%p47 bra 	$L__BB4_59;
+
+	mul.lo.s64 	%rd258, %rd84, %rd85;
+	shl.b64 	%rd259, %rd258, 2;
+	shl.b64 	%rd260, %rd86, 2;
+	add.s64 	%rd261, %rd259, %rd260;
+	add.s64 	%rd262, %rd261, -1;
+	not.b64 	%rd263, %rd172;
+	not.b64 	%rd264, %rd90;
+	max.u64 	%rd265, %rd264, %rd263;
+	sub.s64 	%rd266, %rd262, %rd265;
+	add.s64 	%rd386, %rd35, %rd266;
+	mul.lo.s64 	%rd267, %rd88, %rd85;
+	shl.b64 	%rd98, %rd267, 2;
+	add.s64 	%rd387, %rd36, %rd266;
+	mov.u64 	%rd388, %rd87;
+
+$L__BB4_58:
+	ld.global.u32 	%r25, [%rd386];
+	add.s64 	%rd268, %rd386, %rd98;
+	ld.global.u32 	%r26, [%rd268];
+	add.s64 	%rd269, %rd268, %rd98;
+	ld.global.u32 	%r27, [%rd269];
+	add.s64 	%rd270, %rd269, %rd98;
+	add.s64 	%rd386, %rd270, %rd98;
+	ld.global.u32 	%r28, [%rd270];
+	st.u32 	[%rd387], %r25;
+	add.s64 	%rd271, %rd387, %rd98;
+	st.u32 	[%rd271], %r26;
+	add.s64 	%rd272, %rd271, %rd98;
+	st.u32 	[%rd272], %r27;
+	add.s64 	%rd273, %rd272, %rd98;
+	add.s64 	%rd387, %rd273, %rd98;
+	st.u32 	[%rd273], %r28;
+	add.s64 	%rd274, %rd388, %rd89;
+	add.s64 	%rd388, %rd96, %rd274;
+	add.s64 	%rd275, %rd388, %rd96;
+	setp.lt.u64 	%p48, %rd275, %rd95;
+	@%p48 bra 	$L__BB4_58;
+
+$L__BB4_59:
+	setp.ge.u64 	%p49, %rd388, %rd95;
+	@%p49 bra 	$L__BB4_62;
+
+	add.s64 	%rd107, %rd36, %rd91;
+	add.s64 	%rd108, %rd35, %rd91;
+
+$L__BB4_61:
+	shl.b64 	%rd276, %rd388, 2;
+	add.s64 	%rd277, %rd108, %rd276;
+	ld.global.u32 	%r29, [%rd277];
+	add.s64 	%rd278, %rd107, %rd276;
+	st.u32 	[%rd278], %r29;
+	add.s64 	%rd388, %rd388, %rd89;
+	setp.lt.u64 	%p50, %rd388, %rd95;
+	@%p50 bra 	$L__BB4_61;
+
+$L__BB4_62:
+	and.b64  	%rd279, %rd94, -4;
+	add.s64 	%rd280, %rd91, %rd87;
+	add.s64 	%rd390, %rd280, %rd279;
+	setp.ge.u64 	%p51, %rd390, %rd172;
+	@%p51 bra 	$L__BB4_86;
+
+$L__BB4_63:
+	add.s64 	%rd281, %rd35, %rd390;
+	ld.global.u8 	%rs15, [%rd281];
+	add.s64 	%rd282, %rd36, %rd390;
+	st.u8 	[%rd282], %rs15;
+	add.s64 	%rd390, %rd390, %rd89;
+	setp.lt.u64 	%p52, %rd390, %rd172;
+	@%p52 bra 	$L__BB4_63;
+	bra.uni 	$L__BB4_86;
+
+$L__BB4_35:
+	mul.lo.s64 	%rd44, %rd43, 3;
+	add.s64 	%rd212, %rd41, %rd44;
+	setp.ge.u64 	%p31, %rd212, %rd172;
+	mov.u64 	%rd374, %rd41;
+	@%p31 bra 	$L__BB4_38;
+
+	add.s64 	%rd372, %rd35, %rd41;
+	mul.lo.s64 	%rd46, %rd42, %rd39;
+	add.s64 	%rd373, %rd36, %rd41;
+	mov.u64 	%rd374, %rd41;
+
+$L__BB4_37:
+	ld.global.u8 	%rs1, [%rd372];
+	add.s64 	%rd213, %rd372, %rd46;
+	ld.global.u8 	%rs2, [%rd213];
+	add.s64 	%rd214, %rd213, %rd46;
+	ld.global.u8 	%rs3, [%rd214];
+	add.s64 	%rd215, %rd214, %rd46;
+	add.s64 	%rd372, %rd215, %rd46;
+	ld.global.u8 	%rs4, [%rd215];
+	st.u8 	[%rd373], %rs1;
+	add.s64 	%rd216, %rd373, %rd46;
+	st.u8 	[%rd216], %rs2;
+	add.s64 	%rd217, %rd216, %rd46;
+	st.u8 	[%rd217], %rs3;
+	add.s64 	%rd218, %rd217, %rd46;
+	add.s64 	%rd373, %rd218, %rd46;
+	st.u8 	[%rd218], %rs4;
+	add.s64 	%rd219, %rd374, %rd43;
+	add.s64 	%rd374, %rd44, %rd219;
+	add.s64 	%rd220, %rd374, %rd44;
+	setp.lt.u64 	%p32, %rd220, %rd172;
+	@%p32 bra 	$L__BB4_37;
+
+$L__BB4_38:
+	setp.ge.u64 	%p33, %rd374, %rd172;
+	@%p33 bra 	$L__BB4_40;
+
+$L__BB4_39:
+	add.s64 	%rd221, %rd35, %rd374;
+	ld.global.u8 	%rs5, [%rd221];
+	add.s64 	%rd222, %rd36, %rd374;
+	st.u8 	[%rd222], %rs5;
+	add.s64 	%rd374, %rd374, %rd43;
+	setp.lt.u64 	%p34, %rd374, %rd172;
+	@%p34 bra 	$L__BB4_39;
+
+$L__BB4_40:
+	add.s64 	%rd376, %rd41, %rd172;
+	setp.ge.u64 	%p35, %rd376, %rd41;
+	@%p35 bra 	$L__BB4_86;
+
+$L__BB4_41:
+	add.s64 	%rd223, %rd35, %rd376;
+	ld.global.u8 	%rs6, [%rd223];
+	add.s64 	%rd224, %rd36, %rd376;
+	st.u8 	[%rd224], %rs6;
+	add.s64 	%rd376, %rd376, %rd43;
+	setp.lt.u64 	%p36, %rd376, %rd172;
+	@%p36 bra 	$L__BB4_41;
+
+$L__BB4_86:
+	membar.gl;
+	bar.sync 	0;
+	@%p5 bra 	$L__BB4_89;
+
+	add.s64 	%rd350, %rd2, 128;
+	atom.global.add.u64 	%rd351, [%rd350], 1;
+	mov.u32 	%r97, %nctaid.x;
+	add.s32 	%r98, %r97, -1;
+	cvt.u64.u32 	%rd352, %r98;
+	setp.ne.s64 	%p70, %rd351, %rd352;
+	@%p70 bra 	$L__BB4_89;
+
+	mov.u64 	%rd354, 0;
+	st.global.u64 	[%rd2+128], %rd354;
+	st.global.u64 	[%rd2+136], %rd354;
+	st.global.u64 	[%rd2+144], %rd354;
+	membar.sys;
+	ld.volatile.global.u64 	%rd355, [%rd2+120];
+	mov.u64 	%rd356, 1;
+	st.volatile.u64 	[%rd355], %rd356;
+	membar.sys;
+
+$L__BB4_89:
+	ret;
+
+}
+	// .globl	jaxvmm_fused_reload
+.visible .entry jaxvmm_fused_reload(
+	.param .u64 jaxvmm_fused_reload_param_0,
+	.param .u64 jaxvmm_fused_reload_param_1,
+	.param .u64 jaxvmm_fused_reload_param_2,
+	.param .u64 jaxvmm_fused_reload_param_3,
+	.param .u64 jaxvmm_fused_reload_param_4,
+	.param .u64 jaxvmm_fused_reload_param_5,
+	.param .u64 jaxvmm_fused_reload_param_6
+)
+{
+	.reg .pred 	%p<61>;
+	.reg .b16 	%rs<20>;
+	.reg .b32 	%r<94>;
+	.reg .b64 	%rd<364>;
+	// demoted variable
+	.shared .align 8 .u64 _ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell;
+
+	ld.param.u64 	%rd146, [jaxvmm_fused_reload_param_0];
+	ld.param.u64 	%rd147, [jaxvmm_fused_reload_param_1];
+	ld.param.u64 	%rd148, [jaxvmm_fused_reload_param_2];
+	ld.param.u64 	%rd149, [jaxvmm_fused_reload_param_3];
+	ld.param.u64 	%rd150, [jaxvmm_fused_reload_param_4];
+	ld.param.u64 	%rd151, [jaxvmm_fused_reload_param_5];
+	ld.param.u64 	%rd152, [jaxvmm_fused_reload_param_6];
+	cvta.to.global.u64 	%rd1, %rd152;
+	mov.u32 	%r1, %tid.x;
+	setp.ne.s32 	%p1, %r1, 0;
+	cvta.to.global.u64 	%rd2, %rd146;
+	@%p1 bra 	$L__BB5_16;
+
+	add.s64 	%rd3, %rd2, 144;
+	add.s64 	%rd153, %rd2, 136;
+	atom.global.add.u64 	%rd154, [%rd153], 1;
+	setp.eq.s64 	%p2, %rd154, 0;
+	@%p2 bra 	$L__BB5_6;
+
+	ld.volatile.global.u64 	%rd155, [%rd3];
+	setp.ne.s64 	%p3, %rd155, 0;
+	@%p3 bra 	$L__BB5_5;
+
+	mov.u32 	%r92, 32;
+
+$L__BB5_4:
+	// begin inline asm
+	nanosleep.u32 %r92;
+	// end inline asm
+	setp.lt.u32 	%p4, %r92, 256;
+	selp.u32 	%r8, 1, 0, %p4;
+	shl.b32 	%r92, %r92, %r8;
+	ld.volatile.global.u64 	%rd156, [%rd3];
+	setp.eq.s64 	%p5, %rd156, 0;
+	@%p5 bra 	$L__BB5_4;
+
+$L__BB5_5:
+	membar.gl;
+	bra.uni 	$L__BB5_15;
+
+$L__BB5_6:
+	cvta.to.global.u64 	%rd157, %rd149;
+	ld.global.u32 	%rd158, [%rd157];
+	ld.global.u32 	%rd159, [%rd157+4];
+	bfi.b64 	%rd4, %rd159, %rd158, 32, 32;
+	setp.eq.s64 	%p6, %rd4, 0;
+	ld.global.u64 	%rd5, [%rd3+-48];
+	setp.eq.s64 	%p7, %rd5, 0;
+	or.pred  	%p8, %p6, %p7;
+	@%p8 bra 	$L__BB5_10;
+
+	mov.u64 	%rd160, 0;
+	mov.u64 	%rd330, %rd160;
+
+$L__BB5_8:
+	shl.b64 	%rd161, %rd330, 3;
+	add.s64 	%rd162, %rd2, %rd161;
+	atom.global.cas.b64 	%rd164, [%rd162], %rd4, %rd160;
+	setp.eq.s64 	%p9, %rd164, %rd4;
+	@%p9 bra 	$L__BB5_75;
+
+	add.s64 	%rd330, %rd330, 1;
+	setp.lt.u64 	%p10, %rd330, %rd5;
+	@%p10 bra 	$L__BB5_8;
+
+$L__BB5_10:
+	cvta.to.global.u64 	%rd169, %rd150;
+	st.volatile.global.u64 	[%rd169], %rd4;
+	membar.sys;
+	cvta.to.global.u64 	%rd170, %rd151;
+	mov.u64 	%rd171, 1;
+	st.volatile.global.u64 	[%rd170], %rd171;
+	membar.sys;
+	ld.volatile.global.u64 	%rd331, [%rd1];
+	setp.ne.s64 	%p11, %rd331, 0;
+	@%p11 bra 	$L__BB5_13;
+
+	mov.u32 	%r93, 32;
+
+$L__BB5_12:
+	// begin inline asm
+	nanosleep.u32 %r93;
+	// end inline asm
+	setp.lt.u32 	%p12, %r93, 2048;
+	selp.u32 	%r11, 1, 0, %p12;
+	shl.b32 	%r93, %r93, %r11;
+	ld.volatile.global.u64 	%rd331, [%rd1];
+	setp.eq.s64 	%p13, %rd331, 0;
+	@%p13 bra 	$L__BB5_12;
+
+$L__BB5_13:
+	mov.u64 	%rd172, 0;
+	st.volatile.global.u64 	[%rd1], %rd172;
+	membar.sys;
+	shl.b64 	%rd173, %rd331, 3;
+	add.s64 	%rd174, %rd2, %rd173;
+	ld.global.u64 	%rd175, [%rd174+24];
+	st.global.u64 	[%rd3+-32], %rd175;
+	ld.global.u64 	%rd176, [%rd174+56];
+	st.global.u64 	[%rd3+-24], %rd176;
+	bra.uni 	$L__BB5_14;
+
+$L__BB5_75:
+	membar.gl;
+	ld.global.u64 	%rd167, [%rd162+32];
+	st.global.u64 	[%rd3+-32], %rd167;
+	ld.global.u64 	%rd168, [%rd162+64];
+	st.global.u64 	[%rd3+-24], %rd168;
+
+$L__BB5_14:
+	membar.gl;
+	atom.global.exch.b64 	%rd178, [%rd3], 1;
+
+$L__BB5_15:
+	ld.volatile.global.u64 	%rd179, [%rd3+-32];
+	st.shared.u64 	[_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell], %rd179;
+
+$L__BB5_16:
+	bar.sync 	0;
+	cvta.to.global.u64 	%rd11, %rd147;
+	ld.shared.u64 	%rd12, [_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell];
+	xor.b64  	%rd13, %rd12, %rd147;
+	and.b64  	%rd180, %rd13, 15;
+	setp.eq.s64 	%p14, %rd180, 0;
+	@%p14 bra 	$L__BB5_60;
+
+	and.b64  	%rd181, %rd13, 7;
+	setp.eq.s64 	%p15, %rd181, 0;
+	@%p15 bra 	$L__BB5_49;
+
+	and.b64  	%rd182, %rd13, 3;
+	setp.eq.s64 	%p16, %rd182, 0;
+	@%p16 bra 	$L__BB5_38;
+
+	and.b64  	%rd183, %rd13, 1;
+	setp.eq.b64 	%p17, %rd183, 1;
+	mov.pred 	%p18, 0;
+	xor.pred  	%p19, %p17, %p18;
+	not.pred 	%p20, %p19;
+	mov.u32 	%r12, %ctaid.x;
+	cvt.u64.u32 	%rd14, %r12;
+	mov.u32 	%r13, %ntid.x;
+	cvt.u64.u32 	%rd15, %r13;
+	mul.wide.u32 	%rd184, %r12, %r13;
+	cvt.u64.u32 	%rd16, %r1;
+	add.s64 	%rd17, %rd184, %rd16;
+	mov.u32 	%r14, %nctaid.x;
+	cvt.u64.u32 	%rd18, %r14;
+	mul.wide.u32 	%rd19, %r14, %r13;
+	@%p20 bra 	$L__BB5_27;
+	bra.uni 	$L__BB5_20;
+
+$L__BB5_27:
+	and.b64  	%rd36, %rd147, 1;
+	min.u64 	%rd37, %rd36, %rd148;
+	setp.ge.u64 	%p27, %rd17, %rd37;
+	@%p27 bra 	$L__BB5_30;
+
+	mov.u64 	%rd338, %rd17;
+
+$L__BB5_29:
+	add.s64 	%rd198, %rd12, %rd338;
+	ld.u8 	%rs7, [%rd198];
+	add.s64 	%rd199, %rd11, %rd338;
+	st.global.u8 	[%rd199], %rs7;
+	add.s64 	%rd338, %rd338, %rd19;
+	setp.lt.u64 	%p28, %rd338, %rd37;
+	@%p28 bra 	$L__BB5_29;
+
+$L__BB5_30:
+	sub.s64 	%rd40, %rd148, %rd37;
+	shr.u64 	%rd41, %rd40, 1;
+	mul.lo.s64 	%rd42, %rd19, 3;
+	add.s64 	%rd200, %rd17, %rd42;
+	setp.ge.u64 	%p29, %rd200, %rd41;
+	mov.u64 	%rd342, %rd17;
+	@%p29 bra 	$L__BB5_33;
+
+	mul.lo.s64 	%rd201, %rd14, %rd15;
+	shl.b64 	%rd202, %rd201, 1;
+	shl.b64 	%rd203, %rd16, 1;
+	add.s64 	%rd204, %rd202, %rd203;
+	add.s64 	%rd205, %rd204, -1;
+	not.b64 	%rd206, %rd148;
+	not.b64 	%rd207, %rd36;
+	max.u64 	%rd208, %rd207, %rd206;
+	sub.s64 	%rd209, %rd205, %rd208;
+	add.s64 	%rd340, %rd12, %rd209;
+	mul.lo.s64 	%rd210, %rd18, %rd15;
+	shl.b64 	%rd44, %rd210, 1;
+	add.s64 	%rd341, %rd11, %rd209;
+	mov.u64 	%rd342, %rd17;
+
+$L__BB5_32:
+	ld.u16 	%rs8, [%rd340];
+	add.s64 	%rd211, %rd340, %rd44;
+	ld.u16 	%rs9, [%rd211];
+	add.s64 	%rd212, %rd211, %rd44;
+	ld.u16 	%rs10, [%rd212];
+	add.s64 	%rd213, %rd212, %rd44;
+	add.s64 	%rd340, %rd213, %rd44;
+	ld.u16 	%rs11, [%rd213];
+	st.global.u16 	[%rd341], %rs8;
+	add.s64 	%rd214, %rd341, %rd44;
+	st.global.u16 	[%rd214], %rs9;
+	add.s64 	%rd215, %rd214, %rd44;
+	st.global.u16 	[%rd215], %rs10;
+	add.s64 	%rd216, %rd215, %rd44;
+	add.s64 	%rd341, %rd216, %rd44;
+	st.global.u16 	[%rd216], %rs11;
+	add.s64 	%rd217, %rd342, %rd19;
+	add.s64 	%rd342, %rd42, %rd217;
+	add.s64 	%rd218, %rd342, %rd42;
+	setp.lt.u64 	%p30, %rd218, %rd41;
+	@%p30 bra 	$L__BB5_32;
+
+$L__BB5_33:
+	setp.ge.u64 	%p31, %rd342, %rd41;
+	@%p31 bra 	$L__BB5_36;
+
+	add.s64 	%rd53, %rd11, %rd37;
+	add.s64 	%rd54, %rd12, %rd37;
+
+$L__BB5_35:
+	shl.b64 	%rd219, %rd342, 1;
+	add.s64 	%rd220, %rd54, %rd219;
+	ld.u16 	%rs12, [%rd220];
+	add.s64 	%rd221, %rd53, %rd219;
+	st.global.u16 	[%rd221], %rs12;
+	add.s64 	%rd342, %rd342, %rd19;
+	setp.lt.u64 	%p32, %rd342, %rd41;
+	@%p32 bra 	$L__BB5_35;
+
+$L__BB5_36:
+	and.b64  	%rd222, %rd40, -2;
+	add.s64 	%rd223, %rd37, %rd17;
+	add.s64 	%rd344, %rd223, %rd222;
+	setp.ge.u64 	%p33, %rd344, %rd148;
+	@%p33 bra 	$L__BB5_71;
+
+$L__BB5_37:
+	add.s64 	%rd224, %rd12, %rd344;
+	ld.u8 	%rs13, [%rd224];
+	add.s64 	%rd225, %rd11, %rd344;
+	st.global.u8 	[%rd225], %rs13;
+	add.s64 	%rd344, %rd344, %rd19;
+	setp.lt.u64 	%p34, %rd344, %rd148;
+	@%p34 bra 	$L__BB5_37;
+	bra.uni 	$L__BB5_71;
+
+$L__BB5_60:
+	mov.u32 	%r46, %ctaid.x;
+	cvt.u64.u32 	%rd118, %r46;
+	mov.u32 	%r47, %ntid.x;
+	cvt.u64.u32 	%rd119, %r47;
+	mul.wide.u32 	%rd288, %r46, %r47;
+	cvt.u64.u32 	%rd120, %r1;
+	add.s64 	%rd121, %rd288, %rd120;
+	mov.u32 	%r48, %nctaid.x;
+	cvt.u64.u32 	%rd122, %r48;
+	mul.wide.u32 	%rd123, %r48, %r47;
+	neg.s64 	%rd289, %rd147;
+	and.b64  	%rd124, %rd289, 15;
+	min.u64 	%rd125, %rd124, %rd148;
+	setp.ge.u64 	%p51, %rd121, %rd125;
+	@%p51 bra 	$L__BB5_63;
+
+	mov.u64 	%rd358, %rd121;
+
+$L__BB5_62:
+	add.s64 	%rd290, %rd12, %rd358;
+	ld.u8 	%rs18, [%rd290];
+	add.s64 	%rd291, %rd11, %rd358;
+	st.global.u8 	[%rd291], %rs18;
+	add.s64 	%rd358, %rd358, %rd123;
+	setp.lt.u64 	%p52, %rd358, %rd125;
+	@%p52 bra 	$L__BB5_62;
+
+$L__BB5_63:
+	sub.s64 	%rd128, %rd148, %rd125;
+	shr.u64 	%rd129, %rd128, 4;
+	add.s64 	%rd130, %rd12, %rd125;
+	mul.lo.s64 	%rd131, %rd123, 3;
+	add.s64 	%rd292, %rd121, %rd131;
+	setp.ge.u64 	%p53, %rd292, %rd129;
+	mov.u64 	%rd361, %rd121;
+	@%p53 bra 	$L__BB5_66;
+
+	mul.lo.s64 	%rd293, %rd122, %rd119;
+	shl.b64 	%rd132, %rd293, 4;
+	mul.lo.s64 	%rd294, %rd118, %rd119;
+	shl.b64 	%rd295, %rd294, 4;
+	shl.b64 	%rd296, %rd120, 4;
+	add.s64 	%rd297, %rd295, %rd296;
+	add.s64 	%rd298, %rd297, -1;
+	not.b64 	%rd299, %rd148;
+	not.b64 	%rd300, %rd124;
+	max.u64 	%rd301, %rd300, %rd299;
+	sub.s64 	%rd302, %rd298, %rd301;
+	add.s64 	%rd360, %rd11, %rd302;
+	mul.lo.s64 	%rd134, %rd293, -48;
+	mov.u64 	%rd361, %rd121;
+
+$L__BB5_65:
+	shl.b64 	%rd303, %rd361, 4;
+	add.s64 	%rd304, %rd130, %rd303;
+	shl.b64 	%rd305, %rd123, 2;
+	shl.b64 	%rd306, %rd123, 4;
+	add.s64 	%rd307, %rd304, %rd306;
+	ld.v4.u32 	{%r49, %r50, %r51, %r52}, [%rd307];
+	add.s64 	%rd308, %rd307, %rd132;
+	ld.v4.u32 	{%r57, %r58, %r59, %r60}, [%rd308];
+	add.s64 	%rd309, %rd308, %rd132;
+	ld.v4.u32 	{%r65, %r66, %r67, %r68}, [%rd309];
+	add.s64 	%rd310, %rd309, %rd134;
+	ld.v4.u32 	{%r73, %r74, %r75, %r76}, [%rd310];
+	st.global.v4.u32 	[%rd360], {%r73, %r74, %r75, %r76};
+	add.s64 	%rd311, %rd360, %rd132;
+	st.global.v4.u32 	[%rd311], {%r49, %r50, %r51, %r52};
+	add.s64 	%rd312, %rd311, %rd132;
+	st.global.v4.u32 	[%rd312], {%r57, %r58, %r59, %r60};
+	add.s64 	%rd313, %rd312, %rd132;
+	add.s64 	%rd360, %rd313, %rd132;
+	st.global.v4.u32 	[%rd313], {%r65, %r66, %r67, %r68};
+	add.s64 	%rd361, %rd305, %rd361;
+	add.s64 	%rd314, %rd361, %rd131;
+	setp.lt.u64 	%p54, %rd314, %rd129;
+	@%p54 bra 	$L__BB5_65;
+
+$L__BB5_66:
+	setp.ge.u64 	%p55, %rd361, %rd129;
+	@%p55 bra 	$L__BB5_69;
+
+	add.s64 	%rd140, %rd11, %rd125;
+
+$L__BB5_68:
+	shl.b64 	%rd315, %rd361, 4;
+	add.s64 	%rd316, %rd140, %rd315;
+	add.s64 	%rd317, %rd130, %rd315;
+	ld.v4.u32 	{%r81, %r82, %r83, %r84}, [%rd317];
+	st.global.v4.u32 	[%rd316], {%r81, %r82, %r83, %r84};
+	add.s64 	%rd361, %rd361, %rd123;
+	setp.lt.u64 	%p56, %rd361, %rd129;
+	@%p56 bra 	$L__BB5_68;
+
+$L__BB5_69:
+	and.b64  	%rd318, %rd128, -16;
+	add.s64 	%rd319, %rd125, %rd121;
+	add.s64 	%rd363, %rd319, %rd318;
+	setp.ge.u64 	%p57, %rd363, %rd148;
+	@%p57 bra 	$L__BB5_71;
+
+$L__BB5_70:
+	add.s64 	%rd320, %rd12, %rd363;
+	ld.u8 	%rs19, [%rd320];
+	add.s64 	%rd321, %rd11, %rd363;
+	st.global.u8 	[%rd321], %rs19;
+	add.s64 	%rd363, %rd363, %rd123;
+	setp.lt.u64 	%p58, %rd363, %rd148;
+	@%p58 bra 	$L__BB5_70;
+	bra.uni 	$L__BB5_71;
+
+$L__BB5_49:
+	mov.u32 	%r23, %ctaid.x;
+	cvt.u64.u32 	%rd90, %r23;
+	mov.u32 	%r24, %ntid.x;
+	cvt.u64.u32 	%rd91, %r24;
+	mul.wide.u32 	%rd256, %r23, %r24;
+	cvt.u64.u32 	%rd92, %r1;
+	add.s64 	%rd93, %rd256, %rd92;
+	mov.u32 	%r25, %nctaid.x;
+	cvt.u64.u32 	%rd94, %r25;
+	mul.wide.u32 	%rd95, %r25, %r24;
+	neg.s64 	%rd257, %rd147;
+	and.b64  	%rd96, %rd257, 7;
+	min.u64 	%rd97, %rd96, %rd148;
+	setp.ge.u64 	%p43, %rd93, %rd97;
+	@%p43 bra 	$L__BB5_52;
+
+	mov.u64 	%rd352, %rd93;
+
+$L__BB5_51:
+	add.s64 	%rd258, %rd12, %rd352;
+	ld.u8 	%rs16, [%rd258];
+	add.s64 	%rd259, %rd11, %rd352;
+	st.global.u8 	[%rd259], %rs16;
+	add.s64 	%rd352, %rd352, %rd95;
+	setp.lt.u64 	%p44, %rd352, %rd97;
+	@%p44 bra 	$L__BB5_51;
+
+$L__BB5_52:
+	sub.s64 	%rd100, %rd148, %rd97;
+	shr.u64 	%rd101, %rd100, 3;
+	add.s64 	%rd102, %rd12, %rd97;
+	mul.lo.s64 	%rd103, %rd95, 3;
+	add.s64 	%rd260, %rd93, %rd103;
+	setp.ge.u64 	%p45, %rd260, %rd101;
+	mov.u64 	%rd355, %rd93;
+	@%p45 bra 	$L__BB5_55;
+
+	mul.lo.s64 	%rd261, %rd94, %rd91;
+	shl.b64 	%rd104, %rd261, 3;
+	mul.lo.s64 	%rd262, %rd90, %rd91;
+	shl.b64 	%rd263, %rd262, 3;
+	shl.b64 	%rd264, %rd92, 3;
+	add.s64 	%rd265, %rd263, %rd264;
+	add.s64 	%rd266, %rd265, -1;
+	not.b64 	%rd267, %rd148;
+	not.b64 	%rd268, %rd96;
+	max.u64 	%rd269, %rd268, %rd267;
+	sub.s64 	%rd270, %rd266, %rd269;
+	add.s64 	%rd354, %rd11, %rd270;
+	mul.lo.s64 	%rd106, %rd261, -24;
+	mov.u64 	%rd355, %rd93;
+
+$L__BB5_54:
+	add.s64 	%rd271, %rd355, %rd95;
+	shl.b64 	%rd272, %rd271, 3;
+	add.s64 	%rd273, %rd102, %rd272;
+	ld.v2.u32 	{%r26, %r27}, [%rd273];
+	add.s64 	%rd274, %rd273, %rd104;
+	ld.v2.u32 	{%r30, %r31}, [%rd274];
+	add.s64 	%rd275, %rd274, %rd104;
+	ld.v2.u32 	{%r34, %r35}, [%rd275];
+	add.s64 	%rd276, %rd275, %rd106;
+	ld.v2.u32 	{%r38, %r39}, [%rd276];
+	st.global.v2.u32 	[%rd354], {%r38, %r39};
+	add.s64 	%rd277, %rd354, %rd104;
+	st.global.v2.u32 	[%rd277], {%r26, %r27};
+	add.s64 	%rd278, %rd277, %rd104;
+	st.global.v2.u32 	[%rd278], {%r30, %r31};
+	add.s64 	%rd279, %rd278, %rd104;
+	add.s64 	%rd354, %rd279, %rd104;
+	st.global.v2.u32 	[%rd279], {%r34, %r35};
+	add.s64 	%rd355, %rd103, %rd271;
+	add.s64 	%rd280, %rd355, %rd103;
+	setp.lt.u64 	%p46, %rd280, %rd101;
+	@%p46 bra 	$L__BB5_54;
+
+$L__BB5_55:
+	setp.ge.u64 	%p47, %rd355, %rd101;
+	@%p47 bra 	$L__BB5_58;
+
+	add.s64 	%rd112, %rd11, %rd97;
+
+$L__BB5_57:
+	shl.b64 	%rd281, %rd355, 3;
+	add.s64 	%rd282, %rd102, %rd281;
+	ld.v2.u32 	{%r42, %r43}, [%rd282];
+	add.s64 	%rd283, %rd112, %rd281;
+	st.global.v2.u32 	[%rd283], {%r42, %r43};
+	add.s64 	%rd355, %rd355, %rd95;
+	setp.lt.u64 	%p48, %rd355, %rd101;
+	@%p48 bra 	$L__BB5_57;
+
+$L__BB5_58:
+	and.b64  	%rd284, %rd100, -8;
+	add.s64 	%rd285, %rd97, %rd93;
+	add.s64 	%rd357, %rd285, %rd284;
+	setp.ge.u64 	%p49, %rd357, %rd148;
+	@%p49 bra 	$L__BB5_71;
+
+$L__BB5_59:
+	add.s64 	%rd286, %rd12, %rd357;
+	ld.u8 	%rs17, [%rd286];
+	add.s64 	%rd287, %rd11, %rd357;
+	st.global.u8 	[%rd287], %rs17;
+	add.s64 	%rd357, %rd357, %rd95;
+	setp.lt.u64 	%p50, %rd357, %rd148;
+	@%p50 bra 	$L__BB5_59;
+	bra.uni 	$L__BB5_71;
+
+$L__BB5_38:
+	mov.u32 	%r15, %ctaid.x;
+	cvt.u64.u32 	%rd60, %r15;
+	mov.u32 	%r16, %ntid.x;
+	cvt.u64.u32 	%rd61, %r16;
+	mul.wide.u32 	%rd226, %r15, %r16;
+	cvt.u64.u32 	%rd62, %r1;
+	add.s64 	%rd63, %rd226, %rd62;
+	mov.u32 	%r17, %nctaid.x;
+	cvt.u64.u32 	%rd64, %r17;
+	mul.wide.u32 	%rd65, %r17, %r16;
+	neg.s64 	%rd227, %rd147;
+	and.b64  	%rd66, %rd227, 3;
+	min.u64 	%rd67, %rd66, %rd148;
+	setp.ge.u64 	%p35, %rd63, %rd67;
+	@%p35 bra 	$L__BB5_41;
+
+	mov.u64 	%rd345, %rd63;
+
+$L__BB5_40:
+	add.s64 	%rd228, %rd12, %rd345;
+	ld.u8 	%rs14, [%rd228];
+	add.s64 	%rd229, %rd11, %rd345;
+	st.global.u8 	[%rd229], %rs14;
+	add.s64 	%rd345, %rd345, %rd65;
+	setp.lt.u64 	%p36, %rd345, %rd67;
+	@%p36 bra 	$L__BB5_40;
+
+$L__BB5_41:
+	sub.s64 	%rd70, %rd148, %rd67;
+	shr.u64 	%rd71, %rd70, 2;
+	mul.lo.s64 	%rd72, %rd65, 3;
+	add.s64 	%rd230, %rd63, %rd72;
+	setp.ge.u64 	%p37, %rd230, %rd71;
+	mov.u64 	%rd349, %rd63;
+	@%p37 bra 	$L__BB5_44;
+
+	mul.lo.s64 	%rd231, %rd60, %rd61;
+	shl.b64 	%rd232, %rd231, 2;
+	shl.b64 	%rd233, %rd62, 2;
+	add.s64 	%rd234, %rd232, %rd233;
+	add.s64 	%rd235, %rd234, -1;
+	not.b64 	%rd236, %rd148;
+	not.b64 	%rd237, %rd66;
+	max.u64 	%rd238, %rd237, %rd236;
+	sub.s64 	%rd239, %rd235, %rd238;
+	add.s64 	%rd347, %rd12, %rd239;
+	mul.lo.s64 	%rd240, %rd64, %rd61;
+	shl.b64 	%rd74, %rd240, 2;
+	add.s64 	%rd348, %rd11, %rd239;
+	mov.u64 	%rd349, %rd63;
+
+$L__BB5_43:
+	ld.u32 	%r18, [%rd347];
+	add.s64 	%rd241, %rd347, %rd74;
+	ld.u32 	%r19, [%rd241];
+	add.s64 	%rd242, %rd241, %rd74;
+	ld.u32 	%r20, [%rd242];
+	add.s64 	%rd243, %rd242, %rd74;
+	add.s64 	%rd347, %rd243, %rd74;
+	ld.u32 	%r21, [%rd243];
+	st.global.u32 	[%rd348], %r18;
+	add.s64 	%rd244, %rd348, %rd74;
+	st.global.u32 	[%rd244], %r19;
+	add.s64 	%rd245, %rd244, %rd74;
+	st.global.u32 	[%rd245], %r20;
+	add.s64 	%rd246, %rd245, %rd74;
+	add.s64 	%rd348, %rd246, %rd74;
+	st.global.u32 	[%rd246], %r21;
+	add.s64 	%rd247, %rd349, %rd65;
+	add.s64 	%rd349, %rd72, %rd247;
+	add.s64 	%rd248, %rd349, %rd72;
+	setp.lt.u64 	%p38, %rd248, %rd71;
+	@%p38 bra 	$L__BB5_43;
+
+$L__BB5_44:
+	setp.ge.u64 	%p39, %rd349, %rd71;
+	@%p39 bra 	$L__BB5_47;
+
+	add.s64 	%rd83, %rd11, %rd67;
+	add.s64 	%rd84, %rd12, %rd67;
+
+$L__BB5_46:
+	shl.b64 	%rd249, %rd349, 2;
+	add.s64 	%rd250, %rd84, %rd249;
+	ld.u32 	%r22, [%rd250];
+	add.s64 	%rd251, %rd83, %rd249;
+	st.global.u32 	[%rd251], %r22;
+	add.s64 	%rd349, %rd349, %rd65;
+	setp.lt.u64 	%p40, %rd349, %rd71;
+	@%p40 bra 	$L__BB5_46;
+
+$L__BB5_47:
+	and.b64  	%rd252, %rd70, -4;
+	add.s64 	%rd253, %rd67, %rd63;
+	add.s64 	%rd351, %rd253, %rd252;
+	setp.ge.u64 	%p41, %rd351, %rd148;
+	@%p41 bra 	$L__BB5_71;
+
+$L__BB5_48:
+	add.s64 	%rd254, %rd12, %rd351;
+	ld.u8 	%rs15, [%rd254];
+	add.s64 	%rd255, %rd11, %rd351;
+	st.global.u8 	[%rd255], %rs15;
+	add.s64 	%rd351, %rd351, %rd65;
+	setp.lt.u64 	%p42, %rd351, %rd148;
+	@%p42 bra 	$L__BB5_48;
+	bra.uni 	$L__BB5_71;
+
+$L__BB5_20:
+	mul.lo.s64 	%rd20, %rd19, 3;
+	add.s64 	%rd185, %rd17, %rd20;
+	setp.ge.u64 	%p21, %rd185, %rd148;
+	mov.u64 	%rd335, %rd17;
+	@%p21 bra 	$L__BB5_23;
+
+	add.s64 	%rd333, %rd12, %rd17;
+	mul.lo.s64 	%rd22, %rd18, %rd15;
+	add.s64 	%rd334, %rd11, %rd17;
+	mov.u64 	%rd335, %rd17;
+
+$L__BB5_22:
+	ld.u8 	%rs1, [%rd333];
+	add.s64 	%rd186, %rd333, %rd22;
+	ld.u8 	%rs2, [%rd186];
+	add.s64 	%rd187, %rd186, %rd22;
+	ld.u8 	%rs3, [%rd187];
+	add.s64 	%rd188, %rd187, %rd22;
+	add.s64 	%rd333, %rd188, %rd22;
+	ld.u8 	%rs4, [%rd188];
+	st.global.u8 	[%rd334], %rs1;
+	add.s64 	%rd189, %rd334, %rd22;
+	st.global.u8 	[%rd189], %rs2;
+	add.s64 	%rd190, %rd189, %rd22;
+	st.global.u8 	[%rd190], %rs3;
+	add.s64 	%rd191, %rd190, %rd22;
+	add.s64 	%rd334, %rd191, %rd22;
+	st.global.u8 	[%rd191], %rs4;
+	add.s64 	%rd192, %rd335, %rd19;
+	add.s64 	%rd335, %rd20, %rd192;
+	add.s64 	%rd193, %rd335, %rd20;
+	setp.lt.u64 	%p22, %rd193, %rd148;
+	@%p22 bra 	$L__BB5_22;
+
+$L__BB5_23:
+	setp.ge.u64 	%p23, %rd335, %rd148;
+	@%p23 bra 	$L__BB5_25;
+
+$L__BB5_24:
+	add.s64 	%rd194, %rd12, %rd335;
+	ld.u8 	%rs5, [%rd194];
+	add.s64 	%rd195, %rd11, %rd335;
+	st.global.u8 	[%rd195], %rs5;
+	add.s64 	%rd335, %rd335, %rd19;
+	setp.lt.u64 	%p24, %rd335, %rd148;
+	@%p24 bra 	$L__BB5_24;
+
+$L__BB5_25:
+	add.s64 	%rd337, %rd17, %rd148;
+	setp.ge.u64 	%p25, %rd337, %rd17;
+	@%p25 bra 	$L__BB5_71;
+
+$L__BB5_26:
+	add.s64 	%rd196, %rd12, %rd337;
+	ld.u8 	%rs6, [%rd196];
+	add.s64 	%rd197, %rd11, %rd337;
+	st.global.u8 	[%rd197], %rs6;
+	add.s64 	%rd337, %rd337, %rd19;
+	setp.lt.u64 	%p26, %rd337, %rd148;
+	@%p26 bra 	$L__BB5_26;
+
+$L__BB5_71:
+	membar.gl;
+	bar.sync 	0;
+	@%p1 bra 	$L__BB5_74;
+
+	add.s64 	%rd323, %rd2, 128;
+	atom.global.add.u64 	%rd324, [%rd323], 1;
+	mov.u32 	%r90, %nctaid.x;
+	add.s32 	%r91, %r90, -1;
+	cvt.u64.u32 	%rd325, %r91;
+	setp.ne.s64 	%p60, %rd324, %rd325;
+	@%p60 bra 	$L__BB5_74;
+
+	mov.u64 	%rd327, 0;
+	st.global.u64 	[%rd2+128], %rd327;
+	st.global.u64 	[%rd2+136], %rd327;
+	st.global.u64 	[%rd2+144], %rd327;
+	membar.sys;
+	ld.volatile.global.u64 	%rd328, [%rd2+120];
+	mov.u64 	%rd329, 1;
+	st.volatile.u64 	[%rd328], %rd329;
+	membar.sys;
+
+$L__BB5_74:
 	ret;
 
 }

@@ -19,10 +19,12 @@ struct DeviceWords {
   uint64_t flag[kMaxCells];   // &filled[i] / &done[i] (idem)
   uint64_t ncells;            // K (idem)
   uint64_t next;              // offload: the cell the next take scans first (the device's round robin)
-  uint64_t ptr;               // the cell the round took (take kernel -> copy kernel)
+  uint64_t ptr;               // the cell the round took (take kernel -> copy kernel; fused: taker -> other blocks)
   uint64_t publish;           // that cell's flag (the copy kernel's last block writes 1 there)
-  uint64_t blocks;            // copy kernel: blocks finished
-  uint64_t pad[15];
+  uint64_t blocks;            // copy and fused kernels: blocks finished (the last one resets it)
+  uint64_t arrive;            // fused kernels: blocks arrived (the first takes; the last to finish resets it)
+  uint64_t ready;             // fused kernels: 1 once the taker chose the cell (the last to finish resets it)
+  uint64_t pad[13];
 };
 static_assert(sizeof(DeviceWords) == 256, "the layout of Cells in graph_kernels.cu");
 

@@ -592,6 +592,7 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_cells_host"] = s.graph.host_cells;
     d["graph_event_misses"] = s.graph.event_misses;
     d["graph_cells"] = s.graph.cells;
+    d["graph_fused_captures"] = s.graph.fused_captures;
     return d;
   });
   // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in
@@ -750,6 +751,12 @@ NB_MODULE(_jaxvmm, m) {
   m.def("graph_cells", [](int k) {
     if (k > 0) EngineConfig::SetGraphCells(k);
     return EngineConfig::GraphCells();
+  });
+  // Graph-mode rounds recorded from now on as one fused kernel (1), two nodes (0); -1 leaves it.
+  // Returns the value in force.
+  m.def("graph_fused", [](int on) {
+    if (on >= 0) EngineConfig::SetGraphFused(on != 0);
+    return static_cast<int>(EngineConfig::GraphFused());
   });
   m.def("graph_max_cells", [] { return kMaxCells; });
   m.def("graph_kernels_ptx", [] { return std::string(kGraphKernelsPtx); });

@@ -131,6 +131,8 @@ VARIABLES = {
                doc="graph mode: rounds take their grants on the device with tiny kernels (on; off: the host grants every round)"),
         EnvVar("JAXVMM_GRAPH_CELLS", "int", 1, MAX_GRAPH_CELLS,
                "graph mode with grant kernels: staging cells per call site, so consecutive rounds overlap their copies (2)"),
+        EnvVar("JAXVMM_GRAPH_FUSED", "bool",
+               doc="graph mode with grant kernels and several cells: each round is one fused take + copy kernel (on; off: two kernels)"),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
         EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
         EnvVar("JAXVMM_REQUIRE_2GPU", "bool", doc="tests: a 2-GPU test with fewer GPUs fails instead of skipping (off)"),
@@ -169,6 +171,7 @@ def apply(lib, values: dict) -> None:
                   values.get("JAXVMM_STAGING_BUDGET", 0), values.get("JAXVMM_STAGING_IDLE_MS", 0))
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
     lib.set_graph_kernels(bool(values.get("JAXVMM_GRAPH_KERNELS", True)))
+    lib.graph_fused(int(bool(values.get("JAXVMM_GRAPH_FUSED", True))))
     if "JAXVMM_GRAPH_CELLS" in values:
         lib.graph_cells(values["JAXVMM_GRAPH_CELLS"])
     if "JAXVMM_COPY_CHUNK" in values:

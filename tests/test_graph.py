@@ -43,6 +43,19 @@ def read(slot) -> np.ndarray:
     return np.frombuffer(bytes(slot.read()), np.uint8)
 
 
+@pytest.fixture(autouse=True, params=["fused", "two_node"])
+def round_kernels(request, monkeypatch) -> bool:
+    """Every test runs twice: rounds of K > 1 cells recorded as one fused take + copy kernel (the
+    default) and as a take kernel then a copy kernel (JAXVMM_GRAPH_FUSED=0), in this process (read at
+    each capture) and in the subprocesses the test starts (the environment). True: fused."""
+    fused = request.param == "fused"
+    monkeypatch.setenv("JAXVMM_GRAPH_FUSED", "1" if fused else "0")
+    old = lib.graph_fused(-1)
+    lib.graph_fused(int(fused))
+    yield fused
+    lib.graph_fused(old)
+
+
 @pytest.fixture
 def slots(platform_device):
     made = []
@@ -94,7 +107,8 @@ def offload_rounds(r: Replay, fwd, x, tok, seeds) -> list[bytes]:
     return tokens
 
 
-def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, engine_hygiene):
+def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, engine_hygiene, round_kernels):
+    assert jaxvmm.configure()["graph_cells"] == 2
     x, y, tok = slots(N), slots(N), slots(8)
     before = stats(platform_device)
     with Replay(platform_device) as r:
@@ -107,6 +121,9 @@ def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, eng
             assert np.array_equal(read(y), data(i)), f"replay {i}"
     after = stats(platform_device)
     assert captured["graph_captures"] - before["graph_captures"] == 2
+    # Both rounds are one fused node each (K = 2 cells), or none is (JAXVMM_GRAPH_FUSED=0, host grants).
+    fused = 2 if round_kernels and kernels_on(platform_device) else 0
+    assert captured["graph_fused_captures"] - before["graph_fused_captures"] == fused, (before, captured)
     assert after["graph_captures"] == captured["graph_captures"]  # replays record nothing
     assert after["handler_calls"] == before["handler_calls"]  # nor run the ring path
     assert after["graph_offload_rounds"] - before["graph_offload_rounds"] == 50
@@ -339,14 +356,17 @@ def test_a_failed_correction_gives_0xff_not_another_tickets_bytes(slots, platfor
     k = jaxvmm.configure()["graph_cells"]  # the reload channel's cells each hold a guess
     with Replay(platform_device) as r:
         fwd, bwd = forward_backward_graphs(r, x, y, tok)
-        seeds = list(range(20, 20 + k + 2))
+        # 2k + 2 tickets: after the newest is reloaded, the k guesses are the k newest left (LIFO) or,
+        # once the engine learned FIFO for this signature (an earlier run of this test in the process
+        # reloaded its oldest), the k oldest; tokens[k] is neither.
+        seeds = list(range(20, 20 + 2 * k + 2))
         tokens = offload_rounds(r, fwd, x, tok, seeds)
         tok.write(np.frombuffer(tokens[-1], np.uint8))
         r.launch(bwd)  # the newest: then the channel prefetches its next k guesses into its cells
         r.synchronize()
         assert np.array_equal(read(y), data(seeds[-1]))
         stats(platform_device)  # the poller served the round and staged the guesses
-        tok.write(np.frombuffer(tokens[0], np.uint8))  # no cell's guess: a correction (H2D) is needed
+        tok.write(np.frombuffer(tokens[k], np.uint8))  # no cell's guess: a correction (H2D) is needed
         with jaxvmm.testing.fault("cuMemcpyHtoDAsync", times=-1, device="cpu"):
             r.launch(bwd)
             r.synchronize()
@@ -482,7 +502,7 @@ def test_idle_release_revokes_armed_grants_and_the_next_round_knocks(platform_de
 
 # A fresh cpu process with one offload/reload site pair recorded as one graph (`round_trip(r)`).
 _ROUND_TRIP_PRELUDE = textwrap.dedent('''
-    import numpy as np, jaxvmm
+    import os, numpy as np, jaxvmm
     from jaxvmm.testing import Replay
     from jaxvmm._native import lib
     N = 3 * 4096 + 100
@@ -494,6 +514,7 @@ _ROUND_TRIP_PRELUDE = textwrap.dedent('''
             r.offload(1 << 40, x.address, N, tok.address)
             r.reload((1 << 40) + 1, tok.address, y.address, N)
         return g
+    FUSED = os.environ.get("JAXVMM_GRAPH_FUSED", "1") != "0"  # the round_kernels fixture's choice
     def replay_rounds(r, g, n):  # n replays, each bit-exact
         for i in range(n):
             x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
@@ -778,6 +799,7 @@ def test_a_revoke_after_the_device_took_the_grant_keeps_the_round(k):
             replay_rounds(r, g, 3)
             b = st()
             assert b["graph_kernels"] == 1 and b["graph_cells"] == 2 * K, b
+            assert b["graph_fused_captures"] == (2 if FUSED and K > 1 else 0), b  # the hook runs inside the fused round
             for i in range(3, 6):
                 lib.testing_trim_after_next_take(0)
                 x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
@@ -982,6 +1004,7 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
             replay_rounds(r, g, 20)
             s = st()
             assert s["graph_kernels"] == 1 and s["graph_cells"] == 2 * K, s
+            assert s["graph_fused_captures"] == (2 if FUSED and K > 1 else 0), s
             # The offload channel arms all K cells behind their D2H; the reload channel used one (no
             # ticket is left to predict after a round trip).
             assert s["graph_mapped_bytes"] == (K + 1) * cell, (s["graph_mapped_bytes"], cell)
@@ -1157,11 +1180,12 @@ _ODD_COPIES = [(1, 0, 0), (3, 1, 0), (15, 0, 1), (16, 0, 0), (17, 3, 3), (4095, 
                (65536 + 7, 1, 2), ((1 << 20) + 5, 0, 0), ((3 << 20) + 1, 5, 13), (N, 16, 8)]
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3])
 def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_device, slots, engine_hygiene, graph_cells, k):
-    """Each round trip goes through the cell-copy kernel in both directions (K = 2; K = 1 records
-    plain copies of its one cell); the bytes come back exact and nothing outside the destination range
-    is written."""
+    """Each round trip goes through the fused kernel (or, two_node, the cell-copy kernel) in both
+    directions (K = 2, 3; K = 1 records plain copies of its one cell); the bytes come back exact and
+    nothing outside the destination range is written. Each size is a new channel, so its first
+    offload round knocks and its first reload round requests while the grid's other blocks wait."""
     graph_cells(k)
     pad = 64
     for n, src_off, dst_off in _ODD_COPIES:
@@ -1187,7 +1211,8 @@ def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_devi
 @pytest.mark.gpu
 def test_gpu_large_unaligned_copy_uses_the_grid_stride_loop(platform_device, slots, engine_hygiene):
     """More bytes than one pass of the copy kernel's largest grid covers (1024 blocks x 256 threads x
-    4 x 16 bytes = 16 MiB), unaligned by one byte at both ends, and a mutually misaligned pair."""
+    4 x 16 bytes = 16 MiB; the fused kernel's 128 blocks cover 2 MiB a pass), unaligned by one byte at
+    both ends, and a mutually misaligned pair."""
     if platform_device == "cpu":
         pytest.skip("the copy kernel's grid runs on a GPU")
     n = (24 << 20) + 3  # <= 32 MiB: a K-cell call site (larger ones get one cell and a memcpy node)

@@ -19,14 +19,14 @@ from conftest import run_in_subprocess
 pytestmark = pytest.mark.gpu
 
 
-def _train_prelude(L: int, STEPS: int) -> str:
-    """A subprocess script's start: an L-layer scan of checkpointed tanh/gelu layers (B=256, D=512, f32)
+def _train_prelude(L: int, STEPS: int, B: int = 256, D: int = 512) -> str:
+    """A subprocess script's start: an L-layer scan of checkpointed tanh/gelu layers (B x D, f32)
     and train(ckpt), STEPS SGD steps of its jitted value_and_grad -> (losses, final weights)."""
     return textwrap.dedent(f"""
     import json, jax, jax.numpy as jnp, numpy as np, jaxvmm
     from jax.ad_checkpoint import checkpoint_name
     P = jaxvmm.policies
-    L, B, D, STEPS = {L}, 256, 512, {STEPS}
+    L, B, D, STEPS = {L}, {B}, {D}, {STEPS}
 
     def layer(h, w):
         return jnp.tanh(checkpoint_name(jax.nn.gelu(h @ w), "hidden") @ w.T)
@@ -144,3 +144,56 @@ def test_scan_of_32_with_two_cells_takes_most_grants_on_the_device(mode):
     assert s["graph_captures"] > 0 and rounds >= 32, s
     assert s["graph_grants_device"] + s["graph_grants_host"] == rounds, s
     assert s["graph_grants_device"] >= rounds // 2, s
+
+
+# Rounds of K = 1, 2, 3 cells per call site in one process (configure(graph_cells=K), then a fresh layer
+# function so the program is traced again and its call sites get new channels). With K > 1 each round
+# is one fused take + copy kernel (JAXVMM_GRAPH_FUSED, on by default); K = 1 records the single-cell
+# nodes. The activation is 129 x 509 f32 (262644 bytes: not a multiple of 16, so the copy's tail
+# runs). Every K must match jax.checkpoint bit for bit.
+SCAN_K = _train_prelude(L=16, STEPS=4, B=129, D=509) + textwrap.dedent("""
+    _layer = layer
+    ref_l, ref_w = train(lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("hidden")))
+    out = {}
+    for K in (1, 2, 3):
+        jaxvmm.configure(graph_cells=K)
+        layer = lambda h, w: _layer(h, w)  # a new function: traced again, new call sites
+        before = jaxvmm.engine_stats().get("cuda:0", {})
+        got_l, got_w = train(lambda f: jaxvmm.checkpoint(f, policy=P.offload_only_these_names("hidden")))
+        jaxvmm.synchronize()
+        jaxvmm.check()
+        s = jaxvmm.engine_stats()["cuda:0"]
+        d = {k: v - before.get(k, 0) for k, v in s.items() if isinstance(v, int)}
+        out[K] = dict(losses_equal=ref_l == got_l, weights_equal=bool(np.array_equal(ref_w, got_w)),
+                      max_weight_diff=float(np.max(np.abs(ref_w - got_w))), stats=d)
+    jaxvmm.collect()
+    print("RESULT", json.dumps(dict(out=out, tickets_live=jaxvmm.engine_stats()["cuda:0"]["tickets_live"],
+                                    graph_kernels=jaxvmm.engine_stats()["cuda:0"]["graph_kernels"])))
+""")
+
+
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "two_node"])
+@pytest.mark.parametrize("mode", ["default", "while"])
+def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused):
+    flags = f"{MODES[mode]} {DETERMINISTIC}".strip()
+    proc = run_in_subprocess(SCAN_K, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                                          "JAXVMM_GRAPH_FUSED": fused}, timeout=180)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["graph_kernels"] == 1, r
+    for k, got in r["out"].items():
+        s = got["stats"]
+        keys = ("graph_captures", "graph_fused_captures", "graph_offload_rounds", "graph_reload_rounds",
+                "graph_grants_device", "graph_grants_host", "graph_cells")
+        print(mode, "fused" if fused == "1" else "two-node", "K", k, {key: s[key] for key in keys})
+        assert got["losses_equal"] and got["weights_equal"], (k, got)
+        if mode == "while":
+            assert s["graph_captures"] > 0 and s["graph_offload_rounds"] >= 16, (k, s)
+            assert s["graph_cells"] >= 2 * int(k) and s["graph_cells"] % int(k) == 0, (k, s)  # K per channel
+        # Fused nodes exactly when K > 1 and JAXVMM_GRAPH_FUSED is on (every capture of such a round).
+        if int(k) > 1 and fused == "1":
+            assert s["graph_fused_captures"] == s["graph_captures"], (k, s)
+        else:
+            assert s["graph_fused_captures"] == 0, (k, s)
+    assert r["tickets_live"] == 0, r

@@ -7,9 +7,14 @@
 // hold one grant per cell (offload: the armed token; reload: the token whose bytes the cell holds),
 // the cells' addresses and the pinned words each cell's round publishes (filled/done), all written by
 // the poller only with cuStreamWriteValue64 on its copy streams, ordered after the copy that makes the
-// grant true, and taken back by the device or by jaxvmm_revoke with an atomic. A round is two nodes:
-// the take kernel picks the cell whose grant it took and leaves its address in `ptr` (and its flag in
-// `publish`); jaxvmm_cell_copy copies into or out of `*ptr` and its last block publishes.
+// grant true, and taken back by the device or by jaxvmm_revoke with an atomic.
+//
+// A round (K > 1) is one node by default, the fused kernel of its direction (jaxvmm_fused_offload /
+// jaxvmm_fused_reload): the first block to arrive takes the grant (the take logic below, unchanged)
+// and publishes the chosen cell to the other blocks, which then copy their share; the last block to
+// finish publishes filled/done. With JAXVMM_GRAPH_FUSED=0 it is two nodes: the one-thread take kernel
+// picks the cell whose grant it took and leaves its address in `ptr` (and its flag in `publish`);
+// jaxvmm_cell_copy copies into or out of `*ptr` and its last block publishes.
 // knock/probe/request/go/result are pinned host words the poller reads.
 typedef unsigned long long u64;
 
@@ -24,7 +29,9 @@ struct Cells {
   u64 ptr;                      // the chosen cell's address (take kernel -> copy kernel)
   u64 publish;                  // the chosen cell's flag word
   u64 blocks;                   // copy kernel: blocks finished (the last one resets it)
-  u64 pad[15];
+  u64 arrive;                   // fused kernels: blocks arrived (the first one takes; the last to finish resets it)
+  u64 ready;                    // fused kernels: 1 once the taker chose the cell (the last to finish resets it)
+  u64 pad[13];
 };
 static_assert(sizeof(Cells) == 256, "Cells layout (graph_words.h)");
 
@@ -40,7 +47,7 @@ __device__ __forceinline__ void choose(Cells* c, u64 i) {
 
 // Offload round: take a pre-armed grant, scanning the K cells from `next` (the cell armed longest
 // ago first). Without one, knock (a level the device holds while it waits) until the poller arms.
-extern "C" __global__ void jaxvmm_take_offload(Cells* c, unsigned* token_out, volatile u64* knock) {
+__device__ __forceinline__ void take_offload(Cells* c, unsigned* token_out, volatile u64* knock) {
   const u64 k = c->ncells, start = c->next;
   u64 t = 0, i = 0;
   for (u64 j = 0; j < k && t == 0; ++j) {
@@ -69,11 +76,15 @@ extern "C" __global__ void jaxvmm_take_offload(Cells* c, unsigned* token_out, vo
   token_out[1] = (unsigned)(t >> 32);
 }
 
+extern "C" __global__ void jaxvmm_take_offload(Cells* c, unsigned* token_out, volatile u64* knock) {
+  take_offload(c, token_out, knock);
+}
+
 // Reload round: if a cell's grant names the probed token, that cell already holds its bytes (the
 // poller wrote the grant after the prefetch copy): consume it and go on. Else publish the probe,
 // request and wait for go = 1 + the cell the poller put the bytes in (or filled with 0xFF).
-extern "C" __global__ void jaxvmm_take_reload(Cells* c, const unsigned* token_in, volatile u64* probe,
-                                              volatile u64* request, volatile u64* go) {
+__device__ __forceinline__ void take_reload(Cells* c, const unsigned* token_in, volatile u64* probe, volatile u64* request,
+                                            volatile u64* go) {
   const u64 t = (u64)token_in[0] | ((u64)token_in[1] << 32);
   const u64 k = c->ncells;
   if (t != 0) {
@@ -95,6 +106,11 @@ extern "C" __global__ void jaxvmm_take_reload(Cells* c, const unsigned* token_in
   *go = 0;
   __threadfence_system();
   choose(c, g - 1);
+}
+
+extern "C" __global__ void jaxvmm_take_reload(Cells* c, const unsigned* token_in, volatile u64* probe,
+                                              volatile u64* request, volatile u64* go) {
+  take_reload(c, token_in, probe, request, go);
 }
 
 // Revocation (poller, on the stream that wrote the grant, so it runs after that write): take the
@@ -132,11 +148,9 @@ __device__ __forceinline__ void copy_as(char* dst, const char* src, u64 n) {
   for (u64 j = head + nv * w + tid; j < n; j += stride) dst[j] = src[j];
 }
 
-// The copy of a round: out == 0: the chosen cell <- other (offload); out != 0: other <- the chosen
-// cell (reload). Any byte count and alignment (16-byte units when dst and src agree mod 16). The last
-// block to finish publishes the cell's flag (filled/done) after every block's stores are visible.
-extern "C" __global__ void jaxvmm_cell_copy(Cells* c, u64 other, u64 n, u64 out) {
-  char* cell = (char*)*(volatile u64*)&c->ptr;
+// The copy between a cell and XLA's buffer `other`: out == 0: cell <- other (offload); out != 0:
+// other <- cell (reload). Any byte count and alignment (16-byte units when dst and src agree mod 16).
+__device__ __forceinline__ void copy_cell(char* cell, u64 other, u64 n, u64 out) {
   char* dst = out ? (char*)other : cell;
   const char* src = out ? (const char*)cell : (const char*)other;
   const u64 mis = (u64)dst ^ (u64)src;
@@ -145,15 +159,79 @@ extern "C" __global__ void jaxvmm_cell_copy(Cells* c, u64 other, u64 n, u64 out)
   else if ((mis & 3) == 0) copy_as<unsigned>(dst, src, n);
   else if ((mis & 1) == 0) copy_as<unsigned short>(dst, src, n);
   else copy_as<unsigned char>(dst, src, n);
+}
+
+// After a block's share of the copy: the last block to finish publishes the cell's flag (filled/done)
+// after every block's stores are visible, and resets the round's words for the next launch (a graph
+// replays this node with no host work between replays; the next round of the channel is a later node
+// of the same stream, so it sees the reset).
+__device__ __forceinline__ void finish_round(Cells* c) {
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     const u64 done = atomicAdd(&c->blocks, 1ull);
     if (done == gridDim.x - 1) {
       c->blocks = 0;
+      c->arrive = 0;
+      c->ready = 0;
       __threadfence_system();
-      *(volatile u64*)c->publish = 1;
+      *(volatile u64*)*(volatile u64*)&c->publish = 1;
       __threadfence_system();
     }
   }
+}
+
+// The copy of a round (two-node rounds): copies into or out of the cell the take kernel chose; the
+// last block publishes.
+extern "C" __global__ void jaxvmm_cell_copy(Cells* c, u64 other, u64 n, u64 out) {
+  copy_cell((char*)*(volatile u64*)&c->ptr, other, n, out);
+  finish_round(c);
+}
+
+// Fused rounds: the take and the copy in one grid. Thread 0 of each block counts its block in
+// `arrive`; the first block to arrive (so a block that is running, whatever order the blocks are
+// scheduled in) runs the take logic above, exactly as the one-thread take kernel does, then releases
+// `ready` (its take's stores, `ptr` and `publish` included, are visible first: __threadfence, then an
+// atomic store). Every other block spins on `ready` (volatile loads, nanosleep backoff), then fences
+// (acquire: the grid-sync pattern of cooperative groups) before any thread reads or writes the cell.
+// The taker waits only for the host (the poller's grant or go), never for another block, so blocks
+// not yet scheduled cannot hold it up; the waiters end once it publishes.
+// Returns the chosen cell's address to every thread of the block.
+template <typename Take>
+__device__ __forceinline__ char* fused_take(Cells* c, Take take) {
+  __shared__ u64 cell;
+  if (threadIdx.x == 0) {
+    if (atomicAdd(&c->arrive, 1ull) == 0) {
+      take();
+      __threadfence();
+      atomicExch(&c->ready, 1ull);
+    } else {
+      unsigned ns = 32;
+      while (*(volatile u64*)&c->ready == 0) {
+        __nanosleep(ns);
+        if (ns < 256) ns *= 2;
+      }
+      __threadfence();
+    }
+    cell = *(volatile u64*)&c->ptr;
+  }
+  __syncthreads();
+  return (char*)cell;
+}
+
+// Offload round in one node: take a grant (take_offload), copy `src` (n bytes) into the chosen cell,
+// publish its filled word.
+extern "C" __global__ void jaxvmm_fused_offload(Cells* c, u64 src, u64 n, unsigned* token_out, volatile u64* knock) {
+  char* cell = fused_take(c, [&] { take_offload(c, token_out, knock); });
+  copy_cell(cell, src, n, 0);
+  finish_round(c);
+}
+
+// Reload round in one node: take the cell holding the token (take_reload, requesting it on a miss),
+// copy it into `dst` (n bytes), publish its done word.
+extern "C" __global__ void jaxvmm_fused_reload(Cells* c, u64 dst, u64 n, const unsigned* token_in, volatile u64* probe,
+                                               volatile u64* request, volatile u64* go) {
+  char* cell = fused_take(c, [&] { take_reload(c, token_in, probe, request, go); });
+  copy_cell(cell, dst, n, 1);
+  finish_round(c);
 }
