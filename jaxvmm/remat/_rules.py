@@ -362,11 +362,12 @@ reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
 
 _CALLED_TWICE = (
     "jaxvmm.checkpoint: this VJP or linearized function was already called once, and its offloaded residuals "
-    "were made inside a compiled program (jax.vjp(jax.jit(f)), a jitted forward pass that returned it, or a "
-    "lax.scan), whose compiled backward consumed their tickets. Call jax.vjp / jax.linearize again for "
-    "another evaluation, batch the cotangents with jax.vmap into one call, take jax.vjp / jax.linearize "
-    "outside jax.jit (residuals offloaded op by op are kept: the function may then be called any number of "
-    "times), or use a saving policy (jax.checkpoint_policies) there")
+    "were made inside the compiled program that returned the function itself (a jitted function returning "
+    "jax.vjp's or jax.linearize's function), whose first call, compiled (jax.jit of it), consumed their tickets. "
+    "Call jax.vjp / jax.linearize outside jax.jit (jax.vjp(jax.jit(f), x) and eager lax.scan keep them: the "
+    "function may then be called any number of times), call the returned function eagerly once before jitting "
+    "it (that call keeps them), call jax.vjp / jax.linearize again for another evaluation, or batch the "
+    "cotangents with jax.vmap into one call")
 
 
 def _reload_impl(token, *shadow, shape, dtype, sharded=False):
@@ -483,6 +484,96 @@ def _reloads(eqn) -> bool:
         if any(_reloads(e) for e in getattr(body, "eqns", ())):
             return True
     return False
+
+
+# ---- residuals that reach Python: VJP and linearized functions of a compiled forward ----
+# jax.vjp / jax.linearize / jax.grad (outside any trace) return a function whose residuals are concrete
+# arrays. When the forward ran inside a compiled program (jax.vjp(jax.jit(f)), an eager lax.scan), the
+# tickets its offloads made come out of that program as token arrays among those residuals, and the
+# backward (a compiled program too) reloads them. The function may be called (or jitted and called) any
+# number of times, so those tickets are kept when JAX hands the residuals over (before any backward can
+# run), and the lifetime registry frees them when the last array holding their tokens dies.
+_jax_linearize = getattr(_ad.linearize, "__wrapped_by_jaxvmm__", _ad.linearize)
+
+
+def _sub_jaxprs(params):
+    for p in params.values():
+        for q in (p if isinstance(p, (tuple, list)) else (p,)):
+            if isinstance(q, _core.ClosedJaxpr):
+                yield q.jaxpr
+            elif isinstance(q, _core.Jaxpr):
+                yield q
+
+
+def _token_reads(jaxpr, origins: dict) -> tuple[set, list]:
+    """Which origins reach the token operand of a reload in ``jaxpr`` (nested jaxprs included), and the
+    origins each output of ``jaxpr`` may carry. ``origins`` maps variables of ``jaxpr`` to sets of
+    origins. Conservative: an equation's outputs carry every origin of its inputs (a token sliced out of a
+    scan's stacked tokens, tied, passed through a call); a nested jaxpr's inputs line up with the last
+    inputs of its equation (call, remat, scan, cond branches, while body)."""
+    env = {v: set(o) for v, o in origins.items() if o}
+    hits = set()
+    get = lambda v: env.get(v, set()) if not isinstance(v, _core.Literal) else set()  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        if not any(ins):
+            continue
+        if eqn.primitive in (reload_p, tangent_reload_p) or eqn.params.get("target_name") == "jaxvmm_reload":
+            hits |= ins[0]
+        carried = set().union(*ins)
+        outs = None
+        for sub in _sub_jaxprs(eqn.params):
+            n = len(sub.invars)
+            if n > len(ins):
+                hits |= carried  # a nested jaxpr whose inputs do not line up: assume it reloads them
+                continue
+            h, sub_outs = _token_reads(sub, dict(zip(sub.invars, ins[len(ins) - n:])))
+            hits |= h
+            if len(sub_outs) == len(eqn.outvars):
+                outs = [o | s for o, s in zip(outs, sub_outs)] if outs else sub_outs
+        for i, v in enumerate(eqn.outvars):
+            o = outs[i] if outs else carried
+            if o:
+                env[v] = set(o)
+    return hits, [get(v) for v in jaxpr.outvars]
+
+
+def _residual_tokens(jaxpr, consts) -> list:
+    """The concrete residuals (constants of the linear ``jaxpr``) that are ticket tokens its reloads read."""
+    cands = {}
+    for i, (v, c) in enumerate(zip(jaxpr.constvars, consts)):
+        if (isinstance(c, jax.Array) and not isinstance(c, _core.Tracer) and c.ndim >= 1 and c.shape[-1] == 2
+                and c.dtype in (np.uint32, np.float32)):
+            cands[v] = {i}
+    if not cands:
+        return []
+    hits, _ = _token_reads(jaxpr, cands)
+    return [consts[i] for i in sorted(hits)]
+
+
+def _keep_residual_tokens(jaxpr, consts) -> None:
+    for token in _residual_tokens(jaxpr, consts):
+        try:
+            ops._keep(token)
+        except errors.VmmError:  # not (or no longer) a live ticket: its reload raises the error
+            pass
+
+
+def _linearize(*args, **kwargs):
+    """JAX's ``ad.linearize`` (behind ``jax.vjp``, ``jax.linearize`` and ``jax.grad``), keeping the tickets
+    whose tokens reach Python among the residuals of the function it returns."""
+    ops._collect()  # the tickets of a function that died since (the last training step's) go first
+    out = _jax_linearize(*args, **kwargs)
+    try:
+        jaxpr, consts = out[2], out[3]
+    except (TypeError, IndexError):  # a JAX whose linearize returns something else: leave it alone
+        return out
+    if isinstance(jaxpr, _core.Jaxpr) and isinstance(consts, (list, tuple)) and consts:
+        _keep_residual_tokens(jaxpr, consts)
+    return out
+
+
+_linearize.__wrapped_by_jaxvmm__ = _jax_linearize
 
 
 # ---- the rules ----
@@ -602,6 +693,7 @@ def install() -> None:
     """Routes ``remat`` applications with a :class:`VmmPolicy` through jaxvmm's rules (others keep JAX's)."""
     _pe.custom_partial_eval_rules[_adc.remat_p] = _partial_eval
     _ad.fancy_transposes[_adc.remat_p] = _transpose
+    _ad.linearize = _linearize
 
 
 install()
