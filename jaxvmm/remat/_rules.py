@@ -22,10 +22,13 @@ staged before the outer transformation sees it (``jax.hessian(jax.jit(f))``), th
 in a jaxpr: the residual's tangent (forward mode) or cotangent (reverse mode) goes through tickets too
 (see *derivatives of a staged first derivative*).
 
-Tickets offloaded eagerly (an eager ``jax.vjp``/``jax.linearize``: the token reaches Python) or reloaded
-eagerly are *kept*: reloads do not consume them, so the returned function may be called any number of
-times, and they are freed when the last array holding the token dies. A compiled reload of a ticket
-made in a compiled program consumes it.
+Lifetimes: a ticket whose token reaches Python is *kept* (reloads do not consume it; it is freed when
+the last array holding its token dies). That is every ticket among the residuals of a function that
+``jax.vjp``/``jax.linearize``/``jax.grad`` return outside any trace, wherever its offload ran: op by op
+(kept when made), or inside a compiled program (``jax.vjp(jax.jit(f))``, an eager ``lax.scan``: kept when
+``ad.linearize`` hands the residuals over, see :func:`_linearize`), and every ticket a reload evaluates
+eagerly. So the returned function may be called, or jitted and called, any number of times. A ticket
+whose token never leaves a compiled program (``jax.jit(jax.grad(f))``) is consumed by its reload there.
 """
 
 from __future__ import annotations
@@ -356,8 +359,12 @@ def _offload(residuals, tagged, spec, inputs):
 # A primitive of its own: evaluated eagerly (a VJP or linearized function called outside jit) it keeps
 # the ticket (a kept ticket is not consumed by reloads; it is freed when the last array holding its token
 # dies) and goes through jaxvmm.reload's synchronous ticket check. Tokens made eagerly (jax.vjp outside
-# jit) are kept when they are made (_partial_eval), so jax.jit(vjp_fn) may be called again too. Inside a
-# traced program a reload of a token made in the same program consumes it (no leak in a training step).
+# jit) are kept when they are made (_partial_eval), and tokens a compiled forward returns among the
+# residuals of jax.vjp / jax.linearize when those hand them over (_linearize), so jax.jit(vjp_fn) may be
+# called again too. Inside a traced program a reload of a token made in the same program consumes it (no
+# leak in a training step). Left: a VJP function a jitted program returns (its tokens reach Python as
+# that program's outputs, not through jax.vjp) is kept by its first eager call; a compiled first call
+# consumes its tickets (a later call raises _CALLED_TWICE).
 reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
 
 _CALLED_TWICE = (
