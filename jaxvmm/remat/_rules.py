@@ -26,8 +26,8 @@ Lifetimes: a ticket whose token reaches Python is *kept* (reloads do not consume
 the last array holding its token dies). That is every ticket among the residuals of a function that
 ``jax.vjp``/``jax.linearize``/``jax.grad`` return outside any trace, wherever its offload ran: op by op
 (kept when made), or inside a compiled program (``jax.vjp(jax.jit(f))``, an eager ``lax.scan``: kept when
-``ad.linearize`` hands the residuals over, see :func:`_linearize`), and every ticket a reload evaluates
-eagerly. So the returned function may be called, or jitted and called, any number of times. A ticket
+``ad.linearize`` hands the residuals over, see :func:`_linearize`; a function a jitted program returns:
+kept when it is called, see :func:`_install_api_hooks`), and every ticket a reload evaluates eagerly. So the returned function may be called, or jitted and called, any number of times. A ticket
 whose token never leaves a compiled program (``jax.jit(jax.grad(f))``) is consumed by its reload there.
 """
 
@@ -362,19 +362,20 @@ def _offload(residuals, tagged, spec, inputs):
 # jit) are kept when they are made (_partial_eval), and tokens a compiled forward returns among the
 # residuals of jax.vjp / jax.linearize when those hand them over (_linearize), so jax.jit(vjp_fn) may be
 # called again too. Inside a traced program a reload of a token made in the same program consumes it (no
-# leak in a training step). Left: a VJP function a jitted program returns (its tokens reach Python as
-# that program's outputs, not through jax.vjp) is kept by its first eager call; a compiled first call
-# consumes its tickets (a later call raises _CALLED_TWICE).
+# leak in a training step). A VJP function a jitted program returns is kept when it is called
+# (_install_api_hooks). Left: such a function whose first call happens inside another jitted program that
+# takes it as an argument (its residuals are traced there): that call consumes its tickets, and a later
+# eager call raises _CALLED_TWICE.
 reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
 
 _CALLED_TWICE = (
     "jaxvmm.checkpoint: this VJP or linearized function was already called once, and its offloaded residuals "
-    "were made inside the compiled program that returned the function itself (a jitted function returning "
-    "jax.vjp's or jax.linearize's function), whose first call, compiled (jax.jit of it), consumed their tickets. "
-    "Call jax.vjp / jax.linearize outside jax.jit (jax.vjp(jax.jit(f), x) and eager lax.scan keep them: the "
-    "function may then be called any number of times), call the returned function eagerly once before jitting "
-    "it (that call keeps them), call jax.vjp / jax.linearize again for another evaluation, or batch the "
-    "cotangents with jax.vmap into one call")
+    "were made inside a compiled program that returned the function itself (a jitted function returning "
+    "jax.vjp's or jax.linearize's function), and that first call ran inside another compiled program that "
+    "took the function as an argument (jax.jit(lambda f, ct: f(ct))(vjp_fn, ct)), which consumed their "
+    "tickets. Call the function itself first, eagerly or as jax.jit(vjp_fn) (that keeps them: it may then be "
+    "called any number of times, in any way), take jax.vjp / jax.linearize outside jax.jit (jax.vjp(jax.jit(f), "
+    "x) keeps them too), or call jax.vjp / jax.linearize again for another evaluation")
 
 
 def _reload_impl(token, *shadow, shape, dtype, sharded=False):
@@ -583,6 +584,60 @@ def _linearize(*args, **kwargs):
 _linearize.__wrapped_by_jaxvmm__ = _jax_linearize
 
 
+# A function that jax.vjp / jax.linearize made inside a trace and that a jitted program returned (a VJP
+# object or a Partial is a pytree: its residuals come out of the program as outputs, not through
+# ad.linearize). Its residuals are concrete when it is called (eagerly, or traced by jax.jit(vjp_fn)),
+# before any of its reloads runs: the functions it calls then (jax._src.api._vjp3_callable and
+# _lift_linearized, which get the linear jaxpr and its residuals) keep the tokens first.
+_API_HOOKS = {
+    "_vjp3_callable": ("spec", "out_known", "jaxpr", "out_primal_avals", "in_tree", "out_tree", "args_res",
+                       "opaque_res"),
+    "_lift_linearized": ("jaxpr", "in_avals", "out_avals", "out_known", "consts"),
+}
+
+
+def _vjp_residuals(spec, opaque_res) -> list:
+    """The linear jaxpr's constants a VJP function holds, in order (None for those that are its primal
+    inputs, which are never ticket tokens)."""
+    return [None if r.primal else opaque_res[r.idx] for r in spec]
+
+
+def _keep_when_called(name, jax_fn):
+    def hook(*args):
+        try:
+            if name == "_vjp3_callable":
+                jaxpr, consts = args[2], _vjp_residuals(args[0], args[7])
+            else:
+                jaxpr, consts = args[0], list(args[4])
+            if isinstance(jaxpr, _core.Jaxpr) and any(isinstance(c, jax.Array) and not isinstance(c, _core.Tracer)
+                                                      for c in consts):
+                _keep_residual_tokens(jaxpr, consts)
+        except (AttributeError, IndexError, TypeError):  # a JAX whose functions differ: leave them alone
+            pass
+        return jax_fn(*args)
+
+    hook.__wrapped_by_jaxvmm__ = jax_fn
+    hook.__name__ = name
+    return hook
+
+
+def _install_api_hooks() -> None:
+    import inspect
+
+    from jax._src import api as _api
+
+    for name, params in _API_HOOKS.items():
+        fn = getattr(_api, name, None)
+        if fn is None or getattr(fn, "__wrapped_by_jaxvmm__", None) is not None:
+            continue
+        try:
+            names = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            continue
+        if names[:len(params)] == params:
+            setattr(_api, name, _keep_when_called(name, fn))
+
+
 # ---- the rules ----
 _jax_partial_eval = _pe.custom_partial_eval_rules[_adc.remat_p]
 _jax_transpose = _ad.fancy_transposes[_adc.remat_p]
@@ -701,6 +756,7 @@ def install() -> None:
     _pe.custom_partial_eval_rules[_adc.remat_p] = _partial_eval
     _ad.fancy_transposes[_adc.remat_p] = _transpose
     _ad.linearize = _linearize
+    _install_api_hooks()
 
 
 install()
