@@ -670,20 +670,21 @@ def test_eager_training_loops_over_compiled_forwards_do_not_leak_tickets(platfor
     after any step, and the parameters equal jax.checkpoint's."""
     x = _x(platform_device, 8)
 
-    def jitted_loss(ck, w):
-        return jax.jit(lambda w: (ck(fn)(x * w) ** 2).sum())(w)
+    def jitted_loss(ck):
+        return jax.jit(lambda w: (ck(fn)(x * w) ** 2).sum())
 
-    def scan_loss(ck, w):
-        return _scan_loss(ck, x * w)
+    def scan_loss(ck):
+        return lambda w: _scan_loss(ck, x * w)
 
-    for loss, per_step in ((jitted_loss, 1), (scan_loss, 3)):
+    for make, per_step in ((jitted_loss, 1), (scan_loss, 3)):
         w0 = jax.device_put(jnp.full((8,), 0.5, jnp.float32), jdev(platform_device))
         ws = {}
         for name, ck in (("ref", REF), ("vmm", VMM)):
+            grad = jax.grad(make(ck))
             before = estats(platform_device)
             w = w0
             for _ in range(4):
-                w = w - 0.01 * jax.grad(functools.partial(loss, ck))(w)
+                w = w - 0.01 * grad(w)
                 d = delta(estats(platform_device), before)
                 assert d["tickets_live"] == 0 and d["errors"] == 0, d
             ws[name] = w

@@ -27,8 +27,9 @@ the last array holding its token dies). That is every ticket among the residuals
 ``jax.vjp``/``jax.linearize``/``jax.grad`` return outside any trace, wherever its offload ran: op by op
 (kept when made), or inside a compiled program (``jax.vjp(jax.jit(f))``, an eager ``lax.scan``: kept when
 ``ad.linearize`` hands the residuals over, see :func:`_linearize`; a function a jitted program returns:
-kept when it is called, see :func:`_install_api_hooks`), and every ticket a reload evaluates eagerly. So the returned function may be called, or jitted and called, any number of times. A ticket
-whose token never leaves a compiled program (``jax.jit(jax.grad(f))``) is consumed by its reload there.
+kept when it is called, see :func:`_install_api_hooks`), and every ticket a reload evaluates eagerly. So
+the returned function may be called, or jitted and called, any number of times. A ticket whose token
+never leaves a compiled program (``jax.jit(jax.grad(f))``) is consumed by its reload there.
 """
 
 from __future__ import annotations
@@ -551,7 +552,7 @@ def _residual_tokens(jaxpr, consts) -> list:
     cands = {}
     for i, (v, c) in enumerate(zip(jaxpr.constvars, consts)):
         if (isinstance(c, jax.Array) and not isinstance(c, _core.Tracer) and c.ndim >= 1 and c.shape[-1] == 2
-                and c.dtype in (np.uint32, np.float32)):
+                and c.dtype in (np.uint32, np.float32) and not c.is_deleted()):
             cands[v] = {i}
     if not cands:
         return []
