@@ -719,3 +719,14 @@ def test_kept_residual_tokens_are_only_those_a_reload_reads():
     shaped = [c for c in consts if c.ndim >= 1 and c.shape[-1] == 2]
     assert len(tokens) == 1 and tokens[0].dtype == jnp.uint32, (tokens, shaped)
     assert len(shaped) >= 3, shaped  # the token, its shadow, h[:2] and h[2:4]: the test can fail
+
+
+def test_the_hooks_that_keep_residual_tokens_are_installed():
+    """The JAX functions jaxvmm wraps to keep the tokens among a VJP function's residuals exist in this JAX
+    with the parameters jaxvmm expects (else those functions are single use again: this says why)."""
+    from jax._src import api
+    from jax._src.interpreters import ad
+
+    assert ad.linearize is _rules._linearize
+    for name in _rules._API_HOOKS:
+        assert getattr(getattr(api, name), "__wrapped_by_jaxvmm__", None) is not None, name

@@ -514,6 +514,16 @@ def _sub_jaxprs(params):
                 yield q
 
 
+def _reads_tokens(jaxpr) -> bool:
+    """``jaxpr`` (nested jaxprs included) reloads a ticket."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in (reload_p, tangent_reload_p) or eqn.params.get("target_name") == "jaxvmm_reload":
+            return True
+        if any(_reads_tokens(sub) for sub in _sub_jaxprs(eqn.params)):
+            return True
+    return False
+
+
 def _token_reads(jaxpr, origins: dict) -> tuple[set, list]:
     """Which origins reach the token operand of a reload in ``jaxpr`` (nested jaxprs included), and the
     origins each output of ``jaxpr`` may carry. ``origins`` maps variables of ``jaxpr`` to sets of
@@ -533,8 +543,9 @@ def _token_reads(jaxpr, origins: dict) -> tuple[set, list]:
         outs = None
         for sub in _sub_jaxprs(eqn.params):
             n = len(sub.invars)
-            if n > len(ins):
-                hits |= carried  # a nested jaxpr whose inputs do not line up: assume it reloads them
+            if n > len(ins):  # a nested jaxpr whose inputs do not line up: assume it reloads them if it reloads
+                if _reads_tokens(sub):
+                    hits |= carried
                 continue
             h, sub_outs = _token_reads(sub, dict(zip(sub.invars, ins[len(ins) - n:])))
             hits |= h
