@@ -142,6 +142,7 @@ _lock = threading.RLock()
 _tracked: dict[int, jax.Array] = {}  # id -> token array seen in a concrete Ticket (strong reference)
 _values: dict[int, list] = {}  # id -> [(device, uint64 values)], read once the array is ready
 _dying: list[tuple[jax.Array, list]] = []  # (dead token array, arrays in flight when it died)
+_kept: set[int] = set()  # ids of tracked token arrays whose tickets _keep marked kept
 
 
 def _refcount_when_unreferenced() -> int:
@@ -193,6 +194,7 @@ def _collect() -> None:
             token = _tracked[key]
             if sys.getrefcount(token) <= _UNREFERENCED:  # only this registry holds it
                 dead.append(_tracked.pop(key))
+                _kept.discard(key)
             del token
         if dead:
             # Weak references: the barrier must not keep arrays (tracked tokens among them) alive.
@@ -228,13 +230,20 @@ def _keep(token) -> bool:
     trace a reload consumes its ticket: nothing outside the program can reload it again)."""
     if not isinstance(token, jax.Array) or isinstance(token, jax.core.Tracer):
         return False
-    if token.dtype != jnp.uint32 or tuple(token.shape)[-1:] != (2,):
+    # float32: the bits of a token (a residual's tangent ticket, see jaxvmm.remat._rules)
+    if token.dtype not in (jnp.uint32, jnp.float32) or tuple(token.shape)[-1:] != (2,):
         raise _value_error(f"jaxvmm: internal: not a ticket token: {token.dtype}{list(token.shape)}")
+    with _lock:
+        if _tracked.get(id(token)) is token and id(token) in _kept:  # this very array was kept already
+            return True
     _track(token)
     for device, values in _token_values(token):
         tgt = target_of(device)
         for v in values:
             lib.engine_keep(tgt.backend, tgt.ordinal, int(v))
+    with _lock:
+        if _tracked.get(id(token)) is token:
+            _kept.add(id(token))
     return True
 
 

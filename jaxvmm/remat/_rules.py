@@ -22,10 +22,14 @@ staged before the outer transformation sees it (``jax.hessian(jax.jit(f))``), th
 in a jaxpr: the residual's tangent (forward mode) or cotangent (reverse mode) goes through tickets too
 (see *derivatives of a staged first derivative*).
 
-Tickets offloaded eagerly (an eager ``jax.vjp``/``jax.linearize``: the token reaches Python) or reloaded
-eagerly are *kept*: reloads do not consume them, so the returned function may be called any number of
-times, and they are freed when the last array holding the token dies. A compiled reload of a ticket
-made in a compiled program consumes it.
+Lifetimes: a ticket whose token reaches Python is *kept* (reloads do not consume it; it is freed when
+the last array holding its token dies). That is every ticket among the residuals of a function that
+``jax.vjp``/``jax.linearize``/``jax.grad`` return outside any trace, wherever its offload ran: op by op
+(kept when made), or inside a compiled program (``jax.vjp(jax.jit(f))``, an eager ``lax.scan``: kept when
+``ad.linearize`` hands the residuals over, see :func:`_linearize`; a function a jitted program returns:
+kept when it is called, see :func:`_install_api_hooks`), and every ticket a reload evaluates eagerly. So
+the returned function may be called, or jitted and called, any number of times. A ticket whose token
+never leaves a compiled program (``jax.jit(jax.grad(f))``) is consumed by its reload there.
 """
 
 from __future__ import annotations
@@ -356,17 +360,23 @@ def _offload(residuals, tagged, spec, inputs):
 # A primitive of its own: evaluated eagerly (a VJP or linearized function called outside jit) it keeps
 # the ticket (a kept ticket is not consumed by reloads; it is freed when the last array holding its token
 # dies) and goes through jaxvmm.reload's synchronous ticket check. Tokens made eagerly (jax.vjp outside
-# jit) are kept when they are made (_partial_eval), so jax.jit(vjp_fn) may be called again too. Inside a
-# traced program a reload of a token made in the same program consumes it (no leak in a training step).
+# jit) are kept when they are made (_partial_eval), and tokens a compiled forward returns among the
+# residuals of jax.vjp / jax.linearize when those hand them over (_linearize), so jax.jit(vjp_fn) may be
+# called again too. Inside a traced program a reload of a token made in the same program consumes it (no
+# leak in a training step). A VJP function a jitted program returns is kept when it is called
+# (_install_api_hooks). Left: such a function whose first call happens inside another jitted program that
+# takes it as an argument (its residuals are traced there): that call consumes its tickets, and a later
+# eager call raises _CALLED_TWICE.
 reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
 
 _CALLED_TWICE = (
     "jaxvmm.checkpoint: this VJP or linearized function was already called once, and its offloaded residuals "
-    "were made inside a compiled program (jax.vjp(jax.jit(f)), a jitted forward pass that returned it, or a "
-    "lax.scan), whose compiled backward consumed their tickets. Call jax.vjp / jax.linearize again for "
-    "another evaluation, batch the cotangents with jax.vmap into one call, take jax.vjp / jax.linearize "
-    "outside jax.jit (residuals offloaded op by op are kept: the function may then be called any number of "
-    "times), or use a saving policy (jax.checkpoint_policies) there")
+    "were made inside a compiled program that returned the function itself (a jitted function returning "
+    "jax.vjp's or jax.linearize's function), and that first call ran inside another compiled program that "
+    "took the function as an argument (jax.jit(lambda f, ct: f(ct))(vjp_fn, ct)), which consumed their "
+    "tickets. Call the function itself first, eagerly or as jax.jit(vjp_fn) (that keeps them: it may then be "
+    "called any number of times, in any way), take jax.vjp / jax.linearize outside jax.jit (jax.vjp(jax.jit(f), "
+    "x) keeps them too), or call jax.vjp / jax.linearize again for another evaluation")
 
 
 def _reload_impl(token, *shadow, shape, dtype, sharded=False):
@@ -483,6 +493,161 @@ def _reloads(eqn) -> bool:
         if any(_reloads(e) for e in getattr(body, "eqns", ())):
             return True
     return False
+
+
+# ---- residuals that reach Python: VJP and linearized functions of a compiled forward ----
+# jax.vjp / jax.linearize / jax.grad (outside any trace) return a function whose residuals are concrete
+# arrays. When the forward ran inside a compiled program (jax.vjp(jax.jit(f)), an eager lax.scan), the
+# tickets its offloads made come out of that program as token arrays among those residuals, and the
+# backward (a compiled program too) reloads them. The function may be called (or jitted and called) any
+# number of times, so those tickets are kept when JAX hands the residuals over (before any backward can
+# run), and the lifetime registry frees them when the last array holding their tokens dies.
+_jax_linearize = getattr(_ad.linearize, "__wrapped_by_jaxvmm__", _ad.linearize)
+
+
+def _sub_jaxprs(params):
+    for p in params.values():
+        for q in (p if isinstance(p, (tuple, list)) else (p,)):
+            if isinstance(q, _core.ClosedJaxpr):
+                yield q.jaxpr
+            elif isinstance(q, _core.Jaxpr):
+                yield q
+
+
+def _reads_tokens(jaxpr) -> bool:
+    """``jaxpr`` (nested jaxprs included) reloads a ticket."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in (reload_p, tangent_reload_p) or eqn.params.get("target_name") == "jaxvmm_reload":
+            return True
+        if any(_reads_tokens(sub) for sub in _sub_jaxprs(eqn.params)):
+            return True
+    return False
+
+
+def _token_reads(jaxpr, origins: dict) -> tuple[set, list]:
+    """Which origins reach the token operand of a reload in ``jaxpr`` (nested jaxprs included), and the
+    origins each output of ``jaxpr`` may carry. ``origins`` maps variables of ``jaxpr`` to sets of
+    origins. Conservative: an equation's outputs carry every origin of its inputs (a token sliced out of a
+    scan's stacked tokens, tied, passed through a call); a nested jaxpr's inputs line up with the last
+    inputs of its equation (call, remat, scan, cond branches, while body)."""
+    env = {v: set(o) for v, o in origins.items() if o}
+    hits = set()
+    get = lambda v: env.get(v, set()) if not isinstance(v, _core.Literal) else set()  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        if not any(ins):
+            continue
+        if eqn.primitive in (reload_p, tangent_reload_p) or eqn.params.get("target_name") == "jaxvmm_reload":
+            hits |= ins[0]
+        carried = set().union(*ins)
+        outs = None
+        for sub in _sub_jaxprs(eqn.params):
+            n = len(sub.invars)
+            if n > len(ins):  # a nested jaxpr whose inputs do not line up: assume it reloads them if it reloads
+                if _reads_tokens(sub):
+                    hits |= carried
+                continue
+            h, sub_outs = _token_reads(sub, dict(zip(sub.invars, ins[len(ins) - n:])))
+            hits |= h
+            if len(sub_outs) == len(eqn.outvars):
+                outs = [o | s for o, s in zip(outs, sub_outs)] if outs else sub_outs
+        for i, v in enumerate(eqn.outvars):
+            o = outs[i] if outs else carried
+            if o:
+                env[v] = set(o)
+    return hits, [get(v) for v in jaxpr.outvars]
+
+
+def _residual_tokens(jaxpr, consts) -> list:
+    """The concrete residuals (constants of the linear ``jaxpr``) that are ticket tokens its reloads read."""
+    cands = {}
+    for i, (v, c) in enumerate(zip(jaxpr.constvars, consts)):
+        if (isinstance(c, jax.Array) and not isinstance(c, _core.Tracer) and c.ndim >= 1 and c.shape[-1] == 2
+                and c.dtype in (np.uint32, np.float32) and not c.is_deleted()):
+            cands[v] = {i}
+    if not cands:
+        return []
+    hits, _ = _token_reads(jaxpr, cands)
+    return [consts[i] for i in sorted(hits)]
+
+
+def _keep_residual_tokens(jaxpr, consts) -> None:
+    for token in _residual_tokens(jaxpr, consts):
+        try:
+            ops._keep(token)
+        except errors.VmmError:  # not (or no longer) a live ticket: its reload raises the error
+            pass
+
+
+def _linearize(*args, **kwargs):
+    """JAX's ``ad.linearize`` (behind ``jax.vjp``, ``jax.linearize`` and ``jax.grad``), keeping the tickets
+    whose tokens reach Python among the residuals of the function it returns."""
+    ops._collect()  # the tickets of a function that died since (the last training step's) go first
+    out = _jax_linearize(*args, **kwargs)
+    try:
+        jaxpr, consts = out[2], out[3]
+    except (TypeError, IndexError):  # a JAX whose linearize returns something else: leave it alone
+        return out
+    if isinstance(jaxpr, _core.Jaxpr) and isinstance(consts, (list, tuple)) and consts:
+        _keep_residual_tokens(jaxpr, consts)
+    return out
+
+
+_linearize.__wrapped_by_jaxvmm__ = _jax_linearize
+
+
+# A function that jax.vjp / jax.linearize made inside a trace and that a jitted program returned (a VJP
+# object or a Partial is a pytree: its residuals come out of the program as outputs, not through
+# ad.linearize). Its residuals are concrete when it is called (eagerly, or traced by jax.jit(vjp_fn)),
+# before any of its reloads runs: the functions it calls then (jax._src.api._vjp3_callable and
+# _lift_linearized, which get the linear jaxpr and its residuals) keep the tokens first.
+_API_HOOKS = {
+    "_vjp3_callable": ("spec", "out_known", "jaxpr", "out_primal_avals", "in_tree", "out_tree", "args_res",
+                       "opaque_res"),
+    "_lift_linearized": ("jaxpr", "in_avals", "out_avals", "out_known", "consts"),
+}
+
+
+def _vjp_residuals(spec, opaque_res) -> list:
+    """The linear jaxpr's constants a VJP function holds, in order (None for those that are its primal
+    inputs, which are never ticket tokens)."""
+    return [None if r.primal else opaque_res[r.idx] for r in spec]
+
+
+def _keep_when_called(name, jax_fn):
+    def hook(*args):
+        try:
+            if name == "_vjp3_callable":
+                jaxpr, consts = args[2], _vjp_residuals(args[0], args[7])
+            else:
+                jaxpr, consts = args[0], list(args[4])
+            if isinstance(jaxpr, _core.Jaxpr) and any(isinstance(c, jax.Array) and not isinstance(c, _core.Tracer)
+                                                      for c in consts):
+                _keep_residual_tokens(jaxpr, consts)
+        except (AttributeError, IndexError, TypeError):  # a JAX whose functions differ: leave them alone
+            pass
+        return jax_fn(*args)
+
+    hook.__wrapped_by_jaxvmm__ = jax_fn
+    hook.__name__ = name
+    return hook
+
+
+def _install_api_hooks() -> None:
+    import inspect
+
+    from jax._src import api as _api
+
+    for name, params in _API_HOOKS.items():
+        fn = getattr(_api, name, None)
+        if fn is None or getattr(fn, "__wrapped_by_jaxvmm__", None) is not None:
+            continue
+        try:
+            names = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            continue
+        if names[:len(params)] == params:
+            setattr(_api, name, _keep_when_called(name, fn))
 
 
 # ---- the rules ----
@@ -602,6 +767,8 @@ def install() -> None:
     """Routes ``remat`` applications with a :class:`VmmPolicy` through jaxvmm's rules (others keep JAX's)."""
     _pe.custom_partial_eval_rules[_adc.remat_p] = _partial_eval
     _ad.fancy_transposes[_adc.remat_p] = _transpose
+    _ad.linearize = _linearize
+    _install_api_hooks()
 
 
 install()
