@@ -168,6 +168,7 @@ Status Engine::Init() {
   }
   resolver_ = std::make_unique<Worker>("jaxvmm-resolve", backend_, device_);
   releaser_ = std::make_unique<Worker>("jaxvmm-release", backend_, device_);
+  grower_ = std::make_unique<Worker>("jaxvmm-grow", backend_, device_);
   return Status();
 }
 
@@ -183,6 +184,7 @@ Engine::~Engine() {
   if (releaser_) releaser_->Drain();
   resolver_.reset();
   releaser_.reset();
+  grower_.reset();
   tickets_.ForEach([&](Ticket& t) {
     host_store_.Free(t.host);
     if (t.d2h_done) d.EventDestroy(t.d2h_done);

@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <atomic>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -54,6 +55,7 @@ struct GraphStats {
   int64_t host_cells = 0;      // cells mapped with host pages because the device was out of memory
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
   int64_t event_misses = 0;    // round tickets whose event the poller had to create (the pool made ahead was empty)
+  int64_t host_fallbacks = 0;  // round tickets put in pageable memory: the host pool had no room (it grows behind them)
   int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
 };
 
@@ -208,6 +210,10 @@ class Engine {
   // cuEventCreate needs (measured on the H200; DESIGN.md, driver facts).
   Status TopUpRoundEvents();
   bool TakePooledEvent(CUevent* out);
+  // The same for host memory: a round ticket is carved from what the pool has; without room it goes
+  // to pageable memory and the grower thread pins more for the tickets after it.
+  Status RoundTicketHost(size_t nbytes, HostBlock* out);
+  std::atomic<bool> growing_host_{false};  // a growth is queued on grower_
   void KeepResident(const std::shared_ptr<Ticket>& t, StagingLease* lease, CUstream stream);  // caller holds mu_
 
   // Worker side.
@@ -340,6 +346,7 @@ class Engine {
 
   // Workers last: destroyed first, after ~Engine has synchronized every stream.
   std::unique_ptr<Worker> resolver_, releaser_;
+  std::unique_ptr<Worker> grower_;  // pins host pool chunks for graph-mode round tickets (nothing waits for it)
 };
 
 }  // namespace jaxvmm

@@ -497,7 +497,7 @@ std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token
   // the reserved token the device took (kernel grants). Null, and *st says why, when it cannot be made.
   HostBlock host;
   CUevent ev = nullptr;
-  *st = host_store_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
+  *st = RoundTicketHost(c.meta.nbytes, &host).At(-1, "offload (graph)");
   if (st->ok() && !TakePooledEvent(&ev)) {
     ++graph_stats_.event_misses;  // the pool made ahead ran dry: create one (see TopUpRoundEvents)
     *st = GetEvent(&ev);
@@ -521,6 +521,27 @@ std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token
     if (ev) event_pool_.push_back(ev);
   }
   return t;
+}
+
+Status Engine::RoundTicketHost(size_t nbytes, HostBlock* out) {
+  // The poller, while the device may wait for this round: no cuMemHostAlloc here (DESIGN.md, driver
+  // facts: it waits for a driver lock a blocked cuGraphLaunch holds). Carve from the pool's chunks;
+  // without room, pageable memory (its D2H is host-synchronous: gd2h_ waits for nothing of XLA's), and
+  // the grower pins a chunk for the tickets after this one.
+  bool carved = false;
+  JAXVMM_RETURN_IF_ERROR(host_store_.TryAllocate(nbytes, out, &carved));
+  if (carved) return Status();
+  *out = HostStore::Pageable(nbytes);
+  if (!*out) return Status(Code::kOutOfMemory, "no host memory for " + std::to_string(nbytes) + " bytes (pageable fallback)");
+  ++graph_stats_.host_fallbacks;
+  if (!growing_host_.exchange(true)) {
+    const size_t want = std::max<size_t>(4 * nbytes, HostPool::ChunkSize());
+    grower_->Post([this, want] {
+      (void)host_store_.Reserve(want);  // an error (the limit) leaves the fallback in use
+      growing_host_.store(false);
+    });
+  }
+  return Status();
 }
 
 Status Engine::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t) {

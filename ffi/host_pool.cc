@@ -145,9 +145,7 @@ bool HostPool::Carve(Chunk& c, size_t n, HostBlock* out) {
   return false;
 }
 
-Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
-  size_t n = RoundUp(std::max<size_t>(nbytes, 1), kAlign);
-  std::unique_lock<std::mutex> lock(mu_);
+Status HostPool::CheckLimit(size_t n, size_t nbytes) const {
   // The limit may have been lowered below what the pool pinned earlier: carving from those chunks must
   // not exceed it either.
   size_t limit = Limit();
@@ -156,22 +154,52 @@ Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
                                           std::to_string(stats_.in_use_bytes) + " in use, limit " + std::to_string(limit) +
                                           " (raise it with jaxvmm.configure(host_pool_limit=...) or "
                                           "JAXVMM_HOST_POOL_LIMIT)");
+  return Status();
+}
+
+bool HostPool::CarveAny(size_t n, HostBlock* out) {
+  bool ok = false;
+  for (auto it = chunks_.begin(); !ok && it != chunks_.end(); ++it) ok = Carve(*it, n, out);  // first fit
+  if (!ok) return false;
+  stats_.in_use_bytes += static_cast<int64_t>(n);
+  stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
+  stats_.window_peak_in_use_bytes = std::max(stats_.window_peak_in_use_bytes, stats_.in_use_bytes);
+  return true;
+}
+
+Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
+  size_t n = RoundUp(std::max<size_t>(nbytes, 1), kAlign);
+  std::unique_lock<std::mutex> lock(mu_);
+  JAXVMM_RETURN_IF_ERROR(CheckLimit(n, nbytes));
+  size_t limit = Limit();
   if (static_cast<size_t>(stats_.chunk_bytes) > limit) {
     RetireEmptyChunks(limit);
     DrainRetired(lock);
   }
-  bool ok = false;
-  for (auto& c : chunks_)
-    if ((ok = Carve(c, n, out))) break;
-  if (!ok) {
-    JAXVMM_RETURN_IF_ERROR(AddChunk(n, lock));
-    for (auto it = chunks_.rbegin(); !ok && it != chunks_.rend(); ++it) ok = Carve(*it, n, out);
-  }
-  if (!ok) return Status(Code::kInternal, "host pool chunk too small after growth");
-  stats_.in_use_bytes += static_cast<int64_t>(n);
-  stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
-  stats_.window_peak_in_use_bytes = std::max(stats_.window_peak_in_use_bytes, stats_.in_use_bytes);
+  if (CarveAny(n, out)) return Status();
+  JAXVMM_RETURN_IF_ERROR(AddChunk(n, lock));
+  if (!CarveAny(n, out)) return Status(Code::kInternal, "host pool chunk too small after growth");
   return Status();
+}
+
+Status HostPool::TryAllocate(size_t nbytes, HostBlock* out, bool* carved) {
+  size_t n = RoundUp(std::max<size_t>(nbytes, 1), kAlign);
+  std::lock_guard<std::mutex> lock(mu_);
+  *carved = false;
+  JAXVMM_RETURN_IF_ERROR(CheckLimit(n, nbytes));
+  *carved = CarveAny(n, out);
+  return Status();
+}
+
+Status HostPool::Reserve(size_t free_bytes) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    size_t largest = 0;  // a block of free_bytes must fit in one hole
+    for (const Chunk& c : chunks_)
+      for (const auto& hole : c.free) largest = std::max(largest, hole.second);
+    if (largest >= free_bytes) return Status();
+    JAXVMM_RETURN_IF_ERROR(AddChunk(RoundUp(free_bytes, kAlign), lock));
+  }
 }
 
 void HostPool::Free(const HostBlock& block) {
@@ -280,8 +308,31 @@ Status HostStore::Allocate(size_t nbytes, HostBlock* out) {
   return Status();
 }
 
+Status HostStore::TryAllocate(size_t nbytes, HostBlock* out, bool* carved) {
+  HostStoreKind k = Current();
+  JAXVMM_RETURN_IF_ERROR(pool(k).TryAllocate(nbytes, out, carved));
+  out->store = k;
+  return Status();
+}
+
+Status HostStore::Reserve(size_t free_bytes) { return pool(Current()).Reserve(free_bytes); }
+
+HostBlock HostStore::Pageable(size_t nbytes) {
+  HostBlock b;
+  b.size = RoundUp(std::max<size_t>(nbytes, 1), HostPool::kAlign);
+  b.ptr = std::aligned_alloc(HostPool::kAlign, b.size);
+  b.pageable = b.ptr != nullptr;
+  if (!b.ptr) b.size = 0;
+  return b;
+}
+
 void HostStore::Free(const HostBlock& block) {
-  if (block) pool(block.store).Free(block);
+  if (!block) return;
+  if (block.pageable) {
+    std::free(block.ptr);
+    return;
+  }
+  pool(block.store).Free(block);
 }
 
 size_t HostStore::Trim() { return numa_.Trim(); }

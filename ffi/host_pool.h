@@ -31,6 +31,9 @@ struct HostBlock {
   void* ptr = nullptr;
   size_t size = 0;  // rounded to HostPool::kAlign
   HostStoreKind store = HostStoreKind::kPinned;
+  // Plain pageable memory (malloc), outside both pools: a graph-mode round ticket made while the pool
+  // had no room (HostStore::TryAllocate). Copies to and from it are host-synchronous.
+  bool pageable = false;
   explicit operator bool() const { return ptr != nullptr; }
   // Copies name it by unified address (cuMemcpyAsync), not as a host pointer.
   bool unified() const { return store == HostStoreKind::kHostNuma; }
@@ -70,6 +73,11 @@ class HostPool {
   HostPool& operator=(const HostPool&) = delete;
 
   Status Allocate(size_t nbytes, HostBlock* out);
+  // Carves from the chunks the pool already has, never taking one from the driver: *carved is false
+  // when they have no room (an error only past the limit).
+  Status TryAllocate(size_t nbytes, HostBlock* out, bool* carved);
+  // Takes chunks from the driver until at least `free_bytes` are free in the pool (within the limit).
+  Status Reserve(size_t free_bytes);
   void Free(const HostBlock& block);
   // Returns chunks with nothing allocated in them to the driver; returns the bytes returned.
   size_t Trim();
@@ -95,6 +103,8 @@ class HostPool {
   };
   Status AddChunk(size_t min_bytes, std::unique_lock<std::mutex>& lock);  // drops `lock` around the driver call
   bool Carve(Chunk& c, size_t n, HostBlock* out);
+  Status CheckLimit(size_t n, size_t nbytes) const;  // caller holds mu_
+  bool CarveAny(size_t n, HostBlock* out);           // caller holds mu_; counts what it hands out
   void FreeLocked(const HostBlock& block);                 // caller holds mu_
   void RetireEmptyChunks(size_t limit);                    // caller holds mu_
   void DrainRetired(std::unique_lock<std::mutex>& lock);   // frees retired chunks; drops `lock` meanwhile
@@ -123,6 +133,10 @@ class HostStore {
  public:
   HostStore(Backend b, int device);
   Status Allocate(size_t nbytes, HostBlock* out);
+  // From the store in force without taking memory from the driver (HostPool::TryAllocate).
+  Status TryAllocate(size_t nbytes, HostBlock* out, bool* carved);
+  Status Reserve(size_t free_bytes);  // the store in force (HostPool::Reserve)
+  static HostBlock Pageable(size_t nbytes);  // a pageable block (null when malloc fails)
   void Free(const HostBlock& block);
   // Returns the host_numa pool's empty chunks (their pages; VAs stay reserved). The pinned pool keeps
   // its chunks (re-pinning is slow; lower host_pool_limit to shrink it). Returns the bytes returned.

@@ -180,6 +180,39 @@ def test_rounds_take_events_made_ahead_never_creating_one(platform_device, slots
     assert after["tickets_live"] == before["tickets_live"]
 
 
+def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_device, slots, engine_hygiene):
+    """The poller never pins host memory while rounds wait: on the H200 its cuMemHostAlloc (the pool
+    growing for a round ticket) waited for the driver lock a blocked cuGraphLaunch held, and the launch
+    waited for that round (capacity trial, 27 layers). A round ticket the pool has no room for goes to
+    pageable memory and a grower thread pins more behind it; with every cuMemHostAlloc failing, rounds
+    still give back their bytes."""
+    K, n = 40, 8 << 20  # 320 MiB: more than the room an emptied pool keeps (one 256 MiB chunk at most)
+    x, y, tok = slots(n), slots(n), slots(8)
+    limit = jaxvmm.configure()["host_pool_limit"]
+    jaxvmm.configure(host_pool_limit=1 << 20)  # empty pinned chunks go back to the driver now
+    jaxvmm.configure(host_pool_limit=limit)
+    before = stats(platform_device)
+    with Replay(platform_device) as r:
+        fwd, bwd = forward_backward_graphs(r, x, y, tok, n)
+        with jaxvmm.testing.fault("cuMemHostAlloc", times=-1, device=platform_device):
+            tokens = []
+            for i in range(K):
+                x.write(data(i, n))
+                r.launch(fwd)
+                r.synchronize()
+                tokens.append(bytes(tok.read()))
+            for i in reversed(range(K)):
+                tok.write(np.frombuffer(tokens[i], np.uint8))
+                r.launch(bwd)
+                r.synchronize()
+                assert np.array_equal(read(y), data(i, n)), f"ticket {i}"
+            jaxvmm.synchronize()
+            after = stats(platform_device)
+    assert after["errors"] == before["errors"], after
+    assert after["graph_host_fallbacks"] > before["graph_host_fallbacks"]
+    assert after["tickets_live"] == before["tickets_live"]
+
+
 def test_a_bad_token_gives_0xff_and_an_error(platform_device, slots, engine_hygiene):
     x, y, tok = slots(N), slots(N), slots(8)
     rel = next(_sites)
