@@ -46,6 +46,23 @@ def _train_prelude(L: int, STEPS: int, B: int = 256, D: int = 512) -> str:
             ws = ws - 0.01 * g
             out.append(float(l))
         return out, np.asarray(ws)
+
+    def REF(f):
+        return jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("hidden"))
+
+    def VMM(f):
+        return jaxvmm.checkpoint(f, policy=P.offload_only_these_names("hidden"))
+
+    def against(ref):  # trains under jaxvmm (VMM): equality with `ref` (losses, weights), the stat deltas
+        ref_l, ref_w = ref
+        before = jaxvmm.engine_stats().get("cuda:0", {{}})
+        got_l, got_w = train(VMM)
+        jaxvmm.synchronize()
+        jaxvmm.check()
+        s = jaxvmm.engine_stats()["cuda:0"]
+        d = {{k: v - before.get(k, 0) for k, v in s.items() if isinstance(v, int)}}
+        return dict(losses_equal=ref_l == got_l, weights_equal=bool(np.array_equal(ref_w, got_w)),
+                    max_weight_diff=float(np.max(np.abs(ref_w - got_w))), stats=d, tickets_live=s["tickets_live"])
     """)
 
 
@@ -115,15 +132,7 @@ def test_train_steps_bit_exact_in_every_command_buffer_mode(mode):
 SCAN32 = _train_prelude(L=32, STEPS=6) + textwrap.dedent("""
     assert jaxvmm.configure()["graph_cells"] == 2
 
-    ref_l, ref_w = train(lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("hidden")))
-    before = jaxvmm.engine_stats().get("cuda:0", {})
-    got_l, got_w = train(lambda f: jaxvmm.checkpoint(f, policy=P.offload_only_these_names("hidden")))
-    jaxvmm.synchronize()
-    jaxvmm.check()
-    s = jaxvmm.engine_stats()["cuda:0"]
-    d = {k: v - before.get(k, 0) for k, v in s.items() if isinstance(v, int)}
-    print("RESULT", json.dumps(dict(losses_equal=ref_l == got_l, weights_equal=bool(np.array_equal(ref_w, got_w)),
-                                    stats=d, tickets_live=s["tickets_live"])))
+    print("RESULT", json.dumps(against(train(REF))))
 """)
 
 
@@ -153,19 +162,12 @@ def test_scan_of_32_with_two_cells_takes_most_grants_on_the_device(mode):
 # runs). Every K must match jax.checkpoint bit for bit.
 SCAN_K = _train_prelude(L=16, STEPS=4, B=129, D=509) + textwrap.dedent("""
     _layer = layer
-    ref_l, ref_w = train(lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("hidden")))
+    ref = train(REF)
     out = {}
     for K in (1, 2, 3):
         jaxvmm.configure(graph_cells=K)
         layer = lambda h, w: _layer(h, w)  # a new function: traced again, new call sites
-        before = jaxvmm.engine_stats().get("cuda:0", {})
-        got_l, got_w = train(lambda f: jaxvmm.checkpoint(f, policy=P.offload_only_these_names("hidden")))
-        jaxvmm.synchronize()
-        jaxvmm.check()
-        s = jaxvmm.engine_stats()["cuda:0"]
-        d = {k: v - before.get(k, 0) for k, v in s.items() if isinstance(v, int)}
-        out[K] = dict(losses_equal=ref_l == got_l, weights_equal=bool(np.array_equal(ref_w, got_w)),
-                      max_weight_diff=float(np.max(np.abs(ref_w - got_w))), stats=d)
+        out[K] = against(ref)
     jaxvmm.collect()
     print("RESULT", json.dumps(dict(out=out, tickets_live=jaxvmm.engine_stats()["cuda:0"]["tickets_live"],
                                     graph_kernels=jaxvmm.engine_stats()["cuda:0"]["graph_kernels"])))
