@@ -1,6 +1,7 @@
 #include "debug_stacks.h"
 
 #include <dirent.h>
+#include <errno.h>
 #include <execinfo.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -18,17 +19,28 @@
 namespace jaxvmm {
 namespace {
 
-// One dump at a time: the handler writes to g_fd and raises g_done for the thread that was asked.
+// One dump at a time. g_turn names the thread whose stack is wanted now. Its handler claims the turn
+// (g_turn: tid -> -tid) before writing and hands it back done (g_done = tid); a thread answering after
+// its turn passed (its signal was blocked, or it was in the kernel) finds another tid there and writes
+// nothing, so its frames never land under the next thread's header. The dumper ends a turn that timed
+// out by taking it back (tid -> 0); if the handler claimed it first, the dumper waits for it to finish.
 std::mutex g_mu;
 std::atomic<int> g_fd{-1};
-std::atomic<bool> g_done{false};
+std::atomic<long> g_turn{0};
+std::atomic<long> g_done{0};
 
 void OnSignal(int) {
-  void* frames[64];
-  const int n = backtrace(frames, 64);
-  const int fd = g_fd.load();
-  if (fd >= 0) backtrace_symbols_fd(frames, n, fd);
-  g_done.store(true);
+  const int saved = errno;  // the interrupted code may read errno after the handler
+  const long me = syscall(SYS_gettid);
+  long expect = me;
+  if (g_turn.compare_exchange_strong(expect, -me)) {
+    void* frames[64];
+    const int n = backtrace(frames, 64);
+    const int fd = g_fd.load();
+    if (fd >= 0) backtrace_symbols_fd(frames, n, fd);
+    g_done.store(me);
+  }
+  errno = saved;
 }
 
 int Signal() { return SIGRTMIN + 7; }  // glibc keeps the first few real-time signals for itself
@@ -74,18 +86,29 @@ int DumpThreadStacks(int fd, int per_thread_ms) {
     const int len = std::snprintf(head, sizeof(head), "\nthread %ld (%s)%s\n", tid, ThreadName(tid).c_str(),
                                   tid == self ? " [the dumping thread]" : "");
     if (write(fd, head, static_cast<size_t>(len)) < 0) break;
-    g_done.store(false);
-    if (syscall(SYS_tgkill, getpid(), tid, Signal()) != 0) continue;
+    g_done.store(0);
+    g_turn.store(tid);
+    if (syscall(SYS_tgkill, getpid(), tid, Signal()) != 0) {
+      g_turn.store(0);
+      continue;
+    }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(per_thread_ms);
-    while (!g_done.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (g_done.load()) {
+    while (g_done.load() != tid && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    long expect = tid;
+    if (!g_turn.compare_exchange_strong(expect, 0)) {  // the handler claimed the turn: it is writing
+      const auto writing = std::chrono::steady_clock::now() + std::chrono::seconds(2);  // (its unwinder may be stuck)
+      while (g_done.load() != tid && std::chrono::steady_clock::now() < writing) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    g_turn.store(0);
+    if (g_done.load() == tid) {
       ++answered;
     } else {
       const char* no = "  (no answer: signal masked or the thread is stuck in the kernel)\n";
       if (write(fd, no, std::strlen(no)) < 0) break;
     }
   }
-  // A late answer after this would write to a closed fd or print nothing: keep the handler, drop the fd.
+  // A late answer finds no turn and prints nothing; keep the handler (the signal's default action would
+  // end the process), drop the fd.
   g_fd.store(-1);
   return answered;
 }

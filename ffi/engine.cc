@@ -426,6 +426,10 @@ Status Engine::Offload(CUstream stream, int64_t site, CUdeviceptr src, const Arr
   BeginOp(&op, [&](Op& o) {
     o.lease = lease;
     t = tickets_.Create(meta);
+    // The ring path's peak counts too: XLA's first execution of a program (a warm-up, not captured)
+    // runs it, so the first graph-mode execution's initialize stage already sizes the event pool for
+    // as many round tickets as one step makes (TopUpRoundEvents).
+    graph_live_peak_ = std::max(graph_live_peak_, tickets_.live());
     t->offload_seq = o.seq;
     t->host = host;
     t->d2h_done = d2h_done;

@@ -313,7 +313,7 @@ class Engine {
   std::vector<std::shared_ptr<Ticket>> kept_;  // newest offloads keeping their staging cell
   std::vector<std::pair<uint64_t, uint64_t>> pending_drops_;  // (token, after seq)
   std::vector<CUevent> event_pool_;
-  size_t graph_live_peak_ = 0;  // the most tickets live when a round ticket was made (sizes the pool)
+  size_t graph_live_peak_ = 0;  // the most tickets live when a ticket was made (sizes the round-event pool)
   std::vector<int64_t> handler_ns_;  // ring of the last kTimings handler host times
   AsyncErrors errors_;
   bool shutting_down_ = false;

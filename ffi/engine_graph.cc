@@ -531,13 +531,15 @@ Status Engine::RoundTicketHost(size_t nbytes, HostBlock* out) {
   bool carved = false;
   JAXVMM_RETURN_IF_ERROR(host_store_.TryAllocate(nbytes, out, &carved));
   if (carved) return Status();
-  *out = HostStore::Pageable(nbytes);
+  *out = host_store_.Pageable(nbytes);
   if (!*out) return Status(Code::kOutOfMemory, "no host memory for " + std::to_string(nbytes) + " bytes (pageable fallback)");
   ++graph_stats_.host_fallbacks;
   if (!growing_host_.exchange(true)) {
     const size_t want = std::max<size_t>(4 * nbytes, HostPool::ChunkSize());
-    grower_->Post([this, want] {
-      (void)host_store_.Reserve(want);  // an error (the limit) leaves the fallback in use
+    grower_->Post([this, want, nbytes] {
+      // Room for four such tickets (or a chunk); under host_pool_limit, as much as fits down to one
+      // ticket. An error at one ticket (the limit) leaves the fallback in use.
+      for (size_t w = want; !host_store_.Reserve(w).ok() && w > nbytes;) w = std::max(w / 2, nbytes);
       growing_host_.store(false);
     });
   }

@@ -145,13 +145,15 @@ bool HostPool::Carve(Chunk& c, size_t n, HostBlock* out) {
   return false;
 }
 
-Status HostPool::CheckLimit(size_t n, size_t nbytes) const {
+Status HostPool::CheckLimit(size_t n, size_t nbytes, size_t outside) const {
   // The limit may have been lowered below what the pool pinned earlier: carving from those chunks must
   // not exceed it either.
   size_t limit = Limit();
-  if (static_cast<size_t>(stats_.in_use_bytes) + n > limit)
+  if (static_cast<size_t>(stats_.in_use_bytes) + outside + n > limit)
     return Status(Code::kOutOfMemory, "pinned host pool exhausted: " + std::to_string(nbytes) + " bytes requested, " +
-                                          std::to_string(stats_.in_use_bytes) + " in use, limit " + std::to_string(limit) +
+                                          std::to_string(stats_.in_use_bytes) + " in use" +
+                                          (outside ? " (+" + std::to_string(outside) + " pageable)" : std::string()) +
+                                          ", limit " + std::to_string(limit) +
                                           " (raise it with jaxvmm.configure(host_pool_limit=...) or "
                                           "JAXVMM_HOST_POOL_LIMIT)");
   return Status();
@@ -167,10 +169,10 @@ bool HostPool::CarveAny(size_t n, HostBlock* out) {
   return true;
 }
 
-Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
+Status HostPool::Allocate(size_t nbytes, HostBlock* out, size_t outside) {
   size_t n = RoundUp(std::max<size_t>(nbytes, 1), kAlign);
   std::unique_lock<std::mutex> lock(mu_);
-  JAXVMM_RETURN_IF_ERROR(CheckLimit(n, nbytes));
+  JAXVMM_RETURN_IF_ERROR(CheckLimit(n, nbytes, outside));
   size_t limit = Limit();
   if (static_cast<size_t>(stats_.chunk_bytes) > limit) {
     RetireEmptyChunks(limit);
@@ -182,11 +184,11 @@ Status HostPool::Allocate(size_t nbytes, HostBlock* out) {
   return Status();
 }
 
-Status HostPool::TryAllocate(size_t nbytes, HostBlock* out, bool* carved) {
+Status HostPool::TryAllocate(size_t nbytes, HostBlock* out, bool* carved, size_t outside) {
   size_t n = RoundUp(std::max<size_t>(nbytes, 1), kAlign);
   std::lock_guard<std::mutex> lock(mu_);
   *carved = false;
-  JAXVMM_RETURN_IF_ERROR(CheckLimit(n, nbytes));
+  JAXVMM_RETURN_IF_ERROR(CheckLimit(n, nbytes, outside));
   *carved = CarveAny(n, out);
   return Status();
 }
@@ -303,14 +305,14 @@ HostStoreKind HostStore::Current() { return static_cast<HostStoreKind>(g_store.l
 
 Status HostStore::Allocate(size_t nbytes, HostBlock* out) {
   HostStoreKind k = Current();
-  JAXVMM_RETURN_IF_ERROR(pool(k).Allocate(nbytes, out));
+  JAXVMM_RETURN_IF_ERROR(pool(k).Allocate(nbytes, out, pageable_bytes_.load()));
   out->store = k;
   return Status();
 }
 
 Status HostStore::TryAllocate(size_t nbytes, HostBlock* out, bool* carved) {
   HostStoreKind k = Current();
-  JAXVMM_RETURN_IF_ERROR(pool(k).TryAllocate(nbytes, out, carved));
+  JAXVMM_RETURN_IF_ERROR(pool(k).TryAllocate(nbytes, out, carved, pageable_bytes_.load()));
   out->store = k;
   return Status();
 }
@@ -323,12 +325,14 @@ HostBlock HostStore::Pageable(size_t nbytes) {
   b.ptr = std::aligned_alloc(HostPool::kAlign, b.size);
   b.pageable = b.ptr != nullptr;
   if (!b.ptr) b.size = 0;
+  pageable_bytes_ += b.size;
   return b;
 }
 
 void HostStore::Free(const HostBlock& block) {
   if (!block) return;
   if (block.pageable) {
+    pageable_bytes_ -= block.size;
     std::free(block.ptr);
     return;
   }

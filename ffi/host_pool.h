@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -72,10 +73,11 @@ class HostPool {
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
 
-  Status Allocate(size_t nbytes, HostBlock* out);
+  Status Allocate(size_t nbytes, HostBlock* out, size_t outside = 0);  // outside: as for TryAllocate
   // Carves from the chunks the pool already has, never taking one from the driver: *carved is false
   // when they have no room (an error only past the limit).
-  Status TryAllocate(size_t nbytes, HostBlock* out, bool* carved);
+  // `outside`: bytes held elsewhere on the pool's behalf (pageable fallbacks) that count against the limit.
+  Status TryAllocate(size_t nbytes, HostBlock* out, bool* carved, size_t outside = 0);
   // Takes chunks from the driver until at least `free_bytes` are free in the pool (within the limit).
   Status Reserve(size_t free_bytes);
   void Free(const HostBlock& block);
@@ -103,7 +105,7 @@ class HostPool {
   };
   Status AddChunk(size_t min_bytes, std::unique_lock<std::mutex>& lock);  // drops `lock` around the driver call
   bool Carve(Chunk& c, size_t n, HostBlock* out);
-  Status CheckLimit(size_t n, size_t nbytes) const;  // caller holds mu_
+  Status CheckLimit(size_t n, size_t nbytes, size_t outside = 0) const;  // caller holds mu_
   bool CarveAny(size_t n, HostBlock* out);           // caller holds mu_; counts what it hands out
   void FreeLocked(const HostBlock& block);                 // caller holds mu_
   void RetireEmptyChunks(size_t limit);                    // caller holds mu_
@@ -136,7 +138,9 @@ class HostStore {
   // From the store in force without taking memory from the driver (HostPool::TryAllocate).
   Status TryAllocate(size_t nbytes, HostBlock* out, bool* carved);
   Status Reserve(size_t free_bytes);  // the store in force (HostPool::Reserve)
-  static HostBlock Pageable(size_t nbytes);  // a pageable block (null when malloc fails)
+  // A pageable block (null when malloc fails). Its bytes count against host_pool_limit (TryAllocate) until
+  // it is freed, as the pinned ones do.
+  HostBlock Pageable(size_t nbytes);
   void Free(const HostBlock& block);
   // Returns the host_numa pool's empty chunks (their pages; VAs stay reserved). The pinned pool keeps
   // its chunks (re-pinning is slow; lower host_pool_limit to shrink it). Returns the bytes returned.
@@ -154,6 +158,7 @@ class HostStore {
   HostPool& pool(HostStoreKind k) { return k == HostStoreKind::kHostNuma ? numa_ : pinned_; }
   const HostPool& pool(HostStoreKind k) const { return k == HostStoreKind::kHostNuma ? numa_ : pinned_; }
   HostPool pinned_, numa_;
+  std::atomic<size_t> pageable_bytes_{0};  // pageable blocks handed out and not freed yet
 };
 
 }  // namespace jaxvmm

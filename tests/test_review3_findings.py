@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from conftest import run_in_subprocess
 
 _PRELUDE = textwrap.dedent('''
@@ -26,6 +27,8 @@ _PRELUDE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.xfail(strict=True, reason="open: the pool is sized from peaks seen before; without a warm-up "
+                   "execution (see the next test) the first graph execution has only the 256 spare events")
 def test_first_execution_with_more_round_tickets_than_the_spare_events_never_creates_one():
     """TopUpRoundEvents sizes the pool 256 + 2 x (most tickets seen live). An engine's first execution
     has no peak yet, so a forward pass whose rounds make more than 256 tickets (a scan of L layers x S
@@ -40,6 +43,33 @@ def test_first_execution_with_more_round_tickets_than_the_spare_events_never_cre
             before = stats()
             with jaxvmm.testing.fault("cuEventCreate", times=-1, device="cpu"):
                 for i in range(K):  # one execution's forward: K rounds, every ticket live
+                    x.write(np.full(N, i % 251, np.uint8)); r.launch(fwd); r.synchronize()
+                after = stats()
+            print("misses", after["graph_event_misses"] - before["graph_event_misses"],
+                  "errors", after["errors"] - before["errors"], flush=True)
+    ''')
+    r = run_in_subprocess(code, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    words = r.stdout.split()
+    misses, errors = int(words[1]), int(words[3])
+    assert misses == 0 and errors == 0, (misses, errors, r.stderr[-1500:])
+
+
+def test_a_warm_up_execution_on_the_ring_path_sizes_the_round_event_pool():
+    """XLA's first execution of a program is a warm-up (not captured): its offloads run the ring path.
+    With the ring path's live-ticket peak counted, the first graph-mode execution's initialize stage
+    tops the pool up for as many round tickets as that step made, so its rounds create no event."""
+    code = _PRELUDE + textwrap.dedent('''
+        N, K = 4096, 300
+        x, y, tok = (jaxvmm.Slot(n, device="cpu") for n in (N, N, 8))
+        with Replay("cpu") as r:
+            for i in range(K):  # the warm-up's forward: K ring-path offloads, every ticket live
+                x.write(np.full(N, i % 251, np.uint8)); r.offload((1 << 40) + 9, x.address, N, tok.address)
+            r.synchronize()
+            fwd, bwd = graphs(r, N, x, y, tok)  # the next execution's initialize stage, then its capture
+            before = stats()
+            with jaxvmm.testing.fault("cuEventCreate", times=-1, device="cpu"):
+                for i in range(K):
                     x.write(np.full(N, i % 251, np.uint8)); r.launch(fwd); r.synchronize()
                 after = stats()
             print("misses", after["graph_event_misses"] - before["graph_event_misses"],
