@@ -243,8 +243,8 @@ bool Engine::TakePooledEvent(CUevent* out) {
 }
 
 Status Engine::TopUpRoundEvents() {
-  // XLA's thread, in an initialize stage (graph_mu_ held; no round of this program runs yet): enough
-  // spare events for every round ticket the poller may make before the next initialize stage.
+  // XLA's thread, in an initialize stage (graph_mu_ not held: Prepare): enough spare events for every
+  // round ticket the poller may make before the next initialize stage.
   constexpr size_t kSpare = 256;
   size_t want = 0;
   {

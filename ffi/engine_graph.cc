@@ -84,6 +84,11 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));  // an earlier program on this stream failed later
+  // Round tickets' events, made here rather than by the poller (TopUpRoundEvents), before graph_mu_:
+  // cuEventCreate may wait for a launch spinning in the driver (another thread's, another device's),
+  // and the poller, which that launch may wait for, needs graph_mu_. A failure is left to the round
+  // that would need one (it then creates its own, counted in event_misses).
+  (void)TopUpRoundEvents();
   std::lock_guard<std::mutex> lock(graph_mu_);
   ++graph_stats_.prepares;
   const bool first = !kernels_.tried() && channels_.size() == 0;
@@ -181,9 +186,6 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   // (Within the budget's free room and on the device only: no round waits for it yet, so a full device
   // is left to the capture, which must have pages and takes host pages if it has to.)
   if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c, 0, /*evict=*/false);
-  // Round tickets' events, made here rather than by the poller (TopUpRoundEvents). A failure is left
-  // to the round that would need one (it then creates its own, counted in event_misses).
-  (void)TopUpRoundEvents();
   c->last_use = std::chrono::steady_clock::now();  // idle from now on until a round or a capture
   WakePoller();
   return Status();
