@@ -47,3 +47,40 @@ def test_watchdog_prints_python_and_native_stacks_of_a_stuck_script(tmp_path):
     assert "watchdog: still running after 3 s" in r.stderr
     assert "stuck.py" in r.stderr  # the Python stack of the main thread
     assert r.stderr.count("\nthread ") >= 2, r.stderr[-3000:]  # native stacks, one block per thread
+
+
+def test_a_late_answer_is_not_taken_for_the_next_threads_stack():
+    """DumpThreadStacks waits per_thread_ms (300) for each thread, then moves on with g_done cleared.
+    A thread that answers late (its signal was blocked for a while, or it was in the kernel) sets g_done
+    during the next thread's wait and writes its frames under that thread's header: the next thread,
+    which never answered, is counted and shown as answered."""
+    code = textwrap.dedent('''
+        import signal, threading, time, os
+        from jaxvmm import _jaxvmm as lib
+        sig = signal.SIGRTMIN + 7
+        go = threading.Event(); hold = threading.Event()
+        def late():   # blocks the signal; unblocks 0.45 s into the dump (the next thread's turn)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+            hold.set(); go.wait(); time.sleep(0.45)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+            time.sleep(5)
+        def mute():   # never answers
+            signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+            time.sleep(5)
+        a = threading.Thread(target=late, daemon=True, name="late"); a.start(); hold.wait()
+        b = threading.Thread(target=mute, daemon=True, name="mute"); b.start()
+        time.sleep(0.1)
+        tasks = len(os.listdir("/proc/self/task"))
+        go.set()
+        n = lib.debug_thread_stacks()
+        print("answered", n, "tasks", tasks, "late", a.native_id, "mute", b.native_id, flush=True)
+    ''')
+    r = run_in_subprocess(code, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    answered, tasks, late, mute_tid = (int(w) for w in r.stdout.split()[1::2])
+    heads = r.stderr.split("\nthread ")[1:]
+    order = [int(h.split()[0]) for h in heads]
+    assert order.index(mute_tid) == order.index(late) + 1, (order, late, mute_tid)  # /proc lists by tid
+    mute = heads[order.index(mute_tid)]
+    assert "no answer" in mute, mute
+    assert answered == tasks - 2, (answered, tasks, r.stderr[-2000:])
