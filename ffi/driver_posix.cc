@@ -215,6 +215,10 @@ CUresult PosixDeviceGetCount(int* n) {
   *n = g_device_count.load();
   return CUDA_SUCCESS;
 }
+// A small device, as a MIG slice is: the fused kernels' grid must fit one block per SM (graph_kernels.h),
+// and a fused launch past it is refused below.
+constexpr int kPosixSms = 16;
+
 CUresult PosixDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice dev) {
   if (!v) return CUDA_ERROR_INVALID_VALUE;
   if (dev < 0 || dev >= g_device_count.load()) return CUDA_ERROR_INVALID_DEVICE;
@@ -227,6 +231,9 @@ CUresult PosixDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice dev) 
       return CUDA_SUCCESS;
     case CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID:
       *v = 0;
+      return CUDA_SUCCESS;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+      *v = kPosixSms;
       return CUDA_SUCCESS;
     default:
       *v = 0;
@@ -832,14 +839,15 @@ struct PosixKernel {
   int params;  // all 8 bytes wide
   CUresult (*fn)(const uint64_t*);
   bool grid;   // launched as a grid (the copy and fused kernels); the grant kernels are one thread
+  bool fused = false;  // a fused round: its grid waits for one block, so it must leave every SM room
 };
 constexpr PosixKernel kKernels[] = {
     {"jaxvmm_take_offload", 3, KTakeOffload, false},
     {"jaxvmm_take_reload", 5, KTakeReload, false},
     {"jaxvmm_revoke", 3, KRevoke, false},
     {"jaxvmm_cell_copy", 4, KCellCopy, true},
-    {"jaxvmm_fused_offload", 5, KFusedOffload, true},
-    {"jaxvmm_fused_reload", 7, KFusedReload, true},
+    {"jaxvmm_fused_offload", 5, KFusedOffload, true, true},
+    {"jaxvmm_fused_reload", 7, KFusedReload, true, true},
 };
 constexpr int kMaxParams = 7;
 struct PosixModule {
@@ -879,6 +887,7 @@ CUresult PosixLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, 
   if (gx == 0 || bx == 0 || gy != 1 || gz != 1 || by != 1 || bz != 1 || shared != 0 || bx > 1024)
     return CUDA_ERROR_INVALID_VALUE;
   if (!k->grid && (gx != 1 || bx != 1)) return CUDA_ERROR_INVALID_VALUE;  // the grant kernels are one thread
+  if (k->fused && gx > static_cast<unsigned>(kPosixSms)) return CUDA_ERROR_INVALID_VALUE;
   std::array<uint64_t, kMaxParams> a{};
   for (int i = 0; i < k->params; ++i) std::memcpy(&a[i], params[i], sizeof(uint64_t));
   return Enqueue(s, [k, a] { return k->fn(a.data()); });

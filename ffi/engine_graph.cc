@@ -96,7 +96,7 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
     // Once per engine, outside any capture: the protocol its captures record. A driver that cannot
     // load the PTX keeps the host-granted protocol (stats: graph_kernels = 0 and why).
     if (EngineConfig::GraphKernels()) {
-      Status ks = kernels_.Load();
+      Status ks = kernels_.Load(device_);
       use_kernels_ = ks.ok();
       if (!ks.ok()) {
         graph_stats_.kernels_error = ks.ToString();

@@ -7,10 +7,15 @@ namespace jaxvmm {
 
 GraphKernels::~GraphKernels() { Unload(); }
 
-Status GraphKernels::Load() {
+Status GraphKernels::Load(int device) {
   if (tried_) return module_ ? Status() : Status(Code::kUnavailable, why_);
   tried_ = true;
   const DriverTable& d = Driver(backend_);
+  CUdevice dev;
+  int sms = 0;
+  if (d.DeviceGet(&dev, device) == CUDA_SUCCESS &&
+      d.DeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) == CUDA_SUCCESS && sms > 0)
+    sms_ = static_cast<unsigned>(sms);
   const char* stage = "graph kernels";
   Status st = Call(-1, stage, Entry::kModuleLoadData, [&] { return d.ModuleLoadData(&module_, kGraphKernelsPtx); });
   struct Want {
@@ -64,9 +69,10 @@ Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, 
   return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads);
 }
 
-unsigned GraphKernels::FusedBlocks(size_t nbytes) {
-  const unsigned b = CopyBlocks(nbytes);
-  return b > kMaxFusedBlocks ? kMaxFusedBlocks : b;
+unsigned GraphKernels::FusedBlocks(size_t nbytes) const {
+  unsigned b = CopyBlocks(nbytes);
+  if (b > kMaxFusedBlocks) b = kMaxFusedBlocks;
+  return sms_ && b > sms_ ? sms_ : b;
 }
 
 Status GraphKernels::FusedOffload(CUstream s, CUdeviceptr cells, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out,

@@ -23,8 +23,9 @@ class GraphKernels {
   GraphKernels(const GraphKernels&) = delete;
   GraphKernels& operator=(const GraphKernels&) = delete;
 
-  // Loads the module in the current context. Failure is remembered (why()) and not retried.
-  Status Load();
+  // Loads the module in the current context (device `device`'s). Failure is remembered (why()) and not
+  // retried. Also reads the device's SM count, which bounds the fused kernels' grid.
+  Status Load(int device);
   bool loaded() const { return module_ != nullptr; }
   bool tried() const { return tried_; }
   const std::string& why() const { return why_; }  // why it did not load ("" when it did)
@@ -49,11 +50,12 @@ class GraphKernels {
   // jaxvmm_fused_reload(cells, dst, nbytes, token_in, probe, request, go): a whole reload round.
   Status FusedReload(CUstream s, CUdeviceptr cells, CUdeviceptr dst, size_t nbytes, CUdeviceptr token_in, CUdeviceptr probe,
                      CUdeviceptr request, CUdeviceptr go) const;
-  // The fused kernels' grid: CopyBlocks, at most kMaxFusedBlocks. Its blocks wait for the taker while it
-  // waits for the host; a bounded grid keeps that from filling the device (128 blocks of 256 threads:
-  // one block per SM on an H100/H200, all resident on any GPU with 16 SMs or more). Progress does not
-  // need residency (the taker is a block that runs; blocks not yet scheduled wait for nothing).
-  static unsigned FusedBlocks(size_t nbytes);
+  // The fused kernels' grid: CopyBlocks, at most kMaxFusedBlocks and at most one block per SM. Its
+  // blocks wait for the taker while it waits for the host, and the poller may meanwhile launch a kernel
+  // of its own and wait for it (a revocation): one 256-thread block per SM leaves every SM room for it
+  // (a 16-SM MIG slice would otherwise be filled by 128 waiting blocks). Progress does not need
+  // residency (the taker is a block that runs; blocks not yet scheduled wait for nothing).
+  unsigned FusedBlocks(size_t nbytes) const;
   static constexpr unsigned kMaxFusedBlocks = 128;
   // jaxvmm_revoke(word, expect, result).
   Status Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const;
@@ -66,6 +68,7 @@ class GraphKernels {
   CUmodule module_ = nullptr;
   CUfunction take_offload_ = nullptr, take_reload_ = nullptr, revoke_ = nullptr, cell_copy_ = nullptr;
   CUfunction fused_offload_ = nullptr, fused_reload_ = nullptr;
+  unsigned sms_ = 0;  // the device's SM count (0: unknown; the grid is then kMaxFusedBlocks at most)
 };
 
 }  // namespace jaxvmm
