@@ -331,6 +331,7 @@ class Engine {
   bool poll_stop_ = false;
   bool poll_paused_ = false;  // test hook (PausePoller): passes skipped while set
   bool kernels_warmed_ = false;  // WarmKernels ran (graph_mu_)
+  bool pageable_warmed_ = false;  // the first pageable copies ran (graph_mu_; see Prepare)
   // Kernel grants: tokens armed for a round whose ticket is not made yet (made when the poller serves
   // the round's `filled`). Guarded by mu_, so a resolve can tell a pending round without graph_mu_.
   std::unordered_set<uint64_t> armed_tokens_;

@@ -123,6 +123,19 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
       std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ws.ToString().c_str());
     }
   }
+  if (!pageable_warmed_ && !any_captured_ && c->dw) {
+    // A round ticket may go to pageable memory (RoundTicketHost). The driver sets up its staging for
+    // pageable copies on first use, which may take the driver lock a spinning launch holds: make that
+    // first use here, while nothing of this engine waits on the device.
+    pageable_warmed_ = true;
+    uint64_t bounce[8] = {};
+    const DriverTable& d = Driver(backend_);
+    Status ps = Call(-1, "graph channel", Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(bounce, c->dw, sizeof(bounce), gd2h_); });
+    if (ps.ok()) ps = Call(-1, "graph channel", Entry::kMemcpyHtoDAsync, [&] { return d.MemcpyHtoDAsync(c->dw, bounce, sizeof(bounce), gh2d_); });
+    d.StreamSynchronize(gd2h_);
+    d.StreamSynchronize(gh2d_);
+    (void)ps;  // a failure here only means the first fallback copy pays the set-up
+  }
   c->stream = stream;
   if (c->ncells == 0) {
     // The cells' VAs, reserved once (host grants: the captured copies name cell 0). K is fixed from
