@@ -245,7 +245,7 @@ bool Engine::TakePooledEvent(CUevent* out) {
 Status Engine::TopUpRoundEvents() {
   // XLA's thread, in an initialize stage (graph_mu_ not held: Prepare): enough spare events for every
   // round ticket the poller may make before the next initialize stage.
-  constexpr size_t kSpare = 256;
+  constexpr size_t kSpare = 1024;  // a few hundred bytes of host memory each
   size_t want = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);

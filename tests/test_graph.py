@@ -1289,15 +1289,15 @@ _FRESH_ENGINE_GRAPHS = textwrap.dedent('''
 
 
 @pytest.mark.xfail(strict=True, reason="open: the pool is sized from peaks seen before; without a warm-up "
-                   "execution (see the next test) the first graph execution has only the 256 spare events")
+                   "execution (see the next test) the first graph execution has only the 1024 spare events")
 def test_first_execution_with_more_round_tickets_than_the_spare_events_never_creates_one():
-    """TopUpRoundEvents sizes the pool 256 + 2 x (most tickets seen live). An engine's first execution
-    has no peak yet, so a forward pass whose rounds make more than 256 tickets (a scan of L layers x S
-    offloaded activations > 256, e.g. 48 layers x 6) drains the pool and the poller calls cuEventCreate
+    """TopUpRoundEvents sizes the pool 1024 + 2 x (most tickets seen live). An engine's first execution
+    has no peak yet, so a forward pass whose rounds make more than 1024 tickets (a scan of L layers x S
+    offloaded activations > 1024, e.g. 96 layers x 12) drains the pool and the poller calls cuEventCreate
     again (graph_event_misses): the very call that hung on the H200. Here every cuEventCreate after the
-    initialize stage fails, and the 257th round's ticket cannot be made (an error, its bytes lost)."""
+    initialize stage fails, and the 1025th round's ticket cannot be made (an error, its bytes lost)."""
     code = _FRESH_ENGINE_GRAPHS + textwrap.dedent('''
-        N, K = 4096, 300
+        N, K = 4096, 1100
         x, y, tok = (jaxvmm.Slot(n, device="cpu") for n in (N, N, 8))
         with Replay("cpu") as r:
             fwd, bwd = graphs(r, N, x, y, tok)
@@ -1321,7 +1321,7 @@ def test_a_warm_up_execution_on_the_ring_path_sizes_the_round_event_pool():
     With the ring path's live-ticket peak counted, the first graph-mode execution's initialize stage
     tops the pool up for as many round tickets as that step made, so its rounds create no event."""
     code = _FRESH_ENGINE_GRAPHS + textwrap.dedent('''
-        N, K = 4096, 300
+        N, K = 4096, 1100
         x, y, tok = (jaxvmm.Slot(n, device="cpu") for n in (N, N, 8))
         with Replay("cpu") as r:
             for i in range(K):  # the warm-up's forward: K ring-path offloads, every ticket live
