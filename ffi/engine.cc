@@ -151,15 +151,16 @@ Status Engine::Init() {
         Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
   void* words = nullptr;
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemHostAlloc, [&] {
-    return d.MemHostAlloc(&words, sizeof(Words) * kRing, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+    return d.MemHostAlloc(&words, sizeof(Words) * (kRing + 1), CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
   }));
   words_ = static_cast<Words*>(words);
-  for (uint64_t i = 0; i < kRing; ++i) {
+  for (uint64_t i = 0; i <= kRing; ++i) {  // the extra entry holds gd2h_done_
     new (&words_[i]) Words();
     words_[i].probe.store(0);
     words_[i].ready.store(0);
     words_[i].token = 0;
   }
+  gd2h_done_ = &words_[kRing].ready;
   ops_.resize(kRing);
   for (auto& op : ops_) {
     op.engine = this;
@@ -232,36 +233,6 @@ Status Engine::GetEvent(CUevent* out) {
     }
   }
   return Call(-1, "event", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(out, CU_EVENT_DISABLE_TIMING); });
-}
-
-bool Engine::TakePooledEvent(CUevent* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (event_pool_.empty()) return false;
-  *out = event_pool_.back();
-  event_pool_.pop_back();
-  return true;
-}
-
-Status Engine::TopUpRoundEvents() {
-  // XLA's thread, in an initialize stage (graph_mu_ not held: Prepare): enough spare events for every
-  // round ticket the poller may make before the next initialize stage.
-  constexpr size_t kSpare = 1024;  // a few hundred bytes of host memory each
-  size_t want = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    const size_t target = kSpare + 2 * graph_live_peak_;
-    want = event_pool_.size() < target ? target - event_pool_.size() : 0;
-  }
-  std::vector<CUevent> made;
-  Status st;
-  for (size_t i = 0; i < want && st.ok(); ++i) {
-    CUevent e = nullptr;
-    st = Call(-1, "graph events", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&e, CU_EVENT_DISABLE_TIMING); });
-    if (st.ok()) made.push_back(e);
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  event_pool_.insert(event_pool_.end(), made.begin(), made.end());
-  return st;
 }
 
 Status Engine::BeginOp(Op** out, const std::function<void(Op&)>& fill) {
@@ -426,10 +397,6 @@ Status Engine::Offload(CUstream stream, int64_t site, CUdeviceptr src, const Arr
   BeginOp(&op, [&](Op& o) {
     o.lease = lease;
     t = tickets_.Create(meta);
-    // The ring path's peak counts too: XLA's first execution of a program (a warm-up, not captured)
-    // runs it, so the first graph-mode execution's initialize stage already sizes the event pool for
-    // as many round tickets as one step makes (TopUpRoundEvents).
-    graph_live_peak_ = std::max(graph_live_peak_, tickets_.live());
     t->offload_seq = o.seq;
     t->host = host;
     t->d2h_done = d2h_done;
@@ -730,6 +697,7 @@ Engine::Source Engine::SourceOf(const Ticket& t) {
     src.resident_ready = t.resident.wait;
   }
   src.d2h_done = t.d2h_done;
+  src.d2h_seq = t.d2h_seq;
   src.host = t.host.ptr;
   src.unified = t.host.unified();
   return src;
@@ -764,7 +732,12 @@ Status Engine::CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(s, src.resident_ready, 0); }));
     return Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, src.resident, nbytes, s); });
   }
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(s, src.d2h_done, 0); }));
+  if (src.d2h_seq)
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitValue64, [&] {
+      return d.StreamWaitValue64(s, reinterpret_cast<CUdeviceptr>(gd2h_done_), src.d2h_seq, CU_STREAM_WAIT_VALUE_GEQ);
+    }));
+  else if (src.d2h_done)
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(s, src.d2h_done, 0); }));
   return CopyFromHost(s, dst, src.host, src.unified, nbytes, stage);
 }
 
@@ -779,6 +752,7 @@ Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     host_only.d2h_done = t->d2h_done;
+    host_only.d2h_seq = t->d2h_seq;
     host_only.host = t->host.ptr;
     host_only.unified = t->host.unified();
   }

@@ -54,7 +54,6 @@ struct GraphStats {
   int64_t revokes_lost = 0;    // revocations that found the grant already taken (the round went on)
   int64_t host_cells = 0;      // cells mapped with host pages because the device was out of memory
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
-  int64_t event_misses = 0;    // round tickets whose event the poller had to create (the pool made ahead was empty)
   int64_t host_fallbacks = 0;  // round tickets put in pageable memory: the host pool had no room (it grows behind them)
   int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
 };
@@ -185,6 +184,7 @@ class Engine {
     CUdeviceptr resident = 0;
     CUevent resident_ready = nullptr;  // null: the device copy is complete
     CUevent d2h_done = nullptr;
+    uint64_t d2h_seq = 0;  // graph-mode ticket: its D2H is done once *gd2h_done_ >= d2h_seq (no event)
     const void* host = nullptr;
     bool unified = false;  // the host block is a host_numa mapping: copy by unified address
   };
@@ -204,12 +204,10 @@ class Engine {
   void FinishEnqueue(Op& op, const Status& st, std::chrono::steady_clock::time_point start);
   Status TakeErrorFor(CUstream stream);
   Status GetEvent(CUevent* out);  // from the pool, or a new one
-  // Graph mode: round tickets take their d2h_done event from the pool, which XLA's threads fill ahead
-  // (TopUpRoundEvents, in each initialize stage). The poller must not create driver objects: a
-  // cuGraphLaunch blocked on the device (its rounds waiting for the poller) holds the driver lock
-  // cuEventCreate needs (measured on the H200; DESIGN.md, driver facts).
-  Status TopUpRoundEvents();
-  bool TakePooledEvent(CUevent* out);
+  // Graph mode: a round ticket's D2H completion is a sequence number that gd2h_ writes to a pinned
+  // word after the copy (cuStreamWriteValue64), not an event: the poller creates no driver object (a
+  // cuGraphLaunch spinning in the driver holds the lock event creation takes; DESIGN.md, driver facts).
+  bool D2hDone(const Ticket& t) const;
   // The same for host memory: a round ticket is carved from what the pool has; without room it goes
   // to pageable memory and the grower thread pins more for the tickets after it.
   Status RoundTicketHost(size_t nbytes, HostBlock* out);
@@ -313,7 +311,8 @@ class Engine {
   std::vector<std::shared_ptr<Ticket>> kept_;  // newest offloads keeping their staging cell
   std::vector<std::pair<uint64_t, uint64_t>> pending_drops_;  // (token, after seq)
   std::vector<CUevent> event_pool_;
-  size_t graph_live_peak_ = 0;  // the most tickets live when a ticket was made (sizes the round-event pool)
+  std::atomic<uint64_t>* gd2h_done_ = nullptr;  // pinned (after words_): the last graph D2H gd2h_ finished
+  uint64_t gd2h_issued_ = 0;  // the last graph D2H sequence number enqueued on gd2h_ (graph_mu_)
   std::vector<int64_t> handler_ns_;  // ring of the last kTimings handler host times
   AsyncErrors errors_;
   bool shutting_down_ = false;

@@ -84,11 +84,6 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   ScopedContext ctx(backend_, device_);
   JAXVMM_RETURN_IF_ERROR(ctx.status());
   JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));  // an earlier program on this stream failed later
-  // Round tickets' events, made here rather than by the poller (TopUpRoundEvents), before graph_mu_:
-  // cuEventCreate may wait for a launch spinning in the driver (another thread's, another device's),
-  // and the poller, which that launch may wait for, needs graph_mu_. A failure is left to the round
-  // that would need one (it then creates its own, counted in event_misses).
-  (void)TopUpRoundEvents();
   std::lock_guard<std::mutex> lock(graph_mu_);
   ++graph_stats_.prepares;
   const bool first = !kernels_.tried() && channels_.size() == 0;
@@ -508,17 +503,11 @@ void Engine::Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t valu
 }
 
 std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token, Status* st) {
-  // A graph-mode offload round's ticket, with its host block and d2h_done event: a new token (0), or
+  // A graph-mode offload round's ticket, with its host block (its D2H completion is a gd2h_ sequence number): a new token (0), or
   // the reserved token the device took (kernel grants). Null, and *st says why, when it cannot be made.
   HostBlock host;
-  CUevent ev = nullptr;
   *st = RoundTicketHost(c.meta.nbytes, &host).At(-1, "offload (graph)");
-  if (st->ok() && !TakePooledEvent(&ev)) {
-    ++graph_stats_.event_misses;  // the pool made ahead ran dry: create one (see TopUpRoundEvents)
-    *st = GetEvent(&ev);
-  }
   std::lock_guard<std::mutex> lock(mu_);
-  graph_live_peak_ = std::max(graph_live_peak_, tickets_.live() + 1);
   if (token) armed_tokens_.erase(token);  // from now on its ticket (or its absence) speaks for it
   std::shared_ptr<Ticket> t;
   if (st->ok()) {
@@ -528,12 +517,10 @@ std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token
   if (t) {
     t->offload_seq = next_seq_ - 1;
     t->host = host;
-    t->d2h_done = ev;
     t->graph_round = true;
     ++stats_.offloads;
-  } else {
-    if (host.ptr) host_store_.Free(host);
-    if (ev) event_pool_.push_back(ev);
+  } else if (host.ptr) {
+    host_store_.Free(host);
   }
   return t;
 }
@@ -568,7 +555,12 @@ Status Engine::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t
   const char* stage = "offload (graph)";
   Cell& cell = c.cells[i];
   Status st = CopyToHost(gd2h_, t->host, cell.addr, c.meta.nbytes, stage);
-  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(t->d2h_done, gd2h_); });
+  const uint64_t seq = gd2h_issued_ + 1;  // gd2h_ runs in order: its word passing seq means this D2H is done
+  if (st.ok()) st = WriteDevice(gd2h_, reinterpret_cast<CUdeviceptr>(gd2h_done_), seq, stage);
+  if (st.ok()) {
+    gd2h_issued_ = seq;
+    t->d2h_seq = seq;
+  }
   if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gd2h_); });
   cell.stream = gd2h_;
   std::lock_guard<std::mutex> lock(mu_);
@@ -630,14 +622,18 @@ bool Engine::ServiceOffload(Channel& c) {
   return busy;
 }
 
+bool Engine::D2hDone(const Ticket& t) const {
+  if (t.d2h_seq) return gd2h_done_->load(std::memory_order_acquire) >= t.d2h_seq;
+  return t.d2h_done && Driver(backend_).EventQuery(t.d2h_done) == CUDA_SUCCESS;
+}
+
 bool Engine::ReapOffloads() {
   if (graph_d2h_.empty()) return false;
-  const DriverTable& d = Driver(backend_);
   bool busy = false;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = graph_d2h_.begin(); it != graph_d2h_.end();) {
     Ticket& t = **it;
-    if (d.EventQuery(t.d2h_done) != CUDA_SUCCESS) {
+    if (!D2hDone(t)) {
       ++it;
       continue;
     }
@@ -661,7 +657,7 @@ void Engine::PrefetchInto(Channel& c) {
   // next program, enqueued behind this one) would hold the cell, and the next round's request waits
   // for the cell's copies: the device would wait for itself.
   auto usable = [&](const Ticket& t) {
-    return t.graph_round || t.on_host || (t.d2h_done && d.EventQuery(t.d2h_done) == CUDA_SUCCESS);
+    return t.graph_round || t.on_host || D2hDone(t);
   };
   for (int i = 0; i < c.ncells; ++i) {
     Cell& cell = c.cells[i];

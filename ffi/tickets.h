@@ -39,6 +39,7 @@ struct Ticket {
   ArrayMeta meta;
   HostBlock host;
   CUevent d2h_done = nullptr;  // recorded on the D2H stream after the copy
+  uint64_t d2h_seq = 0;        // graph-mode round: the D2H is done once the engine's gd2h_ word reaches it (no event)
   bool enqueued = false;       // its D2H and d2h_done are enqueued: a reload may copy from it
   bool graph_round = false;    // made by a graph-mode round: its D2H runs on gd2h_, which never waits
                                // on XLA's streams (a ring-path D2H waits for an event of XLA's stream)
