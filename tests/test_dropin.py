@@ -292,8 +292,32 @@ def test_jax_saved_residuals_lists_an_offloaded_residual_as_its_array(around):
         assert moved[0][0].shape == (8, 16) and moved[0][1].startswith("named 'hidden' from "), moved
 
 
+import contextlib
+
+
+@contextlib.contextmanager
+def _remat3_flag():
+    from jax._src import config
+
+    with config.remat3(True):
+        yield
+
+
 class TestErrors:
     """Item 7: misuse gives a jaxvmm: error naming the argument and the fix."""
+
+    def test_remat3_is_refused_with_the_fix(self):
+        """With ``jax_remat3=True`` jax.checkpoint takes a path jaxvmm does not hook: before, a policy that
+        offloads silently offloaded nothing (jax.checkpoint's values, no memory saved); now it is refused,
+        naming the flag and the fix. policy=None (nothing to offload) still works, like jax.checkpoint."""
+        x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+        with _remat3_flag():
+            with pytest.raises(jaxvmm.errors.NotSupportedError, match=r"^jaxvmm\.checkpoint: jax_remat3=True .*"
+                               r"jax\.config\.update\('jax_remat3', False\)"):
+                VMM(fn)
+            g = jax.grad(_sum(jaxvmm.checkpoint(fn)))(x)
+        assert_trees_bit_equal(g, jax.grad(_sum(jax.checkpoint(fn)))(x))
+        assert jax.grad(_sum(VMM(fn)))(x).shape == x.shape  # off again: accepted
 
     def test_vjp_function_returned_by_a_jitted_program_first_called_as_an_argument_names_the_fix(self):
         """What is left of the single-use rule: a VJP function that a jitted program returned, whose first

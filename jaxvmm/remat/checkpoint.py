@@ -31,6 +31,14 @@ def _static_argnums(static_argnums, nargs: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _remat3_on() -> bool:
+    """Whether ``jax.checkpoint`` would take JAX's ``jax_remat3`` path now (it decides when it wraps)."""
+    from jax._src import config
+
+    flag = getattr(config, "remat3", None)
+    return bool(getattr(flag, "value", False))
+
+
 def _check_static_argnums(static_argnums) -> tuple[int, ...]:
     bad = errors.InvalidArgumentTypeError(
         f"jaxvmm.checkpoint: static_argnums must be an int or a tuple of ints (positions of the arguments that "
@@ -117,6 +125,12 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
         raise errors.InvalidArgumentTypeError(f"jaxvmm.checkpoint: fun must be callable, not {type(fun).__name__}{hint}",
                                               code="invalid_argument")
     jax_policy = _rules.VmmPolicy(resolve(policy))
+    if policy is not None and _remat3_on():
+        raise errors.NotSupportedError(
+            "jaxvmm.checkpoint: jax_remat3=True is set, so jax.checkpoint takes JAX's remat3 path, which jaxvmm "
+            "does not hook: nothing would be offloaded (the values would be jax.checkpoint's, the memory not "
+            "saved). Leave jax_remat3 off (the default; jax.config.update('jax_remat3', False) before this "
+            "jaxvmm.checkpoint call), or use jax.checkpoint for this function", code="not_supported")
     prevent_cse = _check_prevent_cse(prevent_cse)
     static_argnums = _check_static_argnums(static_argnums)
     static_argnames = _check_static_argnames(static_argnames)
