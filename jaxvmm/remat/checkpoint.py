@@ -106,12 +106,13 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
     Gradients are those of ``jax.checkpoint`` with the same policy, bit for bit. Residuals that an outer
     differentiation differentiates again (grad of grad, ``jax.hessian``, Hessian-vector products) stay
     on the device: a ticket cannot carry a derivative. When the first derivative was staged first
-    (``jax.hessian(jax.jit(f))``, ``jax.jvp(jax.jit(jax.grad(f)))``), forward mode over it offloads the
-    residuals' tangents with them; reverse mode over it (``jax.grad(jax.jit(jax.grad(f)))``) is refused. A VJP or linearized function taken outside
-    ``jax.jit`` may be called (or jitted and called) any number of times; its offloaded residuals are
-    freed when it dies. Residuals offloaded inside a compiled program (``jax.vjp(jax.jit(f))``, a
-    ``lax.scan`` over checkpointed layers) are consumed by their first compiled reload: such a function
-    can be called once."""
+    (``jax.hessian(jax.jit(f))``, ``jax.grad(jax.jit(jax.grad(f)))``), the residuals' tangents or
+    cotangents go through tickets with them. A VJP or linearized function may be called (or jitted and
+    called) any number of times; its offloaded residuals are freed when it dies. One case is left: a VJP
+    function that a jitted program returns, first called inside another jitted program that takes it as an
+    argument, can be called once (README, *Drop-in for jax.checkpoint*). JAX's own ``saved_residuals``
+    lists an offloaded residual as its array, marked ``offloaded through jaxvmm``. Under ``jax_remat3=True``
+    a call with a policy is refused (JAX's remat3 path is not hooked: nothing would be offloaded)."""
     if unsupported:
         name = min(unsupported)
         why = _JAX_ONLY.get(name, "jaxvmm.checkpoint takes fun, prevent_cse, policy, static_argnums and "
