@@ -258,8 +258,66 @@ def test_saved_residuals_names_what_the_policy_offloaded(capsys):
     assert "f32[8,16] offloaded through jaxvmm: named 'hidden'" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("around", ["none", "jit", "scan"])
+def test_jax_saved_residuals_lists_an_offloaded_residual_as_its_array(around):
+    """JAX's own ``saved_residuals`` (``jax.ad_checkpoint.print_saved_residuals``, RematTest's
+    test_name_* cases) on a ``jaxvmm.checkpoint``: the list ``jax.checkpoint`` gives with the policy that
+    saves the same values, in JAX's words, the offloaded one marked; no ``u32[2]`` token, no ``f32[2]``
+    shadow (before: the token, described as an output of ``custom_jvp_call``, then its shadow)."""
+    from jax._src.ad_checkpoint import saved_residuals as jax_saved_residuals
+
+    def f(x, w):
+        h = checkpoint_name(jnp.tanh(x @ w), "hidden")
+        k = checkpoint_name(jnp.sin(x @ w), "kept")
+        return (h * k).sum()
+
+    def make(ckpt, policy):
+        g = ckpt(f, policy=policy)
+        if around == "jit":
+            return jax.jit(g)
+        if around == "scan":
+            return lambda x, w: lax.scan(lambda c, _: (g(c, w) * c, None), x, None, length=2)[0].sum()
+        return g
+
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 16))
+    pol = P.save_and_offload_only_these_names(names_which_can_be_saved=["kept"], names_which_can_be_offloaded=["hidden"])
+    vmm = jax_saved_residuals(make(jaxvmm.checkpoint, pol), x, w)
+    ref = jax_saved_residuals(make(jax.checkpoint, CP.save_only_these_names("kept", "hidden")), x, w)
+    mark = ", offloaded through jaxvmm"
+    assert [a for a, _ in vmm] == [a for a, _ in ref], (vmm, ref)
+    assert [d.removesuffix(mark) for _, d in vmm] == [d for _, d in ref], (vmm, ref)
+    moved = [(a, d) for a, d in vmm if d.endswith(mark)]
+    assert len(moved) == 1, vmm
+    if around == "none":
+        assert moved[0][0].shape == (8, 16) and moved[0][1].startswith("named 'hidden' from "), moved
+
+
+import contextlib
+
+
+@contextlib.contextmanager
+def _remat3_flag():
+    from jax._src import config
+
+    with config.remat3(True):
+        yield
+
+
 class TestErrors:
     """Item 7: misuse gives a jaxvmm: error naming the argument and the fix."""
+
+    def test_remat3_is_refused_with_the_fix(self):
+        """With ``jax_remat3=True`` jax.checkpoint takes a path jaxvmm does not hook: before, a policy that
+        offloads silently offloaded nothing (jax.checkpoint's values, no memory saved); now it is refused,
+        naming the flag and the fix. policy=None (nothing to offload) still works, like jax.checkpoint."""
+        x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+        with _remat3_flag():
+            with pytest.raises(jaxvmm.errors.NotSupportedError, match=r"^jaxvmm\.checkpoint: jax_remat3=True .*"
+                               r"jax\.config\.update\('jax_remat3', False\)"):
+                VMM(fn)
+            g = jax.grad(_sum(jaxvmm.checkpoint(fn)))(x)
+        assert_trees_bit_equal(g, jax.grad(_sum(jax.checkpoint(fn)))(x))
+        assert jax.grad(_sum(VMM(fn)))(x).shape == x.shape  # off again: accepted
 
     def test_vjp_function_returned_by_a_jitted_program_first_called_as_an_argument_names_the_fix(self):
         """What is left of the single-use rule: a VJP function that a jitted program returned, whose first

@@ -31,6 +31,14 @@ def _static_argnums(static_argnums, nargs: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _remat3_on() -> bool:
+    """Whether ``jax.checkpoint`` would take JAX's ``jax_remat3`` path now (it decides when it wraps)."""
+    from jax._src import config
+
+    flag = getattr(config, "remat3", None)
+    return bool(getattr(flag, "value", False))
+
+
 def _check_static_argnums(static_argnums) -> tuple[int, ...]:
     bad = errors.InvalidArgumentTypeError(
         f"jaxvmm.checkpoint: static_argnums must be an int or a tuple of ints (positions of the arguments that "
@@ -98,12 +106,13 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
     Gradients are those of ``jax.checkpoint`` with the same policy, bit for bit. Residuals that an outer
     differentiation differentiates again (grad of grad, ``jax.hessian``, Hessian-vector products) stay
     on the device: a ticket cannot carry a derivative. When the first derivative was staged first
-    (``jax.hessian(jax.jit(f))``, ``jax.jvp(jax.jit(jax.grad(f)))``), forward mode over it offloads the
-    residuals' tangents with them; reverse mode over it (``jax.grad(jax.jit(jax.grad(f)))``) is refused. A VJP or linearized function taken outside
-    ``jax.jit`` may be called (or jitted and called) any number of times; its offloaded residuals are
-    freed when it dies. Residuals offloaded inside a compiled program (``jax.vjp(jax.jit(f))``, a
-    ``lax.scan`` over checkpointed layers) are consumed by their first compiled reload: such a function
-    can be called once."""
+    (``jax.hessian(jax.jit(f))``, ``jax.grad(jax.jit(jax.grad(f)))``), the residuals' tangents or
+    cotangents go through tickets with them. A VJP or linearized function may be called (or jitted and
+    called) any number of times; its offloaded residuals are freed when it dies. One case is left: a VJP
+    function that a jitted program returns, first called inside another jitted program that takes it as an
+    argument, can be called once (README, *Drop-in for jax.checkpoint*). JAX's own ``saved_residuals``
+    lists an offloaded residual as its array, marked ``offloaded through jaxvmm``. Under ``jax_remat3=True``
+    a call with a policy is refused (JAX's remat3 path is not hooked: nothing would be offloaded)."""
     if unsupported:
         name = min(unsupported)
         why = _JAX_ONLY.get(name, "jaxvmm.checkpoint takes fun, prevent_cse, policy, static_argnums and "
@@ -117,6 +126,12 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
         raise errors.InvalidArgumentTypeError(f"jaxvmm.checkpoint: fun must be callable, not {type(fun).__name__}{hint}",
                                               code="invalid_argument")
     jax_policy = _rules.VmmPolicy(resolve(policy))
+    if policy is not None and _remat3_on():
+        raise errors.NotSupportedError(
+            "jaxvmm.checkpoint: jax_remat3=True is set, so jax.checkpoint takes JAX's remat3 path, which jaxvmm "
+            "does not hook: nothing would be offloaded (the values would be jax.checkpoint's, the memory not "
+            "saved). Leave jax_remat3 off (the default; jax.config.update('jax_remat3', False) before this "
+            "jaxvmm.checkpoint call), or use jax.checkpoint for this function", code="not_supported")
     prevent_cse = _check_prevent_cse(prevent_cse)
     static_argnums = _check_static_argnums(static_argnums)
     static_argnames = _check_static_argnames(static_argnames)
@@ -242,6 +257,105 @@ def saved_residuals(f, *args, **kwargs) -> list:
     producers = {o: e for e in jaxpr.eqns for o in e.outvars}
     invars = list(jaxpr.invars)
     return [_describe(v, producers, invars) for v in jaxpr.outvars[len(jaxpr.outvars) - n:]]
+
+
+# ---- JAX's own saved_residuals, told about jaxvmm ----
+# jax.ad_checkpoint.saved_residuals / print_saved_residuals (and JAX's residual log) describe residuals
+# through jax._src.ad_checkpoint._saved_residuals. Left alone they would list an offloaded residual as
+# its u32[2] ticket token ("output of custom_jvp_call") followed by its f32[2] shadow. The hook below
+# lists it as the array it stands for, in JAX's words ("named 'hidden' from model.py:5 (f)"), with
+# ", offloaded through jaxvmm" appended, and leaves the shadows out: what jax.checkpoint would list.
+_OFFLOADED = ", offloaded through jaxvmm"
+
+
+def _offloaded_value(v, producers):
+    """For residual ``v`` of a jaxpr: ``("shadow",)``, ``("token", x, aval)`` with ``x`` the variable
+    offloaded (None when it lives inside a nested jit) and ``aval`` its type, or None."""
+    from jax.extend.core import Literal
+
+    eqn = None if isinstance(v, Literal) else producers.get(v)
+    if eqn is None:
+        return None
+    if eqn.primitive is _rules.shadow_p:
+        return ("shadow",)
+    name = eqn.primitive.name
+    if name in ("jit", "pjit", "scan"):  # a residual that a nested jit returns, or a scan stacks
+        inner, k = eqn.params["jaxpr"].jaxpr, list(eqn.outvars).index(v)
+        stacked = name == "scan"
+        if stacked and k < eqn.params["num_carry"]:
+            return None
+        got = _offloaded_value(inner.outvars[k], {o: e for e in inner.eqns for o in e.outvars})
+        if got is None or got[0] == "shadow":
+            return got
+        aval = got[2].update(shape=(eqn.params["length"], *got[2].shape)) if stacked else got[2]
+        return ("token", None, aval)
+    # the offload itself (its ffi call, or the custom_jvp / sharded call around it) makes a uint32[..., 2] token
+    if (name in ("scan", "while", "cond", "remat2", "checkpoint") or v.aval.dtype != np.uint32
+            or v.aval.shape[-1:] != (2,) or not _is_offload(eqn)):
+        return None
+    x = eqn.invars[0]
+    while not isinstance(x, Literal):
+        inner = producers.get(x)
+        if inner is None or inner.primitive.name not in ("stop_gradient", "optimization_barrier"):
+            break
+        x = inner.invars[list(inner.outvars).index(x)]
+    return ("token", None if isinstance(x, Literal) else x, x.aval)
+
+
+def _jax_order(jaxpr, outvars) -> list:
+    """The variables ``jax._src.ad_checkpoint._saved_residuals`` describes for ``outvars``, in its order."""
+    from jax._src.lax import lax as _lax
+    from jax.extend.core import Literal
+
+    subst = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is _lax.reduce_precision_p}
+    res = {subst.get(v, v) for v in outvars if not isinstance(v, Literal)}
+    return ([v for v in outvars if isinstance(v, Literal)] + [v for v in jaxpr.constvars if v in res]
+            + [v for v in jaxpr.invars if v in res] + [v for e in jaxpr.eqns for v in e.outvars if v in res]), subst
+
+
+def _saved_residuals_hook(jax_fn):
+    def hook(jaxpr, arg_names):
+        try:
+            producers = {o: e for e in jaxpr.eqns for o in e.outvars}
+            found = [_offloaded_value(v, producers) for v in jaxpr.outvars]
+            if not any(found):
+                return jax_fn(jaxpr, arg_names)
+            outvars, moved, retyped = [], set(), {}
+            for v, got in zip(jaxpr.outvars, found):
+                if got is None:
+                    outvars.append(v)
+                elif got[0] == "token":
+                    x = got[1]
+                    if x is None or x in outvars or x in jaxpr.outvars:  # keep the token, described as x
+                        outvars.append(v)
+                        moved.add(v)
+                        retyped[v] = got[2]
+                    else:
+                        outvars.append(x)
+                        moved.add(x)
+            order, subst = _jax_order(jaxpr, outvars)
+            results = jax_fn(jaxpr.replace(outvars=outvars), arg_names)
+            if len(order) != len(results):
+                raise ValueError("unexpected order")
+            moved = {subst.get(v, v) for v in moved}
+            return [(retyped.get(v, aval), what + _OFFLOADED if v in moved else what)
+                    for v, (aval, what) in zip(order, results)]
+        except Exception:  # a JAX whose jaxprs or function differ: JAX's words for the jaxpr as it is
+            return jax_fn(jaxpr, arg_names)
+
+    hook.__wrapped_by_jaxvmm__ = jax_fn
+    return hook
+
+
+def _install_saved_residuals_hook() -> None:
+    from jax._src import ad_checkpoint as _adc
+
+    fn = getattr(_adc, "_saved_residuals", None)
+    if fn is not None and getattr(fn, "__wrapped_by_jaxvmm__", None) is None:
+        _adc._saved_residuals = _saved_residuals_hook(fn)
+
+
+_install_saved_residuals_hook()
 
 
 def print_saved_residuals(f, *args, **kwargs) -> None:
