@@ -25,6 +25,18 @@ _config.load(lib)
 
 
 def _close_all_at_exit() -> None:
+    # Computations still running (a script that ends right after dispatching a step) may be inside a
+    # jaxvmm handler: let them finish before the engines go, or a handler touches a destroyed engine.
+    try:
+        import jax
+
+        for a in jax.live_arrays():
+            try:
+                a.block_until_ready()
+            except Exception:  # noqa: BLE001 - a failed computation is done too
+                pass
+    except Exception:  # noqa: BLE001 - jax already torn down: nothing can still run
+        pass
     # Return every slot's pages and reservations while the driver is still loaded.
     try:
         lib.close_all(final=True)  # and no engine starts again (finalizers run after this)
