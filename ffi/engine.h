@@ -211,7 +211,6 @@ class Engine {
   // The same for host memory: a round ticket is carved from what the pool has; without room it goes
   // to pageable memory and the grower thread pins more for the tickets after it.
   Status RoundTicketHost(size_t nbytes, HostBlock* out);
-  std::atomic<bool> growing_host_{false};  // a growth is queued on grower_
   void KeepResident(const std::shared_ptr<Ticket>& t, StagingLease* lease, CUstream stream);  // caller holds mu_
 
   // Worker side.
@@ -343,6 +342,7 @@ class Engine {
   GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
   bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage
+  std::atomic<bool> growing_host_{false};  // a growth is queued on grower_ (RoundTicketHost)
 
   // Workers last: destroyed first, after ~Engine has synchronized every stream.
   std::unique_ptr<Worker> resolver_, releaser_;

@@ -96,15 +96,25 @@ def forward_backward_graphs(r: Replay, x, y, tok, n: int = N):
     return fwd[0], bwd[0]
 
 
-def offload_rounds(r: Replay, fwd, x, tok, seeds) -> list[bytes]:
+def offload_rounds(r: Replay, fwd, x, tok, seeds, n: int = N) -> list[bytes]:
     """Replays the forward graph once per seed; returns the token of each round."""
     tokens = []
     for i in seeds:
-        x.write(data(i))
+        x.write(data(i, n))
         r.launch(fwd)
         r.synchronize()
         tokens.append(bytes(tok.read()))
     return tokens
+
+
+def reload_rounds_in_reverse(r: Replay, bwd, y, tok, tokens, n: int = N) -> None:
+    """Replays the backward graph once per token, newest first (a backward pass); each round must give
+    back the bytes its offload round took (data(i, n))."""
+    for i in reversed(range(len(tokens))):
+        tok.write(np.frombuffer(tokens[i], np.uint8))
+        r.launch(bwd)
+        r.synchronize()
+        assert np.array_equal(read(y), data(i, n)), f"ticket {i}"
 
 
 def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, engine_hygiene, round_kernels):
@@ -145,11 +155,7 @@ def test_tickets_cross_graphs_and_reloads_are_predicted(platform_device, slots, 
         fwd, bwd = forward_backward_graphs(r, x, y, tok)
         tokens = offload_rounds(r, fwd, x, tok, range(K))
         assert len(set(tokens)) == K  # a fresh ticket every replay
-        for i in reversed(range(K)):
-            tok.write(np.frombuffer(tokens[i], np.uint8))
-            r.launch(bwd)
-            r.synchronize()
-            assert np.array_equal(read(y), data(i)), f"ticket {i}"
+        reload_rounds_in_reverse(r, bwd, y, tok, tokens)
     after = stats(platform_device)
     assert after["graph_hits"] - before["graph_hits"] >= K - 1
     assert after["tickets_live"] == before["tickets_live"]
@@ -167,12 +173,8 @@ def test_rounds_create_no_event(platform_device, slots, engine_hygiene):
     with Replay(platform_device) as r:
         fwd, bwd = forward_backward_graphs(r, x, y, tok)
         with jaxvmm.testing.fault("cuEventCreate", times=-1, device=platform_device):
-            tokens = offload_rounds(r, fwd, x, tok, range(K))  # K tickets live at once, each with an event
-            for i in reversed(range(K)):
-                tok.write(np.frombuffer(tokens[i], np.uint8))
-                r.launch(bwd)
-                r.synchronize()
-                assert np.array_equal(read(y), data(i)), f"ticket {i}"
+            tokens = offload_rounds(r, fwd, x, tok, range(K))  # K tickets live at once
+            reload_rounds_in_reverse(r, bwd, y, tok, tokens)
             jaxvmm.synchronize()
             after = stats(platform_device)
     assert after["errors"] == before["errors"], after
@@ -195,17 +197,8 @@ def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_d
     with Replay(platform_device) as r:
         fwd, bwd = forward_backward_graphs(r, x, y, tok, n)
         with jaxvmm.testing.fault("cuMemHostAlloc", times=-1, device=platform_device):
-            tokens = []
-            for i in range(K):
-                x.write(data(i, n))
-                r.launch(fwd)
-                r.synchronize()
-                tokens.append(bytes(tok.read()))
-            for i in reversed(range(K)):
-                tok.write(np.frombuffer(tokens[i], np.uint8))
-                r.launch(bwd)
-                r.synchronize()
-                assert np.array_equal(read(y), data(i, n)), f"ticket {i}"
+            tokens = offload_rounds(r, fwd, x, tok, range(K), n)
+            reload_rounds_in_reverse(r, bwd, y, tok, tokens, n)
             jaxvmm.synchronize()
             after = stats(platform_device)
     assert after["errors"] == before["errors"], after
