@@ -38,6 +38,7 @@
 #include <string>
 #include <functional>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "driver.h"
@@ -113,6 +114,7 @@ struct PosixState {
   std::unordered_map<uint64_t, Physical> handles;  // handle -> home mapping
   std::unordered_map<uintptr_t, size_t> host_allocs;
   std::unordered_map<uintptr_t, size_t> device_allocs;  // cuMemAlloc
+  std::unordered_set<void*> streams;                     // PosixStream* (cuCtxSynchronize lands their D2Hs)
   uint64_t next_handle = 1;
   int64_t device_bytes = 0;  // live device-location handles created here (SetPosixDeviceMemoryLimit)
 };
@@ -478,6 +480,18 @@ CUresult PosixMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CU
 struct PosixStream {
   bool capturing = false;
   std::vector<std::function<CUresult()>> recorded;
+  // A D2H into pageable host memory: the bytes were read at the call (the DMA into the driver's
+  // staging), and land at their destination when the stream is synchronized. The driver documents such
+  // a copy as "might be synchronous" with the host; this is its weakest reading, so a reader of the
+  // host bytes that is ordered only on the device (a memop, an event a later copy waits for) sees stale
+  // bytes here too (found on the H200: graph_round tickets in pageable memory).
+  std::mutex landing_mu;
+  std::vector<std::pair<void*, std::vector<char>>> landing;
+  void Land() {
+    std::lock_guard<std::mutex> lock(landing_mu);
+    for (auto& [dst, bytes] : landing) std::memcpy(dst, bytes.data(), bytes.size());
+    landing.clear();
+  }
 };
 struct PosixGraph {
   std::vector<std::function<CUresult()>> ops;
@@ -513,8 +527,22 @@ CUresult PosixMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s
 CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
   return PosixMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, s);
 }
+bool IsPinnedHost(const void* p, size_t n) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  PosixState& st = S();
+  std::lock_guard<std::mutex> lock(st.mu);
+  for (const auto& [base, size] : st.host_allocs)
+    if (a >= base && a + n <= base + size) return true;
+  return false;
+}
 CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) {
-  return PosixMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
+  auto* ps = reinterpret_cast<PosixStream*>(s);
+  if (!ps || ps->capturing || IsPinnedHost(dst, n)) return PosixMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
+  std::vector<char> staged(n);
+  std::memcpy(staged.data(), reinterpret_cast<const void*>(src), n);
+  std::lock_guard<std::mutex> lock(ps->landing_mu);
+  ps->landing.emplace_back(dst, std::move(staged));
+  return CUDA_SUCCESS;
 }
 CUresult PosixMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
   return PosixMemcpyAsync(dst, src, n, s);
@@ -528,16 +556,40 @@ CUresult PosixMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream
 
 CUresult PosixStreamCreateWithPriority(CUstream* s, unsigned int, int) {
   if (!s) return CUDA_ERROR_INVALID_VALUE;
-  *s = reinterpret_cast<CUstream>(new PosixStream());
+  auto* ps = new PosixStream();
+  {
+    PosixState& st = S();
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.streams.insert(ps);
+  }
+  *s = reinterpret_cast<CUstream>(ps);
   return CUDA_SUCCESS;
 }
 CUresult PosixStreamDestroy(CUstream s) {
+  if (s) {
+    reinterpret_cast<PosixStream*>(s)->Land();
+    PosixState& st = S();
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.streams.erase(s);
+  }
   delete reinterpret_cast<PosixStream*>(s);
   return CUDA_SUCCESS;
 }
-CUresult PosixStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
+CUresult PosixStreamSynchronize(CUstream s) {
+  if (s) reinterpret_cast<PosixStream*>(s)->Land();
+  return CUDA_SUCCESS;
+}
 CUresult PosixStreamQuery(CUstream) { return CUDA_SUCCESS; }
-CUresult PosixCtxSynchronize() { return CUDA_SUCCESS; }  // streams complete their work in the call
+CUresult PosixCtxSynchronize() {  // streams complete their work in the call; pageable D2Hs land now
+  std::vector<void*> streams;
+  {
+    PosixState& st = S();
+    std::lock_guard<std::mutex> lock(st.mu);
+    streams.assign(st.streams.begin(), st.streams.end());
+  }
+  for (void* ps : streams) static_cast<PosixStream*>(ps)->Land();
+  return CUDA_SUCCESS;
+}
 CUresult PosixStreamWaitEvent(CUstream, CUevent, unsigned int) { return CUDA_SUCCESS; }
 // A stream that waits on a value blocks the calling thread until another thread (a worker) writes it,
 // which is what the GPU's stream would do. A wait that is never satisfied is reported after a long

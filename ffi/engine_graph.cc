@@ -528,7 +528,7 @@ std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token
 Status Engine::RoundTicketHost(size_t nbytes, HostBlock* out) {
   // The poller, while the device may wait for this round: no cuMemHostAlloc here (DESIGN.md, driver
   // facts: it waits for a driver lock a blocked cuGraphLaunch holds). Carve from the pool's chunks;
-  // without room, pageable memory (its D2H is host-synchronous: gd2h_ waits for nothing of XLA's), and
+  // without room, pageable memory (CopyOutOfCell synchronizes gd2h_ behind its D2H), and
   // the grower pins a chunk for the tickets after this one.
   bool carved = false;
   JAXVMM_RETURN_IF_ERROR(host_store_.TryAllocate(nbytes, out, &carved));
@@ -555,6 +555,12 @@ Status Engine::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t
   const char* stage = "offload (graph)";
   Cell& cell = c.cells[i];
   Status st = CopyToHost(gd2h_, t->host, cell.addr, c.meta.nbytes, stage);
+  // Into pageable memory the bytes may reach the host after the copy returns and after later work on
+  // gd2h_ ran (the driver only says "might be synchronous"; seen on the H200: a reload read a ticket's
+  // tail before it landed). Only a synchronization says they are there; gd2h_ waits for nothing of
+  // XLA's, so this waits for copies already under way and no more.
+  if (st.ok() && t->host.pageable)
+    st = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
   const uint64_t seq = gd2h_issued_ + 1;  // gd2h_ runs in order: its word passing seq means this D2H is done
   if (st.ok()) st = WriteDevice(gd2h_, reinterpret_cast<CUdeviceptr>(gd2h_done_), seq, stage);
   if (st.ok()) {
