@@ -675,6 +675,18 @@ def _vjp_any_number_of_times(platform_device, make, cts, offloads):
     assert d["tickets_live"] == 0 and d["ticket_host_bytes"] == 0, d
 
 
+def test_the_jax_functions_jaxvmm_hooks_are_hooked():
+    """jax 0.11 renamed a parameter of the functions a VJP/linearized function calls (out_known ->
+    out_zeros) and moved the linear jaxpr's residuals from constvars to invars: the hooks then silently
+    stayed off and the second call of such a function read a consumed ticket (0xFF, an error)."""
+    from jax._src.interpreters import ad
+
+    from jaxvmm.remat import _rules
+
+    assert ad.linearize is _rules._linearize
+    assert _rules.api_hooks_installed() == {"_vjp3_callable": True, "_lift_linearized": True}
+
+
 def test_vjp_function_of_a_jitted_forward_called_any_number_of_times(platform_device):
     x = _x(platform_device)
     _vjp_any_number_of_times(platform_device, lambda ck: jax.vjp(jax.jit(ck(fn)), x)[1],

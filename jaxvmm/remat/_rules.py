@@ -561,7 +561,10 @@ def _token_reads(jaxpr, origins: dict) -> tuple[set, list]:
 def _residual_tokens(jaxpr, consts) -> list:
     """The concrete residuals (constants of the linear ``jaxpr``) that are ticket tokens its reloads read."""
     cands = {}
-    for i, (v, c) in enumerate(zip(jaxpr.constvars, consts)):
+    # jax <= 0.10 binds them to the jaxpr's constvars; jax 0.11 moved them to its first invars (ad.linearize,
+    # _vjp3_callable, _lift_linearized all pass them ahead of the tangents).
+    binders = jaxpr.constvars if len(jaxpr.constvars) == len(consts) else jaxpr.invars[:len(consts)]
+    for i, (v, c) in enumerate(zip(binders, consts)):
         if (isinstance(c, jax.Array) and not isinstance(c, _core.Tracer) and c.ndim >= 1 and c.shape[-1] == 2
                 and c.dtype in (np.uint32, np.float32) and not c.is_deleted()):
             cands[v] = {i}
@@ -601,10 +604,12 @@ _linearize.__wrapped_by_jaxvmm__ = _jax_linearize
 # ad.linearize). Its residuals are concrete when it is called (eagerly, or traced by jax.jit(vjp_fn)),
 # before any of its reloads runs: the functions it calls then (jax._src.api._vjp3_callable and
 # _lift_linearized, which get the linear jaxpr and its residuals) keep the tokens first.
+# The parameters each hook reads by position (jaxpr, residuals), as each supported jax names them (0.11 renamed
+# out_known to out_zeros and added structured residuals after them).
 _API_HOOKS = {
-    "_vjp3_callable": ("spec", "out_known", "jaxpr", "out_primal_avals", "in_tree", "out_tree", "args_res",
-                       "opaque_res"),
-    "_lift_linearized": ("jaxpr", "in_avals", "out_avals", "out_known", "consts"),
+    "_vjp3_callable": [("spec", out, "jaxpr", "out_primal_avals", "in_tree", "out_tree", "args_res", "opaque_res")
+                       for out in ("out_known", "out_zeros")],
+    "_lift_linearized": [("jaxpr", "in_avals", "out_avals", out, "consts") for out in ("out_known", "out_zeros")],
 }
 
 
@@ -638,7 +643,7 @@ def _install_api_hooks() -> None:
 
     from jax._src import api as _api
 
-    for name, params in _API_HOOKS.items():
+    for name, signatures in _API_HOOKS.items():
         fn = getattr(_api, name, None)
         if fn is None or getattr(fn, "__wrapped_by_jaxvmm__", None) is not None:
             continue
@@ -646,8 +651,17 @@ def _install_api_hooks() -> None:
             names = tuple(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             continue
-        if names[:len(params)] == params:
+        if any(names[:len(params)] == params for params in signatures):
             setattr(_api, name, _keep_when_called(name, fn))
+
+
+def api_hooks_installed() -> dict:
+    """Which of jax's internal functions jaxvmm hooks here (a jax whose functions changed shows False: a VJP
+    function a jitted program returns is then reloaded once only)."""
+    from jax._src import api as _api
+
+    return {name: getattr(getattr(_api, name, None), "__wrapped_by_jaxvmm__", None) is not None
+            for name in _API_HOOKS}
 
 
 # ---- the rules ----
