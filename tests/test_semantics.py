@@ -532,7 +532,14 @@ def test_a_staged_gradient_differentiated_again_from_outside_equals_jax():
         g = lambda x: jax.grad(lambda x: f(x).sum())(x).sum()  # noqa: E731
         return jax.jit(jax.grad(jax.jit(g)))(x)
 
-    assert_trees_bit_equal(run(_offloading(fn)), run(jax.checkpoint(fn, policy=CP.everything_saveable)))
+    got, want = run(_offloading(fn)), run(jax.checkpoint(fn, policy=CP.everything_saveable))
+    # Bit-exact against jax.checkpoint (jax 0.10) or against the function without checkpoint: under jax
+    # 0.11 XLA fuses jax.checkpoint's program differently from both (1 ulp), and jaxvmm's equals the latter.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-7, atol=0)
+    try:
+        assert_trees_bit_equal(got, want)
+    except AssertionError:
+        assert_trees_bit_equal(got, run(fn))
 
 
 @pytest.mark.parametrize("policy", [None, CP.everything_saveable, CP.save_only_these_names("h")],

@@ -268,6 +268,14 @@ def saved_residuals(f, *args, **kwargs) -> list:
 _OFFLOADED = ", offloaded through jaxvmm"
 
 
+def _scan_num_carry(params) -> int:
+    """How many of a scan equation's outputs are its carry (jax <= 0.10: num_carry; jax 0.11: the first
+    part of its flat output tree, ft_out)."""
+    if "num_carry" in params:
+        return params["num_carry"]
+    return len(params["ft_out"].unpack()[0])
+
+
 def _offloaded_value(v, producers):
     """For residual ``v`` of a jaxpr: ``("shadow",)``, ``("token", x, aval)`` with ``x`` the variable
     offloaded (None when it lives inside a nested jit) and ``aval`` its type, or None."""
@@ -282,7 +290,7 @@ def _offloaded_value(v, producers):
     if name in ("jit", "pjit", "scan"):  # a residual that a nested jit returns, or a scan stacks
         inner, k = eqn.params["jaxpr"].jaxpr, list(eqn.outvars).index(v)
         stacked = name == "scan"
-        if stacked and k < eqn.params["num_carry"]:
+        if stacked and k < _scan_num_carry(eqn.params):
             return None
         got = _offloaded_value(inner.outvars[k], {o: e for e in inner.eqns for o in e.outvars})
         if got is None or got[0] == "shadow":
