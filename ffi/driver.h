@@ -149,4 +149,9 @@ void SetPosixAfterTakeHook(void (*fn)(void*), void* arg);
 // live device-location handles would exceed `bytes` (a device whose memory XLA holds); < 0: no limit.
 void SetPosixDeviceMemoryLimit(int64_t bytes);
 
+// Test hook (POSIX backend): how many asynchronous copies were given a pageable (not cuMemHostAlloc'd)
+// host pointer since the process started. jaxvmm never does that (PageableBounce): the driver's stream
+// order for such copies did not hold on the H200.
+int64_t PosixPageableCopies();
+
 }  // namespace jaxvmm

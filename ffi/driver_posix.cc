@@ -524,9 +524,6 @@ CUresult PosixMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s
     return CUDA_SUCCESS;
   });
 }
-CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
-  return PosixMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, s);
-}
 bool IsPinnedHost(const void* p, size_t n) {
   const auto a = reinterpret_cast<uintptr_t>(p);
   PosixState& st = S();
@@ -535,9 +532,16 @@ bool IsPinnedHost(const void* p, size_t n) {
     if (a >= base && a + n <= base + size) return true;
   return false;
 }
+std::atomic<int64_t> g_pageable_copies{0};  // async copies given a pageable host pointer (PosixPageableCopies)
+
+CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
+  if (!IsPinnedHost(src, n)) ++g_pageable_copies;
+  return PosixMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, s);
+}
 CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) {
   auto* ps = reinterpret_cast<PosixStream*>(s);
   if (!ps || ps->capturing || IsPinnedHost(dst, n)) return PosixMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
+  ++g_pageable_copies;
   std::vector<char> staged(n);
   std::memcpy(staged.data(), reinterpret_cast<const void*>(src), n);
   std::lock_guard<std::mutex> lock(ps->landing_mu);
@@ -965,6 +969,8 @@ void SetPosixAfterTakeHook(void (*fn)(void*), void* arg) {
   g_after_take = fn;
   g_after_take_arg = arg;
 }
+
+int64_t PosixPageableCopies() { return g_pageable_copies.load(); }
 
 void SetPosixDeviceMemoryLimit(int64_t bytes) { g_device_limit.store(bytes < 0 ? -1 : bytes); }
 

@@ -93,7 +93,7 @@ struct Engine::Op {
 // ---------------------------------------------------------------- lifetime
 
 Engine::Engine(Backend b, int device)
-    : backend_(b), device_(device), host_store_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device), kernels_(b) {}
+    : backend_(b), device_(device), host_store_(b, device), staging_(b, device), tickets_(EngineKey()), channels_(b, device), kernels_(b), bounce_(b, device), ring_bounce_(b, device) {}
 
 Status Engine::For(Backend b, int device, Engine** out) {
   std::lock_guard<std::mutex> lock(g_engines_mu);
@@ -462,7 +462,7 @@ Status Engine::Reload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdev
     o.meta = meta;
     o.stream = stream;
     o.staging = lease.address;
-    o.ticket = tickets_.Predict(meta);
+    o.ticket = tickets_.Predict(meta, [](const Ticket& t) { return !t.host.pageable; });
     if (o.ticket) {
       o.ticket->claimed_by = o.seq;
       o.ticket->pins += 1;
@@ -700,6 +700,7 @@ Engine::Source Engine::SourceOf(const Ticket& t) {
   src.d2h_seq = t.d2h_seq;
   src.host = t.host.ptr;
   src.unified = t.host.unified();
+  src.pageable = t.host.pageable;
   return src;
 }
 
@@ -738,6 +739,7 @@ Status Engine::CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t
     }));
   else if (src.d2h_done)
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(s, src.d2h_done, 0); }));
+  if (src.pageable) return BounceForThisThread().FromHost(s, dst, src.host, nbytes, stage);
   return CopyFromHost(s, dst, src.host, src.unified, nbytes, stage);
 }
 
@@ -755,6 +757,7 @@ Status Engine::Resident(const std::shared_ptr<Ticket>& t) {
     host_only.d2h_seq = t->d2h_seq;
     host_only.host = t->host.ptr;
     host_only.unified = t->host.unified();
+    host_only.pageable = t->host.pageable;
   }
   Status st;
   if (lease.wait) st = Call(-1, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, lease.wait, 0); });
@@ -936,6 +939,7 @@ EngineStats Engine::Stats() {
   std::lock_guard<std::mutex> lock(mu_);
   EngineStats s = stats_;
   s.graph = graph_stats_;
+  s.graph.bounce_copies = bounce_.copies() + ring_bounce_.copies();
   s.tickets_live = static_cast<int64_t>(tickets_.live());
   s.ticket_host_bytes = tickets_.host_bytes();
   s.ops_in_flight = static_cast<int64_t>(next_seq_ - 1 - completed_seq_);

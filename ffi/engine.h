@@ -28,6 +28,7 @@
 
 #include "channels.h"
 #include "graph_kernels.h"
+#include "bounce.h"
 #include "host_pool.h"
 #include "staging.h"
 #include "status.h"
@@ -55,6 +56,7 @@ struct GraphStats {
   int64_t host_cells = 0;      // cells mapped with host pages because the device was out of memory
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
   int64_t host_fallbacks = 0;  // round tickets put in pageable memory: the host pool had no room (it grows behind them)
+  int64_t bounce_copies = 0;   // pieces (<= 4 MiB) copied through the pinned bounce buffers to or from those tickets
   int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
 };
 
@@ -186,7 +188,8 @@ class Engine {
     CUevent d2h_done = nullptr;
     uint64_t d2h_seq = 0;  // graph-mode ticket: its D2H is done once *gd2h_done_ >= d2h_seq (no event)
     const void* host = nullptr;
-    bool unified = false;  // the host block is a host_numa mapping: copy by unified address
+    bool unified = false;   // the host block is a host_numa mapping: copy by unified address
+    bool pageable = false;  // the host block is pageable memory: copy through bounce_
   };
   struct alignas(64) Words {
     std::atomic<uint64_t> probe;  // reload: the token the GPU read, copied here by XLA's stream
@@ -329,7 +332,13 @@ class Engine {
   bool poll_stop_ = false;
   bool poll_paused_ = false;  // test hook (PausePoller): passes skipped while set
   bool kernels_warmed_ = false;  // WarmKernels ran (graph_mu_)
-  bool pageable_warmed_ = false;  // the first pageable copies ran (graph_mu_; see Prepare)
+  // Round tickets in pageable memory (RoundTicketHost) are copied through pinned buffers, made by the
+  // first initialize stage (never on the poller): the poller's own (gd2h_, gh2d_, fix_), and the
+  // resolver's (fix_), so that neither waits for a buffer behind the other's stream work. The ring
+  // path's h2d_ prefetch never picks such a ticket (the handler would wait on the host).
+  PageableBounce bounce_;
+  PageableBounce ring_bounce_;
+  PageableBounce& BounceForThisThread();
   // Kernel grants: tokens armed for a round whose ticket is not made yet (made when the poller serves
   // the round's `filled`). Guarded by mu_, so a resolve can tell a pending round without graph_mu_.
   std::unordered_set<uint64_t> armed_tokens_;

@@ -118,18 +118,18 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
       std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ws.ToString().c_str());
     }
   }
-  if (!pageable_warmed_ && !any_captured_ && c->dw) {
-    // A round ticket may go to pageable memory (RoundTicketHost). The driver sets up its staging for
-    // pageable copies on first use, which may take the driver lock a spinning launch holds: make that
-    // first use here, while nothing of this engine waits on the device.
-    pageable_warmed_ = true;
-    uint64_t bounce[8] = {};
-    const DriverTable& d = Driver(backend_);
-    Status ps = Call(-1, "graph channel", Entry::kMemcpyDtoHAsync, [&] { return d.MemcpyDtoHAsync(bounce, c->dw, sizeof(bounce), gd2h_); });
-    if (ps.ok()) ps = Call(-1, "graph channel", Entry::kMemcpyHtoDAsync, [&] { return d.MemcpyHtoDAsync(c->dw, bounce, sizeof(bounce), gh2d_); });
-    d.StreamSynchronize(gd2h_);
-    d.StreamSynchronize(gh2d_);
-    (void)ps;  // a failure here only means the first fallback copy pays the set-up
+  if (!bounce_.ready() || !ring_bounce_.ready()) {
+    // Round tickets the pinned pool has no room for go to pageable memory, copied through these
+    // buffers (RoundTicketHost); without them such a round fails instead.
+    Status bs = bounce_.Init();
+    if (bs.ok()) bs = ring_bounce_.Init();
+    if (!bs.ok()) std::fprintf(stderr, "jaxvmm: pageable bounce buffers unavailable: %s\n", bs.ToString().c_str());
+  }
+  if (kind == ChannelKind::kOffload) {
+    // Pinned room for this site's first rounds, made here (XLA's thread, before any round waits): the
+    // poller only carves from the pool (RoundTicketHost), and a fresh pool has nothing to carve. Over
+    // the host pool's limit this fails and the rounds fall back as they would.
+    (void)host_store_.Reserve(static_cast<size_t>(EngineConfig::GraphCells() + 1) * meta.nbytes);
   }
   c->stream = stream;
   if (c->ncells == 0) {
@@ -362,7 +362,14 @@ Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_i
 
 // ---------------------------------------------------------------- the poller
 
+namespace {
+thread_local const Engine* t_polling = nullptr;  // the engine whose poller runs on this thread
+}  // namespace
+
+PageableBounce& Engine::BounceForThisThread() { return t_polling == this ? bounce_ : ring_bounce_; }
+
 void Engine::Poll() {
+  t_polling = this;
   ScopedContext ctx(backend_, device_);
   std::unique_lock<std::mutex> lock(graph_mu_);
   while (!poll_stop_) {
@@ -528,11 +535,12 @@ std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token
 Status Engine::RoundTicketHost(size_t nbytes, HostBlock* out) {
   // The poller, while the device may wait for this round: no cuMemHostAlloc here (DESIGN.md, driver
   // facts: it waits for a driver lock a blocked cuGraphLaunch holds). Carve from the pool's chunks;
-  // without room, pageable memory (CopyOutOfCell synchronizes gd2h_ behind its D2H), and
+  // without room, pageable memory (copied through bounce_, never given to the driver), and
   // the grower pins a chunk for the tickets after this one.
   bool carved = false;
   JAXVMM_RETURN_IF_ERROR(host_store_.TryAllocate(nbytes, out, &carved));
   if (carved) return Status();
+  if (!bounce_.ready() || !ring_bounce_.ready()) return Status(Code::kOutOfMemory, "the pinned host pool has no room for " + std::to_string(nbytes) + " bytes and the pageable fallback is unavailable");
   *out = host_store_.Pageable(nbytes);
   if (!*out) return Status(Code::kOutOfMemory, "no host memory for " + std::to_string(nbytes) + " bytes (pageable fallback)");
   ++graph_stats_.host_fallbacks;
@@ -554,13 +562,10 @@ Status Engine::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t
   const DriverTable& d = Driver(backend_);
   const char* stage = "offload (graph)";
   Cell& cell = c.cells[i];
-  Status st = CopyToHost(gd2h_, t->host, cell.addr, c.meta.nbytes, stage);
-  // Into pageable memory the bytes may reach the host after the copy returns and after later work on
-  // gd2h_ ran (the driver only says "might be synchronous"; seen on the H200: a reload read a ticket's
-  // tail before it landed). Only a synchronization says they are there; gd2h_ waits for nothing of
-  // XLA's, so this waits for copies already under way and no more.
-  if (st.ok() && t->host.pageable)
-    st = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
+  // Pageable memory goes through the bounce buffers (their D2H waits for copies already on gd2h_,
+  // which waits for nothing of XLA's): the bytes are on the host when it returns.
+  Status st = t->host.pageable ? BounceForThisThread().ToHost(gd2h_, t->host.ptr, cell.addr, c.meta.nbytes, stage)
+                               : CopyToHost(gd2h_, t->host, cell.addr, c.meta.nbytes, stage);
   const uint64_t seq = gd2h_issued_ + 1;  // gd2h_ runs in order: its word passing seq means this D2H is done
   if (st.ok()) st = WriteDevice(gd2h_, reinterpret_cast<CUdeviceptr>(gd2h_done_), seq, stage);
   if (st.ok()) {

@@ -33,7 +33,7 @@ struct HostBlock {
   size_t size = 0;  // rounded to HostPool::kAlign
   HostStoreKind store = HostStoreKind::kPinned;
   // Plain pageable memory (malloc), outside both pools: a graph-mode round ticket made while the pool
-  // had no room (HostStore::TryAllocate). A D2H into it has landed only once its stream is synchronized.
+  // had no room (HostStore::TryAllocate). The engine copies it through PageableBounce only (the driver never sees it).
   bool pageable = false;
   explicit operator bool() const { return ptr != nullptr; }
   // Copies name it by unified address (cuMemcpyAsync), not as a host pointer.

@@ -591,6 +591,7 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_revokes_lost"] = s.graph.revokes_lost;
     d["graph_cells_host"] = s.graph.host_cells;
     d["graph_host_fallbacks"] = s.graph.host_fallbacks;
+    d["graph_bounce_copies"] = s.graph.bounce_copies;
     d["graph_cells"] = s.graph.cells;
     d["graph_fused_captures"] = s.graph.fused_captures;
     return d;
@@ -768,6 +769,7 @@ NB_MODULE(_jaxvmm, m) {
   });
   // Test hook (cpu): device-location pages beyond `bytes` fail to be created (out of memory); < 0: no limit.
   m.def("testing_posix_device_limit", [](int64_t bytes) { SetPosixDeviceMemoryLimit(bytes); });
+  m.def("testing_posix_pageable_copies", [] { return PosixPageableCopies(); });
   m.def("testing_trim_after_next_take", [](int device) {
     static int dev = 0;
     dev = device;

@@ -187,13 +187,17 @@ def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_d
     growing for a round ticket) waited for the driver lock a blocked cuGraphLaunch held, and the launch
     waited for that round (capacity trial, 27 layers). A round ticket the pool has no room for goes to
     pageable memory and a grower thread pins more behind it; with every cuMemHostAlloc failing, rounds
-    still give back their bytes."""
+    still give back their bytes. Those tickets are copied through pinned bounce buffers: given pageable
+    pointers, the driver's copies read a ticket's bytes before they had landed on the H200 (tickets 39
+    and 36), also with a cuStreamSynchronize behind each D2H; the cpu backend lands a pageable D2H only
+    when its stream is synchronized and counts every async copy given a pageable pointer."""
     K, n = 40, 8 << 20  # 320 MiB: more than the room an emptied pool keeps (one 256 MiB chunk at most)
     x, y, tok = slots(n), slots(n), slots(8)
     limit = jaxvmm.configure()["host_pool_limit"]
     jaxvmm.configure(host_pool_limit=1 << 20)  # empty pinned chunks go back to the driver now
     jaxvmm.configure(host_pool_limit=limit)
     before = stats(platform_device)
+    pageable_copies = lib.testing_posix_pageable_copies()
     with Replay(platform_device) as r:
         fwd, bwd = forward_backward_graphs(r, x, y, tok, n)
         with jaxvmm.testing.fault("cuMemHostAlloc", times=-1, device=platform_device):
@@ -203,7 +207,10 @@ def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_d
             after = stats(platform_device)
     assert after["errors"] == before["errors"], after
     assert after["graph_host_fallbacks"] > before["graph_host_fallbacks"]
+    assert after["graph_bounce_copies"] > before["graph_bounce_copies"]
     assert after["tickets_live"] == before["tickets_live"]
+    if platform_device.startswith("cpu"):  # the driver never got a pageable pointer
+        assert lib.testing_posix_pageable_copies() == pageable_copies
 
 
 def test_a_bad_token_gives_0xff_and_an_error(platform_device, slots, engine_hygiene):
