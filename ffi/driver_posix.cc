@@ -27,6 +27,8 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <thread>
 #include <cerrno>
 #include <cstddef>
@@ -477,9 +479,82 @@ CUresult PosixMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CU
 // A stream that captures records its operations instead of running them; an instantiated graph runs
 // the recorded operations in order, inline, on each launch. So a test can record the device work of a
 // handler once and replay it N times without calling the handler again, as XLA's command buffers do.
+// JAXVMM_POSIX_ASYNC=1 (read at each stream's creation): the stream runs its operations on a worker
+// thread of its own, in order, as a GPU stream does, instead of inline in the calling thread. Events
+// complete when their stream reaches them; a wait on an event or a value blocks that stream only. This
+// exposes ordering between streams that the synchronous default hides (tests opt in per process).
+// JAXVMM_POSIX_ASYNC=N > 1 also delays each operation by a random 0..N microseconds first, as a busy
+// GPU delays a stream: an order that holds only by luck of timing shows.
+int AsyncStreams() {
+  const char* v = std::getenv("JAXVMM_POSIX_ASYNC");
+  return v && *v ? std::atoi(v) : 0;
+}
+
 struct PosixStream {
   bool capturing = false;
   std::vector<std::function<CUresult()>> recorded;
+  // async mode
+  bool async = false;
+  std::mutex q_mu;
+  std::condition_variable q_cv;
+  std::deque<std::function<CUresult()>> q;
+  uint64_t enqueued = 0, completed = 0;  // operations pushed / finished (q_mu)
+  bool stop = false;
+  std::thread worker;
+  void Start(int jitter_us) {
+    async = true;
+    worker = std::thread([this, jitter_us] {
+      uint64_t rng = reinterpret_cast<uintptr_t>(this) | 1;
+      std::unique_lock<std::mutex> lock(q_mu);
+      for (;;) {
+        q_cv.wait(lock, [&] { return stop || !q.empty(); });
+        if (q.empty()) return;
+        auto op = std::move(q.front());
+        q.pop_front();
+        lock.unlock();
+        if (jitter_us > 1) {
+          rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;  // xorshift
+          std::this_thread::sleep_for(std::chrono::microseconds(rng % static_cast<uint64_t>(jitter_us)));
+        }
+        CUresult r = op();
+        if (r != CUDA_SUCCESS) std::fprintf(stderr, "jaxvmm posix stream: an operation failed (%d)\n", static_cast<int>(r));
+        lock.lock();
+        ++completed;
+        q_cv.notify_all();
+      }
+    });
+  }
+  uint64_t Push(std::function<CUresult()> op) {
+    std::lock_guard<std::mutex> lock(q_mu);
+    q.push_back(std::move(op));
+    q_cv.notify_all();
+    return ++enqueued;
+  }
+  uint64_t Tail() {
+    std::lock_guard<std::mutex> lock(q_mu);
+    return enqueued;
+  }
+  bool Reached(uint64_t seq) {
+    std::lock_guard<std::mutex> lock(q_mu);
+    return completed >= seq;
+  }
+  void WaitFor(uint64_t seq) {
+    std::unique_lock<std::mutex> lock(q_mu);
+    q_cv.wait(lock, [&] { return completed >= seq; });
+  }
+  void Drain() {
+    if (async) WaitFor(Tail());
+  }
+  void Stop() {
+    if (!async) return;
+    Drain();
+    {
+      std::lock_guard<std::mutex> lock(q_mu);
+      stop = true;
+      q_cv.notify_all();
+    }
+    worker.join();
+  }
   // A D2H into pageable host memory: the bytes were read at the call (the DMA into the driver's
   // staging), and land at their destination when the stream is synchronized. The driver documents such
   // a copy as "might be synchronous" with the host; this is its weakest reading, so a reader of the
@@ -496,7 +571,10 @@ struct PosixStream {
 struct PosixGraph {
   std::vector<std::function<CUresult()>> ops;
 };
-struct PosixEvent {};
+struct PosixEvent {
+  PosixStream* stream = nullptr;  // async mode: complete once `stream` has finished `seq` operations
+  uint64_t seq = 0;
+};
 
 // Runs `op` now, or records it when `s` is capturing.
 template <typename Op>
@@ -504,6 +582,10 @@ CUresult Enqueue(CUstream s, Op op) {
   auto* ps = reinterpret_cast<PosixStream*>(s);
   if (ps && ps->capturing) {
     ps->recorded.emplace_back(std::move(op));
+    return CUDA_SUCCESS;
+  }
+  if (ps && ps->async) {
+    ps->Push(std::move(op));
     return CUDA_SUCCESS;
   }
   return op();
@@ -542,11 +624,13 @@ CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) 
   auto* ps = reinterpret_cast<PosixStream*>(s);
   if (!ps || ps->capturing || IsPinnedHost(dst, n)) return PosixMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
   ++g_pageable_copies;
-  std::vector<char> staged(n);
-  std::memcpy(staged.data(), reinterpret_cast<const void*>(src), n);
-  std::lock_guard<std::mutex> lock(ps->landing_mu);
-  ps->landing.emplace_back(dst, std::move(staged));
-  return CUDA_SUCCESS;
+  return Enqueue(s, [ps, dst, src, n] {
+    std::vector<char> staged(n);
+    std::memcpy(staged.data(), reinterpret_cast<const void*>(src), n);
+    std::lock_guard<std::mutex> lock(ps->landing_mu);
+    ps->landing.emplace_back(dst, std::move(staged));
+    return CUDA_SUCCESS;
+  });
 }
 CUresult PosixMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
   return PosixMemcpyAsync(dst, src, n, s);
@@ -561,6 +645,7 @@ CUresult PosixMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream
 CUresult PosixStreamCreateWithPriority(CUstream* s, unsigned int, int) {
   if (!s) return CUDA_ERROR_INVALID_VALUE;
   auto* ps = new PosixStream();
+  if (int a = AsyncStreams(); a > 0) ps->Start(a);
   {
     PosixState& st = S();
     std::lock_guard<std::mutex> lock(st.mu);
@@ -571,6 +656,7 @@ CUresult PosixStreamCreateWithPriority(CUstream* s, unsigned int, int) {
 }
 CUresult PosixStreamDestroy(CUstream s) {
   if (s) {
+    reinterpret_cast<PosixStream*>(s)->Stop();
     reinterpret_cast<PosixStream*>(s)->Land();
     PosixState& st = S();
     std::lock_guard<std::mutex> lock(st.mu);
@@ -580,10 +666,16 @@ CUresult PosixStreamDestroy(CUstream s) {
   return CUDA_SUCCESS;
 }
 CUresult PosixStreamSynchronize(CUstream s) {
-  if (s) reinterpret_cast<PosixStream*>(s)->Land();
+  if (s) {
+    reinterpret_cast<PosixStream*>(s)->Drain();
+    reinterpret_cast<PosixStream*>(s)->Land();
+  }
   return CUDA_SUCCESS;
 }
-CUresult PosixStreamQuery(CUstream) { return CUDA_SUCCESS; }
+CUresult PosixStreamQuery(CUstream s) {
+  auto* ps = reinterpret_cast<PosixStream*>(s);
+  return ps && ps->async && !ps->Reached(ps->Tail()) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
 CUresult PosixCtxSynchronize() {  // streams complete their work in the call; pageable D2Hs land now
   std::vector<void*> streams;
   {
@@ -591,10 +683,24 @@ CUresult PosixCtxSynchronize() {  // streams complete their work in the call; pa
     std::lock_guard<std::mutex> lock(st.mu);
     streams.assign(st.streams.begin(), st.streams.end());
   }
-  for (void* ps : streams) static_cast<PosixStream*>(ps)->Land();
+  for (void* ps : streams) {
+    static_cast<PosixStream*>(ps)->Drain();
+    static_cast<PosixStream*>(ps)->Land();
+  }
   return CUDA_SUCCESS;
 }
-CUresult PosixStreamWaitEvent(CUstream, CUevent, unsigned int) { return CUDA_SUCCESS; }
+CUresult PosixStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
+  if (!e) return CUDA_ERROR_INVALID_HANDLE;
+  auto* ev = reinterpret_cast<PosixEvent*>(e);
+  PosixStream* other = ev->stream;
+  const uint64_t seq = ev->seq;
+  auto* ps = reinterpret_cast<PosixStream*>(s);
+  if (!other || (ps && ps->capturing)) return CUDA_SUCCESS;  // complete already (or a capture: not modelled)
+  return Enqueue(s, [other, seq] {
+    other->WaitFor(seq);
+    return CUDA_SUCCESS;
+  });
+}
 // A stream that waits on a value blocks the calling thread until another thread (a worker) writes it,
 // which is what the GPU's stream would do. A wait that is never satisfied is reported after a long
 // timeout instead of hanging the process.
@@ -632,9 +738,24 @@ CUresult PosixEventCreate(CUevent* e, unsigned int) {
   *e = reinterpret_cast<CUevent>(new PosixEvent());
   return CUDA_SUCCESS;
 }
-CUresult PosixEventRecord(CUevent, CUstream) { return CUDA_SUCCESS; }
-CUresult PosixEventQuery(CUevent) { return CUDA_SUCCESS; }
-CUresult PosixEventSynchronize(CUevent) { return CUDA_SUCCESS; }
+CUresult PosixEventRecord(CUevent e, CUstream s) {
+  if (!e) return CUDA_ERROR_INVALID_HANDLE;
+  auto* ev = reinterpret_cast<PosixEvent*>(e);
+  auto* ps = reinterpret_cast<PosixStream*>(s);
+  if (ps && ps->capturing) return CUDA_SUCCESS;  // not modelled under capture
+  ev->stream = ps && ps->async ? ps : nullptr;
+  ev->seq = ev->stream ? ps->Tail() : 0;
+  return CUDA_SUCCESS;
+}
+CUresult PosixEventQuery(CUevent e) {
+  auto* ev = reinterpret_cast<PosixEvent*>(e);
+  return ev && ev->stream && !ev->stream->Reached(ev->seq) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+CUresult PosixEventSynchronize(CUevent e) {
+  auto* ev = reinterpret_cast<PosixEvent*>(e);
+  if (ev && ev->stream) ev->stream->WaitFor(ev->seq);
+  return CUDA_SUCCESS;
+}
 CUresult PosixEventDestroy(CUevent e) {
   delete reinterpret_cast<PosixEvent*>(e);
   return CUDA_SUCCESS;

@@ -31,10 +31,12 @@ StagingArea::~StagingArea() {
   }
   cv_.notify_all();
   if (janitor_.joinable()) janitor_.join();
-  ScopedContext ctx(backend_, device_);
-  std::lock_guard<std::mutex> lock(mu_);
-  for (Cell& c : cells_)
-    if (c.slot_id >= 0) Drop(c);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Cell& c : cells_)
+      if (c.slot_id >= 0) Drop(c);
+  }
+  Bury();
 }
 
 bool StagingArea::Finished(const Cell& c) const {
@@ -44,13 +46,27 @@ bool StagingArea::Finished(const Cell& c) const {
 
 void StagingArea::Drop(Cell& c) {
   // Caller holds mu_, the cell is not in use and its last user finished (or the owner synchronized).
-  const DriverTable& d = Driver(backend_);
-  if (c.free) d.EventDestroy(c.free);
-  Status st = Registry::Get().Close(c.slot_id);  // a failed teardown goes to the registry's quarantine
-  (void)st;
+  graveyard_.push_back(Detached{c.slot_id, c.free});
   mapped_ -= c.size;
   ++stats_.pages_returned;
   c = Cell();
+  cv_.notify_all();  // the janitor buries what nobody else will
+}
+
+void StagingArea::Bury() {
+  std::vector<Detached> dead;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dead.swap(graveyard_);
+  }
+  if (dead.empty()) return;
+  ScopedContext ctx(backend_, device_);
+  const DriverTable& d = Driver(backend_);
+  for (const Detached& x : dead) {
+    if (x.free) d.EventDestroy(x.free);
+    Status st = Registry::Get().Close(x.slot_id);  // a failed teardown goes to the registry's quarantine
+    (void)st;
+  }
 }
 
 bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
@@ -220,20 +236,31 @@ void StagingArea::Uncharge(size_t bytes) {
 }
 
 size_t StagingArea::Trim() {
-  ScopedContext ctx(backend_, device_);
-  std::lock_guard<std::mutex> lock(mu_);
-  size_t before = mapped_;
-  for (Cell& c : cells_)
-    if (c.slot_id >= 0 && !c.in_use && Finished(c)) Drop(c);
-  return before - mapped_;
+  size_t returned = 0;
+  {
+    ScopedContext ctx(backend_, device_);
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t before = mapped_;
+    for (Cell& c : cells_)
+      if (c.slot_id >= 0 && !c.in_use && Finished(c)) Drop(c);
+    returned = before - mapped_;
+  }
+  Bury();  // this one's and any other's: given back when Trim returns
+  return returned;
 }
 
 void StagingArea::Janitor() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     const auto idle = std::chrono::milliseconds(IdleMillis());
-    cv_.wait_for(lock, idle);
-    if (stop_ || mapped_ == 0 || std::chrono::steady_clock::now() - last_acquire_ < idle) continue;
+    cv_.wait_for(lock, idle, [&] { return stop_ || !graveyard_.empty(); });
+    if (stop_) break;
+    if (!graveyard_.empty()) {
+      lock.unlock();
+      Bury();
+      lock.lock();
+    }
+    if (mapped_ == 0 || std::chrono::steady_clock::now() - last_acquire_ < idle) continue;
     lock.unlock();
     Trim();
     lock.lock();

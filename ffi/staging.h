@@ -108,7 +108,13 @@ class StagingArea {
     uint64_t last_use = 0;
   };
   bool Finished(const Cell& c) const;                // caller holds mu_
-  void Drop(Cell& c);                                // returns its pages; caller holds mu_
+  // Drop takes a finished cell out (its bytes leave mapped_ at once) into graveyard_; Bury returns the
+  // pages and destroys the event with no lock held. On the H200 the janitor's cuEventDestroy waited
+  // for the driver lock a spinning cuGraphLaunch held, inside mu_, and the graph poller waited for mu_
+  // (Uncharge): the launch waited for the poller (capacity trial, 27 layers). So no driver call that
+  // gives something back runs under mu_, and the poller (Charge) never buries: the janitor does.
+  void Drop(Cell& c);  // caller holds mu_
+  void Bury();         // caller holds no lock
   bool MakeRoom(size_t need, std::unique_lock<std::mutex>* wait);  // evicts other cells; caller holds mu_
   void Janitor();                                    // trims after IdleMillis() without an acquire
 
@@ -117,6 +123,11 @@ class StagingArea {
   mutable std::mutex mu_;  // guards everything below
   std::condition_variable cv_;
   std::vector<Cell> cells_;
+  struct Detached {
+    int64_t slot_id;
+    CUevent free;
+  };
+  std::vector<Detached> graveyard_;  // dropped cells whose pages and event have not been given back yet
   size_t mapped_ = 0;
   uint64_t clock_ = 0;
   std::chrono::steady_clock::time_point last_acquire_;

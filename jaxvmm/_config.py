@@ -134,6 +134,9 @@ VARIABLES = {
         EnvVar("JAXVMM_GRAPH_FUSED", "bool",
                doc="graph mode with grant kernels and several cells: each round is one fused take + copy kernel (on; off: two kernels)"),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
+        EnvVar("JAXVMM_POSIX_ASYNC", "int", 0, 10_000_000,
+               "tests, cpu platform: each driver stream runs its operations on a thread of its own, as a GPU stream "
+               "does; N > 1 also delays each by a random 0..N us (0: off)"),
         EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
         EnvVar("JAXVMM_REQUIRE_2GPU", "bool", doc="tests: a 2-GPU test with fewer GPUs fails instead of skipping (off)"),
     )

@@ -55,6 +55,7 @@ LAYERS: dict[str, Group] = {
     "sampler": Group(5, ("sampler.h", "sampler.cc"),
                      only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
     "host_pool": Group(3, ("host_pool.h", "host_pool.cc")),  # pinned host memory, built on vmm (beside slot)
+    "bounce": Group(3, ("bounce.h", "bounce.cc")),  # pinned bounce buffers for pageable copies, built on vmm
     # the host store's host_numa chunks: vmm handles and slot's capability checks (above both)
     "host_numa": Group(4, ("host_numa.cc",), only=frozenset({"host_pool.h", "slot.h", "vmm.h", "status.h",
                                                             "driver.h"})),
