@@ -3,10 +3,9 @@
 //
 // Why: a graph-mode round ticket the pinned pool has no room for lives in pageable memory
 // (Engine::RoundTicketHost). Given such a pointer, cuMemcpyDtoHAsync/HtoDAsync "might be synchronous"
-// with the host, and the stream order of the copies after them did not hold on the H200: reloads read
-// bytes that had not landed (wrong data at tickets 36 and 39 of 40, also after a cuStreamSynchronize
-// behind each D2H). Here the CPU moves the pageable bytes (memcpy) and the DMA engine sees pinned memory
-// only.
+// with the host (the poller would wait inside the driver's staging) and the driver documents no order
+// between those staged bytes and the memops jaxvmm orders its copies with. Here the CPU moves the
+// pageable bytes (memcpy) and the DMA engine sees pinned memory only.
 //
 // Threads: any (the graph poller, the reload resolver); one copy at a time (mu_). A copy waits only for
 // the bounce buffer's previous copy, on the stream that copy ran on (cuEventQuery, no cuEventSynchronize),

@@ -33,7 +33,7 @@ Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta
     Status st = Call(-1, "graph channels", Entry::kMemAlloc, [&] { return Driver(backend_).MemAlloc(&dev, sizeof(DeviceWords) * kWordsPerChunk); });
     if (st.ok())
       st = Call(-1, "graph channels", Entry::kMemcpyHtoD,
-                [&] { return Driver(backend_).MemcpyHtoD(dev, zeros.data(), sizeof(DeviceWords) * kWordsPerChunk); });
+                [&] { return CopyToDeviceNow(Driver(backend_), dev, zeros.data(), sizeof(DeviceWords) * kWordsPerChunk); });
     if (!st.ok()) {
       if (dev) Driver(backend_).MemFree(dev);
       Driver(backend_).MemFreeHost(chunk);

@@ -150,8 +150,7 @@ void SetPosixAfterTakeHook(void (*fn)(void*), void* arg);
 void SetPosixDeviceMemoryLimit(int64_t bytes);
 
 // Test hook (POSIX backend): how many asynchronous copies were given a pageable (not cuMemHostAlloc'd)
-// host pointer since the process started. jaxvmm never does that (PageableBounce): the driver's stream
-// order for such copies did not hold on the H200.
+// host pointer since the process started. jaxvmm never does that (PageableBounce).
 int64_t PosixPageableCopies();
 
 }  // namespace jaxvmm

@@ -592,11 +592,37 @@ CUresult Enqueue(CUstream s, Op op) {
 }
 
 // ---- copies (synchronous on this backend) ----
+// cuMemcpyHtoD from pageable memory "returns once the pageable buffer has been copied to the staging
+// memory for DMA transfer to device memory, but the DMA to final destination may not have completed"
+// (the driver's API synchronization notes): the DMA runs on the legacy stream. Modelled as bytes that
+// land at the legacy stream's next synchronization (cuStreamSynchronize(0), cuCtxSynchronize) or its next
+// synchronous copy, so work on other streams before that reads the old bytes (found on the H200:
+// Slot.write then a graph launch on another stream read the slot's old tail).
+std::mutex g_legacy_mu;
+std::vector<std::pair<CUdeviceptr, std::vector<char>>> g_legacy_landing;
+
+void LandLegacy() {
+  std::lock_guard<std::mutex> lock(g_legacy_mu);
+  for (auto& [dst, bytes] : g_legacy_landing) std::memcpy(reinterpret_cast<void*>(dst), bytes.data(), bytes.size());
+  g_legacy_landing.clear();
+}
+bool IsLegacy(CUstream s) { return s == nullptr || s == reinterpret_cast<CUstream>(0x1) /* CU_STREAM_LEGACY */; }
+
+bool IsPinnedHost(const void* p, size_t n);
+
 CUresult PosixMemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
-  std::memcpy(reinterpret_cast<void*>(dst), src, n);
+  LandLegacy();  // in order behind earlier copies of the legacy stream
+  if (IsPinnedHost(src, n)) {
+    std::memcpy(reinterpret_cast<void*>(dst), src, n);
+    return CUDA_SUCCESS;
+  }
+  std::vector<char> staged(static_cast<const char*>(src), static_cast<const char*>(src) + n);
+  std::lock_guard<std::mutex> lock(g_legacy_mu);
+  g_legacy_landing.emplace_back(dst, std::move(staged));
   return CUDA_SUCCESS;
 }
 CUresult PosixMemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
+  LandLegacy();
   std::memcpy(dst, reinterpret_cast<const void*>(src), n);
   return CUDA_SUCCESS;
 }
@@ -666,7 +692,8 @@ CUresult PosixStreamDestroy(CUstream s) {
   return CUDA_SUCCESS;
 }
 CUresult PosixStreamSynchronize(CUstream s) {
-  if (s) {
+  if (IsLegacy(s)) LandLegacy();
+  if (s && !IsLegacy(s)) {
     reinterpret_cast<PosixStream*>(s)->Drain();
     reinterpret_cast<PosixStream*>(s)->Land();
   }
@@ -677,6 +704,7 @@ CUresult PosixStreamQuery(CUstream s) {
   return ps && ps->async && !ps->Reached(ps->Tail()) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 CUresult PosixCtxSynchronize() {  // streams complete their work in the call; pageable D2Hs land now
+  LandLegacy();
   std::vector<void*> streams;
   {
     PosixState& st = S();

@@ -495,8 +495,10 @@ Status Slot::CopyIO(const char* stage, size_t offset, size_t n, Entry entry, Cop
 }
 
 Status Slot::Write(size_t offset, const void* src, size_t n) {
+  // The bytes are visible to every stream when Write returns (CopyToDeviceNow): on the H200 a graph
+  // launched on another stream right after a write read the slot's old tail.
   return CopyIO("write", offset, n, Entry::kMemcpyHtoD,
-                [&](const DriverTable& d, CUdeviceptr at) { return d.MemcpyHtoD(at, src, n); });
+                [&](const DriverTable& d, CUdeviceptr at) { return CopyToDeviceNow(d, at, src, n); });
 }
 
 Status Slot::Read(size_t offset, void* dst, size_t n) {

@@ -9,6 +9,11 @@
 
 namespace jaxvmm {
 
+CUresult CopyToDeviceNow(const DriverTable& d, CUdeviceptr dst, const void* src, size_t n) {
+  CUresult r = d.MemcpyHtoD(dst, src, n);
+  return r == CUDA_SUCCESS ? d.StreamSynchronize(nullptr) : r;
+}
+
 // ---- tracing and reports ----
 // JAXVMM_TRACE is parsed in Python (jaxvmm/_config.py) and set through SetTrace at import; before that
 // (the core used without the package) the environment decides as it always did.

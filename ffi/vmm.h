@@ -40,6 +40,11 @@ Status Call(int64_t slot, const char* stage, Entry entry, F&& fn) {
   return Status::Driver(r, entry).At(slot, stage);
 }
 
+// A synchronous host -> device copy whose bytes every stream sees when it returns. cuMemcpyHtoD from
+// pageable memory returns once the bytes are staged; their DMA may still run on the legacy stream, which
+// work on other (non-blocking) streams does not wait for. This also synchronizes the legacy stream.
+CUresult CopyToDeviceNow(const DriverTable& d, CUdeviceptr dst, const void* src, size_t n);
+
 // Non-raising report channel for destructors and background teardown: logs once per message kind
 // and counts; the count shows in stats()["leaked"].
 void ReportLeak(const Status& st);

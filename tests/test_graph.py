@@ -187,10 +187,12 @@ def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_d
     growing for a round ticket) waited for the driver lock a blocked cuGraphLaunch held, and the launch
     waited for that round (capacity trial, 27 layers). A round ticket the pool has no room for goes to
     pageable memory and a grower thread pins more behind it; with every cuMemHostAlloc failing, rounds
-    still give back their bytes. Those tickets are copied through pinned bounce buffers: given pageable
-    pointers, the driver's copies read a ticket's bytes before they had landed on the H200 (tickets 39
-    and 36), also with a cuStreamSynchronize behind each D2H; the cpu backend lands a pageable D2H only
-    when its stream is synchronized and counts every async copy given a pageable pointer."""
+    still give back their bytes. Those tickets are copied through pinned bounce buffers (the cpu backend
+    counts every async copy given a pageable pointer: none). On the H200 this test returned another
+    ticket's last bytes (tickets 25, 33, 36, 39): Slot.write's cuMemcpyHtoD from pageable memory had
+    returned with its DMA still running on the legacy stream, and the graph launched next read x's old
+    tail. The cpu backend now models that staged copy; without Slot.write's synchronization this test
+    fails on cpu too (ticket 39)."""
     K, n = 40, 8 << 20  # 320 MiB: more than the room an emptied pool keeps (one 256 MiB chunk at most)
     x, y, tok = slots(n), slots(n), slots(8)
     limit = jaxvmm.configure()["host_pool_limit"]

@@ -652,3 +652,20 @@ def test_gpu_host_numa_slot(no_leaks):
         assert s.address == addr
         s.write(b"again")
         assert s.read(5).tobytes() == b"again"
+
+
+def test_write_is_visible_to_every_stream_when_it_returns(no_leaks):
+    """cuMemcpyHtoD from pageable memory (a Python buffer) returns once the bytes are staged; their DMA
+    may still run on the legacy stream, which other streams do not wait for. On the H200 a graph launched
+    right after Slot.write read the slot's old tail (tests/test_graph.py, 8 MiB rounds). The cpu backend
+    models the staged copy: the slot's memory, read directly (as another stream would), must already
+    hold the new bytes when write returns."""
+    import ctypes
+
+    n = 3 << 20
+    with jaxvmm.Slot(n, device="cpu") as s:
+        for seed in range(3):
+            data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+            s.write(data)
+            raw = np.frombuffer(ctypes.string_at(s.address, n), np.uint8)
+            assert np.array_equal(raw, data), seed
