@@ -58,15 +58,21 @@ void StagingArea::Bury() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     dead.swap(graveyard_);
+    if (dead.empty()) return;
+    ++burying_;
   }
-  if (dead.empty()) return;
-  ScopedContext ctx(backend_, device_);
-  const DriverTable& d = Driver(backend_);
-  for (const Detached& x : dead) {
-    if (x.free) d.EventDestroy(x.free);
-    Status st = Registry::Get().Close(x.slot_id);  // a failed teardown goes to the registry's quarantine
-    (void)st;
+  {
+    ScopedContext ctx(backend_, device_);
+    const DriverTable& d = Driver(backend_);
+    for (const Detached& x : dead) {
+      if (x.free) d.EventDestroy(x.free);
+      Status st = Registry::Get().Close(x.slot_id);  // a failed teardown goes to the registry's quarantine
+      (void)st;
+    }
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  --burying_;
+  cv_.notify_all();
 }
 
 bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
@@ -245,7 +251,9 @@ size_t StagingArea::Trim() {
       if (c.slot_id >= 0 && !c.in_use && Finished(c)) Drop(c);
     returned = before - mapped_;
   }
-  Bury();  // this one's and any other's: given back when Trim returns
+  Bury();  // this one's and any other's: given back when Trim returns, also those the janitor is
+  std::unique_lock<std::mutex> lock(mu_);  // giving back right now
+  cv_.wait(lock, [&] { return burying_ == 0; });
   return returned;
 }
 

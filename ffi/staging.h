@@ -128,6 +128,7 @@ class StagingArea {
     CUevent free;
   };
   std::vector<Detached> graveyard_;  // dropped cells whose pages and event have not been given back yet
+  int burying_ = 0;                  // Bury calls giving cells back now (Trim waits for them)
   size_t mapped_ = 0;
   uint64_t clock_ = 0;
   std::chrono::steady_clock::time_point last_acquire_;
