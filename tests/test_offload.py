@@ -1517,3 +1517,38 @@ def test_failed_eager_reload_can_be_retried_subprocess():
         print("OK")
     """)
     assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env()))
+
+
+_ASYNC_CODE = """
+import jax, jax.numpy as jnp, numpy as np, jaxvmm
+from jax import lax
+dev = jax.devices("cpu")[0]
+h0 = jax.device_put(jnp.linspace(-1.0, 1.0, 300 * 1000, dtype=jnp.float32).reshape(300, 1000), dev)
+L = 12
+def fwd(h):
+    return lax.scan(lambda h, _: (jnp.sin(h) * 1.5 + 0.25, jaxvmm.offload(h)), h, None, length=L)
+def bwd(ts):
+    return lax.scan(lambda c, t: (c, jaxvmm.reload(t)), 0, ts, reverse=True)[1]
+@jax.jit
+def step(h):
+    hT, ts = fwd(h)
+    return hT, bwd(ts)
+expected = np.asarray(jax.jit(lambda h: lax.scan(lambda h, _: (jnp.sin(h) * 1.5 + 0.25, h), h, None, length=L)[1])(h0))
+for i in range(4):
+    _, ts = jax.jit(fwd)(h0)                 # tickets across two programs
+    assert np.array_equal(np.asarray(jax.jit(bwd)(ts)), expected), i
+    assert np.array_equal(np.asarray(step(h0)[1]), expected), i   # and inside one
+jaxvmm.check()
+jaxvmm.synchronize()
+s = jaxvmm.engine_stats()["cpu:0"]
+assert s["offloads"] == s["reloads"] == 8 * L and s["tickets_live"] == 0 and s["errors"] == 0, s
+print("OK")
+"""
+
+
+def test_scans_of_offloads_and_reloads_are_bit_exact_when_the_cpu_streams_run_asynchronously():
+    """JAXVMM_POSIX_ASYNC=300: the cpu backend runs every driver stream on a thread of its own, each
+    operation after a random delay of up to 300 us, as a busy GPU's streams do. Only the engine's
+    ordering (events, value waits, host functions waking the workers) keeps the bytes right."""
+    env = dict(subprocess_env("cpu"), JAXVMM_POSIX_ASYNC="300")
+    assert_clean_subprocess(run_in_subprocess(_ASYNC_CODE, env=env))
