@@ -319,11 +319,14 @@ class TestErrors:
         assert_trees_bit_equal(g, jax.grad(_sum(jax.checkpoint(fn)))(x))
         assert jax.grad(_sum(VMM(fn)))(x).shape == x.shape  # off again: accepted
 
-    def test_vjp_function_returned_by_a_jitted_program_first_called_as_an_argument_names_the_fix(self):
-        """What is left of the single-use rule: a VJP function that a jitted program returned, whose first
-        call runs inside another jitted program that takes it as an argument (its residuals are traced
-        there, never concrete in Python): that call consumed its tickets; calling it again eagerly is
+    def test_vjp_function_returned_by_a_jitted_program_first_called_as_an_argument_names_the_fix(self, monkeypatch):
+        """A JAX whose VJP object jaxvmm cannot hook (simulated: the construction hook taken off): a VJP
+        function that a jitted program returned, first called inside another jitted program that takes it
+        as an argument (its residuals are traced there), consumes its tickets; calling it again eagerly is
         refused with the fix."""
+        from jax._src import api
+
+        monkeypatch.setattr(api.VJP, "__init__", api.VJP.__init__.__wrapped_by_jaxvmm__)
         x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
         _, vjp_fn = jax.jit(lambda x: jax.vjp(VMM(fn), x))(x)
         _, ref_fn = jax.jit(lambda x: jax.vjp(REF(fn), x))(x)
@@ -683,8 +686,12 @@ def test_the_jax_functions_jaxvmm_hooks_are_hooked():
 
     from jaxvmm.remat import _rules
 
+    from jax._src import api, tree_util
+
     assert ad.linearize is _rules._linearize
     assert _rules.api_hooks_installed() == {"_vjp3_callable": True, "_lift_linearized": True}
+    assert getattr(api.VJP.__init__, "__wrapped_by_jaxvmm__", None) is not None
+    assert getattr(tree_util.Partial.__new__, "__wrapped_by_jaxvmm__", None) is not None
 
 
 def test_vjp_function_of_a_jitted_forward_called_any_number_of_times(platform_device):
@@ -800,3 +807,37 @@ def test_the_hooks_that_keep_residual_tokens_are_installed():
     assert ad.linearize is _rules._linearize
     for name in _rules._API_HOOKS:
         assert getattr(getattr(api, name), "__wrapped_by_jaxvmm__", None) is not None, name
+
+
+@pytest.mark.parametrize("kind", ["vjp", "linearize"])
+def test_function_returned_by_a_jitted_program_first_called_inside_another_jitted_program(platform_device, kind):
+    """The VJP (or linearized) function a jitted program returns, passed as an argument to another jitted
+    program for its first call (its residuals are tracers there): before, that call consumed the tickets
+    and a later call failed ("already reloaded"). Its tokens are now kept when the function is rebuilt
+    from the first program's outputs; every call equals jax.checkpoint's, and the tickets are freed when
+    the function dies."""
+    import gc
+
+    x = _x(platform_device)
+    if kind == "vjp":
+        make = lambda ck: jax.jit(lambda x: jax.vjp(ck(fn), x))(x)[1]  # noqa: E731
+    else:
+        make = lambda ck: jax.jit(lambda x: jax.linearize(ck(fn), x))(x)[1]  # noqa: E731
+    apply = jax.jit(lambda f, ct: f(ct))
+    ref = make(REF)
+    before = estats(platform_device)
+    f = make(VMM)
+    for ct in [jnp.ones_like(x), jnp.cos(x)]:
+        want = apply(ref, ct)
+        got = apply(f, ct)  # traced with f as an argument: the residual tokens are its inputs
+        _equal_jitted(got, want, platform_device)
+        assert_trees_bit_equal(apply(f, ct), got)
+        assert_trees_bit_equal(f(ct), ref(ct))
+        assert_trees_bit_equal(apply(f, ct), got)
+    jaxvmm.check()
+    d = delta(estats(platform_device), before)
+    assert d["tickets_live"] == 1 and d["errors"] == 0 and d["reloads"] == 8, d
+    del f
+    gc.collect()
+    d = delta(estats(platform_device), before)
+    assert d["tickets_live"] == 0 and d["ticket_host_bytes"] == 0, d

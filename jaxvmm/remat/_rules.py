@@ -363,10 +363,9 @@ def _offload(residuals, tagged, spec, inputs):
 # jit) are kept when they are made (_partial_eval), and tokens a compiled forward returns among the
 # residuals of jax.vjp / jax.linearize when those hand them over (_linearize), so jax.jit(vjp_fn) may be
 # called again too. Inside a traced program a reload of a token made in the same program consumes it (no
-# leak in a training step). A VJP function a jitted program returns is kept when it is called
-# (_install_api_hooks). Left: such a function whose first call happens inside another jitted program that
-# takes it as an argument (its residuals are traced there): that call consumes its tickets, and a later
-# eager call raises _CALLED_TWICE.
+# leak in a training step). A VJP function a jitted program returns is kept when JAX rebuilds it from
+# that program's outputs (_keep_on_construction), and, failing that, when it is first called
+# (_install_api_hooks); _CALLED_TWICE is what a JAX that changed those functions gives instead.
 reload_p = jax.extend.core.Primitive("jaxvmm_checkpoint_reload")
 
 _CALLED_TWICE = (
@@ -655,6 +654,57 @@ def _install_api_hooks() -> None:
             setattr(_api, name, _keep_when_called(name, fn))
 
 
+def _keep_on_construction() -> None:
+    """A VJP or linearized function that a jitted program returns is rebuilt from the program's outputs
+    (pytree unflattening calls ``api.VJP(...)`` / ``Partial(...)`` with the concrete residuals). Keep its
+    tokens right there, before anything can reload them: its first call may be traced inside another
+    jitted program that takes the function as an argument (``jax.jit(lambda f, ct: f(ct))(vjp_fn, ct)``),
+    where the residuals are tracers and a reload would otherwise consume them."""
+    from jax._src import api as _api
+    from jax._src import tree_util as _tu
+
+    vjp_cls = getattr(_api, "VJP", None)
+    if vjp_cls is not None and getattr(vjp_cls.__init__, "__wrapped_by_jaxvmm__", None) is None:
+        init = vjp_cls.__init__
+
+        def vjp_init(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            try:
+                fun = self.fun
+                jaxpr, consts = fun.args[2], _vjp_residuals(fun.args[0], self.opaque_residuals)
+                if isinstance(jaxpr, _core.Jaxpr) and any(isinstance(c, jax.Array) and not isinstance(c, _core.Tracer)
+                                                          for c in consts):
+                    _keep_residual_tokens(jaxpr, consts)
+            except (AttributeError, IndexError, TypeError):  # a JAX whose VJP differs: leave it alone
+                pass
+
+        vjp_init.__wrapped_by_jaxvmm__ = init
+        vjp_cls.__init__ = vjp_init
+
+    partial_cls = getattr(_tu, "Partial", None)
+    if partial_cls is not None and getattr(partial_cls.__new__, "__wrapped_by_jaxvmm__", None) is None:
+        new = partial_cls.__new__
+
+        def partial_new(klass, func, *args, **kw):
+            obj = new(klass, func, *args, **kw)
+            try:
+                # a functools.partial, or (rebuilt from a pytree) JAX's shim that carries its func/args
+                inner = getattr(func, "func", None)
+                lifted = getattr(_api, "_lift_linearized", None)
+                if (inner is not None and args and isinstance(getattr(func, "args", None), tuple)
+                        and inner in (lifted, getattr(lifted, "__wrapped_by_jaxvmm__", None))):
+                    jaxpr, consts = func.args[0], list(args[0])
+                    if isinstance(jaxpr, _core.Jaxpr) and any(isinstance(c, jax.Array) and not isinstance(c, _core.Tracer)
+                                                              for c in consts):
+                        _keep_residual_tokens(jaxpr, consts)
+            except (AttributeError, IndexError, TypeError):
+                pass
+            return obj
+
+        partial_new.__wrapped_by_jaxvmm__ = new
+        partial_cls.__new__ = staticmethod(partial_new)
+
+
 def api_hooks_installed() -> dict:
     """Which of jax's internal functions jaxvmm hooks here (a jax whose functions changed shows False: a VJP
     function a jitted program returns is then reloaded once only)."""
@@ -783,6 +833,7 @@ def install() -> None:
     _ad.fancy_transposes[_adc.remat_p] = _transpose
     _ad.linearize = _linearize
     _install_api_hooks()
+    _keep_on_construction()
 
 
 install()

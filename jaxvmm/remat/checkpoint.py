@@ -108,9 +108,8 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
     on the device: a ticket cannot carry a derivative. When the first derivative was staged first
     (``jax.hessian(jax.jit(f))``, ``jax.grad(jax.jit(jax.grad(f)))``), the residuals' tangents or
     cotangents go through tickets with them. A VJP or linearized function may be called (or jitted and
-    called) any number of times; its offloaded residuals are freed when it dies. One case is left: a VJP
-    function that a jitted program returns, first called inside another jitted program that takes it as an
-    argument, can be called once (README, *Drop-in for jax.checkpoint*). JAX's own ``saved_residuals``
+    called) any number of times, also when a jitted program returned it and another jitted program takes
+    it as an argument; its offloaded residuals are freed when it dies. JAX's own ``saved_residuals``
     lists an offloaded residual as its array, marked ``offloaded through jaxvmm``. Under ``jax_remat3=True``
     a call with a policy is refused (JAX's remat3 path is not hooked: nothing would be offloaded)."""
     if unsupported:
