@@ -7,13 +7,7 @@ set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
-t() {  # t NAME TIMEOUT pytest-args...
-  local name=$1 to=$2; shift 2
-  timeout "$to" python3 -P -m pytest -q -rfs --tb=short -p no:cacheprovider -m gpu "$@" > "$OUT/$name.txt" 2>&1
-  echo "=== $name rc=$? $(grep -E '(passed|failed|error).* in ' "$OUT/$name.txt" | tail -1) ($((SECONDS - T0)) s)"
-  grep -E "^(FAILED|ERROR)" "$OUT/$name.txt" | cut -c1-250 | head -8; grep -E "^E  " "$OUT/$name.txt" | cut -c1-300 | head -6
-}
-for i in 1 2 3 4 5; do t pageable 60 tests/test_graph.py -k "pageable or no_event"; done
+for i in 1 2 3 4 5; do gpu_tests pageable 60 tests/test_graph.py -k "pageable or no_event"; done
 trial() {  # trial POLICY N ALLOCATOR
   XLA_PYTHON_CLIENT_ALLOCATOR=$3 timeout 100 python3 -P tools/watchdog.py 88 bench/capacity.py --trial $1 $2 --budget 24G \
     > "$OUT/trial_$3.txt" 2>&1
@@ -22,7 +16,7 @@ trial() {  # trial POLICY N ALLOCATOR
 }
 trial jaxvmm-hidden 27 platform
 trial jaxvmm-hidden 27 cuda_async
-t suite 240 tests/test_graph.py tests/test_graph_xla.py tests/test_offload.py tests/test_dropin.py tests/test_engine.py
+gpu_tests suite 240 tests/test_graph.py tests/test_graph_xla.py tests/test_offload.py tests/test_dropin.py tests/test_engine.py
 LEFT=$(( 545 - (SECONDS - T0) ))
 if (( LEFT > 90 )); then
   timeout $LEFT python3 bench/capacity.py --policies jaxvmm-hidden,jaxvmm-dots,native,remat,save --start 27 \
