@@ -210,8 +210,10 @@ def _collect() -> None:
         # dispatched after the dying token's barrier was taken; it can only copy a value that some
         # other live token holds, and that one is counted here.
         live = {(d, int(v)) for t in _tracked.values() if done(t) for d, vals in _cached_values(t) for v in vals}
-        for entry in ready:
-            _dying.remove(entry)
+        # By identity: list.remove compares with ==, which for two entries holding different token
+        # arrays of one shape is an array comparison (ValueError: ambiguous truth value).
+        taken = {id(entry) for entry in ready}
+        _dying[:] = [entry for entry in _dying if id(entry) not in taken]
         drops = []
         for token, _ in ready:
             for device, vals in _cached_values(token):  # token values are per device
