@@ -203,7 +203,7 @@ def _collect() -> None:
         if not _dying:
             return
         done = lambda a: a is None or a.is_deleted() or a.is_ready()  # noqa: E731
-        ready = [(t, f) for t, f in _dying if done(t) and all(done(r()) for r in f)]
+        ready = [entry for entry in _dying if done(entry[0]) and all(done(r()) for r in entry[1])]
         if not ready:
             return
         # Values still held by live tokens. A live token that is not ready yet comes from a computation

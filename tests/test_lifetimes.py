@@ -120,3 +120,48 @@ def test_failed_offload_in_jit_is_reported_once_and_leaves_other_tickets_alone()
         jaxvmm.check()
         print("OK")
     """)
+
+
+def test_a_ready_dying_token_behind_one_still_waiting_is_taken_out():
+    """The dying list holds a token still waiting for a computation in flight, then a ready one. Taking
+    the ready one out used list.remove, which compares entries with ==: against the waiting entry that
+    is an array comparison of two uint32[2] tokens (ValueError: the truth value of an array with more
+    than one element is ambiguous). Seen in CI once more tokens died together."""
+    ok("""
+        import weakref
+        from jaxvmm import ops
+        class Pending:                                   # a computation that has not finished
+            def is_deleted(self): return False
+            def is_ready(self): return False
+        waiting, ready = jaxvmm.offload(jnp.ones(64)), jaxvmm.offload(jnp.zeros(64))
+        jaxvmm.synchronize()
+        pending = Pending()
+        with ops._lock:
+            ops._dying.append((waiting.token, [weakref.ref(pending)]))
+            ops._dying.append((ready.token, []))
+        ops._collect()
+        with ops._lock:
+            assert [t is waiting.token for t, _ in ops._dying] == [True], ops._dying
+            ops._dying.clear()
+        print("OK")
+    """)
+
+
+def test_several_dropped_token_arrays_are_freed_by_one_collect():
+    """Tokens that die together are taken out of the dying list together. It used list.remove, which
+    compares entries with ==: two entries holding different uint32[2] token arrays compared as arrays
+    (ValueError: the truth value of an array with more than one element is ambiguous)."""
+    ok("""
+        g = jax.jit(lambda x: jaxvmm.offload(x).token)   # tokens that reach Python: tracked, freed when they die
+        xs = [jnp.full(4096, float(i)) for i in range(4)]
+        toks = [g(x) for x in xs]
+        jax.block_until_ready(toks)
+        jaxvmm.synchronize()
+        assert live() == 4, live()
+        del toks
+        gc.collect()
+        jaxvmm.collect()
+        jaxvmm.synchronize()
+        assert live() == 0, live()
+        print("OK")
+    """)
