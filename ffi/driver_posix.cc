@@ -490,6 +490,26 @@ int AsyncStreams() {
   return v && *v ? std::atoi(v) : 0;
 }
 
+// Bytes a copy read at its call and that reach their destination later, at Land() (the models of the
+// driver's staged copies below).
+class StagedBytes {
+ public:
+  void Add(void* dst, const void* src, size_t n) {
+    std::vector<char> bytes(static_cast<const char*>(src), static_cast<const char*>(src) + n);
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.emplace_back(dst, std::move(bytes));
+  }
+  void Land() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [dst, bytes] : pending_) std::memcpy(dst, bytes.data(), bytes.size());
+    pending_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<void*, std::vector<char>>> pending_;
+};
+
 struct PosixStream {
   bool capturing = false;
   std::vector<std::function<CUresult()>> recorded;
@@ -559,14 +579,9 @@ struct PosixStream {
   // staging), and land at their destination when the stream is synchronized. The driver documents such
   // a copy as "might be synchronous" with the host; this is its weakest reading, so a reader of the
   // host bytes that is ordered only on the device (a memop, an event a later copy waits for) sees stale
-  // bytes here too (found on the H200: graph_round tickets in pageable memory).
-  std::mutex landing_mu;
-  std::vector<std::pair<void*, std::vector<char>>> landing;
-  void Land() {
-    std::lock_guard<std::mutex> lock(landing_mu);
-    for (auto& [dst, bytes] : landing) std::memcpy(dst, bytes.data(), bytes.size());
-    landing.clear();
-  }
+  // bytes here too. jaxvmm never makes such a copy (PageableBounce); the model stays for the rule.
+  StagedBytes landing;
+  void Land() { landing.Land(); }
 };
 struct PosixGraph {
   std::vector<std::function<CUresult()>> ops;
@@ -598,14 +613,9 @@ CUresult Enqueue(CUstream s, Op op) {
 // land at the legacy stream's next synchronization (cuStreamSynchronize(0), cuCtxSynchronize) or its next
 // synchronous copy, so work on other streams before that reads the old bytes (found on the H200:
 // Slot.write then a graph launch on another stream read the slot's old tail).
-std::mutex g_legacy_mu;
-std::vector<std::pair<CUdeviceptr, std::vector<char>>> g_legacy_landing;
+StagedBytes g_legacy_landing;
 
-void LandLegacy() {
-  std::lock_guard<std::mutex> lock(g_legacy_mu);
-  for (auto& [dst, bytes] : g_legacy_landing) std::memcpy(reinterpret_cast<void*>(dst), bytes.data(), bytes.size());
-  g_legacy_landing.clear();
-}
+void LandLegacy() { g_legacy_landing.Land(); }
 bool IsLegacy(CUstream s) { return s == nullptr || s == reinterpret_cast<CUstream>(0x1) /* CU_STREAM_LEGACY */; }
 
 bool IsPinnedHost(const void* p, size_t n);
@@ -616,9 +626,7 @@ CUresult PosixMemcpyHtoD(CUdeviceptr dst, const void* src, size_t n) {
     std::memcpy(reinterpret_cast<void*>(dst), src, n);
     return CUDA_SUCCESS;
   }
-  std::vector<char> staged(static_cast<const char*>(src), static_cast<const char*>(src) + n);
-  std::lock_guard<std::mutex> lock(g_legacy_mu);
-  g_legacy_landing.emplace_back(dst, std::move(staged));
+  g_legacy_landing.Add(reinterpret_cast<void*>(dst), src, n);
   return CUDA_SUCCESS;
 }
 CUresult PosixMemcpyDtoH(void* dst, CUdeviceptr src, size_t n) {
@@ -651,10 +659,7 @@ CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) 
   if (!ps || ps->capturing || IsPinnedHost(dst, n)) return PosixMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
   ++g_pageable_copies;
   return Enqueue(s, [ps, dst, src, n] {
-    std::vector<char> staged(n);
-    std::memcpy(staged.data(), reinterpret_cast<const void*>(src), n);
-    std::lock_guard<std::mutex> lock(ps->landing_mu);
-    ps->landing.emplace_back(dst, std::move(staged));
+    ps->landing.Add(dst, reinterpret_cast<const void*>(src), n);
     return CUDA_SUCCESS;
   });
 }

@@ -125,10 +125,11 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
     if (bs.ok()) bs = ring_bounce_.Init();
     if (!bs.ok()) std::fprintf(stderr, "jaxvmm: pageable bounce buffers unavailable: %s\n", bs.ToString().c_str());
   }
-  if (kind == ChannelKind::kOffload) {
-    // Pinned room for this site's first rounds, made here (XLA's thread, before any round waits): the
+  if (created && kind == ChannelKind::kOffload) {
+    // Pinned room for a new site's first rounds, made here (XLA's thread, before any round waits): the
     // poller only carves from the pool (RoundTicketHost), and a fresh pool has nothing to carve. Over
-    // the host pool's limit this fails and the rounds fall back as they would.
+    // the host pool's limit this fails and the rounds fall back as they would; later growth is the
+    // grower's (once per site: an initialize stage runs for every execution).
     (void)host_store_.Reserve(static_cast<size_t>(EngineConfig::GraphCells() + 1) * meta.nbytes);
   }
   c->stream = stream;

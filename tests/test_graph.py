@@ -1327,6 +1327,8 @@ _FRESH_ENGINE_GRAPHS = textwrap.dedent('''
         with r.capture() as bwd:
             r.reload((1 << 40) + 1, tok.address, y.address, n)
         return fwd[0], bwd[0]
+    def offload_round(r, fwd, x, n, value):   # x <- n bytes of `value`, one replay of the forward graph
+        x.write(np.full(n, value, np.uint8)); r.launch(fwd); r.synchronize()
 ''')
 
 
@@ -1343,7 +1345,7 @@ def test_a_first_execution_of_many_rounds_creates_no_event():
             before = stats()
             with jaxvmm.testing.fault("cuEventCreate", times=-1, device="cpu"):
                 for i in range(K):  # one execution's forward: K rounds, every ticket live
-                    x.write(np.full(N, i % 251, np.uint8)); r.launch(fwd); r.synchronize()
+                    offload_round(r, fwd, x, N, i % 251)
                 after = stats()
             print("errors", after["errors"] - before["errors"], flush=True)
     ''')
@@ -1366,7 +1368,7 @@ def test_the_grower_pins_within_the_limit_when_the_4x_chunk_does_not_fit():
             fwd, bwd = graphs(r, N, x, y, tok)
             before = stats()
             for i in range(K):
-                x.write(np.full(N, i, np.uint8)); r.launch(fwd); r.synchronize()
+                offload_round(r, fwd, x, N, i)
                 deadline = time.time() + 5  # give the grower time to pin behind each fallback
                 while stats()["pinned_bytes"] == 0 and time.time() < deadline: time.sleep(0.05)
             after = stats()
@@ -1395,7 +1397,7 @@ def test_pageable_round_tickets_count_against_the_host_pool_limit():
             before = stats()
             with jaxvmm.testing.fault("cuMemHostAlloc", times=-1, device="cpu"):
                 for i in range(K):
-                    x.write(np.full(N, i, np.uint8)); r.launch(fwd); r.synchronize()
+                    offload_round(r, fwd, x, N, i)
                 after = stats()
             print("live_bytes", after["ticket_host_bytes"], "errors", after["errors"] - before["errors"], flush=True)
     ''')

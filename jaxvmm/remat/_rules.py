@@ -618,18 +618,23 @@ def _vjp_residuals(spec, opaque_res) -> list:
     return [None if r.primal else opaque_res[r.idx] for r in spec]
 
 
+def _keep_call_residuals(name, args) -> None:
+    """Keeps the tokens among the concrete residuals of a call of ``api.<name>`` (``_vjp3_callable`` or
+    ``_lift_linearized``) with these positional arguments; tracers are left alone."""
+    try:
+        if name == "_vjp3_callable":
+            jaxpr, consts = args[2], _vjp_residuals(args[0], args[7])
+        else:
+            jaxpr, consts = args[0], list(args[4])
+        if isinstance(jaxpr, _core.Jaxpr):
+            _keep_residual_tokens(jaxpr, consts)
+    except (AttributeError, IndexError, TypeError):  # a JAX whose functions differ: leave them alone
+        pass
+
+
 def _keep_when_called(name, jax_fn):
     def hook(*args):
-        try:
-            if name == "_vjp3_callable":
-                jaxpr, consts = args[2], _vjp_residuals(args[0], args[7])
-            else:
-                jaxpr, consts = args[0], list(args[4])
-            if isinstance(jaxpr, _core.Jaxpr) and any(isinstance(c, jax.Array) and not isinstance(c, _core.Tracer)
-                                                      for c in consts):
-                _keep_residual_tokens(jaxpr, consts)
-        except (AttributeError, IndexError, TypeError):  # a JAX whose functions differ: leave them alone
-            pass
+        _keep_call_residuals(name, args)
         return jax_fn(*args)
 
     hook.__wrapped_by_jaxvmm__ = jax_fn
@@ -669,14 +674,9 @@ def _keep_on_construction() -> None:
 
         def vjp_init(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            try:
-                fun = self.fun
-                jaxpr, consts = fun.args[2], _vjp_residuals(fun.args[0], self.opaque_residuals)
-                if isinstance(jaxpr, _core.Jaxpr) and any(isinstance(c, jax.Array) and not isinstance(c, _core.Tracer)
-                                                          for c in consts):
-                    _keep_residual_tokens(jaxpr, consts)
-            except (AttributeError, IndexError, TypeError):  # a JAX whose VJP differs: leave it alone
-                pass
+            # the arguments its calls pass _vjp3_callable: the partial's, then the object's fields
+            fields = [getattr(self, f, None) for f in ("in_tree", "out_tree", "args_res", "opaque_residuals")]
+            _keep_call_residuals("_vjp3_callable", (*getattr(self.fun, "args", ()), *fields))
 
         vjp_init.__wrapped_by_jaxvmm__ = init
         vjp_cls.__init__ = vjp_init
@@ -687,18 +687,11 @@ def _keep_on_construction() -> None:
 
         def partial_new(klass, func, *args, **kw):
             obj = new(klass, func, *args, **kw)
-            try:
-                # a functools.partial, or (rebuilt from a pytree) JAX's shim that carries its func/args
-                inner = getattr(func, "func", None)
-                lifted = getattr(_api, "_lift_linearized", None)
-                if (inner is not None and args and isinstance(getattr(func, "args", None), tuple)
-                        and inner in (lifted, getattr(lifted, "__wrapped_by_jaxvmm__", None))):
-                    jaxpr, consts = func.args[0], list(args[0])
-                    if isinstance(jaxpr, _core.Jaxpr) and any(isinstance(c, jax.Array) and not isinstance(c, _core.Tracer)
-                                                              for c in consts):
-                        _keep_residual_tokens(jaxpr, consts)
-            except (AttributeError, IndexError, TypeError):
-                pass
+            # a functools.partial, or (rebuilt from a pytree) JAX's shim that carries its func/args
+            inner = getattr(func, "func", None)
+            lifted = getattr(_api, "_lift_linearized", None)
+            if inner is not None and inner in (lifted, getattr(lifted, "__wrapped_by_jaxvmm__", None)):
+                _keep_call_residuals("_lift_linearized", (*getattr(func, "args", ()), *args))
             return obj
 
         partial_new.__wrapped_by_jaxvmm__ = new
