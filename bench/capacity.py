@@ -230,6 +230,14 @@ def run_trial(args, policy: str, n: int) -> dict:
     res["staging_step_peak_bytes"] = max(staging) if staging else 0
     res["timeline_samples"] = tl.samples_taken
     res["internal_at_peak_bytes"] = tl.internal_at_peak_bytes
+    # What a slow trial's engine did (graph mode): rounds that waited for the poller, cells that got host
+    # pages because the device was full, round tickets in pageable memory.
+    eng = {}
+    for d in jaxvmm.engine_stats().values():
+        for k in ("graph_grants_device", "graph_grants_host", "graph_cells_host", "graph_host_fallbacks",
+                  "graph_lends", "graph_misses"):
+            eng[k] = eng.get(k, 0) + int(d.get(k, 0))
+    res["engine"] = eng
     if on_gpu:
         # driver-level, above what was in use after the ballast (no ballast: at the timeline's start)
         res["device_peak_bytes"] = tl.peak_used_bytes - (base_used if base_used is not None else tl.first_used_bytes)

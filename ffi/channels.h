@@ -30,6 +30,9 @@ namespace jaxvmm {
 
 enum class ChannelKind : int { kOffload = 0, kReload = 1 };
 
+// At most this many spare cells per offload channel (jaxvmm.configure(graph_spares=N)).
+inline constexpr int kMaxSpares = 64;
+
 // One line of pinned, device-mapped words per channel. Each word has one writer at a time: the
 // device writes a flag to 1 (knock, filled, request, done) and the poller resets it; the poller grants
 // (arm, go) and the device takes the grant back by writing 0.
@@ -70,6 +73,19 @@ struct Cell {
   std::shared_ptr<Ticket> loaded;  // reload: the predicted ticket copied into the cell ahead of time
   CUevent event = nullptr;         // after the last side-stream copy into/out of the cell
   CUstream stream = nullptr;       // the stream that copy ran on (grants are ordered after it)
+  CUstream grant_stream = nullptr; // offload, kArmed: the stream that wrote grant[i] (a revoke runs there)
+  std::shared_ptr<Ticket> draining;  // offload: the ticket whose D2H out of this cell may still run
+};
+
+// A spare cell of an offload channel (graph_spares): VA reserved with the channel's cells, pages mapped
+// on demand. Free, or lent: it holds the bytes of `lent`, a round ticket whose D2H out of it may still
+// run (the cell it was swapped out of took the spare's pages and VA in exchange).
+struct Spare {
+  int64_t slot_id = -1;
+  CUdeviceptr addr = 0;
+  bool mapped = false;
+  bool host_pages = false;
+  std::shared_ptr<Ticket> lent;
 };
 
 struct Channel {
@@ -82,6 +98,7 @@ struct Channel {
   CUdeviceptr dw = 0;  // this channel's DeviceWords (kernel grants)
   int ncells = 0;      // K: cells reserved (1 with host grants); fixed at the first initialize stage
   Cell cells[kMaxCells];
+  std::vector<Spare> spares;  // offload, kernel grants, K > 1: graph_spares of them (DESIGN.md, "Spare cells")
   size_t cell_size = 0;
   int map_failures = 0;     // MapCell attempts failed in a row (reported once per streak)
   bool captured = false;  // some execute recorded this channel's device work

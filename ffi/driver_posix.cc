@@ -654,8 +654,25 @@ CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstre
   if (!IsPinnedHost(src, n)) ++g_pageable_copies;
   return PosixMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, s);
 }
+// JAXVMM_POSIX_LINK_US=N (with JAXVMM_POSIX_ASYNC): every async D2H into pinned memory takes N more
+// microseconds on its stream before it reads its source, as a PCIe link slower than the device: copies
+// queue up behind one another, and a source overwritten before its copy runs shows in the bytes.
+int LinkMicros() {
+  static const int us = [] {
+    const char* v = std::getenv("JAXVMM_POSIX_LINK_US");
+    return v && *v ? std::atoi(v) : 0;
+  }();
+  return us;
+}
+
 CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) {
   auto* ps = reinterpret_cast<PosixStream*>(s);
+  if (ps && ps->async && !ps->capturing && LinkMicros() > 0 && IsPinnedHost(dst, n))
+    return Enqueue(s, [dst, src, n] {
+      std::this_thread::sleep_for(std::chrono::microseconds(LinkMicros()));
+      std::memmove(dst, reinterpret_cast<const void*>(src), n);
+      return CUDA_SUCCESS;
+    });
   if (!ps || ps->capturing || IsPinnedHost(dst, n)) return PosixMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
   ++g_pageable_copies;
   return Enqueue(s, [ps, dst, src, n] {

@@ -16,6 +16,7 @@ constexpr size_t kTimings = 4096;  // handler host times kept for the median
 std::atomic<int> g_keep{0};
 std::atomic<bool> g_graph_kernels{true};
 std::atomic<int> g_graph_cells{2};
+std::atomic<int> g_graph_spares{0};
 std::atomic<bool> g_graph_fused{true};
 std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
@@ -42,6 +43,8 @@ void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
 bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
 void EngineConfig::SetGraphCells(int k) { g_graph_cells.store(std::clamp(k, 1, kMaxCells)); }
 int EngineConfig::GraphCells() { return g_graph_cells.load(); }
+void EngineConfig::SetGraphSpares(int n) { g_graph_spares.store(std::clamp(n, 0, kMaxSpares)); }
+int EngineConfig::GraphSpares() { return g_graph_spares.load(); }
 void EngineConfig::SetGraphFused(bool on) { g_graph_fused.store(on); }
 bool EngineConfig::GraphFused() { return g_graph_fused.load(); }
 void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
@@ -146,7 +149,7 @@ Status Engine::Init() {
   // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ and rel_
   // only carry event waits and host functions, so bookkeeping never queues behind a large copy and no
   // copy queues behind bookkeeping.
-  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &rel_, &gd2h_, &gh2d_})
+  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &rel_, &gd2h_, &gh2d_, &garm_})
     JAXVMM_RETURN_IF_ERROR(
         Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
   void* words = nullptr;
@@ -179,7 +182,7 @@ Engine::~Engine() {
   StopGraph();  // the poller first: it enqueues copies and owns the channels' cells
   // Streams first: a host function that fires later would post to a destroyed worker. Then the
   // workers drain (their tasks may still touch the state below) and stop.
-  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_, gd2h_, gh2d_})
+  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_, gd2h_, gh2d_, garm_})
     if (s) d.StreamSynchronize(s);
   if (resolver_) resolver_->Drain();
   if (releaser_) releaser_->Drain();
@@ -195,7 +198,7 @@ Engine::~Engine() {
     for (CUevent e : {op.tok, op.done, op.filled})
       if (e) d.EventDestroy(e);
   for (CUevent e : event_pool_) d.EventDestroy(e);
-  for (CUstream s : {d2h_, h2d_, fix_, ctl_, rel_, gd2h_, gh2d_})
+  for (CUstream s : {d2h_, h2d_, fix_, ctl_, rel_, gd2h_, gh2d_, garm_})
     if (s) d.StreamDestroy(s);
   if (words_) d.MemFreeHost(words_);
   kernels_.Unload();  // every stream that ran a grant kernel is synchronized
@@ -701,6 +704,15 @@ Engine::Source Engine::SourceOf(const Ticket& t) {
   src.host = t.host.ptr;
   src.unified = t.host.unified();
   src.pageable = t.host.pageable;
+  return src;
+}
+
+Engine::Source Engine::RoundSourceOf(const Ticket& t) {
+  Source src = SourceOf(t);
+  if (!src.resident && t.lent_cell) {
+    src.resident = t.lent_cell;  // complete: the round finished before its cell was lent
+    ++graph_stats_.lent_reads;
+  }
   return src;
 }
 

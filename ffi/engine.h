@@ -58,6 +58,10 @@ struct GraphStats {
   int64_t host_fallbacks = 0;  // round tickets put in pageable memory: the host pool had no room (it grows behind them)
   int64_t bounce_copies = 0;   // pieces (<= 4 MiB) copied through the pinned bounce buffers to or from those tickets
   int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
+  // Spare cells (graph_spares): offload rounds whose cell was re-armed with a spare while its D2H was
+  // still queued (the cell's bytes lent to its ticket), and reload copies served from such a lent cell
+  // (device to device, without waiting for PCIe).
+  int64_t spares = 0, lends = 0, lent_reads = 0;
 };
 
 struct EngineStats {
@@ -92,6 +96,12 @@ struct EngineConfig {
   // rounds of one call site overlap their copies. Read when a channel is first prepared.
   static void SetGraphCells(int k);
   static int GraphCells();
+  // Graph mode with grant kernels and K > 1 cells: spare cells per offload channel (0..kMaxSpares,
+  // default 0). An offload cell whose D2H is still queued is re-armed with a free spare at once, so a
+  // scan's forward runs ahead of PCIe; the queued bytes stay in the lent cell, and a reload of them
+  // before their D2H ends copies device to device. Read when a channel is first prepared.
+  static void SetGraphSpares(int n);
+  static int GraphSpares();
   // Graph mode with grant kernels and K > 1 cells: record each round as one fused take + copy kernel
   // (default on) instead of a take kernel then a copy kernel. Read at each capture (a channel's rounds
   // may be recorded either way: each round leaves the channel's words as it found them).
@@ -183,7 +193,7 @@ class Engine {
   // Where a ticket's bytes can be copied from: its device copy (when it keeps one) or its host block
   // (once its D2H is done). Snapshot under mu_.
   struct Source {
-    CUdeviceptr resident = 0;
+    CUdeviceptr resident = 0;  // a device copy (a kept staging cell, or a graph round's lent cell)
     CUevent resident_ready = nullptr;  // null: the device copy is complete
     CUevent d2h_done = nullptr;
     uint64_t d2h_seq = 0;  // graph-mode ticket: its D2H is done once *gd2h_done_ >= d2h_seq (no event)
@@ -228,6 +238,9 @@ class Engine {
   void Retire(const std::shared_ptr<Ticket>& t);  // caller holds mu_: frees `t` if it can be freed
   Status Resident(const std::shared_ptr<Ticket>& t);
   static Source SourceOf(const Ticket& t);  // caller holds mu_
+  // Caller holds mu_: SourceOf, or the round's lent cell while it still holds the bytes (graph-mode
+  // readers only: ReturnSpares keeps the cell while a reader's pin is on the ticket).
+  Source RoundSourceOf(const Ticket& t);
   // Enqueues on `s`: wait until `src` holds the bytes, then copy them to `dst` (D2D or H2D).
   Status CopyTicket(CUstream s, const Source& src, CUdeviceptr dst, size_t nbytes, const char* stage);
   // Enqueues on `s` the D2H of `nbytes` from `src` into `host` (by unified address for host_numa blocks).
@@ -271,7 +284,13 @@ class Engine {
   // Kernel grants (caller holds graph_mu_).
   bool ServiceOffloadK(Channel& c);
   bool ServiceReloadK(Channel& c);
-  bool Arm(Channel& c, int i, bool host);  // offload: a reserved token into grant[i] on gd2h_ (after the cell's D2H)
+  // Offload: a reserved token into grant[i], on gd2h_ after the cell's D2H; or, when a spare is free and
+  // that D2H is still queued, on garm_ after the cell took the spare's pages (Lend).
+  bool Arm(Channel& c, int i, bool host);
+  bool Lend(Channel& c, int i);     // swaps cell i with a free spare; true: the cell is free now
+  bool MapSpare(Channel& c, Spare& s);
+  void UnmapSpare(Channel& c, Spare& s);
+  bool ReturnSpares();              // lent spares whose ticket's D2H is done and no reader holds it
   void ArmIdleCells(Channel& c);    // offload: arms every idle cell it can map within the budget
   bool Revoke(Channel& c, int i);   // takes cell i's armed grant back; true: none is outstanding any more
   Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
@@ -299,6 +318,8 @@ class Engine {
   // Graph mode's copy streams: D2H out of offload cells and the grants behind them (gd2h_), prefetches
   // into reload cells and their `ready` writes (gh2d_). Nothing on them waits for XLA's streams.
   CUstream gd2h_ = nullptr, gh2d_ = nullptr;
+  // garm_: grants of offload cells that took a spare (no copy of theirs is pending: nothing to queue behind).
+  CUstream garm_ = nullptr;
   Words* words_ = nullptr;  // pinned, kRing entries
   std::vector<Op> ops_;
 

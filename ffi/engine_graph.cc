@@ -177,6 +177,21 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
       c->ncells = k;
       if (use_kernels_) st = SetUpCells(*c);
     }
+    if (st.ok() && use_kernels_ && k > 1 && kind == ChannelKind::kOffload) {
+      // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares.
+      for (int n = EngineConfig::GraphSpares(); n > 0; --n) {
+        Spare sp;
+        if (!Registry::Get().Create(spec, &sp.slot_id).ok()) break;
+        std::shared_ptr<Slot> slot;
+        if (!Registry::Get().Lookup(sp.slot_id, &slot).ok()) {
+          (void)Registry::Get().Close(sp.slot_id);
+          break;
+        }
+        sp.addr = slot->address();
+        c->spares.push_back(std::move(sp));
+      }
+      graph_stats_.spares += static_cast<int64_t>(c->spares.size());
+    }
     if (!st.ok()) {
       for (Cell& cell : c->cells) {
         if (cell.slot_id >= 0) (void)Registry::Get().Close(cell.slot_id);
@@ -387,6 +402,7 @@ void Engine::Poll() {
       if (c.kind == ChannelKind::kReload) busy |= use_kernels_ ? ServiceReloadK(c) : ServiceReload(c);
     });
     busy |= ReapOffloads();
+    busy |= ReturnSpares();
     DropStaleGuesses();
     ReleaseUnpins(/*all=*/false);
     const auto now = std::chrono::steady_clock::now();
@@ -492,6 +508,11 @@ size_t Engine::ReleaseIdleCells(bool now, bool device_only) {
       }
       UnmapCell(c, i);
       if (!cell.mapped) released += c.cell_size;
+    }
+    for (Spare& sp : c.spares) {
+      if (!sp.mapped || sp.lent || (device_only && sp.host_pages)) continue;
+      UnmapSpare(c, sp);
+      if (!sp.mapped) released += c.cell_size;
     }
   });
   return released;
@@ -690,7 +711,7 @@ void Engine::PrefetchInto(Channel& c) {
       t->claimed_by = c.Claim();
       t->pins += 1;
       cell.loaded = t;
-      src = SourceOf(*t);
+      src = RoundSourceOf(*t);
     }
     Status st = CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, "reload prefetch (graph)");
     bool armed = false;
@@ -765,7 +786,7 @@ bool Engine::TakeForRound(Channel& c, int i, const std::shared_ptr<Ticket>& a, S
       for (int j = 0; j < c.ncells; ++j) guessed |= c.cells[j].loaded != nullptr;
       if (guessed) tickets_.Learn(a, c.meta.signature);
       Unload(c, i);
-      *src = SourceOf(*a);
+      *src = RoundSourceOf(*a);
     }
   } else {
     Unload(c, i);
@@ -867,13 +888,20 @@ bool Engine::Arm(Channel& c, int i, bool host) {
   // gd2h_/gh2d_ never wait on XLA's streams (unlike the ring path's d2h_/h2d_): a grant written there
   // cannot queue behind work that waits for the very round the grant releases.
   Cell& cell = c.cells[i];
+  // PCIe is behind the device: as many graph D2Hs are queued as the channel has cells, so the next round
+  // of this cell would wait for its D2H. Swap in a free spare instead (its pages hold no copy, so garm_
+  // has none to follow). A shorter queue is what K cells absorb: no spare is taken for it.
+  const bool behind = gd2h_issued_ - gd2h_done_->load(std::memory_order_acquire) >= static_cast<uint64_t>(c.ncells);
+  const bool lent = cell.draining && !c.spares.empty() && behind && !D2hDone(*cell.draining) && Lend(c, i);
+  cell.draining.reset();
+  CUstream s = lent ? garm_ : gd2h_;
   uint64_t token = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     token = tickets_.ReserveToken();
     armed_tokens_.insert(token);  // before the device can take it (WaitForGraphRound)
   }
-  Status st = WriteDevice(gd2h_, c.Grant(i), token, "offload grant (graph)");
+  Status st = WriteDevice(s, c.Grant(i), token, "offload grant (graph)");
   if (!st.ok()) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -884,8 +912,90 @@ bool Engine::Arm(Channel& c, int i, bool host) {
   }
   cell.grant_token = token;
   cell.host_grant = host;
+  cell.grant_stream = s;
   cell.round = Channel::Round::kArmed;
   return true;
+}
+
+bool Engine::Lend(Channel& c, int i) {
+  // Caller holds graph_mu_. Cell i's pages (with the bytes its D2H still reads) go to a free spare, lent
+  // to the ticket until that D2H is done; the cell takes the spare's pages and VA, and the device word
+  // naming cell i's address changes on garm_, where the grant that follows is written.
+  Cell& cell = c.cells[i];
+  Spare* sp = nullptr;
+  for (Spare& x : c.spares)
+    if (!x.lent && x.mapped) {
+      sp = &x;
+      break;
+    }
+  if (!sp)
+    for (Spare& x : c.spares)
+      if (!x.lent) {
+        if (MapSpare(c, x)) sp = &x;
+        break;  // one mapping attempt per lend: the budget (or the device) has no room for more
+      }
+  if (!sp) return false;
+  Status st = WriteDevice(garm_, c.Word(offsetof(DeviceWords, cell) + sizeof(uint64_t) * i), sp->addr, "offload grant (graph)");
+  if (!st.ok()) {
+    Driver(backend_).StreamSynchronize(garm_);
+    return false;
+  }
+  std::swap(cell.slot_id, sp->slot_id);
+  std::swap(cell.addr, sp->addr);
+  std::swap(cell.host_pages, sp->host_pages);
+  sp->lent = std::move(cell.draining);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sp->lent->lent_cell = sp->addr;
+  }
+  cell.stream = nullptr;  // its pages now are the spare's: no copy into or out of them is pending
+  ++graph_stats_.lends;
+  return true;
+}
+
+bool Engine::MapSpare(Channel& c, Spare& sp) {
+  // Device pages within the staging budget, or none: a spare is an optimization, never waited for.
+  if (sp.mapped) return true;
+  if (!staging_.Charge(c.cell_size)) return false;
+  if (!Registry::Get().Remap(sp.slot_id).ok()) {
+    staging_.Uncharge(c.cell_size);
+    return false;
+  }
+  sp.mapped = true;
+  graph_stats_.mapped_bytes += static_cast<int64_t>(c.cell_size);
+  ++graph_stats_.pages_mapped;
+  return true;
+}
+
+void Engine::UnmapSpare(Channel& c, Spare& sp) {
+  if (!sp.mapped) return;
+  Status st = Registry::Get().Release(sp.slot_id);
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s (graph-mode spare cell kept)\n", st.ToString().c_str());
+    return;
+  }
+  sp.mapped = false;
+  sp.host_pages = false;
+  staging_.Uncharge(c.cell_size);
+  graph_stats_.mapped_bytes -= static_cast<int64_t>(c.cell_size);
+  ++graph_stats_.pages_returned;
+}
+
+bool Engine::ReturnSpares() {
+  // Caller holds graph_mu_. A lent spare is free again once its ticket's D2H is done and no reader
+  // (a reload copy, which pins the ticket until that copy has ended) can still read it.
+  bool busy = false;
+  channels_.ForEach([&](Channel& c) {
+    for (Spare& sp : c.spares) {
+      if (!sp.lent || !D2hDone(*sp.lent)) continue;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (sp.lent->pins > 0) continue;
+      sp.lent->lent_cell = 0;
+      sp.lent.reset();
+      busy = true;
+    }
+  });
+  return busy;
 }
 
 void Engine::ArmIdleCells(Channel& c) {
@@ -908,7 +1018,7 @@ bool Engine::Revoke(Channel& c, int i) {
   ScopedContext ctx(backend_, device_);  // trim() calls this from a user thread
   const DriverTable& d = Driver(backend_);
   const bool offload = c.kind == ChannelKind::kOffload;
-  CUstream s = offload ? gd2h_ : gh2d_;
+  CUstream s = offload ? (cell.grant_stream ? cell.grant_stream : gd2h_) : gh2d_;
   const uint64_t expect = offload ? 0 : (cell.loaded ? cell.loaded->token : 0);
   c.w->result.store(0, std::memory_order_relaxed);
   Status st = kernels_.Revoke(s, c.Grant(i), expect, Addr(c.w->result));
@@ -954,6 +1064,7 @@ bool Engine::ServiceOffloadK(Channel& c) {
     Status st;
     std::shared_ptr<Ticket> t = MakeRoundTicket(c, token, &st);
     if (t) st = CopyOutOfCell(c, i, t);
+    if (t && st.ok()) cell.draining = t;  // Arm may lend the cell to it (spares)
     // Failed: the token the device handed out names no ticket; its reload fills 0xFF and reports too.
     if (!st.ok()) RecordOffloadError(c, st);
   }
@@ -1228,7 +1339,7 @@ void Engine::StopGraph() {
   poll_cv_.notify_all();
   if (poller_.joinable()) poller_.join();
   const DriverTable& d = Driver(backend_);
-  for (CUstream s : {gd2h_, gh2d_, fix_, d2h_, h2d_})  // every copy into or out of a cell has finished
+  for (CUstream s : {gd2h_, gh2d_, garm_, fix_, d2h_, h2d_})  // every copy into or out of a cell has finished
     if (s) d.StreamSynchronize(s);
   std::lock_guard<std::mutex> lock(graph_mu_);
   channels_.ForEach([&](Channel& c) {
@@ -1249,6 +1360,17 @@ void Engine::StopGraph() {
       cell.slot_id = -1;
       if (cell.event) d.EventDestroy(cell.event);
       cell.event = nullptr;
+      cell.draining.reset();
+    }
+    for (Spare& sp : c.spares) {
+      if (sp.lent) {
+        std::lock_guard<std::mutex> l(mu_);
+        sp.lent->lent_cell = 0;
+        sp.lent.reset();
+      }
+      UnmapSpare(c, sp);
+      if (sp.slot_id >= 0) (void)Registry::Get().Close(sp.slot_id);
+      sp.slot_id = -1;
     }
   });
   ReleaseUnpins(/*all=*/true);  // every stream was synchronized above

@@ -15,7 +15,8 @@ inline constexpr int kMaxCells = 4;
 // copy that makes the grant true; the device (or jaxvmm_revoke) takes grants back with an atomic.
 struct DeviceWords {
   uint64_t grant[kMaxCells];  // offload: cell i's armed token (0: none); reload: the token cell i holds
-  uint64_t cell[kMaxCells];   // the cells' addresses (written once, at the channel's first initialize)
+  uint64_t cell[kMaxCells];   // the cells' addresses (written at the channel's first initialize; an offload
+                              // cell's when the poller re-arms it with a spare, before that grant)
   uint64_t flag[kMaxCells];   // &filled[i] / &done[i] (idem)
   uint64_t ncells;            // K (idem)
   uint64_t next;              // offload: the cell the next take scans first (the device's round robin)

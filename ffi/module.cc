@@ -594,6 +594,9 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_bounce_copies"] = s.graph.bounce_copies;
     d["graph_cells"] = s.graph.cells;
     d["graph_fused_captures"] = s.graph.fused_captures;
+    d["graph_spares"] = s.graph.spares;
+    d["graph_lends"] = s.graph.lends;
+    d["graph_lent_reads"] = s.graph.lent_reads;
     return d;
   });
   // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in
@@ -759,7 +762,14 @@ NB_MODULE(_jaxvmm, m) {
     if (on >= 0) EngineConfig::SetGraphFused(on != 0);
     return static_cast<int>(EngineConfig::GraphFused());
   });
+  // Spare cells per offload channel for channels prepared from now on (validated in Python first); -1
+  // leaves it. Returns the value in force.
+  m.def("graph_spares", [](int n) {
+    if (n >= 0) EngineConfig::SetGraphSpares(n);
+    return EngineConfig::GraphSpares();
+  });
   m.def("graph_max_cells", [] { return kMaxCells; });
+  m.def("graph_max_spares", [] { return kMaxSpares; });
   m.def("graph_kernels_ptx", [] { return std::string(kGraphKernelsPtx); });
   // Test hook (cpu): right after the next offload round's take kernel took its grant, trim() the cpu
   // engine of `device` (a revocation ordered after a take, deterministically).

@@ -55,6 +55,10 @@ struct Ticket {
   // A device copy (a prefetch hint's, or the offload's own staging cell kept by keep_resident):
   // readers wait for the cell's free event (recorded after the copy that filled it).
   StagingLease resident;
+  // Graph mode: the round's bytes in a lent spare cell of its offload channel (complete: its round
+  // finished before the poller lent it), until its D2H is done and nothing reads it (Engine::ReturnSpares).
+  // The channel owns the cell; this is a view, set and cleared under Engine::mu_.
+  CUdeviceptr lent_cell = 0;
 };
 
 // A reload resolved to `t`: it is consumed (freed once nothing reads it), unless it is kept.

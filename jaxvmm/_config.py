@@ -24,6 +24,8 @@ INT32_MAX = (1 << 31) - 1
 MAX_PREFETCH_DEPTH = 1024
 # Graph-mode cells per channel (ffi/channels.h, kMaxCells).
 MAX_GRAPH_CELLS = 4
+# Spare cells per graph-mode offload channel (ffi/channels.h, kMaxSpares).
+MAX_GRAPH_SPARES = 64
 
 _UNITS = {
     "": 1,
@@ -131,12 +133,17 @@ VARIABLES = {
                doc="graph mode: rounds take their grants on the device with tiny kernels (on; off: the host grants every round)"),
         EnvVar("JAXVMM_GRAPH_CELLS", "int", 1, MAX_GRAPH_CELLS,
                "graph mode with grant kernels: staging cells per call site, so consecutive rounds overlap their copies (2)"),
+        EnvVar("JAXVMM_GRAPH_SPARES", "int", 0, MAX_GRAPH_SPARES,
+               "graph mode with grant kernels: spare cells per offload call site, lent while PCIe is behind (0)"),
         EnvVar("JAXVMM_GRAPH_FUSED", "bool",
                doc="graph mode with grant kernels and several cells: each round is one fused take + copy kernel (on; off: two kernels)"),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
         EnvVar("JAXVMM_POSIX_ASYNC", "int", 0, 10_000_000,
                "tests, cpu platform: each driver stream runs its operations on a thread of its own, as a GPU stream "
                "does; N > 1 also delays each by a random 0..N us (0: off)"),
+        EnvVar("JAXVMM_POSIX_LINK_US", "int", 0, 10_000_000,
+               "tests, cpu platform with JAXVMM_POSIX_ASYNC: each D2H into pinned memory takes N us more on its "
+               "stream, as a link slower than the device (0: off)"),
         EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
         EnvVar("JAXVMM_REQUIRE_2GPU", "bool", doc="tests: a 2-GPU test with fewer GPUs fails instead of skipping (off)"),
     )
@@ -177,6 +184,8 @@ def apply(lib, values: dict) -> None:
     lib.graph_fused(int(bool(values.get("JAXVMM_GRAPH_FUSED", True))))
     if "JAXVMM_GRAPH_CELLS" in values:
         lib.graph_cells(values["JAXVMM_GRAPH_CELLS"])
+    if "JAXVMM_GRAPH_SPARES" in values:
+        lib.graph_spares(values["JAXVMM_GRAPH_SPARES"])
     if "JAXVMM_COPY_CHUNK" in values:
         lib.copy_chunk(values["JAXVMM_COPY_CHUNK"])
     if "JAXVMM_HOST_STORE" in values:

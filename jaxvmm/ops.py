@@ -698,7 +698,7 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
               prefetch_depth: int | None = None, keep_resident: int | None = None,
               staging_budget: int | str | None = None, staging_idle_ms: int | None = None,
               host_store: str | None = None, copy_chunk: int | str | None = None,
-              graph_cells: int | None = None) -> dict:
+              graph_cells: int | None = None, graph_spares: int | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
@@ -737,7 +737,15 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
       (the iterations of a scan) take turns on them, so a round's copy into or out of its cell overlaps
       the next iterations' compute; each cell is device memory counted in the staging budget (a channel
       runs on fewer when the budget has no room). Applies to call sites prepared from now on; ``1`` is
-      the single-cell protocol."""
+      the single-cell protocol.
+    graph_spares: graph mode with grant kernels and several cells: spare cells per offload call site,
+      0 to 64 (default 0; env ``JAXVMM_GRAPH_SPARES``). When a scan's iterations produce activations
+      faster than PCIe carries them to the host, an offload cell whose copy to the host is still queued
+      is swapped for a free spare and the next iteration goes on at once; the queued bytes stay on the
+      device until their copy ends, and a reload that comes first (the backward pass's first layers)
+      copies them device to device. Spares get pages only when lent (within the staging budget, never
+      waited for) and return them when idle; ``engine_stats()``: ``graph_lends``, ``graph_lent_reads``.
+      Applies to call sites prepared from now on."""
     where = "configure: "
     if host_pool_limit is not None:
         host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
@@ -746,7 +754,8 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
     if staging_budget is not None:
         staging_budget = _config.parse_size(staging_budget, where + "staging_budget")
     for name, v in (("prefetch_depth", prefetch_depth), ("keep_resident", keep_resident),
-                    ("staging_idle_ms", staging_idle_ms), ("graph_cells", graph_cells)):
+                    ("staging_idle_ms", staging_idle_ms), ("graph_cells", graph_cells),
+                    ("graph_spares", graph_spares)):
         if isinstance(v, str):  # env strings are parsed by _config; the Python API takes ints
             raise _type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
     if copy_chunk is not None:
@@ -765,6 +774,8 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
         staging_idle_ms = _config.parse_int(staging_idle_ms, where + "staging_idle_ms", lo=1, hi=_config.INT64_MAX)
     if graph_cells is not None:
         graph_cells = _config.parse_int(graph_cells, where + "graph_cells", lo=1, hi=_config.MAX_GRAPH_CELLS)
+    if graph_spares is not None:
+        graph_spares = _config.parse_int(graph_spares, where + "graph_spares", lo=0, hi=_config.MAX_GRAPH_SPARES)
     vals = lib.configure(-1 if host_pool_limit is None else host_pool_limit,
                          0 if host_pool_chunk is None else host_pool_chunk,
                          0 if prefetch_depth is None else prefetch_depth,
@@ -780,6 +791,7 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
     out["host_store"] = str(lib.host_store())
     out["copy_chunk"] = chunk
     out["graph_cells"] = int(lib.graph_cells(0 if graph_cells is None else graph_cells))
+    out["graph_spares"] = int(lib.graph_spares(-1 if graph_spares is None else graph_spares))
     return out
 
 
