@@ -275,6 +275,7 @@ class Engine {
   // needs the cell: other channels' idle cells go to make room, and a full device gives host pages.
   bool MapCell(Channel& c, int i, bool evict = true);
   void UnmapCell(Channel& c, int i);
+  void UnmapPages(Channel& c, int64_t slot_id, bool* mapped, bool* host_pages, const char* kept);
   // Cells of idle channels (after IdleMillis unless `now`; only those with device pages if `device_only`).
   size_t ReleaseIdleCells(bool now, bool device_only = false);
   void DropStaleGuesses();  // reload cells whose guess another reload consumed: revoke and unload

@@ -460,14 +460,19 @@ bool Engine::MapCell(Channel& c, int i, bool evict) {
 
 void Engine::UnmapCell(Channel& c, int i) {
   Cell& cell = c.cells[i];
-  if (!cell.mapped) return;
-  Status st = Registry::Get().Release(cell.slot_id);
+  UnmapPages(c, cell.slot_id, &cell.mapped, &cell.host_pages, "graph-mode cell kept");
+}
+
+void Engine::UnmapPages(Channel& c, int64_t slot_id, bool* mapped, bool* host_pages, const char* kept) {
+  // A cell's or a spare's pages back to the driver, uncharged from the budget.
+  if (!*mapped) return;
+  Status st = Registry::Get().Release(slot_id);
   if (!st.ok()) {
-    std::fprintf(stderr, "%s (graph-mode cell kept)\n", st.ToString().c_str());
+    std::fprintf(stderr, "%s (%s)\n", st.ToString().c_str(), kept);
     return;
   }
-  cell.mapped = false;
-  cell.host_pages = false;
+  *mapped = false;
+  *host_pages = false;
   staging_.Uncharge(c.cell_size);
   graph_stats_.mapped_bytes -= static_cast<int64_t>(c.cell_size);
   ++graph_stats_.pages_returned;
@@ -968,17 +973,7 @@ bool Engine::MapSpare(Channel& c, Spare& sp) {
 }
 
 void Engine::UnmapSpare(Channel& c, Spare& sp) {
-  if (!sp.mapped) return;
-  Status st = Registry::Get().Release(sp.slot_id);
-  if (!st.ok()) {
-    std::fprintf(stderr, "%s (graph-mode spare cell kept)\n", st.ToString().c_str());
-    return;
-  }
-  sp.mapped = false;
-  sp.host_pages = false;
-  staging_.Uncharge(c.cell_size);
-  graph_stats_.mapped_bytes -= static_cast<int64_t>(c.cell_size);
-  ++graph_stats_.pages_returned;
+  UnmapPages(c, sp.slot_id, &sp.mapped, &sp.host_pages, "graph-mode spare cell kept");
 }
 
 bool Engine::ReturnSpares() {

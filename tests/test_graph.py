@@ -589,6 +589,13 @@ _ROUND_TRIP_PRELUDE = textwrap.dedent('''
             r.offload(1 << 40, x.address, N, tok.address)
             r.reload((1 << 40) + 1, tok.address, y.address, N)
         return g
+    def forward_backward(r, fs=1 << 41, rs=(1 << 41) + 1):  # an offload-only and a reload-only graph
+        r.prepare(fs, r.OFFLOAD, N); r.prepare(rs, r.RELOAD, N)
+        with r.capture() as fwd:
+            r.offload(fs, x.address, N, tok.address)
+        with r.capture() as bwd:
+            r.reload(rs, tok.address, y.address, N)
+        return fwd, bwd
     FUSED = os.environ.get("JAXVMM_GRAPH_FUSED", "1") != "0"  # the round_kernels fixture's choice
     def replay_rounds(r, g, n):  # n replays, each bit-exact
         for i in range(n):
@@ -1085,12 +1092,7 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
             assert s["graph_mapped_bytes"] == (K + 1) * cell, (s["graph_mapped_bytes"], cell)
             assert s["graph_offload_rounds"] == 20 and s["graph_grants_device"] >= 19, s
             # A forward pass then a backward pass (LIFO), each its own graph.
-            fs, rs = (1 << 41), (1 << 41) + 1
-            r.prepare(fs, r.OFFLOAD, N); r.prepare(rs, r.RELOAD, N)
-            with r.capture() as fwd:
-                r.offload(fs, x.address, N, tok.address)
-            with r.capture() as bwd:
-                r.reload(rs, tok.address, y.address, N)
+            fwd, bwd = forward_backward(r)
             b = st()
             R = 2 * K + 3
             tokens = []
@@ -1133,12 +1135,7 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(spares):
         assert jaxvmm.configure()["graph_spares"] == SPARES
         st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
         with Replay("cpu") as r:
-            fs, rs = (1 << 41), (1 << 41) + 1
-            r.prepare(fs, r.OFFLOAD, N); r.prepare(rs, r.RELOAD, N)
-            with r.capture() as fwd:
-                r.offload(fs, x.address, N, tok.address)
-            with r.capture() as bwd:
-                r.reload(rs, tok.address, y.address, N)
+            fwd, bwd = forward_backward(r)
             R = 10
             for step in range(2):
                 tokens = []
