@@ -650,13 +650,24 @@ bool IsPinnedHost(const void* p, size_t n) {
 }
 std::atomic<int64_t> g_pageable_copies{0};  // async copies given a pageable host pointer (PosixPageableCopies)
 
+int LinkMicros();
+
 CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
-  if (!IsPinnedHost(src, n)) ++g_pageable_copies;
+  if (!IsPinnedHost(src, n)) {
+    ++g_pageable_copies;
+  } else if (auto* ps = reinterpret_cast<PosixStream*>(s); ps && ps->async && !ps->capturing && LinkMicros() > 0) {
+    return Enqueue(s, [dst, src, n] {
+      std::this_thread::sleep_for(std::chrono::microseconds(LinkMicros()));
+      std::memmove(reinterpret_cast<void*>(dst), src, n);
+      return CUDA_SUCCESS;
+    });
+  }
   return PosixMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, s);
 }
-// JAXVMM_POSIX_LINK_US=N (with JAXVMM_POSIX_ASYNC): every async D2H into pinned memory takes N more
-// microseconds on its stream before it reads its source, as a PCIe link slower than the device: copies
-// queue up behind one another, and a source overwritten before its copy runs shows in the bytes.
+// JAXVMM_POSIX_LINK_US=N (with JAXVMM_POSIX_ASYNC): every async copy between pinned memory and the
+// device (D2H, H2D) takes N more microseconds on its stream before it reads its source, as a PCIe link
+// slower than the device: copies queue up behind one another, and a source overwritten before its copy
+// runs shows in the bytes.
 int LinkMicros() {
   static const int us = [] {
     const char* v = std::getenv("JAXVMM_POSIX_LINK_US");

@@ -1123,7 +1123,7 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
 
 @pytest.mark.parametrize("spares", [0, 6])
 def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(spares):
-    """A link slower than the device (the cpu backend's streams run on threads, each D2H takes 3 ms):
+    """A link slower than the device (the cpu backend's streams run on threads, each D2H and H2D takes 3 ms):
     a forward pass of offload rounds then a backward pass of reloads, newest first. With spare cells,
     an offload cell whose D2H is still queued is swapped for a spare and armed again at once (a lend),
     and the first reloads copy their bytes device to device from the lent cells; every round is
@@ -1147,8 +1147,33 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(spares):
                     tok.write(np.frombuffer(tokens[i], np.uint8)); r.launch(bwd[0]); r.synchronize()
                     got = np.frombuffer(bytes(y.read()), np.uint8)
                     assert np.all(got == 10 * step + i), (step, i, np.unique(got))
+            # Forward and backward rounds interleaved, with no synchronize between them: each reload
+            # of the newest ticket is followed by two offloads, so the D2H queue stays long, offloads
+            # keep lending spares while reloads read lent cells (guesses and corrections), and H2D
+            # copies (3 ms each too) hold back the copies queued behind them.
+            before = lib.engine_stats("posix", 0)
+            stack = []
+            for i in range(R):
+                x.write(np.full(N, 100 + i, np.uint8)); r.launch(fwd[0]); r.synchronize()
+                stack.append((100 + i, bytes(tok.read())))
+            for k in range(3 * R):
+                v, t = stack.pop()
+                tok.write(np.frombuffer(t, np.uint8)); r.launch(bwd[0]); r.synchronize()
+                got = np.frombuffer(bytes(y.read()), np.uint8)
+                assert np.all(got == v), ("interleaved", k, v, np.unique(got))
+                for j in range(2):
+                    v = 150 + (2 * k + j) % 100
+                    x.write(np.full(N, v, np.uint8)); r.launch(fwd[0]); r.synchronize()
+                    stack.append((v, bytes(tok.read())))
+            inter = lib.engine_stats("posix", 0)
+            while stack:
+                v, t = stack.pop()
+                tok.write(np.frombuffer(t, np.uint8)); r.launch(bwd[0]); r.synchronize()
+                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == v), ("after", v)
+            if SPARES:
+                assert inter["graph_lent_reads"] - before["graph_lent_reads"] >= 2, (inter, before)
             s = st()
-            assert s["errors"] == 0 and s["graph_offload_rounds"] == 2 * R, s
+            assert s["errors"] == 0 and s["graph_offload_rounds"] == 2 * R + R + 6 * R, s
             assert s["graph_spares"] == SPARES, s
             if SPARES:
                 assert s["graph_lends"] >= R and s["graph_lent_reads"] >= 2, s
