@@ -96,7 +96,7 @@ struct EngineConfig {
   // rounds of one call site overlap their copies. Read when a channel is first prepared.
   static void SetGraphCells(int k);
   static int GraphCells();
-  // Graph mode with grant kernels and K > 1 cells: spare cells per offload channel (0..kMaxSpares,
+  // Graph mode with grant kernels: spare cells per offload channel (0..kMaxSpares,
   // default 0). An offload cell whose D2H is still queued is re-armed with a free spare at once, so a
   // scan's forward runs ahead of PCIe; the queued bytes stay in the lent cell, and a reload of them
   // before their D2H ends copies device to device. Read when a channel is first prepared.

@@ -177,8 +177,10 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
       c->ncells = k;
       if (use_kernels_) st = SetUpCells(*c);
     }
-    if (st.ok() && use_kernels_ && k > 1 && kind == ChannelKind::kOffload) {
-      // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares.
+    if (st.ok() && use_kernels_ && kind == ChannelKind::kOffload) {
+      // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares. (A
+      // channel with spares records its rounds as kernels even with one cell: the cell's address is
+      // read from the device words, where a lend changes it.)
       for (int n = EngineConfig::GraphSpares(); n > 0; --n) {
         Spare sp;
         if (!Registry::Get().Create(spec, &sp.slot_id).ok()) break;
@@ -304,7 +306,8 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
   ChannelWords& w = *c->w;
   const char* stage = "offload (capture)";
   if (use_kernels_) {
-    if (c->ncells > 1 && EngineConfig::GraphFused()) {
+    const bool fixed_cell = c->ncells == 1 && c->spares.empty();  // the cell's address never changes
+    if (!fixed_cell && EngineConfig::GraphFused()) {
       // One node: the fused kernel takes a cell's grant and copies x into it (its last block publishes
       // the cell's filled word).
       JAXVMM_RETURN_IF_ERROR(kernels_.FusedOffload(stream, c->dw, src, meta.nbytes, token_out, Addr(w.knock)));
@@ -315,7 +318,7 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
     // Two nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that cell
     // (the copy's last block publishes the cell's filled word).
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c->dw, token_out, Addr(w.knock)));
-    if (c->ncells == 1) {
+    if (fixed_cell) {
       // One cell (JAXVMM_GRAPH_CELLS=1): the copy names it, as before K cells.
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c->cells[0].addr, src, meta.nbytes, stream); }));
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled[0]), 1, 0); }));

@@ -738,7 +738,7 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
       the next iterations' compute; each cell is device memory counted in the staging budget (a channel
       runs on fewer when the budget has no room). Applies to call sites prepared from now on; ``1`` is
       the single-cell protocol.
-    graph_spares: graph mode with grant kernels and several cells: spare cells per offload call site,
+    graph_spares: graph mode with grant kernels: spare cells per offload call site,
       0 to 64 (default 0; env ``JAXVMM_GRAPH_SPARES``). When a scan's iterations produce activations
       faster than PCIe carries them to the host, an offload cell whose copy to the host is still queued
       is swapped for a free spare and the next iteration goes on at once; the queued bytes stay on the

@@ -1121,14 +1121,15 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("spares", [0, 6])
-def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(spares):
+@pytest.mark.parametrize("cells,spares", [(2, 0), (2, 6), (1, 3)])
+def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
     """A link slower than the device (the cpu backend's streams run on threads, each D2H and H2D takes 3 ms):
     a forward pass of offload rounds then a backward pass of reloads, newest first. With spare cells,
     an offload cell whose D2H is still queued is swapped for a spare and armed again at once (a lend),
     and the first reloads copy their bytes device to device from the lent cells; every round is
     bit-exact either way (a cell reused before its D2H read it, or a lent cell given back too early,
-    shows as another round's bytes). The spares' pages go back once idle."""
+    shows as another round's bytes). The spares' pages go back once idle. With one cell, a call site
+    with spares records its rounds as kernels that read the cell's address (it changes on a lend)."""
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
         import time
         SPARES = {spares}
@@ -1187,7 +1188,7 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(spares):
         assert s["graph_mapped_bytes"] == 0 and s["tickets_live"] == 0, s
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "2",
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(cells),
                                         "JAXVMM_GRAPH_SPARES": str(spares), "JAXVMM_POSIX_ASYNC": "1",
                                         "JAXVMM_POSIX_LINK_US": "3000"}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
