@@ -943,7 +943,9 @@ CUresult SpinUntil(F done) {
 Word* Grant(const uint64_t* a, uint64_t i) { return W(a[0] + offsetof(DeviceWords, grant) + sizeof(uint64_t) * i); }
 DeviceWords* Cells(const uint64_t* a) { return reinterpret_cast<DeviceWords*>(a[0]); }
 void Choose(DeviceWords* c, uint64_t i) {
-  c->ptr = c->cell[i];
+  // cell[i] changes when the poller lends an offload cell (a release store on garm_, before the grant
+  // this round took): read it as the atomic it is.
+  c->ptr = reinterpret_cast<std::atomic<uint64_t>*>(&c->cell[i])->load(std::memory_order_acquire);
   c->publish = c->flag[i];
 }
 

@@ -157,7 +157,7 @@ $L__BB0_23:
 	st.global.u64 	[%rd3+8], %rd76;
 	shl.b64 	%rd58, %rd73, 3;
 	add.s64 	%rd59, %rd2, %rd58;
-	ld.global.u64 	%rd60, [%rd59+32];
+	ld.volatile.global.u64 	%rd60, [%rd59+32];
 	st.global.u64 	[%rd3+16], %rd60;
 	ld.global.u64 	%rd61, [%rd59+64];
 	st.global.u64 	[%rd3+24], %rd61;
@@ -250,7 +250,7 @@ $L__BB1_9:
 $L__BB1_8:
 	shl.b64 	%rd30, %rd34, 3;
 	add.s64 	%rd31, %rd3, %rd30;
-	ld.global.u64 	%rd32, [%rd31+32];
+	ld.volatile.global.u64 	%rd32, [%rd31+32];
 	st.global.u64 	[%rd4+16], %rd32;
 	ld.global.u64 	%rd33, [%rd31+64];
 	st.global.u64 	[%rd4+24], %rd33;
@@ -1053,7 +1053,7 @@ $L__BB4_29:
 	st.global.u64 	[%rd3+-40], %rd370;
 	shl.b64 	%rd199, %rd367, 3;
 	add.s64 	%rd200, %rd2, %rd199;
-	ld.global.u64 	%rd201, [%rd200+32];
+	ld.volatile.global.u64 	%rd201, [%rd200+32];
 	st.global.u64 	[%rd3+-32], %rd201;
 	ld.global.u64 	%rd202, [%rd200+64];
 	st.global.u64 	[%rd3+-24], %rd202;
@@ -1734,7 +1734,7 @@ $L__BB5_13:
 	membar.sys;
 	shl.b64 	%rd173, %rd331, 3;
 	add.s64 	%rd174, %rd2, %rd173;
-	ld.global.u64 	%rd175, [%rd174+24];
+	ld.volatile.global.u64 	%rd175, [%rd174+24];
 	st.global.u64 	[%rd3+-32], %rd175;
 	ld.global.u64 	%rd176, [%rd174+56];
 	st.global.u64 	[%rd3+-24], %rd176;
@@ -1742,7 +1742,7 @@ $L__BB5_13:
 
 $L__BB5_75:
 	membar.gl;
-	ld.global.u64 	%rd167, [%rd162+32];
+	ld.volatile.global.u64 	%rd167, [%rd162+32];
 	st.global.u64 	[%rd3+-32], %rd167;
 	ld.global.u64 	%rd168, [%rd162+64];
 	st.global.u64 	[%rd3+-24], %rd168;

@@ -22,7 +22,7 @@ typedef unsigned long long u64;
 
 struct Cells {
   u64 grant[JAXVMM_MAX_CELLS];  // offload: armed token (0: none); reload: the token the cell holds
-  u64 cell[JAXVMM_MAX_CELLS];   // the cells' addresses (constant)
+  u64 cell[JAXVMM_MAX_CELLS];   // the cells' addresses (an offload cell's changes when the poller lends it)
   u64 flag[JAXVMM_MAX_CELLS];   // the pinned filled/done word of each cell (constant)
   u64 ncells;                   // K (constant)
   u64 next;                     // offload: where the next scan starts (round robin)
@@ -41,7 +41,9 @@ __device__ __forceinline__ void backoff(unsigned* ns) {
 }
 
 __device__ __forceinline__ void choose(Cells* c, u64 i) {
-  c->ptr = c->cell[i];
+  // cell[i] of an offload channel changes when the poller lends the cell (spare cells): a volatile
+  // read, after the fence that follows taking the grant written behind it.
+  c->ptr = *(volatile u64*)&c->cell[i];
   c->publish = c->flag[i];
 }
 
