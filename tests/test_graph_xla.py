@@ -105,14 +105,20 @@ MODES = {
 DETERMINISTIC = "--xla_gpu_autotune_level=0"
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_train_steps_bit_exact_in_every_command_buffer_mode(mode):
+def _result(script: str, mode: str, timeout: int, **env) -> dict:
+    """Runs `script` in a fresh process under the XLA flags of `mode` (deterministic autotuning) and the
+    extra environment; returns the JSON of its last RESULT line."""
     flags = f"{MODES[mode]} {DETERMINISTIC}".strip()
-    proc = run_in_subprocess(SCRIPT, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-                             timeout=240)
+    proc = run_in_subprocess(script, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **env},
+                             timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    r = json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_train_steps_bit_exact_in_every_command_buffer_mode(mode):
+    r = _result(SCRIPT, mode, 240)
     print(mode, r["stats"])
     assert r["losses_equal"] and r["weights_equal"], r
     assert r["eager_ok"], r
@@ -138,12 +144,7 @@ SCAN32 = _train_prelude(L=32, STEPS=6) + textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["min_graph_size_1", "while"])
 def test_scan_of_32_with_two_cells_takes_most_grants_on_the_device(mode):
-    flags = f"{MODES[mode]} {DETERMINISTIC}".strip()
-    proc = run_in_subprocess(SCAN32, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-                                          "JAXVMM_GRAPH_CELLS": "2"}, timeout=240)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = _result(SCAN32, mode, 240, JAXVMM_GRAPH_CELLS="2")
     s = r["stats"]
     rounds = s["graph_offload_rounds"] + s["graph_reload_rounds"]
     print(mode, {k: s[k] for k in ("graph_offload_rounds", "graph_reload_rounds", "graph_grants_device",
@@ -177,12 +178,7 @@ SCAN_K = _train_prelude(L=16, STEPS=4, B=129, D=509) + textwrap.dedent("""
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "two_node"])
 @pytest.mark.parametrize("mode", ["default", "while"])
 def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused):
-    flags = f"{MODES[mode]} {DETERMINISTIC}".strip()
-    proc = run_in_subprocess(SCAN_K, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-                                          "JAXVMM_GRAPH_FUSED": fused}, timeout=180)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = _result(SCAN_K, mode, 180, JAXVMM_GRAPH_FUSED=fused)
     assert r["graph_kernels"] == 1, r
     for k, got in r["out"].items():
         s = got["stats"]
@@ -213,12 +209,7 @@ SPARES = _train_prelude(L=64, STEPS=4, B=1024, D=1024) + textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["default", "while"])
 def test_spare_cells_under_xla_are_bit_exact(mode):
-    flags = f"{MODES[mode]} {DETERMINISTIC}".strip()
-    proc = run_in_subprocess(SPARES, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-                                          "JAXVMM_GRAPH_CELLS": "2", "JAXVMM_GRAPH_SPARES": "32"}, timeout=240)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = _result(SPARES, mode, 240, JAXVMM_GRAPH_CELLS="2", JAXVMM_GRAPH_SPARES="32")
     s = r["stats"]
     print(mode, {k: s[k] for k in ("graph_offload_rounds", "graph_reload_rounds", "graph_lends", "graph_lent_reads",
                                    "graph_grants_device", "graph_grants_host", "graph_captures")})
