@@ -911,6 +911,8 @@ bool Engine::Arm(Channel& c, int i, bool host) {
   }
   Status st = WriteDevice(s, c.Grant(i), token, "offload grant (graph)");
   if (!st.ok()) {
+    // A retry may write its grant on gd2h_: the new address (on garm_) must be in place before it.
+    if (lent) Driver(backend_).StreamSynchronize(garm_);
     {
       std::lock_guard<std::mutex> lock(mu_);
       armed_tokens_.erase(token);
