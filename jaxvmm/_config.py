@@ -142,8 +142,8 @@ VARIABLES = {
                "tests, cpu platform: each driver stream runs its operations on a thread of its own, as a GPU stream "
                "does; N > 1 also delays each by a random 0..N us (0: off)"),
         EnvVar("JAXVMM_POSIX_LINK_US", "int", 0, 10_000_000,
-               "tests, cpu platform with JAXVMM_POSIX_ASYNC: each D2H into pinned memory takes N us more on its "
-               "stream, as a link slower than the device (0: off)"),
+               "tests, cpu platform with JAXVMM_POSIX_ASYNC: each copy between pinned memory and the device (D2H, "
+               "H2D) takes N us more on its stream, as a link slower than the device (0: off)"),
         EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
         EnvVar("JAXVMM_REQUIRE_2GPU", "bool", doc="tests: a 2-GPU test with fewer GPUs fails instead of skipping (off)"),
     )
