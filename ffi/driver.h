@@ -148,6 +148,8 @@ void SetPosixAfterTakeHook(void (*fn)(void*), void* arg);
 // Test hook (POSIX backend): device-location cuMemCreate fails with CUDA_ERROR_OUT_OF_MEMORY once the
 // live device-location handles would exceed `bytes` (a device whose memory XLA holds); < 0: no limit.
 void SetPosixDeviceMemoryLimit(int64_t bytes);
+// Test hook: device-location bytes of the live handles the cpu backend created (what the limit counts).
+int64_t PosixDeviceBytes();
 
 // Test hook (POSIX backend): how many asynchronous copies were given a pageable (not cuMemHostAlloc'd)
 // host pointer since the process started. jaxvmm never does that (PageableBounce).

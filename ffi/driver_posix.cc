@@ -1158,6 +1158,12 @@ int64_t PosixPageableCopies() { return g_pageable_copies.load(); }
 
 void SetPosixDeviceMemoryLimit(int64_t bytes) { g_device_limit.store(bytes < 0 ? -1 : bytes); }
 
+int64_t PosixDeviceBytes() {
+  PosixState& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.device_bytes;
+}
+
 void SetPosixDeviceCount(int n) { g_device_count.store(n > 0 ? n : 1); }
 
 namespace {

@@ -924,6 +924,7 @@ size_t Engine::Trim() {
   size_t n = staging_.Trim() + host_store_.Trim();
   ScopedContext ctx(backend_, device_);  // a user thread: the cells' event queries and revocations
   std::lock_guard<std::mutex> lock(graph_mu_);
+  (void)ReturnSpares();  // spares whose last reader finished since the poller's last pass
   return n + ReleaseIdleCells(/*now=*/true);
 }
 

@@ -503,8 +503,15 @@ size_t Engine::ReleaseIdleCells(bool now, bool device_only) {
   const DriverTable& d = Driver(backend_);
   size_t released = 0;
   channels_.ForEach([&](Channel& c) {
-    if (c.waiting) return;
     if (!now && t - c.last_use < idle) return;
+    // Free spares first, also a waiting channel's own: nothing waits for a spare, and the round that
+    // waits may need exactly the room (or the device pages) its free spares hold.
+    for (Spare& sp : c.spares) {
+      if (!sp.mapped || sp.lent || (device_only && sp.host_pages)) continue;
+      UnmapSpare(c, sp);
+      if (!sp.mapped) released += c.cell_size;
+    }
+    if (c.waiting) return;
     for (int i = 0; i < c.ncells; ++i) {
       Cell& cell = c.cells[i];
       if (!cell.mapped || cell.round == Channel::Round::kGranted || (device_only && cell.host_pages)) continue;
@@ -516,11 +523,6 @@ size_t Engine::ReleaseIdleCells(bool now, bool device_only) {
       }
       UnmapCell(c, i);
       if (!cell.mapped) released += c.cell_size;
-    }
-    for (Spare& sp : c.spares) {
-      if (!sp.mapped || sp.lent || (device_only && sp.host_pages)) continue;
-      UnmapSpare(c, sp);
-      if (!sp.mapped) released += c.cell_size;
     }
   });
   return released;

@@ -780,6 +780,7 @@ NB_MODULE(_jaxvmm, m) {
   // Test hook (cpu): device-location pages beyond `bytes` fail to be created (out of memory); < 0: no limit.
   m.def("testing_posix_device_limit", [](int64_t bytes) { SetPosixDeviceMemoryLimit(bytes); });
   m.def("testing_posix_pageable_copies", [] { return PosixPageableCopies(); });
+  m.def("testing_posix_device_bytes", [] { return PosixDeviceBytes(); });
   m.def("testing_trim_after_next_take", [](int device) {
     static int dev = 0;
     dev = device;

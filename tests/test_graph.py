@@ -1194,6 +1194,49 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_a_waiting_round_gets_the_device_pages_of_its_own_free_spare():
+    """Found in review: a round that knocks for its cell on a full device released the idle cells and
+    spares of every channel except its own (it is waiting), so a free spare of its own kept device
+    pages while the cell fell back to host pages (and, under a full staging budget, waited for room that
+    spare held). A spare is never waited for: the waiting channel's free spares go first. Sequence: a
+    lend (the spare holds the first round's bytes while its 300 ms D2H runs), trim() (the armed cell
+    goes, the lent spare stays), the device's limit set to what is in use, the D2H ends (the spare is
+    free, still mapped), then the next round knocks."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        import time
+        jaxvmm.configure(staging_idle_ms=600000)
+        st = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            tokens = []
+            x.write(np.full(N, 7, np.uint8)); r.launch(fwd[0]); r.synchronize()
+            tokens.append(bytes(tok.read()))
+            deadline = time.monotonic() + 10
+            while st()["graph_lends"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert st()["graph_lends"] == 1, st()
+            jaxvmm.trim()  # the armed cell goes back; the lent spare (its D2H still runs) stays
+            lib.testing_posix_device_limit(lib.testing_posix_device_bytes())
+            try:
+                time.sleep(0.6)  # the D2H ends; the poller frees the spare (still mapped)
+                x.write(np.full(N, 8, np.uint8)); r.launch(fwd[0]); r.synchronize()
+                tokens.append(bytes(tok.read()))
+            finally:
+                lib.testing_posix_device_limit(-1)
+            for i in reversed(range(2)):
+                tok.write(np.frombuffer(tokens[i], np.uint8)); r.launch(bwd[0]); r.synchronize()
+                assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == 7 + i), i
+            jaxvmm.synchronize()
+            s = st()
+            assert s["errors"] == 0 and s["graph_cells_host"] == 0 and s["tickets_live"] == 0, s
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "1",
+                                        "JAXVMM_GRAPH_SPARES": "1", "JAXVMM_POSIX_ASYNC": "1",
+                                        "JAXVMM_POSIX_LINK_US": "300000"}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("k,rounds", [(1, 2), (2, 2), (3, 3)])
 def test_k_armed_grants_are_taken_with_the_poller_paused(platform_device, slots, engine_hygiene, graph_cells, k, rounds):
     """One graph holds `rounds` offload rounds of one call site back to back (an unrolled scan). Once
