@@ -52,9 +52,17 @@ struct alignas(64) ChannelWords {
 };
 static_assert(sizeof(ChannelWords) == 128, "two cache lines per channel");
 
-// One of a channel's K staging cells: an internal slot whose VA is reserved once and whose pages are
-// mapped on demand and returned when idle, and the state of the round that uses it.
-struct Cell {
+// The memory of a staging cell or a spare: an internal slot whose VA is reserved once and whose pages
+// are mapped on demand and returned when idle. A lend exchanges a cell's and a spare's.
+struct CellPages {
+  int64_t slot_id = -1;  // reserved at the channel's first initialize stage
+  CUdeviceptr addr = 0;
+  bool mapped = false;
+  bool host_pages = false;  // mapped with host (HOST_NUMA) pages: the device had no memory for them
+};
+
+// One of a channel's K staging cells: its pages, and the state of the round that uses it.
+struct Cell : CellPages {
   enum class Round : int {
     kIdle = 0,     // no grant out: the device does not touch the cell
     kGranted = 1,  // a round may be using the cell (host grant, or a device take a revoke found)
@@ -62,10 +70,6 @@ struct Cell {
     // revoke tells); reload: grant[i] names `loaded`, whose bytes are in the cell.
     kArmed = 2,
   };
-  int64_t slot_id = -1;  // reserved at the channel's first initialize stage
-  CUdeviceptr addr = 0;
-  bool mapped = false;
-  bool host_pages = false;  // mapped with host (HOST_NUMA) pages: the device had no memory for them
   Round round = Round::kIdle;
   uint64_t grant_token = 0;        // offload, kArmed: the token in grant[i] (its ticket is made at filled[i])
   bool host_grant = false;         // the outstanding grant answered a knock/request (counted at the round's end)
@@ -80,11 +84,7 @@ struct Cell {
 // A spare cell of an offload channel (graph_spares): VA reserved with the channel's cells, pages mapped
 // on demand. Free, or lent: it holds the bytes of `lent`, a round ticket whose D2H out of it may still
 // run (the cell it was swapped out of took the spare's pages and VA in exchange).
-struct Spare {
-  int64_t slot_id = -1;
-  CUdeviceptr addr = 0;
-  bool mapped = false;
-  bool host_pages = false;
+struct Spare : CellPages {
   std::shared_ptr<Ticket> lent;
 };
 
@@ -98,7 +98,7 @@ struct Channel {
   CUdeviceptr dw = 0;  // this channel's DeviceWords (kernel grants)
   int ncells = 0;      // K: cells reserved (1 with host grants); fixed at the first initialize stage
   Cell cells[kMaxCells];
-  std::vector<Spare> spares;  // offload, kernel grants, K > 1: graph_spares of them (DESIGN.md, "Spare cells")
+  std::vector<Spare> spares;  // offload, kernel grants: graph_spares of them (DESIGN.md, "Spare cells")
   size_t cell_size = 0;
   int map_failures = 0;     // MapCell attempts failed in a row (reported once per streak)
   bool captured = false;  // some execute recorded this channel's device work

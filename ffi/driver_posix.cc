@@ -650,20 +650,6 @@ bool IsPinnedHost(const void* p, size_t n) {
 }
 std::atomic<int64_t> g_pageable_copies{0};  // async copies given a pageable host pointer (PosixPageableCopies)
 
-int LinkMicros();
-
-CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
-  if (!IsPinnedHost(src, n)) {
-    ++g_pageable_copies;
-  } else if (auto* ps = reinterpret_cast<PosixStream*>(s); ps && ps->async && !ps->capturing && LinkMicros() > 0) {
-    return Enqueue(s, [dst, src, n] {
-      std::this_thread::sleep_for(std::chrono::microseconds(LinkMicros()));
-      std::memmove(reinterpret_cast<void*>(dst), src, n);
-      return CUDA_SUCCESS;
-    });
-  }
-  return PosixMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, s);
-}
 // JAXVMM_POSIX_LINK_US=N (with JAXVMM_POSIX_ASYNC): every async copy between pinned memory and the
 // device (D2H, H2D) takes N more microseconds on its stream before it reads its source, as a PCIe link
 // slower than the device: copies queue up behind one another, and a source overwritten before its copy
@@ -676,15 +662,28 @@ int LinkMicros() {
   return us;
 }
 
+// An async copy between pinned host memory and the device: over the slow link when it applies (an
+// async stream, not capturing), else as any other copy.
+CUresult PinnedCopyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+  auto* ps = reinterpret_cast<PosixStream*>(s);
+  if (!ps || !ps->async || ps->capturing || LinkMicros() <= 0) return PosixMemcpyAsync(dst, src, n, s);
+  return Enqueue(s, [dst, src, n] {
+    std::this_thread::sleep_for(std::chrono::microseconds(LinkMicros()));
+    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+    return CUDA_SUCCESS;
+  });
+}
+
+CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
+  if (IsPinnedHost(src, n)) return PinnedCopyAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, s);
+  ++g_pageable_copies;
+  return PosixMemcpyAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, s);
+}
+
 CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) {
   auto* ps = reinterpret_cast<PosixStream*>(s);
-  if (ps && ps->async && !ps->capturing && LinkMicros() > 0 && IsPinnedHost(dst, n))
-    return Enqueue(s, [dst, src, n] {
-      std::this_thread::sleep_for(std::chrono::microseconds(LinkMicros()));
-      std::memmove(dst, reinterpret_cast<const void*>(src), n);
-      return CUDA_SUCCESS;
-    });
-  if (!ps || ps->capturing || IsPinnedHost(dst, n)) return PosixMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
+  if (IsPinnedHost(dst, n)) return PinnedCopyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
+  if (!ps || ps->capturing) return PosixMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, s);
   ++g_pageable_copies;
   return Enqueue(s, [ps, dst, src, n] {
     ps->landing.Add(dst, reinterpret_cast<const void*>(src), n);

@@ -275,7 +275,9 @@ class Engine {
   // needs the cell: other channels' idle cells go to make room, and a full device gives host pages.
   bool MapCell(Channel& c, int i, bool evict = true);
   void UnmapCell(Channel& c, int i);
-  void UnmapPages(Channel& c, int64_t slot_id, bool* mapped, bool* host_pages, const char* kept);
+  void UnmapPages(Channel& c, CellPages* p, const char* kept);
+  void Mapped(const Channel& c, CellPages* p);  // p's pages were just mapped: counts them
+  Status ReservePages(const SlotSpec& spec, CellPages* p);  // a VA (internal slot, no pages) for a cell or spare
   // Cells of idle channels (after IdleMillis unless `now`; only those with device pages if `device_only`).
   size_t ReleaseIdleCells(bool now, bool device_only = false);
   void DropStaleGuesses();  // reload cells whose guess another reload consumed: revoke and unload

@@ -158,19 +158,16 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
     int made = 0;
     for (; made < k && st.ok(); ++made) {
       Cell& cell = c->cells[made];
-      int64_t id = -1;
-      st = Registry::Get().Create(spec, &id);
+      st = ReservePages(spec, &cell);
       if (!st.ok()) break;
-      std::shared_ptr<Slot> slot;
-      st = Registry::Get().Lookup(id, &slot);
-      if (st.ok() && !cell.event)
-        st = Call(id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&cell.event, CU_EVENT_DISABLE_TIMING); });
+      if (!cell.event)
+        st = Call(cell.slot_id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&cell.event, CU_EVENT_DISABLE_TIMING); });
       if (!st.ok()) {
-        (void)Registry::Get().Close(id);
+        (void)Registry::Get().Close(cell.slot_id);
+        cell.slot_id = -1;
+        cell.addr = 0;
         break;
       }
-      cell.slot_id = id;
-      cell.addr = slot->address();
     }
     c->cell_size = spec.nbytes;
     if (st.ok()) {
@@ -183,13 +180,7 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
       // read from the device words, where a lend changes it.)
       for (int n = EngineConfig::GraphSpares(); n > 0; --n) {
         Spare sp;
-        if (!Registry::Get().Create(spec, &sp.slot_id).ok()) break;
-        std::shared_ptr<Slot> slot;
-        if (!Registry::Get().Lookup(sp.slot_id, &slot).ok()) {
-          (void)Registry::Get().Close(sp.slot_id);
-          break;
-        }
-        sp.addr = slot->address();
+        if (!ReservePages(spec, &sp).ok()) break;
         c->spares.push_back(std::move(sp));
       }
       graph_stats_.spares += static_cast<int64_t>(c->spares.size());
@@ -214,6 +205,21 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c, 0, /*evict=*/false);
   c->last_use = std::chrono::steady_clock::now();  // idle from now on until a round or a capture
   WakePoller();
+  return Status();
+}
+
+Status Engine::ReservePages(const SlotSpec& spec, CellPages* p) {
+  // An internal slot's VA for a cell or a spare (no pages yet: spec.map_on_create is false).
+  int64_t id = -1;
+  JAXVMM_RETURN_IF_ERROR(Registry::Get().Create(spec, &id));
+  std::shared_ptr<Slot> slot;
+  Status st = Registry::Get().Lookup(id, &slot);
+  if (!st.ok()) {
+    (void)Registry::Get().Close(id);
+    return st;
+  }
+  p->slot_id = id;
+  p->addr = slot->address();
   return Status();
 }
 
@@ -455,27 +461,28 @@ bool Engine::MapCell(Channel& c, int i, bool evict) {
     return false;
   }
   c.map_failures = 0;
-  cell.mapped = true;
-  graph_stats_.mapped_bytes += static_cast<int64_t>(c.cell_size);
-  ++graph_stats_.pages_mapped;
+  Mapped(c, &cell);
   return true;
 }
 
-void Engine::UnmapCell(Channel& c, int i) {
-  Cell& cell = c.cells[i];
-  UnmapPages(c, cell.slot_id, &cell.mapped, &cell.host_pages, "graph-mode cell kept");
+void Engine::Mapped(const Channel& c, CellPages* p) {
+  p->mapped = true;
+  graph_stats_.mapped_bytes += static_cast<int64_t>(c.cell_size);
+  ++graph_stats_.pages_mapped;
 }
 
-void Engine::UnmapPages(Channel& c, int64_t slot_id, bool* mapped, bool* host_pages, const char* kept) {
+void Engine::UnmapCell(Channel& c, int i) { UnmapPages(c, &c.cells[i], "graph-mode cell kept"); }
+
+void Engine::UnmapPages(Channel& c, CellPages* p, const char* kept) {
   // A cell's or a spare's pages back to the driver, uncharged from the budget.
-  if (!*mapped) return;
-  Status st = Registry::Get().Release(slot_id);
+  if (!p->mapped) return;
+  Status st = Registry::Get().Release(p->slot_id);
   if (!st.ok()) {
     std::fprintf(stderr, "%s (%s)\n", st.ToString().c_str(), kept);
     return;
   }
-  *mapped = false;
-  *host_pages = false;
+  p->mapped = false;
+  p->host_pages = false;
   staging_.Uncharge(c.cell_size);
   graph_stats_.mapped_bytes -= static_cast<int64_t>(c.cell_size);
   ++graph_stats_.pages_returned;
@@ -952,9 +959,7 @@ bool Engine::Lend(Channel& c, int i) {
     Driver(backend_).StreamSynchronize(garm_);
     return false;
   }
-  std::swap(cell.slot_id, sp->slot_id);
-  std::swap(cell.addr, sp->addr);
-  std::swap(cell.host_pages, sp->host_pages);
+  std::swap(static_cast<CellPages&>(cell), static_cast<CellPages&>(*sp));  // both mapped
   sp->lent = std::move(cell.draining);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -973,15 +978,11 @@ bool Engine::MapSpare(Channel& c, Spare& sp) {
     staging_.Uncharge(c.cell_size);
     return false;
   }
-  sp.mapped = true;
-  graph_stats_.mapped_bytes += static_cast<int64_t>(c.cell_size);
-  ++graph_stats_.pages_mapped;
+  Mapped(c, &sp);
   return true;
 }
 
-void Engine::UnmapSpare(Channel& c, Spare& sp) {
-  UnmapPages(c, sp.slot_id, &sp.mapped, &sp.host_pages, "graph-mode spare cell kept");
-}
+void Engine::UnmapSpare(Channel& c, Spare& sp) { UnmapPages(c, &sp, "graph-mode spare cell kept"); }
 
 bool Engine::ReturnSpares() {
   // Caller holds graph_mu_. A lent spare is free again once its ticket's D2H is done and no reader
