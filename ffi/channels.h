@@ -8,7 +8,7 @@
 // Every per-round decision (which ticket, which host block, whether the prediction was right) is still
 // the poller's; it is only made before the round instead of during it. DESIGN.md, "Graph mode".
 //
-// ChannelTable is plain data with no lock of its own: the engine guards it with Engine::graph_mu_.
+// ChannelTable is plain data with no lock of its own: graph mode guards it with GraphMode::mu_.
 // It owns the pinned and device word arenas (driver calls only when they grow, never on a capturing
 // thread).
 #pragma once
@@ -29,9 +29,6 @@
 namespace jaxvmm {
 
 enum class ChannelKind : int { kOffload = 0, kReload = 1 };
-
-// At most this many spare cells per offload channel (jaxvmm.configure(graph_spares=N)).
-inline constexpr int kMaxSpares = 64;
 
 // One line of pinned, device-mapped words per channel. Each word has one writer at a time: the
 // device writes a flag to 1 (knock, filled, request, done) and the poller resets it; the poller grants

@@ -9,6 +9,8 @@ namespace jaxvmm {
 
 // At most this many cells per channel (jaxvmm.configure(graph_cells=K), validated in Python).
 inline constexpr int kMaxCells = 4;
+// At most this many spare cells per offload channel (jaxvmm.configure(graph_spares=N)).
+inline constexpr int kMaxSpares = 64;
 
 // Kernel grants: the words the device takes grants from, in device memory (cuMemAlloc), one line per
 // channel. The poller writes them only with cuStreamWriteValue64 on a copy stream, ordered after the

@@ -8,7 +8,7 @@
 // budget allows no new cell and no cell of the needed size exists yet (then it waits for an idle one of
 // another size to finish, and returns its pages).
 //
-// Lock order: Engine::mu_ -> StagingArea::mu_ -> Registry::mu_ -> Slot::mu_. Driver calls that map or
+// Lock order: Ledger::mu_ -> StagingArea::mu_ -> Registry::mu_ -> Slot::mu_. Driver calls that map or
 // return pages run with mu_ held (they are rare: the first use of a cell, eviction, trim).
 #pragma once
 

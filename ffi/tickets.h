@@ -1,8 +1,8 @@
 // Tickets: what an offload leaves behind (a token, the array's metadata, a pinned host block, maybe a
 // device copy), their lifetimes, and the guess of which ticket a reload will name (prediction).
 //
-// TicketTable is a plain data structure with no lock of its own: its owner (the engine) guards it with
-// Engine::mu_. It makes no driver call. When a ticket can be freed, the table hands back what it held
+// TicketTable is a plain data structure with no lock of its own: its owner (the ledger) guards it with
+// Ledger::mu_. It makes no driver call. When a ticket can be freed, the table hands back what it held
 // (a `Retired` record) and the owner returns those resources; the table never reaches into its owner.
 #pragma once
 
@@ -56,8 +56,8 @@ struct Ticket {
   // readers wait for the cell's free event (recorded after the copy that filled it).
   StagingLease resident;
   // Graph mode: the round's bytes in a lent spare cell of its offload channel (complete: its round
-  // finished before the poller lent it), until its D2H is done and nothing reads it (Engine::ReturnSpares).
-  // The channel owns the cell; this is a view, set and cleared under Engine::mu_.
+  // finished before the poller lent it), until its D2H is done and nothing reads it (GraphMode::ReturnSpares).
+  // The channel owns the cell; this is a view, set and cleared under Ledger::mu_.
   CUdeviceptr lent_cell = 0;
 };
 

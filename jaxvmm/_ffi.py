@@ -4,7 +4,7 @@ for the ``CUDA`` and ``cpu`` platforms, once, at import.
 On CUDA the handlers are registered in *graph mode* unless ``JAXVMM_GRAPH=0``: their execute stage is
 marked command-buffer compatible (XLA may capture it into a CUDA graph and replay it without calling
 it), and offload/reload also register an initialize stage, which XLA runs on the host once per
-execution and which prepares the call site's channel (``ffi/engine_graph.cc``)."""
+execution and which prepares the call site's channel (``ffi/graph_mode.cc``)."""
 
 from __future__ import annotations
 

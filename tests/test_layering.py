@@ -2,7 +2,8 @@
 
 The core is layered, each layer seeing only the ones below it:
 
-    driver.h -> status.h -> vmm.h -> slot.h -> registry.h -> worker(s) -> engine -> handlers -> module.cc
+    driver.h -> status.h -> vmm.h -> slot.h -> registry.h -> worker(s) -> tickets -> ledger, transfers ->
+    op_ring | graph_mode -> engine -> handlers -> module.cc
 
 ``fault.*`` sits beside the driver seam (it may include driver.h only); ``host_pool.*`` sits beside
 slot (vmm.h and below), ``host_numa.cc`` (its HOST_NUMA chunks) above it and slot; ``bench.*`` may include the core up to registry.h. Files may include headers
@@ -74,12 +75,31 @@ LAYERS: dict[str, Group] = {
     # the graph-mode grant kernels: run-time loaded PTX (graph_kernels_ptx.h, generated) over the driver seam
     "graph_kernels": Group(5, ("graph_kernels.h", "graph_kernels.cc", "graph_kernels_ptx.h"),
                            only=frozenset({"vmm.h", "status.h", "driver.h"})),
-    # the offload engine: the parts above + workers; engine_graph.cc is its graph-mode protocol
-    "engine": Group(8, ("engine.h", "engine.cc", "engine_graph.cc")),
+    # process-wide engine settings (plain atomics), clamped to the channel limits of graph_words.h
+    "config": Group(1, ("config.h", "config.cc"), only=frozenset({"graph_words.h"})),
+    # the engine's parts (DESIGN.md, "Engine parts"), each handed what it needs:
+    # copies of a ticket's bytes and the graph D2H clock; the ledger (tickets, counters, errors)
+    "transfers": Group(7, ("transfers.h", "transfers.cc"),
+                       only=frozenset({"tickets.h", "bounce.h", "host_pool.h", "staging.h", "registry.h", "slot.h",
+                                       "config.h", "vmm.h", "status.h", "driver.h"})),
+    "ledger": Group(7, ("ledger.h", "ledger.cc"),
+                    only=frozenset({"tickets.h", "host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h",
+                                    "status.h", "driver.h"})),
+    # the op ring and graph mode sit side by side: neither sees the other (nor the engine)
+    "op_ring": Group(8, ("op_ring.h", "op_ring.cc"),
+                     only=frozenset({"ledger.h", "transfers.h", "worker.h", "tickets.h", "bounce.h", "host_pool.h",
+                                     "staging.h", "registry.h", "slot.h", "config.h", "vmm.h", "status.h",
+                                     "driver.h"})),
+    "graph_mode": Group(8, ("graph_mode.h", "graph_mode.cc"),
+                        only=frozenset({"ledger.h", "transfers.h", "channels.h", "graph_kernels.h", "graph_words.h",
+                                        "worker.h", "tickets.h", "bounce.h", "host_pool.h", "staging.h",
+                                        "registry.h", "slot.h", "config.h", "vmm.h", "status.h", "driver.h"})),
+    # the offload engine: owns the parts and hands each call to the part that serves it
+    "engine": Group(9, ("engine.h", "engine.cc")),
     # capture and replay of engine work without XLA (tests): the driver seam only
     "replay": Group(5, ("replay.h", "replay.cc"), only=frozenset({"vmm.h", "status.h", "driver.h"})),
-    "handlers": Group(9, ("handlers*.h", "handlers*.cc")),
-    "module": Group(10, ("module.cc",), only=ANY),
+    "handlers": Group(10, ("handlers*.h", "handlers*.cc")),
+    "module": Group(11, ("module.cc",), only=ANY),
 }
 
 # Files in ffi/ that are not code (no includes to check).

@@ -8,7 +8,7 @@ first run of every executable, GpuExecutable::ResolveConstantGlobals -> LoadModu
 kernel on its first launch waits for the device to drain *while holding the context's lock*. The device
 cannot drain: fwd's remaining rounds wait for grants only the poller writes, and the poller's next CUDA
 call (cuStreamWriteValue64, cuMemcpyDtoHAsync, cuEventRecord/Query, cuMemHostAlloc) queues behind that
-lock, with graph_mu_ held (so engine_stats() hangs too).
+lock, with GraphMode::mu_ held (so engine_stats() hangs too).
 
     python3 tools/gpu_hang_diag.py [names...]     (default: all, in the order below)
 

@@ -35,7 +35,9 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "engine.h"
+#include "graph_mode.h"
+
+#include "config.h"
 #include "registry.h"
 #include "vmm.h"
 
@@ -52,79 +54,60 @@ CUdeviceptr Addr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CU
 
 }  // namespace
 
-Status Engine::Capturing(CUstream stream, bool* capturing) {
-  *capturing = false;
-  if (!stream) return Status();  // the cpu platform's handlers have no stream
-  CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
-  JAXVMM_RETURN_IF_ERROR(Call(-1, "capture", Entry::kStreamIsCapturing, [&] { return Driver(backend_).StreamIsCapturing(stream, &cs); }));
-  if (cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED)
-    return Status(Code::kInternal, "the stream's capture was invalidated before this call");
-  *capturing = cs == CU_STREAM_CAPTURE_STATUS_ACTIVE;
+// ---------------------------------------------------------------- lifetime
+
+GraphMode::GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, Transfers& transfers)
+    : backend_(b), device_(device), ledger_(ledger), host_store_(host), staging_(staging), transfers_(transfers),
+      channels_(b, device), bounce_(b, device), kernels_(b) {}
+
+Status GraphMode::Init() {
+  const DriverTable& d = Driver(backend_);
+  for (CUstream* s : {&gd2h_, &gh2d_, &garm_, &fix_})
+    JAXVMM_RETURN_IF_ERROR(Call(-1, "engine init", Entry::kStreamCreateWithPriority,
+                                [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
+  grower_ = std::make_unique<Worker>("jaxvmm-grow", backend_, device_);
   return Status();
 }
 
-void Engine::ReportOn(CUstream stream, const Status& st) {
-  std::fprintf(stderr, "%s\n", st.ToString().c_str());
-  std::lock_guard<std::mutex> lock(mu_);
-  errors_.Record(stream, st);
-  ++stats_.errors;
+GraphMode::~GraphMode() {
+  const DriverTable& d = Driver(backend_);
+  grower_.reset();
+  for (CUstream s : {gd2h_, gh2d_, garm_, fix_})
+    if (s) d.StreamDestroy(s);
+  kernels_.Unload();  // Stop() synchronized every stream that ran a grant kernel
 }
 
-void Engine::WakePoller() {
-  // Caller holds graph_mu_.
+void GraphMode::WakePoller() {
+  // Caller holds mu_.
   awake_until_ = std::max(awake_until_, std::chrono::steady_clock::now() + kSpin);
   // Started by the first capture, or by the first cell an initialize stage mapped: a site XLA never
   // captures (a program too small for a command buffer) must still get its pages back when idle.
-  if ((any_captured_ || graph_stats_.mapped_bytes > 0) && !poller_.joinable()) poller_ = std::thread([this] { Poll(); });
+  if ((any_captured_ || stats_.mapped_bytes > 0) && !poller_.joinable()) poller_ = std::thread([this] { Poll(); });
   poll_cv_.notify_one();
 }
 
-Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const ArrayMeta& meta) {
+// ---------------------------------------------------------------- the initialize stage
+
+Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const ArrayMeta& meta) {
   if (meta.nbytes == 0) return Status();
-  ScopedContext ctx(backend_, device_);
-  JAXVMM_RETURN_IF_ERROR(ctx.status());
-  JAXVMM_RETURN_IF_ERROR(TakeErrorFor(stream));  // an earlier program on this stream failed later
-  std::lock_guard<std::mutex> lock(graph_mu_);
-  ++graph_stats_.prepares;
-  const bool first = !kernels_.tried() && channels_.size() == 0;
-  if (first) {
-    // Once per engine, outside any capture: the protocol its captures record. A driver that cannot
-    // load the PTX keeps the host-granted protocol (stats: graph_kernels = 0 and why).
-    if (EngineConfig::GraphKernels()) {
-      Status ks = kernels_.Load(device_);
-      use_kernels_ = ks.ok();
-      if (!ks.ok()) {
-        graph_stats_.kernels_error = ks.ToString();
-        std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n",
-                     ks.ToString().c_str());
-      }
-    }
-    graph_stats_.kernels = use_kernels_;
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.prepares;
   Channel* c = nullptr;
   bool created = false;
+  const bool first = !kernels_.tried() && channels_.size() == 0;
   JAXVMM_RETURN_IF_ERROR(channels_.GetOrCreate(site, kind, meta, &c, &created));
-  if (use_kernels_ && !kernels_warmed_ && !any_captured_) {
-    // Before any round of this engine can wait on the device: under lazy module loading (the CUDA
-    // default) a kernel's first launch may wait for the whole device to drain while holding the
-    // context's lock. Launched first under a capture (graph_mu_ held) or by a revocation (the poller)
-    // while another channel's round waits for the poller, that wait never ends. Nothing of this
-    // engine waits on the device yet, so the loads end; if they fail, the host-granted protocol runs.
-    Status ws = WarmKernels(*c);
-    kernels_warmed_ = ws.ok();
-    if (!ws.ok()) {
-      use_kernels_ = graph_stats_.kernels = false;
-      graph_stats_.kernels_error = ws.ToString();
-      std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ws.ToString().c_str());
+  if (first || (use_kernels_ && !kernels_warmed_ && !any_captured_)) {
+    Status ks = LoadKernels(*c);
+    if (!ks.ok()) {
+      use_kernels_ = stats_.kernels = false;
+      stats_.kernels_error = ks.ToString();
+      std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ks.ToString().c_str());
     }
   }
-  if (!bounce_.ready() || !ring_bounce_.ready()) {
-    // Round tickets the pinned pool has no room for go to pageable memory, copied through these
-    // buffers (RoundTicketHost); without them such a round fails instead.
-    Status bs = bounce_.Init();
-    if (bs.ok()) bs = ring_bounce_.Init();
-    if (!bs.ok()) std::fprintf(stderr, "jaxvmm: pageable bounce buffers unavailable: %s\n", bs.ToString().c_str());
-  }
+  // Round tickets the pinned pool has no room for go to pageable memory, copied through these
+  // buffers (RoundTicketHost); without them such a round fails instead.
+  if (Status bs = bounce_.Init(); !bs.ok())
+    std::fprintf(stderr, "jaxvmm: pageable bounce buffers unavailable: %s\n", bs.ToString().c_str());
   if (created && kind == ChannelKind::kOffload) {
     // Pinned room for a new site's first rounds, made here (XLA's thread, before any round waits): the
     // poller only carves from the pool (RoundTicketHost), and a fresh pool has nothing to carve. Over
@@ -133,70 +116,8 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
     (void)host_store_.Reserve(static_cast<size_t>(EngineConfig::GraphCells() + 1) * meta.nbytes);
   }
   c->stream = stream;
-  if (c->ncells == 0) {
-    // The cells' VAs, reserved once (host grants: the captured copies name cell 0). K is fixed from
-    // here on: kernel grants record kernels that read it from the channel's device words.
-    Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
-    size_t g = 0;
-    JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
-    SlotSpec spec;
-    spec.backend = backend_;
-    spec.device = device_;
-    spec.location = loc;
-    spec.nbytes = (meta.nbytes + g - 1) / g * g;
-    if (spec.nbytes > StagingArea::Budget())
-      return Status(Code::kOutOfMemory, "a graph-mode cell of " + std::to_string(spec.nbytes) + " bytes does not fit the staging budget of " +
-                                            std::to_string(StagingArea::Budget()) +
-                                            " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
-    spec.map_on_create = false;
-    spec.internal = true;
-    // More than one cell only for arrays up to kMultiCellBytes: a second cell of a large activation
-    // costs as much device memory as the activation (what offloading is meant to free), and a large
-    // activation comes with enough compute per iteration to hide the previous round's copy.
-    const int k = use_kernels_ && spec.nbytes <= kMultiCellBytes ? EngineConfig::GraphCells() : 1;
-    Status st;
-    int made = 0;
-    for (; made < k && st.ok(); ++made) {
-      Cell& cell = c->cells[made];
-      st = ReservePages(spec, &cell);
-      if (!st.ok()) break;
-      if (!cell.event)
-        st = Call(cell.slot_id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&cell.event, CU_EVENT_DISABLE_TIMING); });
-      if (!st.ok()) {
-        (void)Registry::Get().Close(cell.slot_id);
-        cell.slot_id = -1;
-        cell.addr = 0;
-        break;
-      }
-    }
-    c->cell_size = spec.nbytes;
-    if (st.ok()) {
-      c->ncells = k;
-      if (use_kernels_) st = SetUpCells(*c);
-    }
-    if (st.ok() && use_kernels_ && kind == ChannelKind::kOffload) {
-      // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares. (A
-      // channel with spares records its rounds as kernels even with one cell: the cell's address is
-      // read from the device words, where a lend changes it.)
-      for (int n = EngineConfig::GraphSpares(); n > 0; --n) {
-        Spare sp;
-        if (!ReservePages(spec, &sp).ok()) break;
-        c->spares.push_back(std::move(sp));
-      }
-      graph_stats_.spares += static_cast<int64_t>(c->spares.size());
-    }
-    if (!st.ok()) {
-      for (Cell& cell : c->cells) {
-        if (cell.slot_id >= 0) (void)Registry::Get().Close(cell.slot_id);
-        cell.slot_id = -1;
-        cell.addr = 0;
-      }
-      c->ncells = 0;
-      return st;
-    }
-    graph_stats_.cells += k;
-  }
-  if (created) ++graph_stats_.channels;
+  if (c->ncells == 0) JAXVMM_RETURN_IF_ERROR(ReserveCells(*c, meta, kind));
+  if (created) ++stats_.channels;
   // XLA records a command buffer on the call site's second execution (the first is a warm-up): give
   // cell 0 pages before then (host grants: the capture names it; kernel grants: the first round's grant
   // needs no mapping). Later the poller maps on demand.
@@ -208,7 +129,85 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   return Status();
 }
 
-Status Engine::ReservePages(const SlotSpec& spec, CellPages* p) {
+Status GraphMode::LoadKernels(Channel& first) {
+  // Once per engine, outside any capture: the protocol its captures record. A driver that cannot load
+  // the PTX keeps the host-granted protocol (stats: graph_kernels = 0 and why).
+  if (!kernels_.tried()) {
+    use_kernels_ = false;
+    if (EngineConfig::GraphKernels()) {
+      JAXVMM_RETURN_IF_ERROR(kernels_.Load(device_));
+      use_kernels_ = stats_.kernels = true;
+    }
+  }
+  if (!use_kernels_ || kernels_warmed_ || any_captured_) return Status();
+  // Before any round of this engine can wait on the device: under lazy module loading (the CUDA
+  // default) a kernel's first launch may wait for the whole device to drain while holding the
+  // context's lock. Launched first under a capture (mu_ held) or by a revocation (the poller) while
+  // another channel's round waits for the poller, that wait never ends. Nothing of this engine waits
+  // on the device yet, so the loads end; if they fail, the host-granted protocol runs.
+  JAXVMM_RETURN_IF_ERROR(WarmKernels(first));
+  kernels_warmed_ = true;
+  return Status();
+}
+
+Status GraphMode::ReserveCells(Channel& c, const ArrayMeta& meta, ChannelKind kind) {
+  // The cells' VAs, reserved once (host grants: the captured copies name cell 0). K is fixed from here
+  // on: kernel grants record kernels that read it from the channel's device words.
+  Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
+  size_t g = 0;
+  JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
+  SlotSpec spec;
+  spec.backend = backend_;
+  spec.device = device_;
+  spec.location = loc;
+  spec.nbytes = (meta.nbytes + g - 1) / g * g;
+  if (spec.nbytes > StagingArea::Budget())
+    return Status(Code::kOutOfMemory, "a graph-mode cell of " + std::to_string(spec.nbytes) + " bytes does not fit the staging budget of " +
+                                          std::to_string(StagingArea::Budget()) +
+                                          " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
+  spec.map_on_create = false;
+  spec.internal = true;
+  // More than one cell only for arrays up to kMultiCellBytes: a second cell of a large activation
+  // costs as much device memory as the activation (what offloading is meant to free), and a large
+  // activation comes with enough compute per iteration to hide the previous round's copy.
+  const int k = use_kernels_ && spec.nbytes <= kMultiCellBytes ? EngineConfig::GraphCells() : 1;
+  Status st;
+  for (int made = 0; made < k && st.ok(); ++made) {
+    Cell& cell = c.cells[made];
+    st = ReservePages(spec, &cell);
+    if (st.ok() && !cell.event)
+      st = Call(cell.slot_id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&cell.event, CU_EVENT_DISABLE_TIMING); });
+  }
+  c.cell_size = spec.nbytes;
+  if (st.ok()) {
+    c.ncells = k;
+    if (use_kernels_) st = SetUpCells(c);
+  }
+  if (!st.ok()) {
+    for (Cell& cell : c.cells) {
+      if (cell.slot_id >= 0) (void)Registry::Get().Close(cell.slot_id);
+      cell.slot_id = -1;
+      cell.addr = 0;
+    }
+    c.ncells = 0;
+    return st;
+  }
+  if (use_kernels_ && kind == ChannelKind::kOffload) {
+    // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares. (A
+    // channel with spares records its rounds as kernels even with one cell: the cell's address is
+    // read from the device words, where a lend changes it.)
+    for (int n = EngineConfig::GraphSpares(); n > 0; --n) {
+      Spare sp;
+      if (!ReservePages(spec, &sp).ok()) break;
+      c.spares.push_back(std::move(sp));
+    }
+    stats_.spares += static_cast<int64_t>(c.spares.size());
+  }
+  stats_.cells += k;
+  return Status();
+}
+
+Status GraphMode::ReservePages(const SlotSpec& spec, CellPages* p) {
   // An internal slot's VA for a cell or a spare (no pages yet: spec.map_on_create is false).
   int64_t id = -1;
   JAXVMM_RETURN_IF_ERROR(Registry::Get().Create(spec, &id));
@@ -223,8 +222,8 @@ Status Engine::ReservePages(const SlotSpec& spec, CellPages* p) {
   return Status();
 }
 
-Status Engine::SetUpCells(Channel& c) {
-  // Caller holds graph_mu_, outside any capture. The constant part of the channel's device words, on
+Status GraphMode::SetUpCells(Channel& c) {
+  // Caller holds mu_, outside any capture. The constant part of the channel's device words, on
   // gd2h_ (it never waits on XLA's streams), synchronized before any round can read them.
   const char* stage = "graph channel";
   Status st = WriteDevice(gd2h_, c.Word(offsetof(DeviceWords, ncells)), static_cast<uint64_t>(c.ncells), stage);
@@ -238,8 +237,8 @@ Status Engine::SetUpCells(Channel& c) {
   return st.ok() ? sync : st;
 }
 
-Status Engine::WarmKernels(Channel& c) {
-  // Caller holds graph_mu_; `c` is the engine's first channel, its words all 0 and no round started.
+Status GraphMode::WarmKernels(Channel& c) {
+  // Caller holds mu_; `c` is the engine's first channel, its words all 0 and no round started.
   // Each kernel runs once on gd2h_ with arguments that make it return at once, leaving the words at 0:
   // with one cell (its "cell" the pinned word `token`, its flag `filled[0]`) whose grant[0] = 1,
   // take_offload takes the grant and writes the token into grant[0]; take_reload finds grant[0] naming
@@ -279,8 +278,8 @@ Status Engine::WarmKernels(Channel& c) {
   return st;
 }
 
-Status Engine::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out) {
-  // Caller holds graph_mu_. The channel the initialize stage prepared; a re-recording (XLA saw new
+Status GraphMode::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out) {
+  // Caller holds mu_. The channel the initialize stage prepared; a re-recording (XLA saw new
   // buffer addresses) may find its cell idle and returned: map it again so the capture names mapped
   // memory (page calls, not stream work).
   const char* what = kind == ChannelKind::kOffload ? "offload" : "reload";
@@ -297,15 +296,15 @@ Status Engine::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& m
   return Status();
 }
 
-void Engine::Recorded(Channel& c) {
-  // Caller holds graph_mu_: the channel's device work is in a graph now; its rounds need the poller.
+void GraphMode::Recorded(Channel& c) {
+  // Caller holds mu_: the channel's device work is in a graph now; its rounds need the poller.
   c.captured = any_captured_ = true;
-  ++graph_stats_.captures;
+  ++stats_.captures;
   WakePoller();
 }
 
-Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
-  std::lock_guard<std::mutex> lock(graph_mu_);
+Status GraphMode::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
+  std::lock_guard<std::mutex> lock(mu_);
   Channel* c = nullptr;
   JAXVMM_RETURN_IF_ERROR(CaptureChannel(site, ChannelKind::kOffload, meta, &c));
   const DriverTable& d = Driver(backend_);
@@ -317,7 +316,7 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
       // One node: the fused kernel takes a cell's grant and copies x into it (its last block publishes
       // the cell's filled word).
       JAXVMM_RETURN_IF_ERROR(kernels_.FusedOffload(stream, c->dw, src, meta.nbytes, token_out, Addr(w.knock)));
-      ++graph_stats_.fused_captures;
+      ++stats_.fused_captures;
       Recorded(*c);
       return Status();
     }
@@ -347,8 +346,8 @@ Status Engine::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, c
   return Status();
 }
 
-Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
-  std::lock_guard<std::mutex> lock(graph_mu_);
+Status GraphMode::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta) {
+  std::lock_guard<std::mutex> lock(mu_);
   Channel* c = nullptr;
   JAXVMM_RETURN_IF_ERROR(CaptureChannel(site, ChannelKind::kReload, meta, &c));
   const DriverTable& d = Driver(backend_);
@@ -358,7 +357,7 @@ Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_i
     if (c->ncells > 1 && EngineConfig::GraphFused()) {
       JAXVMM_RETURN_IF_ERROR(
           kernels_.FusedReload(stream, c->dw, dst, meta.nbytes, token_in, Addr(w.probe), Addr(w.request), Addr(w.go)));
-      ++graph_stats_.fused_captures;
+      ++stats_.fused_captures;
       Recorded(*c);
       return Status();
     }
@@ -387,16 +386,9 @@ Status Engine::CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_i
 
 // ---------------------------------------------------------------- the poller
 
-namespace {
-thread_local const Engine* t_polling = nullptr;  // the engine whose poller runs on this thread
-}  // namespace
-
-PageableBounce& Engine::BounceForThisThread() { return t_polling == this ? bounce_ : ring_bounce_; }
-
-void Engine::Poll() {
-  t_polling = this;
+void GraphMode::Poll() {
   ScopedContext ctx(backend_, device_);
-  std::unique_lock<std::mutex> lock(graph_mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   while (!poll_stop_) {
     if (poll_paused_) {
       poll_cv_.wait_for(lock, std::chrono::milliseconds(1));
@@ -427,7 +419,7 @@ void Engine::Poll() {
   }
 }
 
-bool Engine::MapCell(Channel& c, int i, bool evict) {
+bool GraphMode::MapCell(Channel& c, int i, bool evict) {
   Cell& cell = c.cells[i];
   if (cell.mapped) return true;
   if (!staging_.Charge(c.cell_size)) {
@@ -450,14 +442,14 @@ bool Engine::MapCell(Channel& c, int i, bool evict) {
         std::fprintf(stderr, "jaxvmm: graph-mode cell of call site %lld (%zu bytes) mapped with host pages: the device is out of memory (%s)\n",
                      static_cast<long long>(c.site), c.cell_size, st.ToString().c_str());
         cell.host_pages = true;
-        ++graph_stats_.host_cells;
+        ++stats_.host_cells;
         st = hs;
       }
     }
   }
   if (!st.ok()) {
     staging_.Uncharge(c.cell_size);
-    if (evict && c.map_failures++ == 0) ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode cell; retrying)"));
+    if (evict && c.map_failures++ == 0) ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode cell; retrying)"));
     return false;
   }
   c.map_failures = 0;
@@ -465,15 +457,15 @@ bool Engine::MapCell(Channel& c, int i, bool evict) {
   return true;
 }
 
-void Engine::Mapped(const Channel& c, CellPages* p) {
+void GraphMode::Mapped(const Channel& c, CellPages* p) {
   p->mapped = true;
-  graph_stats_.mapped_bytes += static_cast<int64_t>(c.cell_size);
-  ++graph_stats_.pages_mapped;
+  stats_.mapped_bytes += static_cast<int64_t>(c.cell_size);
+  ++stats_.pages_mapped;
 }
 
-void Engine::UnmapCell(Channel& c, int i) { UnmapPages(c, &c.cells[i], "graph-mode cell kept"); }
+void GraphMode::UnmapCell(Channel& c, int i) { UnmapPages(c, &c.cells[i], "graph-mode cell kept"); }
 
-void Engine::UnmapPages(Channel& c, CellPages* p, const char* kept) {
+void GraphMode::UnmapPages(Channel& c, CellPages* p, const char* kept) {
   // A cell's or a spare's pages back to the driver, uncharged from the budget.
   if (!p->mapped) return;
   Status st = Registry::Get().Release(p->slot_id);
@@ -484,12 +476,12 @@ void Engine::UnmapPages(Channel& c, CellPages* p, const char* kept) {
   p->mapped = false;
   p->host_pages = false;
   staging_.Uncharge(c.cell_size);
-  graph_stats_.mapped_bytes -= static_cast<int64_t>(c.cell_size);
-  ++graph_stats_.pages_returned;
+  stats_.mapped_bytes -= static_cast<int64_t>(c.cell_size);
+  ++stats_.pages_returned;
 }
 
-void Engine::Unload(Channel& c, int i) {
-  // Caller holds graph_mu_ and mu_. The guess's pin outlives the cell's last copy (its prefetch reads the
+void GraphMode::Unload(const Held& h, Channel& c, int i) {
+  // Caller holds mu_ and mu_. The guess's pin outlives the cell's last copy (its prefetch reads the
   // ticket's host block or device copy): while that copy may still run, the pin waits in unpin_after_.
   Cell& cell = c.cells[i];
   if (!cell.loaded) return;
@@ -500,11 +492,11 @@ void Engine::Unload(Channel& c, int i) {
     return;
   }
   cell.loaded->pins -= 1;
-  Retire(cell.loaded);
+  ledger_.Retire(h, cell.loaded);
   cell.loaded.reset();
 }
 
-size_t Engine::ReleaseIdleCells(bool now, bool device_only) {
+size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
   const auto t = std::chrono::steady_clock::now();
   const auto idle = std::chrono::milliseconds(StagingArea::IdleMillis());
   const DriverTable& d = Driver(backend_);
@@ -525,8 +517,8 @@ size_t Engine::ReleaseIdleCells(bool now, bool device_only) {
       if (cell.round == Channel::Round::kArmed && !Revoke(c, i)) continue;  // the device took the grant: its round is live
       if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy still uses it
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        Unload(c, i);
+        Held h = ledger_.Lock();
+        Unload(h, c, i);
       }
       UnmapCell(c, i);
       if (!cell.mapped) released += c.cell_size;
@@ -535,7 +527,7 @@ size_t Engine::ReleaseIdleCells(bool now, bool device_only) {
   return released;
 }
 
-void Engine::Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value) {
+void GraphMode::Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value) {
   // The device may go on once every copy into (or out of) cell i has finished: at once when the last
   // one already has, else by a write ordered after it on its stream.
   const DriverTable& d = Driver(backend_);
@@ -548,30 +540,30 @@ void Engine::Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t valu
   word->store(value, std::memory_order_seq_cst);
 }
 
-std::shared_ptr<Ticket> Engine::MakeRoundTicket(const Channel& c, uint64_t token, Status* st) {
+std::shared_ptr<Ticket> GraphMode::MakeRoundTicket(const Channel& c, uint64_t token, Status* st) {
   // A graph-mode offload round's ticket, with its host block (its D2H completion is a gd2h_ sequence number): a new token (0), or
   // the reserved token the device took (kernel grants). Null, and *st says why, when it cannot be made.
   HostBlock host;
   *st = RoundTicketHost(c.meta.nbytes, &host).At(-1, "offload (graph)");
-  std::lock_guard<std::mutex> lock(mu_);
-  if (token) armed_tokens_.erase(token);  // from now on its ticket (or its absence) speaks for it
+  Held h = ledger_.Lock();
+  if (token) ledger_.Disarm(h, token);  // from now on its ticket (or its absence) speaks for it
   std::shared_ptr<Ticket> t;
   if (st->ok()) {
-    t = token ? tickets_.Create(c.meta, token) : tickets_.Create(c.meta);
+    t = token ? ledger_.tickets(h).Create(c.meta, token) : ledger_.tickets(h).Create(c.meta);
     if (!t) *st = Status(Code::kInternal, TokenStr(token) + " was taken by another ticket before its round ended");
   }
   if (t) {
-    t->offload_seq = next_seq_ - 1;
+    t->offload_seq = ledger_.issued(h);
     t->host = host;
     t->graph_round = true;
-    ++stats_.offloads;
+    ++ledger_.counts(h).offloads;
   } else if (host.ptr) {
     host_store_.Free(host);
   }
   return t;
 }
 
-Status Engine::RoundTicketHost(size_t nbytes, HostBlock* out) {
+Status GraphMode::RoundTicketHost(size_t nbytes, HostBlock* out) {
   // The poller, while the device may wait for this round: no cuMemHostAlloc here (DESIGN.md, driver
   // facts: it waits for a driver lock a blocked cuGraphLaunch holds). Carve from the pool's chunks;
   // without room, pageable memory (copied through bounce_, never given to the driver), and
@@ -579,10 +571,10 @@ Status Engine::RoundTicketHost(size_t nbytes, HostBlock* out) {
   bool carved = false;
   JAXVMM_RETURN_IF_ERROR(host_store_.TryAllocate(nbytes, out, &carved));
   if (carved) return Status();
-  if (!bounce_.ready() || !ring_bounce_.ready()) return Status(Code::kOutOfMemory, "the pinned host pool has no room for " + std::to_string(nbytes) + " bytes and the pageable fallback is unavailable");
+  if (!bounce_.ready()) return Status(Code::kOutOfMemory, "the pinned host pool has no room for " + std::to_string(nbytes) + " bytes and the pageable fallback is unavailable");
   *out = host_store_.Pageable(nbytes);
   if (!*out) return Status(Code::kOutOfMemory, "no host memory for " + std::to_string(nbytes) + " bytes (pageable fallback)");
-  ++graph_stats_.host_fallbacks;
+  ++stats_.host_fallbacks;
   if (!growing_host_.exchange(true)) {
     const size_t want = std::max<size_t>(4 * nbytes, HostPool::ChunkSize());
     grower_->Post([this, want, nbytes] {
@@ -595,7 +587,7 @@ Status Engine::RoundTicketHost(size_t nbytes, HostBlock* out) {
   return Status();
 }
 
-Status Engine::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t) {
+Status GraphMode::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t) {
   // The round's bytes, D2H out of cell i into t's host block on gd2h_: t is reloadable once that is
   // enqueued. A failure drops t (its bytes never reached the host: a reload of it fails).
   const DriverTable& d = Driver(backend_);
@@ -603,35 +595,33 @@ Status Engine::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t
   Cell& cell = c.cells[i];
   // Pageable memory goes through the bounce buffers (their D2H waits for copies already on gd2h_,
   // which waits for nothing of XLA's): the bytes are on the host when it returns.
-  Status st = t->host.pageable ? BounceForThisThread().ToHost(gd2h_, t->host.ptr, cell.addr, c.meta.nbytes, stage)
-                               : CopyToHost(gd2h_, t->host, cell.addr, c.meta.nbytes, stage);
+  Status st = t->host.pageable ? bounce_.ToHost(gd2h_, t->host.ptr, cell.addr, c.meta.nbytes, stage)
+                               : transfers_.CopyToHost(gd2h_, t->host, cell.addr, c.meta.nbytes, stage);
   const uint64_t seq = gd2h_issued_ + 1;  // gd2h_ runs in order: its word passing seq means this D2H is done
-  if (st.ok()) st = WriteDevice(gd2h_, reinterpret_cast<CUdeviceptr>(gd2h_done_), seq, stage);
+  if (st.ok()) st = WriteDevice(gd2h_, transfers_.graph_clock_address(), seq, stage);
   if (st.ok()) {
     gd2h_issued_ = seq;
     t->d2h_seq = seq;
   }
   if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gd2h_); });
   cell.stream = gd2h_;
-  std::lock_guard<std::mutex> lock(mu_);
+  Held h = ledger_.Lock();
   if (st.ok()) {
     t->enqueued = true;
-    graph_d2h_.push_back(t);
+    round_d2h_.push_back(t);
   } else {
     d.StreamSynchronize(gd2h_);
     t->on_host = t->dropped = true;
-    Retire(t);
+    ledger_.Retire(h, t);
   }
   return st;
 }
 
-void Engine::RecordOffloadError(const Channel& c, const Status& st) {
-  std::lock_guard<std::mutex> lock(mu_);
-  errors_.Record(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
-  ++stats_.errors;
+void GraphMode::RecordOffloadError(const Channel& c, const Status& st) {
+  ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode offload of call site " + std::to_string(c.site) + ")"));
 }
 
-bool Engine::ServiceOffload(Channel& c) {
+bool GraphMode::ServiceOffload(Channel& c) {
   // Host grants: one cell.
   ChannelWords& w = *c.w;
   Cell& cell = c.cells[0];
@@ -645,7 +635,7 @@ bool Engine::ServiceOffload(Channel& c) {
     cell.round = Channel::Round::kIdle;
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
-    ++graph_stats_.offload_rounds;
+    ++stats_.offload_rounds;
     if (t) {
       Status st = CopyOutOfCell(c, 0, t);
       if (!st.ok()) RecordOffloadError(c, st);
@@ -672,30 +662,25 @@ bool Engine::ServiceOffload(Channel& c) {
   return busy;
 }
 
-bool Engine::D2hDone(const Ticket& t) const {
-  if (t.d2h_seq) return gd2h_done_->load(std::memory_order_acquire) >= t.d2h_seq;
-  return t.d2h_done && Driver(backend_).EventQuery(t.d2h_done) == CUDA_SUCCESS;
-}
-
-bool Engine::ReapOffloads() {
-  if (graph_d2h_.empty()) return false;
+bool GraphMode::ReapOffloads() {
+  if (round_d2h_.empty()) return false;
   bool busy = false;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = graph_d2h_.begin(); it != graph_d2h_.end();) {
+  Held h = ledger_.Lock();
+  for (auto it = round_d2h_.begin(); it != round_d2h_.end();) {
     Ticket& t = **it;
-    if (!D2hDone(t)) {
+    if (!transfers_.D2hDone(t)) {
       ++it;
       continue;
     }
     t.on_host = true;
-    Retire(*it);
-    it = graph_d2h_.erase(it);
+    ledger_.Retire(h, *it);
+    it = round_d2h_.erase(it);
     busy = true;
   }
   return busy;
 }
 
-void Engine::PrefetchInto(Channel& c) {
+void GraphMode::PrefetchInto(Channel& c) {
   // A round of the channel ended: fill each idle cell with a ticket a next round will most likely name
   // (the next predictions, each claimed by the channel so the next cell gets the one after), so their
   // grants need no copy on the device's path. Cells other than the one just freed are mapped only
@@ -707,7 +692,7 @@ void Engine::PrefetchInto(Channel& c) {
   // next program, enqueued behind this one) would hold the cell, and the next round's request waits
   // for the cell's copies: the device would wait for itself.
   auto usable = [&](const Ticket& t) {
-    return t.graph_round || t.on_host || D2hDone(t);
+    return t.graph_round || t.on_host || transfers_.D2hDone(t);
   };
   for (int i = 0; i < c.ncells; ++i) {
     Cell& cell = c.cells[i];
@@ -715,22 +700,22 @@ void Engine::PrefetchInto(Channel& c) {
     if (cell.stream && cell.stream != gh2d_ && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a correction/0xFF still runs
     if (!cell.mapped) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!tickets_.Predict(c.meta, usable)) return;  // nothing to guess: no pages for it
+        Held h = ledger_.Lock();
+        if (!ledger_.tickets(h).Predict(c.meta, usable)) return;  // nothing to guess: no pages for it
       }
       if (!use_kernels_ || !MapCell(c, i, /*evict=*/false)) continue;
     }
     Source src;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      std::shared_ptr<Ticket> t = tickets_.Predict(c.meta, usable);
+      Held h = ledger_.Lock();
+      std::shared_ptr<Ticket> t = ledger_.tickets(h).Predict(c.meta, usable);
       if (!t) return;
       t->claimed_by = c.Claim();
       t->pins += 1;
       cell.loaded = t;
       src = RoundSourceOf(*t);
     }
-    Status st = CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, "reload prefetch (graph)");
+    Status st = transfers_.CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, bounce_, "reload prefetch (graph)");
     bool armed = false;
     if (st.ok() && use_kernels_) {
       // The device's grant: grant[i] names the token only once its bytes are in the cell (stream
@@ -748,15 +733,15 @@ void Engine::PrefetchInto(Channel& c) {
       d.StreamSynchronize(gh2d_);
       cell.stream = nullptr;  // nothing runs on the cell any more
       if (!armed) {
-        std::lock_guard<std::mutex> lock(mu_);
-        Unload(c, i);  // a hint: the request copies what it needs
+        Held h = ledger_.Lock();
+        Unload(h, c, i);  // a hint: the request copies what it needs
       }
       return;
     }
   }
 }
 
-void Engine::FillInvalid(Channel& c, int i) {
+void GraphMode::FillInvalid(Channel& c, int i) {
   const DriverTable& d = Driver(backend_);
   Cell& cell = c.cells[i];
   Status st;
@@ -769,14 +754,14 @@ void Engine::FillInvalid(Channel& c, int i) {
     d.StreamSynchronize(fix_);
     d.StreamSynchronize(gh2d_);
     cell.stream = nullptr;
-    ReportOn(c.stream, st);
+    ledger_.Report(c.stream, st);
   }
 }
 
-std::shared_ptr<Ticket> Engine::FindForRound(const Channel& c, uint64_t token, std::string* why) {
+std::shared_ptr<Ticket> GraphMode::FindForRound(const Held& h, const Channel& c, uint64_t token, std::string* why) {
   // Caller holds mu_. The ticket a reload round's probed token names, if it is one this call site can
   // reload (same size and signature).
-  std::shared_ptr<Ticket> a = tickets_.Find(token, why);
+  std::shared_ptr<Ticket> a = ledger_.tickets(h).Find(token, why);
   if (a && (a->meta.nbytes != c.meta.nbytes || a->meta.signature != c.meta.signature)) {
     *why = TokenStr(token) + " holds " + std::to_string(a->meta.nbytes) + " bytes of another shape/dtype than the reload expects (" +
            std::to_string(c.meta.nbytes) + " bytes)";
@@ -785,7 +770,7 @@ std::shared_ptr<Ticket> Engine::FindForRound(const Channel& c, uint64_t token, s
   return a;
 }
 
-bool Engine::TakeForRound(Channel& c, int i, const std::shared_ptr<Ticket>& a, Source* src) {
+bool GraphMode::TakeForRound(const Held& h, Channel& c, int i, const std::shared_ptr<Ticket>& a, Source* src) {
   // Caller holds mu_. The round consumes `a` (null: a bad token) in cell i: a hit when it is the
   // prediction cell i already holds (its pin passes to the round), else cell i's prediction is dropped
   // and *src says where the correction copies from.
@@ -797,21 +782,21 @@ bool Engine::TakeForRound(Channel& c, int i, const std::shared_ptr<Ticket>& a, S
       if (a->claimed_by == c.Claim()) a->claimed_by = 0;
       cell.loaded.reset();
     } else {
-      if (a->claimed_by != 0) stale_guesses_ = true;  // another cell holds it as a guess
+      if (a->claimed_by != 0) ledger_.MarkStale(h);  // another cell holds it as a guess
       a->pins += 1;
       bool guessed = false;
       for (int j = 0; j < c.ncells; ++j) guessed |= c.cells[j].loaded != nullptr;
-      if (guessed) tickets_.Learn(a, c.meta.signature);
-      Unload(c, i);
+      if (guessed) ledger_.tickets(h).Learn(a, c.meta.signature);
+      Unload(h, c, i);
       *src = RoundSourceOf(*a);
     }
   } else {
-    Unload(c, i);
+    Unload(h, c, i);
   }
   return hit;
 }
 
-bool Engine::ServiceReload(Channel& c) {
+bool GraphMode::ServiceReload(Channel& c) {
   // Host grants: one cell.
   ChannelWords& w = *c.w;
   Cell& cell = c.cells[0];
@@ -822,18 +807,18 @@ bool Engine::ServiceReload(Channel& c) {
     w.done[0].store(0, std::memory_order_relaxed);
     busy = true;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      Held h = ledger_.Lock();
       if (cell.ticket) {
-        ++stats_.reloads;  // a ticket's bytes reached XLA's buffer (a 0xFF round had no ticket)
+        ++ledger_.counts(h).reloads;  // a ticket's bytes reached XLA's buffer (a 0xFF round had no ticket)
         cell.ticket->pins -= 1;
-        Retire(cell.ticket);
+        ledger_.Retire(h, cell.ticket);
         cell.ticket.reset();
       }
     }
     cell.round = Channel::Round::kIdle;
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
-    ++graph_stats_.reload_rounds;
+    ++stats_.reload_rounds;
     PrefetchInto(c);
   }
   if (cell.round == Channel::Round::kIdle && (c.waiting || w.request.load(std::memory_order_acquire) == 1)) {
@@ -847,25 +832,25 @@ bool Engine::ServiceReload(Channel& c) {
     bool hit = false;
     std::shared_ptr<Ticket> a;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      a = FindForRound(c, token, &why);
+      Held h = ledger_.Lock();
+      a = FindForRound(h, c, token, &why);
       // Its offload's `filled` is not served yet (it precedes this request on the device, so the
       // next pass serves it): its bytes are not on their way to the host yet.
       if (a && !a->enqueued) return busy;
-      hit = TakeForRound(c, 0, a, &src);
+      hit = TakeForRound(h, c, 0, a, &src);
     }
     cell.ticket = a;
     c.waiting = false;
     cell.round = Channel::Round::kGranted;
     c.last_use = std::chrono::steady_clock::now();
     if (hit) {
-      ++graph_stats_.hits;
+      ++stats_.hits;
       Grant(&w.go, c, 0);  // after the prefetch copy
       return busy;
     }
-    ++graph_stats_.misses;
+    ++stats_.misses;
     if (!a) {
-      ReportOn(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
+      ledger_.Report(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
                                                             "; the output was filled with 0xFF bytes"));
       FillInvalid(c, 0);
       Grant(&w.go, c, 0);
@@ -875,11 +860,11 @@ bool Engine::ServiceReload(Channel& c) {
     Status st;
     if (cell.stream && cell.stream != fix_)
       st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, cell.event, 0); });
-    if (st.ok()) st = CopyTicket(fix_, src, cell.addr, c.meta.nbytes, "reload (graph)");
+    if (st.ok()) st = transfers_.CopyTicket(fix_, src, cell.addr, c.meta.nbytes, bounce_, "reload (graph)");
     if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
     cell.stream = fix_;
     if (!st.ok()) {
-      ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
+      ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
       FillInvalid(c, 0);
     }
     Grant(&w.go, c, 0);
@@ -895,38 +880,33 @@ bool Engine::ServiceReload(Channel& c) {
 // grant (first round, after a revocation, a mispredicted reload): then the device knocks / requests and
 // waits, as in the host-granted protocol.
 
-Status Engine::WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage) {
+Status GraphMode::WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage) {
   const DriverTable& d = Driver(backend_);
   return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(s, word, value, 0); });
 }
 
-bool Engine::Arm(Channel& c, int i, bool host) {
+bool GraphMode::Arm(Channel& c, int i, bool host) {
   // Every copy out of an offload cell runs on gd2h_, so a write on gd2h_ is ordered after the last one.
-  // gd2h_/gh2d_ never wait on XLA's streams (unlike the ring path's d2h_/h2d_): a grant written there
+  // gd2h_/gh2d_ never wait on XLA's streams (unlike the op ring's d2h/h2d): a grant written there
   // cannot queue behind work that waits for the very round the grant releases.
   Cell& cell = c.cells[i];
   // PCIe is behind the device: as many graph D2Hs are queued as the channel has cells, so the next round
   // of this cell would wait for its D2H. Swap in a free spare instead (its pages hold no copy, so garm_
   // has none to follow). A shorter queue is what K cells absorb: no spare is taken for it.
-  const bool behind = gd2h_issued_ - gd2h_done_->load(std::memory_order_acquire) >= static_cast<uint64_t>(c.ncells);
-  const bool lent = cell.draining && !c.spares.empty() && behind && !D2hDone(*cell.draining) && Lend(c, i);
+  const bool behind = gd2h_issued_ - transfers_.graph_clock()->load(std::memory_order_acquire) >= static_cast<uint64_t>(c.ncells);
+  const bool lent = cell.draining && !c.spares.empty() && behind && !transfers_.D2hDone(*cell.draining) && Lend(c, i);
   cell.draining.reset();
   CUstream s = lent ? garm_ : gd2h_;
-  uint64_t token = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    token = tickets_.ReserveToken();
-    armed_tokens_.insert(token);  // before the device can take it (WaitForGraphRound)
-  }
+  const uint64_t token = ledger_.ArmToken();  // armed before the device can take it (WaitUntilServed)
   Status st = WriteDevice(s, c.Grant(i), token, "offload grant (graph)");
   if (!st.ok()) {
     // A retry may write its grant on gd2h_: the new address (on garm_) must be in place before it.
     if (lent) Driver(backend_).StreamSynchronize(garm_);
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      armed_tokens_.erase(token);
+      Held h = ledger_.Lock();
+      ledger_.Disarm(h, token);
     }
-    ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode grant of call site " + std::to_string(c.site) + "; retrying)"));
+    ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode grant of call site " + std::to_string(c.site) + "; retrying)"));
     return false;
   }
   cell.grant_token = token;
@@ -936,8 +916,8 @@ bool Engine::Arm(Channel& c, int i, bool host) {
   return true;
 }
 
-bool Engine::Lend(Channel& c, int i) {
-  // Caller holds graph_mu_. Cell i's pages (with the bytes its D2H still reads) go to a free spare, lent
+bool GraphMode::Lend(Channel& c, int i) {
+  // Caller holds mu_. Cell i's pages (with the bytes its D2H still reads) go to a free spare, lent
   // to the ticket until that D2H is done; the cell takes the spare's pages and VA, and the device word
   // naming cell i's address changes on garm_, where the grant that follows is written.
   Cell& cell = c.cells[i];
@@ -962,15 +942,15 @@ bool Engine::Lend(Channel& c, int i) {
   std::swap(static_cast<CellPages&>(cell), static_cast<CellPages&>(*sp));  // both mapped
   sp->lent = std::move(cell.draining);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    Held h = ledger_.Lock();
     sp->lent->lent_cell = sp->addr;
   }
   cell.stream = nullptr;  // its pages now are the spare's: no copy into or out of them is pending
-  ++graph_stats_.lends;
+  ++stats_.lends;
   return true;
 }
 
-bool Engine::MapSpare(Channel& c, Spare& sp) {
+bool GraphMode::MapSpare(Channel& c, Spare& sp) {
   // Device pages within the staging budget, or none: a spare is an optimization, never waited for.
   if (sp.mapped) return true;
   if (!staging_.Charge(c.cell_size)) return false;
@@ -982,16 +962,16 @@ bool Engine::MapSpare(Channel& c, Spare& sp) {
   return true;
 }
 
-void Engine::UnmapSpare(Channel& c, Spare& sp) { UnmapPages(c, &sp, "graph-mode spare cell kept"); }
+void GraphMode::UnmapSpare(Channel& c, Spare& sp) { UnmapPages(c, &sp, "graph-mode spare cell kept"); }
 
-bool Engine::ReturnSpares() {
-  // Caller holds graph_mu_. A lent spare is free again once its ticket's D2H is done and no reader
+bool GraphMode::ReturnSpares() {
+  // Caller holds mu_. A lent spare is free again once its ticket's D2H is done and no reader
   // (a reload copy, which pins the ticket until that copy has ended) can still read it.
   bool busy = false;
   channels_.ForEach([&](Channel& c) {
     for (Spare& sp : c.spares) {
-      if (!sp.lent || !D2hDone(*sp.lent)) continue;
-      std::lock_guard<std::mutex> lock(mu_);
+      if (!sp.lent || !transfers_.D2hDone(*sp.lent)) continue;
+      Held h = ledger_.Lock();
       if (sp.lent->pins > 0) continue;
       sp.lent->lent_cell = 0;
       sp.lent.reset();
@@ -1001,7 +981,7 @@ bool Engine::ReturnSpares() {
   return busy;
 }
 
-void Engine::ArmIdleCells(Channel& c) {
+void GraphMode::ArmIdleCells(Channel& c) {
   // A round of the channel ended: every idle cell gets a grant behind its own D2H, so the next K rounds
   // find one each. Cells without pages are mapped only within the budget as it is: a channel whose K
   // cells do not fit runs on fewer (a round that finds none armed knocks, as with one cell).
@@ -1013,8 +993,8 @@ void Engine::ArmIdleCells(Channel& c) {
   }
 }
 
-bool Engine::Revoke(Channel& c, int i) {
-  // Caller holds graph_mu_. Takes cell i's armed grant back on the stream that wrote it (so after that
+bool GraphMode::Revoke(Channel& c, int i) {
+  // Caller holds mu_. Takes cell i's armed grant back on the stream that wrote it (so after that
   // write), waits for the kernel, and reads what it found. Only a grant taken back lets the cell go.
   Cell& cell = c.cells[i];
   if (cell.round != Channel::Round::kArmed) return cell.round == Channel::Round::kIdle;
@@ -1032,22 +1012,22 @@ bool Engine::Revoke(Channel& c, int i) {
   }
   if (c.w->result.load(std::memory_order_acquire) == 0) {
     // The device took it first: the round is live (its filled/done comes), the cell stays.
-    ++graph_stats_.revokes_lost;
+    ++stats_.revokes_lost;
     cell.round = Channel::Round::kGranted;
     return false;
   }
-  ++graph_stats_.revokes;
+  ++stats_.revokes;
   cell.round = Channel::Round::kIdle;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (offload) armed_tokens_.erase(cell.grant_token);
-    else Unload(c, i);
+    Held h = ledger_.Lock();
+    if (offload) ledger_.Disarm(h, cell.grant_token);
+    else Unload(h, c, i);
   }
   cell.grant_token = 0;  // a reserved number never used: no ticket was made for it
   return true;
 }
 
-bool Engine::ServiceOffloadK(Channel& c) {
+bool GraphMode::ServiceOffloadK(Channel& c) {
   ChannelWords& w = *c.w;
   bool busy = false;
   for (int i = 0; i < c.ncells; ++i) {
@@ -1062,8 +1042,8 @@ bool Engine::ServiceOffloadK(Channel& c) {
     cell.round = Channel::Round::kIdle;
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
-    ++graph_stats_.offload_rounds;
-    ++(cell.host_grant ? graph_stats_.grants_host : graph_stats_.grants_device);
+    ++stats_.offload_rounds;
+    ++(cell.host_grant ? stats_.grants_host : stats_.grants_device);
     Status st;
     std::shared_ptr<Ticket> t = MakeRoundTicket(c, token, &st);
     if (t) st = CopyOutOfCell(c, i, t);
@@ -1096,7 +1076,7 @@ bool Engine::ServiceOffloadK(Channel& c) {
   return busy;
 }
 
-bool Engine::ServiceReloadK(Channel& c) {
+bool GraphMode::ServiceReloadK(Channel& c) {
   ChannelWords& w = *c.w;
   const DriverTable& d = Driver(backend_);
   bool busy = false;
@@ -1109,7 +1089,7 @@ bool Engine::ServiceReloadK(Channel& c) {
     Cell& cell = c.cells[i];
     bool device = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      Held h = ledger_.Lock();
       std::shared_ptr<Ticket> t = std::move(cell.ticket);
       cell.ticket.reset();
       if (!t && cell.loaded) {
@@ -1120,21 +1100,21 @@ bool Engine::ServiceReloadK(Channel& c) {
         device = true;
       }
       if (t) {
-        ++stats_.reloads;  // a ticket's bytes reached XLA's buffer (a 0xFF round had no ticket)
+        ++ledger_.counts(h).reloads;  // a ticket's bytes reached XLA's buffer (a 0xFF round had no ticket)
         t->pins -= 1;
-        Retire(t);
+        ledger_.Retire(h, t);
       }
     }
     if (device) {
-      ++graph_stats_.grants_device;
-      ++graph_stats_.hits;
+      ++stats_.grants_device;
+      ++stats_.hits;
     } else {
-      ++graph_stats_.grants_host;
+      ++stats_.grants_host;
     }
     cell.round = Channel::Round::kIdle;
     c.last_use = std::chrono::steady_clock::now();
     ++c.rounds;
-    ++graph_stats_.reload_rounds;
+    ++stats_.reload_rounds;
   }
   if (busy) PrefetchInto(c);
   if (c.waiting || w.request.load(std::memory_order_acquire) == 1) {
@@ -1150,11 +1130,11 @@ bool Engine::ServiceReloadK(Channel& c) {
     std::string why;
     std::shared_ptr<Ticket> a;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      a = FindForRound(c, token, &why);
+      Held h = ledger_.Lock();
+      a = FindForRound(h, c, token, &why);
       if (a && !a->enqueued) return busy;  // its offload's `filled` is served on the next pass
       // A token an offload round handed out whose `filled` is not served yet has no ticket yet.
-      if (!a && armed_tokens_.count(token)) return busy;
+      if (!a && ledger_.Armed(h, token)) return busy;
     }
     // The cell: the one that holds `a` already (its grant was not written yet when the device looked),
     // else an idle mapped one, else any the device is not using (its guess is dropped). The device is
@@ -1174,8 +1154,8 @@ bool Engine::ServiceReloadK(Channel& c) {
     Source src;
     bool hit = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      hit = TakeForRound(c, j, a, &src);
+      Held h = ledger_.Lock();
+      hit = TakeForRound(h, c, j, a, &src);
     }
     cell.ticket = a;
     c.waiting = false;
@@ -1198,26 +1178,26 @@ bool Engine::ServiceReloadK(Channel& c) {
       st = WriteDevice(fix_, c.Grant(j), 0, "reload (graph)");
       if (st.ok()) d.StreamSynchronize(fix_);
       cell.stream = nullptr;
-      if (!st.ok()) ReportOn(c.stream, st);
+      if (!st.ok()) ledger_.Report(c.stream, st);
     }
     if (hit) {
-      ++graph_stats_.hits;
+      ++stats_.hits;
       Grant(&w.go, c, j, go);
       return busy;
     }
-    ++graph_stats_.misses;
+    ++stats_.misses;
     if (!a) {
-      ReportOn(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
+      ledger_.Report(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
                                                             "; the output was filled with 0xFF bytes"));
       FillInvalid(c, j);
       Grant(&w.go, c, j, go);
       return busy;
     }
-    st = CopyTicket(fix_, src, cell.addr, c.meta.nbytes, "reload (graph)");
+    st = transfers_.CopyTicket(fix_, src, cell.addr, c.meta.nbytes, bounce_, "reload (graph)");
     if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
     cell.stream = fix_;
     if (!st.ok()) {
-      ReportOn(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
+      ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
       FillInvalid(c, j);
     }
     Grant(&w.go, c, j, go);
@@ -1225,10 +1205,10 @@ bool Engine::ServiceReloadK(Channel& c) {
   return busy;
 }
 
-Status Engine::QuiesceForModuleLoad(bool* waited) {
+Status GraphMode::QuiesceForModuleLoad(bool* waited) {
   *waited = false;
   {
-    std::lock_guard<std::mutex> lock(graph_mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (!any_captured_) return Status();  // no round of this engine can be pending on the device
   }
   ScopedContext ctx(backend_, device_);
@@ -1238,61 +1218,37 @@ Status Engine::QuiesceForModuleLoad(bool* waited) {
   return Status();
 }
 
-void Engine::PausePoller(bool paused) {
+void GraphMode::PausePoller(bool paused) {
   {
-    std::lock_guard<std::mutex> lock(graph_mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     poll_paused_ = paused;
   }
   poll_cv_.notify_all();
 }
 
-void Engine::WaitForGraphRound(uint64_t token) {
-  // Only mu_ (never graph_mu_, which the poller holds across slow driver calls): the poller never
-  // waits for the resolver, so this wait ends as soon as it serves the round's `filled`. Bounded
-  // anyway: past the deadline the resolve goes on and reports what it finds.
-  if (token == 0) return;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  for (;;) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      std::string why;
-      std::shared_ptr<Ticket> a = tickets_.Find(token, &why);
-      // Kernel grants: no ticket yet for an armed token; host grants: made at knock, D2H not enqueued.
-      const bool pending = a ? !a->enqueued : armed_tokens_.count(token) > 0;
-      if (!pending) return;
-    }
-    if (std::chrono::steady_clock::now() > deadline) return;
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-}
-
-void Engine::ReleaseUnpins(bool all) {
-  // Caller holds graph_mu_. Pins of unloaded guesses whose cell's copy has ended since (all: the
+void GraphMode::ReleaseUnpins(bool all) {
+  // Caller holds mu_. Pins of unloaded guesses whose cell's copy has ended since (all: the
   // streams were synchronized).
   if (unpin_after_.empty()) return;
   ScopedContext ctx(backend_, device_);  // Synchronize calls this from a user thread
   const DriverTable& d = Driver(backend_);
-  std::lock_guard<std::mutex> lock(mu_);
+  Held h = ledger_.Lock();
   for (auto it = unpin_after_.begin(); it != unpin_after_.end();) {
     if (!all && d.EventQuery(it->first) == CUDA_ERROR_NOT_READY) {
       ++it;
       continue;
     }
     it->second->pins -= 1;
-    Retire(it->second);
+    ledger_.Retire(h, it->second);
     it = unpin_after_.erase(it);
   }
 }
 
-void Engine::DropStaleGuesses() {
-  // Caller holds graph_mu_. A consumed ticket a cell still holds as its guess stays pinned (live, its
+void GraphMode::DropStaleGuesses() {
+  // Caller holds mu_. A consumed ticket a cell still holds as its guess stays pinned (live, its
   // host block held) until the cell goes idle: take the guess back now. An armed one is revoked first
   // (its `ready` names the token); a revoke the device won leaves a live round, served as usual.
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!stale_guesses_) return;
-    stale_guesses_ = false;
-  }
+  if (!ledger_.TakeStale()) return;
   ScopedContext ctx(backend_, device_);  // Synchronize calls this from a user thread
   channels_.ForEach([&](Channel& c) {
     if (c.kind != ChannelKind::kReload) return;
@@ -1300,7 +1256,7 @@ void Engine::DropStaleGuesses() {
       Cell& cell = c.cells[i];
       bool stale = false;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        Held h = ledger_.Lock();
         stale = cell.loaded && (cell.loaded->consumed || cell.loaded->dropped);
       }
       if (!stale) continue;
@@ -1309,19 +1265,19 @@ void Engine::DropStaleGuesses() {
       } else if (cell.round == Channel::Round::kIdle) {
         // Host grants: an unarmed guess. Its prefetch may still read the ticket: Unload keeps the pin
         // until that copy has ended (unpin_after_).
-        std::lock_guard<std::mutex> lock(mu_);
-        Unload(c, i);
+        Held h = ledger_.Lock();
+        Unload(h, c, i);
       }
     }
   });
 }
 
-bool Engine::GraphIdle() {
-  // Caller holds graph_mu_.
-  bool idle = graph_d2h_.empty() && unpin_after_.empty();
+bool GraphMode::Idle() {
+  // Caller holds mu_.
+  bool idle = round_d2h_.empty() && unpin_after_.empty();
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stale_guesses_) idle = false;  // the poller's next pass takes them back
+    Held h = ledger_.Lock();
+    if (ledger_.stale(h)) idle = false;  // the poller's next pass takes them back
   }
   channels_.ForEach([&](Channel& c) {
     if (c.waiting || c.w->knock.load() || c.w->request.load()) idle = false;
@@ -1334,27 +1290,27 @@ bool Engine::GraphIdle() {
   return idle;
 }
 
-void Engine::StopGraph() {
+void GraphMode::Stop() {
   {
-    std::lock_guard<std::mutex> lock(graph_mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     poll_stop_ = true;
   }
   poll_cv_.notify_all();
   if (poller_.joinable()) poller_.join();
   const DriverTable& d = Driver(backend_);
-  for (CUstream s : {gd2h_, gh2d_, garm_, fix_, d2h_, h2d_})  // every copy into or out of a cell has finished
+  for (CUstream s : {gd2h_, gh2d_, garm_, fix_})  // every copy into or out of a cell has finished
     if (s) d.StreamSynchronize(s);
-  std::lock_guard<std::mutex> lock(graph_mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   channels_.ForEach([&](Channel& c) {
     for (int i = 0; i < kMaxCells; ++i) {
       Cell& cell = c.cells[i];
       {
-        std::lock_guard<std::mutex> l(mu_);
-        Unload(c, i);
+        Held h = ledger_.Lock();
+        Unload(h, c, i);
         if (cell.ticket) {
           if (c.kind == ChannelKind::kReload) cell.ticket->pins -= 1;
           else cell.ticket->dropped = cell.ticket->on_host = true;
-          Retire(cell.ticket);
+          ledger_.Retire(h, cell.ticket);
           cell.ticket.reset();
         }
       }
@@ -1367,7 +1323,7 @@ void Engine::StopGraph() {
     }
     for (Spare& sp : c.spares) {
       if (sp.lent) {
-        std::lock_guard<std::mutex> l(mu_);
+        Held h = ledger_.Lock();
         sp.lent->lent_cell = 0;
         sp.lent.reset();
       }
@@ -1377,6 +1333,50 @@ void Engine::StopGraph() {
     }
   });
   ReleaseUnpins(/*all=*/true);  // every stream was synchronized above
+}
+
+Status GraphMode::CapturedPrefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out) {
+  return Call(-1, "prefetch (capture)", Entry::kMemcpyAsync,
+              [&] { return Driver(backend_).MemcpyAsync(token_out, token_in, sizeof(uint64_t), stream); });
+}
+
+Source GraphMode::RoundSourceOf(const Ticket& t) {
+  Source src = SourceOf(t);
+  if (!src.resident && t.lent_cell) {
+    src.resident = t.lent_cell;  // complete: the round finished before its cell was lent
+    ++stats_.lent_reads;
+  }
+  return src;
+}
+
+Status GraphMode::Synchronize() {
+  // Rounds in progress (the poller serves them; a replay still running ends them).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    // Here too, not only in the poller: an engine with no graph channel has no poller.
+    DropStaleGuesses();
+    ReleaseUnpins(/*all=*/false);
+    if (Idle()) return Status();
+    if (std::chrono::steady_clock::now() > deadline) return Status(Code::kInternal, "graph-mode rounds did not finish within 120 s");
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    lock.lock();
+  }
+}
+
+size_t GraphMode::Trim() {
+  ScopedContext ctx(backend_, device_);  // a user thread: the cells' event queries and revocations
+  std::lock_guard<std::mutex> lock(mu_);
+  (void)ReturnSpares();  // spares whose last reader finished since the poller's last pass
+  return ReleaseIdleCells(/*now=*/true);
+}
+
+GraphStats GraphMode::Stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  GraphStats s = stats_;
+  s.bounce_copies = bounce_.copies();
+  return s;
 }
 
 }  // namespace jaxvmm

@@ -1,0 +1,33 @@
+#include "config.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include "graph_words.h"
+
+namespace jaxvmm {
+namespace {
+
+std::atomic<int> g_keep{0};
+std::atomic<bool> g_graph_kernels{true};
+std::atomic<int> g_graph_cells{2};
+std::atomic<int> g_graph_spares{0};
+std::atomic<bool> g_graph_fused{true};
+std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
+
+}  // namespace
+
+void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
+int EngineConfig::KeepResident() { return g_keep.load(); }
+void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
+bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
+void EngineConfig::SetGraphCells(int k) { g_graph_cells.store(std::clamp(k, 1, kMaxCells)); }
+int EngineConfig::GraphCells() { return g_graph_cells.load(); }
+void EngineConfig::SetGraphSpares(int n) { g_graph_spares.store(std::clamp(n, 0, kMaxSpares)); }
+int EngineConfig::GraphSpares() { return g_graph_spares.load(); }
+void EngineConfig::SetGraphFused(bool on) { g_graph_fused.store(on); }
+bool EngineConfig::GraphFused() { return g_graph_fused.load(); }
+void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
+size_t EngineConfig::CopyChunk() { return g_copy_chunk.load(); }
+
+}  // namespace jaxvmm

@@ -1,0 +1,40 @@
+// Process-wide engine settings (jaxvmm.configure / environment), read by the engine's parts when they
+// need them. Plain atomics: set from Python (under the GIL), read by any thread.
+#pragma once
+
+#include <cstddef>
+
+namespace jaxvmm {
+
+struct EngineConfig {
+  // How many of the newest offloaded tickets keep their staging cell (a device copy) after the D2H,
+  // so that their reloads copy device to device instead of waiting for an H2D. Default 0.
+  static void SetKeepResident(int n);
+  static int KeepResident();
+  // Graph mode: grant rounds on the device with the grant kernels (default on). Read by an engine at
+  // its first initialize stage; its captures keep that protocol.
+  static void SetGraphKernels(bool on);
+  static bool GraphKernels();
+  // Graph mode with grant kernels: staging cells per channel (1..kMaxCells, default 2), so consecutive
+  // rounds of one call site overlap their copies. Read when a channel is first prepared.
+  static void SetGraphCells(int k);
+  static int GraphCells();
+  // Graph mode with grant kernels: spare cells per offload channel (0..kMaxSpares, default 0). An
+  // offload cell whose D2H is still queued is re-armed with a free spare at once, so a scan's forward
+  // runs ahead of PCIe; the queued bytes stay in the lent cell, and a reload of them before their D2H
+  // ends copies device to device. Read when a channel is first prepared.
+  static void SetGraphSpares(int n);
+  static int GraphSpares();
+  // Graph mode with grant kernels and K > 1 cells: record each round as one fused take + copy kernel
+  // (default on) instead of a take kernel then a copy kernel. Read at each capture (a channel's rounds
+  // may be recorded either way: each round leaves the channel's words as it found them).
+  static void SetGraphFused(bool on);
+  static bool GraphFused();
+  // D2H and H2D copies between a staging cell and a host block are issued in pieces of at most this
+  // many bytes (0: one copy), so that other copies on the copy engines (the other direction, XLA's
+  // D2D snapshots) interleave with a large one instead of queueing behind all of it. Default 64 MiB.
+  static void SetCopyChunk(size_t bytes);
+  static size_t CopyChunk();
+};
+
+}  // namespace jaxvmm

@@ -1,0 +1,193 @@
+// Graph mode: offload/reload call sites that XLA captured into command buffers (CUDA graphs), and the
+// poller thread that serves their rounds on every replay. DESIGN.md, "Graph mode".
+//
+// Owns: the channels (per call site: pinned words, K cells at fixed VAs, spares), the grant kernels,
+// the poller thread, streams gd2h (D2H out of offload cells, the grants behind them, the graph D2H
+// clock), gh2d (prefetches into reload cells), garm (grants of cells that took a spare) and fix
+// (corrections and 0xFF fills), the bounce buffers for pageable round tickets, and a grower worker that
+// pins host memory for later rounds. Handed: the ledger (tickets, errors, armed tokens), the host
+// store, the staging area (its budget charges every cell's pages) and the transfers (copies, the
+// clock). Knows nothing of the op ring.
+//
+// Lock order: GraphMode::mu_ -> Ledger::mu_ -> HostPool / StagingArea -> Registry -> Slot. The poller
+// holds mu_ while it serves a pass (dropping it between passes); the op ring never takes it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "bounce.h"
+#include "channels.h"
+#include "graph_kernels.h"
+#include "host_pool.h"
+#include "ledger.h"
+#include "staging.h"
+#include "status.h"
+#include "transfers.h"
+#include "worker.h"
+
+namespace jaxvmm {
+
+// Graph mode: call sites captured into command buffers and the rounds their replays made.
+struct GraphStats {
+  int64_t channels = 0;       // (call site, kind) pairs prepared by the initialize stage
+  int64_t prepares = 0;       // initialize-stage calls (once per execution per call site)
+  int64_t captures = 0;       // execute calls that ran under stream capture (recordings)
+  int64_t offload_rounds = 0, reload_rounds = 0;  // device rounds served (replays included)
+  int64_t hits = 0, misses = 0;                   // reload rounds whose cell already held the ticket
+  int64_t mapped_bytes = 0;                       // channel cells with pages now
+  int64_t pages_mapped = 0, pages_returned = 0;
+  // Kernel grants (DESIGN.md, "Graph mode"): rounds whose grant the device took by itself (a pre-armed
+  // offload grant, a reload whose prefetched token matched) vs rounds that waited for the poller.
+  bool kernels = false;        // this engine's captures use the grant kernels
+  std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
+  int64_t grants_device = 0, grants_host = 0;
+  int64_t revokes = 0;         // grants taken back (idle release, trim, budget) before the device used them
+  int64_t revokes_lost = 0;    // revocations that found the grant already taken (the round went on)
+  int64_t host_cells = 0;      // cells mapped with host pages because the device was out of memory
+  int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
+  int64_t host_fallbacks = 0;  // round tickets put in pageable memory: the host pool had no room (it grows behind them)
+  int64_t bounce_copies = 0;   // pieces (<= 4 MiB) copied through the pinned bounce buffers to or from those tickets
+  int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
+  // Spare cells (graph_spares): offload rounds whose cell was re-armed with a spare while its D2H was
+  // still queued (the cell's bytes lent to its ticket), and reload copies served from such a lent cell
+  // (device to device, without waiting for PCIe).
+  int64_t spares = 0, lends = 0, lent_reads = 0;
+};
+
+class GraphMode {
+ public:
+  GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, Transfers& transfers);
+  ~GraphMode();  // Stop() first
+  GraphMode(const GraphMode&) = delete;
+  GraphMode& operator=(const GraphMode&) = delete;
+
+  Status Init();  // streams, the grower
+  // Stops the poller, synchronizes graph mode's streams and returns every channel's cells and spares.
+  void Stop();
+
+  // The initialize stage of an offload/reload call site: once per execution, on the host, outside any
+  // capture. Creates the site's channel (pinned words, reserved cells) and wakes the poller.
+  Status Prepare(CUstream stream, int64_t site, ChannelKind kind, const ArrayMeta& meta);
+  // The fixed device work of one round, enqueued on XLA's capturing stream (no allocation here).
+  Status CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out);
+  Status CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta);
+  // A prefetch hint cannot be decided at replay: the recorded work only passes the token on (the
+  // reload's channel prefetches its own prediction instead).
+  Status CapturedPrefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out);
+
+  // Waits until no round is in progress and no D2H is outstanding (up to 120 s).
+  Status Synchronize();
+  // Returns finished spares and idle channels' cells now; returns the bytes returned.
+  size_t Trim();
+  // Before the first run of a newly compiled program (module loads): once call sites were captured,
+  // waits until the device has drained. DESIGN.md, "Graph mode", module loads.
+  Status QuiesceForModuleLoad(bool* waited);
+  // Test hook: while paused the poller serves no round (a round the device finished stays unserved).
+  void PausePoller(bool paused);
+  GraphStats Stats();
+
+ private:
+  using Held = Ledger::Held;
+
+  // Caller holds mu_ (as do all the helpers below unless they say otherwise).
+  Status CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out);
+  void Recorded(Channel& c);  // counts the recording, wakes the poller
+  void WakePoller();
+  void Poll();  // the poller thread
+  bool ServiceOffload(Channel& c);  // host grants
+  bool ServiceReload(Channel& c);
+  bool ServiceOffloadK(Channel& c);  // kernel grants
+  bool ServiceReloadK(Channel& c);
+  // A graph-mode offload round's ticket with its host block: a new token (0), or the token the device
+  // took (kernel grants). Null, and *st says why, when it cannot be made. Takes the ledger lock.
+  std::shared_ptr<Ticket> MakeRoundTicket(const Channel& c, uint64_t token, Status* st);
+  // A round ticket's host block carved from the pool; without room, pageable memory (copied through
+  // bounce_) while the grower pins more for the tickets after it (never cuMemHostAlloc on the poller).
+  Status RoundTicketHost(size_t nbytes, HostBlock* out);
+  Status CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t);  // D2H of cell i on gd2h_
+  void RecordOffloadError(const Channel& c, const Status& st);
+  // Caller holds the ledger lock too. The ticket a reload round's token names, if this call site can
+  // reload it; the round consumes `a` in cell i (true: a hit, the cell holds it already).
+  std::shared_ptr<Ticket> FindForRound(const Held& h, const Channel& c, uint64_t token, std::string* why);
+  bool TakeForRound(const Held& h, Channel& c, int i, const std::shared_ptr<Ticket>& a, Source* src);
+  // Caller holds the ledger lock too: SourceOf, or the round's lent cell while it still holds the
+  // bytes (ReturnSpares keeps the cell while a reader's pin is on the ticket).
+  Source RoundSourceOf(const Ticket& t);
+  void PrefetchInto(Channel& c);    // the next predictions into the channel's idle reload cells
+  void FillInvalid(Channel& c, int i);  // 0xFF into cell i, ordered after every copy into it
+  bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
+  // Pages for cell i within the staging budget; false: not now. `evict` when a round (or a capture)
+  // needs the cell: other channels' idle cells go to make room, and a full device gives host pages.
+  bool MapCell(Channel& c, int i, bool evict = true);
+  void UnmapCell(Channel& c, int i);
+  void UnmapPages(Channel& c, CellPages* p, const char* kept);
+  void Mapped(const Channel& c, CellPages* p);  // p's pages were just mapped: counts them
+  Status ReservePages(const SlotSpec& spec, CellPages* p);  // a VA (internal slot, no pages) for a cell or spare
+  Status ReserveCells(Channel& c, const ArrayMeta& meta, ChannelKind kind);  // a new channel's cells and spares
+  // Cells of idle channels (after IdleMillis unless `now`; only those with device pages if `device_only`).
+  size_t ReleaseIdleCells(bool now, bool device_only = false);
+  void DropStaleGuesses();  // reload cells whose guess another reload consumed: revoke and unload
+  void ReleaseUnpins(bool all);  // unloaded guesses' pins whose cell copy has ended (all: streams synced)
+  // Writes `value` into `word`, ordered after cell i's last side-stream copy.
+  void Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value = 1);
+  // Offload: a reserved token into grant[i], on gd2h_ after the cell's D2H; or, when a spare is free and
+  // that D2H is still queued, on garm_ after the cell took the spare's pages (Lend).
+  bool Arm(Channel& c, int i, bool host);
+  bool Lend(Channel& c, int i);     // swaps cell i with a free spare; true: the cell is free now
+  bool MapSpare(Channel& c, Spare& s);
+  void UnmapSpare(Channel& c, Spare& s);
+  bool ReturnSpares();              // lent spares whose ticket's D2H is done and no reader holds it
+  void ArmIdleCells(Channel& c);    // offload: arms every idle cell it can map within the budget
+  bool Revoke(Channel& c, int i);   // takes cell i's armed grant back; true: none is outstanding any more
+  Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
+  Status LoadKernels(Channel& first);  // at the first initialize stage: the protocol captures record
+  Status WarmKernels(Channel& c);   // each grant kernel launched once (loaded), at the first initialize
+  Status SetUpCells(Channel& c);    // the channel's constant device words (K, cells, flags)
+  void Unload(const Held& h, Channel& c, int i);  // drops the prediction reload cell i holds
+  bool Idle();                      // no round in progress, no D2H outstanding
+
+  const Backend backend_;
+  const int device_;
+  Ledger& ledger_;
+  HostStore& host_store_;
+  StagingArea& staging_;
+  Transfers& transfers_;
+  // gd2h_: D2H out of offload cells and the grants behind them; gh2d_: prefetches into reload cells
+  // and their grants; garm_: grants of offload cells that took a spare (no copy of theirs is pending:
+  // nothing to queue behind); fix_: corrections and 0xFF fills. Nothing on them waits for XLA's streams.
+  CUstream gd2h_ = nullptr, gh2d_ = nullptr, garm_ = nullptr, fix_ = nullptr;
+
+  std::mutex mu_;  // guards everything below
+  ChannelTable channels_;
+  uint64_t gd2h_issued_ = 0;  // the last graph D2H sequence number enqueued on gd2h_ (the clock's)
+  std::vector<std::shared_ptr<Ticket>> round_d2h_;  // offload rounds whose D2H may still run
+  GraphStats stats_;
+  std::condition_variable poll_cv_;
+  std::chrono::steady_clock::time_point awake_until_;
+  bool any_captured_ = false;
+  bool poll_stop_ = false;
+  bool poll_paused_ = false;     // test hook (PausePoller): passes skipped while set
+  bool kernels_warmed_ = false;  // WarmKernels ran
+  // Round tickets in pageable memory (RoundTicketHost) are copied through these pinned buffers, made
+  // by the first initialize stage (never on the poller, the only thread that uses them).
+  PageableBounce bounce_;
+  // Unloaded guesses whose cell's copy (the prefetch that reads them) may still run, with that cell's
+  // event at the time: unpinned by ReleaseUnpins once it has completed.
+  std::vector<std::pair<CUevent, std::shared_ptr<Ticket>>> unpin_after_;
+  GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
+  bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
+  std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage
+  std::atomic<bool> growing_host_{false};  // a growth is queued on grower_ (RoundTicketHost)
+  std::unique_ptr<Worker> grower_;  // pins host pool chunks for round tickets (nothing waits for it)
+};
+
+}  // namespace jaxvmm

@@ -1,0 +1,648 @@
+#include "op_ring.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "config.h"
+#include "vmm.h"
+
+namespace jaxvmm {
+namespace {
+
+constexpr uint64_t kRing = 1024;   // ops in flight per engine before the host waits for the GPU
+constexpr size_t kTimings = 4096;  // handler host times kept for the median
+
+}  // namespace
+
+struct OpRing::Op {
+  enum Kind { kOffload, kReload, kPrefetch };
+  OpRing* ring = nullptr;
+  uint64_t seq = 0;
+  Kind kind = kOffload;
+  int pending = 0;  // the host's reference plus callbacks still to run; the record is reusable at 0
+  bool completion_launched = false;  // OnComplete is on ctl_: CompleteTask will run
+  bool offloaded_launched = false;   // OnOffloaded is on rel_: OffloadedTask will run
+  bool abandoned = false;            // its enqueue failed part way: workers release, never consume
+  CUstream stream = nullptr;         // XLA's stream for the op (null on cpu)
+  CUdeviceptr staging = 0;           // the staging cell's address (reload: what XLA's stream copies out)
+  StagingLease lease;                // held until the handler ends, or by AbandonTask after a failure
+  ArrayMeta meta;
+  std::shared_ptr<Ticket> ticket;  // offload: its ticket; reload: the prediction (may be null)
+  std::shared_ptr<Ticket> actual;  // reload/prefetch: what the token resolved to
+  uint64_t tag = 0;                // the predicted ticket's token (0: no prediction)
+  CUevent tok = nullptr, done = nullptr;
+  CUevent filled = nullptr;  // reload: recorded on h2d_ once the cell is free and the prefetch (if any) is in
+};
+
+// ---------------------------------------------------------------- lifetime
+
+OpRing::OpRing(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, const Transfers& transfers)
+    : backend_(b), device_(device), ledger_(ledger), host_store_(host), staging_(staging), transfers_(transfers), bounce_(b, device) {}
+
+Status OpRing::Init() {
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "engine init";
+  // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ and rel_
+  // only carry event waits and host functions, so bookkeeping never queues behind a large copy and no
+  // copy queues behind bookkeeping.
+  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &rel_})
+    JAXVMM_RETURN_IF_ERROR(
+        Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
+  void* words = nullptr;
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemHostAlloc, [&] {
+    return d.MemHostAlloc(&words, sizeof(Words) * kRing, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+  }));
+  words_ = static_cast<Words*>(words);
+  for (uint64_t i = 0; i < kRing; ++i) {
+    new (&words_[i]) Words();
+    words_[i].probe.store(0);
+    words_[i].ready.store(0);
+    words_[i].token = 0;
+  }
+  ops_.resize(kRing);
+  for (auto& op : ops_) {
+    op.ring = this;
+    for (CUevent* e : {&op.tok, &op.done, &op.filled})
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventCreate, [&] { return d.EventCreate(e, CU_EVENT_DISABLE_TIMING); }));
+  }
+  resolver_ = std::make_unique<Worker>("jaxvmm-resolve", backend_, device_);
+  releaser_ = std::make_unique<Worker>("jaxvmm-release", backend_, device_);
+  return Status();
+}
+
+void OpRing::Stop() {
+  // Streams first: a host function that fires later would post to a destroyed worker. Then the
+  // workers drain (their tasks may still touch tickets) and stop.
+  const DriverTable& d = Driver(backend_);
+  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_})
+    if (s) d.StreamSynchronize(s);
+  if (resolver_) resolver_->Drain();
+  if (releaser_) releaser_->Drain();
+  resolver_.reset();
+  releaser_.reset();
+}
+
+OpRing::~OpRing() {
+  const DriverTable& d = Driver(backend_);
+  for (auto& op : ops_)
+    for (CUevent e : {op.tok, op.done, op.filled})
+      if (e) d.EventDestroy(e);
+  for (CUstream s : {d2h_, h2d_, fix_, ctl_, rel_})
+    if (s) d.StreamDestroy(s);
+  if (words_) d.MemFreeHost(words_);
+}
+
+void OpRing::InitBounce() {
+  Status st = bounce_.Init();
+  if (!st.ok()) std::fprintf(stderr, "jaxvmm: pageable bounce buffers unavailable: %s\n", st.ToString().c_str());
+}
+
+// ---------------------------------------------------------------- host side
+
+void OpRing::Report(const Op& op, const Status& st) {
+  Status named = st;  // which call site, when the op has one (offload, reload)
+  if (op.meta.site > 0) named.Append(" [call site " + std::to_string(op.meta.site) + "]");
+  ledger_.Report(op.stream, named);
+}
+
+void OpRing::Release(Held& h, Op& op) {
+  (void)h;
+  --op.pending;
+  cv_.notify_all();
+}
+
+OpRing::Op& OpRing::BeginOp(Held& h) {
+  // Backpressure: the host may run at most kRing ops ahead of the GPU.
+  cv_.wait(h, [&] { return ops_[(ledger_.issued(h) + 1) % kRing].pending == 0; });
+  const uint64_t seq = ledger_.IssueSeq(h);
+  Op& op = ops_[seq % kRing];
+  op.seq = seq;
+  op.pending = 1;  // the host's reference, dropped by FinishEnqueue
+  op.completion_launched = op.offloaded_launched = false;
+  op.abandoned = false;
+  op.stream = nullptr;
+  op.staging = 0;
+  op.lease = StagingLease();
+  op.meta = ArrayMeta();
+  op.ticket.reset();
+  op.actual.reset();
+  op.tag = 0;
+  return op;
+}
+
+void OpRing::MarkCompleted(const Held& h, uint64_t seq) {
+  // completed_seq_ only moves over a contiguous run of finished ops.
+  (void)h;
+  if (seq <= completed_seq_) return;
+  finished_.insert(seq);
+  while (!finished_.empty() && *finished_.begin() == completed_seq_ + 1) {
+    finished_.erase(finished_.begin());
+    ++completed_seq_;
+  }
+}
+
+Status OpRing::Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage) {
+  {
+    Held h = ledger_.Lock();
+    ++op.pending;  // before the launch: the host function may run (and decrement) at once
+  }
+  Status st = Call(-1, stage, Entry::kLaunchHostFunc, [&] { return Driver(backend_).LaunchHostFunc(stream, fn, &op); });
+  if (!st.ok()) {
+    Held h = ledger_.Lock();
+    Release(h, op);
+  }
+  return st;
+}
+
+Status OpRing::EnqueueCompletion(Op& op, CUstream stream) {
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "enqueue";
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op.done, stream); }));
+  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op.done, 0); }));
+  JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &OpRing::OnComplete, op, stage));
+  Held h = ledger_.Lock();
+  op.completion_launched = true;
+  return Status();
+}
+
+void OpRing::FinishEnqueue(Op& op, const Status& st, Clock::time_point start) {
+  // A synchronous failure is returned by the handler (XLA aborts the execution); it is not recorded
+  // for later calls. What the op's missing callbacks would have done is undone once the work already
+  // enqueued for it has drained.
+  {
+    Held h = ledger_.Lock();
+    if (!st.ok()) {
+      op.abandoned = true;
+      if (!op.completion_launched) MarkCompleted(h, op.seq);  // no completion will ever be reported for it
+      ++op.pending;  // AbandonTask's reference
+    }
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+    if (handler_ns_.size() < kTimings) handler_ns_.push_back(ns);
+    else handler_ns_[handler_calls_ % kTimings] = ns;
+    ++handler_calls_;
+    Release(h, op);  // the host's own reference
+  }
+  // Undone before the handler returns its error, so a retry of the same ticket finds it reloadable.
+  if (!st.ok()) AbandonTask(op.seq);
+}
+
+void OpRing::AbandonTask(uint64_t seq) {
+  Op& op = ops_[seq % kRing];
+  const DriverTable& d = Driver(backend_);
+  Held h = ledger_.Lock();
+  // Every host function already launched for this op runs its task first (the resolver releases XLA's
+  // stream if it waits on us), so nothing below races a queued resolve: the cell is returned only once
+  // no correction can write it, and a ticket is never consumed after the undo.
+  cv_.wait(h, [&] { return op.pending == 1; });
+  h.unlock();
+  if (op.stream) d.StreamSynchronize(op.stream);
+  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_}) d.StreamSynchronize(s);
+  staging_.Return(&op.lease, nullptr);  // every stream that touched the cell has drained
+  h.lock();
+  if (op.kind == Op::kReload && !op.completion_launched) {
+    // The reload never delivered its data: the ticket it resolved to stays reloadable.
+    if (op.actual && op.actual != op.ticket) op.actual->pins -= 1;
+    if (op.actual) op.actual->consumed = false;
+    if (op.ticket) {
+      if (op.ticket->claimed_by == seq) op.ticket->claimed_by = 0;
+      op.ticket->pins -= 1;
+      ledger_.Retire(h, op.ticket);
+    }
+    if (op.actual) ledger_.Retire(h, op.actual);
+  } else if (op.kind == Op::kOffload && op.ticket && !op.offloaded_launched) {
+    op.ticket->on_host = true;  // nothing is copying into it any more
+    op.ticket->dropped = true;  // its data never reached the host in full
+    ledger_.Retire(h, op.ticket);
+  }
+  Release(h, op);
+}
+
+void OpRing::KeepResident(const Held& h, const std::shared_ptr<Ticket>& t, StagingLease* lease, CUstream stream) {
+  // The newest K offloads keep their staging cell as a device copy; beyond K the oldest copy that no
+  // op is about to read goes back, its free event recorded on d2h_ (after every D2H enqueued so far,
+  // its own included).
+  (void)h;
+  t->resident = *lease;
+  *lease = StagingLease();
+  staging_.Pin(t->resident);
+  staging_.Record(&t->resident, stream);  // readers wait for the snapshot
+  kept_.push_back(t);
+  const size_t keep = static_cast<size_t>(EngineConfig::KeepResident());
+  for (auto it = kept_.begin(); kept_.size() > keep && it != kept_.end();) {
+    Ticket& old = **it;
+    if (old.freed || !old.resident) {
+      it = kept_.erase(it);
+    } else if (old.pins == 0) {
+      staging_.Return(&old.resident, d2h_);
+      it = kept_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+Status OpRing::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out, Clock::time_point start) {
+  std::lock_guard<std::mutex> serial(enqueue_mu_);
+  JAXVMM_RETURN_IF_ERROR(ledger_.TakeFor(stream));
+  HostBlock host;
+  JAXVMM_RETURN_IF_ERROR(host_store_.Allocate(meta.nbytes, &host).At(-1, "offload"));
+  StagingLease lease;
+  CUevent d2h_done = nullptr;
+  Status st = staging_.Acquire(meta.nbytes, CellUse::kOffload, /*try_only=*/false, &lease);
+  if (st.ok()) st = ledger_.GetEvent(&d2h_done);
+  if (!st.ok()) {
+    host_store_.Free(host);
+    staging_.Return(&lease, nullptr);
+    if (d2h_done) Driver(backend_).EventDestroy(d2h_done);
+    return st;
+  }
+  Op* op = nullptr;
+  std::shared_ptr<Ticket> t;
+  {
+    Held h = ledger_.Lock();
+    op = &BeginOp(h);
+    op->lease = lease;
+    t = ledger_.tickets(h).Create(meta);
+    t->offload_seq = op->seq;
+    t->host = host;
+    t->d2h_done = d2h_done;
+    ++ledger_.counts(h).offloads;
+    op->kind = Op::kOffload;
+    op->meta = meta;
+    op->ticket = t;
+    op->stream = stream;
+    op->staging = lease.address;
+    words_[op->seq % kRing].token = t->token;
+  }
+  Words& w = words_[op->seq % kRing];
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "offload";
+  auto enqueue = [&]() -> Status {
+    // XLA's stream: once the cell's previous user is done, snapshot x into it and hand out the token.
+    if (lease.wait)
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(stream, lease.wait, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] {
+      return d.MemcpyAsync(token_out, reinterpret_cast<CUdeviceptr>(&w.token), sizeof(uint64_t), stream);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(lease.address, src, meta.nbytes, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->done, stream); }));
+    // Copy stream: after the snapshot, D2H into pinned memory; the cell is free once that is done.
+    // The one host function after the D2H also reports the op complete (XLA's stream passed it
+    // before the D2H began), so an offload costs one host function, not two.
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(d2h_, op->done, 0); }));
+    JAXVMM_RETURN_IF_ERROR(transfers_.CopyToHost(d2h_, host, lease.address, meta.nbytes, stage));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(d2h_done, d2h_); }));
+    // The host function waits on rel_, not on d2h_: the next D2H never queues behind it.
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(rel_, d2h_done, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Launch(rel_, &OpRing::OnOffloaded, *op, stage));
+    Held h = ledger_.Lock();
+    op->offloaded_launched = op->completion_launched = true;
+    t->enqueued = true;
+    if (EngineConfig::KeepResident() > 0) KeepResident(h, t, &op->lease, stream);
+    return Status();
+  };
+  st = enqueue();
+  if (st.ok()) st = staging_.Return(&op->lease, d2h_);  // the cell's next user waits for the D2H
+  FinishEnqueue(*op, st, start);  // after a failure, AbandonTask returns the cell once the streams drained
+  return st;
+}
+
+Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta, Clock::time_point start) {
+  std::lock_guard<std::mutex> serial(enqueue_mu_);
+  JAXVMM_RETURN_IF_ERROR(ledger_.TakeFor(stream));
+  StagingLease lease;
+  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(meta.nbytes, CellUse::kReload, /*try_only=*/false, &lease));
+  Op* op = nullptr;
+  Source src;
+  {
+    Held h = ledger_.Lock();
+    op = &BeginOp(h);
+    op->lease = lease;
+    ++ledger_.counts(h).reloads;
+    op->kind = Op::kReload;
+    op->meta = meta;
+    op->stream = stream;
+    op->staging = lease.address;
+    op->ticket = ledger_.tickets(h).Predict(meta, [](const Ticket& t) { return !t.host.pageable; });
+    if (op->ticket) {
+      op->ticket->claimed_by = op->seq;
+      op->ticket->pins += 1;
+      op->tag = op->ticket->token;
+      src = SourceOf(*op->ticket);
+    }
+  }
+  const uint64_t seq = op->seq;
+  Words& w = words_[seq % kRing];
+  w.probe.store(0, std::memory_order_relaxed);
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "reload";
+  auto probe = reinterpret_cast<CUdeviceptr>(&w.probe);
+  auto ready = reinterpret_cast<CUdeviceptr>(&w.ready);
+  auto enqueue = [&]() -> Status {
+    // h2d_ (in handler order): once the cell's previous user is done, prefetch the predicted ticket into
+    // it. `filled` marks that point for a correction, which must follow it and must not queue behind
+    // later ops' prefetches.
+    if (lease.wait)
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, lease.wait, 0); }));
+    if (op->ticket) JAXVMM_RETURN_IF_ERROR(transfers_.CopyTicket(h2d_, src, lease.address, meta.nbytes, bounce_, "prefetch"));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->filled, h2d_); }));
+    if (op->ticket)
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(h2d_, ready, seq, 0); }));
+    // XLA's stream: let the resolver learn which ticket the GPU holds, without a host round trip on
+    // XLA's stream when the prediction was right.
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(probe, token_in, sizeof(uint64_t), stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &OpRing::OnResolve, *op, stage));
+    // XLA's stream waits for exactly this cell: the right ticket (probe == predicted token, or the
+    // resolver's correction) and its data in place (ready >= seq). Without a prediction only the
+    // resolver writes `ready`, after it has put the right data (or 0xFF) in the cell.
+    if (op->ticket)
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitValue64, [&] {
+        return d.StreamWaitValue64(stream, probe, op->tag, CU_STREAM_WAIT_VALUE_EQ);
+      }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitValue64, [&] {
+      return d.StreamWaitValue64(stream, ready, seq, CU_STREAM_WAIT_VALUE_GEQ);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, lease.address, meta.nbytes, stream); }));
+    return EnqueueCompletion(*op, stream);
+  };
+  Status st = enqueue();
+  if (st.ok()) st = staging_.Return(&op->lease, stream);  // the next user waits for XLA's copy out of the cell
+  FinishEnqueue(*op, st, start);  // after a failure, AbandonTask returns the cell once the streams drained
+  return st;
+}
+
+Status OpRing::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out, Clock::time_point start) {
+  std::lock_guard<std::mutex> serial(enqueue_mu_);
+  JAXVMM_RETURN_IF_ERROR(ledger_.TakeFor(stream));
+  Op* op = nullptr;
+  {
+    Held h = ledger_.Lock();
+    op = &BeginOp(h);
+    ++ledger_.counts(h).prefetches;
+    op->kind = Op::kPrefetch;
+    op->stream = stream;
+  }
+  Words& w = words_[op->seq % kRing];
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "prefetch";
+  auto enqueue = [&]() -> Status {
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(token_out, token_in, sizeof(uint64_t), stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] {
+      return d.MemcpyAsync(reinterpret_cast<CUdeviceptr>(&w.probe), token_in, sizeof(uint64_t), stream);
+    }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
+    JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &OpRing::OnResolve, *op, stage));
+    return EnqueueCompletion(*op, stream);
+  };
+  Status st = enqueue();
+  FinishEnqueue(*op, st, start);
+  return st;
+}
+
+// ---------------------------------------------------------------- host functions: post, nothing else
+
+void CUDA_CB OpRing::OnResolve(void* p) {
+  auto* op = static_cast<Op*>(p);
+  const uint64_t seq = op->seq;
+  op->ring->resolver_->Post([r = op->ring, seq] { r->ResolveTask(seq); });
+}
+
+void CUDA_CB OpRing::OnComplete(void* p) {
+  auto* op = static_cast<Op*>(p);
+  const uint64_t seq = op->seq;
+  op->ring->resolver_->Post([r = op->ring, seq] { r->CompleteTask(seq); });
+}
+
+void CUDA_CB OpRing::OnOffloaded(void* p) {
+  auto* op = static_cast<Op*>(p);
+  const uint64_t seq = op->seq;
+  op->ring->releaser_->Post([r = op->ring, seq] { r->OffloadedTask(seq); });
+}
+
+// ---------------------------------------------------------------- workers
+
+void OpRing::ReleaseReload(Op& op, bool fill_ff) {
+  // Releases XLA's stream for a reload. With `fill_ff` the cell first gets 0xFF bytes, ordered after
+  // every copy into it (its prefetch on h2d_, any correction on fix_). If the device cannot do that, the
+  // host waits for those streams and retries on ctl_; if that fails too the stream is still released
+  // (never left waiting forever) and the error has been reported.
+  const DriverTable& d = Driver(backend_);
+  Words& w = words_[op.seq % kRing];
+  const uint64_t value = op.tag ? op.tag : op.seq;
+  auto word = reinterpret_cast<CUdeviceptr>(op.tag ? &w.probe : &w.ready);
+  Status st;
+  if (fill_ff) {
+    st = Call(-1, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, op.filled, 0); });
+    if (st.ok()) st = Call(-1, "reload", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(op.staging, 0xFF, op.meta.nbytes, fix_); });
+    if (!st.ok()) {
+      d.StreamSynchronize(h2d_);
+      d.StreamSynchronize(fix_);
+      st = Call(-1, "reload", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(op.staging, 0xFF, op.meta.nbytes, ctl_); });
+      d.StreamSynchronize(ctl_);
+    }
+  }
+  Status wst = Call(-1, "reload", Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(fix_, word, value, 0); });
+  if (!wst.ok()) {
+    d.StreamSynchronize(fix_);
+    reinterpret_cast<std::atomic<uint64_t>*>(word)->store(value, std::memory_order_release);
+  }
+  if (!st.ok()) Report(op, st);
+}
+
+void OpRing::ResolveTask(uint64_t seq) {
+  Op& op = ops_[seq % kRing];
+  Words& w = words_[seq % kRing];
+  const uint64_t token = w.probe.load(std::memory_order_acquire);
+  const DriverTable& d = Driver(backend_);
+  Held h = ledger_.Lock();
+  if (op.abandoned) {
+    // The enqueue failed after this host function was launched: XLA aborts the execution. Release its
+    // stream if it may wait on us, but consume nothing.
+    if (op.kind == Op::kReload) {
+      h.unlock();
+      ReleaseReload(op, /*fill_ff=*/false);
+      h.lock();
+    }
+    Release(h, op);
+    return;
+  }
+  // The token may name a graph-mode offload round the device finished before this op (stream order)
+  // whose `filled` the poller has not served: wait for it, else the ticket is "unknown" (kernel grants)
+  // or its D2H is not enqueued yet and a copy from its host block would read stale bytes.
+  h.unlock();
+  ledger_.WaitUntilServed(token);
+  h.lock();
+  std::string why;
+  std::shared_ptr<Ticket> a = ledger_.tickets(h).Find(token, &why);
+  if (a && op.kind == Op::kReload && (a->meta.nbytes != op.meta.nbytes || a->meta.signature != op.meta.signature)) {
+    why = TokenStr(token) + " holds " + std::to_string(a->meta.nbytes) + " bytes of another shape/dtype than the reload expects (" +
+          std::to_string(op.meta.nbytes) + " bytes)";
+    a = nullptr;
+  }
+
+  if (op.kind == Op::kPrefetch) {
+    if (!a) {
+      h.unlock();
+      Report(op, Status(Code::kInvalidArgument, "prefetch: " + why));
+      h.lock();
+    } else if (!a->resident) {
+      a->pins += 1;
+      op.actual = a;
+      h.unlock();
+      Status st = Resident(a);  // a hint: when it cannot be honoured, the reload copies from the host
+      if (!st.ok()) std::fprintf(stderr, "%s (prefetch hint skipped)\n", st.ToString().c_str());
+      h.lock();
+    }
+    Release(h, op);
+    return;
+  }
+
+  const bool hit = a && op.ticket == a;
+  if (op.ticket && op.ticket->claimed_by == seq) op.ticket->claimed_by = 0;
+  if (a) {
+    MarkReloaded(*a);
+    if (a->claimed_by != 0) ledger_.MarkStale(h);  // a graph-mode reload cell may hold it as a guess
+    if (!hit) a->pins += 1;  // a prediction already pinned it
+    op.actual = a;
+  }
+  if (hit) {
+    ++ledger_.counts(h).prefetch_hits;
+    Release(h, op);
+    return;
+  }
+  ++ledger_.counts(h).prefetch_misses;
+  if (a && op.ticket) ledger_.tickets(h).Learn(a, op.meta.signature);
+  const Source src = a ? SourceOf(*a) : Source();
+  h.unlock();
+
+  if (!a) {
+    Report(op, Status(Code::kInvalidArgument, "reload: " + why + "; the output was filled with 0xFF bytes"));
+    ReleaseReload(op, /*fill_ff=*/true);
+  } else {
+    // Corrections run on fix_, not h2d_: h2d_ may already hold the prefetches of later ops, which wait
+    // for offloads that sit behind this op on XLA's stream. fix_ waits only for this op's own
+    // `filled` point, whose inputs all precede this op on XLA's stream.
+    Status st = Call(-1, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, op.filled, 0); });
+    if (st.ok()) st = transfers_.CopyTicket(fix_, src, op.staging, op.meta.nbytes, bounce_, "reload");
+    if (st.ok()) {
+      ReleaseReload(op, /*fill_ff=*/false);
+    } else {
+      // Never release XLA's stream onto the mispredicted ticket's bytes.
+      Report(op, Status(st.code(), st.ToString() + " (reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
+      ReleaseReload(op, /*fill_ff=*/true);
+    }
+  }
+  h.lock();
+  Release(h, op);
+}
+
+Status OpRing::Resident(const std::shared_ptr<Ticket>& t) {
+  // A prefetch hint: copy the ticket to a staging cell now (on fix_), if the budget has room without
+  // waiting. Its readers wait for the cell's free event, recorded right after the copy.
+  StagingLease lease;
+  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(t->meta.nbytes, CellUse::kReload, /*try_only=*/true, &lease));
+  if (!lease) return Status(Code::kOutOfMemory, "prefetch: no staging cell free within the staging budget");
+  const DriverTable& d = Driver(backend_);
+  Source host_only;
+  {
+    Held h = ledger_.Lock();
+    host_only = SourceOf(*t);
+    host_only.resident = 0;  // from its host block: the hint makes the device copy
+    host_only.resident_ready = nullptr;
+  }
+  Status st;
+  if (lease.wait) st = Call(-1, "prefetch", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, lease.wait, 0); });
+  if (st.ok()) st = transfers_.CopyTicket(fix_, host_only, lease.address, t->meta.nbytes, bounce_, "prefetch");
+  if (st.ok()) st = staging_.Record(&lease, fix_);  // readers wait for this event: the copy is in
+  Held h = ledger_.Lock();
+  if (!st.ok() || t->resident || t->freed) {
+    staging_.Return(&lease, fix_);
+    return st;
+  }
+  staging_.Pin(lease);
+  t->resident = lease;
+  return Status();
+}
+
+void OpRing::Completed(const Held& h, uint64_t seq) {
+  // Drops that waited for the GPU to pass every op enqueued before them.
+  MarkCompleted(h, seq);
+  for (auto it = pending_drops_.begin(); it != pending_drops_.end();) {
+    if (it->second > completed_seq_) {
+      ++it;
+      continue;
+    }
+    ledger_.DropTicket(h, it->first);
+    it = pending_drops_.erase(it);
+  }
+}
+
+void OpRing::CompleteTask(uint64_t seq) {
+  Op& op = ops_[seq % kRing];
+  Held h = ledger_.Lock();
+  Completed(h, seq);
+  if (op.kind == Op::kReload) {
+    if (op.ticket) op.ticket->pins -= 1, ledger_.Retire(h, op.ticket);
+    if (op.actual && op.actual != op.ticket) op.actual->pins -= 1;
+    if (op.actual) ledger_.Retire(h, op.actual);
+  } else if (op.kind == Op::kPrefetch && op.actual) {
+    op.actual->pins -= 1;
+    ledger_.Retire(h, op.actual);
+  }
+  Release(h, op);
+}
+
+void OpRing::OffloadedTask(uint64_t seq) {
+  Op& op = ops_[seq % kRing];
+  Held h = ledger_.Lock();
+  if (op.ticket) {
+    op.ticket->on_host = true;
+    ledger_.Retire(h, op.ticket);
+  }
+  Completed(h, seq);
+  Release(h, op);
+}
+
+void OpRing::Drop(uint64_t token) {
+  Held h = ledger_.Lock();
+  const uint64_t after = ledger_.issued(h);
+  if (after <= completed_seq_) ledger_.DropTicket(h, token);
+  else pending_drops_.emplace_back(token, after);
+}
+
+Status OpRing::Synchronize() {
+  {
+    Held h = ledger_.Lock();
+    const bool ok = cv_.wait_for(h, std::chrono::seconds(120), [&] {
+      for (auto& op : ops_)
+        if (op.pending) return false;
+      return true;
+    });
+    if (!ok) return Status(Code::kInternal, "engine did not drain within 120 s (a reload waiting for a ticket that never comes?)");
+  }
+  resolver_->Drain();
+  releaser_->Drain();
+  return Status();
+}
+
+RingStats OpRing::Stats() {
+  Held h = ledger_.Lock();
+  RingStats s;
+  const uint64_t issued = ledger_.issued(h);
+  s.ops_in_flight = static_cast<int64_t>(issued - completed_seq_);
+  s.seq_issued = static_cast<int64_t>(issued);
+  s.seq_completed = static_cast<int64_t>(completed_seq_);
+  s.handler_calls = handler_calls_;
+  if (!handler_ns_.empty()) {
+    std::vector<int64_t> v = handler_ns_;
+    std::sort(v.begin(), v.end());
+    s.handler_median_ns = v[v.size() / 2];
+    s.handler_p99_ns = v[std::min(v.size() - 1, v.size() * 99 / 100)];
+  }
+  return s;
+}
+
+}  // namespace jaxvmm

@@ -1,0 +1,134 @@
+// The op ring: offloads, reloads and prefetch hints enqueued by handlers XLA calls per execution (the
+// calls it did not capture into a command buffer). DESIGN.md, "Offload and reload".
+//
+// Each op takes one of kRing records (three events, pinned probe/ready/token words); its stream work
+// is enqueued by the handler, and host functions on the ring's streams wake two workers: the resolver
+// (learns which ticket a reload holds, corrects a misprediction, records completion) and the releaser
+// (an offload's D2H is done). Host functions only post to a worker; no driver call runs inside one.
+//
+// Owns: the records, the pinned words, streams d2h/h2d/fix/ctl/rel, the workers, the bounce buffers
+// its copies of pageable tickets use, the drops waiting for GPU progress, the handler timings. Handed:
+// the ledger (tickets; its lock also guards the records here), the host store, the staging area and
+// the transfers. Knows nothing of graph mode.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "bounce.h"
+#include "host_pool.h"
+#include "ledger.h"
+#include "staging.h"
+#include "status.h"
+#include "transfers.h"
+#include "worker.h"
+
+namespace jaxvmm {
+
+struct RingStats {
+  int64_t ops_in_flight = 0;
+  int64_t seq_issued = 0, seq_completed = 0;
+  // Host time spent in the handlers (XLA's thread), per call: median and 99th percentile of the last
+  // 4096 calls, in nanoseconds.
+  int64_t handler_calls = 0, handler_median_ns = 0, handler_p99_ns = 0;
+};
+
+class OpRing {
+ public:
+  OpRing(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, const Transfers& transfers);
+  ~OpRing();  // Stop() first
+  OpRing(const OpRing&) = delete;
+  OpRing& operator=(const OpRing&) = delete;
+
+  Status Init();  // streams, records, pinned words, workers
+  // Streams synchronized, then the workers drained and stopped (before the ledger frees tickets).
+  void Stop();
+
+  // The handlers' host time (outside any capture; `start`: when the handler began, for its timing).
+  // `stream` is XLA's stream (null on the cpu platform).
+  using Clock = std::chrono::steady_clock;
+  Status Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out, Clock::time_point start);
+  Status Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta, Clock::time_point start);
+  Status Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out, Clock::time_point start);
+
+  // Python dropped its last reference to a ticket: freed once the GPU has passed every op enqueued so far.
+  void Drop(uint64_t token);
+  // Blocks until every enqueued op has completed and the workers are idle.
+  Status Synchronize();
+  // The bounce buffers for pageable round tickets the resolver copies (made at an initialize stage).
+  void InitBounce();
+  int64_t bounce_copies() const { return bounce_.copies(); }
+  RingStats Stats();
+
+ private:
+  struct Op;
+  struct alignas(64) Words {
+    std::atomic<uint64_t> probe;  // reload: the token the GPU read, copied here by XLA's stream
+    std::atomic<uint64_t> ready;  // >= op seq once the staging cell holds what XLA's stream needs
+    uint64_t token;               // offload: the ticket's token, copied into XLA's output
+  };
+  using Held = Ledger::Held;
+
+  // Host side (handlers hold enqueue_mu_).
+  Op& BeginOp(Held& h);  // waits for a free record (kRing ops ahead of the GPU at most)
+  void MarkCompleted(const Held& h, uint64_t seq);
+  void Completed(const Held& h, uint64_t seq);  // MarkCompleted, then the drops it allows
+  Status EnqueueCompletion(Op& op, CUstream stream);
+  Status Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage);  // host function, counted in op.pending
+  // Ends a handler's enqueue: undoes a failed op, counts the handler's host time since `start`.
+  void FinishEnqueue(Op& op, const Status& st, Clock::time_point start);
+  void KeepResident(const Held& h, const std::shared_ptr<Ticket>& t, StagingLease* lease, CUstream stream);
+
+  // Worker side.
+  void ResolveTask(uint64_t seq);    // resolver: the token a reload/prefetch read is known
+  void CompleteTask(uint64_t seq);   // resolver: XLA's stream passed the reload/prefetch
+  void OffloadedTask(uint64_t seq);  // releaser: D2H done; the ticket is on the host, the op complete
+  void AbandonTask(uint64_t seq);    // the failed handler: undo an op whose enqueue failed part way
+  // Releases XLA's stream for a reload whose data could not be put in place: fills the cell with 0xFF
+  // (after every copy into it), then writes the word XLA's stream waits on.
+  void ReleaseReload(Op& op, bool fill_ff);
+  void Report(const Op& op, const Status& st);  // names the call site, then Ledger::Report
+  Status Resident(const std::shared_ptr<Ticket>& t);  // a prefetch hint's device copy
+  void Release(Held& h, Op& op);  // drops a reference to op (pending), waking BeginOp/AbandonTask
+
+  static void CUDA_CB OnResolve(void* op);
+  static void CUDA_CB OnComplete(void* op);
+  static void CUDA_CB OnOffloaded(void* op);
+
+  const Backend backend_;
+  const int device_;
+  Ledger& ledger_;
+  HostStore& host_store_;
+  StagingArea& staging_;
+  const Transfers& transfers_;
+  // d2h_: offload copies out; h2d_: reload prefetches (in handler order); fix_: the resolver's
+  // corrections and prefetch-hint copies; ctl_: event waits and the resolver's host functions; rel_:
+  // event waits and the releaser's host functions (an offload's D2H done). d2h_ and h2d_ carry copies,
+  // event records and the `ready` writes only: nothing on them waits for the other direction's copies
+  // except a reload's wait for its own ticket's D2H.
+  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr, rel_ = nullptr;
+  Words* words_ = nullptr;  // pinned, kRing entries
+  std::vector<Op> ops_;
+  PageableBounce bounce_;
+
+  std::mutex enqueue_mu_;  // one handler enqueues at a time: streams see ops in sequence order
+  // Guarded by the ledger lock: the records' `pending` and what follows.
+  std::condition_variable cv_;
+  uint64_t completed_seq_ = 0;   // every op <= this has passed XLA's stream
+  std::set<uint64_t> finished_;  // finished ops above completed_seq_ (out of order)
+  std::vector<std::shared_ptr<Ticket>> kept_;  // newest offloads keeping their staging cell
+  std::vector<std::pair<uint64_t, uint64_t>> pending_drops_;  // (token, after seq)
+  std::vector<int64_t> handler_ns_;  // ring of the last kTimings handler host times
+  int64_t handler_calls_ = 0;
+
+  // Workers last: destroyed first, after Stop() has synchronized every stream.
+  std::unique_ptr<Worker> resolver_, releaser_;
+};
+
+}  // namespace jaxvmm
