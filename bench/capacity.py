@@ -195,7 +195,7 @@ def run_trial(args, policy: str, n: int) -> dict:
             res["xla_host_temp_bytes"] = int(host_temp) if host_temp else 0
         stage = "run"
         dev = jax.devices()[0]
-        times, losses, pinned, staging = [], [], [], []
+        times, every, losses, pinned, staging = [], [], [], [], []
         with jaxvmm.memory_timeline(dev, interval_us=args.interval_us) as tl:
             params, x = ts.init_arrays(args.model, s)
             jax.block_until_ready((params, x))
@@ -211,6 +211,7 @@ def run_trial(args, policy: str, n: int) -> dict:
                 pinned.append(h["window_peak_in_use_bytes"])
                 staging.append(h["staging_window_peak_bytes"])
                 losses.append(float(loss))
+                every.append(dt)
                 if i >= args.warmup:
                     times.append(dt)
             del params, x
@@ -225,6 +226,7 @@ def run_trial(args, policy: str, n: int) -> dict:
         if ballast is not None:
             ballast.close()
     res["step_s"] = statistics.median(times)
+    res["every_step_s"] = [round(t, 4) for t in every]  # warm-up steps first
     res["steps"] = len(times)
     res["pinned_step_peak_bytes"] = max(pinned) if pinned else 0
     res["staging_step_peak_bytes"] = max(staging) if staging else 0

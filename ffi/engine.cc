@@ -27,7 +27,7 @@ Engine::Engine(Backend b, int device)
       device_(device),
       host_store_(b, device),
       staging_(b, device),
-      transfers_(b),
+      transfers_(b, device),
       ledger_(b, device, EngineKey(), host_store_, staging_),
       graph_(b, device, ledger_, host_store_, staging_, transfers_),
       ring_(b, device, ledger_, host_store_, staging_, transfers_) {}
@@ -141,9 +141,9 @@ Status Engine::Prepare(CUstream stream, int64_t site, ChannelKind kind, const Ar
   JAXVMM_RETURN_IF_ERROR(ctx.status());
   JAXVMM_RETURN_IF_ERROR(ledger_.TakeFor(stream));  // an earlier program on this stream failed later
   // The resolver copies graph-mode round tickets that live in pageable memory through these (made
-  // here, outside any capture, with the poller's).
-  ring_.InitBounce();
-  return graph_.Prepare(stream, site, kind, meta);
+  // here, outside any capture, with the poller's); without them no round ticket may be pageable.
+  const bool readers_can_bounce = ring_.InitBounce();
+  return graph_.Prepare(stream, site, kind, meta, readers_can_bounce);
 }
 
 // ---------------------------------------------------------------- the rest
@@ -173,23 +173,10 @@ EngineStats Engine::Stats() {
   EngineStats s;
   s.graph = graph_.Stats();  // before the ledger lock (lock order)
   s.graph.bounce_copies += ring_.bounce_copies();
-  const RingStats r = ring_.Stats();
-  s.ops_in_flight = r.ops_in_flight;
-  s.seq_issued = r.seq_issued;
-  s.seq_completed = r.seq_completed;
-  s.handler_calls = r.handler_calls;
-  s.handler_median_ns = r.handler_median_ns;
-  s.handler_p99_ns = r.handler_p99_ns;
+  s.ring = ring_.Stats();
   {
     Ledger::Held h = ledger_.Lock();
-    const LedgerCounts& c = ledger_.counts(h);
-    s.offloads = c.offloads;
-    s.reloads = c.reloads;
-    s.prefetches = c.prefetches;
-    s.prefetch_hits = c.prefetch_hits;
-    s.prefetch_misses = c.prefetch_misses;
-    s.errors = c.errors;
-    s.drops = c.drops;
+    s.counts = ledger_.counts(h);
     s.tickets_live = static_cast<int64_t>(ledger_.tickets(h).live());
     s.ticket_host_bytes = ledger_.tickets(h).host_bytes();
   }

@@ -31,17 +31,9 @@
 namespace jaxvmm {
 
 struct EngineStats {
-  int64_t offloads = 0, reloads = 0, prefetches = 0;
-  int64_t prefetch_hits = 0, prefetch_misses = 0;
+  LedgerCounts counts;  // offloads, reloads, prefetch hints and hits, async errors, drops
+  RingStats ring;       // where the op ring stands, its handlers' host time
   int64_t tickets_live = 0, ticket_host_bytes = 0;
-  int64_t errors = 0, drops = 0;
-  int64_t ops_in_flight = 0;
-  // Where the pipeline stands (for diagnosing a stall): sequence numbers handed out / passed by XLA's
-  // stream.
-  int64_t seq_issued = 0, seq_completed = 0;
-  // Host time spent in the op ring's handlers (XLA's thread), per call: median and 99th percentile of
-  // the last 4096 calls, in nanoseconds.
-  int64_t handler_calls = 0, handler_median_ns = 0, handler_p99_ns = 0;
   HostPoolStats host;       // the pinned pool
   HostPoolStats host_numa;  // the host_numa pool
   HostStoreKind host_store = HostStoreKind::kPinned;  // the store new offloads draw from

@@ -70,10 +70,11 @@ Status GraphMode::Init() {
 }
 
 GraphMode::~GraphMode() {
+  ScopedContext ctx(backend_, device_);  // a member: the engine's own context is gone by now
   const DriverTable& d = Driver(backend_);
   grower_.reset();
   for (CUstream s : {gd2h_, gh2d_, garm_, fix_})
-    if (s) d.StreamDestroy(s);
+    if (s) GiveBack("graph mode teardown", Entry::kStreamDestroy, [&] { return d.StreamDestroy(s); });
   kernels_.Unload();  // Stop() synchronized every stream that ran a grant kernel
 }
 
@@ -88,7 +89,7 @@ void GraphMode::WakePoller() {
 
 // ---------------------------------------------------------------- the initialize stage
 
-Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const ArrayMeta& meta) {
+Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const ArrayMeta& meta, bool readers_can_bounce) {
   if (meta.nbytes == 0) return Status();
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.prepares;
@@ -108,6 +109,7 @@ Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const
   // buffers (RoundTicketHost); without them such a round fails instead.
   if (Status bs = bounce_.Init(); !bs.ok())
     std::fprintf(stderr, "jaxvmm: pageable bounce buffers unavailable: %s\n", bs.ToString().c_str());
+  pageable_ok_ = bounce_.ready() && readers_can_bounce;
   if (created && kind == ChannelKind::kOffload) {
     // Pinned room for a new site's first rounds, made here (XLA's thread, before any round waits): the
     // poller only carves from the pool (RoundTicketHost), and a fresh pool has nothing to carve. Over
@@ -571,7 +573,7 @@ Status GraphMode::RoundTicketHost(size_t nbytes, HostBlock* out) {
   bool carved = false;
   JAXVMM_RETURN_IF_ERROR(host_store_.TryAllocate(nbytes, out, &carved));
   if (carved) return Status();
-  if (!bounce_.ready()) return Status(Code::kOutOfMemory, "the pinned host pool has no room for " + std::to_string(nbytes) + " bytes and the pageable fallback is unavailable");
+  if (!pageable_ok_) return Status(Code::kOutOfMemory, "the pinned host pool has no room for " + std::to_string(nbytes) + " bytes and the pageable fallback is unavailable");
   *out = host_store_.Pageable(nbytes);
   if (!*out) return Status(Code::kOutOfMemory, "no host memory for " + std::to_string(nbytes) + " bytes (pageable fallback)");
   ++stats_.host_fallbacks;

@@ -76,7 +76,10 @@ class GraphMode {
 
   // The initialize stage of an offload/reload call site: once per execution, on the host, outside any
   // capture. Creates the site's channel (pinned words, reserved cells) and wakes the poller.
-  Status Prepare(CUstream stream, int64_t site, ChannelKind kind, const ArrayMeta& meta);
+  // `readers_can_bounce`: the engine's other readers of round tickets (the op ring's resolver) can copy
+  // one in pageable memory; without that (and this part's own bounce buffers) a round ticket the pinned
+  // pool has no room for fails instead of going to pageable memory.
+  Status Prepare(CUstream stream, int64_t site, ChannelKind kind, const ArrayMeta& meta, bool readers_can_bounce);
   // The fixed device work of one round, enqueued on XLA's capturing stream (no allocation here).
   Status CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out);
   Status CapturedReload(CUstream stream, int64_t site, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta);
@@ -180,6 +183,7 @@ class GraphMode {
   // Round tickets in pageable memory (RoundTicketHost) are copied through these pinned buffers, made
   // by the first initialize stage (never on the poller, the only thread that uses them).
   PageableBounce bounce_;
+  bool pageable_ok_ = false;  // bounce_ and the other readers' bounce buffers are ready (Prepare)
   // Unloaded guesses whose cell's copy (the prefetch that reads them) may still run, with that cell's
   // event at the time: unpinned by ReleaseUnpins once it has completed.
   std::vector<std::pair<CUevent, std::shared_ptr<Ticket>>> unpin_after_;

@@ -37,12 +37,13 @@ Ledger::Ledger(Backend b, int device, uint64_t engine_key, HostStore& host, Stag
 Ledger::~Ledger() {
   ScopedContext ctx(backend_, device_);
   const DriverTable& d = Driver(backend_);
+  const char* what = "ledger teardown";
   tickets_.ForEach([&](Ticket& t) {
     host_.Free(t.host);
-    if (t.d2h_done) d.EventDestroy(t.d2h_done);
+    if (t.d2h_done) GiveBack(what, Entry::kEventDestroy, [&] { return d.EventDestroy(t.d2h_done); });
     if (t.resident) staging_.Return(&t.resident, nullptr);
   });
-  for (CUevent e : event_pool_) d.EventDestroy(e);
+  for (CUevent e : event_pool_) GiveBack(what, Entry::kEventDestroy, [&] { return d.EventDestroy(e); });
 }
 
 void Ledger::Retire(const Held& h, const std::shared_ptr<Ticket>& t) {

@@ -83,18 +83,21 @@ void OpRing::Stop() {
 }
 
 OpRing::~OpRing() {
+  ScopedContext ctx(backend_, device_);  // a member: the engine's own context is gone by now
   const DriverTable& d = Driver(backend_);
+  const char* what = "op ring teardown";
   for (auto& op : ops_)
     for (CUevent e : {op.tok, op.done, op.filled})
-      if (e) d.EventDestroy(e);
+      if (e) GiveBack(what, Entry::kEventDestroy, [&] { return d.EventDestroy(e); });
   for (CUstream s : {d2h_, h2d_, fix_, ctl_, rel_})
-    if (s) d.StreamDestroy(s);
-  if (words_) d.MemFreeHost(words_);
+    if (s) GiveBack(what, Entry::kStreamDestroy, [&] { return d.StreamDestroy(s); });
+  if (words_) GiveBack(what, Entry::kMemFreeHost, [&] { return d.MemFreeHost(words_); });
 }
 
-void OpRing::InitBounce() {
+bool OpRing::InitBounce() {
   Status st = bounce_.Init();
   if (!st.ok()) std::fprintf(stderr, "jaxvmm: pageable bounce buffers unavailable: %s\n", st.ToString().c_str());
+  return st.ok();
 }
 
 // ---------------------------------------------------------------- host side

@@ -32,6 +32,8 @@
 namespace jaxvmm {
 
 struct RingStats {
+  // Where the pipeline stands (for diagnosing a stall): ops not yet passed by XLA's stream, sequence
+  // numbers handed out / passed.
   int64_t ops_in_flight = 0;
   int64_t seq_issued = 0, seq_completed = 0;
   // Host time spent in the handlers (XLA's thread), per call: median and 99th percentile of the last
@@ -62,7 +64,7 @@ class OpRing {
   // Blocks until every enqueued op has completed and the workers are idle.
   Status Synchronize();
   // The bounce buffers for pageable round tickets the resolver copies (made at an initialize stage).
-  void InitBounce();
+  bool InitBounce();  // true: ready
   int64_t bounce_copies() const { return bounce_.copies(); }
   RingStats Stats();
 

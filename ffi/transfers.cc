@@ -34,7 +34,9 @@ Source SourceOf(const Ticket& t) {
 }
 
 Transfers::~Transfers() {
-  if (clock_) Driver(backend_).MemFreeHost(clock_);
+  if (!clock_) return;
+  ScopedContext ctx(backend_, device_);  // a member: the engine's own context is gone by now
+  GiveBack("transfers teardown", Entry::kMemFreeHost, [&] { return Driver(backend_).MemFreeHost(clock_); });
 }
 
 Status Transfers::Init() {

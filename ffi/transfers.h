@@ -36,7 +36,7 @@ Source SourceOf(const Ticket& t);
 
 class Transfers {
  public:
-  explicit Transfers(Backend b) : backend_(b) {}
+  Transfers(Backend b, int device) : backend_(b), device_(device) {}
   ~Transfers();
   Transfers(const Transfers&) = delete;
   Transfers& operator=(const Transfers&) = delete;
@@ -60,6 +60,7 @@ class Transfers {
 
  private:
   const Backend backend_;
+  const int device_;
   std::atomic<uint64_t>* clock_ = nullptr;  // pinned, device-mapped
 };
 

@@ -50,6 +50,14 @@ CUresult CopyToDeviceNow(const DriverTable& d, CUdeviceptr dst, const void* src,
 void ReportLeak(const Status& st);
 int64_t LeakCount();
 
+// Gives a driver object back (a destroy, free or unload in a destructor): a failure cannot be returned,
+// so it is reported as a leak (stats()["leaked"]) instead of being dropped.
+template <typename F>
+void GiveBack(const char* what, Entry entry, F&& fn) {
+  Status st = Call(-1, what, entry, std::forward<F>(fn));
+  if (!st.ok()) ReportLeak(st);
+}
+
 // ---- context ----
 // Makes `device`'s primary context current on this thread for the guard's lifetime (CUDA), restoring
 // the previous one after. The primary context is retained once per device and kept (jax shares it).

@@ -282,6 +282,29 @@ def test_gpu_offload_storm_stays_within_depth_cells():
     """), env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, timeout=120))
 
 
+@pytest.mark.gpu
+def test_gpu_engine_torn_down_from_a_thread_without_a_context_frees_everything():
+    # Review finding (the engine split): the engine's parts free their streams, events and pinned words
+    # in their own destructors, which run after ~Engine's context scope has ended; from a thread with
+    # no current context (close_all from any Python thread) those frees ran without one. Each part now
+    # makes the device's context current itself, and a free that fails is a reported leak.
+    ok(run_in_subprocess(PRELUDE + textwrap.dedent("""
+        import threading
+        from jaxvmm._native import lib
+        x = jnp.arange(1 << 20, dtype=jnp.float32)
+        step = jax.jit(lambda x: jaxvmm.reload(jaxvmm.offload(x)))
+        for cycle in range(3):
+            assert bool(jnp.array_equal(step(x), x))
+            jaxvmm.synchronize()
+            before = jaxvmm.stats()["leaked"]
+            t = threading.Thread(target=lambda: lib.close_all(False))  # a fresh thread: no CUDA context
+            t.start()
+            t.join()
+            assert jaxvmm.stats()["leaked"] == before, (cycle, before, jaxvmm.stats()["leaked"])
+        print("OK")
+    """), env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, timeout=180))
+
+
 # ---- bug 6: shutdown with work in flight ----
 def test_exit_with_ops_in_flight_is_clean():
     # Interpreter exit right after enqueueing: close_all drains the engines (streams before workers),

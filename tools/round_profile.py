@@ -1,0 +1,79 @@
+"""Where a graph-mode round's time goes on the device (GPU): the MLP-scan row of bench/train_step.py
+(`--mlp-shape B,D,L`, mlp_hidden) traced with jax.profiler (CUPTI: every kernel, replayed graph nodes
+included), for save-on-device and for jaxvmm in separate processes:
+
+    python tools/round_profile.py --variant save   --shape 256,512,64 --dir /tmp/prof_save
+    python tools/round_profile.py --variant jaxvmm --shape 256,512,64 --dir /tmp/prof_vmm
+
+Prints per traced step: the GPU span, busy time (union of kernel intervals on all streams), kernel count,
+and the kernels grouped by name (count, mean and total microseconds), jaxvmm's round kernels first."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", default="jaxvmm")
+    ap.add_argument("--shape", default="256,512,64")
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--steps", type=int, default=2)
+    args = ap.parse_args()
+    import jax
+
+    import train_step as ts
+
+    s = ts.shapes_for("mlp", False, None, args.shape)
+    step = ts.build_step("mlp", "mlp_hidden", args.variant, s, "auto")
+    params, x = ts.init_arrays("mlp", s)
+    for _ in range(4):
+        loss, params = step(params, x)
+    jax.block_until_ready((loss, params))
+    with jax.profiler.trace(args.dir, create_perfetto_trace=True):
+        for _ in range(args.steps):
+            loss, params = step(params, x)
+        jax.block_until_ready((loss, params))
+    path = sorted(glob.glob(os.path.join(args.dir, "**", "*perfetto_trace.json.gz"), recursive=True))[-1]
+    report(path, args.variant)
+    return 0
+
+
+def report(path: str, variant: str) -> None:
+    with gzip.open(path, "rt") as f:
+        tr = json.load(f)
+    ev = tr["traceEvents"] if isinstance(tr, dict) else tr
+    pnames = {e["pid"]: e.get("args", {}).get("name", "") for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, n in pnames.items() if "GPU" in n or "gpu" in n}
+    ks = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur") is not None]
+    if not ks:
+        print("no GPU events; process names:", sorted(set(pnames.values()))[:20])
+        return
+    ks.sort(key=lambda e: e["ts"])
+    t0, t1 = ks[0]["ts"], max(e["ts"] + e["dur"] for e in ks)
+    busy, end = 0.0, -1e30
+    for e in ks:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    by = collections.defaultdict(list)
+    for e in ks:
+        by[e["name"][:60]].append(e["dur"])
+    streams = collections.Counter((e["pid"], e["tid"]) for e in ks)
+    print(f"{variant}: {len(ks)} GPU events on {len(streams)} rows, span {(t1 - t0) / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms")
+    rows = sorted(by.items(), key=lambda kv: (not kv[0].startswith("jaxvmm"), -sum(kv[1])))
+    for name, d in rows[:25]:
+        print(f"  {name:60s} n={len(d):5d} mean={sum(d) / len(d):8.2f} us total={sum(d) / 1e3:8.3f} ms")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
