@@ -153,6 +153,12 @@ Status Engine::Synchronize() {
   return ring_.Synchronize();
 }
 
+Status Engine::ReserveHost(size_t bytes) {
+  ScopedContext ctx(backend_, device_);
+  JAXVMM_RETURN_IF_ERROR(ctx.status());
+  return host_store_.Reserve(bytes).At(-1, "reserve_host");
+}
+
 size_t Engine::Trim() {
   size_t n = staging_.Trim();
   n += host_store_.Trim();

@@ -82,6 +82,10 @@ class Engine {
   // Returns the staging area's idle pages, graph mode's idle cells and the host_numa store's empty
   // chunks to the driver now; returns the bytes returned.
   size_t Trim();
+  // Pins host memory for tickets now: the store in force gets a free block of at least `bytes` (a new
+  // chunk when it has none), within host_pool_limit. The first steps near a budget then need not wait
+  // for the pool to grow (pinning is slow: ~0.6 s/GiB).
+  Status ReserveHost(size_t bytes);
   // Test hook: while paused the poller serves no round (a round the device finished stays unserved).
   void PausePoller(bool paused) { graph_.PausePoller(paused); }
   EngineStats Stats();

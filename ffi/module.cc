@@ -737,6 +737,15 @@ NB_MODULE(_jaxvmm, m) {
     Check(first);
     return waited;
   });
+  m.def("engine_reserve_host", [engine](const std::string& backend, int device, size_t bytes) {
+    Engine* e = engine(backend, device);
+    Status st;
+    {
+      nb::gil_scoped_release nogil;
+      st = e->ReserveHost(bytes);
+    }
+    Check(st);
+  });
   m.def("engine_trim", [engine](const std::string& backend, int device) {
     Engine* e = engine(backend, device);
     nb::gil_scoped_release nogil;

@@ -26,7 +26,8 @@ from .errors import (
     StaleHandleError,
     VmmError,
 )
-from .ops import Ticket, after, check, collect, configure, engine_stats, offload, prefetch, reload, synchronize, trim
+from .ops import (Ticket, after, check, collect, configure, engine_stats, offload, prefetch, reload, reserve_host,
+                  synchronize, trim)
 from .slots import Slot
 from . import memory
 from .memory import Ballast, MemoryTimeline, host_stats, memory_timeline, reset_peaks
@@ -124,6 +125,7 @@ __all__ = [
     "check",
     "synchronize",
     "configure",
+    "reserve_host",
     "engine_stats",
     "checkpoint",
     "remat",

@@ -795,6 +795,21 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
     return out
 
 
+def reserve_host(nbytes: int | str, device=None) -> None:
+    """Pin host memory for offloaded arrays now, before the steps that need it.
+
+    Makes sure the host store of ``device`` (jax's default device when ``None``; an index, a
+    ``jax.Device`` or a string such as ``"cuda:0"``) has a free block of at least ``nbytes`` (an int,
+    or a size string such as ``"14G"``), pinning a new chunk if it has none. Otherwise the pool grows
+    while the first steps run, and pinning is slow (about 0.6 s per GiB on an H200 host): the first
+    steps of a job whose round tickets outgrow the pool go through pageable memory and wait for the
+    grower. ``host_stats()["window_peak_in_use_bytes"]`` of an earlier run tells how much a step
+    needs. Raises ``OutOfMemoryError`` past ``host_pool_limit``."""
+    n = _config.parse_size(nbytes, "jaxvmm.reserve_host: nbytes")
+    tgt = target_of(device)
+    lib.engine_reserve_host(tgt.backend, tgt.ordinal, n)
+
+
 def trim() -> int:
     """Return every idle staging page to the driver now (they also go back by themselves after
     ``staging_idle_ms`` without an op), and the host_numa store's empty chunks (their VA ranges stay

@@ -555,6 +555,43 @@ def test_steady_state_pinned_pool_with_small_chunks_subprocess():
     assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env()))
 
 
+def test_reserve_host_pins_a_steps_worth_ahead_subprocess():
+    """jaxvmm.reserve_host pins the host memory a step needs before the first step: the steps then pin
+    nothing (with 2 MiB chunks, each 1.5 MiB ticket would otherwise take a chunk of its own as the pool
+    grows). Past host_pool_limit it raises OutOfMemoryError and pins nothing; bad sizes are refused."""
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np, jaxvmm
+        jaxvmm.configure(host_pool_chunk=2 << 20, host_pool_limit=64 << 20)
+        xs = [jnp.full((384 * 1024,), float(i), jnp.float32) for i in range(6)]   # 1.5 MiB each
+        step = jax.jit(lambda xs: [jaxvmm.reload(t) for t in reversed([jaxvmm.offload(x) for x in xs])])
+        jaxvmm.reserve_host("12M", device="cpu:0")
+        s0 = jaxvmm.engine_stats()["cpu:0"]
+        assert s0["pinned_allocs"] == 1 and s0["pinned_bytes"] == 12 << 20, s0
+        for _ in range(3):
+            ys = step(xs)
+            jaxvmm.synchronize()
+        assert all(np.array_equal(y, x) for y, x in zip(ys, reversed(xs)))
+        s1 = jaxvmm.engine_stats()["cpu:0"]
+        assert s1["pinned_allocs"] == 1 and s1["pinned_bytes"] == 12 << 20, s1   # all six fit the reserved block
+        try:
+            jaxvmm.reserve_host(128 << 20)
+        except jaxvmm.OutOfMemoryError as e:
+            assert "host_pool_limit" in str(e), str(e)
+        else:
+            raise SystemExit("no error past the limit")
+        assert jaxvmm.engine_stats()["cpu:0"]["pinned_bytes"] == 12 << 20
+        for bad in (0, -1, "lots", 1.5):
+            try:
+                jaxvmm.reserve_host(bad)
+            except jaxvmm.InvalidArgumentError:
+                pass
+            else:
+                raise SystemExit(f"reserve_host({bad!r}) accepted")
+        print("OK")
+    """)
+    assert_clean_subprocess(run_in_subprocess(code, env=subprocess_env()))
+
+
 # Peak staging memory: peak_mapped_bytes is process-wide and monotonic, so each depth gets a fresh process.
 _PEAK_CODE = """
 import jax, jax.numpy as jnp, numpy as np, jaxvmm
