@@ -195,6 +195,8 @@ def run_trial(args, policy: str, n: int) -> dict:
             res["xla_host_temp_bytes"] = int(host_temp) if host_temp else 0
         stage = "run"
         dev = jax.devices()[0]
+        if args.reserve_host and policy.startswith("jaxvmm"):
+            jaxvmm.reserve_host(args.reserve_host, dev)  # a step's worth pinned before the first step
         times, every, losses, pinned, staging = [], [], [], [], []
         with jaxvmm.memory_timeline(dev, interval_us=args.interval_us) as tl:
             params, x = ts.init_arrays(args.model, s)
@@ -468,6 +470,8 @@ def main(argv=None) -> int:
     # Three: near the budget the pinned pool is still growing over the first steps (round tickets
     # beyond it go to pageable memory, each copied by the poller), which the first timed steps measured.
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--reserve-host", default=None, metavar="SIZE",
+                    help="jaxvmm policies: jaxvmm.reserve_host(SIZE) before the first step (e.g. 14G)")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds for the whole run (default 320; --quick 130); the last trials are cut short")
     ap.add_argument("--quick", action="store_true", help="coarse search, fewer steps: ~2 minutes on an H200")

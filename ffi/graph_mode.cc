@@ -483,7 +483,7 @@ void GraphMode::UnmapPages(Channel& c, CellPages* p, const char* kept) {
 }
 
 void GraphMode::Unload(const Held& h, Channel& c, int i) {
-  // Caller holds mu_ and mu_. The guess's pin outlives the cell's last copy (its prefetch reads the
+  // Caller holds mu_ and the ledger's lock (h). The guess's pin outlives the cell's last copy (its prefetch reads the
   // ticket's host block or device copy): while that copy may still run, the pin waits in unpin_after_.
   Cell& cell = c.cells[i];
   if (!cell.loaded) return;
@@ -761,7 +761,7 @@ void GraphMode::FillInvalid(Channel& c, int i) {
 }
 
 std::shared_ptr<Ticket> GraphMode::FindForRound(const Held& h, const Channel& c, uint64_t token, std::string* why) {
-  // Caller holds mu_. The ticket a reload round's probed token names, if it is one this call site can
+  // Caller holds the ledger's lock (h). The ticket a reload round's probed token names, if it is one this call site can
   // reload (same size and signature).
   std::shared_ptr<Ticket> a = ledger_.tickets(h).Find(token, why);
   if (a && (a->meta.nbytes != c.meta.nbytes || a->meta.signature != c.meta.signature)) {
@@ -773,7 +773,7 @@ std::shared_ptr<Ticket> GraphMode::FindForRound(const Held& h, const Channel& c,
 }
 
 bool GraphMode::TakeForRound(const Held& h, Channel& c, int i, const std::shared_ptr<Ticket>& a, Source* src) {
-  // Caller holds mu_. The round consumes `a` (null: a bad token) in cell i: a hit when it is the
+  // Caller holds mu_ and the ledger's lock (h). The round consumes `a` (null: a bad token) in cell i: a hit when it is the
   // prediction cell i already holds (its pin passes to the round), else cell i's prediction is dropped
   // and *src says where the correction copies from.
   Cell& cell = c.cells[i];
