@@ -2,7 +2,7 @@
 // buffers, so that the driver never gets a pageable pointer for an asynchronous copy.
 //
 // Why: a graph-mode round ticket the pinned pool has no room for lives in pageable memory
-// (GraphMode::RoundTicketHost). Given such a pointer, cuMemcpyDtoHAsync/HtoDAsync "might be synchronous"
+// (RoundHostSupply::Allocate). Given such a pointer, cuMemcpyDtoHAsync/HtoDAsync "might be synchronous"
 // with the host (the poller would wait inside the driver's staging) and the driver documents no order
 // between those staged bytes and the memops jaxvmm orders its copies with. Here the CPU moves the
 // pageable bytes (memcpy) and the DMA engine sees pinned memory only.

@@ -58,21 +58,19 @@ CUdeviceptr Addr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CU
 
 GraphMode::GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, Transfers& transfers)
     : backend_(b), device_(device), ledger_(ledger), host_store_(host), staging_(staging), transfers_(transfers),
-      channels_(b, device), bounce_(b, device), kernels_(b) {}
+      channels_(b, device), round_host_(b, device, host), kernels_(b) {}
 
 Status GraphMode::Init() {
   const DriverTable& d = Driver(backend_);
   for (CUstream* s : {&gd2h_, &gh2d_, &garm_, &fix_})
     JAXVMM_RETURN_IF_ERROR(Call(-1, "engine init", Entry::kStreamCreateWithPriority,
                                 [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
-  grower_ = std::make_unique<Worker>("jaxvmm-grow", backend_, device_);
-  return Status();
+  return round_host_.Init();
 }
 
 GraphMode::~GraphMode() {
   ScopedContext ctx(backend_, device_);  // a member: the engine's own context is gone by now
   const DriverTable& d = Driver(backend_);
-  grower_.reset();
   for (CUstream s : {gd2h_, gh2d_, garm_, fix_})
     if (s) GiveBack("graph mode teardown", Entry::kStreamDestroy, [&] { return d.StreamDestroy(s); });
   kernels_.Unload();  // Stop() synchronized every stream that ran a grant kernel
@@ -105,17 +103,15 @@ Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const
       std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ks.ToString().c_str());
     }
   }
-  // Round tickets the pinned pool has no room for go to pageable memory, copied through these
-  // buffers (RoundTicketHost); without them such a round fails instead.
-  if (Status bs = bounce_.Init(); !bs.ok())
-    std::fprintf(stderr, "jaxvmm: pageable bounce buffers unavailable: %s\n", bs.ToString().c_str());
-  pageable_ok_ = bounce_.ready() && readers_can_bounce;
+  // Round tickets the pinned pool has no room for go to pageable memory, copied through bounce buffers
+  // made here; without them such a round fails instead.
+  round_host_.Prepare(readers_can_bounce);
   if (created && kind == ChannelKind::kOffload) {
     // Pinned room for a new site's first rounds, made here (XLA's thread, before any round waits): the
-    // poller only carves from the pool (RoundTicketHost), and a fresh pool has nothing to carve. Over
+    // poller only carves from the pool (RoundHostSupply::Allocate), and a fresh pool has nothing to carve. Over
     // the host pool's limit this fails and the rounds fall back as they would; later growth is the
     // grower's (once per site: an initialize stage runs for every execution).
-    (void)host_store_.Reserve(static_cast<size_t>(EngineConfig::GraphCells() + 1) * meta.nbytes);
+    round_host_.Reserve(static_cast<size_t>(EngineConfig::GraphCells() + 1) * meta.nbytes);
   }
   c->stream = stream;
   if (c->ncells == 0) JAXVMM_RETURN_IF_ERROR(ReserveCells(*c, meta, kind));
@@ -546,7 +542,7 @@ std::shared_ptr<Ticket> GraphMode::MakeRoundTicket(const Channel& c, uint64_t to
   // A graph-mode offload round's ticket, with its host block (its D2H completion is a gd2h_ sequence number): a new token (0), or
   // the reserved token the device took (kernel grants). Null, and *st says why, when it cannot be made.
   HostBlock host;
-  *st = RoundTicketHost(c.meta.nbytes, &host).At(-1, "offload (graph)");
+  *st = round_host_.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
   Held h = ledger_.Lock();
   if (token) ledger_.Disarm(h, token);  // from now on its ticket (or its absence) speaks for it
   std::shared_ptr<Ticket> t;
@@ -565,30 +561,6 @@ std::shared_ptr<Ticket> GraphMode::MakeRoundTicket(const Channel& c, uint64_t to
   return t;
 }
 
-Status GraphMode::RoundTicketHost(size_t nbytes, HostBlock* out) {
-  // The poller, while the device may wait for this round: no cuMemHostAlloc here (DESIGN.md, driver
-  // facts: it waits for a driver lock a blocked cuGraphLaunch holds). Carve from the pool's chunks;
-  // without room, pageable memory (copied through bounce_, never given to the driver), and
-  // the grower pins a chunk for the tickets after this one.
-  bool carved = false;
-  JAXVMM_RETURN_IF_ERROR(host_store_.TryAllocate(nbytes, out, &carved));
-  if (carved) return Status();
-  if (!pageable_ok_) return Status(Code::kOutOfMemory, "the pinned host pool has no room for " + std::to_string(nbytes) + " bytes and the pageable fallback is unavailable");
-  *out = host_store_.Pageable(nbytes);
-  if (!*out) return Status(Code::kOutOfMemory, "no host memory for " + std::to_string(nbytes) + " bytes (pageable fallback)");
-  ++stats_.host_fallbacks;
-  if (!growing_host_.exchange(true)) {
-    const size_t want = std::max<size_t>(4 * nbytes, HostPool::ChunkSize());
-    grower_->Post([this, want, nbytes] {
-      // Room for four such tickets (or a chunk); under host_pool_limit, as much as fits down to one
-      // ticket. An error at one ticket (the limit) leaves the fallback in use.
-      for (size_t w = want; !host_store_.Reserve(w).ok() && w > nbytes;) w = std::max(w / 2, nbytes);
-      growing_host_.store(false);
-    });
-  }
-  return Status();
-}
-
 Status GraphMode::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t) {
   // The round's bytes, D2H out of cell i into t's host block on gd2h_: t is reloadable once that is
   // enqueued. A failure drops t (its bytes never reached the host: a reload of it fails).
@@ -597,7 +569,7 @@ Status GraphMode::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>
   Cell& cell = c.cells[i];
   // Pageable memory goes through the bounce buffers (their D2H waits for copies already on gd2h_,
   // which waits for nothing of XLA's): the bytes are on the host when it returns.
-  Status st = t->host.pageable ? bounce_.ToHost(gd2h_, t->host.ptr, cell.addr, c.meta.nbytes, stage)
+  Status st = t->host.pageable ? round_host_.bounce().ToHost(gd2h_, t->host.ptr, cell.addr, c.meta.nbytes, stage)
                                : transfers_.CopyToHost(gd2h_, t->host, cell.addr, c.meta.nbytes, stage);
   const uint64_t seq = gd2h_issued_ + 1;  // gd2h_ runs in order: its word passing seq means this D2H is done
   if (st.ok()) st = WriteDevice(gd2h_, transfers_.graph_clock_address(), seq, stage);
@@ -717,7 +689,7 @@ void GraphMode::PrefetchInto(Channel& c) {
       cell.loaded = t;
       src = RoundSourceOf(*t);
     }
-    Status st = transfers_.CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, bounce_, "reload prefetch (graph)");
+    Status st = transfers_.CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload prefetch (graph)");
     bool armed = false;
     if (st.ok() && use_kernels_) {
       // The device's grant: grant[i] names the token only once its bytes are in the cell (stream
@@ -862,7 +834,7 @@ bool GraphMode::ServiceReload(Channel& c) {
     Status st;
     if (cell.stream && cell.stream != fix_)
       st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, cell.event, 0); });
-    if (st.ok()) st = transfers_.CopyTicket(fix_, src, cell.addr, c.meta.nbytes, bounce_, "reload (graph)");
+    if (st.ok()) st = transfers_.CopyTicket(fix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload (graph)");
     if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
     cell.stream = fix_;
     if (!st.ok()) {
@@ -1195,7 +1167,7 @@ bool GraphMode::ServiceReloadK(Channel& c) {
       Grant(&w.go, c, j, go);
       return busy;
     }
-    st = transfers_.CopyTicket(fix_, src, cell.addr, c.meta.nbytes, bounce_, "reload (graph)");
+    st = transfers_.CopyTicket(fix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload (graph)");
     if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
     cell.stream = fix_;
     if (!st.ok()) {
@@ -1377,7 +1349,8 @@ size_t GraphMode::Trim() {
 GraphStats GraphMode::Stats() {
   std::lock_guard<std::mutex> lock(mu_);
   GraphStats s = stats_;
-  s.bounce_copies = bounce_.copies();
+  s.bounce_copies = round_host_.copies();
+  s.host_fallbacks = round_host_.fallbacks();
   return s;
 }
 

@@ -4,8 +4,8 @@
 // Owns: the channels (per call site: pinned words, K cells at fixed VAs, spares), the grant kernels,
 // the poller thread, streams gd2h (D2H out of offload cells, the grants behind them, the graph D2H
 // clock), gh2d (prefetches into reload cells), garm (grants of cells that took a spare) and fix
-// (corrections and 0xFF fills), the bounce buffers for pageable round tickets, and a grower worker that
-// pins host memory for later rounds. Handed: the ledger (tickets, errors, armed tokens), the host
+// (corrections and 0xFF fills), and the supply of round tickets' host blocks (RoundHostSupply: the
+// pool, else pageable memory, its bounce buffers and the grower that pins more). Handed: the ledger (tickets, errors, armed tokens), the host
 // store, the staging area (its budget charges every cell's pages) and the transfers (copies, the
 // clock). Knows nothing of the op ring.
 //
@@ -24,15 +24,14 @@
 #include <utility>
 #include <vector>
 
-#include "bounce.h"
 #include "channels.h"
 #include "graph_kernels.h"
 #include "host_pool.h"
 #include "ledger.h"
+#include "round_host.h"
 #include "staging.h"
 #include "status.h"
 #include "transfers.h"
-#include "worker.h"
 
 namespace jaxvmm {
 
@@ -113,9 +112,6 @@ class GraphMode {
   // A graph-mode offload round's ticket with its host block: a new token (0), or the token the device
   // took (kernel grants). Null, and *st says why, when it cannot be made. Takes the ledger lock.
   std::shared_ptr<Ticket> MakeRoundTicket(const Channel& c, uint64_t token, Status* st);
-  // A round ticket's host block carved from the pool; without room, pageable memory (copied through
-  // bounce_) while the grower pins more for the tickets after it (never cuMemHostAlloc on the poller).
-  Status RoundTicketHost(size_t nbytes, HostBlock* out);
   Status CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t);  // D2H of cell i on gd2h_
   void RecordOffloadError(const Channel& c, const Status& st);
   // Caller holds the ledger lock too. The ticket a reload round's token names, if this call site can
@@ -180,18 +176,13 @@ class GraphMode {
   bool poll_stop_ = false;
   bool poll_paused_ = false;     // test hook (PausePoller): passes skipped while set
   bool kernels_warmed_ = false;  // WarmKernels ran
-  // Round tickets in pageable memory (RoundTicketHost) are copied through these pinned buffers, made
-  // by the first initialize stage (never on the poller, the only thread that uses them).
-  PageableBounce bounce_;
-  bool pageable_ok_ = false;  // bounce_ and the other readers' bounce buffers are ready (Prepare)
+  RoundHostSupply round_host_;  // round tickets' host blocks, pageable ones' bounce buffers, the grower
   // Unloaded guesses whose cell's copy (the prefetch that reads them) may still run, with that cell's
   // event at the time: unpinned by ReleaseUnpins once it has completed.
   std::vector<std::pair<CUevent, std::shared_ptr<Ticket>>> unpin_after_;
   GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
   bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage
-  std::atomic<bool> growing_host_{false};  // a growth is queued on grower_ (RoundTicketHost)
-  std::unique_ptr<Worker> grower_;  // pins host pool chunks for round tickets (nothing waits for it)
 };
 
 }  // namespace jaxvmm

@@ -1474,7 +1474,7 @@ def test_a_first_execution_of_many_rounds_creates_no_event():
 
 
 def test_the_grower_pins_within_the_limit_when_the_4x_chunk_does_not_fit():
-    """RoundTicketHost asks the grower for one hole of max(4 x nbytes, host_pool_chunk). When that does
+    """RoundHostSupply::Allocate asks the grower for one hole of max(4 x nbytes, host_pool_chunk). When that does
     not fit under host_pool_limit (here 64 MiB, chunk 256 MiB) HostPool::Reserve fails without pinning
     anything, though chunks for the tickets themselves fit: every later round ticket stays in pageable
     memory (its D2H synchronous on the poller) for the life of the process."""

@@ -85,6 +85,9 @@ LAYERS: dict[str, Group] = {
     "ledger": Group(7, ("ledger.h", "ledger.cc"),
                     only=frozenset({"tickets.h", "host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h",
                                     "status.h", "driver.h"})),
+    # graph-mode round tickets' host blocks: the pool, else pageable memory and its bounce buffers, the grower
+    "round_host": Group(6, ("round_host.h", "round_host.cc"),
+                        only=frozenset({"bounce.h", "host_pool.h", "worker.h", "status.h", "driver.h"})),
     # the op ring and graph mode sit side by side: neither sees the other (nor the engine)
     "op_ring": Group(8, ("op_ring.h", "op_ring.cc"),
                      only=frozenset({"ledger.h", "transfers.h", "worker.h", "tickets.h", "bounce.h", "host_pool.h",
@@ -92,7 +95,7 @@ LAYERS: dict[str, Group] = {
                                      "driver.h"})),
     "graph_mode": Group(8, ("graph_mode.h", "graph_mode.cc"),
                         only=frozenset({"ledger.h", "transfers.h", "channels.h", "graph_kernels.h", "graph_words.h",
-                                        "worker.h", "tickets.h", "bounce.h", "host_pool.h", "staging.h",
+                                        "round_host.h", "tickets.h", "host_pool.h", "staging.h",
                                         "registry.h", "slot.h", "config.h", "vmm.h", "status.h", "driver.h"})),
     # the offload engine: owns the parts and hands each call to the part that serves it
     "engine": Group(9, ("engine.h", "engine.cc")),
