@@ -662,16 +662,21 @@ int LinkMicros() {
   return us;
 }
 
-// An async copy between pinned host memory and the device: over the slow link when it applies (an
-// async stream, not capturing), else as any other copy.
-CUresult PinnedCopyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+// An async copy that waits `us` microseconds on its stream before it reads its source, where that
+// applies (an async stream, not capturing), else as any other copy.
+CUresult DelayedCopyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s, int us) {
   auto* ps = reinterpret_cast<PosixStream*>(s);
-  if (!ps || !ps->async || ps->capturing || LinkMicros() <= 0) return PosixMemcpyAsync(dst, src, n, s);
-  return Enqueue(s, [dst, src, n] {
-    std::this_thread::sleep_for(std::chrono::microseconds(LinkMicros()));
+  if (!ps || !ps->async || ps->capturing || us <= 0) return PosixMemcpyAsync(dst, src, n, s);
+  return Enqueue(s, [dst, src, n, us] {
+    std::this_thread::sleep_for(std::chrono::microseconds(us));
     std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
     return CUDA_SUCCESS;
   });
+}
+
+// An async copy between pinned host memory and the device: over the slow link.
+CUresult PinnedCopyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+  return DelayedCopyAsync(dst, src, n, s, LinkMicros());
 }
 
 CUresult PosixMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
@@ -690,8 +695,19 @@ CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) 
     return CUDA_SUCCESS;
   });
 }
+// JAXVMM_POSIX_DTOD_US=N (with JAXVMM_POSIX_ASYNC): every cuMemcpyDtoDAsync on a side stream (not
+// capturing) waits N microseconds on its stream before it reads its source: a device-to-device copy
+// queued behind a busy device, so a source reused before its copy runs shows in the bytes.
+int DtoDMicros() {
+  static const int us = [] {
+    const char* v = std::getenv("JAXVMM_POSIX_DTOD_US");
+    return v && *v ? std::atoi(v) : 0;
+  }();
+  return us;
+}
+
 CUresult PosixMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
-  return PosixMemcpyAsync(dst, src, n, s);
+  return DelayedCopyAsync(dst, src, n, s, DtoDMicros());
 }
 CUresult PosixMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
   return Enqueue(s, [=] {

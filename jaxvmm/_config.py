@@ -144,6 +144,9 @@ VARIABLES = {
         EnvVar("JAXVMM_POSIX_LINK_US", "int", 0, 10_000_000,
                "tests, cpu platform with JAXVMM_POSIX_ASYNC: each copy between pinned memory and the device (D2H, "
                "H2D) takes N us more on its stream, as a link slower than the device (0: off)"),
+        EnvVar("JAXVMM_POSIX_DTOD_US", "int", 0, 10_000_000,
+               "tests, cpu platform with JAXVMM_POSIX_ASYNC: each device-to-device copy on a side stream waits N us "
+               "on its stream before it reads its source, as behind a busy device (0: off)"),
         EnvVar("JAXVMM_REQUIRE_GPU", "bool", doc="tests: a gpu test without a GPU fails instead of skipping (off)"),
         EnvVar("JAXVMM_REQUIRE_2GPU", "bool", doc="tests: a 2-GPU test with fewer GPUs fails instead of skipping (off)"),
     )

@@ -1194,6 +1194,53 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
+    """A lent spare holds a round's bytes until that round's D2H is done *and* no reader pins its ticket
+    (GraphMode::ReturnSpares). The rule had no test that failed without it: readers of a lent cell (a
+    reload's device-to-device correction, a prefetch) used to finish long before the D2H they race. Here
+    every side-stream D2D waits 300 ms (JAXVMM_POSIX_DTOD_US) and every D2H 20 ms: forward rounds A..D
+    on one stream lend two spares (A's and B's bytes); a reload of B on a second stream copies from B's
+    lent cell, slowly; B's D2H ends meanwhile; more forward rounds on the first stream lend spares
+    again. Without the pin rule B's spare is lent to one of them and overwritten before the reload's copy
+    reads it (the reload returned 105, a later round's bytes)."""
+    code = textwrap.dedent('''
+        import time, numpy as np, jaxvmm
+        from jaxvmm.testing import Replay
+        from jaxvmm._native import lib
+        N = 3 * 4096 + 100
+        mk = lambda n: jaxvmm.Slot(n, device="cpu")
+        x, y, tok, tok2 = mk(N), mk(N), mk(8), mk(8)
+        FS, RS = 1 << 41, (1 << 41) + 1
+        with Replay("cpu") as rf, Replay("cpu") as rb:   # two streams: the reload waits while offloads go on
+            rf.prepare(FS, rf.OFFLOAD, N); rb.prepare(RS, rb.RELOAD, N)
+            with rf.capture() as fwd:
+                rf.offload(FS, x.address, N, tok.address)
+            with rb.capture() as bwd:
+                rb.reload(RS, tok2.address, y.address, N)
+            toks = []
+            for i in range(4):
+                x.write(np.full(N, 10 + i, np.uint8)); rf.launch(fwd[0]); rf.synchronize()
+                toks.append(bytes(tok.read()))
+            s0 = lib.engine_stats("posix", 0)
+            assert s0["graph_lends"] >= 2, s0
+            tok2.write(np.frombuffer(toks[1], np.uint8)); rb.launch(bwd[0])   # reload B
+            time.sleep(0.1)                                                   # B's D2H ends
+            for i in range(6):
+                x.write(np.full(N, 100 + i, np.uint8)); rf.launch(fwd[0]); rf.synchronize()
+            rb.synchronize()
+            got = np.frombuffer(bytes(y.read()), np.uint8)
+            s = lib.engine_stats("posix", 0)
+            assert s["graph_lent_reads"] - s0["graph_lent_reads"] >= 1, (s0, s)   # B was read from its lent cell
+            assert s["graph_lends"] > s0["graph_lends"], (s0, s)                   # and spares were lent again
+            assert np.all(got == 11), np.unique(got)
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "2",
+                                        "JAXVMM_GRAPH_SPARES": "2", "JAXVMM_POSIX_ASYNC": "1",
+                                        "JAXVMM_POSIX_LINK_US": "20000", "JAXVMM_POSIX_DTOD_US": "300000"}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 def test_a_waiting_round_gets_the_device_pages_of_its_own_free_spare():
     """Found in review: a round that knocks for its cell on a full device released the idle cells and
     spares of every channel except its own (it is waiting), so a free spare of its own kept device
