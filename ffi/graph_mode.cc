@@ -25,7 +25,7 @@
 //   reload round (XLA's stream)
 //     copy  probe <- token_in              sees request: the ticket `probe` names; go = 1 after its
 //     write request = 1                    bytes are in the cell (a prefetched prediction: at once;
-//     wait  go == 1                        else an H2D on fix_), or after 0xFF for a bad token
+//     wait  go == 1                        else an H2D on gfix_), or after 0xFF for a bad token
 //     write go = 0
 //     copy  y <- cell
 //     write done = 1                       sees done: the ticket is consumed; prefetch the next guess
@@ -62,7 +62,7 @@ GraphMode::GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, Sta
 
 Status GraphMode::Init() {
   const DriverTable& d = Driver(backend_);
-  for (CUstream* s : {&gd2h_, &gh2d_, &garm_, &fix_})
+  for (CUstream* s : {&gd2h_, &gh2d_, &garm_, &gfix_})
     JAXVMM_RETURN_IF_ERROR(Call(-1, "engine init", Entry::kStreamCreateWithPriority,
                                 [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
   return round_host_.Init();
@@ -71,7 +71,7 @@ Status GraphMode::Init() {
 GraphMode::~GraphMode() {
   ScopedContext ctx(backend_, device_);  // a member: the engine's own context is gone by now
   const DriverTable& d = Driver(backend_);
-  for (CUstream s : {gd2h_, gh2d_, garm_, fix_})
+  for (CUstream s : {gd2h_, gh2d_, garm_, gfix_})
     if (s) GiveBack("graph mode teardown", Entry::kStreamDestroy, [&] { return d.StreamDestroy(s); });
   kernels_.Unload();  // Stop() synchronized every stream that ran a grant kernel
 }
@@ -719,13 +719,13 @@ void GraphMode::FillInvalid(Channel& c, int i) {
   const DriverTable& d = Driver(backend_);
   Cell& cell = c.cells[i];
   Status st;
-  if (cell.stream && cell.stream != fix_)
-    st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, cell.event, 0); });
-  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(cell.addr, 0xFF, c.meta.nbytes, fix_); });
-  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
-  cell.stream = fix_;
+  if (cell.stream && cell.stream != gfix_)
+    st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(gfix_, cell.event, 0); });
+  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kMemsetD8Async, [&] { return d.MemsetD8Async(cell.addr, 0xFF, c.meta.nbytes, gfix_); });
+  if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
+  cell.stream = gfix_;
   if (!st.ok()) {
-    d.StreamSynchronize(fix_);
+    d.StreamSynchronize(gfix_);
     d.StreamSynchronize(gh2d_);
     cell.stream = nullptr;
     ledger_.Report(c.stream, st);
@@ -830,13 +830,13 @@ bool GraphMode::ServiceReload(Channel& c) {
       Grant(&w.go, c, 0);
       return busy;
     }
-    // A correction on fix_, after any copy still running into the cell (a prefetch of another guess).
+    // A correction on gfix_, after any copy still running into the cell (a prefetch of another guess).
     Status st;
-    if (cell.stream && cell.stream != fix_)
-      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, cell.event, 0); });
-    if (st.ok()) st = transfers_.CopyTicket(fix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload (graph)");
-    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
-    cell.stream = fix_;
+    if (cell.stream && cell.stream != gfix_)
+      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(gfix_, cell.event, 0); });
+    if (st.ok()) st = transfers_.CopyTicket(gfix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload (graph)");
+    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
+    cell.stream = gfix_;
     if (!st.ok()) {
       ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
       FillInvalid(c, 0);
@@ -1137,20 +1137,20 @@ bool GraphMode::ServiceReloadK(Channel& c) {
     cell.host_grant = true;
     c.last_use = std::chrono::steady_clock::now();
     const uint64_t go = static_cast<uint64_t>(j) + 1;
-    // On fix_, after every copy into the cell (a prefetch and its grant write): clear grant[j] (the
+    // On gfix_, after every copy into the cell (a prefetch and its grant write): clear grant[j] (the
     // host decides what the cell holds now), put the bytes in, then go.
     Status st;
-    if (cell.stream && cell.stream != fix_)
-      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, cell.event, 0); });
-    if (st.ok()) st = WriteDevice(fix_, c.Grant(j), 0, "reload (graph)");
-    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
-    if (st.ok()) cell.stream = fix_;
+    if (cell.stream && cell.stream != gfix_)
+      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(gfix_, cell.event, 0); });
+    if (st.ok()) st = WriteDevice(gfix_, c.Grant(j), 0, "reload (graph)");
+    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
+    if (st.ok()) cell.stream = gfix_;
     if (!st.ok()) {
       // grant[j] may still name a prefetched token: wait for every copy, then clear it in order.
       d.StreamSynchronize(gh2d_);
-      d.StreamSynchronize(fix_);
-      st = WriteDevice(fix_, c.Grant(j), 0, "reload (graph)");
-      if (st.ok()) d.StreamSynchronize(fix_);
+      d.StreamSynchronize(gfix_);
+      st = WriteDevice(gfix_, c.Grant(j), 0, "reload (graph)");
+      if (st.ok()) d.StreamSynchronize(gfix_);
       cell.stream = nullptr;
       if (!st.ok()) ledger_.Report(c.stream, st);
     }
@@ -1167,9 +1167,9 @@ bool GraphMode::ServiceReloadK(Channel& c) {
       Grant(&w.go, c, j, go);
       return busy;
     }
-    st = transfers_.CopyTicket(fix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload (graph)");
-    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, fix_); });
-    cell.stream = fix_;
+    st = transfers_.CopyTicket(gfix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload (graph)");
+    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
+    cell.stream = gfix_;
     if (!st.ok()) {
       ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
       FillInvalid(c, j);
@@ -1272,7 +1272,7 @@ void GraphMode::Stop() {
   poll_cv_.notify_all();
   if (poller_.joinable()) poller_.join();
   const DriverTable& d = Driver(backend_);
-  for (CUstream s : {gd2h_, gh2d_, garm_, fix_})  // every copy into or out of a cell has finished
+  for (CUstream s : {gd2h_, gh2d_, garm_, gfix_})  // every copy into or out of a cell has finished
     if (s) d.StreamSynchronize(s);
   std::lock_guard<std::mutex> lock(mu_);
   channels_.ForEach([&](Channel& c) {

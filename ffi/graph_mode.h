@@ -3,11 +3,11 @@
 //
 // Owns: the channels (per call site: pinned words, K cells at fixed VAs, spares), the grant kernels,
 // the poller thread, streams gd2h (D2H out of offload cells, the grants behind them, the graph D2H
-// clock), gh2d (prefetches into reload cells), garm (grants of cells that took a spare) and fix
+// clock), gh2d (prefetches into reload cells), garm (grants of cells that took a spare) and gfix
 // (corrections and 0xFF fills), and the supply of round tickets' host blocks (RoundHostSupply: the
-// pool, else pageable memory, its bounce buffers and the grower that pins more). Handed: the ledger (tickets, errors, armed tokens), the host
-// store, the staging area (its budget charges every cell's pages) and the transfers (copies, the
-// clock). Knows nothing of the op ring.
+// pool, else pageable memory, its bounce buffers and the grower that pins more). Handed: the ledger
+// (tickets, errors, armed tokens), the host store, the staging area (its budget charges every cell's
+// pages) and the transfers (copies, the clock). Knows nothing of the op ring.
 //
 // Lock order: GraphMode::mu_ -> Ledger::mu_ -> HostPool / StagingArea -> Registry -> Slot. The poller
 // holds mu_ while it serves a pass (dropping it between passes); the op ring never takes it.
@@ -162,8 +162,8 @@ class GraphMode {
   Transfers& transfers_;
   // gd2h_: D2H out of offload cells and the grants behind them; gh2d_: prefetches into reload cells
   // and their grants; garm_: grants of offload cells that took a spare (no copy of theirs is pending:
-  // nothing to queue behind); fix_: corrections and 0xFF fills. Nothing on them waits for XLA's streams.
-  CUstream gd2h_ = nullptr, gh2d_ = nullptr, garm_ = nullptr, fix_ = nullptr;
+  // nothing to queue behind); gfix_: corrections and 0xFF fills. Nothing on them waits for XLA's streams.
+  CUstream gd2h_ = nullptr, gh2d_ = nullptr, garm_ = nullptr, gfix_ = nullptr;
 
   std::mutex mu_;  // guards everything below
   ChannelTable channels_;
