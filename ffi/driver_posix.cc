@@ -485,10 +485,14 @@ CUresult PosixMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CU
 // exposes ordering between streams that the synchronous default hides (tests opt in per process).
 // JAXVMM_POSIX_ASYNC=N > 1 also delays each operation by a random 0..N microseconds first, as a busy
 // GPU delays a stream: an order that holds only by luck of timing shows.
-int AsyncStreams() {
-  const char* v = std::getenv("JAXVMM_POSIX_ASYNC");
+// The cpu backend's test knobs: an integer environment variable, 0 when unset or empty (Python
+// validated it at import: jaxvmm/_config.py).
+int EnvInt(const char* name) {
+  const char* v = std::getenv(name);
   return v && *v ? std::atoi(v) : 0;
 }
+
+int AsyncStreams() { return EnvInt("JAXVMM_POSIX_ASYNC"); }
 
 // Bytes a copy read at its call and that reach their destination later, at Land() (the models of the
 // driver's staged copies below).
@@ -655,10 +659,7 @@ std::atomic<int64_t> g_pageable_copies{0};  // async copies given a pageable hos
 // slower than the device: copies queue up behind one another, and a source overwritten before its copy
 // runs shows in the bytes.
 int LinkMicros() {
-  static const int us = [] {
-    const char* v = std::getenv("JAXVMM_POSIX_LINK_US");
-    return v && *v ? std::atoi(v) : 0;
-  }();
+  static const int us = EnvInt("JAXVMM_POSIX_LINK_US");
   return us;
 }
 
@@ -699,10 +700,7 @@ CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) 
 // capturing) waits N microseconds on its stream before it reads its source: a device-to-device copy
 // queued behind a busy device, so a source reused before its copy runs shows in the bytes.
 int DtoDMicros() {
-  static const int us = [] {
-    const char* v = std::getenv("JAXVMM_POSIX_DTOD_US");
-    return v && *v ? std::atoi(v) : 0;
-  }();
+  static const int us = EnvInt("JAXVMM_POSIX_DTOD_US");
   return us;
 }
 

@@ -22,9 +22,9 @@ INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 # More jaxvmm ops than the engine's ring of op records can never be in flight, so a deeper prefetch means nothing.
 MAX_PREFETCH_DEPTH = 1024
-# Graph-mode cells per channel (ffi/channels.h, kMaxCells).
+# Graph-mode cells per channel (ffi/graph_words.h, kMaxCells).
 MAX_GRAPH_CELLS = 4
-# Spare cells per graph-mode offload channel (ffi/channels.h, kMaxSpares).
+# Spare cells per graph-mode offload channel (ffi/graph_words.h, kMaxSpares).
 MAX_GRAPH_SPARES = 64
 
 _UNITS = {

@@ -1203,13 +1203,9 @@ def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
     lent cell, slowly; B's D2H ends meanwhile; more forward rounds on the first stream lend spares
     again. Without the pin rule B's spare is lent to one of them and overwritten before the reload's copy
     reads it (the reload returned 105, a later round's bytes)."""
-    code = textwrap.dedent('''
-        import time, numpy as np, jaxvmm
-        from jaxvmm.testing import Replay
-        from jaxvmm._native import lib
-        N = 3 * 4096 + 100
-        mk = lambda n: jaxvmm.Slot(n, device="cpu")
-        x, y, tok, tok2 = mk(N), mk(N), mk(8), mk(8)
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        import time
+        tok2 = mk(8)
         FS, RS = 1 << 41, (1 << 41) + 1
         with Replay("cpu") as rf, Replay("cpu") as rb:   # two streams: the reload waits while offloads go on
             rf.prepare(FS, rf.OFFLOAD, N); rb.prepare(RS, rb.RELOAD, N)

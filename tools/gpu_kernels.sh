@@ -9,14 +9,8 @@ export JAXVMM_REQUIRE_GPU=1
 gpu_tests graph 240 tests/test_graph.py tests/test_graph_xla.py
 timeout 120 python3 tools/round_profile.py --variant jaxvmm --shape 256,512,64 --dir /tmp/prof_k > "$OUT/prof.txt" 2>&1
 echo "=== profile ($((SECONDS - T0)) s)"; grep -E "jaxvmm|memcpy128|Memcpy" "$OUT/prof.txt" | head -8
-row() {  # row SHAPE [env...]
-  local shape=$1; shift
-  env "$@" timeout 70 python3 bench/train_step.py --models mlp --targets mlp_hidden --mlp-shape $shape --variants save,jaxvmm \
-    --steps 20 --warmup 3 --timeout 60 >> "$OUT/rows.txt" 2>&1
-  echo "=== row $shape $* ($((SECONDS - T0)) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-260
-}
 : > "$OUT/rows.txt"
-row 256,512,64
-row 256,512,64
-row 256,512,64 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE
-row 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_GRAPH_SPARES=64
+mlp_row acq_rel 256,512,64
+mlp_row acq_rel 256,512,64
+mlp_row acq_rel 256,512,64 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE
+mlp_row acq_rel 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_GRAPH_SPARES=64

@@ -10,6 +10,4 @@ T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
 gpu_tests core 230 tests/test_engine.py tests/test_graph.py tests/test_graph_xla.py
-XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 110 python3 -P tools/watchdog.py 100 bench/capacity.py --trial jaxvmm-dots 26 \
-  --budget 24G --warmup 3 --reserve-host 14G > "$OUT/trial_dots26_reserved.txt" 2>&1
-echo "=== trial jaxvmm-dots 26, 14G reserved ($((SECONDS - T0)) s)"; grep -E "CAPACITY_RESULT|watchdog|Error" "$OUT/trial_dots26_reserved.txt" | cut -c1-900
+capacity_trial dots26_reserved jaxvmm-dots 26 --warmup 3 --reserve-host 14G

@@ -13,6 +13,4 @@ gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
 JAXVMM_GRAPH_SPARES=8 gpu_tests graph_spares8 120 tests/test_graph.py
 XLA_FLAGS=--xla_gpu_enable_command_buffer= gpu_tests offload_off 100 tests/test_offload.py
 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE gpu_tests offload_while 100 tests/test_offload.py
-XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 100 python3 -P tools/watchdog.py 88 bench/capacity.py --trial jaxvmm-dots 26 \
-  --budget 24G > "$OUT/trial_dots26.txt" 2>&1
-echo "=== trial jaxvmm-dots 26 ($((SECONDS - T0)) s)"; grep -E "CAPACITY_RESULT|watchdog" "$OUT/trial_dots26.txt" | cut -c1-900
+capacity_trial dots26 jaxvmm-dots 26 --warmup 1

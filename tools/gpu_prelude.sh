@@ -13,3 +13,25 @@ gpu_tests() {
   echo "=== $name rc=$? $(grep -E '(passed|failed|error).* in ' "$OUT/$name.txt" | tail -1) ($((SECONDS - ${T0:-0})) s)"
   grep -E "^(FAILED|ERROR)" "$OUT/$name.txt" | cut -c1-250 | head -8; grep -E "^E  " "$OUT/$name.txt" | cut -c1-300 | head -6
 }
+
+# capacity_trial NAME POLICY LAYERS [capacity.py args...]: one bench/capacity.py trial (24 GiB budget,
+# XLA's platform allocator unless XLA_PYTHON_CLIENT_ALLOCATOR says otherwise) under the watchdog into
+# $OUT/trial_NAME.txt, then its result line.
+capacity_trial() {
+  local name=$1 policy=$2 n=$3; shift 3
+  XLA_PYTHON_CLIENT_ALLOCATOR=${XLA_PYTHON_CLIENT_ALLOCATOR:-platform} timeout 110 python3 -P tools/watchdog.py 100 \
+    bench/capacity.py --trial "$policy" "$n" --budget 24G "$@" > "$OUT/trial_$name.txt" 2>&1
+  echo "=== trial $name: $policy $n $* ($((SECONDS - ${T0:-0})) s)"
+  grep -E "CAPACITY_RESULT|watchdog|Error" "$OUT/trial_$name.txt" | cut -c1-900
+}
+
+# mlp_row LABEL SHAPE [VAR=value ...]: bench/train_step.py's MLP-scan, MLP-hidden row (save on device
+# and jaxvmm in one run) with --mlp-shape SHAPE ("" keeps the default shape) and those environment
+# variables, appended to $OUT/rows.txt; then its two table lines. STEPS (20), WARMUP (3) and ROW_TIMEOUT
+# (70 s) override.
+mlp_row() {
+  local label=$1 shape=$2 to=${ROW_TIMEOUT:-70}; shift 2
+  env "$@" timeout "$to" python3 bench/train_step.py --models mlp --targets mlp_hidden ${shape:+--mlp-shape "$shape"} \
+    --variants save,jaxvmm --steps "${STEPS:-20}" --warmup "${WARMUP:-3}" --timeout $((to - 5)) >> "$OUT/rows.txt" 2>&1
+  echo "=== row $label $shape $* ($((SECONDS - ${T0:-0})) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-400
+}

@@ -12,6 +12,4 @@ prof() {  # prof NAME [env...]
 }
 prof two_nodes JAXVMM_GRAPH_FUSED=0
 prof cells4 JAXVMM_GRAPH_CELLS=4
-timeout 70 env JAXVMM_GRAPH_CELLS=4 python3 bench/train_step.py --models mlp --targets mlp_hidden --mlp-shape 256,512,64 \
-  --variants save,jaxvmm --steps 20 --warmup 3 --timeout 60 > "$OUT/rows.txt" 2>&1
-echo "=== row cells4 ($((SECONDS - T0)) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-200
+mlp_row cells4 256,512,64 JAXVMM_GRAPH_CELLS=4

@@ -7,18 +7,14 @@ T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
 JAXVMM_GRAPH_SPARES=8 gpu_tests graph_spares8 150 tests/test_graph.py tests/test_graph_xla.py
-row() {  # row SHAPE SPARES XLA_FLAGS
-  JAXVMM_GRAPH_SPARES=$2 XLA_FLAGS="$3" timeout 60 python3 bench/train_step.py --models mlp --targets mlp_hidden \
-    --mlp-shape $1 --variants save,jaxvmm --steps 20 --warmup 3 --timeout 55 >> "$OUT/rows.txt" 2>&1
-  echo "=== row $1 spares=$2 XLA_FLAGS='$3' ($((SECONDS - T0)) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-400
-}
 : > "$OUT/rows.txt"
-row 1024,512,64 0 ""
-row 1024,512,64 32 ""
-row 1024,512,64 16 ""
-row 256,512,64 0 ""
-row 256,512,64 16 ""
-row 1024,512,64 32 "--xla_gpu_enable_command_buffer=+WHILE"
-row 1024,512,64 0 "--xla_gpu_enable_command_buffer=+WHILE"
-(( SECONDS - T0 < 480 )) && row 1024,512,64 64 ""
-(( SECONDS - T0 < 520 )) && row 256,1024,64 16 ""
+export ROW_TIMEOUT=60
+mlp_row spares=0 1024,512,64 JAXVMM_GRAPH_SPARES=0 XLA_FLAGS=""
+mlp_row spares=32 1024,512,64 JAXVMM_GRAPH_SPARES=32 XLA_FLAGS=""
+mlp_row spares=16 1024,512,64 JAXVMM_GRAPH_SPARES=16 XLA_FLAGS=""
+mlp_row spares=0 256,512,64 JAXVMM_GRAPH_SPARES=0 XLA_FLAGS=""
+mlp_row spares=16 256,512,64 JAXVMM_GRAPH_SPARES=16 XLA_FLAGS=""
+mlp_row spares=32 1024,512,64 JAXVMM_GRAPH_SPARES=32 XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE"
+mlp_row spares=0 1024,512,64 JAXVMM_GRAPH_SPARES=0 XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE"
+(( SECONDS - T0 < 480 )) && mlp_row spares=64 1024,512,64 JAXVMM_GRAPH_SPARES=64 XLA_FLAGS=""
+(( SECONDS - T0 < 520 )) && mlp_row spares=16 256,1024,64 JAXVMM_GRAPH_SPARES=16 XLA_FLAGS=""

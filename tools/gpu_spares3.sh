@@ -7,11 +7,7 @@ T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
 JAXVMM_GRAPH_CELLS=1 JAXVMM_GRAPH_SPARES=2 gpu_tests graph_k1_spares2 80 tests/test_graph.py
-row() {  # row SPARES
-  JAXVMM_GRAPH_SPARES=$1 timeout 100 python3 bench/train_step.py --models mlp --targets mlp_hidden \
-    --variants save,jaxvmm --steps 10 --warmup 2 --timeout 95 >> "$OUT/rows.txt" 2>&1
-  echo "=== row mlp hidden spares=$1 ($((SECONDS - T0)) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-420
-}
 : > "$OUT/rows.txt"
-row 4
-row 0
+export STEPS=10 WARMUP=2 ROW_TIMEOUT=100
+mlp_row spares=4 "" JAXVMM_GRAPH_SPARES=4
+mlp_row spares=0 "" JAXVMM_GRAPH_SPARES=0

@@ -14,13 +14,8 @@ XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 60 python3 tools/ring_cost.py
 XLA_FLAGS=--xla_gpu_enable_command_buffer= JAXVMM_TRACE=1 timeout 60 python3 tools/ring_cost.py > "$OUT/ring_cost_traced.txt" 2> "$OUT/trace.txt"
 python3 tools/ring_cost.py --trace "$OUT/trace.txt" >> "$OUT/ring_cost_traced.txt"; rm -f "$OUT/trace.txt"
 echo "=== ring cost ($((SECONDS - T0)) s)"; cat "$OUT/ring_cost.txt" | tail -2; head -22 "$OUT/ring_cost_traced.txt"
-row() {  # row LABEL SHAPE
-  timeout 70 python3 bench/train_step.py --models mlp --targets mlp_hidden --mlp-shape $2 --variants save,jaxvmm \
-    --steps 20 --warmup 3 --timeout 60 >> "$OUT/rows.txt" 2>&1
-  echo "=== row $1 $2 ($((SECONDS - T0)) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-300
-}
 : > "$OUT/rows.txt"
-row fenced 256,512,64
+mlp_row fenced 256,512,64
 python3 - <<'PY'
 import re
 p = "ffi/kernels/graph_kernels.cu"; s = open(p).read()
@@ -29,5 +24,5 @@ assert old in s
 open(p, "w").write(s.replace(old, "      *(volatile u64*)*(volatile u64*)&c->publish = 1;\n"))
 PY
 bash tools/gen_ptx.sh && python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build2.txt" 2>&1 || tail -5 "$OUT/build2.txt"
-row no_trailing_fence 256,512,64
-row no_trailing_fence_2 256,512,64
+mlp_row no_trailing_fence 256,512,64
+mlp_row no_trailing_fence_2 256,512,64
