@@ -1,5 +1,6 @@
-"""Device time of graph-mode rounds, fused (one kernel node per round) against two nodes (a take
-kernel, then a copy kernel; JAXVMM_GRAPH_FUSED=0), measured in one process without XLA.
+"""Device time of graph-mode rounds, fused (one kernel node per round; JAXVMM_GRAPH_FUSED=1) against
+separate nodes (a take kernel, a copy kernel, a publish kernel; the default), measured in one process
+without XLA.
 
     python bench/graph_rounds.py                      # 64 offload rounds of 1 MiB per replay, 30 replays
     python bench/graph_rounds.py --rounds 128 --size 256K --reps 50
@@ -52,7 +53,7 @@ def main() -> int:
     st = lambda: (jaxvmm.synchronize(), lib.engine_stats(t.backend, t.ordinal))[1]
     try:
         with Replay(args.device) as r:
-            for mode, fused in (("fused", 1), ("two-node", 0)):
+            for mode, fused in (("fused", 1), ("nodes", 0)):
                 lib.graph_fused(fused)
                 sites = [base + i for i in range(args.rounds)]
                 base += args.rounds

@@ -12,7 +12,7 @@ std::atomic<int> g_keep{0};
 std::atomic<bool> g_graph_kernels{true};
 std::atomic<int> g_graph_cells{2};
 std::atomic<int> g_graph_spares{0};
-std::atomic<bool> g_graph_fused{true};
+std::atomic<bool> g_graph_fused{false};
 std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
 }  // namespace

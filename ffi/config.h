@@ -26,7 +26,8 @@ struct EngineConfig {
   static void SetGraphSpares(int n);
   static int GraphSpares();
   // Graph mode with grant kernels and K > 1 cells: record each round as one fused take + copy kernel
-  // (default on) instead of a take kernel then a copy kernel. Read at each capture (a channel's rounds
+  // instead of three nodes, a take kernel, a copy kernel and a publish kernel (default off: the three
+  // nodes take less device time, no grid-wide handshake or last-block fences). Read at each capture (a channel's rounds
   // may be recorded either way: each round leaves the channel's words as it found them).
   static void SetGraphFused(bool on);
   static bool GraphFused();

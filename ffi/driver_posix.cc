@@ -1021,7 +1021,7 @@ CUresult KTakeReload(const uint64_t* a) {  // (Cells* cells, u32* token_in, u64*
   return CUDA_SUCCESS;
 }
 
-// The whole grid's copy at once (memmove: any size and alignment), then the last block's publish.
+// The whole grid's copy at once (memmove: any size and alignment); no publish (jaxvmm_publish follows).
 CUresult KCellCopy(const uint64_t* a) {  // (Cells* cells, u64 other, u64 nbytes, u64 out)
   DeviceWords* c = Cells(a);
   if (!c->ptr || !c->publish) return CUDA_ERROR_ILLEGAL_ADDRESS;  // no take kernel chose a cell
@@ -1029,12 +1029,18 @@ CUresult KCellCopy(const uint64_t* a) {  // (Cells* cells, u64 other, u64 nbytes
   void* other = reinterpret_cast<void*>(a[1]);
   if (a[3]) std::memmove(other, cell, a[2]);
   else std::memmove(cell, other, a[2]);
+  return CUDA_SUCCESS;
+}
+
+CUresult KPublish(const uint64_t* a) {  // (Cells* cells)
+  DeviceWords* c = Cells(a);
+  if (!c->publish) return CUDA_ERROR_ILLEGAL_ADDRESS;  // no take kernel chose a cell
   W(c->publish)->store(1, std::memory_order_release);
   return CUDA_SUCCESS;
 }
 
 // A fused round (jaxvmm_fused_offload / jaxvmm_fused_reload): the grid's first block to arrive takes
-// (the take kernel's function, after-take hook included), releases `ready`, then the whole grid's copy
+// (the take kernel's function, after-take hook included), releases `ready` (the cell's address), then the whole grid's copy
 // (memmove), then the last block's reset of the round's words and publish. A round that finds the
 // words of the previous one still set fails (on a device its blocks would skip the take and copy
 // through a stale cell), so the cpu tests check that every replay leaves them as it found them.
@@ -1049,10 +1055,9 @@ CUresult FusedRound(const uint64_t* a, CUresult (*take)(const uint64_t*), const 
     Field(c->arrive)->store(0, std::memory_order_release);
     return r;
   }
-  Field(c->ready)->store(1, std::memory_order_release);
-  // The other blocks: they saw `ready` (acquire), then read the chosen cell.
-  if (Field(c->ready)->load(std::memory_order_acquire) != 1) return CUDA_ERROR_ILLEGAL_ADDRESS;
-  void* cell = reinterpret_cast<void*>(Field(c->ptr)->load(std::memory_order_relaxed));
+  Field(c->ready)->store(Field(c->ptr)->load(std::memory_order_relaxed), std::memory_order_release);
+  // The other blocks: `ready` (acquire) is the chosen cell.
+  void* cell = reinterpret_cast<void*>(Field(c->ready)->load(std::memory_order_acquire));
   const uint64_t publish = Field(c->publish)->load(std::memory_order_relaxed);
   if (!cell || !publish) return CUDA_ERROR_ILLEGAL_ADDRESS;
   void* other = reinterpret_cast<void*>(a[1]);
@@ -1099,6 +1104,7 @@ constexpr PosixKernel kKernels[] = {
     {"jaxvmm_take_reload", 5, KTakeReload, false},
     {"jaxvmm_revoke", 3, KRevoke, false},
     {"jaxvmm_cell_copy", 4, KCellCopy, true},
+    {"jaxvmm_publish", 1, KPublish, false},
     {"jaxvmm_fused_offload", 5, KFusedOffload, true, true},
     {"jaxvmm_fused_reload", 7, KFusedReload, true, true},
 };

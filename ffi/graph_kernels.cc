@@ -24,7 +24,8 @@ Status GraphKernels::Load(int device) {
   };
   for (Want w : {Want{"jaxvmm_take_offload", &take_offload_}, Want{"jaxvmm_take_reload", &take_reload_},
                  Want{"jaxvmm_revoke", &revoke_}, Want{"jaxvmm_cell_copy", &cell_copy_},
-                 Want{"jaxvmm_fused_offload", &fused_offload_}, Want{"jaxvmm_fused_reload", &fused_reload_}}) {
+                 Want{"jaxvmm_fused_offload", &fused_offload_}, Want{"jaxvmm_fused_reload", &fused_reload_},
+                 Want{"jaxvmm_publish", &publish_}}) {
     if (!st.ok()) break;
     st = Call(-1, stage, Entry::kModuleGetFunction, [&] { return d.ModuleGetFunction(w.f, module_, w.name); });
   }
@@ -67,6 +68,11 @@ Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, 
   unsigned long long n = nbytes, o = out ? 1 : 0;
   void* p[] = {&cells, &other, &n, &o};
   return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads);
+}
+
+Status GraphKernels::Publish(CUstream s, CUdeviceptr cells, const char* stage) const {
+  void* p[] = {&cells};
+  return Launch(publish_, s, p, stage);
 }
 
 unsigned GraphKernels::FusedBlocks(size_t nbytes) const {

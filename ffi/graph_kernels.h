@@ -37,8 +37,10 @@ class GraphKernels {
   Status TakeReload(CUstream s, CUdeviceptr cells, CUdeviceptr token_in, CUdeviceptr probe, CUdeviceptr request,
                     CUdeviceptr go) const;
   // jaxvmm_cell_copy(cells, other, nbytes, out): the round's copy into (out false) or out of the cell
-  // the take kernel chose; its last block publishes the cell's filled/done word.
+  // the take kernel chose. Publishes nothing: Publish, the next node, does.
   Status CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out) const;
+  // jaxvmm_publish(cells): one thread writes 1 into the chosen cell's filled/done word.
+  Status Publish(CUstream s, CUdeviceptr cells, const char* stage) const;
   // The copy kernel's grid for nbytes: 256 threads a block, enough blocks for four 16-byte units a
   // thread, at most kMaxCopyBlocks (grid-stride beyond).
   static unsigned CopyBlocks(size_t nbytes);
@@ -67,7 +69,7 @@ class GraphKernels {
   std::string why_;
   CUmodule module_ = nullptr;
   CUfunction take_offload_ = nullptr, take_reload_ = nullptr, revoke_ = nullptr, cell_copy_ = nullptr;
-  CUfunction fused_offload_ = nullptr, fused_reload_ = nullptr;
+  CUfunction fused_offload_ = nullptr, fused_reload_ = nullptr, publish_ = nullptr;
   unsigned sms_ = 0;  // the device's SM count (0: unknown; the grid is then kMaxFusedBlocks at most)
 };
 

@@ -17,153 +17,158 @@ inline constexpr const char kGraphKernelsPtx[] = R"ptx(
 	.param .u64 jaxvmm_take_offload_param_2
 )
 {
-	.reg .pred 	%p<22>;
+	.reg .pred 	%p<24>;
 	.reg .b32 	%r<16>;
-	.reg .b64 	%rd<77>;
+	.reg .b64 	%rd<78>;
 
-	ld.param.u64 	%rd38, [jaxvmm_take_offload_param_0];
-	ld.param.u64 	%rd35, [jaxvmm_take_offload_param_1];
-	ld.param.u64 	%rd39, [jaxvmm_take_offload_param_2];
-	cvta.to.global.u64 	%rd1, %rd39;
-	cvta.to.global.u64 	%rd2, %rd38;
+	ld.param.u64 	%rd37, [jaxvmm_take_offload_param_0];
+	ld.param.u64 	%rd36, [jaxvmm_take_offload_param_1];
+	ld.param.u64 	%rd38, [jaxvmm_take_offload_param_2];
+	cvta.to.global.u64 	%rd1, %rd38;
+	cvta.to.global.u64 	%rd2, %rd37;
 	add.s64 	%rd3, %rd2, 96;
-	ld.global.u64 	%rd4, [%rd2+104];
-	mov.u64 	%rd66, 0;
-	ld.global.u64 	%rd5, [%rd2+96];
-	setp.eq.s64 	%p6, %rd5, 0;
-	mov.pred 	%p20, -1;
-	mov.u64 	%rd73, %rd66;
-	@%p6 bra 	$L__BB0_8;
+	ld.global.u64 	%rd4, [%rd2+96];
+	ld.global.u64 	%rd5, [%rd2+104];
+	shl.b64 	%rd39, %rd5, 3;
+	add.s64 	%rd40, %rd2, %rd39;
+	atom.global.exch.b64 	%rd68, [%rd40], 0;
+	setp.lt.u64 	%p6, %rd4, 2;
+	setp.eq.s64 	%p22, %rd68, 0;
+	setp.ne.s64 	%p7, %rd68, 0;
+	or.pred  	%p8, %p7, %p6;
+	mov.u64 	%rd73, %rd5;
+	@%p8 bra 	$L__BB0_8;
 
-	mov.u64 	%rd63, 0;
-	cvt.u32.u64 	%r3, %rd5;
+	mov.u64 	%rd64, 1;
+	cvt.u32.u64 	%r3, %rd4;
 
 $L__BB0_2:
-	add.s64 	%rd7, %rd63, %rd4;
-	or.b64  	%rd41, %rd7, %rd5;
-	and.b64  	%rd42, %rd41, -4294967296;
-	setp.eq.s64 	%p7, %rd42, 0;
-	@%p7 bra 	$L__BB0_4;
+	add.s64 	%rd8, %rd64, %rd5;
+	or.b64  	%rd42, %rd8, %rd4;
+	and.b64  	%rd43, %rd42, -4294967296;
+	setp.eq.s64 	%p9, %rd43, 0;
+	@%p9 bra 	$L__BB0_4;
 
-	rem.u64 	%rd73, %rd7, %rd5;
+	rem.u64 	%rd73, %rd8, %rd4;
 	bra.uni 	$L__BB0_5;
 
 $L__BB0_4:
-	cvt.u32.u64 	%r4, %rd7;
+	cvt.u32.u64 	%r4, %rd8;
 	rem.u32 	%r5, %r4, %r3;
 	cvt.u64.u32 	%rd73, %r5;
 
 $L__BB0_5:
-	shl.b64 	%rd44, %rd73, 3;
-	add.s64 	%rd11, %rd2, %rd44;
-	mov.u64 	%rd66, 0;
-	ld.volatile.global.u64 	%rd45, [%rd11];
-	setp.eq.s64 	%p8, %rd45, 0;
-	@%p8 bra 	$L__BB0_7;
+	shl.b64 	%rd45, %rd73, 3;
+	add.s64 	%rd12, %rd2, %rd45;
+	mov.u64 	%rd68, 0;
+	ld.volatile.global.u64 	%rd46, [%rd12];
+	setp.eq.s64 	%p10, %rd46, 0;
+	@%p10 bra 	$L__BB0_7;
 
-	atom.global.exch.b64 	%rd66, [%rd11], 0;
+	atom.global.exch.b64 	%rd68, [%rd12], 0;
 
 $L__BB0_7:
-	add.s64 	%rd63, %rd63, 1;
-	setp.lt.u64 	%p9, %rd63, %rd5;
-	setp.eq.s64 	%p20, %rd66, 0;
-	and.pred  	%p10, %p20, %p9;
-	@%p10 bra 	$L__BB0_2;
+	add.s64 	%rd64, %rd64, 1;
+	setp.lt.u64 	%p11, %rd64, %rd4;
+	setp.eq.s64 	%p22, %rd68, 0;
+	and.pred  	%p12, %p22, %p11;
+	@%p12 bra 	$L__BB0_2;
 
 $L__BB0_8:
-	not.pred 	%p11, %p20;
-	@%p11 bra 	$L__BB0_20;
+	not.pred 	%p13, %p22;
+	@%p13 bra 	$L__BB0_20;
 
-	mov.u64 	%rd46, 1;
-	st.volatile.global.u64 	[%rd1], %rd46;
+	mov.u64 	%rd47, 1;
+	st.volatile.global.u64 	[%rd1], %rd47;
 	membar.sys;
 	mov.u32 	%r15, 32;
-	cvt.u32.u64 	%r7, %rd5;
+	cvt.u32.u64 	%r7, %rd4;
 	bra.uni 	$L__BB0_10;
 
 $L__BB0_24:
 	// begin inline asm
 	nanosleep.u32 %r15;
 	// end inline asm
-	setp.lt.u32 	%p19, %r15, 2048;
-	selp.u32 	%r14, 1, 0, %p19;
+	setp.lt.u32 	%p21, %r15, 2048;
+	selp.u32 	%r14, 1, 0, %p21;
 	shl.b32 	%r15, %r15, %r14;
 
 $L__BB0_10:
-	mov.pred 	%p21, -1;
-	mov.u64 	%rd66, 0;
-	@%p6 bra 	$L__BB0_18;
+	setp.eq.s64 	%p15, %rd4, 0;
+	mov.pred 	%p23, -1;
+	mov.u64 	%rd68, 0;
+	@%p15 bra 	$L__BB0_18;
 
-	mov.u64 	%rd69, 0;
+	mov.u64 	%rd70, 0;
 
 $L__BB0_12:
-	add.s64 	%rd19, %rd69, %rd4;
-	or.b64  	%rd49, %rd19, %rd5;
-	and.b64  	%rd50, %rd49, -4294967296;
-	setp.eq.s64 	%p14, %rd50, 0;
-	@%p14 bra 	$L__BB0_14;
+	add.s64 	%rd20, %rd70, %rd5;
+	or.b64  	%rd50, %rd20, %rd4;
+	and.b64  	%rd51, %rd50, -4294967296;
+	setp.eq.s64 	%p16, %rd51, 0;
+	@%p16 bra 	$L__BB0_14;
 
-	rem.u64 	%rd73, %rd19, %rd5;
+	rem.u64 	%rd73, %rd20, %rd4;
 	bra.uni 	$L__BB0_15;
 
 $L__BB0_14:
-	cvt.u32.u64 	%r8, %rd19;
+	cvt.u32.u64 	%r8, %rd20;
 	rem.u32 	%r9, %r8, %r7;
 	cvt.u64.u32 	%rd73, %r9;
 
 $L__BB0_15:
-	shl.b64 	%rd52, %rd73, 3;
-	add.s64 	%rd23, %rd2, %rd52;
-	mov.u64 	%rd66, 0;
-	ld.volatile.global.u64 	%rd53, [%rd23];
-	setp.eq.s64 	%p15, %rd53, 0;
-	@%p15 bra 	$L__BB0_17;
+	shl.b64 	%rd53, %rd73, 3;
+	add.s64 	%rd24, %rd2, %rd53;
+	mov.u64 	%rd68, 0;
+	ld.volatile.global.u64 	%rd54, [%rd24];
+	setp.eq.s64 	%p17, %rd54, 0;
+	@%p17 bra 	$L__BB0_17;
 
-	atom.global.exch.b64 	%rd66, [%rd23], 0;
+	atom.global.exch.b64 	%rd68, [%rd24], 0;
 
 $L__BB0_17:
-	add.s64 	%rd69, %rd69, 1;
-	setp.lt.u64 	%p16, %rd69, %rd5;
-	setp.eq.s64 	%p21, %rd66, 0;
-	and.pred  	%p17, %p21, %p16;
-	@%p17 bra 	$L__BB0_12;
+	add.s64 	%rd70, %rd70, 1;
+	setp.lt.u64 	%p18, %rd70, %rd4;
+	setp.eq.s64 	%p23, %rd68, 0;
+	and.pred  	%p19, %p23, %p18;
+	@%p19 bra 	$L__BB0_12;
 
 $L__BB0_18:
-	@%p21 bra 	$L__BB0_24;
+	@%p23 bra 	$L__BB0_24;
 
-	mov.u64 	%rd54, 0;
-	st.volatile.global.u64 	[%rd1], %rd54;
+	mov.u64 	%rd55, 0;
+	st.volatile.global.u64 	[%rd1], %rd55;
 	membar.sys;
 
 $L__BB0_20:
 	membar.gl;
-	add.s64 	%rd31, %rd73, 1;
-	or.b64  	%rd55, %rd31, %rd5;
-	and.b64  	%rd56, %rd55, -4294967296;
-	setp.eq.s64 	%p18, %rd56, 0;
-	@%p18 bra 	$L__BB0_22;
+	add.s64 	%rd32, %rd73, 1;
+	or.b64  	%rd56, %rd32, %rd4;
+	and.b64  	%rd57, %rd56, -4294967296;
+	setp.eq.s64 	%p20, %rd57, 0;
+	@%p20 bra 	$L__BB0_22;
 
-	rem.u64 	%rd76, %rd31, %rd5;
+	rem.u64 	%rd77, %rd32, %rd4;
 	bra.uni 	$L__BB0_23;
 
 $L__BB0_22:
-	cvt.u32.u64 	%r10, %rd5;
-	cvt.u32.u64 	%r11, %rd31;
+	cvt.u32.u64 	%r10, %rd4;
+	cvt.u32.u64 	%r11, %rd32;
 	rem.u32 	%r12, %r11, %r10;
-	cvt.u64.u32 	%rd76, %r12;
+	cvt.u64.u32 	%rd77, %r12;
 
 $L__BB0_23:
-	cvta.to.global.u64 	%rd57, %rd35;
-	st.global.u64 	[%rd3+8], %rd76;
-	shl.b64 	%rd58, %rd73, 3;
-	add.s64 	%rd59, %rd2, %rd58;
-	ld.volatile.global.u64 	%rd60, [%rd59+32];
-	st.global.u64 	[%rd3+16], %rd60;
-	ld.global.u64 	%rd61, [%rd59+64];
-	st.global.u64 	[%rd3+24], %rd61;
-	st.global.u32 	[%rd57], %rd66;
-	shr.u64 	%rd62, %rd66, 32;
-	st.global.u32 	[%rd57+4], %rd62;
+	cvta.to.global.u64 	%rd58, %rd36;
+	st.global.u64 	[%rd3+8], %rd77;
+	st.global.u32 	[%rd58], %rd68;
+	shr.u64 	%rd59, %rd68, 32;
+	st.global.u32 	[%rd58+4], %rd59;
+	shl.b64 	%rd60, %rd73, 3;
+	add.s64 	%rd61, %rd2, %rd60;
+	ld.volatile.global.u64 	%rd62, [%rd61+32];
+	st.global.u64 	[%rd3+16], %rd62;
+	ld.global.u64 	%rd63, [%rd61+64];
+	st.global.u64 	[%rd3+24], %rd63;
 	ret;
 
 }
@@ -299,16 +304,16 @@ $L__BB2_3:
 	.param .u64 jaxvmm_cell_copy_param_3
 )
 {
-	.reg .pred 	%p<49>;
+	.reg .pred 	%p<47>;
 	.reg .b16 	%rs<20>;
-	.reg .b32 	%r<85>;
-	.reg .b64 	%rd<324>;
+	.reg .b32 	%r<82>;
+	.reg .b64 	%rd<316>;
 
-	ld.param.u64 	%rd136, [jaxvmm_cell_copy_param_0];
+	ld.param.u64 	%rd137, [jaxvmm_cell_copy_param_0];
 	ld.param.u64 	%rd138, [jaxvmm_cell_copy_param_1];
-	ld.param.u64 	%rd137, [jaxvmm_cell_copy_param_2];
+	ld.param.u64 	%rd136, [jaxvmm_cell_copy_param_2];
 	ld.param.u64 	%rd139, [jaxvmm_cell_copy_param_3];
-	cvta.to.global.u64 	%rd140, %rd136;
+	cvta.to.global.u64 	%rd140, %rd137;
 	ld.volatile.global.u64 	%rd141, [%rd140+112];
 	setp.eq.s64 	%p1, %rd139, 0;
 	selp.b64 	%rd1, %rd141, %rd138, %p1;
@@ -347,28 +352,28 @@ $L__BB2_3:
 
 $L__BB3_11:
 	and.b64  	%rd26, %rd1, 1;
-	min.u64 	%rd27, %rd26, %rd137;
+	min.u64 	%rd27, %rd26, %rd136;
 	setp.ge.u64 	%p15, %rd7, %rd27;
 	@%p15 bra 	$L__BB3_14;
 
-	mov.u64 	%rd298, %rd7;
+	mov.u64 	%rd290, %rd7;
 
 $L__BB3_13:
-	add.s64 	%rd160, %rd2, %rd298;
+	add.s64 	%rd160, %rd2, %rd290;
 	ld.u8 	%rs7, [%rd160];
-	add.s64 	%rd161, %rd1, %rd298;
+	add.s64 	%rd161, %rd1, %rd290;
 	st.u8 	[%rd161], %rs7;
-	add.s64 	%rd298, %rd298, %rd9;
-	setp.lt.u64 	%p16, %rd298, %rd27;
+	add.s64 	%rd290, %rd290, %rd9;
+	setp.lt.u64 	%p16, %rd290, %rd27;
 	@%p16 bra 	$L__BB3_13;
 
 $L__BB3_14:
-	sub.s64 	%rd30, %rd137, %rd27;
+	sub.s64 	%rd30, %rd136, %rd27;
 	shr.u64 	%rd31, %rd30, 1;
 	mul.lo.s64 	%rd32, %rd9, 3;
 	add.s64 	%rd162, %rd7, %rd32;
 	setp.ge.u64 	%p17, %rd162, %rd31;
-	mov.u64 	%rd302, %rd7;
+	mov.u64 	%rd294, %rd7;
 	@%p17 bra 	$L__BB3_17;
 
 	mul.lo.s64 	%rd163, %rd4, %rd5;
@@ -376,70 +381,70 @@ $L__BB3_14:
 	shl.b64 	%rd165, %rd6, 1;
 	add.s64 	%rd166, %rd164, %rd165;
 	add.s64 	%rd167, %rd166, -1;
-	not.b64 	%rd168, %rd137;
+	not.b64 	%rd168, %rd136;
 	not.b64 	%rd169, %rd26;
 	max.u64 	%rd170, %rd169, %rd168;
 	sub.s64 	%rd171, %rd167, %rd170;
-	add.s64 	%rd300, %rd2, %rd171;
+	add.s64 	%rd292, %rd2, %rd171;
 	mul.lo.s64 	%rd172, %rd8, %rd5;
 	shl.b64 	%rd34, %rd172, 1;
-	add.s64 	%rd301, %rd1, %rd171;
-	mov.u64 	%rd302, %rd7;
+	add.s64 	%rd293, %rd1, %rd171;
+	mov.u64 	%rd294, %rd7;
 
 $L__BB3_16:
-	ld.u16 	%rs8, [%rd300];
-	add.s64 	%rd173, %rd300, %rd34;
+	ld.u16 	%rs8, [%rd292];
+	add.s64 	%rd173, %rd292, %rd34;
 	ld.u16 	%rs9, [%rd173];
 	add.s64 	%rd174, %rd173, %rd34;
 	ld.u16 	%rs10, [%rd174];
 	add.s64 	%rd175, %rd174, %rd34;
-	add.s64 	%rd300, %rd175, %rd34;
+	add.s64 	%rd292, %rd175, %rd34;
 	ld.u16 	%rs11, [%rd175];
-	st.u16 	[%rd301], %rs8;
-	add.s64 	%rd176, %rd301, %rd34;
+	st.u16 	[%rd293], %rs8;
+	add.s64 	%rd176, %rd293, %rd34;
 	st.u16 	[%rd176], %rs9;
 	add.s64 	%rd177, %rd176, %rd34;
 	st.u16 	[%rd177], %rs10;
 	add.s64 	%rd178, %rd177, %rd34;
-	add.s64 	%rd301, %rd178, %rd34;
+	add.s64 	%rd293, %rd178, %rd34;
 	st.u16 	[%rd178], %rs11;
-	add.s64 	%rd179, %rd302, %rd9;
-	add.s64 	%rd302, %rd32, %rd179;
-	add.s64 	%rd180, %rd302, %rd32;
+	add.s64 	%rd179, %rd294, %rd9;
+	add.s64 	%rd294, %rd32, %rd179;
+	add.s64 	%rd180, %rd294, %rd32;
 	setp.lt.u64 	%p18, %rd180, %rd31;
 	@%p18 bra 	$L__BB3_16;
 
 $L__BB3_17:
-	setp.ge.u64 	%p19, %rd302, %rd31;
+	setp.ge.u64 	%p19, %rd294, %rd31;
 	@%p19 bra 	$L__BB3_20;
 
 	add.s64 	%rd43, %rd1, %rd27;
 	add.s64 	%rd44, %rd2, %rd27;
 
 $L__BB3_19:
-	shl.b64 	%rd181, %rd302, 1;
+	shl.b64 	%rd181, %rd294, 1;
 	add.s64 	%rd182, %rd44, %rd181;
 	ld.u16 	%rs12, [%rd182];
 	add.s64 	%rd183, %rd43, %rd181;
 	st.u16 	[%rd183], %rs12;
-	add.s64 	%rd302, %rd302, %rd9;
-	setp.lt.u64 	%p20, %rd302, %rd31;
+	add.s64 	%rd294, %rd294, %rd9;
+	setp.lt.u64 	%p20, %rd294, %rd31;
 	@%p20 bra 	$L__BB3_19;
 
 $L__BB3_20:
 	and.b64  	%rd184, %rd30, -2;
 	add.s64 	%rd185, %rd27, %rd7;
-	add.s64 	%rd304, %rd185, %rd184;
-	setp.ge.u64 	%p21, %rd304, %rd137;
+	add.s64 	%rd296, %rd185, %rd184;
+	setp.ge.u64 	%p21, %rd296, %rd136;
 	@%p21 bra 	$L__BB3_55;
 
 $L__BB3_21:
-	add.s64 	%rd186, %rd2, %rd304;
+	add.s64 	%rd186, %rd2, %rd296;
 	ld.u8 	%rs13, [%rd186];
-	add.s64 	%rd187, %rd1, %rd304;
+	add.s64 	%rd187, %rd1, %rd296;
 	st.u8 	[%rd187], %rs13;
-	add.s64 	%rd304, %rd304, %rd9;
-	setp.lt.u64 	%p22, %rd304, %rd137;
+	add.s64 	%rd296, %rd296, %rd9;
+	setp.lt.u64 	%p22, %rd296, %rd136;
 	@%p22 bra 	$L__BB3_21;
 	bra.uni 	$L__BB3_55;
 
@@ -457,29 +462,29 @@ $L__BB3_44:
 	mul.wide.u32 	%rd113, %r41, %r39;
 	neg.s64 	%rd251, %rd1;
 	and.b64  	%rd114, %rd251, 15;
-	min.u64 	%rd115, %rd114, %rd137;
+	min.u64 	%rd115, %rd114, %rd136;
 	setp.ge.u64 	%p39, %rd111, %rd115;
 	@%p39 bra 	$L__BB3_47;
 
-	mov.u64 	%rd318, %rd111;
+	mov.u64 	%rd310, %rd111;
 
 $L__BB3_46:
-	add.s64 	%rd252, %rd2, %rd318;
+	add.s64 	%rd252, %rd2, %rd310;
 	ld.u8 	%rs18, [%rd252];
-	add.s64 	%rd253, %rd1, %rd318;
+	add.s64 	%rd253, %rd1, %rd310;
 	st.u8 	[%rd253], %rs18;
-	add.s64 	%rd318, %rd318, %rd113;
-	setp.lt.u64 	%p40, %rd318, %rd115;
+	add.s64 	%rd310, %rd310, %rd113;
+	setp.lt.u64 	%p40, %rd310, %rd115;
 	@%p40 bra 	$L__BB3_46;
 
 $L__BB3_47:
-	sub.s64 	%rd118, %rd137, %rd115;
+	sub.s64 	%rd118, %rd136, %rd115;
 	shr.u64 	%rd119, %rd118, 4;
 	add.s64 	%rd120, %rd2, %rd115;
 	mul.lo.s64 	%rd121, %rd113, 3;
 	add.s64 	%rd254, %rd111, %rd121;
 	setp.ge.u64 	%p41, %rd254, %rd119;
-	mov.u64 	%rd321, %rd111;
+	mov.u64 	%rd313, %rd111;
 	@%p41 bra 	$L__BB3_50;
 
 	mul.lo.s64 	%rd255, %rd112, %rd109;
@@ -489,16 +494,16 @@ $L__BB3_47:
 	shl.b64 	%rd258, %rd110, 4;
 	add.s64 	%rd259, %rd257, %rd258;
 	add.s64 	%rd260, %rd259, -1;
-	not.b64 	%rd261, %rd137;
+	not.b64 	%rd261, %rd136;
 	not.b64 	%rd262, %rd114;
 	max.u64 	%rd263, %rd262, %rd261;
 	sub.s64 	%rd264, %rd260, %rd263;
-	add.s64 	%rd320, %rd1, %rd264;
+	add.s64 	%rd312, %rd1, %rd264;
 	mul.lo.s64 	%rd124, %rd255, -48;
-	mov.u64 	%rd321, %rd111;
+	mov.u64 	%rd313, %rd111;
 
 $L__BB3_49:
-	shl.b64 	%rd265, %rd321, 4;
+	shl.b64 	%rd265, %rd313, 4;
 	add.s64 	%rd266, %rd120, %rd265;
 	shl.b64 	%rd267, %rd113, 2;
 	shl.b64 	%rd268, %rd113, 4;
@@ -510,49 +515,49 @@ $L__BB3_49:
 	ld.v4.u32 	{%r58, %r59, %r60, %r61}, [%rd271];
 	add.s64 	%rd272, %rd271, %rd124;
 	ld.v4.u32 	{%r66, %r67, %r68, %r69}, [%rd272];
-	st.v4.u32 	[%rd320], {%r66, %r67, %r68, %r69};
-	add.s64 	%rd273, %rd320, %rd122;
+	st.v4.u32 	[%rd312], {%r66, %r67, %r68, %r69};
+	add.s64 	%rd273, %rd312, %rd122;
 	st.v4.u32 	[%rd273], {%r42, %r43, %r44, %r45};
 	add.s64 	%rd274, %rd273, %rd122;
 	st.v4.u32 	[%rd274], {%r50, %r51, %r52, %r53};
 	add.s64 	%rd275, %rd274, %rd122;
-	add.s64 	%rd320, %rd275, %rd122;
+	add.s64 	%rd312, %rd275, %rd122;
 	st.v4.u32 	[%rd275], {%r58, %r59, %r60, %r61};
-	add.s64 	%rd321, %rd267, %rd321;
-	add.s64 	%rd276, %rd321, %rd121;
+	add.s64 	%rd313, %rd267, %rd313;
+	add.s64 	%rd276, %rd313, %rd121;
 	setp.lt.u64 	%p42, %rd276, %rd119;
 	@%p42 bra 	$L__BB3_49;
 
 $L__BB3_50:
-	setp.ge.u64 	%p43, %rd321, %rd119;
+	setp.ge.u64 	%p43, %rd313, %rd119;
 	@%p43 bra 	$L__BB3_53;
 
 	add.s64 	%rd130, %rd1, %rd115;
 
 $L__BB3_52:
-	shl.b64 	%rd277, %rd321, 4;
+	shl.b64 	%rd277, %rd313, 4;
 	add.s64 	%rd278, %rd130, %rd277;
 	add.s64 	%rd279, %rd120, %rd277;
 	ld.v4.u32 	{%r74, %r75, %r76, %r77}, [%rd279];
 	st.v4.u32 	[%rd278], {%r74, %r75, %r76, %r77};
-	add.s64 	%rd321, %rd321, %rd113;
-	setp.lt.u64 	%p44, %rd321, %rd119;
+	add.s64 	%rd313, %rd313, %rd113;
+	setp.lt.u64 	%p44, %rd313, %rd119;
 	@%p44 bra 	$L__BB3_52;
 
 $L__BB3_53:
 	and.b64  	%rd280, %rd118, -16;
 	add.s64 	%rd281, %rd115, %rd111;
-	add.s64 	%rd323, %rd281, %rd280;
-	setp.ge.u64 	%p45, %rd323, %rd137;
+	add.s64 	%rd315, %rd281, %rd280;
+	setp.ge.u64 	%p45, %rd315, %rd136;
 	@%p45 bra 	$L__BB3_55;
 
 $L__BB3_54:
-	add.s64 	%rd282, %rd2, %rd323;
+	add.s64 	%rd282, %rd2, %rd315;
 	ld.u8 	%rs19, [%rd282];
-	add.s64 	%rd283, %rd1, %rd323;
+	add.s64 	%rd283, %rd1, %rd315;
 	st.u8 	[%rd283], %rs19;
-	add.s64 	%rd323, %rd323, %rd113;
-	setp.lt.u64 	%p46, %rd323, %rd137;
+	add.s64 	%rd315, %rd315, %rd113;
+	setp.lt.u64 	%p46, %rd315, %rd136;
 	@%p46 bra 	$L__BB3_54;
 	bra.uni 	$L__BB3_55;
 
@@ -570,29 +575,29 @@ $L__BB3_33:
 	mul.wide.u32 	%rd85, %r17, %r15;
 	neg.s64 	%rd219, %rd1;
 	and.b64  	%rd86, %rd219, 7;
-	min.u64 	%rd87, %rd86, %rd137;
+	min.u64 	%rd87, %rd86, %rd136;
 	setp.ge.u64 	%p31, %rd83, %rd87;
 	@%p31 bra 	$L__BB3_36;
 
-	mov.u64 	%rd312, %rd83;
+	mov.u64 	%rd304, %rd83;
 
 $L__BB3_35:
-	add.s64 	%rd220, %rd2, %rd312;
+	add.s64 	%rd220, %rd2, %rd304;
 	ld.u8 	%rs16, [%rd220];
-	add.s64 	%rd221, %rd1, %rd312;
+	add.s64 	%rd221, %rd1, %rd304;
 	st.u8 	[%rd221], %rs16;
-	add.s64 	%rd312, %rd312, %rd85;
-	setp.lt.u64 	%p32, %rd312, %rd87;
+	add.s64 	%rd304, %rd304, %rd85;
+	setp.lt.u64 	%p32, %rd304, %rd87;
 	@%p32 bra 	$L__BB3_35;
 
 $L__BB3_36:
-	sub.s64 	%rd90, %rd137, %rd87;
+	sub.s64 	%rd90, %rd136, %rd87;
 	shr.u64 	%rd91, %rd90, 3;
 	add.s64 	%rd92, %rd2, %rd87;
 	mul.lo.s64 	%rd93, %rd85, 3;
 	add.s64 	%rd222, %rd83, %rd93;
 	setp.ge.u64 	%p33, %rd222, %rd91;
-	mov.u64 	%rd315, %rd83;
+	mov.u64 	%rd307, %rd83;
 	@%p33 bra 	$L__BB3_39;
 
 	mul.lo.s64 	%rd223, %rd84, %rd81;
@@ -602,16 +607,16 @@ $L__BB3_36:
 	shl.b64 	%rd226, %rd82, 3;
 	add.s64 	%rd227, %rd225, %rd226;
 	add.s64 	%rd228, %rd227, -1;
-	not.b64 	%rd229, %rd137;
+	not.b64 	%rd229, %rd136;
 	not.b64 	%rd230, %rd86;
 	max.u64 	%rd231, %rd230, %rd229;
 	sub.s64 	%rd232, %rd228, %rd231;
-	add.s64 	%rd314, %rd1, %rd232;
+	add.s64 	%rd306, %rd1, %rd232;
 	mul.lo.s64 	%rd96, %rd223, -24;
-	mov.u64 	%rd315, %rd83;
+	mov.u64 	%rd307, %rd83;
 
 $L__BB3_38:
-	add.s64 	%rd233, %rd315, %rd85;
+	add.s64 	%rd233, %rd307, %rd85;
 	shl.b64 	%rd234, %rd233, 3;
 	add.s64 	%rd235, %rd92, %rd234;
 	ld.v2.u32 	{%r18, %r19}, [%rd235];
@@ -621,49 +626,49 @@ $L__BB3_38:
 	ld.v2.u32 	{%r26, %r27}, [%rd237];
 	add.s64 	%rd238, %rd237, %rd96;
 	ld.v2.u32 	{%r30, %r31}, [%rd238];
-	st.v2.u32 	[%rd314], {%r30, %r31};
-	add.s64 	%rd239, %rd314, %rd94;
+	st.v2.u32 	[%rd306], {%r30, %r31};
+	add.s64 	%rd239, %rd306, %rd94;
 	st.v2.u32 	[%rd239], {%r18, %r19};
 	add.s64 	%rd240, %rd239, %rd94;
 	st.v2.u32 	[%rd240], {%r22, %r23};
 	add.s64 	%rd241, %rd240, %rd94;
-	add.s64 	%rd314, %rd241, %rd94;
+	add.s64 	%rd306, %rd241, %rd94;
 	st.v2.u32 	[%rd241], {%r26, %r27};
-	add.s64 	%rd315, %rd93, %rd233;
-	add.s64 	%rd242, %rd315, %rd93;
+	add.s64 	%rd307, %rd93, %rd233;
+	add.s64 	%rd242, %rd307, %rd93;
 	setp.lt.u64 	%p34, %rd242, %rd91;
 	@%p34 bra 	$L__BB3_38;
 
 $L__BB3_39:
-	setp.ge.u64 	%p35, %rd315, %rd91;
+	setp.ge.u64 	%p35, %rd307, %rd91;
 	@%p35 bra 	$L__BB3_42;
 
 	add.s64 	%rd102, %rd1, %rd87;
 
 $L__BB3_41:
-	shl.b64 	%rd243, %rd315, 3;
+	shl.b64 	%rd243, %rd307, 3;
 	add.s64 	%rd244, %rd92, %rd243;
 	ld.v2.u32 	{%r34, %r35}, [%rd244];
 	add.s64 	%rd245, %rd102, %rd243;
 	st.v2.u32 	[%rd245], {%r34, %r35};
-	add.s64 	%rd315, %rd315, %rd85;
-	setp.lt.u64 	%p36, %rd315, %rd91;
+	add.s64 	%rd307, %rd307, %rd85;
+	setp.lt.u64 	%p36, %rd307, %rd91;
 	@%p36 bra 	$L__BB3_41;
 
 $L__BB3_42:
 	and.b64  	%rd246, %rd90, -8;
 	add.s64 	%rd247, %rd87, %rd83;
-	add.s64 	%rd317, %rd247, %rd246;
-	setp.ge.u64 	%p37, %rd317, %rd137;
+	add.s64 	%rd309, %rd247, %rd246;
+	setp.ge.u64 	%p37, %rd309, %rd136;
 	@%p37 bra 	$L__BB3_55;
 
 $L__BB3_43:
-	add.s64 	%rd248, %rd2, %rd317;
+	add.s64 	%rd248, %rd2, %rd309;
 	ld.u8 	%rs17, [%rd248];
-	add.s64 	%rd249, %rd1, %rd317;
+	add.s64 	%rd249, %rd1, %rd309;
 	st.u8 	[%rd249], %rs17;
-	add.s64 	%rd317, %rd317, %rd85;
-	setp.lt.u64 	%p38, %rd317, %rd137;
+	add.s64 	%rd309, %rd309, %rd85;
+	setp.lt.u64 	%p38, %rd309, %rd136;
 	@%p38 bra 	$L__BB3_43;
 	bra.uni 	$L__BB3_55;
 
@@ -681,28 +686,28 @@ $L__BB3_22:
 	mul.wide.u32 	%rd55, %r8, %r6;
 	neg.s64 	%rd189, %rd1;
 	and.b64  	%rd56, %rd189, 3;
-	min.u64 	%rd57, %rd56, %rd137;
+	min.u64 	%rd57, %rd56, %rd136;
 	setp.ge.u64 	%p23, %rd53, %rd57;
 	@%p23 bra 	$L__BB3_25;
 
-	mov.u64 	%rd305, %rd53;
+	mov.u64 	%rd297, %rd53;
 
 $L__BB3_24:
-	add.s64 	%rd190, %rd2, %rd305;
+	add.s64 	%rd190, %rd2, %rd297;
 	ld.u8 	%rs14, [%rd190];
-	add.s64 	%rd191, %rd1, %rd305;
+	add.s64 	%rd191, %rd1, %rd297;
 	st.u8 	[%rd191], %rs14;
-	add.s64 	%rd305, %rd305, %rd55;
-	setp.lt.u64 	%p24, %rd305, %rd57;
+	add.s64 	%rd297, %rd297, %rd55;
+	setp.lt.u64 	%p24, %rd297, %rd57;
 	@%p24 bra 	$L__BB3_24;
 
 $L__BB3_25:
-	sub.s64 	%rd60, %rd137, %rd57;
+	sub.s64 	%rd60, %rd136, %rd57;
 	shr.u64 	%rd61, %rd60, 2;
 	mul.lo.s64 	%rd62, %rd55, 3;
 	add.s64 	%rd192, %rd53, %rd62;
 	setp.ge.u64 	%p25, %rd192, %rd61;
-	mov.u64 	%rd309, %rd53;
+	mov.u64 	%rd301, %rd53;
 	@%p25 bra 	$L__BB3_28;
 
 	mul.lo.s64 	%rd193, %rd50, %rd51;
@@ -710,161 +715,151 @@ $L__BB3_25:
 	shl.b64 	%rd195, %rd52, 2;
 	add.s64 	%rd196, %rd194, %rd195;
 	add.s64 	%rd197, %rd196, -1;
-	not.b64 	%rd198, %rd137;
+	not.b64 	%rd198, %rd136;
 	not.b64 	%rd199, %rd56;
 	max.u64 	%rd200, %rd199, %rd198;
 	sub.s64 	%rd201, %rd197, %rd200;
-	add.s64 	%rd307, %rd2, %rd201;
+	add.s64 	%rd299, %rd2, %rd201;
 	mul.lo.s64 	%rd202, %rd54, %rd51;
 	shl.b64 	%rd64, %rd202, 2;
-	add.s64 	%rd308, %rd1, %rd201;
-	mov.u64 	%rd309, %rd53;
+	add.s64 	%rd300, %rd1, %rd201;
+	mov.u64 	%rd301, %rd53;
 
 $L__BB3_27:
-	ld.u32 	%r9, [%rd307];
-	add.s64 	%rd203, %rd307, %rd64;
+	ld.u32 	%r9, [%rd299];
+	add.s64 	%rd203, %rd299, %rd64;
 	ld.u32 	%r10, [%rd203];
 	add.s64 	%rd204, %rd203, %rd64;
 	ld.u32 	%r11, [%rd204];
 	add.s64 	%rd205, %rd204, %rd64;
-	add.s64 	%rd307, %rd205, %rd64;
+	add.s64 	%rd299, %rd205, %rd64;
 	ld.u32 	%r12, [%rd205];
-	st.u32 	[%rd308], %r9;
-	add.s64 	%rd206, %rd308, %rd64;
+	st.u32 	[%rd300], %r9;
+	add.s64 	%rd206, %rd300, %rd64;
 	st.u32 	[%rd206], %r10;
 	add.s64 	%rd207, %rd206, %rd64;
 	st.u32 	[%rd207], %r11;
 	add.s64 	%rd208, %rd207, %rd64;
-	add.s64 	%rd308, %rd208, %rd64;
+	add.s64 	%rd300, %rd208, %rd64;
 	st.u32 	[%rd208], %r12;
-	add.s64 	%rd209, %rd309, %rd55;
-	add.s64 	%rd309, %rd62, %rd209;
-	add.s64 	%rd210, %rd309, %rd62;
+	add.s64 	%rd209, %rd301, %rd55;
+	add.s64 	%rd301, %rd62, %rd209;
+	add.s64 	%rd210, %rd301, %rd62;
 	setp.lt.u64 	%p26, %rd210, %rd61;
 	@%p26 bra 	$L__BB3_27;
 
 $L__BB3_28:
-	setp.ge.u64 	%p27, %rd309, %rd61;
+	setp.ge.u64 	%p27, %rd301, %rd61;
 	@%p27 bra 	$L__BB3_31;
 
 	add.s64 	%rd73, %rd1, %rd57;
 	add.s64 	%rd74, %rd2, %rd57;
 
 $L__BB3_30:
-	shl.b64 	%rd211, %rd309, 2;
+	shl.b64 	%rd211, %rd301, 2;
 	add.s64 	%rd212, %rd74, %rd211;
 	ld.u32 	%r13, [%rd212];
 	add.s64 	%rd213, %rd73, %rd211;
 	st.u32 	[%rd213], %r13;
-	add.s64 	%rd309, %rd309, %rd55;
-	setp.lt.u64 	%p28, %rd309, %rd61;
+	add.s64 	%rd301, %rd301, %rd55;
+	setp.lt.u64 	%p28, %rd301, %rd61;
 	@%p28 bra 	$L__BB3_30;
 
 $L__BB3_31:
 	and.b64  	%rd214, %rd60, -4;
 	add.s64 	%rd215, %rd57, %rd53;
-	add.s64 	%rd311, %rd215, %rd214;
-	setp.ge.u64 	%p29, %rd311, %rd137;
+	add.s64 	%rd303, %rd215, %rd214;
+	setp.ge.u64 	%p29, %rd303, %rd136;
 	@%p29 bra 	$L__BB3_55;
 
 $L__BB3_32:
-	add.s64 	%rd216, %rd2, %rd311;
+	add.s64 	%rd216, %rd2, %rd303;
 	ld.u8 	%rs15, [%rd216];
-	add.s64 	%rd217, %rd1, %rd311;
+	add.s64 	%rd217, %rd1, %rd303;
 	st.u8 	[%rd217], %rs15;
-	add.s64 	%rd311, %rd311, %rd55;
-	setp.lt.u64 	%p30, %rd311, %rd137;
+	add.s64 	%rd303, %rd303, %rd55;
+	setp.lt.u64 	%p30, %rd303, %rd136;
 	@%p30 bra 	$L__BB3_32;
 	bra.uni 	$L__BB3_55;
 
 $L__BB3_4:
 	mul.lo.s64 	%rd10, %rd9, 3;
 	add.s64 	%rd147, %rd7, %rd10;
-	setp.ge.u64 	%p9, %rd147, %rd137;
-	mov.u64 	%rd295, %rd7;
+	setp.ge.u64 	%p9, %rd147, %rd136;
+	mov.u64 	%rd287, %rd7;
 	@%p9 bra 	$L__BB3_7;
 
-	add.s64 	%rd293, %rd2, %rd7;
+	add.s64 	%rd285, %rd2, %rd7;
 	mul.lo.s64 	%rd12, %rd8, %rd5;
-	add.s64 	%rd294, %rd1, %rd7;
-	mov.u64 	%rd295, %rd7;
+	add.s64 	%rd286, %rd1, %rd7;
+	mov.u64 	%rd287, %rd7;
 
 $L__BB3_6:
-	ld.u8 	%rs1, [%rd293];
-	add.s64 	%rd148, %rd293, %rd12;
+	ld.u8 	%rs1, [%rd285];
+	add.s64 	%rd148, %rd285, %rd12;
 	ld.u8 	%rs2, [%rd148];
 	add.s64 	%rd149, %rd148, %rd12;
 	ld.u8 	%rs3, [%rd149];
 	add.s64 	%rd150, %rd149, %rd12;
-	add.s64 	%rd293, %rd150, %rd12;
+	add.s64 	%rd285, %rd150, %rd12;
 	ld.u8 	%rs4, [%rd150];
-	st.u8 	[%rd294], %rs1;
-	add.s64 	%rd151, %rd294, %rd12;
+	st.u8 	[%rd286], %rs1;
+	add.s64 	%rd151, %rd286, %rd12;
 	st.u8 	[%rd151], %rs2;
 	add.s64 	%rd152, %rd151, %rd12;
 	st.u8 	[%rd152], %rs3;
 	add.s64 	%rd153, %rd152, %rd12;
-	add.s64 	%rd294, %rd153, %rd12;
+	add.s64 	%rd286, %rd153, %rd12;
 	st.u8 	[%rd153], %rs4;
-	add.s64 	%rd154, %rd295, %rd9;
-	add.s64 	%rd295, %rd10, %rd154;
-	add.s64 	%rd155, %rd295, %rd10;
-	setp.lt.u64 	%p10, %rd155, %rd137;
+	add.s64 	%rd154, %rd287, %rd9;
+	add.s64 	%rd287, %rd10, %rd154;
+	add.s64 	%rd155, %rd287, %rd10;
+	setp.lt.u64 	%p10, %rd155, %rd136;
 	@%p10 bra 	$L__BB3_6;
 
 $L__BB3_7:
-	setp.ge.u64 	%p11, %rd295, %rd137;
+	setp.ge.u64 	%p11, %rd287, %rd136;
 	@%p11 bra 	$L__BB3_9;
 
 $L__BB3_8:
-	add.s64 	%rd156, %rd2, %rd295;
+	add.s64 	%rd156, %rd2, %rd287;
 	ld.u8 	%rs5, [%rd156];
-	add.s64 	%rd157, %rd1, %rd295;
+	add.s64 	%rd157, %rd1, %rd287;
 	st.u8 	[%rd157], %rs5;
-	add.s64 	%rd295, %rd295, %rd9;
-	setp.lt.u64 	%p12, %rd295, %rd137;
+	add.s64 	%rd287, %rd287, %rd9;
+	setp.lt.u64 	%p12, %rd287, %rd136;
 	@%p12 bra 	$L__BB3_8;
 
 $L__BB3_9:
-	add.s64 	%rd297, %rd7, %rd137;
-	setp.ge.u64 	%p13, %rd297, %rd7;
+	add.s64 	%rd289, %rd7, %rd136;
+	setp.ge.u64 	%p13, %rd289, %rd7;
 	@%p13 bra 	$L__BB3_55;
 
 $L__BB3_10:
-	add.s64 	%rd158, %rd2, %rd297;
+	add.s64 	%rd158, %rd2, %rd289;
 	ld.u8 	%rs6, [%rd158];
-	add.s64 	%rd159, %rd1, %rd297;
+	add.s64 	%rd159, %rd1, %rd289;
 	st.u8 	[%rd159], %rs6;
-	add.s64 	%rd297, %rd297, %rd9;
-	setp.lt.u64 	%p14, %rd297, %rd137;
+	add.s64 	%rd289, %rd289, %rd9;
+	setp.lt.u64 	%p14, %rd289, %rd136;
 	@%p14 bra 	$L__BB3_10;
 
 $L__BB3_55:
-	mov.u32 	%r82, %tid.x;
-	membar.gl;
-	bar.sync 	0;
-	setp.ne.s32 	%p47, %r82, 0;
-	@%p47 bra 	$L__BB3_58;
+	ret;
 
-	add.s64 	%rd285, %rd140, 128;
-	atom.global.add.u64 	%rd286, [%rd285], 1;
-	mov.u32 	%r83, %nctaid.x;
-	add.s32 	%r84, %r83, -1;
-	cvt.u64.u32 	%rd287, %r84;
-	setp.ne.s64 	%p48, %rd286, %rd287;
-	@%p48 bra 	$L__BB3_58;
+}
+	// .globl	jaxvmm_publish
+.visible .entry jaxvmm_publish(
+	.param .u64 jaxvmm_publish_param_0
+)
+{
+	.reg .b64 	%rd<5>;
 
-	mov.u64 	%rd289, 0;
-	st.global.u64 	[%rd140+128], %rd289;
-	st.global.u64 	[%rd140+136], %rd289;
-	st.global.u64 	[%rd140+144], %rd289;
-	membar.sys;
-	ld.volatile.global.u64 	%rd290, [%rd140+120];
-	mov.u64 	%rd291, 1;
-	st.volatile.u64 	[%rd290], %rd291;
-	membar.sys;
-
-$L__BB3_58:
+	ld.param.u64 	%rd1, [jaxvmm_publish_param_0];
+	cvta.to.global.u64 	%rd2, %rd1;
+	ld.volatile.global.u64 	%rd3, [%rd2+120];
+	mov.u64 	%rd4, 1;
+	st.volatile.u64 	[%rd3], %rd4;
 	ret;
 
 }
@@ -877,746 +872,4151 @@ $L__BB3_58:
 	.param .u64 jaxvmm_fused_offload_param_4
 )
 {
-	.reg .pred 	%p<74>;
-	.reg .b16 	%rs<20>;
-	.reg .b32 	%r<103>;
-	.reg .b64 	%rd<403>;
+	.reg .pred 	%p<461>;
+	.reg .b16 	%rs<143>;
+	.reg .b32 	%r<667>;
+	.reg .b64 	%rd<2169>;
 	// demoted variable
 	.shared .align 8 .u64 _ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell;
 
-	ld.param.u64 	%rd170, [jaxvmm_fused_offload_param_0];
-	ld.param.u64 	%rd171, [jaxvmm_fused_offload_param_1];
-	ld.param.u64 	%rd172, [jaxvmm_fused_offload_param_2];
-	ld.param.u64 	%rd173, [jaxvmm_fused_offload_param_3];
-	ld.param.u64 	%rd174, [jaxvmm_fused_offload_param_4];
-	cvta.to.global.u64 	%rd1, %rd174;
+	ld.param.u64 	%rd837, [jaxvmm_fused_offload_param_0];
+	ld.param.u64 	%rd835, [jaxvmm_fused_offload_param_1];
+	ld.param.u64 	%rd836, [jaxvmm_fused_offload_param_2];
+	ld.param.u64 	%rd839, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd2, %rd839;
+	cvta.to.global.u64 	%rd3, %rd835;
+	and.b64  	%rd840, %rd835, 15;
+	setp.eq.s64 	%p26, %rd840, 0;
+	cvta.to.global.u64 	%rd4, %rd837;
+	add.s64 	%rd5, %rd4, 144;
+	@%p26 bra 	$L__BB5_456;
+
+	ld.param.u64 	%rd1891, [jaxvmm_fused_offload_param_1];
+	and.b64  	%rd841, %rd1891, 7;
+	setp.eq.s64 	%p27, %rd841, 0;
+	@%p27 bra 	$L__BB5_343;
+
+	ld.param.u64 	%rd1892, [jaxvmm_fused_offload_param_1];
+	and.b64  	%rd842, %rd1892, 3;
+	setp.eq.s64 	%p28, %rd842, 0;
+	@%p28 bra 	$L__BB5_230;
+
+	ld.param.u64 	%rd1893, [jaxvmm_fused_offload_param_1];
+	and.b64  	%rd843, %rd1893, 1;
+	setp.eq.b64 	%p29, %rd843, 1;
+	mov.pred 	%p30, 0;
+	xor.pred  	%p31, %p29, %p30;
+	not.pred 	%p32, %p31;
+	mov.u32 	%r96, %ctaid.x;
+	cvt.u64.u32 	%rd6, %r96;
+	mov.u32 	%r97, %ntid.x;
+	cvt.u64.u32 	%rd7, %r97;
+	mul.wide.u32 	%rd844, %r96, %r97;
 	mov.u32 	%r1, %tid.x;
-	setp.ne.s32 	%p5, %r1, 0;
-	cvta.to.global.u64 	%rd2, %rd170;
-	@%p5 bra 	$L__BB4_31;
+	cvt.u64.u32 	%rd8, %r1;
+	add.s64 	%rd9, %rd844, %rd8;
+	mov.u32 	%r98, %nctaid.x;
+	cvt.u64.u32 	%rd10, %r98;
+	mul.wide.u32 	%rd11, %r98, %r97;
+	@%p32 bra 	$L__BB5_117;
+	bra.uni 	$L__BB5_4;
 
-	add.s64 	%rd3, %rd2, 144;
-	add.s64 	%rd175, %rd2, 136;
-	atom.global.add.u64 	%rd176, [%rd175], 1;
-	setp.eq.s64 	%p6, %rd176, 0;
-	@%p6 bra 	$L__BB4_6;
+$L__BB5_117:
+	shr.u64 	%rd173, %rd836, 1;
+	setp.ge.u64 	%p115, %rd9, %rd173;
+	@%p115 bra 	$L__BB5_119;
 
-	ld.volatile.global.u64 	%rd177, [%rd3];
-	setp.ne.s64 	%p7, %rd177, 0;
-	@%p7 bra 	$L__BB4_5;
+	shl.b64 	%rd1030, %rd9, 1;
+	add.s64 	%rd1031, %rd3, %rd1030;
+	ld.global.u16 	%rs10, [%rd1031];
 
-	mov.u32 	%r101, 32;
+$L__BB5_119:
+	add.s64 	%rd174, %rd11, %rd9;
+	setp.ge.u64 	%p116, %rd174, %rd173;
+	@%p116 bra 	$L__BB5_121;
 
-$L__BB4_4:
+	shl.b64 	%rd1032, %rd174, 1;
+	add.s64 	%rd1033, %rd3, %rd1032;
+	ld.global.u16 	%rs12, [%rd1033];
+
+$L__BB5_121:
+	add.s64 	%rd175, %rd174, %rd11;
+	setp.ge.u64 	%p117, %rd175, %rd173;
+	@%p117 bra 	$L__BB5_123;
+
+	shl.b64 	%rd1034, %rd175, 1;
+	add.s64 	%rd1035, %rd3, %rd1034;
+	ld.global.u16 	%rs14, [%rd1035];
+
+$L__BB5_123:
+	mul.lo.s64 	%rd176, %rd11, 3;
+	add.s64 	%rd177, %rd175, %rd11;
+	setp.ge.u64 	%p118, %rd177, %rd173;
+	@%p118 bra 	$L__BB5_125;
+
+	shl.b64 	%rd1036, %rd177, 1;
+	add.s64 	%rd1037, %rd3, %rd1036;
+	ld.global.u16 	%rs16, [%rd1037];
+
+$L__BB5_125:
+	setp.ne.s32 	%p119, %r1, 0;
+	@%p119 bra 	$L__BB5_158;
+
+	add.s64 	%rd1038, %rd4, 136;
+	atom.global.add.u64 	%rd1039, [%rd1038], 1;
+	setp.eq.s64 	%p120, %rd1039, 0;
+	@%p120 bra 	$L__BB5_133;
+
+	ld.volatile.global.u64 	%rd1970, [%rd5];
+	setp.ne.s64 	%p121, %rd1970, 0;
+	@%p121 bra 	$L__BB5_132;
+
+	mov.u32 	%r624, 0;
+	mov.u32 	%r625, 32;
+
+$L__BB5_129:
+	add.s32 	%r624, %r624, 1;
+	setp.lt.u32 	%p122, %r624, 64;
+	@%p122 bra 	$L__BB5_131;
+
 	// begin inline asm
-	nanosleep.u32 %r101;
+	nanosleep.u32 %r625;
 	// end inline asm
-	setp.lt.u32 	%p8, %r101, 256;
-	selp.u32 	%r8, 1, 0, %p8;
-	shl.b32 	%r101, %r101, %r8;
-	ld.volatile.global.u64 	%rd178, [%rd3];
-	setp.eq.s64 	%p9, %rd178, 0;
-	@%p9 bra 	$L__BB4_4;
+	setp.lt.u32 	%p123, %r625, 256;
+	selp.u32 	%r183, 1, 0, %p123;
+	shl.b32 	%r625, %r625, %r183;
 
-$L__BB4_5:
+$L__BB5_131:
+	ld.volatile.global.u64 	%rd1970, [%rd5];
+	setp.eq.s64 	%p124, %rd1970, 0;
+	@%p124 bra 	$L__BB5_129;
+
+$L__BB5_132:
 	membar.gl;
-	bra.uni 	$L__BB4_30;
+	bra.uni 	$L__BB5_157;
 
-$L__BB4_6:
-	ld.global.u64 	%rd4, [%rd3+-40];
-	mov.u64 	%rd360, 0;
-	ld.global.u64 	%rd5, [%rd3+-48];
-	setp.eq.s64 	%p11, %rd5, 0;
-	mov.pred 	%p72, -1;
-	mov.u64 	%rd367, %rd360;
-	@%p11 bra 	$L__BB4_14;
+$L__BB5_456:
+	mov.u32 	%r471, %ctaid.x;
+	cvt.u64.u32 	%rd669, %r471;
+	mov.u32 	%r472, %ntid.x;
+	cvt.u64.u32 	%rd670, %r472;
+	mul.wide.u32 	%rd1643, %r471, %r472;
+	mov.u32 	%r56, %tid.x;
+	cvt.u64.u32 	%rd671, %r56;
+	add.s64 	%rd672, %rd1643, %rd671;
+	mov.u32 	%r473, %nctaid.x;
+	cvt.u64.u32 	%rd673, %r473;
+	mul.wide.u32 	%rd674, %r473, %r472;
+	shr.u64 	%rd675, %rd836, 4;
+	setp.ge.u64 	%p361, %rd672, %rd675;
+	@%p361 bra 	$L__BB5_458;
 
-	mov.u64 	%rd357, 0;
-	cvt.u32.u64 	%r9, %rd5;
+	shl.b64 	%rd1644, %rd672, 4;
+	add.s64 	%rd1645, %rd3, %rd1644;
+	ld.global.v4.u32 	{%r64, %r63, %r62, %r61}, [%rd1645];
 
-$L__BB4_8:
-	add.s64 	%rd7, %rd357, %rd4;
-	or.b64  	%rd182, %rd7, %rd5;
-	and.b64  	%rd183, %rd182, -4294967296;
-	setp.eq.s64 	%p12, %rd183, 0;
-	@%p12 bra 	$L__BB4_10;
+$L__BB5_458:
+	add.s64 	%rd676, %rd674, %rd672;
+	setp.ge.u64 	%p362, %rd676, %rd675;
+	@%p362 bra 	$L__BB5_460;
 
-	rem.u64 	%rd367, %rd7, %rd5;
-	bra.uni 	$L__BB4_11;
+	shl.b64 	%rd1646, %rd676, 4;
+	add.s64 	%rd1647, %rd3, %rd1646;
+	ld.global.v4.u32 	{%r72, %r71, %r70, %r69}, [%rd1647];
 
-$L__BB4_10:
-	cvt.u32.u64 	%r10, %rd7;
-	rem.u32 	%r11, %r10, %r9;
-	cvt.u64.u32 	%rd367, %r11;
+$L__BB5_460:
+	add.s64 	%rd677, %rd676, %rd674;
+	setp.ge.u64 	%p363, %rd677, %rd675;
+	@%p363 bra 	$L__BB5_462;
 
-$L__BB4_11:
-	shl.b64 	%rd185, %rd367, 3;
-	add.s64 	%rd11, %rd2, %rd185;
-	mov.u64 	%rd360, 0;
-	ld.volatile.global.u64 	%rd186, [%rd11];
-	setp.eq.s64 	%p13, %rd186, 0;
-	@%p13 bra 	$L__BB4_13;
+	shl.b64 	%rd1648, %rd677, 4;
+	add.s64 	%rd1649, %rd3, %rd1648;
+	ld.global.v4.u32 	{%r80, %r79, %r78, %r77}, [%rd1649];
 
-	atom.global.exch.b64 	%rd360, [%rd11], 0;
+$L__BB5_462:
+	mul.lo.s64 	%rd678, %rd674, 3;
+	add.s64 	%rd679, %rd677, %rd674;
+	setp.ge.u64 	%p364, %rd679, %rd675;
+	@%p364 bra 	$L__BB5_464;
 
-$L__BB4_13:
-	add.s64 	%rd357, %rd357, 1;
-	setp.lt.u64 	%p14, %rd357, %rd5;
-	setp.eq.s64 	%p72, %rd360, 0;
-	and.pred  	%p15, %p72, %p14;
-	@%p15 bra 	$L__BB4_8;
+	shl.b64 	%rd1650, %rd679, 4;
+	add.s64 	%rd1651, %rd3, %rd1650;
+	ld.global.v4.u32 	{%r88, %r87, %r86, %r85}, [%rd1651];
 
-$L__BB4_14:
-	not.pred 	%p16, %p72;
-	@%p16 bra 	$L__BB4_26;
+$L__BB5_464:
+	mov.u32 	%r618, %tid.x;
+	setp.ne.s32 	%p365, %r618, 0;
+	@%p365 bra 	$L__BB5_497;
 
-	mov.u64 	%rd187, 1;
-	st.volatile.global.u64 	[%rd1], %rd187;
-	membar.sys;
-	mov.u32 	%r102, 32;
-	cvt.u32.u64 	%r13, %rd5;
-	bra.uni 	$L__BB4_16;
+	add.s64 	%rd1652, %rd4, 136;
+	atom.global.add.u64 	%rd1653, [%rd1652], 1;
+	setp.eq.s64 	%p366, %rd1653, 0;
+	@%p366 bra 	$L__BB5_472;
 
-$L__BB4_90:
+	ld.volatile.global.u64 	%rd2131, [%rd5];
+	setp.ne.s64 	%p367, %rd2131, 0;
+	@%p367 bra 	$L__BB5_471;
+
+	mov.u32 	%r664, 0;
+	mov.u32 	%r665, 32;
+
+$L__BB5_468:
+	add.s32 	%r664, %r664, 1;
+	setp.lt.u32 	%p368, %r664, 64;
+	@%p368 bra 	$L__BB5_470;
+
 	// begin inline asm
-	nanosleep.u32 %r102;
+	nanosleep.u32 %r665;
 	// end inline asm
-	setp.lt.u32 	%p71, %r102, 2048;
-	selp.u32 	%r100, 1, 0, %p71;
-	shl.b32 	%r102, %r102, %r100;
+	setp.lt.u32 	%p369, %r665, 256;
+	selp.u32 	%r496, 1, 0, %p369;
+	shl.b32 	%r665, %r665, %r496;
 
-$L__BB4_16:
-	mov.pred 	%p73, -1;
-	mov.u64 	%rd360, 0;
-	@%p11 bra 	$L__BB4_24;
+$L__BB5_470:
+	ld.volatile.global.u64 	%rd2131, [%rd5];
+	setp.eq.s64 	%p370, %rd2131, 0;
+	@%p370 bra 	$L__BB5_468;
 
-	mov.u64 	%rd363, 0;
+$L__BB5_471:
+	membar.gl;
+	bra.uni 	$L__BB5_496;
 
-$L__BB4_18:
-	add.s64 	%rd19, %rd363, %rd4;
-	or.b64  	%rd190, %rd19, %rd5;
-	and.b64  	%rd191, %rd190, -4294967296;
-	setp.eq.s64 	%p19, %rd191, 0;
-	@%p19 bra 	$L__BB4_20;
+$L__BB5_343:
+	mov.u32 	%r355, %ctaid.x;
+	cvt.u64.u32 	%rd503, %r355;
+	mov.u32 	%r356, %ntid.x;
+	cvt.u64.u32 	%rd504, %r356;
+	mul.wide.u32 	%rd1437, %r355, %r356;
+	mov.u32 	%r32, %tid.x;
+	cvt.u64.u32 	%rd505, %r32;
+	add.s64 	%rd506, %rd1437, %rd505;
+	mov.u32 	%r357, %nctaid.x;
+	cvt.u64.u32 	%rd507, %r357;
+	mul.wide.u32 	%rd508, %r357, %r356;
+	shr.u64 	%rd509, %rd836, 3;
+	setp.ge.u64 	%p279, %rd506, %rd509;
+	@%p279 bra 	$L__BB5_345;
 
-	rem.u64 	%rd367, %rd19, %rd5;
-	bra.uni 	$L__BB4_21;
+	shl.b64 	%rd1438, %rd506, 3;
+	add.s64 	%rd1439, %rd3, %rd1438;
+	ld.global.v2.u32 	{%r36, %r35}, [%rd1439];
 
-$L__BB4_20:
-	cvt.u32.u64 	%r14, %rd19;
-	rem.u32 	%r15, %r14, %r13;
-	cvt.u64.u32 	%rd367, %r15;
+$L__BB5_345:
+	add.s64 	%rd510, %rd508, %rd506;
+	setp.ge.u64 	%p280, %rd510, %rd509;
+	@%p280 bra 	$L__BB5_347;
 
-$L__BB4_21:
-	shl.b64 	%rd193, %rd367, 3;
-	add.s64 	%rd23, %rd2, %rd193;
-	mov.u64 	%rd360, 0;
-	ld.volatile.global.u64 	%rd194, [%rd23];
-	setp.eq.s64 	%p20, %rd194, 0;
-	@%p20 bra 	$L__BB4_23;
+	shl.b64 	%rd1440, %rd510, 3;
+	add.s64 	%rd1441, %rd3, %rd1440;
+	ld.global.v2.u32 	{%r40, %r39}, [%rd1441];
 
-	atom.global.exch.b64 	%rd360, [%rd23], 0;
+$L__BB5_347:
+	add.s64 	%rd511, %rd510, %rd508;
+	setp.ge.u64 	%p281, %rd511, %rd509;
+	@%p281 bra 	$L__BB5_349;
 
-$L__BB4_23:
-	add.s64 	%rd363, %rd363, 1;
-	setp.lt.u64 	%p21, %rd363, %rd5;
-	setp.eq.s64 	%p73, %rd360, 0;
-	and.pred  	%p22, %p73, %p21;
-	@%p22 bra 	$L__BB4_18;
+	shl.b64 	%rd1442, %rd511, 3;
+	add.s64 	%rd1443, %rd3, %rd1442;
+	ld.global.v2.u32 	{%r44, %r43}, [%rd1443];
 
-$L__BB4_24:
-	@%p73 bra 	$L__BB4_90;
+$L__BB5_349:
+	mul.lo.s64 	%rd512, %rd508, 3;
+	add.s64 	%rd513, %rd511, %rd508;
+	setp.ge.u64 	%p282, %rd513, %rd509;
+	@%p282 bra 	$L__BB5_351;
 
-	mov.u64 	%rd195, 0;
-	st.volatile.global.u64 	[%rd1], %rd195;
+	shl.b64 	%rd1444, %rd513, 3;
+	add.s64 	%rd1445, %rd3, %rd1444;
+	ld.global.v2.u32 	{%r48, %r47}, [%rd1445];
+
+$L__BB5_351:
+	mov.u32 	%r617, %tid.x;
+	setp.ne.s32 	%p283, %r617, 0;
+	@%p283 bra 	$L__BB5_384;
+
+	add.s64 	%rd1446, %rd4, 136;
+	atom.global.add.u64 	%rd1447, [%rd1446], 1;
+	setp.eq.s64 	%p284, %rd1447, 0;
+	@%p284 bra 	$L__BB5_359;
+
+	ld.volatile.global.u64 	%rd2078, [%rd5];
+	setp.ne.s64 	%p285, %rd2078, 0;
+	@%p285 bra 	$L__BB5_358;
+
+	mov.u32 	%r644, 0;
+	mov.u32 	%r645, 32;
+
+$L__BB5_355:
+	add.s32 	%r644, %r644, 1;
+	setp.lt.u32 	%p286, %r644, 64;
+	@%p286 bra 	$L__BB5_357;
+
+	// begin inline asm
+	nanosleep.u32 %r645;
+	// end inline asm
+	setp.lt.u32 	%p287, %r645, 256;
+	selp.u32 	%r372, 1, 0, %p287;
+	shl.b32 	%r645, %r645, %r372;
+
+$L__BB5_357:
+	ld.volatile.global.u64 	%rd2078, [%rd5];
+	setp.eq.s64 	%p288, %rd2078, 0;
+	@%p288 bra 	$L__BB5_355;
+
+$L__BB5_358:
+	membar.gl;
+	bra.uni 	$L__BB5_383;
+
+$L__BB5_230:
+	mov.u32 	%r262, %ctaid.x;
+	cvt.u64.u32 	%rd335, %r262;
+	mov.u32 	%r263, %ntid.x;
+	cvt.u64.u32 	%rd336, %r263;
+	mul.wide.u32 	%rd1232, %r262, %r263;
+	mov.u32 	%r16, %tid.x;
+	cvt.u64.u32 	%rd337, %r16;
+	add.s64 	%rd338, %rd1232, %rd337;
+	mov.u32 	%r264, %nctaid.x;
+	cvt.u64.u32 	%rd339, %r264;
+	mul.wide.u32 	%rd340, %r264, %r263;
+	shr.u64 	%rd341, %rd836, 2;
+	setp.ge.u64 	%p197, %rd338, %rd341;
+	@%p197 bra 	$L__BB5_232;
+
+	shl.b64 	%rd1233, %rd338, 2;
+	add.s64 	%rd1234, %rd3, %rd1233;
+	ld.global.u32 	%r18, [%rd1234];
+
+$L__BB5_232:
+	add.s64 	%rd342, %rd340, %rd338;
+	setp.ge.u64 	%p198, %rd342, %rd341;
+	@%p198 bra 	$L__BB5_234;
+
+	shl.b64 	%rd1235, %rd342, 2;
+	add.s64 	%rd1236, %rd3, %rd1235;
+	ld.global.u32 	%r20, [%rd1236];
+
+$L__BB5_234:
+	add.s64 	%rd343, %rd342, %rd340;
+	setp.ge.u64 	%p199, %rd343, %rd341;
+	@%p199 bra 	$L__BB5_236;
+
+	shl.b64 	%rd1237, %rd343, 2;
+	add.s64 	%rd1238, %rd3, %rd1237;
+	ld.global.u32 	%r22, [%rd1238];
+
+$L__BB5_236:
+	mul.lo.s64 	%rd344, %rd340, 3;
+	add.s64 	%rd345, %rd343, %rd340;
+	setp.ge.u64 	%p200, %rd345, %rd341;
+	@%p200 bra 	$L__BB5_238;
+
+	shl.b64 	%rd1239, %rd345, 2;
+	add.s64 	%rd1240, %rd3, %rd1239;
+	ld.global.u32 	%r24, [%rd1240];
+
+$L__BB5_238:
+	setp.ne.s32 	%p201, %r16, 0;
+	@%p201 bra 	$L__BB5_271;
+
+	add.s64 	%rd1241, %rd4, 136;
+	atom.global.add.u64 	%rd1242, [%rd1241], 1;
+	setp.eq.s64 	%p202, %rd1242, 0;
+	@%p202 bra 	$L__BB5_246;
+
+	ld.volatile.global.u64 	%rd2024, [%rd5];
+	setp.ne.s64 	%p203, %rd2024, 0;
+	@%p203 bra 	$L__BB5_245;
+
+	mov.u32 	%r632, 0;
+	mov.u32 	%r633, 32;
+
+$L__BB5_242:
+	add.s32 	%r632, %r632, 1;
+	setp.lt.u32 	%p204, %r632, 64;
+	@%p204 bra 	$L__BB5_244;
+
+	// begin inline asm
+	nanosleep.u32 %r633;
+	// end inline asm
+	setp.lt.u32 	%p205, %r633, 256;
+	selp.u32 	%r271, 1, 0, %p205;
+	shl.b32 	%r633, %r633, %r271;
+
+$L__BB5_244:
+	ld.volatile.global.u64 	%rd2024, [%rd5];
+	setp.eq.s64 	%p206, %rd2024, 0;
+	@%p206 bra 	$L__BB5_242;
+
+$L__BB5_245:
+	membar.gl;
+	bra.uni 	$L__BB5_270;
+
+$L__BB5_4:
+	setp.ge.u64 	%p33, %rd9, %rd836;
+	@%p33 bra 	$L__BB5_6;
+
+	add.s64 	%rd845, %rd3, %rd9;
+	ld.global.u8 	%rs2, [%rd845];
+
+$L__BB5_6:
+	add.s64 	%rd12, %rd11, %rd9;
+	setp.ge.u64 	%p34, %rd12, %rd836;
+	@%p34 bra 	$L__BB5_8;
+
+	add.s64 	%rd846, %rd3, %rd12;
+	ld.global.u8 	%rs4, [%rd846];
+
+$L__BB5_8:
+	add.s64 	%rd13, %rd12, %rd11;
+	setp.ge.u64 	%p35, %rd13, %rd836;
+	@%p35 bra 	$L__BB5_10;
+
+	add.s64 	%rd847, %rd3, %rd13;
+	ld.global.u8 	%rs6, [%rd847];
+
+$L__BB5_10:
+	mul.lo.s64 	%rd14, %rd11, 3;
+	add.s64 	%rd15, %rd13, %rd11;
+	setp.ge.u64 	%p36, %rd15, %rd836;
+	@%p36 bra 	$L__BB5_12;
+
+	add.s64 	%rd848, %rd3, %rd15;
+	ld.global.u8 	%rs8, [%rd848];
+
+$L__BB5_12:
+	setp.ne.s32 	%p37, %r1, 0;
+	@%p37 bra 	$L__BB5_45;
+
+	add.s64 	%rd849, %rd4, 136;
+	atom.global.add.u64 	%rd850, [%rd849], 1;
+	setp.eq.s64 	%p38, %rd850, 0;
+	@%p38 bra 	$L__BB5_20;
+
+	ld.volatile.global.u64 	%rd1916, [%rd5];
+	setp.ne.s64 	%p39, %rd1916, 0;
+	@%p39 bra 	$L__BB5_19;
+
+	mov.u32 	%r620, 0;
+	mov.u32 	%r621, 32;
+
+$L__BB5_16:
+	add.s32 	%r620, %r620, 1;
+	setp.lt.u32 	%p40, %r620, 64;
+	@%p40 bra 	$L__BB5_18;
+
+	// begin inline asm
+	nanosleep.u32 %r621;
+	// end inline asm
+	setp.lt.u32 	%p41, %r621, 256;
+	selp.u32 	%r102, 1, 0, %p41;
+	shl.b32 	%r621, %r621, %r102;
+
+$L__BB5_18:
+	ld.volatile.global.u64 	%rd1916, [%rd5];
+	setp.eq.s64 	%p42, %rd1916, 0;
+	@%p42 bra 	$L__BB5_16;
+
+$L__BB5_19:
+	membar.gl;
+	bra.uni 	$L__BB5_44;
+
+$L__BB5_472:
+	ld.global.u64 	%rd683, [%rd5+-48];
+	ld.global.u64 	%rd684, [%rd5+-40];
+	shl.b64 	%rd1654, %rd684, 3;
+	add.s64 	%rd1655, %rd4, %rd1654;
+	atom.global.exch.b64 	%rd2121, [%rd1655], 0;
+	setp.lt.u64 	%p371, %rd683, 2;
+	setp.eq.s64 	%p459, %rd2121, 0;
+	setp.ne.s64 	%p372, %rd2121, 0;
+	or.pred  	%p373, %p372, %p371;
+	mov.u64 	%rd2126, %rd684;
+	@%p373 bra 	$L__BB5_480;
+
+	mov.u64 	%rd2117, 1;
+	cvt.u32.u64 	%r497, %rd683;
+
+$L__BB5_474:
+	add.s64 	%rd687, %rd2117, %rd684;
+	or.b64  	%rd1657, %rd687, %rd683;
+	and.b64  	%rd1658, %rd1657, -4294967296;
+	setp.eq.s64 	%p374, %rd1658, 0;
+	@%p374 bra 	$L__BB5_476;
+
+	rem.u64 	%rd2126, %rd687, %rd683;
+	bra.uni 	$L__BB5_477;
+
+$L__BB5_476:
+	cvt.u32.u64 	%r498, %rd687;
+	rem.u32 	%r499, %r498, %r497;
+	cvt.u64.u32 	%rd2126, %r499;
+
+$L__BB5_477:
+	shl.b64 	%rd1660, %rd2126, 3;
+	add.s64 	%rd691, %rd4, %rd1660;
+	mov.u64 	%rd2121, 0;
+	ld.volatile.global.u64 	%rd1661, [%rd691];
+	setp.eq.s64 	%p375, %rd1661, 0;
+	@%p375 bra 	$L__BB5_479;
+
+	atom.global.exch.b64 	%rd2121, [%rd691], 0;
+
+$L__BB5_479:
+	add.s64 	%rd2117, %rd2117, 1;
+	setp.lt.u64 	%p376, %rd2117, %rd683;
+	setp.eq.s64 	%p459, %rd2121, 0;
+	and.pred  	%p377, %p459, %p376;
+	@%p377 bra 	$L__BB5_474;
+
+$L__BB5_480:
+	not.pred 	%p378, %p459;
+	@%p378 bra 	$L__BB5_492;
+
+	ld.param.u64 	%rd1869, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1868, %rd1869;
+	mov.u64 	%rd1662, 1;
+	st.volatile.global.u64 	[%rd1868], %rd1662;
+	membar.sys;
+	mov.u32 	%r666, 32;
+	cvt.u32.u64 	%r501, %rd683;
+	bra.uni 	$L__BB5_482;
+
+$L__BB5_572:
+	// begin inline asm
+	nanosleep.u32 %r666;
+	// end inline asm
+	setp.lt.u32 	%p444, %r666, 2048;
+	selp.u32 	%r616, 1, 0, %p444;
+	shl.b32 	%r666, %r666, %r616;
+
+$L__BB5_482:
+	setp.eq.s64 	%p380, %rd683, 0;
+	mov.pred 	%p460, -1;
+	mov.u64 	%rd2121, 0;
+	@%p380 bra 	$L__BB5_490;
+
+	mov.u64 	%rd2123, 0;
+
+$L__BB5_484:
+	add.s64 	%rd699, %rd2123, %rd684;
+	or.b64  	%rd1665, %rd699, %rd683;
+	and.b64  	%rd1666, %rd1665, -4294967296;
+	setp.eq.s64 	%p381, %rd1666, 0;
+	@%p381 bra 	$L__BB5_486;
+
+	rem.u64 	%rd2126, %rd699, %rd683;
+	bra.uni 	$L__BB5_487;
+
+$L__BB5_486:
+	cvt.u32.u64 	%r502, %rd699;
+	rem.u32 	%r503, %r502, %r501;
+	cvt.u64.u32 	%rd2126, %r503;
+
+$L__BB5_487:
+	shl.b64 	%rd1668, %rd2126, 3;
+	add.s64 	%rd703, %rd4, %rd1668;
+	mov.u64 	%rd2121, 0;
+	ld.volatile.global.u64 	%rd1669, [%rd703];
+	setp.eq.s64 	%p382, %rd1669, 0;
+	@%p382 bra 	$L__BB5_489;
+
+	atom.global.exch.b64 	%rd2121, [%rd703], 0;
+
+$L__BB5_489:
+	add.s64 	%rd2123, %rd2123, 1;
+	setp.lt.u64 	%p383, %rd2123, %rd683;
+	setp.eq.s64 	%p460, %rd2121, 0;
+	and.pred  	%p384, %p460, %p383;
+	@%p384 bra 	$L__BB5_484;
+
+$L__BB5_490:
+	@%p460 bra 	$L__BB5_572;
+
+	ld.param.u64 	%rd1871, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1870, %rd1871;
+	mov.u64 	%rd1670, 0;
+	st.volatile.global.u64 	[%rd1870], %rd1670;
 	membar.sys;
 
-$L__BB4_26:
+$L__BB5_492:
 	membar.gl;
-	add.s64 	%rd31, %rd367, 1;
-	or.b64  	%rd196, %rd31, %rd5;
-	and.b64  	%rd197, %rd196, -4294967296;
-	setp.eq.s64 	%p23, %rd197, 0;
-	@%p23 bra 	$L__BB4_28;
+	add.s64 	%rd1671, %rd2126, 1;
+	or.b64  	%rd1672, %rd1671, %rd683;
+	and.b64  	%rd1673, %rd1672, -4294967296;
+	setp.eq.s64 	%p385, %rd1673, 0;
+	@%p385 bra 	$L__BB5_494;
 
-	rem.u64 	%rd370, %rd31, %rd5;
-	bra.uni 	$L__BB4_29;
+	rem.u64 	%rd2130, %rd1671, %rd683;
+	bra.uni 	$L__BB5_495;
 
-$L__BB4_28:
-	cvt.u32.u64 	%r16, %rd5;
-	cvt.u32.u64 	%r17, %rd31;
-	rem.u32 	%r18, %r17, %r16;
-	cvt.u64.u32 	%rd370, %r18;
+$L__BB5_359:
+	ld.global.u64 	%rd517, [%rd5+-48];
+	ld.global.u64 	%rd518, [%rd5+-40];
+	shl.b64 	%rd1448, %rd518, 3;
+	add.s64 	%rd1449, %rd4, %rd1448;
+	atom.global.exch.b64 	%rd2068, [%rd1449], 0;
+	setp.lt.u64 	%p289, %rd517, 2;
+	setp.eq.s64 	%p457, %rd2068, 0;
+	setp.ne.s64 	%p290, %rd2068, 0;
+	or.pred  	%p291, %p290, %p289;
+	mov.u64 	%rd2073, %rd518;
+	@%p291 bra 	$L__BB5_367;
 
-$L__BB4_29:
-	cvta.to.global.u64 	%rd198, %rd173;
-	st.global.u64 	[%rd3+-40], %rd370;
-	shl.b64 	%rd199, %rd367, 3;
-	add.s64 	%rd200, %rd2, %rd199;
-	ld.volatile.global.u64 	%rd201, [%rd200+32];
-	st.global.u64 	[%rd3+-32], %rd201;
-	ld.global.u64 	%rd202, [%rd200+64];
-	st.global.u64 	[%rd3+-24], %rd202;
-	st.global.u32 	[%rd198], %rd360;
-	shr.u64 	%rd203, %rd360, 32;
-	st.global.u32 	[%rd198+4], %rd203;
+	mov.u64 	%rd2064, 1;
+	cvt.u32.u64 	%r373, %rd517;
+
+$L__BB5_361:
+	add.s64 	%rd521, %rd2064, %rd518;
+	or.b64  	%rd1451, %rd521, %rd517;
+	and.b64  	%rd1452, %rd1451, -4294967296;
+	setp.eq.s64 	%p292, %rd1452, 0;
+	@%p292 bra 	$L__BB5_363;
+
+	rem.u64 	%rd2073, %rd521, %rd517;
+	bra.uni 	$L__BB5_364;
+
+$L__BB5_363:
+	cvt.u32.u64 	%r374, %rd521;
+	rem.u32 	%r375, %r374, %r373;
+	cvt.u64.u32 	%rd2073, %r375;
+
+$L__BB5_364:
+	shl.b64 	%rd1454, %rd2073, 3;
+	add.s64 	%rd525, %rd4, %rd1454;
+	mov.u64 	%rd2068, 0;
+	ld.volatile.global.u64 	%rd1455, [%rd525];
+	setp.eq.s64 	%p293, %rd1455, 0;
+	@%p293 bra 	$L__BB5_366;
+
+	atom.global.exch.b64 	%rd2068, [%rd525], 0;
+
+$L__BB5_366:
+	add.s64 	%rd2064, %rd2064, 1;
+	setp.lt.u64 	%p294, %rd2064, %rd517;
+	setp.eq.s64 	%p457, %rd2068, 0;
+	and.pred  	%p295, %p457, %p294;
+	@%p295 bra 	$L__BB5_361;
+
+$L__BB5_367:
+	not.pred 	%p296, %p457;
+	@%p296 bra 	$L__BB5_379;
+
+	mov.u64 	%rd1456, 1;
+	st.volatile.global.u64 	[%rd2], %rd1456;
+	membar.sys;
+	mov.u32 	%r646, 32;
+	cvt.u32.u64 	%r377, %rd517;
+	bra.uni 	$L__BB5_369;
+
+$L__BB5_455:
+	// begin inline asm
+	nanosleep.u32 %r646;
+	// end inline asm
+	setp.lt.u32 	%p360, %r646, 2048;
+	selp.u32 	%r469, 1, 0, %p360;
+	shl.b32 	%r646, %r646, %r469;
+
+$L__BB5_369:
+	setp.eq.s64 	%p298, %rd517, 0;
+	mov.pred 	%p458, -1;
+	mov.u64 	%rd2068, 0;
+	@%p298 bra 	$L__BB5_377;
+
+	mov.u64 	%rd2070, 0;
+
+$L__BB5_371:
+	add.s64 	%rd533, %rd2070, %rd518;
+	or.b64  	%rd1459, %rd533, %rd517;
+	and.b64  	%rd1460, %rd1459, -4294967296;
+	setp.eq.s64 	%p299, %rd1460, 0;
+	@%p299 bra 	$L__BB5_373;
+
+	rem.u64 	%rd2073, %rd533, %rd517;
+	bra.uni 	$L__BB5_374;
+
+$L__BB5_373:
+	cvt.u32.u64 	%r378, %rd533;
+	rem.u32 	%r379, %r378, %r377;
+	cvt.u64.u32 	%rd2073, %r379;
+
+$L__BB5_374:
+	shl.b64 	%rd1462, %rd2073, 3;
+	add.s64 	%rd537, %rd4, %rd1462;
+	mov.u64 	%rd2068, 0;
+	ld.volatile.global.u64 	%rd1463, [%rd537];
+	setp.eq.s64 	%p300, %rd1463, 0;
+	@%p300 bra 	$L__BB5_376;
+
+	atom.global.exch.b64 	%rd2068, [%rd537], 0;
+
+$L__BB5_376:
+	add.s64 	%rd2070, %rd2070, 1;
+	setp.lt.u64 	%p301, %rd2070, %rd517;
+	setp.eq.s64 	%p458, %rd2068, 0;
+	and.pred  	%p302, %p458, %p301;
+	@%p302 bra 	$L__BB5_371;
+
+$L__BB5_377:
+	@%p458 bra 	$L__BB5_455;
+
+	mov.u64 	%rd1464, 0;
+	st.volatile.global.u64 	[%rd2], %rd1464;
+	membar.sys;
+
+$L__BB5_379:
 	membar.gl;
-	atom.global.exch.b64 	%rd205, [%rd3], 1;
+	add.s64 	%rd1465, %rd2073, 1;
+	or.b64  	%rd1466, %rd1465, %rd517;
+	and.b64  	%rd1467, %rd1466, -4294967296;
+	setp.eq.s64 	%p303, %rd1467, 0;
+	@%p303 bra 	$L__BB5_381;
 
-$L__BB4_30:
-	ld.volatile.global.u64 	%rd206, [%rd3+-32];
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd206;
+	rem.u64 	%rd2077, %rd1465, %rd517;
+	bra.uni 	$L__BB5_382;
 
-$L__BB4_31:
+$L__BB5_246:
+	ld.global.u64 	%rd349, [%rd5+-48];
+	ld.global.u64 	%rd350, [%rd5+-40];
+	shl.b64 	%rd1243, %rd350, 3;
+	add.s64 	%rd1244, %rd4, %rd1243;
+	atom.global.exch.b64 	%rd2014, [%rd1244], 0;
+	setp.lt.u64 	%p207, %rd349, 2;
+	setp.eq.s64 	%p455, %rd2014, 0;
+	setp.ne.s64 	%p208, %rd2014, 0;
+	or.pred  	%p209, %p208, %p207;
+	mov.u64 	%rd2019, %rd350;
+	@%p209 bra 	$L__BB5_254;
+
+	mov.u64 	%rd2010, 1;
+	cvt.u32.u64 	%r272, %rd349;
+
+$L__BB5_248:
+	add.s64 	%rd353, %rd2010, %rd350;
+	or.b64  	%rd1246, %rd353, %rd349;
+	and.b64  	%rd1247, %rd1246, -4294967296;
+	setp.eq.s64 	%p210, %rd1247, 0;
+	@%p210 bra 	$L__BB5_250;
+
+	rem.u64 	%rd2019, %rd353, %rd349;
+	bra.uni 	$L__BB5_251;
+
+$L__BB5_250:
+	cvt.u32.u64 	%r273, %rd353;
+	rem.u32 	%r274, %r273, %r272;
+	cvt.u64.u32 	%rd2019, %r274;
+
+$L__BB5_251:
+	shl.b64 	%rd1249, %rd2019, 3;
+	add.s64 	%rd357, %rd4, %rd1249;
+	mov.u64 	%rd2014, 0;
+	ld.volatile.global.u64 	%rd1250, [%rd357];
+	setp.eq.s64 	%p211, %rd1250, 0;
+	@%p211 bra 	$L__BB5_253;
+
+	atom.global.exch.b64 	%rd2014, [%rd357], 0;
+
+$L__BB5_253:
+	add.s64 	%rd2010, %rd2010, 1;
+	setp.lt.u64 	%p212, %rd2010, %rd349;
+	setp.eq.s64 	%p455, %rd2014, 0;
+	and.pred  	%p213, %p455, %p212;
+	@%p213 bra 	$L__BB5_248;
+
+$L__BB5_254:
+	not.pred 	%p214, %p455;
+	@%p214 bra 	$L__BB5_266;
+
+	mov.u64 	%rd1251, 1;
+	st.volatile.global.u64 	[%rd2], %rd1251;
+	membar.sys;
+	mov.u32 	%r634, 32;
+	cvt.u32.u64 	%r276, %rd349;
+	bra.uni 	$L__BB5_256;
+
+$L__BB5_342:
+	// begin inline asm
+	nanosleep.u32 %r634;
+	// end inline asm
+	setp.lt.u32 	%p278, %r634, 2048;
+	selp.u32 	%r353, 1, 0, %p278;
+	shl.b32 	%r634, %r634, %r353;
+
+$L__BB5_256:
+	setp.eq.s64 	%p216, %rd349, 0;
+	mov.pred 	%p456, -1;
+	mov.u64 	%rd2014, 0;
+	@%p216 bra 	$L__BB5_264;
+
+	mov.u64 	%rd2016, 0;
+
+$L__BB5_258:
+	add.s64 	%rd365, %rd2016, %rd350;
+	or.b64  	%rd1254, %rd365, %rd349;
+	and.b64  	%rd1255, %rd1254, -4294967296;
+	setp.eq.s64 	%p217, %rd1255, 0;
+	@%p217 bra 	$L__BB5_260;
+
+	rem.u64 	%rd2019, %rd365, %rd349;
+	bra.uni 	$L__BB5_261;
+
+$L__BB5_260:
+	cvt.u32.u64 	%r277, %rd365;
+	rem.u32 	%r278, %r277, %r276;
+	cvt.u64.u32 	%rd2019, %r278;
+
+$L__BB5_261:
+	shl.b64 	%rd1257, %rd2019, 3;
+	add.s64 	%rd369, %rd4, %rd1257;
+	mov.u64 	%rd2014, 0;
+	ld.volatile.global.u64 	%rd1258, [%rd369];
+	setp.eq.s64 	%p218, %rd1258, 0;
+	@%p218 bra 	$L__BB5_263;
+
+	atom.global.exch.b64 	%rd2014, [%rd369], 0;
+
+$L__BB5_263:
+	add.s64 	%rd2016, %rd2016, 1;
+	setp.lt.u64 	%p219, %rd2016, %rd349;
+	setp.eq.s64 	%p456, %rd2014, 0;
+	and.pred  	%p220, %p456, %p219;
+	@%p220 bra 	$L__BB5_258;
+
+$L__BB5_264:
+	@%p456 bra 	$L__BB5_342;
+
+	mov.u64 	%rd1259, 0;
+	st.volatile.global.u64 	[%rd2], %rd1259;
+	membar.sys;
+
+$L__BB5_266:
+	membar.gl;
+	add.s64 	%rd1260, %rd2019, 1;
+	or.b64  	%rd1261, %rd1260, %rd349;
+	and.b64  	%rd1262, %rd1261, -4294967296;
+	setp.eq.s64 	%p221, %rd1262, 0;
+	@%p221 bra 	$L__BB5_268;
+
+	rem.u64 	%rd2023, %rd1260, %rd349;
+	bra.uni 	$L__BB5_269;
+
+$L__BB5_494:
+	cvt.u32.u64 	%r504, %rd683;
+	cvt.u32.u64 	%r505, %rd1671;
+	rem.u32 	%r506, %r505, %r504;
+	cvt.u64.u32 	%rd2130, %r506;
+
+$L__BB5_495:
+	ld.param.u64 	%rd1859, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1858, %rd1859;
+	add.s64 	%rd1857, %rd4, 144;
+	st.global.u64 	[%rd1857+-40], %rd2130;
+	st.global.u32 	[%rd1858], %rd2121;
+	shr.u64 	%rd1676, %rd2121, 32;
+	st.global.u32 	[%rd1858+4], %rd1676;
+	shl.b64 	%rd1677, %rd2126, 3;
+	add.s64 	%rd1678, %rd4, %rd1677;
+	ld.volatile.global.u64 	%rd2131, [%rd1678+32];
+	st.global.u64 	[%rd1857+-32], %rd2131;
+	ld.global.u64 	%rd1679, [%rd1678+64];
+	st.global.u64 	[%rd1857+-24], %rd1679;
+	membar.gl;
+	atom.global.exch.b64 	%rd1681, [%rd1857], %rd2131;
+
+$L__BB5_496:
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2131;
+
+$L__BB5_497:
 	bar.sync 	0;
-	cvta.to.global.u64 	%rd35, %rd171;
-	ld.shared.u64 	%rd36, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
-	xor.b64  	%rd37, %rd36, %rd171;
-	and.b64  	%rd207, %rd37, 15;
-	setp.eq.s64 	%p24, %rd207, 0;
-	@%p24 bra 	$L__BB4_75;
+	ld.shared.u64 	%rd716, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1682, %rd716, 15;
+	setp.eq.s64 	%p386, %rd1682, 0;
+	@%p386 bra 	$L__BB5_553;
 
-	and.b64  	%rd208, %rd37, 7;
-	setp.eq.s64 	%p25, %rd208, 0;
-	@%p25 bra 	$L__BB4_64;
+	ld.param.u64 	%rd1860, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd717, %rd716, %rd1860;
+	and.b64  	%rd1683, %rd717, 15;
+	setp.eq.s64 	%p387, %rd1683, 0;
+	@%p387 bra 	$L__BB5_542;
 
-	and.b64  	%rd209, %rd37, 3;
-	setp.eq.s64 	%p26, %rd209, 0;
-	@%p26 bra 	$L__BB4_53;
+	and.b64  	%rd1684, %rd717, 7;
+	setp.eq.s64 	%p388, %rd1684, 0;
+	@%p388 bra 	$L__BB5_531;
 
-	and.b64  	%rd210, %rd37, 1;
-	setp.eq.b64 	%p27, %rd210, 1;
-	mov.pred 	%p28, 0;
-	xor.pred  	%p29, %p27, %p28;
-	not.pred 	%p30, %p29;
-	mov.u32 	%r19, %ctaid.x;
-	cvt.u64.u32 	%rd38, %r19;
-	mov.u32 	%r20, %ntid.x;
-	cvt.u64.u32 	%rd39, %r20;
-	mul.wide.u32 	%rd211, %r19, %r20;
-	cvt.u64.u32 	%rd40, %r1;
-	add.s64 	%rd41, %rd211, %rd40;
-	mov.u32 	%r21, %nctaid.x;
-	cvt.u64.u32 	%rd42, %r21;
-	mul.wide.u32 	%rd43, %r21, %r20;
-	@%p30 bra 	$L__BB4_42;
-	bra.uni 	$L__BB4_35;
+	and.b64  	%rd1685, %rd717, 3;
+	setp.eq.s64 	%p389, %rd1685, 0;
+	@%p389 bra 	$L__BB5_520;
 
-$L__BB4_42:
-	and.b64  	%rd60, %rd36, 1;
-	min.u64 	%rd61, %rd60, %rd172;
-	setp.ge.u64 	%p37, %rd41, %rd61;
-	@%p37 bra 	$L__BB4_45;
+	and.b64  	%rd1686, %rd717, 1;
+	setp.eq.b64 	%p390, %rd1686, 1;
+	mov.pred 	%p391, 0;
+	xor.pred  	%p392, %p390, %p391;
+	not.pred 	%p393, %p392;
+	@%p393 bra 	$L__BB5_509;
+	bra.uni 	$L__BB5_502;
 
-	mov.u64 	%rd377, %rd41;
+$L__BB5_509:
+	and.b64  	%rd733, %rd716, 1;
+	min.u64 	%rd734, %rd733, %rd836;
+	setp.ge.u64 	%p400, %rd672, %rd734;
+	@%p400 bra 	$L__BB5_512;
 
-$L__BB4_44:
-	add.s64 	%rd225, %rd35, %rd377;
-	ld.global.u8 	%rs7, [%rd225];
-	add.s64 	%rd226, %rd36, %rd377;
-	st.u8 	[%rd226], %rs7;
-	add.s64 	%rd377, %rd377, %rd43;
-	setp.lt.u64 	%p38, %rd377, %rd61;
-	@%p38 bra 	$L__BB4_44;
+	mov.u64 	%rd2138, %rd672;
 
-$L__BB4_45:
-	sub.s64 	%rd64, %rd172, %rd61;
-	shr.u64 	%rd65, %rd64, 1;
-	mul.lo.s64 	%rd66, %rd43, 3;
-	add.s64 	%rd227, %rd41, %rd66;
-	setp.ge.u64 	%p39, %rd227, %rd65;
-	mov.u64 	%rd381, %rd41;
-	@%p39 bra 	$L__BB4_48;
+$L__BB5_511:
+	add.s64 	%rd1699, %rd3, %rd2138;
+	ld.global.u8 	%rs121, [%rd1699];
+	add.s64 	%rd1700, %rd716, %rd2138;
+	st.u8 	[%rd1700], %rs121;
+	add.s64 	%rd2138, %rd2138, %rd674;
+	setp.lt.u64 	%p401, %rd2138, %rd734;
+	@%p401 bra 	$L__BB5_511;
 
-	mul.lo.s64 	%rd228, %rd38, %rd39;
-	shl.b64 	%rd229, %rd228, 1;
-	shl.b64 	%rd230, %rd40, 1;
-	add.s64 	%rd231, %rd229, %rd230;
-	add.s64 	%rd232, %rd231, -1;
-	not.b64 	%rd233, %rd172;
-	not.b64 	%rd234, %rd60;
-	max.u64 	%rd235, %rd234, %rd233;
-	sub.s64 	%rd236, %rd232, %rd235;
-	add.s64 	%rd379, %rd35, %rd236;
-	mul.lo.s64 	%rd237, %rd42, %rd39;
-	shl.b64 	%rd68, %rd237, 1;
-	add.s64 	%rd380, %rd36, %rd236;
-	mov.u64 	%rd381, %rd41;
+$L__BB5_512:
+	sub.s64 	%rd737, %rd836, %rd734;
+	shr.u64 	%rd738, %rd737, 1;
+	setp.ge.u64 	%p402, %rd679, %rd738;
+	mov.u64 	%rd2142, %rd672;
+	@%p402 bra 	$L__BB5_515;
 
-$L__BB4_47:
-	ld.global.u16 	%rs8, [%rd379];
-	add.s64 	%rd238, %rd379, %rd68;
-	ld.global.u16 	%rs9, [%rd238];
-	add.s64 	%rd239, %rd238, %rd68;
-	ld.global.u16 	%rs10, [%rd239];
-	add.s64 	%rd240, %rd239, %rd68;
-	add.s64 	%rd379, %rd240, %rd68;
-	ld.global.u16 	%rs11, [%rd240];
-	st.u16 	[%rd380], %rs8;
-	add.s64 	%rd241, %rd380, %rd68;
-	st.u16 	[%rd241], %rs9;
-	add.s64 	%rd242, %rd241, %rd68;
-	st.u16 	[%rd242], %rs10;
-	add.s64 	%rd243, %rd242, %rd68;
-	add.s64 	%rd380, %rd243, %rd68;
-	st.u16 	[%rd243], %rs11;
-	add.s64 	%rd244, %rd381, %rd43;
-	add.s64 	%rd381, %rd66, %rd244;
-	add.s64 	%rd245, %rd381, %rd66;
-	setp.lt.u64 	%p40, %rd245, %rd65;
-	@%p40 bra 	$L__BB4_47;
+	mul.lo.s64 	%rd1701, %rd669, %rd670;
+	shl.b64 	%rd1702, %rd1701, 1;
+	shl.b64 	%rd1703, %rd671, 1;
+	add.s64 	%rd1704, %rd1702, %rd1703;
+	add.s64 	%rd1705, %rd1704, -1;
+	not.b64 	%rd1706, %rd836;
+	not.b64 	%rd1707, %rd733;
+	max.u64 	%rd1708, %rd1707, %rd1706;
+	sub.s64 	%rd1709, %rd1705, %rd1708;
+	add.s64 	%rd2140, %rd3, %rd1709;
+	mul.lo.s64 	%rd1710, %rd673, %rd670;
+	shl.b64 	%rd740, %rd1710, 1;
+	add.s64 	%rd2141, %rd716, %rd1709;
+	mov.u64 	%rd2142, %rd672;
 
-$L__BB4_48:
-	setp.ge.u64 	%p41, %rd381, %rd65;
-	@%p41 bra 	$L__BB4_51;
+$L__BB5_514:
+	ld.global.u16 	%rs122, [%rd2140];
+	add.s64 	%rd1711, %rd2140, %rd740;
+	ld.global.u16 	%rs123, [%rd1711];
+	add.s64 	%rd1712, %rd1711, %rd740;
+	ld.global.u16 	%rs124, [%rd1712];
+	add.s64 	%rd1713, %rd1712, %rd740;
+	add.s64 	%rd2140, %rd1713, %rd740;
+	ld.global.u16 	%rs125, [%rd1713];
+	st.u16 	[%rd2141], %rs122;
+	add.s64 	%rd1714, %rd2141, %rd740;
+	st.u16 	[%rd1714], %rs123;
+	add.s64 	%rd1715, %rd1714, %rd740;
+	st.u16 	[%rd1715], %rs124;
+	add.s64 	%rd1716, %rd1715, %rd740;
+	add.s64 	%rd2141, %rd1716, %rd740;
+	st.u16 	[%rd1716], %rs125;
+	add.s64 	%rd1717, %rd2142, %rd674;
+	add.s64 	%rd2142, %rd678, %rd1717;
+	add.s64 	%rd1718, %rd2142, %rd678;
+	setp.lt.u64 	%p403, %rd1718, %rd738;
+	@%p403 bra 	$L__BB5_514;
 
-	add.s64 	%rd77, %rd36, %rd61;
-	add.s64 	%rd78, %rd35, %rd61;
+$L__BB5_515:
+	setp.ge.u64 	%p404, %rd2142, %rd738;
+	@%p404 bra 	$L__BB5_518;
 
-$L__BB4_50:
-	shl.b64 	%rd246, %rd381, 1;
-	add.s64 	%rd247, %rd78, %rd246;
-	ld.global.u16 	%rs12, [%rd247];
-	add.s64 	%rd248, %rd77, %rd246;
-	st.u16 	[%rd248], %rs12;
-	add.s64 	%rd381, %rd381, %rd43;
-	setp.lt.u64 	%p42, %rd381, %rd65;
-	@%p42 bra 	$L__BB4_50;
+	add.s64 	%rd749, %rd716, %rd734;
+	add.s64 	%rd750, %rd3, %rd734;
 
-$L__BB4_51:
-	and.b64  	%rd249, %rd64, -2;
-	add.s64 	%rd250, %rd61, %rd41;
-	add.s64 	%rd383, %rd250, %rd249;
-	setp.ge.u64 	%p43, %rd383, %rd172;
-	@%p43 bra 	$L__BB4_86;
+$L__BB5_517:
+	shl.b64 	%rd1719, %rd2142, 1;
+	add.s64 	%rd1720, %rd750, %rd1719;
+	ld.global.u16 	%rs126, [%rd1720];
+	add.s64 	%rd1721, %rd749, %rd1719;
+	st.u16 	[%rd1721], %rs126;
+	add.s64 	%rd2142, %rd2142, %rd674;
+	setp.lt.u64 	%p405, %rd2142, %rd738;
+	@%p405 bra 	$L__BB5_517;
 
-$L__BB4_52:
-	add.s64 	%rd251, %rd35, %rd383;
-	ld.global.u8 	%rs13, [%rd251];
-	add.s64 	%rd252, %rd36, %rd383;
-	st.u8 	[%rd252], %rs13;
-	add.s64 	%rd383, %rd383, %rd43;
-	setp.lt.u64 	%p44, %rd383, %rd172;
-	@%p44 bra 	$L__BB4_52;
-	bra.uni 	$L__BB4_86;
+$L__BB5_518:
+	and.b64  	%rd1722, %rd737, -2;
+	add.s64 	%rd1723, %rd734, %rd672;
+	add.s64 	%rd2144, %rd1723, %rd1722;
+	setp.ge.u64 	%p406, %rd2144, %rd836;
+	@%p406 bra 	$L__BB5_568;
 
-$L__BB4_75:
-	mov.u32 	%r53, %ctaid.x;
-	cvt.u64.u32 	%rd142, %r53;
-	mov.u32 	%r54, %ntid.x;
-	cvt.u64.u32 	%rd143, %r54;
-	mul.wide.u32 	%rd315, %r53, %r54;
-	cvt.u64.u32 	%rd144, %r1;
-	add.s64 	%rd145, %rd315, %rd144;
-	mov.u32 	%r55, %nctaid.x;
-	cvt.u64.u32 	%rd146, %r55;
-	mul.wide.u32 	%rd147, %r55, %r54;
-	neg.s64 	%rd316, %rd36;
-	and.b64  	%rd148, %rd316, 15;
-	min.u64 	%rd149, %rd148, %rd172;
-	setp.ge.u64 	%p61, %rd145, %rd149;
-	@%p61 bra 	$L__BB4_78;
+$L__BB5_519:
+	add.s64 	%rd1724, %rd3, %rd2144;
+	ld.global.u8 	%rs127, [%rd1724];
+	add.s64 	%rd1725, %rd716, %rd2144;
+	st.u8 	[%rd1725], %rs127;
+	add.s64 	%rd2144, %rd2144, %rd674;
+	setp.lt.u64 	%p407, %rd2144, %rd836;
+	@%p407 bra 	$L__BB5_519;
+	bra.uni 	$L__BB5_568;
 
-	mov.u64 	%rd397, %rd145;
+$L__BB5_553:
+	setp.ge.u64 	%p445, %rd672, %rd675;
+	@%p445 bra 	$L__BB5_555;
 
-$L__BB4_77:
-	add.s64 	%rd317, %rd35, %rd397;
-	ld.global.u8 	%rs18, [%rd317];
-	add.s64 	%rd318, %rd36, %rd397;
-	st.u8 	[%rd318], %rs18;
-	add.s64 	%rd397, %rd397, %rd147;
-	setp.lt.u64 	%p62, %rd397, %rd149;
-	@%p62 bra 	$L__BB4_77;
+	shl.b64 	%rd1817, %rd672, 4;
+	add.s64 	%rd1818, %rd716, %rd1817;
+	st.v4.u32 	[%rd1818], {%r64, %r63, %r62, %r61};
 
-$L__BB4_78:
-	sub.s64 	%rd152, %rd172, %rd149;
-	shr.u64 	%rd153, %rd152, 4;
-	add.s64 	%rd154, %rd35, %rd149;
-	mul.lo.s64 	%rd155, %rd147, 3;
-	add.s64 	%rd319, %rd145, %rd155;
-	setp.ge.u64 	%p63, %rd319, %rd153;
-	mov.u64 	%rd400, %rd145;
-	@%p63 bra 	$L__BB4_81;
+$L__BB5_555:
+	add.s64 	%rd1862, %rd674, %rd672;
+	setp.ge.u64 	%p446, %rd1862, %rd675;
+	@%p446 bra 	$L__BB5_557;
 
-	mul.lo.s64 	%rd320, %rd146, %rd143;
-	shl.b64 	%rd156, %rd320, 4;
-	mul.lo.s64 	%rd321, %rd142, %rd143;
-	shl.b64 	%rd322, %rd321, 4;
-	shl.b64 	%rd323, %rd144, 4;
-	add.s64 	%rd324, %rd322, %rd323;
-	add.s64 	%rd325, %rd324, -1;
-	not.b64 	%rd326, %rd172;
-	not.b64 	%rd327, %rd148;
-	max.u64 	%rd328, %rd327, %rd326;
-	sub.s64 	%rd329, %rd325, %rd328;
-	add.s64 	%rd399, %rd36, %rd329;
-	mul.lo.s64 	%rd158, %rd320, -48;
-	mov.u64 	%rd400, %rd145;
+	add.s64 	%rd1867, %rd674, %rd672;
+	shl.b64 	%rd1819, %rd1867, 4;
+	add.s64 	%rd1820, %rd716, %rd1819;
+	st.v4.u32 	[%rd1820], {%r72, %r71, %r70, %r69};
 
-$L__BB4_80:
-	shl.b64 	%rd330, %rd400, 4;
-	add.s64 	%rd331, %rd154, %rd330;
-	shl.b64 	%rd332, %rd147, 2;
-	shl.b64 	%rd333, %rd147, 4;
-	add.s64 	%rd334, %rd331, %rd333;
-	ld.global.v4.u32 	{%r56, %r57, %r58, %r59}, [%rd334];
-	add.s64 	%rd335, %rd334, %rd156;
-	ld.global.v4.u32 	{%r64, %r65, %r66, %r67}, [%rd335];
-	add.s64 	%rd336, %rd335, %rd156;
-	ld.global.v4.u32 	{%r72, %r73, %r74, %r75}, [%rd336];
-	add.s64 	%rd337, %rd336, %rd158;
-	ld.global.v4.u32 	{%r80, %r81, %r82, %r83}, [%rd337];
-	st.v4.u32 	[%rd399], {%r80, %r81, %r82, %r83};
-	add.s64 	%rd338, %rd399, %rd156;
-	st.v4.u32 	[%rd338], {%r56, %r57, %r58, %r59};
-	add.s64 	%rd339, %rd338, %rd156;
-	st.v4.u32 	[%rd339], {%r64, %r65, %r66, %r67};
-	add.s64 	%rd340, %rd339, %rd156;
-	add.s64 	%rd399, %rd340, %rd156;
-	st.v4.u32 	[%rd340], {%r72, %r73, %r74, %r75};
-	add.s64 	%rd400, %rd332, %rd400;
-	add.s64 	%rd341, %rd400, %rd155;
-	setp.lt.u64 	%p64, %rd341, %rd153;
-	@%p64 bra 	$L__BB4_80;
+$L__BB5_557:
+	add.s64 	%rd1864, %rd674, %rd672;
+	add.s64 	%rd1863, %rd1864, %rd674;
+	setp.ge.u64 	%p447, %rd1863, %rd675;
+	@%p447 bra 	$L__BB5_559;
 
-$L__BB4_81:
-	setp.ge.u64 	%p65, %rd400, %rd153;
-	@%p65 bra 	$L__BB4_84;
+	add.s64 	%rd1866, %rd674, %rd672;
+	add.s64 	%rd1865, %rd1866, %rd674;
+	shl.b64 	%rd1821, %rd1865, 4;
+	add.s64 	%rd1822, %rd716, %rd1821;
+	st.v4.u32 	[%rd1822], {%r80, %r79, %r78, %r77};
 
-	add.s64 	%rd164, %rd36, %rd149;
+$L__BB5_559:
+	add.s64 	%rd1890, %rd674, %rd672;
+	add.s64 	%rd1889, %rd1890, %rd674;
+	add.s64 	%rd1888, %rd1889, %rd674;
+	setp.ge.u64 	%p450, %rd1888, %rd675;
+	@%p450 bra 	$L__BB5_561;
 
-$L__BB4_83:
-	shl.b64 	%rd342, %rd400, 4;
-	add.s64 	%rd343, %rd164, %rd342;
-	add.s64 	%rd344, %rd154, %rd342;
-	ld.global.v4.u32 	{%r88, %r89, %r90, %r91}, [%rd344];
-	st.v4.u32 	[%rd343], {%r88, %r89, %r90, %r91};
-	add.s64 	%rd400, %rd400, %rd147;
-	setp.lt.u64 	%p66, %rd400, %rd153;
-	@%p66 bra 	$L__BB4_83;
+	shl.b64 	%rd1823, %rd679, 4;
+	add.s64 	%rd1824, %rd716, %rd1823;
+	st.v4.u32 	[%rd1824], {%r88, %r87, %r86, %r85};
 
-$L__BB4_84:
-	and.b64  	%rd345, %rd152, -16;
-	add.s64 	%rd346, %rd149, %rd145;
-	add.s64 	%rd402, %rd346, %rd345;
-	setp.ge.u64 	%p67, %rd402, %rd172;
-	@%p67 bra 	$L__BB4_86;
+$L__BB5_561:
+	add.s64 	%rd2166, %rd679, %rd674;
+	add.s64 	%rd1825, %rd2166, %rd678;
+	setp.ge.u64 	%p436, %rd1825, %rd675;
+	@%p436 bra 	$L__BB5_564;
 
-$L__BB4_85:
-	add.s64 	%rd347, %rd35, %rd402;
-	ld.global.u8 	%rs19, [%rd347];
-	add.s64 	%rd348, %rd36, %rd402;
-	st.u8 	[%rd348], %rs19;
-	add.s64 	%rd402, %rd402, %rd147;
-	setp.lt.u64 	%p68, %rd402, %rd172;
-	@%p68 bra 	$L__BB4_85;
-	bra.uni 	$L__BB4_86;
+	mul.lo.s64 	%rd1826, %rd673, %rd670;
+	shl.b64 	%rd822, %rd1826, 4;
+	shl.b64 	%rd1827, %rd673, 2;
+	add.s64 	%rd1828, %rd1827, %rd669;
+	mul.lo.s64 	%rd1829, %rd1828, %rd670;
+	shl.b64 	%rd1830, %rd1829, 4;
+	shl.b64 	%rd1831, %rd671, 4;
+	add.s64 	%rd1832, %rd1830, %rd1831;
+	add.s64 	%rd2165, %rd716, %rd1832;
+	mul.lo.s64 	%rd824, %rd1826, -48;
 
-$L__BB4_64:
-	mov.u32 	%r30, %ctaid.x;
-	cvt.u64.u32 	%rd114, %r30;
-	mov.u32 	%r31, %ntid.x;
-	cvt.u64.u32 	%rd115, %r31;
-	mul.wide.u32 	%rd283, %r30, %r31;
-	cvt.u64.u32 	%rd116, %r1;
-	add.s64 	%rd117, %rd283, %rd116;
-	mov.u32 	%r32, %nctaid.x;
-	cvt.u64.u32 	%rd118, %r32;
-	mul.wide.u32 	%rd119, %r32, %r31;
-	neg.s64 	%rd284, %rd36;
-	and.b64  	%rd120, %rd284, 7;
-	min.u64 	%rd121, %rd120, %rd172;
-	setp.ge.u64 	%p53, %rd117, %rd121;
-	@%p53 bra 	$L__BB4_67;
+$L__BB5_563:
+	shl.b64 	%rd1833, %rd2166, 4;
+	add.s64 	%rd1834, %rd3, %rd1833;
+	shl.b64 	%rd1835, %rd674, 2;
+	shl.b64 	%rd1836, %rd674, 4;
+	add.s64 	%rd1837, %rd1834, %rd1836;
+	ld.global.v4.u32 	{%r572, %r573, %r574, %r575}, [%rd1837];
+	add.s64 	%rd1838, %rd1837, %rd822;
+	ld.global.v4.u32 	{%r580, %r581, %r582, %r583}, [%rd1838];
+	add.s64 	%rd1839, %rd1838, %rd822;
+	ld.global.v4.u32 	{%r588, %r589, %r590, %r591}, [%rd1839];
+	add.s64 	%rd1840, %rd1839, %rd824;
+	ld.global.v4.u32 	{%r596, %r597, %r598, %r599}, [%rd1840];
+	st.v4.u32 	[%rd2165], {%r596, %r597, %r598, %r599};
+	add.s64 	%rd1841, %rd2165, %rd822;
+	st.v4.u32 	[%rd1841], {%r572, %r573, %r574, %r575};
+	add.s64 	%rd1842, %rd1841, %rd822;
+	st.v4.u32 	[%rd1842], {%r580, %r581, %r582, %r583};
+	add.s64 	%rd1843, %rd1842, %rd822;
+	add.s64 	%rd2165, %rd1843, %rd822;
+	st.v4.u32 	[%rd1843], {%r588, %r589, %r590, %r591};
+	add.s64 	%rd2166, %rd1835, %rd2166;
+	add.s64 	%rd1844, %rd2166, %rd678;
+	setp.lt.u64 	%p437, %rd1844, %rd675;
+	@%p437 bra 	$L__BB5_563;
 
-	mov.u64 	%rd391, %rd117;
+$L__BB5_564:
+	setp.ge.u64 	%p438, %rd2166, %rd675;
+	@%p438 bra 	$L__BB5_566;
 
-$L__BB4_66:
-	add.s64 	%rd285, %rd35, %rd391;
-	ld.global.u8 	%rs16, [%rd285];
-	add.s64 	%rd286, %rd36, %rd391;
-	st.u8 	[%rd286], %rs16;
-	add.s64 	%rd391, %rd391, %rd119;
-	setp.lt.u64 	%p54, %rd391, %rd121;
-	@%p54 bra 	$L__BB4_66;
+$L__BB5_565:
+	shl.b64 	%rd1845, %rd2166, 4;
+	add.s64 	%rd1846, %rd716, %rd1845;
+	add.s64 	%rd1847, %rd3, %rd1845;
+	ld.global.v4.u32 	{%r604, %r605, %r606, %r607}, [%rd1847];
+	st.v4.u32 	[%rd1846], {%r604, %r605, %r606, %r607};
+	add.s64 	%rd2166, %rd2166, %rd674;
+	setp.lt.u64 	%p439, %rd2166, %rd675;
+	@%p439 bra 	$L__BB5_565;
 
-$L__BB4_67:
-	sub.s64 	%rd124, %rd172, %rd121;
-	shr.u64 	%rd125, %rd124, 3;
-	add.s64 	%rd126, %rd35, %rd121;
-	mul.lo.s64 	%rd127, %rd119, 3;
-	add.s64 	%rd287, %rd117, %rd127;
-	setp.ge.u64 	%p55, %rd287, %rd125;
-	mov.u64 	%rd394, %rd117;
-	@%p55 bra 	$L__BB4_70;
+$L__BB5_566:
+	and.b64  	%rd1848, %rd836, -16;
+	add.s64 	%rd2168, %rd1848, %rd672;
+	setp.ge.u64 	%p440, %rd2168, %rd836;
+	@%p440 bra 	$L__BB5_568;
 
-	mul.lo.s64 	%rd288, %rd118, %rd115;
-	shl.b64 	%rd128, %rd288, 3;
-	mul.lo.s64 	%rd289, %rd114, %rd115;
-	shl.b64 	%rd290, %rd289, 3;
-	shl.b64 	%rd291, %rd116, 3;
-	add.s64 	%rd292, %rd290, %rd291;
-	add.s64 	%rd293, %rd292, -1;
-	not.b64 	%rd294, %rd172;
-	not.b64 	%rd295, %rd120;
-	max.u64 	%rd296, %rd295, %rd294;
-	sub.s64 	%rd297, %rd293, %rd296;
-	add.s64 	%rd393, %rd36, %rd297;
-	mul.lo.s64 	%rd130, %rd288, -24;
-	mov.u64 	%rd394, %rd117;
+$L__BB5_567:
+	add.s64 	%rd1849, %rd3, %rd2168;
+	ld.global.u8 	%rs134, [%rd1849];
+	add.s64 	%rd1850, %rd716, %rd2168;
+	st.u8 	[%rd1850], %rs134;
+	add.s64 	%rd2168, %rd2168, %rd674;
+	setp.lt.u64 	%p441, %rd2168, %rd836;
+	@%p441 bra 	$L__BB5_567;
+	bra.uni 	$L__BB5_568;
 
-$L__BB4_69:
-	add.s64 	%rd298, %rd394, %rd119;
-	shl.b64 	%rd299, %rd298, 3;
-	add.s64 	%rd300, %rd126, %rd299;
-	ld.global.v2.u32 	{%r33, %r34}, [%rd300];
-	add.s64 	%rd301, %rd300, %rd128;
-	ld.global.v2.u32 	{%r37, %r38}, [%rd301];
-	add.s64 	%rd302, %rd301, %rd128;
-	ld.global.v2.u32 	{%r41, %r42}, [%rd302];
-	add.s64 	%rd303, %rd302, %rd130;
-	ld.global.v2.u32 	{%r45, %r46}, [%rd303];
-	st.v2.u32 	[%rd393], {%r45, %r46};
-	add.s64 	%rd304, %rd393, %rd128;
-	st.v2.u32 	[%rd304], {%r33, %r34};
-	add.s64 	%rd305, %rd304, %rd128;
-	st.v2.u32 	[%rd305], {%r37, %r38};
-	add.s64 	%rd306, %rd305, %rd128;
-	add.s64 	%rd393, %rd306, %rd128;
-	st.v2.u32 	[%rd306], {%r41, %r42};
-	add.s64 	%rd394, %rd127, %rd298;
-	add.s64 	%rd307, %rd394, %rd127;
-	setp.lt.u64 	%p56, %rd307, %rd125;
-	@%p56 bra 	$L__BB4_69;
+$L__BB5_542:
+	neg.s64 	%rd1785, %rd716;
+	and.b64  	%rd800, %rd1785, 15;
+	min.u64 	%rd801, %rd800, %rd836;
+	setp.ge.u64 	%p424, %rd672, %rd801;
+	@%p424 bra 	$L__BB5_545;
 
-$L__BB4_70:
-	setp.ge.u64 	%p57, %rd394, %rd125;
-	@%p57 bra 	$L__BB4_73;
+	mov.u64 	%rd2158, %rd672;
 
-	add.s64 	%rd136, %rd36, %rd121;
+$L__BB5_544:
+	add.s64 	%rd1786, %rd3, %rd2158;
+	ld.global.u8 	%rs132, [%rd1786];
+	add.s64 	%rd1787, %rd716, %rd2158;
+	st.u8 	[%rd1787], %rs132;
+	add.s64 	%rd2158, %rd2158, %rd674;
+	setp.lt.u64 	%p425, %rd2158, %rd801;
+	@%p425 bra 	$L__BB5_544;
 
-$L__BB4_72:
-	shl.b64 	%rd308, %rd394, 3;
-	add.s64 	%rd309, %rd126, %rd308;
-	ld.global.v2.u32 	{%r49, %r50}, [%rd309];
-	add.s64 	%rd310, %rd136, %rd308;
-	st.v2.u32 	[%rd310], {%r49, %r50};
-	add.s64 	%rd394, %rd394, %rd119;
-	setp.lt.u64 	%p58, %rd394, %rd125;
-	@%p58 bra 	$L__BB4_72;
+$L__BB5_545:
+	sub.s64 	%rd804, %rd836, %rd801;
+	shr.u64 	%rd805, %rd804, 4;
+	add.s64 	%rd806, %rd3, %rd801;
+	setp.ge.u64 	%p426, %rd679, %rd805;
+	mov.u64 	%rd2161, %rd672;
+	@%p426 bra 	$L__BB5_548;
 
-$L__BB4_73:
-	and.b64  	%rd311, %rd124, -8;
-	add.s64 	%rd312, %rd121, %rd117;
-	add.s64 	%rd396, %rd312, %rd311;
-	setp.ge.u64 	%p59, %rd396, %rd172;
-	@%p59 bra 	$L__BB4_86;
+	mul.lo.s64 	%rd1788, %rd673, %rd670;
+	shl.b64 	%rd807, %rd1788, 4;
+	mul.lo.s64 	%rd1789, %rd669, %rd670;
+	shl.b64 	%rd1790, %rd1789, 4;
+	shl.b64 	%rd1791, %rd671, 4;
+	add.s64 	%rd1792, %rd1790, %rd1791;
+	add.s64 	%rd1793, %rd1792, -1;
+	not.b64 	%rd1794, %rd836;
+	not.b64 	%rd1795, %rd800;
+	max.u64 	%rd1796, %rd1795, %rd1794;
+	sub.s64 	%rd1797, %rd1793, %rd1796;
+	add.s64 	%rd2160, %rd716, %rd1797;
+	mul.lo.s64 	%rd809, %rd1788, -48;
+	mov.u64 	%rd2161, %rd672;
 
-$L__BB4_74:
-	add.s64 	%rd313, %rd35, %rd396;
-	ld.global.u8 	%rs17, [%rd313];
-	add.s64 	%rd314, %rd36, %rd396;
-	st.u8 	[%rd314], %rs17;
-	add.s64 	%rd396, %rd396, %rd119;
-	setp.lt.u64 	%p60, %rd396, %rd172;
-	@%p60 bra 	$L__BB4_74;
-	bra.uni 	$L__BB4_86;
+$L__BB5_547:
+	shl.b64 	%rd1798, %rd2161, 4;
+	add.s64 	%rd1799, %rd806, %rd1798;
+	shl.b64 	%rd1800, %rd674, 2;
+	shl.b64 	%rd1801, %rd674, 4;
+	add.s64 	%rd1802, %rd1799, %rd1801;
+	ld.global.v4.u32 	{%r532, %r533, %r534, %r535}, [%rd1802];
+	add.s64 	%rd1803, %rd1802, %rd807;
+	ld.global.v4.u32 	{%r540, %r541, %r542, %r543}, [%rd1803];
+	add.s64 	%rd1804, %rd1803, %rd807;
+	ld.global.v4.u32 	{%r548, %r549, %r550, %r551}, [%rd1804];
+	add.s64 	%rd1805, %rd1804, %rd809;
+	ld.global.v4.u32 	{%r556, %r557, %r558, %r559}, [%rd1805];
+	st.v4.u32 	[%rd2160], {%r556, %r557, %r558, %r559};
+	add.s64 	%rd1806, %rd2160, %rd807;
+	st.v4.u32 	[%rd1806], {%r532, %r533, %r534, %r535};
+	add.s64 	%rd1807, %rd1806, %rd807;
+	st.v4.u32 	[%rd1807], {%r540, %r541, %r542, %r543};
+	add.s64 	%rd1808, %rd1807, %rd807;
+	add.s64 	%rd2160, %rd1808, %rd807;
+	st.v4.u32 	[%rd1808], {%r548, %r549, %r550, %r551};
+	add.s64 	%rd2161, %rd1800, %rd2161;
+	add.s64 	%rd1809, %rd2161, %rd678;
+	setp.lt.u64 	%p427, %rd1809, %rd805;
+	@%p427 bra 	$L__BB5_547;
 
-$L__BB4_53:
-	mov.u32 	%r22, %ctaid.x;
-	cvt.u64.u32 	%rd84, %r22;
-	mov.u32 	%r23, %ntid.x;
-	cvt.u64.u32 	%rd85, %r23;
-	mul.wide.u32 	%rd253, %r22, %r23;
-	cvt.u64.u32 	%rd86, %r1;
-	add.s64 	%rd87, %rd253, %rd86;
-	mov.u32 	%r24, %nctaid.x;
-	cvt.u64.u32 	%rd88, %r24;
-	mul.wide.u32 	%rd89, %r24, %r23;
-	neg.s64 	%rd254, %rd36;
-	and.b64  	%rd90, %rd254, 3;
-	min.u64 	%rd91, %rd90, %rd172;
-	setp.ge.u64 	%p45, %rd87, %rd91;
-	@%p45 bra 	$L__BB4_56;
+$L__BB5_548:
+	setp.ge.u64 	%p428, %rd2161, %rd805;
+	@%p428 bra 	$L__BB5_551;
 
-	mov.u64 	%rd384, %rd87;
+	add.s64 	%rd815, %rd716, %rd801;
 
-$L__BB4_55:
-	add.s64 	%rd255, %rd35, %rd384;
-	ld.global.u8 	%rs14, [%rd255];
-	add.s64 	%rd256, %rd36, %rd384;
-	st.u8 	[%rd256], %rs14;
-	add.s64 	%rd384, %rd384, %rd89;
-	setp.lt.u64 	%p46, %rd384, %rd91;
-	@%p46 bra 	$L__BB4_55;
+$L__BB5_550:
+	shl.b64 	%rd1810, %rd2161, 4;
+	add.s64 	%rd1811, %rd815, %rd1810;
+	add.s64 	%rd1812, %rd806, %rd1810;
+	ld.global.v4.u32 	{%r564, %r565, %r566, %r567}, [%rd1812];
+	st.v4.u32 	[%rd1811], {%r564, %r565, %r566, %r567};
+	add.s64 	%rd2161, %rd2161, %rd674;
+	setp.lt.u64 	%p429, %rd2161, %rd805;
+	@%p429 bra 	$L__BB5_550;
 
-$L__BB4_56:
-	sub.s64 	%rd94, %rd172, %rd91;
-	shr.u64 	%rd95, %rd94, 2;
-	mul.lo.s64 	%rd96, %rd89, 3;
-	add.s64 	%rd257, %rd87, %rd96;
-	setp.ge.u64 	%p47, %rd257, %rd95;
-	mov.u64 	%rd388, %rd87;
-	@%p47 bra 	$L__BB4_59;
+$L__BB5_551:
+	and.b64  	%rd1813, %rd804, -16;
+	add.s64 	%rd1814, %rd801, %rd672;
+	add.s64 	%rd2163, %rd1814, %rd1813;
+	setp.ge.u64 	%p430, %rd2163, %rd836;
+	@%p430 bra 	$L__BB5_568;
 
-	mul.lo.s64 	%rd258, %rd84, %rd85;
-	shl.b64 	%rd259, %rd258, 2;
-	shl.b64 	%rd260, %rd86, 2;
-	add.s64 	%rd261, %rd259, %rd260;
-	add.s64 	%rd262, %rd261, -1;
-	not.b64 	%rd263, %rd172;
-	not.b64 	%rd264, %rd90;
-	max.u64 	%rd265, %rd264, %rd263;
-	sub.s64 	%rd266, %rd262, %rd265;
-	add.s64 	%rd386, %rd35, %rd266;
-	mul.lo.s64 	%rd267, %rd88, %rd85;
-	shl.b64 	%rd98, %rd267, 2;
-	add.s64 	%rd387, %rd36, %rd266;
-	mov.u64 	%rd388, %rd87;
+$L__BB5_552:
+	add.s64 	%rd1815, %rd3, %rd2163;
+	ld.global.u8 	%rs133, [%rd1815];
+	add.s64 	%rd1816, %rd716, %rd2163;
+	st.u8 	[%rd1816], %rs133;
+	add.s64 	%rd2163, %rd2163, %rd674;
+	setp.lt.u64 	%p431, %rd2163, %rd836;
+	@%p431 bra 	$L__BB5_552;
+	bra.uni 	$L__BB5_568;
 
-$L__BB4_58:
-	ld.global.u32 	%r25, [%rd386];
-	add.s64 	%rd268, %rd386, %rd98;
-	ld.global.u32 	%r26, [%rd268];
-	add.s64 	%rd269, %rd268, %rd98;
-	ld.global.u32 	%r27, [%rd269];
-	add.s64 	%rd270, %rd269, %rd98;
-	add.s64 	%rd386, %rd270, %rd98;
-	ld.global.u32 	%r28, [%rd270];
-	st.u32 	[%rd387], %r25;
-	add.s64 	%rd271, %rd387, %rd98;
-	st.u32 	[%rd271], %r26;
-	add.s64 	%rd272, %rd271, %rd98;
-	st.u32 	[%rd272], %r27;
-	add.s64 	%rd273, %rd272, %rd98;
-	add.s64 	%rd387, %rd273, %rd98;
-	st.u32 	[%rd273], %r28;
-	add.s64 	%rd274, %rd388, %rd89;
-	add.s64 	%rd388, %rd96, %rd274;
-	add.s64 	%rd275, %rd388, %rd96;
-	setp.lt.u64 	%p48, %rd275, %rd95;
-	@%p48 bra 	$L__BB4_58;
+$L__BB5_531:
+	neg.s64 	%rd1754, %rd716;
+	and.b64  	%rd779, %rd1754, 7;
+	min.u64 	%rd780, %rd779, %rd836;
+	setp.ge.u64 	%p416, %rd672, %rd780;
+	@%p416 bra 	$L__BB5_534;
 
-$L__BB4_59:
-	setp.ge.u64 	%p49, %rd388, %rd95;
-	@%p49 bra 	$L__BB4_62;
+	mov.u64 	%rd2152, %rd672;
 
-	add.s64 	%rd107, %rd36, %rd91;
-	add.s64 	%rd108, %rd35, %rd91;
+$L__BB5_533:
+	add.s64 	%rd1755, %rd3, %rd2152;
+	ld.global.u8 	%rs130, [%rd1755];
+	add.s64 	%rd1756, %rd716, %rd2152;
+	st.u8 	[%rd1756], %rs130;
+	add.s64 	%rd2152, %rd2152, %rd674;
+	setp.lt.u64 	%p417, %rd2152, %rd780;
+	@%p417 bra 	$L__BB5_533;
 
-$L__BB4_61:
-	shl.b64 	%rd276, %rd388, 2;
-	add.s64 	%rd277, %rd108, %rd276;
-	ld.global.u32 	%r29, [%rd277];
-	add.s64 	%rd278, %rd107, %rd276;
-	st.u32 	[%rd278], %r29;
-	add.s64 	%rd388, %rd388, %rd89;
-	setp.lt.u64 	%p50, %rd388, %rd95;
-	@%p50 bra 	$L__BB4_61;
+$L__BB5_534:
+	sub.s64 	%rd783, %rd836, %rd780;
+	shr.u64 	%rd784, %rd783, 3;
+	add.s64 	%rd785, %rd3, %rd780;
+	setp.ge.u64 	%p418, %rd679, %rd784;
+	mov.u64 	%rd2155, %rd672;
+	@%p418 bra 	$L__BB5_537;
 
-$L__BB4_62:
-	and.b64  	%rd279, %rd94, -4;
-	add.s64 	%rd280, %rd91, %rd87;
-	add.s64 	%rd390, %rd280, %rd279;
-	setp.ge.u64 	%p51, %rd390, %rd172;
-	@%p51 bra 	$L__BB4_86;
+	mul.lo.s64 	%rd1757, %rd673, %rd670;
+	shl.b64 	%rd786, %rd1757, 3;
+	mul.lo.s64 	%rd1758, %rd669, %rd670;
+	shl.b64 	%rd1759, %rd1758, 3;
+	shl.b64 	%rd1760, %rd671, 3;
+	add.s64 	%rd1761, %rd1759, %rd1760;
+	add.s64 	%rd1762, %rd1761, -1;
+	not.b64 	%rd1763, %rd836;
+	not.b64 	%rd1764, %rd779;
+	max.u64 	%rd1765, %rd1764, %rd1763;
+	sub.s64 	%rd1766, %rd1762, %rd1765;
+	add.s64 	%rd2154, %rd716, %rd1766;
+	neg.s64 	%rd788, %rd1757;
+	shl.b64 	%rd1772, %rd788, 3;
+	mov.u64 	%rd2155, %rd672;
 
-$L__BB4_63:
-	add.s64 	%rd281, %rd35, %rd390;
-	ld.global.u8 	%rs15, [%rd281];
-	add.s64 	%rd282, %rd36, %rd390;
-	st.u8 	[%rd282], %rs15;
-	add.s64 	%rd390, %rd390, %rd89;
-	setp.lt.u64 	%p52, %rd390, %rd172;
-	@%p52 bra 	$L__BB4_63;
-	bra.uni 	$L__BB4_86;
+$L__BB5_536:
+	add.s64 	%rd1767, %rd2155, %rd674;
+	shl.b64 	%rd1768, %rd1767, 3;
+	add.s64 	%rd1769, %rd785, %rd1768;
+	ld.global.v2.u32 	{%r512, %r513}, [%rd1769];
+	add.s64 	%rd1770, %rd1769, %rd786;
+	ld.global.v2.u32 	{%r516, %r517}, [%rd1770];
+	add.s64 	%rd1771, %rd1770, %rd786;
+	ld.global.v2.u32 	{%r520, %r521}, [%rd1771];
+	add.s64 	%rd1773, %rd1769, %rd1772;
+	ld.global.v2.u32 	{%r524, %r525}, [%rd1773];
+	st.v2.u32 	[%rd2154], {%r524, %r525};
+	add.s64 	%rd1774, %rd2154, %rd786;
+	st.v2.u32 	[%rd1774], {%r512, %r513};
+	add.s64 	%rd1775, %rd1774, %rd786;
+	st.v2.u32 	[%rd1775], {%r516, %r517};
+	add.s64 	%rd1776, %rd1775, %rd786;
+	add.s64 	%rd2154, %rd1776, %rd786;
+	st.v2.u32 	[%rd1776], {%r520, %r521};
+	add.s64 	%rd2155, %rd678, %rd1767;
+	add.s64 	%rd1777, %rd2155, %rd678;
+	setp.lt.u64 	%p419, %rd1777, %rd784;
+	@%p419 bra 	$L__BB5_536;
 
-$L__BB4_35:
-	mul.lo.s64 	%rd44, %rd43, 3;
-	add.s64 	%rd212, %rd41, %rd44;
-	setp.ge.u64 	%p31, %rd212, %rd172;
-	mov.u64 	%rd374, %rd41;
-	@%p31 bra 	$L__BB4_38;
+$L__BB5_537:
+	setp.ge.u64 	%p420, %rd2155, %rd784;
+	@%p420 bra 	$L__BB5_540;
 
-	add.s64 	%rd372, %rd35, %rd41;
-	mul.lo.s64 	%rd46, %rd42, %rd39;
-	add.s64 	%rd373, %rd36, %rd41;
-	mov.u64 	%rd374, %rd41;
+	add.s64 	%rd794, %rd716, %rd780;
 
-$L__BB4_37:
-	ld.global.u8 	%rs1, [%rd372];
-	add.s64 	%rd213, %rd372, %rd46;
-	ld.global.u8 	%rs2, [%rd213];
-	add.s64 	%rd214, %rd213, %rd46;
-	ld.global.u8 	%rs3, [%rd214];
-	add.s64 	%rd215, %rd214, %rd46;
-	add.s64 	%rd372, %rd215, %rd46;
-	ld.global.u8 	%rs4, [%rd215];
-	st.u8 	[%rd373], %rs1;
-	add.s64 	%rd216, %rd373, %rd46;
-	st.u8 	[%rd216], %rs2;
-	add.s64 	%rd217, %rd216, %rd46;
-	st.u8 	[%rd217], %rs3;
-	add.s64 	%rd218, %rd217, %rd46;
-	add.s64 	%rd373, %rd218, %rd46;
-	st.u8 	[%rd218], %rs4;
-	add.s64 	%rd219, %rd374, %rd43;
-	add.s64 	%rd374, %rd44, %rd219;
-	add.s64 	%rd220, %rd374, %rd44;
-	setp.lt.u64 	%p32, %rd220, %rd172;
-	@%p32 bra 	$L__BB4_37;
+$L__BB5_539:
+	shl.b64 	%rd1778, %rd2155, 3;
+	add.s64 	%rd1779, %rd785, %rd1778;
+	ld.global.v2.u32 	{%r528, %r529}, [%rd1779];
+	add.s64 	%rd1780, %rd794, %rd1778;
+	st.v2.u32 	[%rd1780], {%r528, %r529};
+	add.s64 	%rd2155, %rd2155, %rd674;
+	setp.lt.u64 	%p421, %rd2155, %rd784;
+	@%p421 bra 	$L__BB5_539;
 
-$L__BB4_38:
-	setp.ge.u64 	%p33, %rd374, %rd172;
-	@%p33 bra 	$L__BB4_40;
+$L__BB5_540:
+	and.b64  	%rd1781, %rd783, -8;
+	add.s64 	%rd1782, %rd780, %rd672;
+	add.s64 	%rd2157, %rd1782, %rd1781;
+	setp.ge.u64 	%p422, %rd2157, %rd836;
+	@%p422 bra 	$L__BB5_568;
 
-$L__BB4_39:
-	add.s64 	%rd221, %rd35, %rd374;
-	ld.global.u8 	%rs5, [%rd221];
-	add.s64 	%rd222, %rd36, %rd374;
-	st.u8 	[%rd222], %rs5;
-	add.s64 	%rd374, %rd374, %rd43;
-	setp.lt.u64 	%p34, %rd374, %rd172;
-	@%p34 bra 	$L__BB4_39;
+$L__BB5_541:
+	add.s64 	%rd1783, %rd3, %rd2157;
+	ld.global.u8 	%rs131, [%rd1783];
+	add.s64 	%rd1784, %rd716, %rd2157;
+	st.u8 	[%rd1784], %rs131;
+	add.s64 	%rd2157, %rd2157, %rd674;
+	setp.lt.u64 	%p423, %rd2157, %rd836;
+	@%p423 bra 	$L__BB5_541;
+	bra.uni 	$L__BB5_568;
 
-$L__BB4_40:
-	add.s64 	%rd376, %rd41, %rd172;
-	setp.ge.u64 	%p35, %rd376, %rd41;
-	@%p35 bra 	$L__BB4_86;
+$L__BB5_520:
+	neg.s64 	%rd1726, %rd716;
+	and.b64  	%rd756, %rd1726, 3;
+	min.u64 	%rd757, %rd756, %rd836;
+	setp.ge.u64 	%p408, %rd672, %rd757;
+	@%p408 bra 	$L__BB5_523;
 
-$L__BB4_41:
-	add.s64 	%rd223, %rd35, %rd376;
-	ld.global.u8 	%rs6, [%rd223];
-	add.s64 	%rd224, %rd36, %rd376;
-	st.u8 	[%rd224], %rs6;
-	add.s64 	%rd376, %rd376, %rd43;
-	setp.lt.u64 	%p36, %rd376, %rd172;
-	@%p36 bra 	$L__BB4_41;
+	mov.u64 	%rd2145, %rd672;
 
-$L__BB4_86:
+$L__BB5_522:
+	add.s64 	%rd1727, %rd3, %rd2145;
+	ld.global.u8 	%rs128, [%rd1727];
+	add.s64 	%rd1728, %rd716, %rd2145;
+	st.u8 	[%rd1728], %rs128;
+	add.s64 	%rd2145, %rd2145, %rd674;
+	setp.lt.u64 	%p409, %rd2145, %rd757;
+	@%p409 bra 	$L__BB5_522;
+
+$L__BB5_523:
+	sub.s64 	%rd760, %rd836, %rd757;
+	shr.u64 	%rd761, %rd760, 2;
+	setp.ge.u64 	%p410, %rd679, %rd761;
+	mov.u64 	%rd2149, %rd672;
+	@%p410 bra 	$L__BB5_526;
+
+	mul.lo.s64 	%rd1729, %rd669, %rd670;
+	shl.b64 	%rd1730, %rd1729, 2;
+	shl.b64 	%rd1731, %rd671, 2;
+	add.s64 	%rd1732, %rd1730, %rd1731;
+	add.s64 	%rd1733, %rd1732, -1;
+	not.b64 	%rd1734, %rd836;
+	not.b64 	%rd1735, %rd756;
+	max.u64 	%rd1736, %rd1735, %rd1734;
+	sub.s64 	%rd1737, %rd1733, %rd1736;
+	add.s64 	%rd2147, %rd3, %rd1737;
+	mul.lo.s64 	%rd1738, %rd673, %rd670;
+	shl.b64 	%rd763, %rd1738, 2;
+	add.s64 	%rd2148, %rd716, %rd1737;
+	mov.u64 	%rd2149, %rd672;
+
+$L__BB5_525:
+	ld.global.u32 	%r507, [%rd2147];
+	add.s64 	%rd1739, %rd2147, %rd763;
+	ld.global.u32 	%r508, [%rd1739];
+	add.s64 	%rd1740, %rd1739, %rd763;
+	ld.global.u32 	%r509, [%rd1740];
+	add.s64 	%rd1741, %rd1740, %rd763;
+	add.s64 	%rd2147, %rd1741, %rd763;
+	ld.global.u32 	%r510, [%rd1741];
+	st.u32 	[%rd2148], %r507;
+	add.s64 	%rd1742, %rd2148, %rd763;
+	st.u32 	[%rd1742], %r508;
+	add.s64 	%rd1743, %rd1742, %rd763;
+	st.u32 	[%rd1743], %r509;
+	add.s64 	%rd1744, %rd1743, %rd763;
+	add.s64 	%rd2148, %rd1744, %rd763;
+	st.u32 	[%rd1744], %r510;
+	add.s64 	%rd1745, %rd2149, %rd674;
+	add.s64 	%rd2149, %rd678, %rd1745;
+	add.s64 	%rd1746, %rd2149, %rd678;
+	setp.lt.u64 	%p411, %rd1746, %rd761;
+	@%p411 bra 	$L__BB5_525;
+
+$L__BB5_526:
+	setp.ge.u64 	%p412, %rd2149, %rd761;
+	@%p412 bra 	$L__BB5_529;
+
+	add.s64 	%rd772, %rd716, %rd757;
+	add.s64 	%rd773, %rd3, %rd757;
+
+$L__BB5_528:
+	shl.b64 	%rd1747, %rd2149, 2;
+	add.s64 	%rd1748, %rd773, %rd1747;
+	ld.global.u32 	%r511, [%rd1748];
+	add.s64 	%rd1749, %rd772, %rd1747;
+	st.u32 	[%rd1749], %r511;
+	add.s64 	%rd2149, %rd2149, %rd674;
+	setp.lt.u64 	%p413, %rd2149, %rd761;
+	@%p413 bra 	$L__BB5_528;
+
+$L__BB5_529:
+	and.b64  	%rd1750, %rd760, -4;
+	add.s64 	%rd1751, %rd757, %rd672;
+	add.s64 	%rd2151, %rd1751, %rd1750;
+	setp.ge.u64 	%p414, %rd2151, %rd836;
+	@%p414 bra 	$L__BB5_568;
+
+$L__BB5_530:
+	add.s64 	%rd1752, %rd3, %rd2151;
+	ld.global.u8 	%rs129, [%rd1752];
+	add.s64 	%rd1753, %rd716, %rd2151;
+	st.u8 	[%rd1753], %rs129;
+	add.s64 	%rd2151, %rd2151, %rd674;
+	setp.lt.u64 	%p415, %rd2151, %rd836;
+	@%p415 bra 	$L__BB5_530;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_502:
+	setp.ge.u64 	%p394, %rd679, %rd836;
+	mov.u64 	%rd2135, %rd672;
+	@%p394 bra 	$L__BB5_505;
+
+	add.s64 	%rd2133, %rd3, %rd672;
+	mul.lo.s64 	%rd719, %rd673, %rd670;
+	add.s64 	%rd2134, %rd716, %rd672;
+	mov.u64 	%rd2135, %rd672;
+
+$L__BB5_504:
+	ld.global.u8 	%rs115, [%rd2133];
+	add.s64 	%rd1687, %rd2133, %rd719;
+	ld.global.u8 	%rs116, [%rd1687];
+	add.s64 	%rd1688, %rd1687, %rd719;
+	ld.global.u8 	%rs117, [%rd1688];
+	add.s64 	%rd1689, %rd1688, %rd719;
+	add.s64 	%rd2133, %rd1689, %rd719;
+	ld.global.u8 	%rs118, [%rd1689];
+	st.u8 	[%rd2134], %rs115;
+	add.s64 	%rd1690, %rd2134, %rd719;
+	st.u8 	[%rd1690], %rs116;
+	add.s64 	%rd1691, %rd1690, %rd719;
+	st.u8 	[%rd1691], %rs117;
+	add.s64 	%rd1692, %rd1691, %rd719;
+	add.s64 	%rd2134, %rd1692, %rd719;
+	st.u8 	[%rd1692], %rs118;
+	add.s64 	%rd1693, %rd2135, %rd674;
+	add.s64 	%rd2135, %rd678, %rd1693;
+	add.s64 	%rd1694, %rd2135, %rd678;
+	setp.lt.u64 	%p395, %rd1694, %rd836;
+	@%p395 bra 	$L__BB5_504;
+
+$L__BB5_505:
+	setp.ge.u64 	%p396, %rd2135, %rd836;
+	@%p396 bra 	$L__BB5_507;
+
+$L__BB5_506:
+	add.s64 	%rd1695, %rd3, %rd2135;
+	ld.global.u8 	%rs119, [%rd1695];
+	add.s64 	%rd1696, %rd716, %rd2135;
+	st.u8 	[%rd1696], %rs119;
+	add.s64 	%rd2135, %rd2135, %rd674;
+	setp.lt.u64 	%p397, %rd2135, %rd836;
+	@%p397 bra 	$L__BB5_506;
+
+$L__BB5_507:
+	add.s64 	%rd2137, %rd672, %rd836;
+	setp.ge.u64 	%p398, %rd2137, %rd672;
+	@%p398 bra 	$L__BB5_568;
+
+$L__BB5_508:
+	add.s64 	%rd1697, %rd3, %rd2137;
+	ld.global.u8 	%rs120, [%rd1697];
+	add.s64 	%rd1698, %rd716, %rd2137;
+	st.u8 	[%rd1698], %rs120;
+	add.s64 	%rd2137, %rd2137, %rd674;
+	setp.lt.u64 	%p399, %rd2137, %rd836;
+	@%p399 bra 	$L__BB5_508;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_133:
+	ld.global.u64 	%rd181, [%rd5+-48];
+	ld.global.u64 	%rd182, [%rd5+-40];
+	shl.b64 	%rd1040, %rd182, 3;
+	add.s64 	%rd1041, %rd4, %rd1040;
+	atom.global.exch.b64 	%rd1960, [%rd1041], 0;
+	setp.lt.u64 	%p125, %rd181, 2;
+	setp.eq.s64 	%p453, %rd1960, 0;
+	setp.ne.s64 	%p126, %rd1960, 0;
+	or.pred  	%p127, %p126, %p125;
+	mov.u64 	%rd1965, %rd182;
+	@%p127 bra 	$L__BB5_141;
+
+	mov.u64 	%rd1956, 1;
+	cvt.u32.u64 	%r184, %rd181;
+
+$L__BB5_135:
+	add.s64 	%rd185, %rd1956, %rd182;
+	or.b64  	%rd1043, %rd185, %rd181;
+	and.b64  	%rd1044, %rd1043, -4294967296;
+	setp.eq.s64 	%p128, %rd1044, 0;
+	@%p128 bra 	$L__BB5_137;
+
+	rem.u64 	%rd1965, %rd185, %rd181;
+	bra.uni 	$L__BB5_138;
+
+$L__BB5_137:
+	cvt.u32.u64 	%r185, %rd185;
+	rem.u32 	%r186, %r185, %r184;
+	cvt.u64.u32 	%rd1965, %r186;
+
+$L__BB5_138:
+	shl.b64 	%rd1046, %rd1965, 3;
+	add.s64 	%rd189, %rd4, %rd1046;
+	mov.u64 	%rd1960, 0;
+	ld.volatile.global.u64 	%rd1047, [%rd189];
+	setp.eq.s64 	%p129, %rd1047, 0;
+	@%p129 bra 	$L__BB5_140;
+
+	atom.global.exch.b64 	%rd1960, [%rd189], 0;
+
+$L__BB5_140:
+	add.s64 	%rd1956, %rd1956, 1;
+	setp.lt.u64 	%p130, %rd1956, %rd181;
+	setp.eq.s64 	%p453, %rd1960, 0;
+	and.pred  	%p131, %p453, %p130;
+	@%p131 bra 	$L__BB5_135;
+
+$L__BB5_141:
+	not.pred 	%p132, %p453;
+	@%p132 bra 	$L__BB5_153;
+
+	mov.u64 	%rd1048, 1;
+	st.volatile.global.u64 	[%rd2], %rd1048;
+	membar.sys;
+	mov.u32 	%r626, 32;
+	cvt.u32.u64 	%r188, %rd181;
+	bra.uni 	$L__BB5_143;
+
+$L__BB5_229:
+	// begin inline asm
+	nanosleep.u32 %r626;
+	// end inline asm
+	setp.lt.u32 	%p196, %r626, 2048;
+	selp.u32 	%r260, 1, 0, %p196;
+	shl.b32 	%r626, %r626, %r260;
+
+$L__BB5_143:
+	setp.eq.s64 	%p134, %rd181, 0;
+	mov.pred 	%p454, -1;
+	mov.u64 	%rd1960, 0;
+	@%p134 bra 	$L__BB5_151;
+
+	mov.u64 	%rd1962, 0;
+
+$L__BB5_145:
+	add.s64 	%rd197, %rd1962, %rd182;
+	or.b64  	%rd1051, %rd197, %rd181;
+	and.b64  	%rd1052, %rd1051, -4294967296;
+	setp.eq.s64 	%p135, %rd1052, 0;
+	@%p135 bra 	$L__BB5_147;
+
+	rem.u64 	%rd1965, %rd197, %rd181;
+	bra.uni 	$L__BB5_148;
+
+$L__BB5_147:
+	cvt.u32.u64 	%r189, %rd197;
+	rem.u32 	%r190, %r189, %r188;
+	cvt.u64.u32 	%rd1965, %r190;
+
+$L__BB5_148:
+	shl.b64 	%rd1054, %rd1965, 3;
+	add.s64 	%rd201, %rd4, %rd1054;
+	mov.u64 	%rd1960, 0;
+	ld.volatile.global.u64 	%rd1055, [%rd201];
+	setp.eq.s64 	%p136, %rd1055, 0;
+	@%p136 bra 	$L__BB5_150;
+
+	atom.global.exch.b64 	%rd1960, [%rd201], 0;
+
+$L__BB5_150:
+	add.s64 	%rd1962, %rd1962, 1;
+	setp.lt.u64 	%p137, %rd1962, %rd181;
+	setp.eq.s64 	%p454, %rd1960, 0;
+	and.pred  	%p138, %p454, %p137;
+	@%p138 bra 	$L__BB5_145;
+
+$L__BB5_151:
+	@%p454 bra 	$L__BB5_229;
+
+	mov.u64 	%rd1056, 0;
+	st.volatile.global.u64 	[%rd2], %rd1056;
+	membar.sys;
+
+$L__BB5_153:
+	membar.gl;
+	add.s64 	%rd1057, %rd1965, 1;
+	or.b64  	%rd1058, %rd1057, %rd181;
+	and.b64  	%rd1059, %rd1058, -4294967296;
+	setp.eq.s64 	%p139, %rd1059, 0;
+	@%p139 bra 	$L__BB5_155;
+
+	rem.u64 	%rd1969, %rd1057, %rd181;
+	bra.uni 	$L__BB5_156;
+
+$L__BB5_20:
+	ld.global.u64 	%rd19, [%rd5+-48];
+	ld.global.u64 	%rd20, [%rd5+-40];
+	shl.b64 	%rd851, %rd20, 3;
+	add.s64 	%rd852, %rd4, %rd851;
+	atom.global.exch.b64 	%rd1906, [%rd852], 0;
+	setp.lt.u64 	%p43, %rd19, 2;
+	setp.eq.s64 	%p451, %rd1906, 0;
+	setp.ne.s64 	%p44, %rd1906, 0;
+	or.pred  	%p45, %p44, %p43;
+	mov.u64 	%rd1911, %rd20;
+	@%p45 bra 	$L__BB5_28;
+
+	mov.u64 	%rd1902, 1;
+	cvt.u32.u64 	%r103, %rd19;
+
+$L__BB5_22:
+	add.s64 	%rd23, %rd1902, %rd20;
+	or.b64  	%rd854, %rd23, %rd19;
+	and.b64  	%rd855, %rd854, -4294967296;
+	setp.eq.s64 	%p46, %rd855, 0;
+	@%p46 bra 	$L__BB5_24;
+
+	rem.u64 	%rd1911, %rd23, %rd19;
+	bra.uni 	$L__BB5_25;
+
+$L__BB5_24:
+	cvt.u32.u64 	%r104, %rd23;
+	rem.u32 	%r105, %r104, %r103;
+	cvt.u64.u32 	%rd1911, %r105;
+
+$L__BB5_25:
+	shl.b64 	%rd857, %rd1911, 3;
+	add.s64 	%rd27, %rd4, %rd857;
+	mov.u64 	%rd1906, 0;
+	ld.volatile.global.u64 	%rd858, [%rd27];
+	setp.eq.s64 	%p47, %rd858, 0;
+	@%p47 bra 	$L__BB5_27;
+
+	atom.global.exch.b64 	%rd1906, [%rd27], 0;
+
+$L__BB5_27:
+	add.s64 	%rd1902, %rd1902, 1;
+	setp.lt.u64 	%p48, %rd1902, %rd19;
+	setp.eq.s64 	%p451, %rd1906, 0;
+	and.pred  	%p49, %p451, %p48;
+	@%p49 bra 	$L__BB5_22;
+
+$L__BB5_28:
+	not.pred 	%p50, %p451;
+	@%p50 bra 	$L__BB5_40;
+
+	mov.u64 	%rd859, 1;
+	st.volatile.global.u64 	[%rd2], %rd859;
+	membar.sys;
+	mov.u32 	%r622, 32;
+	cvt.u32.u64 	%r107, %rd19;
+	bra.uni 	$L__BB5_30;
+
+$L__BB5_116:
+	// begin inline asm
+	nanosleep.u32 %r622;
+	// end inline asm
+	setp.lt.u32 	%p114, %r622, 2048;
+	selp.u32 	%r179, 1, 0, %p114;
+	shl.b32 	%r622, %r622, %r179;
+
+$L__BB5_30:
+	setp.eq.s64 	%p52, %rd19, 0;
+	mov.pred 	%p452, -1;
+	mov.u64 	%rd1906, 0;
+	@%p52 bra 	$L__BB5_38;
+
+	mov.u64 	%rd1908, 0;
+
+$L__BB5_32:
+	add.s64 	%rd35, %rd1908, %rd20;
+	or.b64  	%rd862, %rd35, %rd19;
+	and.b64  	%rd863, %rd862, -4294967296;
+	setp.eq.s64 	%p53, %rd863, 0;
+	@%p53 bra 	$L__BB5_34;
+
+	rem.u64 	%rd1911, %rd35, %rd19;
+	bra.uni 	$L__BB5_35;
+
+$L__BB5_34:
+	cvt.u32.u64 	%r108, %rd35;
+	rem.u32 	%r109, %r108, %r107;
+	cvt.u64.u32 	%rd1911, %r109;
+
+$L__BB5_35:
+	shl.b64 	%rd865, %rd1911, 3;
+	add.s64 	%rd39, %rd4, %rd865;
+	mov.u64 	%rd1906, 0;
+	ld.volatile.global.u64 	%rd866, [%rd39];
+	setp.eq.s64 	%p54, %rd866, 0;
+	@%p54 bra 	$L__BB5_37;
+
+	atom.global.exch.b64 	%rd1906, [%rd39], 0;
+
+$L__BB5_37:
+	add.s64 	%rd1908, %rd1908, 1;
+	setp.lt.u64 	%p55, %rd1908, %rd19;
+	setp.eq.s64 	%p452, %rd1906, 0;
+	and.pred  	%p56, %p452, %p55;
+	@%p56 bra 	$L__BB5_32;
+
+$L__BB5_38:
+	@%p452 bra 	$L__BB5_116;
+
+	mov.u64 	%rd867, 0;
+	st.volatile.global.u64 	[%rd2], %rd867;
+	membar.sys;
+
+$L__BB5_40:
+	membar.gl;
+	add.s64 	%rd868, %rd1911, 1;
+	or.b64  	%rd869, %rd868, %rd19;
+	and.b64  	%rd870, %rd869, -4294967296;
+	setp.eq.s64 	%p57, %rd870, 0;
+	@%p57 bra 	$L__BB5_42;
+
+	rem.u64 	%rd1915, %rd868, %rd19;
+	bra.uni 	$L__BB5_43;
+
+$L__BB5_381:
+	cvt.u32.u64 	%r380, %rd517;
+	cvt.u32.u64 	%r381, %rd1465;
+	rem.u32 	%r382, %r381, %r380;
+	cvt.u64.u32 	%rd2077, %r382;
+
+$L__BB5_382:
+	ld.param.u64 	%rd1884, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1883, %rd1884;
+	add.s64 	%rd1882, %rd4, 144;
+	st.global.u64 	[%rd1882+-40], %rd2077;
+	st.global.u32 	[%rd1883], %rd2068;
+	shr.u64 	%rd1470, %rd2068, 32;
+	st.global.u32 	[%rd1883+4], %rd1470;
+	shl.b64 	%rd1471, %rd2073, 3;
+	add.s64 	%rd1472, %rd4, %rd1471;
+	ld.volatile.global.u64 	%rd2078, [%rd1472+32];
+	st.global.u64 	[%rd1882+-32], %rd2078;
+	ld.global.u64 	%rd1473, [%rd1472+64];
+	st.global.u64 	[%rd1882+-24], %rd1473;
+	membar.gl;
+	atom.global.exch.b64 	%rd1475, [%rd1882], %rd2078;
+
+$L__BB5_383:
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2078;
+
+$L__BB5_384:
+	bar.sync 	0;
+	ld.shared.u64 	%rd550, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1476, %rd550, 15;
+	setp.eq.s64 	%p304, %rd1476, 0;
+	@%p304 bra 	$L__BB5_440;
+
+	ld.param.u64 	%rd1880, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd551, %rd550, %rd1880;
+	and.b64  	%rd1477, %rd551, 15;
+	setp.eq.s64 	%p305, %rd1477, 0;
+	@%p305 bra 	$L__BB5_429;
+
+	and.b64  	%rd1478, %rd551, 7;
+	setp.eq.s64 	%p306, %rd1478, 0;
+	@%p306 bra 	$L__BB5_418;
+
+	and.b64  	%rd1479, %rd551, 3;
+	setp.eq.s64 	%p307, %rd1479, 0;
+	@%p307 bra 	$L__BB5_407;
+
+	and.b64  	%rd1480, %rd551, 1;
+	setp.eq.b64 	%p308, %rd1480, 1;
+	mov.pred 	%p309, 0;
+	xor.pred  	%p310, %p308, %p309;
+	not.pred 	%p311, %p310;
+	@%p311 bra 	$L__BB5_396;
+	bra.uni 	$L__BB5_389;
+
+$L__BB5_396:
+	and.b64  	%rd567, %rd550, 1;
+	min.u64 	%rd568, %rd567, %rd836;
+	setp.ge.u64 	%p318, %rd506, %rd568;
+	@%p318 bra 	$L__BB5_399;
+
+	mov.u64 	%rd2085, %rd506;
+
+$L__BB5_398:
+	add.s64 	%rd1493, %rd3, %rd2085;
+	ld.global.u8 	%rs101, [%rd1493];
+	add.s64 	%rd1494, %rd550, %rd2085;
+	st.u8 	[%rd1494], %rs101;
+	add.s64 	%rd2085, %rd2085, %rd508;
+	setp.lt.u64 	%p319, %rd2085, %rd568;
+	@%p319 bra 	$L__BB5_398;
+
+$L__BB5_399:
+	sub.s64 	%rd571, %rd836, %rd568;
+	shr.u64 	%rd572, %rd571, 1;
+	setp.ge.u64 	%p320, %rd513, %rd572;
+	mov.u64 	%rd2089, %rd506;
+	@%p320 bra 	$L__BB5_402;
+
+	mul.lo.s64 	%rd1495, %rd503, %rd504;
+	shl.b64 	%rd1496, %rd1495, 1;
+	shl.b64 	%rd1497, %rd505, 1;
+	add.s64 	%rd1498, %rd1496, %rd1497;
+	add.s64 	%rd1499, %rd1498, -1;
+	not.b64 	%rd1500, %rd836;
+	not.b64 	%rd1501, %rd567;
+	max.u64 	%rd1502, %rd1501, %rd1500;
+	sub.s64 	%rd1503, %rd1499, %rd1502;
+	add.s64 	%rd2087, %rd3, %rd1503;
+	mul.lo.s64 	%rd1504, %rd507, %rd504;
+	shl.b64 	%rd574, %rd1504, 1;
+	add.s64 	%rd2088, %rd550, %rd1503;
+	mov.u64 	%rd2089, %rd506;
+
+$L__BB5_401:
+	ld.global.u16 	%rs102, [%rd2087];
+	add.s64 	%rd1505, %rd2087, %rd574;
+	ld.global.u16 	%rs103, [%rd1505];
+	add.s64 	%rd1506, %rd1505, %rd574;
+	ld.global.u16 	%rs104, [%rd1506];
+	add.s64 	%rd1507, %rd1506, %rd574;
+	add.s64 	%rd2087, %rd1507, %rd574;
+	ld.global.u16 	%rs105, [%rd1507];
+	st.u16 	[%rd2088], %rs102;
+	add.s64 	%rd1508, %rd2088, %rd574;
+	st.u16 	[%rd1508], %rs103;
+	add.s64 	%rd1509, %rd1508, %rd574;
+	st.u16 	[%rd1509], %rs104;
+	add.s64 	%rd1510, %rd1509, %rd574;
+	add.s64 	%rd2088, %rd1510, %rd574;
+	st.u16 	[%rd1510], %rs105;
+	add.s64 	%rd1511, %rd2089, %rd508;
+	add.s64 	%rd2089, %rd512, %rd1511;
+	add.s64 	%rd1512, %rd2089, %rd512;
+	setp.lt.u64 	%p321, %rd1512, %rd572;
+	@%p321 bra 	$L__BB5_401;
+
+$L__BB5_402:
+	setp.ge.u64 	%p322, %rd2089, %rd572;
+	@%p322 bra 	$L__BB5_405;
+
+	add.s64 	%rd583, %rd550, %rd568;
+	add.s64 	%rd584, %rd3, %rd568;
+
+$L__BB5_404:
+	shl.b64 	%rd1513, %rd2089, 1;
+	add.s64 	%rd1514, %rd584, %rd1513;
+	ld.global.u16 	%rs106, [%rd1514];
+	add.s64 	%rd1515, %rd583, %rd1513;
+	st.u16 	[%rd1515], %rs106;
+	add.s64 	%rd2089, %rd2089, %rd508;
+	setp.lt.u64 	%p323, %rd2089, %rd572;
+	@%p323 bra 	$L__BB5_404;
+
+$L__BB5_405:
+	and.b64  	%rd1516, %rd571, -2;
+	add.s64 	%rd1517, %rd568, %rd506;
+	add.s64 	%rd2091, %rd1517, %rd1516;
+	setp.ge.u64 	%p324, %rd2091, %rd836;
+	@%p324 bra 	$L__BB5_568;
+
+$L__BB5_406:
+	add.s64 	%rd1518, %rd3, %rd2091;
+	ld.global.u8 	%rs107, [%rd1518];
+	add.s64 	%rd1519, %rd550, %rd2091;
+	st.u8 	[%rd1519], %rs107;
+	add.s64 	%rd2091, %rd2091, %rd508;
+	setp.lt.u64 	%p325, %rd2091, %rd836;
+	@%p325 bra 	$L__BB5_406;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_440:
+	setp.ge.u64 	%p448, %rd506, %rd509;
+	@%p448 bra 	$L__BB5_442;
+
+	shl.b64 	%rd1611, %rd506, 3;
+	add.s64 	%rd1612, %rd550, %rd1611;
+	st.v2.u32 	[%rd1612], {%r36, %r35};
+
+$L__BB5_442:
+	add.s64 	%rd1887, %rd508, %rd506;
+	setp.ge.u64 	%p449, %rd1887, %rd509;
+	@%p449 bra 	$L__BB5_444;
+
+	add.s64 	%rd1881, %rd508, %rd506;
+	shl.b64 	%rd1613, %rd1881, 3;
+	add.s64 	%rd1614, %rd550, %rd1613;
+	st.v2.u32 	[%rd1614], {%r40, %r39};
+
+$L__BB5_444:
+	@%p281 bra 	$L__BB5_446;
+
+	add.s64 	%rd1886, %rd508, %rd506;
+	add.s64 	%rd1885, %rd1886, %rd508;
+	shl.b64 	%rd1615, %rd1885, 3;
+	add.s64 	%rd1616, %rd550, %rd1615;
+	st.v2.u32 	[%rd1616], {%r44, %r43};
+
+$L__BB5_446:
+	@%p282 bra 	$L__BB5_448;
+
+	shl.b64 	%rd1617, %rd513, 3;
+	add.s64 	%rd1618, %rd550, %rd1617;
+	st.v2.u32 	[%rd1618], {%r48, %r47};
+
+$L__BB5_448:
+	add.s64 	%rd2113, %rd513, %rd508;
+	add.s64 	%rd1619, %rd2113, %rd512;
+	setp.ge.u64 	%p354, %rd1619, %rd509;
+	@%p354 bra 	$L__BB5_451;
+
+	mul.lo.s64 	%rd1620, %rd507, %rd504;
+	shl.b64 	%rd656, %rd1620, 3;
+	shl.b64 	%rd1621, %rd507, 2;
+	add.s64 	%rd1622, %rd1621, %rd503;
+	mul.lo.s64 	%rd1623, %rd1622, %rd504;
+	shl.b64 	%rd1624, %rd1623, 3;
+	shl.b64 	%rd1625, %rd505, 3;
+	add.s64 	%rd1626, %rd1624, %rd1625;
+	add.s64 	%rd2112, %rd550, %rd1626;
+	mul.lo.s64 	%rd658, %rd1620, -24;
+
+$L__BB5_450:
+	add.s64 	%rd1627, %rd2113, %rd508;
+	shl.b64 	%rd1628, %rd1627, 3;
+	add.s64 	%rd1629, %rd3, %rd1628;
+	ld.global.v2.u32 	{%r448, %r449}, [%rd1629];
+	add.s64 	%rd1630, %rd1629, %rd656;
+	ld.global.v2.u32 	{%r452, %r453}, [%rd1630];
+	add.s64 	%rd1631, %rd1630, %rd656;
+	ld.global.v2.u32 	{%r456, %r457}, [%rd1631];
+	add.s64 	%rd1632, %rd1631, %rd658;
+	ld.global.v2.u32 	{%r460, %r461}, [%rd1632];
+	st.v2.u32 	[%rd2112], {%r460, %r461};
+	add.s64 	%rd1633, %rd2112, %rd656;
+	st.v2.u32 	[%rd1633], {%r448, %r449};
+	add.s64 	%rd1634, %rd1633, %rd656;
+	st.v2.u32 	[%rd1634], {%r452, %r453};
+	add.s64 	%rd1635, %rd1634, %rd656;
+	add.s64 	%rd2112, %rd1635, %rd656;
+	st.v2.u32 	[%rd1635], {%r456, %r457};
+	add.s64 	%rd2113, %rd512, %rd1627;
+	add.s64 	%rd1636, %rd2113, %rd512;
+	setp.lt.u64 	%p355, %rd1636, %rd509;
+	@%p355 bra 	$L__BB5_450;
+
+$L__BB5_451:
+	setp.ge.u64 	%p356, %rd2113, %rd509;
+	@%p356 bra 	$L__BB5_453;
+
+$L__BB5_452:
+	shl.b64 	%rd1637, %rd2113, 3;
+	add.s64 	%rd1638, %rd3, %rd1637;
+	ld.global.v2.u32 	{%r464, %r465}, [%rd1638];
+	add.s64 	%rd1639, %rd550, %rd1637;
+	st.v2.u32 	[%rd1639], {%r464, %r465};
+	add.s64 	%rd2113, %rd2113, %rd508;
+	setp.lt.u64 	%p357, %rd2113, %rd509;
+	@%p357 bra 	$L__BB5_452;
+
+$L__BB5_453:
+	and.b64  	%rd1640, %rd836, -8;
+	add.s64 	%rd2115, %rd1640, %rd506;
+	setp.ge.u64 	%p358, %rd2115, %rd836;
+	@%p358 bra 	$L__BB5_568;
+
+$L__BB5_454:
+	add.s64 	%rd1641, %rd3, %rd2115;
+	ld.global.u8 	%rs114, [%rd1641];
+	add.s64 	%rd1642, %rd550, %rd2115;
+	st.u8 	[%rd1642], %rs114;
+	add.s64 	%rd2115, %rd2115, %rd508;
+	setp.lt.u64 	%p359, %rd2115, %rd836;
+	@%p359 bra 	$L__BB5_454;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_429:
+	neg.s64 	%rd1578, %rd550;
+	and.b64  	%rd634, %rd1578, 15;
+	min.u64 	%rd635, %rd634, %rd836;
+	setp.ge.u64 	%p342, %rd506, %rd635;
+	@%p342 bra 	$L__BB5_432;
+
+	mov.u64 	%rd2105, %rd506;
+
+$L__BB5_431:
+	add.s64 	%rd1579, %rd3, %rd2105;
+	ld.global.u8 	%rs112, [%rd1579];
+	add.s64 	%rd1580, %rd550, %rd2105;
+	st.u8 	[%rd1580], %rs112;
+	add.s64 	%rd2105, %rd2105, %rd508;
+	setp.lt.u64 	%p343, %rd2105, %rd635;
+	@%p343 bra 	$L__BB5_431;
+
+$L__BB5_432:
+	sub.s64 	%rd638, %rd836, %rd635;
+	shr.u64 	%rd639, %rd638, 4;
+	add.s64 	%rd640, %rd3, %rd635;
+	setp.ge.u64 	%p344, %rd513, %rd639;
+	mov.u64 	%rd2108, %rd506;
+	@%p344 bra 	$L__BB5_435;
+
+	mul.lo.s64 	%rd1581, %rd507, %rd504;
+	shl.b64 	%rd641, %rd1581, 4;
+	mul.lo.s64 	%rd1582, %rd503, %rd504;
+	shl.b64 	%rd1583, %rd1582, 4;
+	shl.b64 	%rd1584, %rd505, 4;
+	add.s64 	%rd1585, %rd1583, %rd1584;
+	add.s64 	%rd1586, %rd1585, -1;
+	not.b64 	%rd1587, %rd836;
+	not.b64 	%rd1588, %rd634;
+	max.u64 	%rd1589, %rd1588, %rd1587;
+	sub.s64 	%rd1590, %rd1586, %rd1589;
+	add.s64 	%rd2107, %rd550, %rd1590;
+	shl.b64 	%rd1591, %rd1581, 5;
+	neg.s64 	%rd643, %rd1591;
+	mov.u64 	%rd2108, %rd506;
+
+$L__BB5_434:
+	shl.b64 	%rd1592, %rd2108, 4;
+	add.s64 	%rd1593, %rd640, %rd1592;
+	shl.b64 	%rd1594, %rd508, 2;
+	shl.b64 	%rd1595, %rd508, 4;
+	add.s64 	%rd1596, %rd1593, %rd1595;
+	ld.global.v4.u32 	{%r408, %r409, %r410, %r411}, [%rd1596];
+	add.s64 	%rd1597, %rd1596, %rd641;
+	ld.global.v4.u32 	{%r416, %r417, %r418, %r419}, [%rd1597];
+	add.s64 	%rd1598, %rd1597, %rd641;
+	ld.global.v4.u32 	{%r424, %r425, %r426, %r427}, [%rd1598];
+	add.s64 	%rd1599, %rd1597, %rd643;
+	ld.global.v4.u32 	{%r432, %r433, %r434, %r435}, [%rd1599];
+	st.v4.u32 	[%rd2107], {%r432, %r433, %r434, %r435};
+	add.s64 	%rd1600, %rd2107, %rd641;
+	st.v4.u32 	[%rd1600], {%r408, %r409, %r410, %r411};
+	add.s64 	%rd1601, %rd1600, %rd641;
+	st.v4.u32 	[%rd1601], {%r416, %r417, %r418, %r419};
+	add.s64 	%rd1602, %rd1601, %rd641;
+	add.s64 	%rd2107, %rd1602, %rd641;
+	st.v4.u32 	[%rd1602], {%r424, %r425, %r426, %r427};
+	add.s64 	%rd2108, %rd1594, %rd2108;
+	add.s64 	%rd1603, %rd2108, %rd512;
+	setp.lt.u64 	%p345, %rd1603, %rd639;
+	@%p345 bra 	$L__BB5_434;
+
+$L__BB5_435:
+	setp.ge.u64 	%p346, %rd2108, %rd639;
+	@%p346 bra 	$L__BB5_438;
+
+	add.s64 	%rd649, %rd550, %rd635;
+
+$L__BB5_437:
+	shl.b64 	%rd1604, %rd2108, 4;
+	add.s64 	%rd1605, %rd649, %rd1604;
+	add.s64 	%rd1606, %rd640, %rd1604;
+	ld.global.v4.u32 	{%r440, %r441, %r442, %r443}, [%rd1606];
+	st.v4.u32 	[%rd1605], {%r440, %r441, %r442, %r443};
+	add.s64 	%rd2108, %rd2108, %rd508;
+	setp.lt.u64 	%p347, %rd2108, %rd639;
+	@%p347 bra 	$L__BB5_437;
+
+$L__BB5_438:
+	and.b64  	%rd1607, %rd638, -16;
+	add.s64 	%rd1608, %rd635, %rd506;
+	add.s64 	%rd2110, %rd1608, %rd1607;
+	setp.ge.u64 	%p348, %rd2110, %rd836;
+	@%p348 bra 	$L__BB5_568;
+
+$L__BB5_439:
+	add.s64 	%rd1609, %rd3, %rd2110;
+	ld.global.u8 	%rs113, [%rd1609];
+	add.s64 	%rd1610, %rd550, %rd2110;
+	st.u8 	[%rd1610], %rs113;
+	add.s64 	%rd2110, %rd2110, %rd508;
+	setp.lt.u64 	%p349, %rd2110, %rd836;
+	@%p349 bra 	$L__BB5_439;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_418:
+	neg.s64 	%rd1548, %rd550;
+	and.b64  	%rd613, %rd1548, 7;
+	min.u64 	%rd614, %rd613, %rd836;
+	setp.ge.u64 	%p334, %rd506, %rd614;
+	@%p334 bra 	$L__BB5_421;
+
+	mov.u64 	%rd2099, %rd506;
+
+$L__BB5_420:
+	add.s64 	%rd1549, %rd3, %rd2099;
+	ld.global.u8 	%rs110, [%rd1549];
+	add.s64 	%rd1550, %rd550, %rd2099;
+	st.u8 	[%rd1550], %rs110;
+	add.s64 	%rd2099, %rd2099, %rd508;
+	setp.lt.u64 	%p335, %rd2099, %rd614;
+	@%p335 bra 	$L__BB5_420;
+
+$L__BB5_421:
+	sub.s64 	%rd617, %rd836, %rd614;
+	shr.u64 	%rd618, %rd617, 3;
+	add.s64 	%rd619, %rd3, %rd614;
+	setp.ge.u64 	%p336, %rd513, %rd618;
+	mov.u64 	%rd2102, %rd506;
+	@%p336 bra 	$L__BB5_424;
+
+	mul.lo.s64 	%rd1551, %rd507, %rd504;
+	shl.b64 	%rd620, %rd1551, 3;
+	mul.lo.s64 	%rd1552, %rd503, %rd504;
+	shl.b64 	%rd1553, %rd1552, 3;
+	shl.b64 	%rd1554, %rd505, 3;
+	add.s64 	%rd1555, %rd1553, %rd1554;
+	add.s64 	%rd1556, %rd1555, -1;
+	not.b64 	%rd1557, %rd836;
+	not.b64 	%rd1558, %rd613;
+	max.u64 	%rd1559, %rd1558, %rd1557;
+	sub.s64 	%rd1560, %rd1556, %rd1559;
+	add.s64 	%rd2101, %rd550, %rd1560;
+	mul.lo.s64 	%rd622, %rd1551, -24;
+	mov.u64 	%rd2102, %rd506;
+
+$L__BB5_423:
+	add.s64 	%rd1561, %rd2102, %rd508;
+	shl.b64 	%rd1562, %rd1561, 3;
+	add.s64 	%rd1563, %rd619, %rd1562;
+	ld.global.v2.u32 	{%r388, %r389}, [%rd1563];
+	add.s64 	%rd1564, %rd1563, %rd620;
+	ld.global.v2.u32 	{%r392, %r393}, [%rd1564];
+	add.s64 	%rd1565, %rd1564, %rd620;
+	ld.global.v2.u32 	{%r396, %r397}, [%rd1565];
+	add.s64 	%rd1566, %rd1565, %rd622;
+	ld.global.v2.u32 	{%r400, %r401}, [%rd1566];
+	st.v2.u32 	[%rd2101], {%r400, %r401};
+	add.s64 	%rd1567, %rd2101, %rd620;
+	st.v2.u32 	[%rd1567], {%r388, %r389};
+	add.s64 	%rd1568, %rd1567, %rd620;
+	st.v2.u32 	[%rd1568], {%r392, %r393};
+	add.s64 	%rd1569, %rd1568, %rd620;
+	add.s64 	%rd2101, %rd1569, %rd620;
+	st.v2.u32 	[%rd1569], {%r396, %r397};
+	add.s64 	%rd2102, %rd512, %rd1561;
+	add.s64 	%rd1570, %rd2102, %rd512;
+	setp.lt.u64 	%p337, %rd1570, %rd618;
+	@%p337 bra 	$L__BB5_423;
+
+$L__BB5_424:
+	setp.ge.u64 	%p338, %rd2102, %rd618;
+	@%p338 bra 	$L__BB5_427;
+
+	add.s64 	%rd628, %rd550, %rd614;
+
+$L__BB5_426:
+	shl.b64 	%rd1571, %rd2102, 3;
+	add.s64 	%rd1572, %rd619, %rd1571;
+	ld.global.v2.u32 	{%r404, %r405}, [%rd1572];
+	add.s64 	%rd1573, %rd628, %rd1571;
+	st.v2.u32 	[%rd1573], {%r404, %r405};
+	add.s64 	%rd2102, %rd2102, %rd508;
+	setp.lt.u64 	%p339, %rd2102, %rd618;
+	@%p339 bra 	$L__BB5_426;
+
+$L__BB5_427:
+	and.b64  	%rd1574, %rd617, -8;
+	add.s64 	%rd1575, %rd614, %rd506;
+	add.s64 	%rd2104, %rd1575, %rd1574;
+	setp.ge.u64 	%p340, %rd2104, %rd836;
+	@%p340 bra 	$L__BB5_568;
+
+$L__BB5_428:
+	add.s64 	%rd1576, %rd3, %rd2104;
+	ld.global.u8 	%rs111, [%rd1576];
+	add.s64 	%rd1577, %rd550, %rd2104;
+	st.u8 	[%rd1577], %rs111;
+	add.s64 	%rd2104, %rd2104, %rd508;
+	setp.lt.u64 	%p341, %rd2104, %rd836;
+	@%p341 bra 	$L__BB5_428;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_407:
+	neg.s64 	%rd1520, %rd550;
+	and.b64  	%rd590, %rd1520, 3;
+	min.u64 	%rd591, %rd590, %rd836;
+	setp.ge.u64 	%p326, %rd506, %rd591;
+	@%p326 bra 	$L__BB5_410;
+
+	mov.u64 	%rd2092, %rd506;
+
+$L__BB5_409:
+	add.s64 	%rd1521, %rd3, %rd2092;
+	ld.global.u8 	%rs108, [%rd1521];
+	add.s64 	%rd1522, %rd550, %rd2092;
+	st.u8 	[%rd1522], %rs108;
+	add.s64 	%rd2092, %rd2092, %rd508;
+	setp.lt.u64 	%p327, %rd2092, %rd591;
+	@%p327 bra 	$L__BB5_409;
+
+$L__BB5_410:
+	sub.s64 	%rd594, %rd836, %rd591;
+	shr.u64 	%rd595, %rd594, 2;
+	setp.ge.u64 	%p328, %rd513, %rd595;
+	mov.u64 	%rd2096, %rd506;
+	@%p328 bra 	$L__BB5_413;
+
+	mul.lo.s64 	%rd1523, %rd503, %rd504;
+	shl.b64 	%rd1524, %rd1523, 2;
+	shl.b64 	%rd1525, %rd505, 2;
+	add.s64 	%rd1526, %rd1524, %rd1525;
+	add.s64 	%rd1527, %rd1526, -1;
+	not.b64 	%rd1528, %rd836;
+	not.b64 	%rd1529, %rd590;
+	max.u64 	%rd1530, %rd1529, %rd1528;
+	sub.s64 	%rd1531, %rd1527, %rd1530;
+	add.s64 	%rd2094, %rd3, %rd1531;
+	mul.lo.s64 	%rd1532, %rd507, %rd504;
+	shl.b64 	%rd597, %rd1532, 2;
+	add.s64 	%rd2095, %rd550, %rd1531;
+	mov.u64 	%rd2096, %rd506;
+
+$L__BB5_412:
+	ld.global.u32 	%r383, [%rd2094];
+	add.s64 	%rd1533, %rd2094, %rd597;
+	ld.global.u32 	%r384, [%rd1533];
+	add.s64 	%rd1534, %rd1533, %rd597;
+	ld.global.u32 	%r385, [%rd1534];
+	add.s64 	%rd1535, %rd1534, %rd597;
+	add.s64 	%rd2094, %rd1535, %rd597;
+	ld.global.u32 	%r386, [%rd1535];
+	st.u32 	[%rd2095], %r383;
+	add.s64 	%rd1536, %rd2095, %rd597;
+	st.u32 	[%rd1536], %r384;
+	add.s64 	%rd1537, %rd1536, %rd597;
+	st.u32 	[%rd1537], %r385;
+	add.s64 	%rd1538, %rd1537, %rd597;
+	add.s64 	%rd2095, %rd1538, %rd597;
+	st.u32 	[%rd1538], %r386;
+	add.s64 	%rd1539, %rd2096, %rd508;
+	add.s64 	%rd2096, %rd512, %rd1539;
+	add.s64 	%rd1540, %rd2096, %rd512;
+	setp.lt.u64 	%p329, %rd1540, %rd595;
+	@%p329 bra 	$L__BB5_412;
+
+$L__BB5_413:
+	setp.ge.u64 	%p330, %rd2096, %rd595;
+	@%p330 bra 	$L__BB5_416;
+
+	add.s64 	%rd606, %rd550, %rd591;
+	add.s64 	%rd607, %rd3, %rd591;
+
+$L__BB5_415:
+	shl.b64 	%rd1541, %rd2096, 2;
+	add.s64 	%rd1542, %rd607, %rd1541;
+	ld.global.u32 	%r387, [%rd1542];
+	add.s64 	%rd1543, %rd606, %rd1541;
+	st.u32 	[%rd1543], %r387;
+	add.s64 	%rd2096, %rd2096, %rd508;
+	setp.lt.u64 	%p331, %rd2096, %rd595;
+	@%p331 bra 	$L__BB5_415;
+
+$L__BB5_416:
+	and.b64  	%rd1544, %rd594, -4;
+	add.s64 	%rd1545, %rd591, %rd506;
+	add.s64 	%rd2098, %rd1545, %rd1544;
+	setp.ge.u64 	%p332, %rd2098, %rd836;
+	@%p332 bra 	$L__BB5_568;
+
+$L__BB5_417:
+	add.s64 	%rd1546, %rd3, %rd2098;
+	ld.global.u8 	%rs109, [%rd1546];
+	add.s64 	%rd1547, %rd550, %rd2098;
+	st.u8 	[%rd1547], %rs109;
+	add.s64 	%rd2098, %rd2098, %rd508;
+	setp.lt.u64 	%p333, %rd2098, %rd836;
+	@%p333 bra 	$L__BB5_417;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_389:
+	setp.ge.u64 	%p312, %rd513, %rd836;
+	mov.u64 	%rd2082, %rd506;
+	@%p312 bra 	$L__BB5_392;
+
+	add.s64 	%rd2080, %rd3, %rd506;
+	mul.lo.s64 	%rd553, %rd507, %rd504;
+	add.s64 	%rd2081, %rd550, %rd506;
+	mov.u64 	%rd2082, %rd506;
+
+$L__BB5_391:
+	ld.global.u8 	%rs95, [%rd2080];
+	add.s64 	%rd1481, %rd2080, %rd553;
+	ld.global.u8 	%rs96, [%rd1481];
+	add.s64 	%rd1482, %rd1481, %rd553;
+	ld.global.u8 	%rs97, [%rd1482];
+	add.s64 	%rd1483, %rd1482, %rd553;
+	add.s64 	%rd2080, %rd1483, %rd553;
+	ld.global.u8 	%rs98, [%rd1483];
+	st.u8 	[%rd2081], %rs95;
+	add.s64 	%rd1484, %rd2081, %rd553;
+	st.u8 	[%rd1484], %rs96;
+	add.s64 	%rd1485, %rd1484, %rd553;
+	st.u8 	[%rd1485], %rs97;
+	add.s64 	%rd1486, %rd1485, %rd553;
+	add.s64 	%rd2081, %rd1486, %rd553;
+	st.u8 	[%rd1486], %rs98;
+	add.s64 	%rd1487, %rd2082, %rd508;
+	add.s64 	%rd2082, %rd512, %rd1487;
+	add.s64 	%rd1488, %rd2082, %rd512;
+	setp.lt.u64 	%p313, %rd1488, %rd836;
+	@%p313 bra 	$L__BB5_391;
+
+$L__BB5_392:
+	setp.ge.u64 	%p314, %rd2082, %rd836;
+	@%p314 bra 	$L__BB5_394;
+
+$L__BB5_393:
+	add.s64 	%rd1489, %rd3, %rd2082;
+	ld.global.u8 	%rs99, [%rd1489];
+	add.s64 	%rd1490, %rd550, %rd2082;
+	st.u8 	[%rd1490], %rs99;
+	add.s64 	%rd2082, %rd2082, %rd508;
+	setp.lt.u64 	%p315, %rd2082, %rd836;
+	@%p315 bra 	$L__BB5_393;
+
+$L__BB5_394:
+	add.s64 	%rd2084, %rd506, %rd836;
+	setp.ge.u64 	%p316, %rd2084, %rd506;
+	@%p316 bra 	$L__BB5_568;
+
+$L__BB5_395:
+	add.s64 	%rd1491, %rd3, %rd2084;
+	ld.global.u8 	%rs100, [%rd1491];
+	add.s64 	%rd1492, %rd550, %rd2084;
+	st.u8 	[%rd1492], %rs100;
+	add.s64 	%rd2084, %rd2084, %rd508;
+	setp.lt.u64 	%p317, %rd2084, %rd836;
+	@%p317 bra 	$L__BB5_395;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_268:
+	cvt.u32.u64 	%r279, %rd349;
+	cvt.u32.u64 	%r280, %rd1260;
+	rem.u32 	%r281, %r280, %r279;
+	cvt.u64.u32 	%rd2023, %r281;
+
+$L__BB5_269:
+	ld.param.u64 	%rd1900, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1899, %rd1900;
+	add.s64 	%rd1877, %rd4, 144;
+	st.global.u64 	[%rd1877+-40], %rd2023;
+	st.global.u32 	[%rd1899], %rd2014;
+	shr.u64 	%rd1265, %rd2014, 32;
+	st.global.u32 	[%rd1899+4], %rd1265;
+	shl.b64 	%rd1266, %rd2019, 3;
+	add.s64 	%rd1267, %rd4, %rd1266;
+	ld.volatile.global.u64 	%rd2024, [%rd1267+32];
+	st.global.u64 	[%rd1877+-32], %rd2024;
+	ld.global.u64 	%rd1268, [%rd1267+64];
+	st.global.u64 	[%rd1877+-24], %rd1268;
+	membar.gl;
+	atom.global.exch.b64 	%rd1270, [%rd1877], %rd2024;
+
+$L__BB5_270:
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2024;
+
+$L__BB5_271:
+	bar.sync 	0;
+	ld.shared.u64 	%rd382, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1271, %rd382, 15;
+	setp.eq.s64 	%p222, %rd1271, 0;
+	@%p222 bra 	$L__BB5_327;
+
+	ld.param.u64 	%rd1878, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd383, %rd382, %rd1878;
+	and.b64  	%rd1272, %rd383, 15;
+	setp.eq.s64 	%p223, %rd1272, 0;
+	@%p223 bra 	$L__BB5_316;
+
+	and.b64  	%rd1273, %rd383, 7;
+	setp.eq.s64 	%p224, %rd1273, 0;
+	@%p224 bra 	$L__BB5_305;
+
+	and.b64  	%rd1274, %rd383, 3;
+	setp.eq.s64 	%p225, %rd1274, 0;
+	@%p225 bra 	$L__BB5_294;
+
+	and.b64  	%rd1275, %rd383, 1;
+	setp.eq.b64 	%p226, %rd1275, 1;
+	mov.pred 	%p227, 0;
+	xor.pred  	%p228, %p226, %p227;
+	not.pred 	%p229, %p228;
+	@%p229 bra 	$L__BB5_283;
+	bra.uni 	$L__BB5_276;
+
+$L__BB5_283:
+	and.b64  	%rd399, %rd382, 1;
+	min.u64 	%rd400, %rd399, %rd836;
+	setp.ge.u64 	%p236, %rd338, %rd400;
+	@%p236 bra 	$L__BB5_286;
+
+	mov.u64 	%rd2031, %rd338;
+
+$L__BB5_285:
+	add.s64 	%rd1288, %rd3, %rd2031;
+	ld.global.u8 	%rs81, [%rd1288];
+	add.s64 	%rd1289, %rd382, %rd2031;
+	st.u8 	[%rd1289], %rs81;
+	add.s64 	%rd2031, %rd2031, %rd340;
+	setp.lt.u64 	%p237, %rd2031, %rd400;
+	@%p237 bra 	$L__BB5_285;
+
+$L__BB5_286:
+	sub.s64 	%rd403, %rd836, %rd400;
+	shr.u64 	%rd404, %rd403, 1;
+	setp.ge.u64 	%p238, %rd345, %rd404;
+	mov.u64 	%rd2035, %rd338;
+	@%p238 bra 	$L__BB5_289;
+
+	mul.lo.s64 	%rd1290, %rd335, %rd336;
+	shl.b64 	%rd1291, %rd1290, 1;
+	shl.b64 	%rd1292, %rd337, 1;
+	add.s64 	%rd1293, %rd1291, %rd1292;
+	add.s64 	%rd1294, %rd1293, -1;
+	not.b64 	%rd1295, %rd836;
+	not.b64 	%rd1296, %rd399;
+	max.u64 	%rd1297, %rd1296, %rd1295;
+	sub.s64 	%rd1298, %rd1294, %rd1297;
+	add.s64 	%rd2033, %rd3, %rd1298;
+	mul.lo.s64 	%rd1299, %rd339, %rd336;
+	shl.b64 	%rd406, %rd1299, 1;
+	add.s64 	%rd2034, %rd382, %rd1298;
+	mov.u64 	%rd2035, %rd338;
+
+$L__BB5_288:
+	ld.global.u16 	%rs82, [%rd2033];
+	add.s64 	%rd1300, %rd2033, %rd406;
+	ld.global.u16 	%rs83, [%rd1300];
+	add.s64 	%rd1301, %rd1300, %rd406;
+	ld.global.u16 	%rs84, [%rd1301];
+	add.s64 	%rd1302, %rd1301, %rd406;
+	add.s64 	%rd2033, %rd1302, %rd406;
+	ld.global.u16 	%rs85, [%rd1302];
+	st.u16 	[%rd2034], %rs82;
+	add.s64 	%rd1303, %rd2034, %rd406;
+	st.u16 	[%rd1303], %rs83;
+	add.s64 	%rd1304, %rd1303, %rd406;
+	st.u16 	[%rd1304], %rs84;
+	add.s64 	%rd1305, %rd1304, %rd406;
+	add.s64 	%rd2034, %rd1305, %rd406;
+	st.u16 	[%rd1305], %rs85;
+	add.s64 	%rd1306, %rd2035, %rd340;
+	add.s64 	%rd2035, %rd344, %rd1306;
+	add.s64 	%rd1307, %rd2035, %rd344;
+	setp.lt.u64 	%p239, %rd1307, %rd404;
+	@%p239 bra 	$L__BB5_288;
+
+$L__BB5_289:
+	setp.ge.u64 	%p240, %rd2035, %rd404;
+	@%p240 bra 	$L__BB5_292;
+
+	add.s64 	%rd415, %rd382, %rd400;
+	add.s64 	%rd416, %rd3, %rd400;
+
+$L__BB5_291:
+	shl.b64 	%rd1308, %rd2035, 1;
+	add.s64 	%rd1309, %rd416, %rd1308;
+	ld.global.u16 	%rs86, [%rd1309];
+	add.s64 	%rd1310, %rd415, %rd1308;
+	st.u16 	[%rd1310], %rs86;
+	add.s64 	%rd2035, %rd2035, %rd340;
+	setp.lt.u64 	%p241, %rd2035, %rd404;
+	@%p241 bra 	$L__BB5_291;
+
+$L__BB5_292:
+	and.b64  	%rd1311, %rd403, -2;
+	add.s64 	%rd1312, %rd400, %rd338;
+	add.s64 	%rd2037, %rd1312, %rd1311;
+	setp.ge.u64 	%p242, %rd2037, %rd836;
+	@%p242 bra 	$L__BB5_568;
+
+$L__BB5_293:
+	add.s64 	%rd1313, %rd3, %rd2037;
+	ld.global.u8 	%rs87, [%rd1313];
+	add.s64 	%rd1314, %rd382, %rd2037;
+	st.u8 	[%rd1314], %rs87;
+	add.s64 	%rd2037, %rd2037, %rd340;
+	setp.lt.u64 	%p243, %rd2037, %rd836;
+	@%p243 bra 	$L__BB5_293;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_327:
+	@%p197 bra 	$L__BB5_329;
+
+	shl.b64 	%rd1407, %rd338, 2;
+	add.s64 	%rd1408, %rd382, %rd1407;
+	st.u32 	[%rd1408], %r18;
+
+$L__BB5_329:
+	@%p198 bra 	$L__BB5_331;
+
+	add.s64 	%rd1879, %rd340, %rd338;
+	shl.b64 	%rd1409, %rd1879, 2;
+	add.s64 	%rd1410, %rd382, %rd1409;
+	st.u32 	[%rd1410], %r20;
+
+$L__BB5_331:
+	@%p199 bra 	$L__BB5_333;
+
+	shl.b64 	%rd1411, %rd343, 2;
+	add.s64 	%rd1412, %rd382, %rd1411;
+	st.u32 	[%rd1412], %r22;
+
+$L__BB5_333:
+	@%p200 bra 	$L__BB5_335;
+
+	shl.b64 	%rd1413, %rd345, 2;
+	add.s64 	%rd1414, %rd382, %rd1413;
+	st.u32 	[%rd1414], %r24;
+
+$L__BB5_335:
+	add.s64 	%rd2060, %rd345, %rd340;
+	add.s64 	%rd1415, %rd2060, %rd344;
+	setp.ge.u64 	%p272, %rd1415, %rd341;
+	@%p272 bra 	$L__BB5_338;
+
+	shl.b64 	%rd1416, %rd339, 2;
+	add.s64 	%rd1417, %rd1416, %rd335;
+	mul.lo.s64 	%rd1418, %rd1417, %rd336;
+	shl.b64 	%rd1419, %rd1418, 2;
+	shl.b64 	%rd1420, %rd337, 2;
+	add.s64 	%rd1421, %rd1419, %rd1420;
+	add.s64 	%rd2058, %rd3, %rd1421;
+	mul.lo.s64 	%rd1422, %rd339, %rd336;
+	shl.b64 	%rd489, %rd1422, 2;
+	add.s64 	%rd2059, %rd382, %rd1421;
+
+$L__BB5_337:
+	ld.global.u32 	%r347, [%rd2058];
+	add.s64 	%rd1423, %rd2058, %rd489;
+	ld.global.u32 	%r348, [%rd1423];
+	add.s64 	%rd1424, %rd1423, %rd489;
+	ld.global.u32 	%r349, [%rd1424];
+	add.s64 	%rd1425, %rd1424, %rd489;
+	add.s64 	%rd2058, %rd1425, %rd489;
+	ld.global.u32 	%r350, [%rd1425];
+	st.u32 	[%rd2059], %r347;
+	add.s64 	%rd1426, %rd2059, %rd489;
+	st.u32 	[%rd1426], %r348;
+	add.s64 	%rd1427, %rd1426, %rd489;
+	st.u32 	[%rd1427], %r349;
+	add.s64 	%rd1428, %rd1427, %rd489;
+	add.s64 	%rd2059, %rd1428, %rd489;
+	st.u32 	[%rd1428], %r350;
+	add.s64 	%rd1429, %rd2060, %rd340;
+	add.s64 	%rd2060, %rd344, %rd1429;
+	add.s64 	%rd1430, %rd2060, %rd344;
+	setp.lt.u64 	%p273, %rd1430, %rd341;
+	@%p273 bra 	$L__BB5_337;
+
+$L__BB5_338:
+	setp.ge.u64 	%p274, %rd2060, %rd341;
+	@%p274 bra 	$L__BB5_340;
+
+$L__BB5_339:
+	shl.b64 	%rd1431, %rd2060, 2;
+	add.s64 	%rd1432, %rd3, %rd1431;
+	ld.global.u32 	%r351, [%rd1432];
+	add.s64 	%rd1433, %rd382, %rd1431;
+	st.u32 	[%rd1433], %r351;
+	add.s64 	%rd2060, %rd2060, %rd340;
+	setp.lt.u64 	%p275, %rd2060, %rd341;
+	@%p275 bra 	$L__BB5_339;
+
+$L__BB5_340:
+	and.b64  	%rd1434, %rd836, -4;
+	add.s64 	%rd2062, %rd1434, %rd338;
+	setp.ge.u64 	%p276, %rd2062, %rd836;
+	@%p276 bra 	$L__BB5_568;
+
+$L__BB5_341:
+	add.s64 	%rd1435, %rd3, %rd2062;
+	ld.global.u8 	%rs94, [%rd1435];
+	add.s64 	%rd1436, %rd382, %rd2062;
+	st.u8 	[%rd1436], %rs94;
+	add.s64 	%rd2062, %rd2062, %rd340;
+	setp.lt.u64 	%p277, %rd2062, %rd836;
+	@%p277 bra 	$L__BB5_341;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_316:
+	neg.s64 	%rd1374, %rd382;
+	and.b64  	%rd466, %rd1374, 15;
+	min.u64 	%rd467, %rd466, %rd836;
+	setp.ge.u64 	%p260, %rd338, %rd467;
+	@%p260 bra 	$L__BB5_319;
+
+	mov.u64 	%rd2051, %rd338;
+
+$L__BB5_318:
+	add.s64 	%rd1375, %rd3, %rd2051;
+	ld.global.u8 	%rs92, [%rd1375];
+	add.s64 	%rd1376, %rd382, %rd2051;
+	st.u8 	[%rd1376], %rs92;
+	add.s64 	%rd2051, %rd2051, %rd340;
+	setp.lt.u64 	%p261, %rd2051, %rd467;
+	@%p261 bra 	$L__BB5_318;
+
+$L__BB5_319:
+	sub.s64 	%rd470, %rd836, %rd467;
+	shr.u64 	%rd471, %rd470, 4;
+	add.s64 	%rd472, %rd3, %rd467;
+	setp.ge.u64 	%p262, %rd345, %rd471;
+	mov.u64 	%rd2054, %rd338;
+	@%p262 bra 	$L__BB5_322;
+
+	mul.lo.s64 	%rd1377, %rd339, %rd336;
+	shl.b64 	%rd473, %rd1377, 4;
+	mul.lo.s64 	%rd1378, %rd335, %rd336;
+	shl.b64 	%rd1379, %rd1378, 4;
+	shl.b64 	%rd1380, %rd337, 4;
+	add.s64 	%rd1381, %rd1379, %rd1380;
+	add.s64 	%rd1382, %rd1381, -1;
+	not.b64 	%rd1383, %rd836;
+	not.b64 	%rd1384, %rd466;
+	max.u64 	%rd1385, %rd1384, %rd1383;
+	sub.s64 	%rd1386, %rd1382, %rd1385;
+	add.s64 	%rd2053, %rd382, %rd1386;
+	neg.s64 	%rd475, %rd1377;
+	shl.b64 	%rd1394, %rd475, 4;
+	mov.u64 	%rd2054, %rd338;
+
+$L__BB5_321:
+	shl.b64 	%rd1387, %rd2054, 4;
+	add.s64 	%rd1388, %rd472, %rd1387;
+	shl.b64 	%rd1389, %rd340, 2;
+	shl.b64 	%rd1390, %rd340, 4;
+	add.s64 	%rd1391, %rd1388, %rd1390;
+	ld.global.v4.u32 	{%r307, %r308, %r309, %r310}, [%rd1391];
+	add.s64 	%rd1392, %rd1391, %rd473;
+	ld.global.v4.u32 	{%r315, %r316, %r317, %r318}, [%rd1392];
+	add.s64 	%rd1393, %rd1392, %rd473;
+	ld.global.v4.u32 	{%r323, %r324, %r325, %r326}, [%rd1393];
+	add.s64 	%rd1395, %rd1391, %rd1394;
+	ld.global.v4.u32 	{%r331, %r332, %r333, %r334}, [%rd1395];
+	st.v4.u32 	[%rd2053], {%r331, %r332, %r333, %r334};
+	add.s64 	%rd1396, %rd2053, %rd473;
+	st.v4.u32 	[%rd1396], {%r307, %r308, %r309, %r310};
+	add.s64 	%rd1397, %rd1396, %rd473;
+	st.v4.u32 	[%rd1397], {%r315, %r316, %r317, %r318};
+	add.s64 	%rd1398, %rd1397, %rd473;
+	add.s64 	%rd2053, %rd1398, %rd473;
+	st.v4.u32 	[%rd1398], {%r323, %r324, %r325, %r326};
+	add.s64 	%rd2054, %rd1389, %rd2054;
+	add.s64 	%rd1399, %rd2054, %rd344;
+	setp.lt.u64 	%p263, %rd1399, %rd471;
+	@%p263 bra 	$L__BB5_321;
+
+$L__BB5_322:
+	setp.ge.u64 	%p264, %rd2054, %rd471;
+	@%p264 bra 	$L__BB5_325;
+
+	add.s64 	%rd481, %rd382, %rd467;
+
+$L__BB5_324:
+	shl.b64 	%rd1400, %rd2054, 4;
+	add.s64 	%rd1401, %rd481, %rd1400;
+	add.s64 	%rd1402, %rd472, %rd1400;
+	ld.global.v4.u32 	{%r339, %r340, %r341, %r342}, [%rd1402];
+	st.v4.u32 	[%rd1401], {%r339, %r340, %r341, %r342};
+	add.s64 	%rd2054, %rd2054, %rd340;
+	setp.lt.u64 	%p265, %rd2054, %rd471;
+	@%p265 bra 	$L__BB5_324;
+
+$L__BB5_325:
+	and.b64  	%rd1403, %rd470, -16;
+	add.s64 	%rd1404, %rd467, %rd338;
+	add.s64 	%rd2056, %rd1404, %rd1403;
+	setp.ge.u64 	%p266, %rd2056, %rd836;
+	@%p266 bra 	$L__BB5_568;
+
+$L__BB5_326:
+	add.s64 	%rd1405, %rd3, %rd2056;
+	ld.global.u8 	%rs93, [%rd1405];
+	add.s64 	%rd1406, %rd382, %rd2056;
+	st.u8 	[%rd1406], %rs93;
+	add.s64 	%rd2056, %rd2056, %rd340;
+	setp.lt.u64 	%p267, %rd2056, %rd836;
+	@%p267 bra 	$L__BB5_326;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_305:
+	neg.s64 	%rd1343, %rd382;
+	and.b64  	%rd445, %rd1343, 7;
+	min.u64 	%rd446, %rd445, %rd836;
+	setp.ge.u64 	%p252, %rd338, %rd446;
+	@%p252 bra 	$L__BB5_308;
+
+	mov.u64 	%rd2045, %rd338;
+
+$L__BB5_307:
+	add.s64 	%rd1344, %rd3, %rd2045;
+	ld.global.u8 	%rs90, [%rd1344];
+	add.s64 	%rd1345, %rd382, %rd2045;
+	st.u8 	[%rd1345], %rs90;
+	add.s64 	%rd2045, %rd2045, %rd340;
+	setp.lt.u64 	%p253, %rd2045, %rd446;
+	@%p253 bra 	$L__BB5_307;
+
+$L__BB5_308:
+	sub.s64 	%rd449, %rd836, %rd446;
+	shr.u64 	%rd450, %rd449, 3;
+	add.s64 	%rd451, %rd3, %rd446;
+	setp.ge.u64 	%p254, %rd345, %rd450;
+	mov.u64 	%rd2048, %rd338;
+	@%p254 bra 	$L__BB5_311;
+
+	mul.lo.s64 	%rd1346, %rd339, %rd336;
+	shl.b64 	%rd452, %rd1346, 3;
+	mul.lo.s64 	%rd1347, %rd335, %rd336;
+	shl.b64 	%rd1348, %rd1347, 3;
+	shl.b64 	%rd1349, %rd337, 3;
+	add.s64 	%rd1350, %rd1348, %rd1349;
+	add.s64 	%rd1351, %rd1350, -1;
+	not.b64 	%rd1352, %rd836;
+	not.b64 	%rd1353, %rd445;
+	max.u64 	%rd1354, %rd1353, %rd1352;
+	sub.s64 	%rd1355, %rd1351, %rd1354;
+	add.s64 	%rd2047, %rd382, %rd1355;
+	shl.b64 	%rd1356, %rd1346, 4;
+	neg.s64 	%rd454, %rd1356;
+	mov.u64 	%rd2048, %rd338;
+
+$L__BB5_310:
+	add.s64 	%rd1357, %rd2048, %rd340;
+	shl.b64 	%rd1358, %rd1357, 3;
+	add.s64 	%rd1359, %rd451, %rd1358;
+	ld.global.v2.u32 	{%r287, %r288}, [%rd1359];
+	add.s64 	%rd1360, %rd1359, %rd452;
+	ld.global.v2.u32 	{%r291, %r292}, [%rd1360];
+	add.s64 	%rd1361, %rd1360, %rd452;
+	ld.global.v2.u32 	{%r295, %r296}, [%rd1361];
+	add.s64 	%rd1362, %rd1360, %rd454;
+	ld.global.v2.u32 	{%r299, %r300}, [%rd1362];
+	st.v2.u32 	[%rd2047], {%r299, %r300};
+	add.s64 	%rd1363, %rd2047, %rd452;
+	st.v2.u32 	[%rd1363], {%r287, %r288};
+	add.s64 	%rd1364, %rd1363, %rd452;
+	st.v2.u32 	[%rd1364], {%r291, %r292};
+	add.s64 	%rd1365, %rd1364, %rd452;
+	add.s64 	%rd2047, %rd1365, %rd452;
+	st.v2.u32 	[%rd1365], {%r295, %r296};
+	add.s64 	%rd2048, %rd344, %rd1357;
+	add.s64 	%rd1366, %rd2048, %rd344;
+	setp.lt.u64 	%p255, %rd1366, %rd450;
+	@%p255 bra 	$L__BB5_310;
+
+$L__BB5_311:
+	setp.ge.u64 	%p256, %rd2048, %rd450;
+	@%p256 bra 	$L__BB5_314;
+
+	add.s64 	%rd460, %rd382, %rd446;
+
+$L__BB5_313:
+	shl.b64 	%rd1367, %rd2048, 3;
+	add.s64 	%rd1368, %rd451, %rd1367;
+	ld.global.v2.u32 	{%r303, %r304}, [%rd1368];
+	add.s64 	%rd1369, %rd460, %rd1367;
+	st.v2.u32 	[%rd1369], {%r303, %r304};
+	add.s64 	%rd2048, %rd2048, %rd340;
+	setp.lt.u64 	%p257, %rd2048, %rd450;
+	@%p257 bra 	$L__BB5_313;
+
+$L__BB5_314:
+	and.b64  	%rd1370, %rd449, -8;
+	add.s64 	%rd1371, %rd446, %rd338;
+	add.s64 	%rd2050, %rd1371, %rd1370;
+	setp.ge.u64 	%p258, %rd2050, %rd836;
+	@%p258 bra 	$L__BB5_568;
+
+$L__BB5_315:
+	add.s64 	%rd1372, %rd3, %rd2050;
+	ld.global.u8 	%rs91, [%rd1372];
+	add.s64 	%rd1373, %rd382, %rd2050;
+	st.u8 	[%rd1373], %rs91;
+	add.s64 	%rd2050, %rd2050, %rd340;
+	setp.lt.u64 	%p259, %rd2050, %rd836;
+	@%p259 bra 	$L__BB5_315;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_294:
+	neg.s64 	%rd1315, %rd382;
+	and.b64  	%rd422, %rd1315, 3;
+	min.u64 	%rd423, %rd422, %rd836;
+	setp.ge.u64 	%p244, %rd338, %rd423;
+	@%p244 bra 	$L__BB5_297;
+
+	mov.u64 	%rd2038, %rd338;
+
+$L__BB5_296:
+	add.s64 	%rd1316, %rd3, %rd2038;
+	ld.global.u8 	%rs88, [%rd1316];
+	add.s64 	%rd1317, %rd382, %rd2038;
+	st.u8 	[%rd1317], %rs88;
+	add.s64 	%rd2038, %rd2038, %rd340;
+	setp.lt.u64 	%p245, %rd2038, %rd423;
+	@%p245 bra 	$L__BB5_296;
+
+$L__BB5_297:
+	sub.s64 	%rd426, %rd836, %rd423;
+	shr.u64 	%rd427, %rd426, 2;
+	setp.ge.u64 	%p246, %rd345, %rd427;
+	mov.u64 	%rd2042, %rd338;
+	@%p246 bra 	$L__BB5_300;
+
+	mul.lo.s64 	%rd1318, %rd335, %rd336;
+	shl.b64 	%rd1319, %rd1318, 2;
+	shl.b64 	%rd1320, %rd337, 2;
+	add.s64 	%rd1321, %rd1319, %rd1320;
+	add.s64 	%rd1322, %rd1321, -1;
+	not.b64 	%rd1323, %rd836;
+	not.b64 	%rd1324, %rd422;
+	max.u64 	%rd1325, %rd1324, %rd1323;
+	sub.s64 	%rd1326, %rd1322, %rd1325;
+	add.s64 	%rd2040, %rd3, %rd1326;
+	mul.lo.s64 	%rd1327, %rd339, %rd336;
+	shl.b64 	%rd429, %rd1327, 2;
+	add.s64 	%rd2041, %rd382, %rd1326;
+	mov.u64 	%rd2042, %rd338;
+
+$L__BB5_299:
+	ld.global.u32 	%r282, [%rd2040];
+	add.s64 	%rd1328, %rd2040, %rd429;
+	ld.global.u32 	%r283, [%rd1328];
+	add.s64 	%rd1329, %rd1328, %rd429;
+	ld.global.u32 	%r284, [%rd1329];
+	add.s64 	%rd1330, %rd1329, %rd429;
+	add.s64 	%rd2040, %rd1330, %rd429;
+	ld.global.u32 	%r285, [%rd1330];
+	st.u32 	[%rd2041], %r282;
+	add.s64 	%rd1331, %rd2041, %rd429;
+	st.u32 	[%rd1331], %r283;
+	add.s64 	%rd1332, %rd1331, %rd429;
+	st.u32 	[%rd1332], %r284;
+	add.s64 	%rd1333, %rd1332, %rd429;
+	add.s64 	%rd2041, %rd1333, %rd429;
+	st.u32 	[%rd1333], %r285;
+	add.s64 	%rd1334, %rd2042, %rd340;
+	add.s64 	%rd2042, %rd344, %rd1334;
+	add.s64 	%rd1335, %rd2042, %rd344;
+	setp.lt.u64 	%p247, %rd1335, %rd427;
+	@%p247 bra 	$L__BB5_299;
+
+$L__BB5_300:
+	setp.ge.u64 	%p248, %rd2042, %rd427;
+	@%p248 bra 	$L__BB5_303;
+
+	add.s64 	%rd438, %rd382, %rd423;
+	add.s64 	%rd439, %rd3, %rd423;
+
+$L__BB5_302:
+	shl.b64 	%rd1336, %rd2042, 2;
+	add.s64 	%rd1337, %rd439, %rd1336;
+	ld.global.u32 	%r286, [%rd1337];
+	add.s64 	%rd1338, %rd438, %rd1336;
+	st.u32 	[%rd1338], %r286;
+	add.s64 	%rd2042, %rd2042, %rd340;
+	setp.lt.u64 	%p249, %rd2042, %rd427;
+	@%p249 bra 	$L__BB5_302;
+
+$L__BB5_303:
+	and.b64  	%rd1339, %rd426, -4;
+	add.s64 	%rd1340, %rd423, %rd338;
+	add.s64 	%rd2044, %rd1340, %rd1339;
+	setp.ge.u64 	%p250, %rd2044, %rd836;
+	@%p250 bra 	$L__BB5_568;
+
+$L__BB5_304:
+	add.s64 	%rd1341, %rd3, %rd2044;
+	ld.global.u8 	%rs89, [%rd1341];
+	add.s64 	%rd1342, %rd382, %rd2044;
+	st.u8 	[%rd1342], %rs89;
+	add.s64 	%rd2044, %rd2044, %rd340;
+	setp.lt.u64 	%p251, %rd2044, %rd836;
+	@%p251 bra 	$L__BB5_304;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_276:
+	setp.ge.u64 	%p230, %rd345, %rd836;
+	mov.u64 	%rd2028, %rd338;
+	@%p230 bra 	$L__BB5_279;
+
+	add.s64 	%rd2026, %rd3, %rd338;
+	mul.lo.s64 	%rd385, %rd339, %rd336;
+	add.s64 	%rd2027, %rd382, %rd338;
+	mov.u64 	%rd2028, %rd338;
+
+$L__BB5_278:
+	ld.global.u8 	%rs75, [%rd2026];
+	add.s64 	%rd1276, %rd2026, %rd385;
+	ld.global.u8 	%rs76, [%rd1276];
+	add.s64 	%rd1277, %rd1276, %rd385;
+	ld.global.u8 	%rs77, [%rd1277];
+	add.s64 	%rd1278, %rd1277, %rd385;
+	add.s64 	%rd2026, %rd1278, %rd385;
+	ld.global.u8 	%rs78, [%rd1278];
+	st.u8 	[%rd2027], %rs75;
+	add.s64 	%rd1279, %rd2027, %rd385;
+	st.u8 	[%rd1279], %rs76;
+	add.s64 	%rd1280, %rd1279, %rd385;
+	st.u8 	[%rd1280], %rs77;
+	add.s64 	%rd1281, %rd1280, %rd385;
+	add.s64 	%rd2027, %rd1281, %rd385;
+	st.u8 	[%rd1281], %rs78;
+	add.s64 	%rd1282, %rd2028, %rd340;
+	add.s64 	%rd2028, %rd344, %rd1282;
+	add.s64 	%rd1283, %rd2028, %rd344;
+	setp.lt.u64 	%p231, %rd1283, %rd836;
+	@%p231 bra 	$L__BB5_278;
+
+$L__BB5_279:
+	setp.ge.u64 	%p232, %rd2028, %rd836;
+	@%p232 bra 	$L__BB5_281;
+
+$L__BB5_280:
+	add.s64 	%rd1284, %rd3, %rd2028;
+	ld.global.u8 	%rs79, [%rd1284];
+	add.s64 	%rd1285, %rd382, %rd2028;
+	st.u8 	[%rd1285], %rs79;
+	add.s64 	%rd2028, %rd2028, %rd340;
+	setp.lt.u64 	%p233, %rd2028, %rd836;
+	@%p233 bra 	$L__BB5_280;
+
+$L__BB5_281:
+	add.s64 	%rd2030, %rd338, %rd836;
+	setp.ge.u64 	%p234, %rd2030, %rd338;
+	@%p234 bra 	$L__BB5_568;
+
+$L__BB5_282:
+	add.s64 	%rd1286, %rd3, %rd2030;
+	ld.global.u8 	%rs80, [%rd1286];
+	add.s64 	%rd1287, %rd382, %rd2030;
+	st.u8 	[%rd1287], %rs80;
+	add.s64 	%rd2030, %rd2030, %rd340;
+	setp.lt.u64 	%p235, %rd2030, %rd836;
+	@%p235 bra 	$L__BB5_282;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_155:
+	cvt.u32.u64 	%r191, %rd181;
+	cvt.u32.u64 	%r192, %rd1057;
+	rem.u32 	%r193, %r192, %r191;
+	cvt.u64.u32 	%rd1969, %r193;
+
+$L__BB5_156:
+	ld.param.u64 	%rd1898, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1897, %rd1898;
+	add.s64 	%rd1874, %rd4, 144;
+	st.global.u64 	[%rd1874+-40], %rd1969;
+	st.global.u32 	[%rd1897], %rd1960;
+	shr.u64 	%rd1062, %rd1960, 32;
+	st.global.u32 	[%rd1897+4], %rd1062;
+	shl.b64 	%rd1063, %rd1965, 3;
+	add.s64 	%rd1064, %rd4, %rd1063;
+	ld.volatile.global.u64 	%rd1970, [%rd1064+32];
+	st.global.u64 	[%rd1874+-32], %rd1970;
+	ld.global.u64 	%rd1065, [%rd1064+64];
+	st.global.u64 	[%rd1874+-24], %rd1065;
+	membar.gl;
+	atom.global.exch.b64 	%rd1067, [%rd1874], %rd1970;
+
+$L__BB5_157:
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd1970;
+
+$L__BB5_158:
+	bar.sync 	0;
+	ld.shared.u64 	%rd214, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1068, %rd214, 15;
+	setp.eq.s64 	%p140, %rd1068, 0;
+	@%p140 bra 	$L__BB5_214;
+
+	ld.param.u64 	%rd1875, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd215, %rd214, %rd1875;
+	and.b64  	%rd1069, %rd215, 15;
+	setp.eq.s64 	%p141, %rd1069, 0;
+	@%p141 bra 	$L__BB5_203;
+
+	and.b64  	%rd1070, %rd215, 7;
+	setp.eq.s64 	%p142, %rd1070, 0;
+	@%p142 bra 	$L__BB5_192;
+
+	and.b64  	%rd1071, %rd215, 3;
+	setp.eq.s64 	%p143, %rd1071, 0;
+	@%p143 bra 	$L__BB5_181;
+
+	and.b64  	%rd1072, %rd215, 1;
+	setp.eq.b64 	%p144, %rd1072, 1;
+	mov.pred 	%p145, 0;
+	xor.pred  	%p146, %p144, %p145;
+	not.pred 	%p147, %p146;
+	@%p147 bra 	$L__BB5_170;
+	bra.uni 	$L__BB5_163;
+
+$L__BB5_170:
+	and.b64  	%rd231, %rd214, 1;
+	min.u64 	%rd232, %rd231, %rd836;
+	setp.ge.u64 	%p154, %rd9, %rd232;
+	@%p154 bra 	$L__BB5_173;
+
+	mov.u64 	%rd1977, %rd9;
+
+$L__BB5_172:
+	add.s64 	%rd1085, %rd3, %rd1977;
+	ld.global.u8 	%rs56, [%rd1085];
+	add.s64 	%rd1086, %rd214, %rd1977;
+	st.u8 	[%rd1086], %rs56;
+	add.s64 	%rd1977, %rd1977, %rd11;
+	setp.lt.u64 	%p155, %rd1977, %rd232;
+	@%p155 bra 	$L__BB5_172;
+
+$L__BB5_173:
+	sub.s64 	%rd235, %rd836, %rd232;
+	shr.u64 	%rd236, %rd235, 1;
+	setp.ge.u64 	%p156, %rd177, %rd236;
+	mov.u64 	%rd1981, %rd9;
+	@%p156 bra 	$L__BB5_176;
+
+	mul.lo.s64 	%rd1087, %rd6, %rd7;
+	shl.b64 	%rd1088, %rd1087, 1;
+	shl.b64 	%rd1089, %rd8, 1;
+	add.s64 	%rd1090, %rd1088, %rd1089;
+	add.s64 	%rd1091, %rd1090, -1;
+	not.b64 	%rd1092, %rd836;
+	not.b64 	%rd1093, %rd231;
+	max.u64 	%rd1094, %rd1093, %rd1092;
+	sub.s64 	%rd1095, %rd1091, %rd1094;
+	add.s64 	%rd1979, %rd3, %rd1095;
+	mul.lo.s64 	%rd1096, %rd10, %rd7;
+	shl.b64 	%rd238, %rd1096, 1;
+	add.s64 	%rd1980, %rd214, %rd1095;
+	mov.u64 	%rd1981, %rd9;
+
+$L__BB5_175:
+	ld.global.u16 	%rs57, [%rd1979];
+	add.s64 	%rd1097, %rd1979, %rd238;
+	ld.global.u16 	%rs58, [%rd1097];
+	add.s64 	%rd1098, %rd1097, %rd238;
+	ld.global.u16 	%rs59, [%rd1098];
+	add.s64 	%rd1099, %rd1098, %rd238;
+	add.s64 	%rd1979, %rd1099, %rd238;
+	ld.global.u16 	%rs60, [%rd1099];
+	st.u16 	[%rd1980], %rs57;
+	add.s64 	%rd1100, %rd1980, %rd238;
+	st.u16 	[%rd1100], %rs58;
+	add.s64 	%rd1101, %rd1100, %rd238;
+	st.u16 	[%rd1101], %rs59;
+	add.s64 	%rd1102, %rd1101, %rd238;
+	add.s64 	%rd1980, %rd1102, %rd238;
+	st.u16 	[%rd1102], %rs60;
+	add.s64 	%rd1103, %rd1981, %rd11;
+	add.s64 	%rd1981, %rd176, %rd1103;
+	add.s64 	%rd1104, %rd1981, %rd176;
+	setp.lt.u64 	%p157, %rd1104, %rd236;
+	@%p157 bra 	$L__BB5_175;
+
+$L__BB5_176:
+	setp.ge.u64 	%p158, %rd1981, %rd236;
+	@%p158 bra 	$L__BB5_179;
+
+	add.s64 	%rd247, %rd214, %rd232;
+	add.s64 	%rd248, %rd3, %rd232;
+
+$L__BB5_178:
+	shl.b64 	%rd1105, %rd1981, 1;
+	add.s64 	%rd1106, %rd248, %rd1105;
+	ld.global.u16 	%rs61, [%rd1106];
+	add.s64 	%rd1107, %rd247, %rd1105;
+	st.u16 	[%rd1107], %rs61;
+	add.s64 	%rd1981, %rd1981, %rd11;
+	setp.lt.u64 	%p159, %rd1981, %rd236;
+	@%p159 bra 	$L__BB5_178;
+
+$L__BB5_179:
+	and.b64  	%rd1108, %rd235, -2;
+	add.s64 	%rd1109, %rd232, %rd9;
+	add.s64 	%rd1983, %rd1109, %rd1108;
+	setp.ge.u64 	%p160, %rd1983, %rd836;
+	@%p160 bra 	$L__BB5_568;
+
+$L__BB5_180:
+	add.s64 	%rd1110, %rd3, %rd1983;
+	ld.global.u8 	%rs62, [%rd1110];
+	add.s64 	%rd1111, %rd214, %rd1983;
+	st.u8 	[%rd1111], %rs62;
+	add.s64 	%rd1983, %rd1983, %rd11;
+	setp.lt.u64 	%p161, %rd1983, %rd836;
+	@%p161 bra 	$L__BB5_180;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_214:
+	@%p115 bra 	$L__BB5_216;
+
+	shl.b64 	%rd1202, %rd9, 1;
+	add.s64 	%rd1203, %rd214, %rd1202;
+	st.u16 	[%rd1203], %rs10;
+
+$L__BB5_216:
+	@%p116 bra 	$L__BB5_218;
+
+	add.s64 	%rd1876, %rd11, %rd9;
+	shl.b64 	%rd1204, %rd1876, 1;
+	add.s64 	%rd1205, %rd214, %rd1204;
+	st.u16 	[%rd1205], %rs12;
+
+$L__BB5_218:
+	@%p117 bra 	$L__BB5_220;
+
+	shl.b64 	%rd1206, %rd175, 1;
+	add.s64 	%rd1207, %rd214, %rd1206;
+	st.u16 	[%rd1207], %rs14;
+
+$L__BB5_220:
+	@%p118 bra 	$L__BB5_222;
+
+	shl.b64 	%rd1208, %rd177, 1;
+	add.s64 	%rd1209, %rd214, %rd1208;
+	st.u16 	[%rd1209], %rs16;
+
+$L__BB5_222:
+	add.s64 	%rd2006, %rd177, %rd11;
+	add.s64 	%rd1210, %rd2006, %rd176;
+	setp.ge.u64 	%p190, %rd1210, %rd173;
+	@%p190 bra 	$L__BB5_225;
+
+	shl.b64 	%rd1211, %rd10, 2;
+	add.s64 	%rd1212, %rd1211, %rd6;
+	mul.lo.s64 	%rd1213, %rd1212, %rd7;
+	shl.b64 	%rd1214, %rd1213, 1;
+	shl.b64 	%rd1215, %rd8, 1;
+	add.s64 	%rd1216, %rd1214, %rd1215;
+	add.s64 	%rd2004, %rd3, %rd1216;
+	mul.lo.s64 	%rd1217, %rd10, %rd7;
+	shl.b64 	%rd321, %rd1217, 1;
+	add.s64 	%rd2005, %rd214, %rd1216;
+
+$L__BB5_224:
+	ld.global.u16 	%rs69, [%rd2004];
+	add.s64 	%rd1218, %rd2004, %rd321;
+	ld.global.u16 	%rs70, [%rd1218];
+	add.s64 	%rd1219, %rd1218, %rd321;
+	ld.global.u16 	%rs71, [%rd1219];
+	add.s64 	%rd1220, %rd1219, %rd321;
+	add.s64 	%rd2004, %rd1220, %rd321;
+	ld.global.u16 	%rs72, [%rd1220];
+	st.u16 	[%rd2005], %rs69;
+	add.s64 	%rd1221, %rd2005, %rd321;
+	st.u16 	[%rd1221], %rs70;
+	add.s64 	%rd1222, %rd1221, %rd321;
+	st.u16 	[%rd1222], %rs71;
+	add.s64 	%rd1223, %rd1222, %rd321;
+	add.s64 	%rd2005, %rd1223, %rd321;
+	st.u16 	[%rd1223], %rs72;
+	add.s64 	%rd1224, %rd2006, %rd11;
+	add.s64 	%rd2006, %rd176, %rd1224;
+	add.s64 	%rd1225, %rd2006, %rd176;
+	setp.lt.u64 	%p191, %rd1225, %rd173;
+	@%p191 bra 	$L__BB5_224;
+
+$L__BB5_225:
+	setp.ge.u64 	%p192, %rd2006, %rd173;
+	@%p192 bra 	$L__BB5_227;
+
+$L__BB5_226:
+	shl.b64 	%rd1226, %rd2006, 1;
+	add.s64 	%rd1227, %rd3, %rd1226;
+	ld.global.u16 	%rs73, [%rd1227];
+	add.s64 	%rd1228, %rd214, %rd1226;
+	st.u16 	[%rd1228], %rs73;
+	add.s64 	%rd2006, %rd2006, %rd11;
+	setp.lt.u64 	%p193, %rd2006, %rd173;
+	@%p193 bra 	$L__BB5_226;
+
+$L__BB5_227:
+	and.b64  	%rd1229, %rd836, -2;
+	add.s64 	%rd2008, %rd1229, %rd9;
+	setp.ge.u64 	%p194, %rd2008, %rd836;
+	@%p194 bra 	$L__BB5_568;
+
+$L__BB5_228:
+	add.s64 	%rd1230, %rd3, %rd2008;
+	ld.global.u8 	%rs74, [%rd1230];
+	add.s64 	%rd1231, %rd214, %rd2008;
+	st.u8 	[%rd1231], %rs74;
+	add.s64 	%rd2008, %rd2008, %rd11;
+	setp.lt.u64 	%p195, %rd2008, %rd836;
+	@%p195 bra 	$L__BB5_228;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_203:
+	neg.s64 	%rd1170, %rd214;
+	and.b64  	%rd298, %rd1170, 15;
+	min.u64 	%rd299, %rd298, %rd836;
+	setp.ge.u64 	%p178, %rd9, %rd299;
+	@%p178 bra 	$L__BB5_206;
+
+	mov.u64 	%rd1997, %rd9;
+
+$L__BB5_205:
+	add.s64 	%rd1171, %rd3, %rd1997;
+	ld.global.u8 	%rs67, [%rd1171];
+	add.s64 	%rd1172, %rd214, %rd1997;
+	st.u8 	[%rd1172], %rs67;
+	add.s64 	%rd1997, %rd1997, %rd11;
+	setp.lt.u64 	%p179, %rd1997, %rd299;
+	@%p179 bra 	$L__BB5_205;
+
+$L__BB5_206:
+	sub.s64 	%rd302, %rd836, %rd299;
+	shr.u64 	%rd303, %rd302, 4;
+	add.s64 	%rd304, %rd3, %rd299;
+	setp.ge.u64 	%p180, %rd177, %rd303;
+	mov.u64 	%rd2000, %rd9;
+	@%p180 bra 	$L__BB5_209;
+
+	mul.lo.s64 	%rd1173, %rd10, %rd7;
+	shl.b64 	%rd305, %rd1173, 4;
+	mul.lo.s64 	%rd1174, %rd6, %rd7;
+	shl.b64 	%rd1175, %rd1174, 4;
+	shl.b64 	%rd1176, %rd8, 4;
+	add.s64 	%rd1177, %rd1175, %rd1176;
+	add.s64 	%rd1178, %rd1177, -1;
+	not.b64 	%rd1179, %rd836;
+	not.b64 	%rd1180, %rd298;
+	max.u64 	%rd1181, %rd1180, %rd1179;
+	sub.s64 	%rd1182, %rd1178, %rd1181;
+	add.s64 	%rd1999, %rd214, %rd1182;
+	mul.lo.s64 	%rd307, %rd1173, -48;
+	mov.u64 	%rd2000, %rd9;
+
+$L__BB5_208:
+	shl.b64 	%rd1183, %rd2000, 4;
+	add.s64 	%rd1184, %rd304, %rd1183;
+	shl.b64 	%rd1185, %rd11, 2;
+	shl.b64 	%rd1186, %rd11, 4;
+	add.s64 	%rd1187, %rd1184, %rd1186;
+	ld.global.v4.u32 	{%r219, %r220, %r221, %r222}, [%rd1187];
+	add.s64 	%rd1188, %rd1187, %rd305;
+	ld.global.v4.u32 	{%r227, %r228, %r229, %r230}, [%rd1188];
+	add.s64 	%rd1189, %rd1188, %rd305;
+	ld.global.v4.u32 	{%r235, %r236, %r237, %r238}, [%rd1189];
+	add.s64 	%rd1190, %rd1189, %rd307;
+	ld.global.v4.u32 	{%r243, %r244, %r245, %r246}, [%rd1190];
+	st.v4.u32 	[%rd1999], {%r243, %r244, %r245, %r246};
+	add.s64 	%rd1191, %rd1999, %rd305;
+	st.v4.u32 	[%rd1191], {%r219, %r220, %r221, %r222};
+	add.s64 	%rd1192, %rd1191, %rd305;
+	st.v4.u32 	[%rd1192], {%r227, %r228, %r229, %r230};
+	add.s64 	%rd1193, %rd1192, %rd305;
+	add.s64 	%rd1999, %rd1193, %rd305;
+	st.v4.u32 	[%rd1193], {%r235, %r236, %r237, %r238};
+	add.s64 	%rd2000, %rd1185, %rd2000;
+	add.s64 	%rd1194, %rd2000, %rd176;
+	setp.lt.u64 	%p181, %rd1194, %rd303;
+	@%p181 bra 	$L__BB5_208;
+
+$L__BB5_209:
+	setp.ge.u64 	%p182, %rd2000, %rd303;
+	@%p182 bra 	$L__BB5_212;
+
+	add.s64 	%rd313, %rd214, %rd299;
+
+$L__BB5_211:
+	shl.b64 	%rd1195, %rd2000, 4;
+	add.s64 	%rd1196, %rd313, %rd1195;
+	add.s64 	%rd1197, %rd304, %rd1195;
+	ld.global.v4.u32 	{%r251, %r252, %r253, %r254}, [%rd1197];
+	st.v4.u32 	[%rd1196], {%r251, %r252, %r253, %r254};
+	add.s64 	%rd2000, %rd2000, %rd11;
+	setp.lt.u64 	%p183, %rd2000, %rd303;
+	@%p183 bra 	$L__BB5_211;
+
+$L__BB5_212:
+	and.b64  	%rd1198, %rd302, -16;
+	add.s64 	%rd1199, %rd299, %rd9;
+	add.s64 	%rd2002, %rd1199, %rd1198;
+	setp.ge.u64 	%p184, %rd2002, %rd836;
+	@%p184 bra 	$L__BB5_568;
+
+$L__BB5_213:
+	add.s64 	%rd1200, %rd3, %rd2002;
+	ld.global.u8 	%rs68, [%rd1200];
+	add.s64 	%rd1201, %rd214, %rd2002;
+	st.u8 	[%rd1201], %rs68;
+	add.s64 	%rd2002, %rd2002, %rd11;
+	setp.lt.u64 	%p185, %rd2002, %rd836;
+	@%p185 bra 	$L__BB5_213;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_192:
+	neg.s64 	%rd1140, %rd214;
+	and.b64  	%rd277, %rd1140, 7;
+	min.u64 	%rd278, %rd277, %rd836;
+	setp.ge.u64 	%p170, %rd9, %rd278;
+	@%p170 bra 	$L__BB5_195;
+
+	mov.u64 	%rd1991, %rd9;
+
+$L__BB5_194:
+	add.s64 	%rd1141, %rd3, %rd1991;
+	ld.global.u8 	%rs65, [%rd1141];
+	add.s64 	%rd1142, %rd214, %rd1991;
+	st.u8 	[%rd1142], %rs65;
+	add.s64 	%rd1991, %rd1991, %rd11;
+	setp.lt.u64 	%p171, %rd1991, %rd278;
+	@%p171 bra 	$L__BB5_194;
+
+$L__BB5_195:
+	sub.s64 	%rd281, %rd836, %rd278;
+	shr.u64 	%rd282, %rd281, 3;
+	add.s64 	%rd283, %rd3, %rd278;
+	setp.ge.u64 	%p172, %rd177, %rd282;
+	mov.u64 	%rd1994, %rd9;
+	@%p172 bra 	$L__BB5_198;
+
+	mul.lo.s64 	%rd1143, %rd10, %rd7;
+	shl.b64 	%rd284, %rd1143, 3;
+	mul.lo.s64 	%rd1144, %rd6, %rd7;
+	shl.b64 	%rd1145, %rd1144, 3;
+	shl.b64 	%rd1146, %rd8, 3;
+	add.s64 	%rd1147, %rd1145, %rd1146;
+	add.s64 	%rd1148, %rd1147, -1;
+	not.b64 	%rd1149, %rd836;
+	not.b64 	%rd1150, %rd277;
+	max.u64 	%rd1151, %rd1150, %rd1149;
+	sub.s64 	%rd1152, %rd1148, %rd1151;
+	add.s64 	%rd1993, %rd214, %rd1152;
+	mul.lo.s64 	%rd286, %rd1143, -24;
+	mov.u64 	%rd1994, %rd9;
+
+$L__BB5_197:
+	add.s64 	%rd1153, %rd1994, %rd11;
+	shl.b64 	%rd1154, %rd1153, 3;
+	add.s64 	%rd1155, %rd283, %rd1154;
+	ld.global.v2.u32 	{%r199, %r200}, [%rd1155];
+	add.s64 	%rd1156, %rd1155, %rd284;
+	ld.global.v2.u32 	{%r203, %r204}, [%rd1156];
+	add.s64 	%rd1157, %rd1156, %rd284;
+	ld.global.v2.u32 	{%r207, %r208}, [%rd1157];
+	add.s64 	%rd1158, %rd1157, %rd286;
+	ld.global.v2.u32 	{%r211, %r212}, [%rd1158];
+	st.v2.u32 	[%rd1993], {%r211, %r212};
+	add.s64 	%rd1159, %rd1993, %rd284;
+	st.v2.u32 	[%rd1159], {%r199, %r200};
+	add.s64 	%rd1160, %rd1159, %rd284;
+	st.v2.u32 	[%rd1160], {%r203, %r204};
+	add.s64 	%rd1161, %rd1160, %rd284;
+	add.s64 	%rd1993, %rd1161, %rd284;
+	st.v2.u32 	[%rd1161], {%r207, %r208};
+	add.s64 	%rd1994, %rd176, %rd1153;
+	add.s64 	%rd1162, %rd1994, %rd176;
+	setp.lt.u64 	%p173, %rd1162, %rd282;
+	@%p173 bra 	$L__BB5_197;
+
+$L__BB5_198:
+	setp.ge.u64 	%p174, %rd1994, %rd282;
+	@%p174 bra 	$L__BB5_201;
+
+	add.s64 	%rd292, %rd214, %rd278;
+
+$L__BB5_200:
+	shl.b64 	%rd1163, %rd1994, 3;
+	add.s64 	%rd1164, %rd283, %rd1163;
+	ld.global.v2.u32 	{%r215, %r216}, [%rd1164];
+	add.s64 	%rd1165, %rd292, %rd1163;
+	st.v2.u32 	[%rd1165], {%r215, %r216};
+	add.s64 	%rd1994, %rd1994, %rd11;
+	setp.lt.u64 	%p175, %rd1994, %rd282;
+	@%p175 bra 	$L__BB5_200;
+
+$L__BB5_201:
+	and.b64  	%rd1166, %rd281, -8;
+	add.s64 	%rd1167, %rd278, %rd9;
+	add.s64 	%rd1996, %rd1167, %rd1166;
+	setp.ge.u64 	%p176, %rd1996, %rd836;
+	@%p176 bra 	$L__BB5_568;
+
+$L__BB5_202:
+	add.s64 	%rd1168, %rd3, %rd1996;
+	ld.global.u8 	%rs66, [%rd1168];
+	add.s64 	%rd1169, %rd214, %rd1996;
+	st.u8 	[%rd1169], %rs66;
+	add.s64 	%rd1996, %rd1996, %rd11;
+	setp.lt.u64 	%p177, %rd1996, %rd836;
+	@%p177 bra 	$L__BB5_202;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_181:
+	neg.s64 	%rd1112, %rd214;
+	and.b64  	%rd254, %rd1112, 3;
+	min.u64 	%rd255, %rd254, %rd836;
+	setp.ge.u64 	%p162, %rd9, %rd255;
+	@%p162 bra 	$L__BB5_184;
+
+	mov.u64 	%rd1984, %rd9;
+
+$L__BB5_183:
+	add.s64 	%rd1113, %rd3, %rd1984;
+	ld.global.u8 	%rs63, [%rd1113];
+	add.s64 	%rd1114, %rd214, %rd1984;
+	st.u8 	[%rd1114], %rs63;
+	add.s64 	%rd1984, %rd1984, %rd11;
+	setp.lt.u64 	%p163, %rd1984, %rd255;
+	@%p163 bra 	$L__BB5_183;
+
+$L__BB5_184:
+	sub.s64 	%rd258, %rd836, %rd255;
+	shr.u64 	%rd259, %rd258, 2;
+	setp.ge.u64 	%p164, %rd177, %rd259;
+	mov.u64 	%rd1988, %rd9;
+	@%p164 bra 	$L__BB5_187;
+
+	mul.lo.s64 	%rd1115, %rd6, %rd7;
+	shl.b64 	%rd1116, %rd1115, 2;
+	shl.b64 	%rd1117, %rd8, 2;
+	add.s64 	%rd1118, %rd1116, %rd1117;
+	add.s64 	%rd1119, %rd1118, -1;
+	not.b64 	%rd1120, %rd836;
+	not.b64 	%rd1121, %rd254;
+	max.u64 	%rd1122, %rd1121, %rd1120;
+	sub.s64 	%rd1123, %rd1119, %rd1122;
+	add.s64 	%rd1986, %rd3, %rd1123;
+	mul.lo.s64 	%rd1124, %rd10, %rd7;
+	shl.b64 	%rd261, %rd1124, 2;
+	add.s64 	%rd1987, %rd214, %rd1123;
+	mov.u64 	%rd1988, %rd9;
+
+$L__BB5_186:
+	ld.global.u32 	%r194, [%rd1986];
+	add.s64 	%rd1125, %rd1986, %rd261;
+	ld.global.u32 	%r195, [%rd1125];
+	add.s64 	%rd1126, %rd1125, %rd261;
+	ld.global.u32 	%r196, [%rd1126];
+	add.s64 	%rd1127, %rd1126, %rd261;
+	add.s64 	%rd1986, %rd1127, %rd261;
+	ld.global.u32 	%r197, [%rd1127];
+	st.u32 	[%rd1987], %r194;
+	add.s64 	%rd1128, %rd1987, %rd261;
+	st.u32 	[%rd1128], %r195;
+	add.s64 	%rd1129, %rd1128, %rd261;
+	st.u32 	[%rd1129], %r196;
+	add.s64 	%rd1130, %rd1129, %rd261;
+	add.s64 	%rd1987, %rd1130, %rd261;
+	st.u32 	[%rd1130], %r197;
+	add.s64 	%rd1131, %rd1988, %rd11;
+	add.s64 	%rd1988, %rd176, %rd1131;
+	add.s64 	%rd1132, %rd1988, %rd176;
+	setp.lt.u64 	%p165, %rd1132, %rd259;
+	@%p165 bra 	$L__BB5_186;
+
+$L__BB5_187:
+	setp.ge.u64 	%p166, %rd1988, %rd259;
+	@%p166 bra 	$L__BB5_190;
+
+	add.s64 	%rd270, %rd214, %rd255;
+	add.s64 	%rd271, %rd3, %rd255;
+
+$L__BB5_189:
+	shl.b64 	%rd1133, %rd1988, 2;
+	add.s64 	%rd1134, %rd271, %rd1133;
+	ld.global.u32 	%r198, [%rd1134];
+	add.s64 	%rd1135, %rd270, %rd1133;
+	st.u32 	[%rd1135], %r198;
+	add.s64 	%rd1988, %rd1988, %rd11;
+	setp.lt.u64 	%p167, %rd1988, %rd259;
+	@%p167 bra 	$L__BB5_189;
+
+$L__BB5_190:
+	and.b64  	%rd1136, %rd258, -4;
+	add.s64 	%rd1137, %rd255, %rd9;
+	add.s64 	%rd1990, %rd1137, %rd1136;
+	setp.ge.u64 	%p168, %rd1990, %rd836;
+	@%p168 bra 	$L__BB5_568;
+
+$L__BB5_191:
+	add.s64 	%rd1138, %rd3, %rd1990;
+	ld.global.u8 	%rs64, [%rd1138];
+	add.s64 	%rd1139, %rd214, %rd1990;
+	st.u8 	[%rd1139], %rs64;
+	add.s64 	%rd1990, %rd1990, %rd11;
+	setp.lt.u64 	%p169, %rd1990, %rd836;
+	@%p169 bra 	$L__BB5_191;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_163:
+	setp.ge.u64 	%p148, %rd177, %rd836;
+	mov.u64 	%rd1974, %rd9;
+	@%p148 bra 	$L__BB5_166;
+
+	add.s64 	%rd1972, %rd3, %rd9;
+	mul.lo.s64 	%rd217, %rd10, %rd7;
+	add.s64 	%rd1973, %rd214, %rd9;
+	mov.u64 	%rd1974, %rd9;
+
+$L__BB5_165:
+	ld.global.u8 	%rs50, [%rd1972];
+	add.s64 	%rd1073, %rd1972, %rd217;
+	ld.global.u8 	%rs51, [%rd1073];
+	add.s64 	%rd1074, %rd1073, %rd217;
+	ld.global.u8 	%rs52, [%rd1074];
+	add.s64 	%rd1075, %rd1074, %rd217;
+	add.s64 	%rd1972, %rd1075, %rd217;
+	ld.global.u8 	%rs53, [%rd1075];
+	st.u8 	[%rd1973], %rs50;
+	add.s64 	%rd1076, %rd1973, %rd217;
+	st.u8 	[%rd1076], %rs51;
+	add.s64 	%rd1077, %rd1076, %rd217;
+	st.u8 	[%rd1077], %rs52;
+	add.s64 	%rd1078, %rd1077, %rd217;
+	add.s64 	%rd1973, %rd1078, %rd217;
+	st.u8 	[%rd1078], %rs53;
+	add.s64 	%rd1079, %rd1974, %rd11;
+	add.s64 	%rd1974, %rd176, %rd1079;
+	add.s64 	%rd1080, %rd1974, %rd176;
+	setp.lt.u64 	%p149, %rd1080, %rd836;
+	@%p149 bra 	$L__BB5_165;
+
+$L__BB5_166:
+	setp.ge.u64 	%p150, %rd1974, %rd836;
+	@%p150 bra 	$L__BB5_168;
+
+$L__BB5_167:
+	add.s64 	%rd1081, %rd3, %rd1974;
+	ld.global.u8 	%rs54, [%rd1081];
+	add.s64 	%rd1082, %rd214, %rd1974;
+	st.u8 	[%rd1082], %rs54;
+	add.s64 	%rd1974, %rd1974, %rd11;
+	setp.lt.u64 	%p151, %rd1974, %rd836;
+	@%p151 bra 	$L__BB5_167;
+
+$L__BB5_168:
+	add.s64 	%rd1976, %rd9, %rd836;
+	setp.ge.u64 	%p152, %rd1976, %rd9;
+	@%p152 bra 	$L__BB5_568;
+
+$L__BB5_169:
+	add.s64 	%rd1083, %rd3, %rd1976;
+	ld.global.u8 	%rs55, [%rd1083];
+	add.s64 	%rd1084, %rd214, %rd1976;
+	st.u8 	[%rd1084], %rs55;
+	add.s64 	%rd1976, %rd1976, %rd11;
+	setp.lt.u64 	%p153, %rd1976, %rd836;
+	@%p153 bra 	$L__BB5_169;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_42:
+	cvt.u32.u64 	%r110, %rd19;
+	cvt.u32.u64 	%r111, %rd868;
+	rem.u32 	%r112, %r111, %r110;
+	cvt.u64.u32 	%rd1915, %r112;
+
+$L__BB5_43:
+	ld.param.u64 	%rd1896, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1895, %rd1896;
+	add.s64 	%rd1872, %rd4, 144;
+	st.global.u64 	[%rd1872+-40], %rd1915;
+	st.global.u32 	[%rd1895], %rd1906;
+	shr.u64 	%rd873, %rd1906, 32;
+	st.global.u32 	[%rd1895+4], %rd873;
+	shl.b64 	%rd874, %rd1911, 3;
+	add.s64 	%rd875, %rd4, %rd874;
+	ld.volatile.global.u64 	%rd1916, [%rd875+32];
+	st.global.u64 	[%rd1872+-32], %rd1916;
+	ld.global.u64 	%rd876, [%rd875+64];
+	st.global.u64 	[%rd1872+-24], %rd876;
+	membar.gl;
+	atom.global.exch.b64 	%rd878, [%rd1872], %rd1916;
+
+$L__BB5_44:
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd1916;
+
+$L__BB5_45:
+	bar.sync 	0;
+	ld.shared.u64 	%rd52, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd879, %rd52, 15;
+	setp.eq.s64 	%p58, %rd879, 0;
+	@%p58 bra 	$L__BB5_101;
+
+	ld.param.u64 	%rd1894, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd53, %rd52, %rd1894;
+	and.b64  	%rd880, %rd53, 15;
+	setp.eq.s64 	%p59, %rd880, 0;
+	@%p59 bra 	$L__BB5_90;
+
+	and.b64  	%rd881, %rd53, 7;
+	setp.eq.s64 	%p60, %rd881, 0;
+	@%p60 bra 	$L__BB5_79;
+
+	and.b64  	%rd882, %rd53, 3;
+	setp.eq.s64 	%p61, %rd882, 0;
+	@%p61 bra 	$L__BB5_68;
+
+	and.b64  	%rd883, %rd53, 1;
+	setp.eq.b64 	%p62, %rd883, 1;
+	mov.pred 	%p63, 0;
+	xor.pred  	%p64, %p62, %p63;
+	not.pred 	%p65, %p64;
+	@%p65 bra 	$L__BB5_57;
+	bra.uni 	$L__BB5_50;
+
+$L__BB5_57:
+	and.b64  	%rd69, %rd52, 1;
+	min.u64 	%rd70, %rd69, %rd836;
+	setp.ge.u64 	%p72, %rd9, %rd70;
+	@%p72 bra 	$L__BB5_60;
+
+	mov.u64 	%rd1923, %rd9;
+
+$L__BB5_59:
+	add.s64 	%rd896, %rd3, %rd1923;
+	ld.global.u8 	%rs27, [%rd896];
+	add.s64 	%rd897, %rd52, %rd1923;
+	st.u8 	[%rd897], %rs27;
+	add.s64 	%rd1923, %rd1923, %rd11;
+	setp.lt.u64 	%p73, %rd1923, %rd70;
+	@%p73 bra 	$L__BB5_59;
+
+$L__BB5_60:
+	sub.s64 	%rd73, %rd836, %rd70;
+	shr.u64 	%rd74, %rd73, 1;
+	setp.ge.u64 	%p74, %rd15, %rd74;
+	mov.u64 	%rd1927, %rd9;
+	@%p74 bra 	$L__BB5_63;
+
+	mul.lo.s64 	%rd898, %rd6, %rd7;
+	shl.b64 	%rd899, %rd898, 1;
+	shl.b64 	%rd900, %rd8, 1;
+	add.s64 	%rd901, %rd899, %rd900;
+	add.s64 	%rd902, %rd901, -1;
+	not.b64 	%rd903, %rd836;
+	not.b64 	%rd904, %rd69;
+	max.u64 	%rd905, %rd904, %rd903;
+	sub.s64 	%rd906, %rd902, %rd905;
+	add.s64 	%rd1925, %rd3, %rd906;
+	mul.lo.s64 	%rd907, %rd10, %rd7;
+	shl.b64 	%rd76, %rd907, 1;
+	add.s64 	%rd1926, %rd52, %rd906;
+	mov.u64 	%rd1927, %rd9;
+
+$L__BB5_62:
+	ld.global.u16 	%rs28, [%rd1925];
+	add.s64 	%rd908, %rd1925, %rd76;
+	ld.global.u16 	%rs29, [%rd908];
+	add.s64 	%rd909, %rd908, %rd76;
+	ld.global.u16 	%rs30, [%rd909];
+	add.s64 	%rd910, %rd909, %rd76;
+	add.s64 	%rd1925, %rd910, %rd76;
+	ld.global.u16 	%rs31, [%rd910];
+	st.u16 	[%rd1926], %rs28;
+	add.s64 	%rd911, %rd1926, %rd76;
+	st.u16 	[%rd911], %rs29;
+	add.s64 	%rd912, %rd911, %rd76;
+	st.u16 	[%rd912], %rs30;
+	add.s64 	%rd913, %rd912, %rd76;
+	add.s64 	%rd1926, %rd913, %rd76;
+	st.u16 	[%rd913], %rs31;
+	add.s64 	%rd914, %rd1927, %rd11;
+	add.s64 	%rd1927, %rd14, %rd914;
+	add.s64 	%rd915, %rd1927, %rd14;
+	setp.lt.u64 	%p75, %rd915, %rd74;
+	@%p75 bra 	$L__BB5_62;
+
+$L__BB5_63:
+	setp.ge.u64 	%p76, %rd1927, %rd74;
+	@%p76 bra 	$L__BB5_66;
+
+	add.s64 	%rd85, %rd52, %rd70;
+	add.s64 	%rd86, %rd3, %rd70;
+
+$L__BB5_65:
+	shl.b64 	%rd916, %rd1927, 1;
+	add.s64 	%rd917, %rd86, %rd916;
+	ld.global.u16 	%rs32, [%rd917];
+	add.s64 	%rd918, %rd85, %rd916;
+	st.u16 	[%rd918], %rs32;
+	add.s64 	%rd1927, %rd1927, %rd11;
+	setp.lt.u64 	%p77, %rd1927, %rd74;
+	@%p77 bra 	$L__BB5_65;
+
+$L__BB5_66:
+	and.b64  	%rd919, %rd73, -2;
+	add.s64 	%rd920, %rd70, %rd9;
+	add.s64 	%rd1929, %rd920, %rd919;
+	setp.ge.u64 	%p78, %rd1929, %rd836;
+	@%p78 bra 	$L__BB5_568;
+
+$L__BB5_67:
+	add.s64 	%rd921, %rd3, %rd1929;
+	ld.global.u8 	%rs33, [%rd921];
+	add.s64 	%rd922, %rd52, %rd1929;
+	st.u8 	[%rd922], %rs33;
+	add.s64 	%rd1929, %rd1929, %rd11;
+	setp.lt.u64 	%p79, %rd1929, %rd836;
+	@%p79 bra 	$L__BB5_67;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_101:
+	@%p33 bra 	$L__BB5_103;
+
+	add.s64 	%rd1013, %rd52, %rd9;
+	st.u8 	[%rd1013], %rs2;
+
+$L__BB5_103:
+	@%p34 bra 	$L__BB5_105;
+
+	add.s64 	%rd1873, %rd11, %rd9;
+	add.s64 	%rd1014, %rd52, %rd1873;
+	st.u8 	[%rd1014], %rs4;
+
+$L__BB5_105:
+	@%p35 bra 	$L__BB5_107;
+
+	add.s64 	%rd1015, %rd52, %rd13;
+	st.u8 	[%rd1015], %rs6;
+
+$L__BB5_107:
+	@%p36 bra 	$L__BB5_109;
+
+	add.s64 	%rd1016, %rd52, %rd15;
+	st.u8 	[%rd1016], %rs8;
+
+$L__BB5_109:
+	add.s64 	%rd1952, %rd15, %rd11;
+	add.s64 	%rd1017, %rd1952, %rd14;
+	setp.ge.u64 	%p108, %rd1017, %rd836;
+	@%p108 bra 	$L__BB5_112;
+
+	add.s64 	%rd1950, %rd3, %rd1952;
+	mul.lo.s64 	%rd159, %rd10, %rd7;
+	add.s64 	%rd1951, %rd52, %rd1952;
+
+$L__BB5_111:
+	ld.global.u8 	%rs40, [%rd1950];
+	add.s64 	%rd1018, %rd1950, %rd159;
+	ld.global.u8 	%rs41, [%rd1018];
+	add.s64 	%rd1019, %rd1018, %rd159;
+	ld.global.u8 	%rs42, [%rd1019];
+	add.s64 	%rd1020, %rd1019, %rd159;
+	add.s64 	%rd1950, %rd1020, %rd159;
+	ld.global.u8 	%rs43, [%rd1020];
+	st.u8 	[%rd1951], %rs40;
+	add.s64 	%rd1021, %rd1951, %rd159;
+	st.u8 	[%rd1021], %rs41;
+	add.s64 	%rd1022, %rd1021, %rd159;
+	st.u8 	[%rd1022], %rs42;
+	add.s64 	%rd1023, %rd1022, %rd159;
+	add.s64 	%rd1951, %rd1023, %rd159;
+	st.u8 	[%rd1023], %rs43;
+	add.s64 	%rd1024, %rd1952, %rd11;
+	add.s64 	%rd1952, %rd14, %rd1024;
+	add.s64 	%rd1025, %rd1952, %rd14;
+	setp.lt.u64 	%p109, %rd1025, %rd836;
+	@%p109 bra 	$L__BB5_111;
+
+$L__BB5_112:
+	setp.ge.u64 	%p110, %rd1952, %rd836;
+	@%p110 bra 	$L__BB5_114;
+
+$L__BB5_113:
+	add.s64 	%rd1026, %rd3, %rd1952;
+	ld.global.u8 	%rs44, [%rd1026];
+	add.s64 	%rd1027, %rd52, %rd1952;
+	st.u8 	[%rd1027], %rs44;
+	add.s64 	%rd1952, %rd1952, %rd11;
+	setp.lt.u64 	%p111, %rd1952, %rd836;
+	@%p111 bra 	$L__BB5_113;
+
+$L__BB5_114:
+	add.s64 	%rd1954, %rd9, %rd836;
+	setp.ge.u64 	%p112, %rd1954, %rd9;
+	@%p112 bra 	$L__BB5_568;
+
+$L__BB5_115:
+	add.s64 	%rd1028, %rd3, %rd1954;
+	ld.global.u8 	%rs45, [%rd1028];
+	add.s64 	%rd1029, %rd52, %rd1954;
+	st.u8 	[%rd1029], %rs45;
+	add.s64 	%rd1954, %rd1954, %rd11;
+	setp.lt.u64 	%p113, %rd1954, %rd836;
+	@%p113 bra 	$L__BB5_115;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_90:
+	neg.s64 	%rd981, %rd52;
+	and.b64  	%rd136, %rd981, 15;
+	min.u64 	%rd137, %rd136, %rd836;
+	setp.ge.u64 	%p96, %rd9, %rd137;
+	@%p96 bra 	$L__BB5_93;
+
+	mov.u64 	%rd1943, %rd9;
+
+$L__BB5_92:
+	add.s64 	%rd982, %rd3, %rd1943;
+	ld.global.u8 	%rs38, [%rd982];
+	add.s64 	%rd983, %rd52, %rd1943;
+	st.u8 	[%rd983], %rs38;
+	add.s64 	%rd1943, %rd1943, %rd11;
+	setp.lt.u64 	%p97, %rd1943, %rd137;
+	@%p97 bra 	$L__BB5_92;
+
+$L__BB5_93:
+	sub.s64 	%rd140, %rd836, %rd137;
+	shr.u64 	%rd141, %rd140, 4;
+	add.s64 	%rd142, %rd3, %rd137;
+	setp.ge.u64 	%p98, %rd15, %rd141;
+	mov.u64 	%rd1946, %rd9;
+	@%p98 bra 	$L__BB5_96;
+
+	mul.lo.s64 	%rd984, %rd10, %rd7;
+	shl.b64 	%rd143, %rd984, 4;
+	mul.lo.s64 	%rd985, %rd6, %rd7;
+	shl.b64 	%rd986, %rd985, 4;
+	shl.b64 	%rd987, %rd8, 4;
+	add.s64 	%rd988, %rd986, %rd987;
+	add.s64 	%rd989, %rd988, -1;
+	not.b64 	%rd990, %rd836;
+	not.b64 	%rd991, %rd136;
+	max.u64 	%rd992, %rd991, %rd990;
+	sub.s64 	%rd993, %rd989, %rd992;
+	add.s64 	%rd1945, %rd52, %rd993;
+	mul.lo.s64 	%rd145, %rd984, -48;
+	mov.u64 	%rd1946, %rd9;
+
+$L__BB5_95:
+	shl.b64 	%rd994, %rd1946, 4;
+	add.s64 	%rd995, %rd142, %rd994;
+	shl.b64 	%rd996, %rd11, 2;
+	shl.b64 	%rd997, %rd11, 4;
+	add.s64 	%rd998, %rd995, %rd997;
+	ld.global.v4.u32 	{%r138, %r139, %r140, %r141}, [%rd998];
+	add.s64 	%rd999, %rd998, %rd143;
+	ld.global.v4.u32 	{%r146, %r147, %r148, %r149}, [%rd999];
+	add.s64 	%rd1000, %rd999, %rd143;
+	ld.global.v4.u32 	{%r154, %r155, %r156, %r157}, [%rd1000];
+	add.s64 	%rd1001, %rd1000, %rd145;
+	ld.global.v4.u32 	{%r162, %r163, %r164, %r165}, [%rd1001];
+	st.v4.u32 	[%rd1945], {%r162, %r163, %r164, %r165};
+	add.s64 	%rd1002, %rd1945, %rd143;
+	st.v4.u32 	[%rd1002], {%r138, %r139, %r140, %r141};
+	add.s64 	%rd1003, %rd1002, %rd143;
+	st.v4.u32 	[%rd1003], {%r146, %r147, %r148, %r149};
+	add.s64 	%rd1004, %rd1003, %rd143;
+	add.s64 	%rd1945, %rd1004, %rd143;
+	st.v4.u32 	[%rd1004], {%r154, %r155, %r156, %r157};
+	add.s64 	%rd1946, %rd996, %rd1946;
+	add.s64 	%rd1005, %rd1946, %rd14;
+	setp.lt.u64 	%p99, %rd1005, %rd141;
+	@%p99 bra 	$L__BB5_95;
+
+$L__BB5_96:
+	setp.ge.u64 	%p100, %rd1946, %rd141;
+	@%p100 bra 	$L__BB5_99;
+
+	add.s64 	%rd151, %rd52, %rd137;
+
+$L__BB5_98:
+	shl.b64 	%rd1006, %rd1946, 4;
+	add.s64 	%rd1007, %rd151, %rd1006;
+	add.s64 	%rd1008, %rd142, %rd1006;
+	ld.global.v4.u32 	{%r170, %r171, %r172, %r173}, [%rd1008];
+	st.v4.u32 	[%rd1007], {%r170, %r171, %r172, %r173};
+	add.s64 	%rd1946, %rd1946, %rd11;
+	setp.lt.u64 	%p101, %rd1946, %rd141;
+	@%p101 bra 	$L__BB5_98;
+
+$L__BB5_99:
+	and.b64  	%rd1009, %rd140, -16;
+	add.s64 	%rd1010, %rd137, %rd9;
+	add.s64 	%rd1948, %rd1010, %rd1009;
+	setp.ge.u64 	%p102, %rd1948, %rd836;
+	@%p102 bra 	$L__BB5_568;
+
+$L__BB5_100:
+	add.s64 	%rd1011, %rd3, %rd1948;
+	ld.global.u8 	%rs39, [%rd1011];
+	add.s64 	%rd1012, %rd52, %rd1948;
+	st.u8 	[%rd1012], %rs39;
+	add.s64 	%rd1948, %rd1948, %rd11;
+	setp.lt.u64 	%p103, %rd1948, %rd836;
+	@%p103 bra 	$L__BB5_100;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_79:
+	neg.s64 	%rd951, %rd52;
+	and.b64  	%rd115, %rd951, 7;
+	min.u64 	%rd116, %rd115, %rd836;
+	setp.ge.u64 	%p88, %rd9, %rd116;
+	@%p88 bra 	$L__BB5_82;
+
+	mov.u64 	%rd1937, %rd9;
+
+$L__BB5_81:
+	add.s64 	%rd952, %rd3, %rd1937;
+	ld.global.u8 	%rs36, [%rd952];
+	add.s64 	%rd953, %rd52, %rd1937;
+	st.u8 	[%rd953], %rs36;
+	add.s64 	%rd1937, %rd1937, %rd11;
+	setp.lt.u64 	%p89, %rd1937, %rd116;
+	@%p89 bra 	$L__BB5_81;
+
+$L__BB5_82:
+	sub.s64 	%rd119, %rd836, %rd116;
+	shr.u64 	%rd120, %rd119, 3;
+	add.s64 	%rd121, %rd3, %rd116;
+	setp.ge.u64 	%p90, %rd15, %rd120;
+	mov.u64 	%rd1940, %rd9;
+	@%p90 bra 	$L__BB5_85;
+
+	mul.lo.s64 	%rd954, %rd10, %rd7;
+	shl.b64 	%rd122, %rd954, 3;
+	mul.lo.s64 	%rd955, %rd6, %rd7;
+	shl.b64 	%rd956, %rd955, 3;
+	shl.b64 	%rd957, %rd8, 3;
+	add.s64 	%rd958, %rd956, %rd957;
+	add.s64 	%rd959, %rd958, -1;
+	not.b64 	%rd960, %rd836;
+	not.b64 	%rd961, %rd115;
+	max.u64 	%rd962, %rd961, %rd960;
+	sub.s64 	%rd963, %rd959, %rd962;
+	add.s64 	%rd1939, %rd52, %rd963;
+	mul.lo.s64 	%rd124, %rd954, -24;
+	mov.u64 	%rd1940, %rd9;
+
+$L__BB5_84:
+	add.s64 	%rd964, %rd1940, %rd11;
+	shl.b64 	%rd965, %rd964, 3;
+	add.s64 	%rd966, %rd121, %rd965;
+	ld.global.v2.u32 	{%r118, %r119}, [%rd966];
+	add.s64 	%rd967, %rd966, %rd122;
+	ld.global.v2.u32 	{%r122, %r123}, [%rd967];
+	add.s64 	%rd968, %rd967, %rd122;
+	ld.global.v2.u32 	{%r126, %r127}, [%rd968];
+	add.s64 	%rd969, %rd968, %rd124;
+	ld.global.v2.u32 	{%r130, %r131}, [%rd969];
+	st.v2.u32 	[%rd1939], {%r130, %r131};
+	add.s64 	%rd970, %rd1939, %rd122;
+	st.v2.u32 	[%rd970], {%r118, %r119};
+	add.s64 	%rd971, %rd970, %rd122;
+	st.v2.u32 	[%rd971], {%r122, %r123};
+	add.s64 	%rd972, %rd971, %rd122;
+	add.s64 	%rd1939, %rd972, %rd122;
+	st.v2.u32 	[%rd972], {%r126, %r127};
+	add.s64 	%rd1940, %rd14, %rd964;
+	add.s64 	%rd973, %rd1940, %rd14;
+	setp.lt.u64 	%p91, %rd973, %rd120;
+	@%p91 bra 	$L__BB5_84;
+
+$L__BB5_85:
+	setp.ge.u64 	%p92, %rd1940, %rd120;
+	@%p92 bra 	$L__BB5_88;
+
+	add.s64 	%rd130, %rd52, %rd116;
+
+$L__BB5_87:
+	shl.b64 	%rd974, %rd1940, 3;
+	add.s64 	%rd975, %rd121, %rd974;
+	ld.global.v2.u32 	{%r134, %r135}, [%rd975];
+	add.s64 	%rd976, %rd130, %rd974;
+	st.v2.u32 	[%rd976], {%r134, %r135};
+	add.s64 	%rd1940, %rd1940, %rd11;
+	setp.lt.u64 	%p93, %rd1940, %rd120;
+	@%p93 bra 	$L__BB5_87;
+
+$L__BB5_88:
+	and.b64  	%rd977, %rd119, -8;
+	add.s64 	%rd978, %rd116, %rd9;
+	add.s64 	%rd1942, %rd978, %rd977;
+	setp.ge.u64 	%p94, %rd1942, %rd836;
+	@%p94 bra 	$L__BB5_568;
+
+$L__BB5_89:
+	add.s64 	%rd979, %rd3, %rd1942;
+	ld.global.u8 	%rs37, [%rd979];
+	add.s64 	%rd980, %rd52, %rd1942;
+	st.u8 	[%rd980], %rs37;
+	add.s64 	%rd1942, %rd1942, %rd11;
+	setp.lt.u64 	%p95, %rd1942, %rd836;
+	@%p95 bra 	$L__BB5_89;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_68:
+	neg.s64 	%rd923, %rd52;
+	and.b64  	%rd92, %rd923, 3;
+	min.u64 	%rd93, %rd92, %rd836;
+	setp.ge.u64 	%p80, %rd9, %rd93;
+	@%p80 bra 	$L__BB5_71;
+
+	mov.u64 	%rd1930, %rd9;
+
+$L__BB5_70:
+	add.s64 	%rd924, %rd3, %rd1930;
+	ld.global.u8 	%rs34, [%rd924];
+	add.s64 	%rd925, %rd52, %rd1930;
+	st.u8 	[%rd925], %rs34;
+	add.s64 	%rd1930, %rd1930, %rd11;
+	setp.lt.u64 	%p81, %rd1930, %rd93;
+	@%p81 bra 	$L__BB5_70;
+
+$L__BB5_71:
+	sub.s64 	%rd96, %rd836, %rd93;
+	shr.u64 	%rd97, %rd96, 2;
+	setp.ge.u64 	%p82, %rd15, %rd97;
+	mov.u64 	%rd1934, %rd9;
+	@%p82 bra 	$L__BB5_74;
+
+	mul.lo.s64 	%rd926, %rd6, %rd7;
+	shl.b64 	%rd927, %rd926, 2;
+	shl.b64 	%rd928, %rd8, 2;
+	add.s64 	%rd929, %rd927, %rd928;
+	add.s64 	%rd930, %rd929, -1;
+	not.b64 	%rd931, %rd836;
+	not.b64 	%rd932, %rd92;
+	max.u64 	%rd933, %rd932, %rd931;
+	sub.s64 	%rd934, %rd930, %rd933;
+	add.s64 	%rd1932, %rd3, %rd934;
+	mul.lo.s64 	%rd935, %rd10, %rd7;
+	shl.b64 	%rd99, %rd935, 2;
+	add.s64 	%rd1933, %rd52, %rd934;
+	mov.u64 	%rd1934, %rd9;
+
+$L__BB5_73:
+	ld.global.u32 	%r113, [%rd1932];
+	add.s64 	%rd936, %rd1932, %rd99;
+	ld.global.u32 	%r114, [%rd936];
+	add.s64 	%rd937, %rd936, %rd99;
+	ld.global.u32 	%r115, [%rd937];
+	add.s64 	%rd938, %rd937, %rd99;
+	add.s64 	%rd1932, %rd938, %rd99;
+	ld.global.u32 	%r116, [%rd938];
+	st.u32 	[%rd1933], %r113;
+	add.s64 	%rd939, %rd1933, %rd99;
+	st.u32 	[%rd939], %r114;
+	add.s64 	%rd940, %rd939, %rd99;
+	st.u32 	[%rd940], %r115;
+	add.s64 	%rd941, %rd940, %rd99;
+	add.s64 	%rd1933, %rd941, %rd99;
+	st.u32 	[%rd941], %r116;
+	add.s64 	%rd942, %rd1934, %rd11;
+	add.s64 	%rd1934, %rd14, %rd942;
+	add.s64 	%rd943, %rd1934, %rd14;
+	setp.lt.u64 	%p83, %rd943, %rd97;
+	@%p83 bra 	$L__BB5_73;
+
+$L__BB5_74:
+	setp.ge.u64 	%p84, %rd1934, %rd97;
+	@%p84 bra 	$L__BB5_77;
+
+	add.s64 	%rd108, %rd52, %rd93;
+	add.s64 	%rd109, %rd3, %rd93;
+
+$L__BB5_76:
+	shl.b64 	%rd944, %rd1934, 2;
+	add.s64 	%rd945, %rd109, %rd944;
+	ld.global.u32 	%r117, [%rd945];
+	add.s64 	%rd946, %rd108, %rd944;
+	st.u32 	[%rd946], %r117;
+	add.s64 	%rd1934, %rd1934, %rd11;
+	setp.lt.u64 	%p85, %rd1934, %rd97;
+	@%p85 bra 	$L__BB5_76;
+
+$L__BB5_77:
+	and.b64  	%rd947, %rd96, -4;
+	add.s64 	%rd948, %rd93, %rd9;
+	add.s64 	%rd1936, %rd948, %rd947;
+	setp.ge.u64 	%p86, %rd1936, %rd836;
+	@%p86 bra 	$L__BB5_568;
+
+$L__BB5_78:
+	add.s64 	%rd949, %rd3, %rd1936;
+	ld.global.u8 	%rs35, [%rd949];
+	add.s64 	%rd950, %rd52, %rd1936;
+	st.u8 	[%rd950], %rs35;
+	add.s64 	%rd1936, %rd1936, %rd11;
+	setp.lt.u64 	%p87, %rd1936, %rd836;
+	@%p87 bra 	$L__BB5_78;
+	bra.uni 	$L__BB5_568;
+
+$L__BB5_50:
+	mov.u64 	%rd1920, %rd9;
+	@%p36 bra 	$L__BB5_53;
+
+	add.s64 	%rd1918, %rd3, %rd9;
+	mul.lo.s64 	%rd55, %rd10, %rd7;
+	add.s64 	%rd1919, %rd52, %rd9;
+	mov.u64 	%rd1920, %rd9;
+
+$L__BB5_52:
+	ld.global.u8 	%rs21, [%rd1918];
+	add.s64 	%rd884, %rd1918, %rd55;
+	ld.global.u8 	%rs22, [%rd884];
+	add.s64 	%rd885, %rd884, %rd55;
+	ld.global.u8 	%rs23, [%rd885];
+	add.s64 	%rd886, %rd885, %rd55;
+	add.s64 	%rd1918, %rd886, %rd55;
+	ld.global.u8 	%rs24, [%rd886];
+	st.u8 	[%rd1919], %rs21;
+	add.s64 	%rd887, %rd1919, %rd55;
+	st.u8 	[%rd887], %rs22;
+	add.s64 	%rd888, %rd887, %rd55;
+	st.u8 	[%rd888], %rs23;
+	add.s64 	%rd889, %rd888, %rd55;
+	add.s64 	%rd1919, %rd889, %rd55;
+	st.u8 	[%rd889], %rs24;
+	add.s64 	%rd890, %rd1920, %rd11;
+	add.s64 	%rd1920, %rd14, %rd890;
+	add.s64 	%rd891, %rd1920, %rd14;
+	setp.lt.u64 	%p67, %rd891, %rd836;
+	@%p67 bra 	$L__BB5_52;
+
+$L__BB5_53:
+	setp.ge.u64 	%p68, %rd1920, %rd836;
+	@%p68 bra 	$L__BB5_55;
+
+$L__BB5_54:
+	add.s64 	%rd892, %rd3, %rd1920;
+	ld.global.u8 	%rs25, [%rd892];
+	add.s64 	%rd893, %rd52, %rd1920;
+	st.u8 	[%rd893], %rs25;
+	add.s64 	%rd1920, %rd1920, %rd11;
+	setp.lt.u64 	%p69, %rd1920, %rd836;
+	@%p69 bra 	$L__BB5_54;
+
+$L__BB5_55:
+	add.s64 	%rd1922, %rd9, %rd836;
+	setp.ge.u64 	%p70, %rd1922, %rd9;
+	@%p70 bra 	$L__BB5_568;
+
+$L__BB5_56:
+	add.s64 	%rd894, %rd3, %rd1922;
+	ld.global.u8 	%rs26, [%rd894];
+	add.s64 	%rd895, %rd52, %rd1922;
+	st.u8 	[%rd895], %rs26;
+	add.s64 	%rd1922, %rd1922, %rd11;
+	setp.lt.u64 	%p71, %rd1922, %rd836;
+	@%p71 bra 	$L__BB5_56;
+
+$L__BB5_568:
+	mov.u32 	%r612, %tid.x;
 	membar.gl;
 	bar.sync 	0;
-	@%p5 bra 	$L__BB4_89;
+	setp.ne.s32 	%p442, %r612, 0;
+	@%p442 bra 	$L__BB5_571;
 
-	add.s64 	%rd350, %rd2, 128;
-	atom.global.add.u64 	%rd351, [%rd350], 1;
-	mov.u32 	%r97, %nctaid.x;
-	add.s32 	%r98, %r97, -1;
-	cvt.u64.u32 	%rd352, %r98;
-	setp.ne.s64 	%p70, %rd351, %rd352;
-	@%p70 bra 	$L__BB4_89;
+	add.s64 	%rd1851, %rd4, 128;
+	atom.global.add.u64 	%rd1852, [%rd1851], 1;
+	mov.u32 	%r613, %nctaid.x;
+	add.s32 	%r614, %r613, -1;
+	cvt.u64.u32 	%rd1853, %r614;
+	setp.ne.s64 	%p443, %rd1852, %rd1853;
+	@%p443 bra 	$L__BB5_571;
 
-	mov.u64 	%rd354, 0;
-	st.global.u64 	[%rd2+128], %rd354;
-	st.global.u64 	[%rd2+136], %rd354;
-	st.global.u64 	[%rd2+144], %rd354;
+	add.s64 	%rd1861, %rd4, 144;
+	mov.u64 	%rd1854, 0;
+	st.global.u64 	[%rd1861+-16], %rd1854;
+	st.global.u64 	[%rd1861+-8], %rd1854;
+	st.global.u64 	[%rd1861], %rd1854;
 	membar.sys;
-	ld.volatile.global.u64 	%rd355, [%rd2+120];
-	mov.u64 	%rd356, 1;
-	st.volatile.u64 	[%rd355], %rd356;
+	ld.volatile.global.u64 	%rd1855, [%rd1861+-24];
+	mov.u64 	%rd1856, 1;
+	st.volatile.u64 	[%rd1855], %rd1856;
 	membar.sys;
 
-$L__BB4_89:
+$L__BB5_571:
 	ret;
 
 }
@@ -1631,680 +5031,686 @@ $L__BB4_89:
 	.param .u64 jaxvmm_fused_reload_param_6
 )
 {
-	.reg .pred 	%p<61>;
+	.reg .pred 	%p<62>;
 	.reg .b16 	%rs<20>;
-	.reg .b32 	%r<94>;
-	.reg .b64 	%rd<364>;
+	.reg .b32 	%r<100>;
+	.reg .b64 	%rd<369>;
 	// demoted variable
 	.shared .align 8 .u64 _ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell;
 
-	ld.param.u64 	%rd146, [jaxvmm_fused_reload_param_0];
-	ld.param.u64 	%rd147, [jaxvmm_fused_reload_param_1];
-	ld.param.u64 	%rd148, [jaxvmm_fused_reload_param_2];
-	ld.param.u64 	%rd149, [jaxvmm_fused_reload_param_3];
-	ld.param.u64 	%rd150, [jaxvmm_fused_reload_param_4];
-	ld.param.u64 	%rd151, [jaxvmm_fused_reload_param_5];
-	ld.param.u64 	%rd152, [jaxvmm_fused_reload_param_6];
-	cvta.to.global.u64 	%rd1, %rd152;
+	ld.param.u64 	%rd153, [jaxvmm_fused_reload_param_0];
+	ld.param.u64 	%rd154, [jaxvmm_fused_reload_param_1];
+	ld.param.u64 	%rd155, [jaxvmm_fused_reload_param_2];
+	ld.param.u64 	%rd156, [jaxvmm_fused_reload_param_3];
+	ld.param.u64 	%rd157, [jaxvmm_fused_reload_param_4];
+	ld.param.u64 	%rd158, [jaxvmm_fused_reload_param_5];
+	ld.param.u64 	%rd159, [jaxvmm_fused_reload_param_6];
+	cvta.to.global.u64 	%rd1, %rd159;
 	mov.u32 	%r1, %tid.x;
 	setp.ne.s32 	%p1, %r1, 0;
-	cvta.to.global.u64 	%rd2, %rd146;
-	@%p1 bra 	$L__BB5_16;
+	cvta.to.global.u64 	%rd2, %rd153;
+	@%p1 bra 	$L__BB6_18;
 
 	add.s64 	%rd3, %rd2, 144;
-	add.s64 	%rd153, %rd2, 136;
-	atom.global.add.u64 	%rd154, [%rd153], 1;
-	setp.eq.s64 	%p2, %rd154, 0;
-	@%p2 bra 	$L__BB5_6;
+	add.s64 	%rd160, %rd2, 136;
+	atom.global.add.u64 	%rd161, [%rd160], 1;
+	setp.eq.s64 	%p2, %rd161, 0;
+	@%p2 bra 	$L__BB6_8;
 
-	ld.volatile.global.u64 	%rd155, [%rd3];
-	setp.ne.s64 	%p3, %rd155, 0;
-	@%p3 bra 	$L__BB5_5;
+	ld.volatile.global.u64 	%rd336, [%rd3];
+	setp.ne.s64 	%p3, %rd336, 0;
+	@%p3 bra 	$L__BB6_7;
 
-	mov.u32 	%r92, 32;
+	mov.u32 	%r97, 0;
+	mov.u32 	%r98, 32;
 
-$L__BB5_4:
+$L__BB6_4:
+	add.s32 	%r97, %r97, 1;
+	setp.lt.u32 	%p4, %r97, 64;
+	@%p4 bra 	$L__BB6_6;
+
 	// begin inline asm
-	nanosleep.u32 %r92;
+	nanosleep.u32 %r98;
 	// end inline asm
-	setp.lt.u32 	%p4, %r92, 256;
-	selp.u32 	%r8, 1, 0, %p4;
-	shl.b32 	%r92, %r92, %r8;
-	ld.volatile.global.u64 	%rd156, [%rd3];
-	setp.eq.s64 	%p5, %rd156, 0;
-	@%p5 bra 	$L__BB5_4;
+	setp.lt.u32 	%p5, %r98, 256;
+	selp.u32 	%r12, 1, 0, %p5;
+	shl.b32 	%r98, %r98, %r12;
 
-$L__BB5_5:
+$L__BB6_6:
+	ld.volatile.global.u64 	%rd336, [%rd3];
+	setp.eq.s64 	%p6, %rd336, 0;
+	@%p6 bra 	$L__BB6_4;
+
+$L__BB6_7:
 	membar.gl;
-	bra.uni 	$L__BB5_15;
+	bra.uni 	$L__BB6_17;
 
-$L__BB5_6:
-	cvta.to.global.u64 	%rd157, %rd149;
-	ld.global.u32 	%rd158, [%rd157];
-	ld.global.u32 	%rd159, [%rd157+4];
-	bfi.b64 	%rd4, %rd159, %rd158, 32, 32;
-	setp.eq.s64 	%p6, %rd4, 0;
-	ld.global.u64 	%rd5, [%rd3+-48];
-	setp.eq.s64 	%p7, %rd5, 0;
-	or.pred  	%p8, %p6, %p7;
-	@%p8 bra 	$L__BB5_10;
+$L__BB6_8:
+	cvta.to.global.u64 	%rd162, %rd156;
+	ld.global.u32 	%rd163, [%rd162];
+	ld.global.u32 	%rd164, [%rd162+4];
+	bfi.b64 	%rd7, %rd164, %rd163, 32, 32;
+	setp.eq.s64 	%p7, %rd7, 0;
+	ld.global.u64 	%rd8, [%rd3+-48];
+	setp.eq.s64 	%p8, %rd8, 0;
+	or.pred  	%p9, %p7, %p8;
+	@%p9 bra 	$L__BB6_12;
 
-	mov.u64 	%rd160, 0;
-	mov.u64 	%rd330, %rd160;
+	mov.u64 	%rd165, 0;
+	mov.u64 	%rd333, %rd165;
 
-$L__BB5_8:
-	shl.b64 	%rd161, %rd330, 3;
-	add.s64 	%rd162, %rd2, %rd161;
-	atom.global.cas.b64 	%rd164, [%rd162], %rd4, %rd160;
-	setp.eq.s64 	%p9, %rd164, %rd4;
-	@%p9 bra 	$L__BB5_75;
+$L__BB6_10:
+	shl.b64 	%rd166, %rd333, 3;
+	add.s64 	%rd167, %rd2, %rd166;
+	atom.global.cas.b64 	%rd169, [%rd167], %rd7, %rd165;
+	setp.eq.s64 	%p10, %rd169, %rd7;
+	@%p10 bra 	$L__BB6_77;
 
-	add.s64 	%rd330, %rd330, 1;
-	setp.lt.u64 	%p10, %rd330, %rd5;
-	@%p10 bra 	$L__BB5_8;
+	add.s64 	%rd333, %rd333, 1;
+	setp.lt.u64 	%p11, %rd333, %rd8;
+	@%p11 bra 	$L__BB6_10;
 
-$L__BB5_10:
-	cvta.to.global.u64 	%rd169, %rd150;
-	st.volatile.global.u64 	[%rd169], %rd4;
+$L__BB6_12:
+	cvta.to.global.u64 	%rd173, %rd157;
+	st.volatile.global.u64 	[%rd173], %rd7;
 	membar.sys;
-	cvta.to.global.u64 	%rd170, %rd151;
-	mov.u64 	%rd171, 1;
-	st.volatile.global.u64 	[%rd170], %rd171;
+	cvta.to.global.u64 	%rd174, %rd158;
+	mov.u64 	%rd175, 1;
+	st.volatile.global.u64 	[%rd174], %rd175;
 	membar.sys;
-	ld.volatile.global.u64 	%rd331, [%rd1];
-	setp.ne.s64 	%p11, %rd331, 0;
-	@%p11 bra 	$L__BB5_13;
+	ld.volatile.global.u64 	%rd334, [%rd1];
+	setp.ne.s64 	%p12, %rd334, 0;
+	@%p12 bra 	$L__BB6_15;
 
-	mov.u32 	%r93, 32;
+	mov.u32 	%r99, 32;
 
-$L__BB5_12:
+$L__BB6_14:
 	// begin inline asm
-	nanosleep.u32 %r93;
+	nanosleep.u32 %r99;
 	// end inline asm
-	setp.lt.u32 	%p12, %r93, 2048;
-	selp.u32 	%r11, 1, 0, %p12;
-	shl.b32 	%r93, %r93, %r11;
-	ld.volatile.global.u64 	%rd331, [%rd1];
-	setp.eq.s64 	%p13, %rd331, 0;
-	@%p13 bra 	$L__BB5_12;
+	setp.lt.u32 	%p13, %r99, 2048;
+	selp.u32 	%r15, 1, 0, %p13;
+	shl.b32 	%r99, %r99, %r15;
+	ld.volatile.global.u64 	%rd334, [%rd1];
+	setp.eq.s64 	%p14, %rd334, 0;
+	@%p14 bra 	$L__BB6_14;
 
-$L__BB5_13:
-	mov.u64 	%rd172, 0;
-	st.volatile.global.u64 	[%rd1], %rd172;
+$L__BB6_15:
+	mov.u64 	%rd176, 0;
+	st.volatile.global.u64 	[%rd1], %rd176;
 	membar.sys;
-	shl.b64 	%rd173, %rd331, 3;
-	add.s64 	%rd174, %rd2, %rd173;
-	ld.volatile.global.u64 	%rd175, [%rd174+24];
-	st.global.u64 	[%rd3+-32], %rd175;
-	ld.global.u64 	%rd176, [%rd174+56];
-	st.global.u64 	[%rd3+-24], %rd176;
-	bra.uni 	$L__BB5_14;
+	shl.b64 	%rd177, %rd334, 3;
+	add.s64 	%rd178, %rd2, %rd177;
+	ld.volatile.global.u64 	%rd336, [%rd178+24];
+	st.global.u64 	[%rd3+-32], %rd336;
+	ld.global.u64 	%rd179, [%rd178+56];
+	st.global.u64 	[%rd3+-24], %rd179;
+	bra.uni 	$L__BB6_16;
 
-$L__BB5_75:
+$L__BB6_77:
 	membar.gl;
-	ld.volatile.global.u64 	%rd167, [%rd162+32];
-	st.global.u64 	[%rd3+-32], %rd167;
-	ld.global.u64 	%rd168, [%rd162+64];
-	st.global.u64 	[%rd3+-24], %rd168;
+	ld.volatile.global.u64 	%rd336, [%rd167+32];
+	st.global.u64 	[%rd3+-32], %rd336;
+	ld.global.u64 	%rd172, [%rd167+64];
+	st.global.u64 	[%rd3+-24], %rd172;
 
-$L__BB5_14:
+$L__BB6_16:
 	membar.gl;
-	atom.global.exch.b64 	%rd178, [%rd3], 1;
+	atom.global.exch.b64 	%rd181, [%rd3], %rd336;
 
-$L__BB5_15:
-	ld.volatile.global.u64 	%rd179, [%rd3+-32];
-	st.shared.u64 	[_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell], %rd179;
+$L__BB6_17:
+	st.shared.u64 	[_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell], %rd336;
 
-$L__BB5_16:
+$L__BB6_18:
 	bar.sync 	0;
-	cvta.to.global.u64 	%rd11, %rd147;
-	ld.shared.u64 	%rd12, [_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell];
-	xor.b64  	%rd13, %rd12, %rd147;
-	and.b64  	%rd180, %rd13, 15;
-	setp.eq.s64 	%p14, %rd180, 0;
-	@%p14 bra 	$L__BB5_60;
+	cvta.to.global.u64 	%rd18, %rd154;
+	ld.shared.u64 	%rd19, [_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell];
+	xor.b64  	%rd20, %rd19, %rd154;
+	and.b64  	%rd182, %rd20, 15;
+	setp.eq.s64 	%p15, %rd182, 0;
+	@%p15 bra 	$L__BB6_62;
 
-	and.b64  	%rd181, %rd13, 7;
-	setp.eq.s64 	%p15, %rd181, 0;
-	@%p15 bra 	$L__BB5_49;
+	and.b64  	%rd183, %rd20, 7;
+	setp.eq.s64 	%p16, %rd183, 0;
+	@%p16 bra 	$L__BB6_51;
 
-	and.b64  	%rd182, %rd13, 3;
-	setp.eq.s64 	%p16, %rd182, 0;
-	@%p16 bra 	$L__BB5_38;
+	and.b64  	%rd184, %rd20, 3;
+	setp.eq.s64 	%p17, %rd184, 0;
+	@%p17 bra 	$L__BB6_40;
 
-	and.b64  	%rd183, %rd13, 1;
-	setp.eq.b64 	%p17, %rd183, 1;
-	mov.pred 	%p18, 0;
-	xor.pred  	%p19, %p17, %p18;
-	not.pred 	%p20, %p19;
-	mov.u32 	%r12, %ctaid.x;
-	cvt.u64.u32 	%rd14, %r12;
-	mov.u32 	%r13, %ntid.x;
-	cvt.u64.u32 	%rd15, %r13;
-	mul.wide.u32 	%rd184, %r12, %r13;
-	cvt.u64.u32 	%rd16, %r1;
-	add.s64 	%rd17, %rd184, %rd16;
-	mov.u32 	%r14, %nctaid.x;
-	cvt.u64.u32 	%rd18, %r14;
-	mul.wide.u32 	%rd19, %r14, %r13;
-	@%p20 bra 	$L__BB5_27;
-	bra.uni 	$L__BB5_20;
+	and.b64  	%rd185, %rd20, 1;
+	setp.eq.b64 	%p18, %rd185, 1;
+	mov.pred 	%p19, 0;
+	xor.pred  	%p20, %p18, %p19;
+	not.pred 	%p21, %p20;
+	mov.u32 	%r16, %ctaid.x;
+	cvt.u64.u32 	%rd21, %r16;
+	mov.u32 	%r17, %ntid.x;
+	cvt.u64.u32 	%rd22, %r17;
+	mul.wide.u32 	%rd186, %r16, %r17;
+	cvt.u64.u32 	%rd23, %r1;
+	add.s64 	%rd24, %rd186, %rd23;
+	mov.u32 	%r18, %nctaid.x;
+	cvt.u64.u32 	%rd25, %r18;
+	mul.wide.u32 	%rd26, %r18, %r17;
+	@%p21 bra 	$L__BB6_29;
+	bra.uni 	$L__BB6_22;
 
-$L__BB5_27:
-	and.b64  	%rd36, %rd147, 1;
-	min.u64 	%rd37, %rd36, %rd148;
-	setp.ge.u64 	%p27, %rd17, %rd37;
-	@%p27 bra 	$L__BB5_30;
+$L__BB6_29:
+	and.b64  	%rd43, %rd154, 1;
+	min.u64 	%rd44, %rd43, %rd155;
+	setp.ge.u64 	%p28, %rd24, %rd44;
+	@%p28 bra 	$L__BB6_32;
 
-	mov.u64 	%rd338, %rd17;
+	mov.u64 	%rd343, %rd24;
 
-$L__BB5_29:
-	add.s64 	%rd198, %rd12, %rd338;
-	ld.u8 	%rs7, [%rd198];
-	add.s64 	%rd199, %rd11, %rd338;
-	st.global.u8 	[%rd199], %rs7;
-	add.s64 	%rd338, %rd338, %rd19;
-	setp.lt.u64 	%p28, %rd338, %rd37;
-	@%p28 bra 	$L__BB5_29;
+$L__BB6_31:
+	add.s64 	%rd200, %rd19, %rd343;
+	ld.u8 	%rs7, [%rd200];
+	add.s64 	%rd201, %rd18, %rd343;
+	st.global.u8 	[%rd201], %rs7;
+	add.s64 	%rd343, %rd343, %rd26;
+	setp.lt.u64 	%p29, %rd343, %rd44;
+	@%p29 bra 	$L__BB6_31;
 
-$L__BB5_30:
-	sub.s64 	%rd40, %rd148, %rd37;
-	shr.u64 	%rd41, %rd40, 1;
-	mul.lo.s64 	%rd42, %rd19, 3;
-	add.s64 	%rd200, %rd17, %rd42;
-	setp.ge.u64 	%p29, %rd200, %rd41;
-	mov.u64 	%rd342, %rd17;
-	@%p29 bra 	$L__BB5_33;
+$L__BB6_32:
+	sub.s64 	%rd47, %rd155, %rd44;
+	shr.u64 	%rd48, %rd47, 1;
+	mul.lo.s64 	%rd49, %rd26, 3;
+	add.s64 	%rd202, %rd24, %rd49;
+	setp.ge.u64 	%p30, %rd202, %rd48;
+	mov.u64 	%rd347, %rd24;
+	@%p30 bra 	$L__BB6_35;
 
-	mul.lo.s64 	%rd201, %rd14, %rd15;
-	shl.b64 	%rd202, %rd201, 1;
-	shl.b64 	%rd203, %rd16, 1;
-	add.s64 	%rd204, %rd202, %rd203;
-	add.s64 	%rd205, %rd204, -1;
-	not.b64 	%rd206, %rd148;
-	not.b64 	%rd207, %rd36;
-	max.u64 	%rd208, %rd207, %rd206;
-	sub.s64 	%rd209, %rd205, %rd208;
-	add.s64 	%rd340, %rd12, %rd209;
-	mul.lo.s64 	%rd210, %rd18, %rd15;
-	shl.b64 	%rd44, %rd210, 1;
-	add.s64 	%rd341, %rd11, %rd209;
-	mov.u64 	%rd342, %rd17;
+	mul.lo.s64 	%rd203, %rd21, %rd22;
+	shl.b64 	%rd204, %rd203, 1;
+	shl.b64 	%rd205, %rd23, 1;
+	add.s64 	%rd206, %rd204, %rd205;
+	add.s64 	%rd207, %rd206, -1;
+	not.b64 	%rd208, %rd155;
+	not.b64 	%rd209, %rd43;
+	max.u64 	%rd210, %rd209, %rd208;
+	sub.s64 	%rd211, %rd207, %rd210;
+	add.s64 	%rd345, %rd19, %rd211;
+	mul.lo.s64 	%rd212, %rd25, %rd22;
+	shl.b64 	%rd51, %rd212, 1;
+	add.s64 	%rd346, %rd18, %rd211;
+	mov.u64 	%rd347, %rd24;
 
-$L__BB5_32:
-	ld.u16 	%rs8, [%rd340];
-	add.s64 	%rd211, %rd340, %rd44;
-	ld.u16 	%rs9, [%rd211];
-	add.s64 	%rd212, %rd211, %rd44;
-	ld.u16 	%rs10, [%rd212];
-	add.s64 	%rd213, %rd212, %rd44;
-	add.s64 	%rd340, %rd213, %rd44;
-	ld.u16 	%rs11, [%rd213];
-	st.global.u16 	[%rd341], %rs8;
-	add.s64 	%rd214, %rd341, %rd44;
-	st.global.u16 	[%rd214], %rs9;
-	add.s64 	%rd215, %rd214, %rd44;
-	st.global.u16 	[%rd215], %rs10;
-	add.s64 	%rd216, %rd215, %rd44;
-	add.s64 	%rd341, %rd216, %rd44;
-	st.global.u16 	[%rd216], %rs11;
-	add.s64 	%rd217, %rd342, %rd19;
-	add.s64 	%rd342, %rd42, %rd217;
-	add.s64 	%rd218, %rd342, %rd42;
-	setp.lt.u64 	%p30, %rd218, %rd41;
-	@%p30 bra 	$L__BB5_32;
+$L__BB6_34:
+	ld.u16 	%rs8, [%rd345];
+	add.s64 	%rd213, %rd345, %rd51;
+	ld.u16 	%rs9, [%rd213];
+	add.s64 	%rd214, %rd213, %rd51;
+	ld.u16 	%rs10, [%rd214];
+	add.s64 	%rd215, %rd214, %rd51;
+	add.s64 	%rd345, %rd215, %rd51;
+	ld.u16 	%rs11, [%rd215];
+	st.global.u16 	[%rd346], %rs8;
+	add.s64 	%rd216, %rd346, %rd51;
+	st.global.u16 	[%rd216], %rs9;
+	add.s64 	%rd217, %rd216, %rd51;
+	st.global.u16 	[%rd217], %rs10;
+	add.s64 	%rd218, %rd217, %rd51;
+	add.s64 	%rd346, %rd218, %rd51;
+	st.global.u16 	[%rd218], %rs11;
+	add.s64 	%rd219, %rd347, %rd26;
+	add.s64 	%rd347, %rd49, %rd219;
+	add.s64 	%rd220, %rd347, %rd49;
+	setp.lt.u64 	%p31, %rd220, %rd48;
+	@%p31 bra 	$L__BB6_34;
 
-$L__BB5_33:
-	setp.ge.u64 	%p31, %rd342, %rd41;
-	@%p31 bra 	$L__BB5_36;
+$L__BB6_35:
+	setp.ge.u64 	%p32, %rd347, %rd48;
+	@%p32 bra 	$L__BB6_38;
 
-	add.s64 	%rd53, %rd11, %rd37;
-	add.s64 	%rd54, %rd12, %rd37;
+	add.s64 	%rd60, %rd18, %rd44;
+	add.s64 	%rd61, %rd19, %rd44;
 
-$L__BB5_35:
-	shl.b64 	%rd219, %rd342, 1;
-	add.s64 	%rd220, %rd54, %rd219;
-	ld.u16 	%rs12, [%rd220];
-	add.s64 	%rd221, %rd53, %rd219;
-	st.global.u16 	[%rd221], %rs12;
-	add.s64 	%rd342, %rd342, %rd19;
-	setp.lt.u64 	%p32, %rd342, %rd41;
-	@%p32 bra 	$L__BB5_35;
+$L__BB6_37:
+	shl.b64 	%rd221, %rd347, 1;
+	add.s64 	%rd222, %rd61, %rd221;
+	ld.u16 	%rs12, [%rd222];
+	add.s64 	%rd223, %rd60, %rd221;
+	st.global.u16 	[%rd223], %rs12;
+	add.s64 	%rd347, %rd347, %rd26;
+	setp.lt.u64 	%p33, %rd347, %rd48;
+	@%p33 bra 	$L__BB6_37;
 
-$L__BB5_36:
-	and.b64  	%rd222, %rd40, -2;
-	add.s64 	%rd223, %rd37, %rd17;
-	add.s64 	%rd344, %rd223, %rd222;
-	setp.ge.u64 	%p33, %rd344, %rd148;
-	@%p33 bra 	$L__BB5_71;
+$L__BB6_38:
+	and.b64  	%rd224, %rd47, -2;
+	add.s64 	%rd225, %rd44, %rd24;
+	add.s64 	%rd349, %rd225, %rd224;
+	setp.ge.u64 	%p34, %rd349, %rd155;
+	@%p34 bra 	$L__BB6_73;
 
-$L__BB5_37:
-	add.s64 	%rd224, %rd12, %rd344;
-	ld.u8 	%rs13, [%rd224];
-	add.s64 	%rd225, %rd11, %rd344;
-	st.global.u8 	[%rd225], %rs13;
-	add.s64 	%rd344, %rd344, %rd19;
-	setp.lt.u64 	%p34, %rd344, %rd148;
-	@%p34 bra 	$L__BB5_37;
-	bra.uni 	$L__BB5_71;
+$L__BB6_39:
+	add.s64 	%rd226, %rd19, %rd349;
+	ld.u8 	%rs13, [%rd226];
+	add.s64 	%rd227, %rd18, %rd349;
+	st.global.u8 	[%rd227], %rs13;
+	add.s64 	%rd349, %rd349, %rd26;
+	setp.lt.u64 	%p35, %rd349, %rd155;
+	@%p35 bra 	$L__BB6_39;
+	bra.uni 	$L__BB6_73;
 
-$L__BB5_60:
-	mov.u32 	%r46, %ctaid.x;
-	cvt.u64.u32 	%rd118, %r46;
-	mov.u32 	%r47, %ntid.x;
-	cvt.u64.u32 	%rd119, %r47;
-	mul.wide.u32 	%rd288, %r46, %r47;
-	cvt.u64.u32 	%rd120, %r1;
-	add.s64 	%rd121, %rd288, %rd120;
-	mov.u32 	%r48, %nctaid.x;
-	cvt.u64.u32 	%rd122, %r48;
-	mul.wide.u32 	%rd123, %r48, %r47;
-	neg.s64 	%rd289, %rd147;
-	and.b64  	%rd124, %rd289, 15;
-	min.u64 	%rd125, %rd124, %rd148;
-	setp.ge.u64 	%p51, %rd121, %rd125;
-	@%p51 bra 	$L__BB5_63;
+$L__BB6_62:
+	mov.u32 	%r50, %ctaid.x;
+	cvt.u64.u32 	%rd125, %r50;
+	mov.u32 	%r51, %ntid.x;
+	cvt.u64.u32 	%rd126, %r51;
+	mul.wide.u32 	%rd290, %r50, %r51;
+	cvt.u64.u32 	%rd127, %r1;
+	add.s64 	%rd128, %rd290, %rd127;
+	mov.u32 	%r52, %nctaid.x;
+	cvt.u64.u32 	%rd129, %r52;
+	mul.wide.u32 	%rd130, %r52, %r51;
+	neg.s64 	%rd291, %rd154;
+	and.b64  	%rd131, %rd291, 15;
+	min.u64 	%rd132, %rd131, %rd155;
+	setp.ge.u64 	%p52, %rd128, %rd132;
+	@%p52 bra 	$L__BB6_65;
 
-	mov.u64 	%rd358, %rd121;
+	mov.u64 	%rd363, %rd128;
 
-$L__BB5_62:
-	add.s64 	%rd290, %rd12, %rd358;
-	ld.u8 	%rs18, [%rd290];
-	add.s64 	%rd291, %rd11, %rd358;
-	st.global.u8 	[%rd291], %rs18;
-	add.s64 	%rd358, %rd358, %rd123;
-	setp.lt.u64 	%p52, %rd358, %rd125;
-	@%p52 bra 	$L__BB5_62;
+$L__BB6_64:
+	add.s64 	%rd292, %rd19, %rd363;
+	ld.u8 	%rs18, [%rd292];
+	add.s64 	%rd293, %rd18, %rd363;
+	st.global.u8 	[%rd293], %rs18;
+	add.s64 	%rd363, %rd363, %rd130;
+	setp.lt.u64 	%p53, %rd363, %rd132;
+	@%p53 bra 	$L__BB6_64;
 
-$L__BB5_63:
-	sub.s64 	%rd128, %rd148, %rd125;
-	shr.u64 	%rd129, %rd128, 4;
-	add.s64 	%rd130, %rd12, %rd125;
-	mul.lo.s64 	%rd131, %rd123, 3;
-	add.s64 	%rd292, %rd121, %rd131;
-	setp.ge.u64 	%p53, %rd292, %rd129;
-	mov.u64 	%rd361, %rd121;
-	@%p53 bra 	$L__BB5_66;
+$L__BB6_65:
+	sub.s64 	%rd135, %rd155, %rd132;
+	shr.u64 	%rd136, %rd135, 4;
+	add.s64 	%rd137, %rd19, %rd132;
+	mul.lo.s64 	%rd138, %rd130, 3;
+	add.s64 	%rd294, %rd128, %rd138;
+	setp.ge.u64 	%p54, %rd294, %rd136;
+	mov.u64 	%rd366, %rd128;
+	@%p54 bra 	$L__BB6_68;
 
-	mul.lo.s64 	%rd293, %rd122, %rd119;
-	shl.b64 	%rd132, %rd293, 4;
-	mul.lo.s64 	%rd294, %rd118, %rd119;
-	shl.b64 	%rd295, %rd294, 4;
-	shl.b64 	%rd296, %rd120, 4;
-	add.s64 	%rd297, %rd295, %rd296;
-	add.s64 	%rd298, %rd297, -1;
-	not.b64 	%rd299, %rd148;
-	not.b64 	%rd300, %rd124;
-	max.u64 	%rd301, %rd300, %rd299;
-	sub.s64 	%rd302, %rd298, %rd301;
-	add.s64 	%rd360, %rd11, %rd302;
-	mul.lo.s64 	%rd134, %rd293, -48;
-	mov.u64 	%rd361, %rd121;
+	mul.lo.s64 	%rd295, %rd129, %rd126;
+	shl.b64 	%rd139, %rd295, 4;
+	mul.lo.s64 	%rd296, %rd125, %rd126;
+	shl.b64 	%rd297, %rd296, 4;
+	shl.b64 	%rd298, %rd127, 4;
+	add.s64 	%rd299, %rd297, %rd298;
+	add.s64 	%rd300, %rd299, -1;
+	not.b64 	%rd301, %rd155;
+	not.b64 	%rd302, %rd131;
+	max.u64 	%rd303, %rd302, %rd301;
+	sub.s64 	%rd304, %rd300, %rd303;
+	add.s64 	%rd365, %rd18, %rd304;
+	mul.lo.s64 	%rd141, %rd295, -48;
+	mov.u64 	%rd366, %rd128;
 
-$L__BB5_65:
-	shl.b64 	%rd303, %rd361, 4;
-	add.s64 	%rd304, %rd130, %rd303;
-	shl.b64 	%rd305, %rd123, 2;
-	shl.b64 	%rd306, %rd123, 4;
-	add.s64 	%rd307, %rd304, %rd306;
-	ld.v4.u32 	{%r49, %r50, %r51, %r52}, [%rd307];
-	add.s64 	%rd308, %rd307, %rd132;
-	ld.v4.u32 	{%r57, %r58, %r59, %r60}, [%rd308];
-	add.s64 	%rd309, %rd308, %rd132;
-	ld.v4.u32 	{%r65, %r66, %r67, %r68}, [%rd309];
-	add.s64 	%rd310, %rd309, %rd134;
-	ld.v4.u32 	{%r73, %r74, %r75, %r76}, [%rd310];
-	st.global.v4.u32 	[%rd360], {%r73, %r74, %r75, %r76};
-	add.s64 	%rd311, %rd360, %rd132;
-	st.global.v4.u32 	[%rd311], {%r49, %r50, %r51, %r52};
-	add.s64 	%rd312, %rd311, %rd132;
-	st.global.v4.u32 	[%rd312], {%r57, %r58, %r59, %r60};
-	add.s64 	%rd313, %rd312, %rd132;
-	add.s64 	%rd360, %rd313, %rd132;
-	st.global.v4.u32 	[%rd313], {%r65, %r66, %r67, %r68};
-	add.s64 	%rd361, %rd305, %rd361;
-	add.s64 	%rd314, %rd361, %rd131;
-	setp.lt.u64 	%p54, %rd314, %rd129;
-	@%p54 bra 	$L__BB5_65;
+$L__BB6_67:
+	shl.b64 	%rd305, %rd366, 4;
+	add.s64 	%rd306, %rd137, %rd305;
+	shl.b64 	%rd307, %rd130, 2;
+	shl.b64 	%rd308, %rd130, 4;
+	add.s64 	%rd309, %rd306, %rd308;
+	ld.v4.u32 	{%r53, %r54, %r55, %r56}, [%rd309];
+	add.s64 	%rd310, %rd309, %rd139;
+	ld.v4.u32 	{%r61, %r62, %r63, %r64}, [%rd310];
+	add.s64 	%rd311, %rd310, %rd139;
+	ld.v4.u32 	{%r69, %r70, %r71, %r72}, [%rd311];
+	add.s64 	%rd312, %rd311, %rd141;
+	ld.v4.u32 	{%r77, %r78, %r79, %r80}, [%rd312];
+	st.global.v4.u32 	[%rd365], {%r77, %r78, %r79, %r80};
+	add.s64 	%rd313, %rd365, %rd139;
+	st.global.v4.u32 	[%rd313], {%r53, %r54, %r55, %r56};
+	add.s64 	%rd314, %rd313, %rd139;
+	st.global.v4.u32 	[%rd314], {%r61, %r62, %r63, %r64};
+	add.s64 	%rd315, %rd314, %rd139;
+	add.s64 	%rd365, %rd315, %rd139;
+	st.global.v4.u32 	[%rd315], {%r69, %r70, %r71, %r72};
+	add.s64 	%rd366, %rd307, %rd366;
+	add.s64 	%rd316, %rd366, %rd138;
+	setp.lt.u64 	%p55, %rd316, %rd136;
+	@%p55 bra 	$L__BB6_67;
 
-$L__BB5_66:
-	setp.ge.u64 	%p55, %rd361, %rd129;
-	@%p55 bra 	$L__BB5_69;
+$L__BB6_68:
+	setp.ge.u64 	%p56, %rd366, %rd136;
+	@%p56 bra 	$L__BB6_71;
 
-	add.s64 	%rd140, %rd11, %rd125;
+	add.s64 	%rd147, %rd18, %rd132;
 
-$L__BB5_68:
-	shl.b64 	%rd315, %rd361, 4;
-	add.s64 	%rd316, %rd140, %rd315;
-	add.s64 	%rd317, %rd130, %rd315;
-	ld.v4.u32 	{%r81, %r82, %r83, %r84}, [%rd317];
-	st.global.v4.u32 	[%rd316], {%r81, %r82, %r83, %r84};
-	add.s64 	%rd361, %rd361, %rd123;
-	setp.lt.u64 	%p56, %rd361, %rd129;
-	@%p56 bra 	$L__BB5_68;
+$L__BB6_70:
+	shl.b64 	%rd317, %rd366, 4;
+	add.s64 	%rd318, %rd147, %rd317;
+	add.s64 	%rd319, %rd137, %rd317;
+	ld.v4.u32 	{%r85, %r86, %r87, %r88}, [%rd319];
+	st.global.v4.u32 	[%rd318], {%r85, %r86, %r87, %r88};
+	add.s64 	%rd366, %rd366, %rd130;
+	setp.lt.u64 	%p57, %rd366, %rd136;
+	@%p57 bra 	$L__BB6_70;
 
-$L__BB5_69:
-	and.b64  	%rd318, %rd128, -16;
-	add.s64 	%rd319, %rd125, %rd121;
-	add.s64 	%rd363, %rd319, %rd318;
-	setp.ge.u64 	%p57, %rd363, %rd148;
-	@%p57 bra 	$L__BB5_71;
+$L__BB6_71:
+	and.b64  	%rd320, %rd135, -16;
+	add.s64 	%rd321, %rd132, %rd128;
+	add.s64 	%rd368, %rd321, %rd320;
+	setp.ge.u64 	%p58, %rd368, %rd155;
+	@%p58 bra 	$L__BB6_73;
 
-$L__BB5_70:
-	add.s64 	%rd320, %rd12, %rd363;
-	ld.u8 	%rs19, [%rd320];
-	add.s64 	%rd321, %rd11, %rd363;
-	st.global.u8 	[%rd321], %rs19;
-	add.s64 	%rd363, %rd363, %rd123;
-	setp.lt.u64 	%p58, %rd363, %rd148;
-	@%p58 bra 	$L__BB5_70;
-	bra.uni 	$L__BB5_71;
+$L__BB6_72:
+	add.s64 	%rd322, %rd19, %rd368;
+	ld.u8 	%rs19, [%rd322];
+	add.s64 	%rd323, %rd18, %rd368;
+	st.global.u8 	[%rd323], %rs19;
+	add.s64 	%rd368, %rd368, %rd130;
+	setp.lt.u64 	%p59, %rd368, %rd155;
+	@%p59 bra 	$L__BB6_72;
+	bra.uni 	$L__BB6_73;
 
-$L__BB5_49:
-	mov.u32 	%r23, %ctaid.x;
-	cvt.u64.u32 	%rd90, %r23;
-	mov.u32 	%r24, %ntid.x;
-	cvt.u64.u32 	%rd91, %r24;
-	mul.wide.u32 	%rd256, %r23, %r24;
-	cvt.u64.u32 	%rd92, %r1;
-	add.s64 	%rd93, %rd256, %rd92;
-	mov.u32 	%r25, %nctaid.x;
-	cvt.u64.u32 	%rd94, %r25;
-	mul.wide.u32 	%rd95, %r25, %r24;
-	neg.s64 	%rd257, %rd147;
-	and.b64  	%rd96, %rd257, 7;
-	min.u64 	%rd97, %rd96, %rd148;
-	setp.ge.u64 	%p43, %rd93, %rd97;
-	@%p43 bra 	$L__BB5_52;
+$L__BB6_51:
+	mov.u32 	%r27, %ctaid.x;
+	cvt.u64.u32 	%rd97, %r27;
+	mov.u32 	%r28, %ntid.x;
+	cvt.u64.u32 	%rd98, %r28;
+	mul.wide.u32 	%rd258, %r27, %r28;
+	cvt.u64.u32 	%rd99, %r1;
+	add.s64 	%rd100, %rd258, %rd99;
+	mov.u32 	%r29, %nctaid.x;
+	cvt.u64.u32 	%rd101, %r29;
+	mul.wide.u32 	%rd102, %r29, %r28;
+	neg.s64 	%rd259, %rd154;
+	and.b64  	%rd103, %rd259, 7;
+	min.u64 	%rd104, %rd103, %rd155;
+	setp.ge.u64 	%p44, %rd100, %rd104;
+	@%p44 bra 	$L__BB6_54;
 
-	mov.u64 	%rd352, %rd93;
+	mov.u64 	%rd357, %rd100;
 
-$L__BB5_51:
-	add.s64 	%rd258, %rd12, %rd352;
-	ld.u8 	%rs16, [%rd258];
-	add.s64 	%rd259, %rd11, %rd352;
-	st.global.u8 	[%rd259], %rs16;
-	add.s64 	%rd352, %rd352, %rd95;
-	setp.lt.u64 	%p44, %rd352, %rd97;
-	@%p44 bra 	$L__BB5_51;
+$L__BB6_53:
+	add.s64 	%rd260, %rd19, %rd357;
+	ld.u8 	%rs16, [%rd260];
+	add.s64 	%rd261, %rd18, %rd357;
+	st.global.u8 	[%rd261], %rs16;
+	add.s64 	%rd357, %rd357, %rd102;
+	setp.lt.u64 	%p45, %rd357, %rd104;
+	@%p45 bra 	$L__BB6_53;
 
-$L__BB5_52:
-	sub.s64 	%rd100, %rd148, %rd97;
-	shr.u64 	%rd101, %rd100, 3;
-	add.s64 	%rd102, %rd12, %rd97;
-	mul.lo.s64 	%rd103, %rd95, 3;
-	add.s64 	%rd260, %rd93, %rd103;
-	setp.ge.u64 	%p45, %rd260, %rd101;
-	mov.u64 	%rd355, %rd93;
-	@%p45 bra 	$L__BB5_55;
+$L__BB6_54:
+	sub.s64 	%rd107, %rd155, %rd104;
+	shr.u64 	%rd108, %rd107, 3;
+	add.s64 	%rd109, %rd19, %rd104;
+	mul.lo.s64 	%rd110, %rd102, 3;
+	add.s64 	%rd262, %rd100, %rd110;
+	setp.ge.u64 	%p46, %rd262, %rd108;
+	mov.u64 	%rd360, %rd100;
+	@%p46 bra 	$L__BB6_57;
 
-	mul.lo.s64 	%rd261, %rd94, %rd91;
-	shl.b64 	%rd104, %rd261, 3;
-	mul.lo.s64 	%rd262, %rd90, %rd91;
-	shl.b64 	%rd263, %rd262, 3;
-	shl.b64 	%rd264, %rd92, 3;
-	add.s64 	%rd265, %rd263, %rd264;
-	add.s64 	%rd266, %rd265, -1;
-	not.b64 	%rd267, %rd148;
-	not.b64 	%rd268, %rd96;
-	max.u64 	%rd269, %rd268, %rd267;
-	sub.s64 	%rd270, %rd266, %rd269;
-	add.s64 	%rd354, %rd11, %rd270;
-	mul.lo.s64 	%rd106, %rd261, -24;
-	mov.u64 	%rd355, %rd93;
+	mul.lo.s64 	%rd263, %rd101, %rd98;
+	shl.b64 	%rd111, %rd263, 3;
+	mul.lo.s64 	%rd264, %rd97, %rd98;
+	shl.b64 	%rd265, %rd264, 3;
+	shl.b64 	%rd266, %rd99, 3;
+	add.s64 	%rd267, %rd265, %rd266;
+	add.s64 	%rd268, %rd267, -1;
+	not.b64 	%rd269, %rd155;
+	not.b64 	%rd270, %rd103;
+	max.u64 	%rd271, %rd270, %rd269;
+	sub.s64 	%rd272, %rd268, %rd271;
+	add.s64 	%rd359, %rd18, %rd272;
+	mul.lo.s64 	%rd113, %rd263, -24;
+	mov.u64 	%rd360, %rd100;
 
-$L__BB5_54:
-	add.s64 	%rd271, %rd355, %rd95;
-	shl.b64 	%rd272, %rd271, 3;
-	add.s64 	%rd273, %rd102, %rd272;
-	ld.v2.u32 	{%r26, %r27}, [%rd273];
-	add.s64 	%rd274, %rd273, %rd104;
-	ld.v2.u32 	{%r30, %r31}, [%rd274];
-	add.s64 	%rd275, %rd274, %rd104;
-	ld.v2.u32 	{%r34, %r35}, [%rd275];
-	add.s64 	%rd276, %rd275, %rd106;
-	ld.v2.u32 	{%r38, %r39}, [%rd276];
-	st.global.v2.u32 	[%rd354], {%r38, %r39};
-	add.s64 	%rd277, %rd354, %rd104;
-	st.global.v2.u32 	[%rd277], {%r26, %r27};
-	add.s64 	%rd278, %rd277, %rd104;
-	st.global.v2.u32 	[%rd278], {%r30, %r31};
-	add.s64 	%rd279, %rd278, %rd104;
-	add.s64 	%rd354, %rd279, %rd104;
-	st.global.v2.u32 	[%rd279], {%r34, %r35};
-	add.s64 	%rd355, %rd103, %rd271;
-	add.s64 	%rd280, %rd355, %rd103;
-	setp.lt.u64 	%p46, %rd280, %rd101;
-	@%p46 bra 	$L__BB5_54;
+$L__BB6_56:
+	add.s64 	%rd273, %rd360, %rd102;
+	shl.b64 	%rd274, %rd273, 3;
+	add.s64 	%rd275, %rd109, %rd274;
+	ld.v2.u32 	{%r30, %r31}, [%rd275];
+	add.s64 	%rd276, %rd275, %rd111;
+	ld.v2.u32 	{%r34, %r35}, [%rd276];
+	add.s64 	%rd277, %rd276, %rd111;
+	ld.v2.u32 	{%r38, %r39}, [%rd277];
+	add.s64 	%rd278, %rd277, %rd113;
+	ld.v2.u32 	{%r42, %r43}, [%rd278];
+	st.global.v2.u32 	[%rd359], {%r42, %r43};
+	add.s64 	%rd279, %rd359, %rd111;
+	st.global.v2.u32 	[%rd279], {%r30, %r31};
+	add.s64 	%rd280, %rd279, %rd111;
+	st.global.v2.u32 	[%rd280], {%r34, %r35};
+	add.s64 	%rd281, %rd280, %rd111;
+	add.s64 	%rd359, %rd281, %rd111;
+	st.global.v2.u32 	[%rd281], {%r38, %r39};
+	add.s64 	%rd360, %rd110, %rd273;
+	add.s64 	%rd282, %rd360, %rd110;
+	setp.lt.u64 	%p47, %rd282, %rd108;
+	@%p47 bra 	$L__BB6_56;
 
-$L__BB5_55:
-	setp.ge.u64 	%p47, %rd355, %rd101;
-	@%p47 bra 	$L__BB5_58;
+$L__BB6_57:
+	setp.ge.u64 	%p48, %rd360, %rd108;
+	@%p48 bra 	$L__BB6_60;
 
-	add.s64 	%rd112, %rd11, %rd97;
+	add.s64 	%rd119, %rd18, %rd104;
 
-$L__BB5_57:
-	shl.b64 	%rd281, %rd355, 3;
-	add.s64 	%rd282, %rd102, %rd281;
-	ld.v2.u32 	{%r42, %r43}, [%rd282];
-	add.s64 	%rd283, %rd112, %rd281;
-	st.global.v2.u32 	[%rd283], {%r42, %r43};
-	add.s64 	%rd355, %rd355, %rd95;
-	setp.lt.u64 	%p48, %rd355, %rd101;
-	@%p48 bra 	$L__BB5_57;
+$L__BB6_59:
+	shl.b64 	%rd283, %rd360, 3;
+	add.s64 	%rd284, %rd109, %rd283;
+	ld.v2.u32 	{%r46, %r47}, [%rd284];
+	add.s64 	%rd285, %rd119, %rd283;
+	st.global.v2.u32 	[%rd285], {%r46, %r47};
+	add.s64 	%rd360, %rd360, %rd102;
+	setp.lt.u64 	%p49, %rd360, %rd108;
+	@%p49 bra 	$L__BB6_59;
 
-$L__BB5_58:
-	and.b64  	%rd284, %rd100, -8;
-	add.s64 	%rd285, %rd97, %rd93;
-	add.s64 	%rd357, %rd285, %rd284;
-	setp.ge.u64 	%p49, %rd357, %rd148;
-	@%p49 bra 	$L__BB5_71;
+$L__BB6_60:
+	and.b64  	%rd286, %rd107, -8;
+	add.s64 	%rd287, %rd104, %rd100;
+	add.s64 	%rd362, %rd287, %rd286;
+	setp.ge.u64 	%p50, %rd362, %rd155;
+	@%p50 bra 	$L__BB6_73;
 
-$L__BB5_59:
-	add.s64 	%rd286, %rd12, %rd357;
-	ld.u8 	%rs17, [%rd286];
-	add.s64 	%rd287, %rd11, %rd357;
-	st.global.u8 	[%rd287], %rs17;
-	add.s64 	%rd357, %rd357, %rd95;
-	setp.lt.u64 	%p50, %rd357, %rd148;
-	@%p50 bra 	$L__BB5_59;
-	bra.uni 	$L__BB5_71;
+$L__BB6_61:
+	add.s64 	%rd288, %rd19, %rd362;
+	ld.u8 	%rs17, [%rd288];
+	add.s64 	%rd289, %rd18, %rd362;
+	st.global.u8 	[%rd289], %rs17;
+	add.s64 	%rd362, %rd362, %rd102;
+	setp.lt.u64 	%p51, %rd362, %rd155;
+	@%p51 bra 	$L__BB6_61;
+	bra.uni 	$L__BB6_73;
 
-$L__BB5_38:
-	mov.u32 	%r15, %ctaid.x;
-	cvt.u64.u32 	%rd60, %r15;
-	mov.u32 	%r16, %ntid.x;
-	cvt.u64.u32 	%rd61, %r16;
-	mul.wide.u32 	%rd226, %r15, %r16;
-	cvt.u64.u32 	%rd62, %r1;
-	add.s64 	%rd63, %rd226, %rd62;
-	mov.u32 	%r17, %nctaid.x;
-	cvt.u64.u32 	%rd64, %r17;
-	mul.wide.u32 	%rd65, %r17, %r16;
-	neg.s64 	%rd227, %rd147;
-	and.b64  	%rd66, %rd227, 3;
-	min.u64 	%rd67, %rd66, %rd148;
-	setp.ge.u64 	%p35, %rd63, %rd67;
-	@%p35 bra 	$L__BB5_41;
+$L__BB6_40:
+	mov.u32 	%r19, %ctaid.x;
+	cvt.u64.u32 	%rd67, %r19;
+	mov.u32 	%r20, %ntid.x;
+	cvt.u64.u32 	%rd68, %r20;
+	mul.wide.u32 	%rd228, %r19, %r20;
+	cvt.u64.u32 	%rd69, %r1;
+	add.s64 	%rd70, %rd228, %rd69;
+	mov.u32 	%r21, %nctaid.x;
+	cvt.u64.u32 	%rd71, %r21;
+	mul.wide.u32 	%rd72, %r21, %r20;
+	neg.s64 	%rd229, %rd154;
+	and.b64  	%rd73, %rd229, 3;
+	min.u64 	%rd74, %rd73, %rd155;
+	setp.ge.u64 	%p36, %rd70, %rd74;
+	@%p36 bra 	$L__BB6_43;
 
-	mov.u64 	%rd345, %rd63;
+	mov.u64 	%rd350, %rd70;
 
-$L__BB5_40:
-	add.s64 	%rd228, %rd12, %rd345;
-	ld.u8 	%rs14, [%rd228];
-	add.s64 	%rd229, %rd11, %rd345;
-	st.global.u8 	[%rd229], %rs14;
-	add.s64 	%rd345, %rd345, %rd65;
-	setp.lt.u64 	%p36, %rd345, %rd67;
-	@%p36 bra 	$L__BB5_40;
+$L__BB6_42:
+	add.s64 	%rd230, %rd19, %rd350;
+	ld.u8 	%rs14, [%rd230];
+	add.s64 	%rd231, %rd18, %rd350;
+	st.global.u8 	[%rd231], %rs14;
+	add.s64 	%rd350, %rd350, %rd72;
+	setp.lt.u64 	%p37, %rd350, %rd74;
+	@%p37 bra 	$L__BB6_42;
 
-$L__BB5_41:
-	sub.s64 	%rd70, %rd148, %rd67;
-	shr.u64 	%rd71, %rd70, 2;
-	mul.lo.s64 	%rd72, %rd65, 3;
-	add.s64 	%rd230, %rd63, %rd72;
-	setp.ge.u64 	%p37, %rd230, %rd71;
-	mov.u64 	%rd349, %rd63;
-	@%p37 bra 	$L__BB5_44;
+$L__BB6_43:
+	sub.s64 	%rd77, %rd155, %rd74;
+	shr.u64 	%rd78, %rd77, 2;
+	mul.lo.s64 	%rd79, %rd72, 3;
+	add.s64 	%rd232, %rd70, %rd79;
+	setp.ge.u64 	%p38, %rd232, %rd78;
+	mov.u64 	%rd354, %rd70;
+	@%p38 bra 	$L__BB6_46;
 
-	mul.lo.s64 	%rd231, %rd60, %rd61;
-	shl.b64 	%rd232, %rd231, 2;
-	shl.b64 	%rd233, %rd62, 2;
-	add.s64 	%rd234, %rd232, %rd233;
-	add.s64 	%rd235, %rd234, -1;
-	not.b64 	%rd236, %rd148;
-	not.b64 	%rd237, %rd66;
-	max.u64 	%rd238, %rd237, %rd236;
-	sub.s64 	%rd239, %rd235, %rd238;
-	add.s64 	%rd347, %rd12, %rd239;
-	mul.lo.s64 	%rd240, %rd64, %rd61;
-	shl.b64 	%rd74, %rd240, 2;
-	add.s64 	%rd348, %rd11, %rd239;
-	mov.u64 	%rd349, %rd63;
+	mul.lo.s64 	%rd233, %rd67, %rd68;
+	shl.b64 	%rd234, %rd233, 2;
+	shl.b64 	%rd235, %rd69, 2;
+	add.s64 	%rd236, %rd234, %rd235;
+	add.s64 	%rd237, %rd236, -1;
+	not.b64 	%rd238, %rd155;
+	not.b64 	%rd239, %rd73;
+	max.u64 	%rd240, %rd239, %rd238;
+	sub.s64 	%rd241, %rd237, %rd240;
+	add.s64 	%rd352, %rd19, %rd241;
+	mul.lo.s64 	%rd242, %rd71, %rd68;
+	shl.b64 	%rd81, %rd242, 2;
+	add.s64 	%rd353, %rd18, %rd241;
+	mov.u64 	%rd354, %rd70;
 
-$L__BB5_43:
-	ld.u32 	%r18, [%rd347];
-	add.s64 	%rd241, %rd347, %rd74;
-	ld.u32 	%r19, [%rd241];
-	add.s64 	%rd242, %rd241, %rd74;
-	ld.u32 	%r20, [%rd242];
-	add.s64 	%rd243, %rd242, %rd74;
-	add.s64 	%rd347, %rd243, %rd74;
-	ld.u32 	%r21, [%rd243];
-	st.global.u32 	[%rd348], %r18;
-	add.s64 	%rd244, %rd348, %rd74;
-	st.global.u32 	[%rd244], %r19;
-	add.s64 	%rd245, %rd244, %rd74;
-	st.global.u32 	[%rd245], %r20;
-	add.s64 	%rd246, %rd245, %rd74;
-	add.s64 	%rd348, %rd246, %rd74;
-	st.global.u32 	[%rd246], %r21;
-	add.s64 	%rd247, %rd349, %rd65;
-	add.s64 	%rd349, %rd72, %rd247;
-	add.s64 	%rd248, %rd349, %rd72;
-	setp.lt.u64 	%p38, %rd248, %rd71;
-	@%p38 bra 	$L__BB5_43;
+$L__BB6_45:
+	ld.u32 	%r22, [%rd352];
+	add.s64 	%rd243, %rd352, %rd81;
+	ld.u32 	%r23, [%rd243];
+	add.s64 	%rd244, %rd243, %rd81;
+	ld.u32 	%r24, [%rd244];
+	add.s64 	%rd245, %rd244, %rd81;
+	add.s64 	%rd352, %rd245, %rd81;
+	ld.u32 	%r25, [%rd245];
+	st.global.u32 	[%rd353], %r22;
+	add.s64 	%rd246, %rd353, %rd81;
+	st.global.u32 	[%rd246], %r23;
+	add.s64 	%rd247, %rd246, %rd81;
+	st.global.u32 	[%rd247], %r24;
+	add.s64 	%rd248, %rd247, %rd81;
+	add.s64 	%rd353, %rd248, %rd81;
+	st.global.u32 	[%rd248], %r25;
+	add.s64 	%rd249, %rd354, %rd72;
+	add.s64 	%rd354, %rd79, %rd249;
+	add.s64 	%rd250, %rd354, %rd79;
+	setp.lt.u64 	%p39, %rd250, %rd78;
+	@%p39 bra 	$L__BB6_45;
 
-$L__BB5_44:
-	setp.ge.u64 	%p39, %rd349, %rd71;
-	@%p39 bra 	$L__BB5_47;
+$L__BB6_46:
+	setp.ge.u64 	%p40, %rd354, %rd78;
+	@%p40 bra 	$L__BB6_49;
 
-	add.s64 	%rd83, %rd11, %rd67;
-	add.s64 	%rd84, %rd12, %rd67;
+	add.s64 	%rd90, %rd18, %rd74;
+	add.s64 	%rd91, %rd19, %rd74;
 
-$L__BB5_46:
-	shl.b64 	%rd249, %rd349, 2;
-	add.s64 	%rd250, %rd84, %rd249;
-	ld.u32 	%r22, [%rd250];
-	add.s64 	%rd251, %rd83, %rd249;
-	st.global.u32 	[%rd251], %r22;
-	add.s64 	%rd349, %rd349, %rd65;
-	setp.lt.u64 	%p40, %rd349, %rd71;
-	@%p40 bra 	$L__BB5_46;
+$L__BB6_48:
+	shl.b64 	%rd251, %rd354, 2;
+	add.s64 	%rd252, %rd91, %rd251;
+	ld.u32 	%r26, [%rd252];
+	add.s64 	%rd253, %rd90, %rd251;
+	st.global.u32 	[%rd253], %r26;
+	add.s64 	%rd354, %rd354, %rd72;
+	setp.lt.u64 	%p41, %rd354, %rd78;
+	@%p41 bra 	$L__BB6_48;
 
-$L__BB5_47:
-	and.b64  	%rd252, %rd70, -4;
-	add.s64 	%rd253, %rd67, %rd63;
-	add.s64 	%rd351, %rd253, %rd252;
-	setp.ge.u64 	%p41, %rd351, %rd148;
-	@%p41 bra 	$L__BB5_71;
+$L__BB6_49:
+	and.b64  	%rd254, %rd77, -4;
+	add.s64 	%rd255, %rd74, %rd70;
+	add.s64 	%rd356, %rd255, %rd254;
+	setp.ge.u64 	%p42, %rd356, %rd155;
+	@%p42 bra 	$L__BB6_73;
 
-$L__BB5_48:
-	add.s64 	%rd254, %rd12, %rd351;
-	ld.u8 	%rs15, [%rd254];
-	add.s64 	%rd255, %rd11, %rd351;
-	st.global.u8 	[%rd255], %rs15;
-	add.s64 	%rd351, %rd351, %rd65;
-	setp.lt.u64 	%p42, %rd351, %rd148;
-	@%p42 bra 	$L__BB5_48;
-	bra.uni 	$L__BB5_71;
+$L__BB6_50:
+	add.s64 	%rd256, %rd19, %rd356;
+	ld.u8 	%rs15, [%rd256];
+	add.s64 	%rd257, %rd18, %rd356;
+	st.global.u8 	[%rd257], %rs15;
+	add.s64 	%rd356, %rd356, %rd72;
+	setp.lt.u64 	%p43, %rd356, %rd155;
+	@%p43 bra 	$L__BB6_50;
+	bra.uni 	$L__BB6_73;
 
-$L__BB5_20:
-	mul.lo.s64 	%rd20, %rd19, 3;
-	add.s64 	%rd185, %rd17, %rd20;
-	setp.ge.u64 	%p21, %rd185, %rd148;
-	mov.u64 	%rd335, %rd17;
-	@%p21 bra 	$L__BB5_23;
+$L__BB6_22:
+	mul.lo.s64 	%rd27, %rd26, 3;
+	add.s64 	%rd187, %rd24, %rd27;
+	setp.ge.u64 	%p22, %rd187, %rd155;
+	mov.u64 	%rd340, %rd24;
+	@%p22 bra 	$L__BB6_25;
 
-	add.s64 	%rd333, %rd12, %rd17;
-	mul.lo.s64 	%rd22, %rd18, %rd15;
-	add.s64 	%rd334, %rd11, %rd17;
-	mov.u64 	%rd335, %rd17;
+	add.s64 	%rd338, %rd19, %rd24;
+	mul.lo.s64 	%rd29, %rd25, %rd22;
+	add.s64 	%rd339, %rd18, %rd24;
+	mov.u64 	%rd340, %rd24;
 
-$L__BB5_22:
-	ld.u8 	%rs1, [%rd333];
-	add.s64 	%rd186, %rd333, %rd22;
-	ld.u8 	%rs2, [%rd186];
-	add.s64 	%rd187, %rd186, %rd22;
-	ld.u8 	%rs3, [%rd187];
-	add.s64 	%rd188, %rd187, %rd22;
-	add.s64 	%rd333, %rd188, %rd22;
-	ld.u8 	%rs4, [%rd188];
-	st.global.u8 	[%rd334], %rs1;
-	add.s64 	%rd189, %rd334, %rd22;
-	st.global.u8 	[%rd189], %rs2;
-	add.s64 	%rd190, %rd189, %rd22;
-	st.global.u8 	[%rd190], %rs3;
-	add.s64 	%rd191, %rd190, %rd22;
-	add.s64 	%rd334, %rd191, %rd22;
-	st.global.u8 	[%rd191], %rs4;
-	add.s64 	%rd192, %rd335, %rd19;
-	add.s64 	%rd335, %rd20, %rd192;
-	add.s64 	%rd193, %rd335, %rd20;
-	setp.lt.u64 	%p22, %rd193, %rd148;
-	@%p22 bra 	$L__BB5_22;
+$L__BB6_24:
+	ld.u8 	%rs1, [%rd338];
+	add.s64 	%rd188, %rd338, %rd29;
+	ld.u8 	%rs2, [%rd188];
+	add.s64 	%rd189, %rd188, %rd29;
+	ld.u8 	%rs3, [%rd189];
+	add.s64 	%rd190, %rd189, %rd29;
+	add.s64 	%rd338, %rd190, %rd29;
+	ld.u8 	%rs4, [%rd190];
+	st.global.u8 	[%rd339], %rs1;
+	add.s64 	%rd191, %rd339, %rd29;
+	st.global.u8 	[%rd191], %rs2;
+	add.s64 	%rd192, %rd191, %rd29;
+	st.global.u8 	[%rd192], %rs3;
+	add.s64 	%rd193, %rd192, %rd29;
+	add.s64 	%rd339, %rd193, %rd29;
+	st.global.u8 	[%rd193], %rs4;
+	add.s64 	%rd194, %rd340, %rd26;
+	add.s64 	%rd340, %rd27, %rd194;
+	add.s64 	%rd195, %rd340, %rd27;
+	setp.lt.u64 	%p23, %rd195, %rd155;
+	@%p23 bra 	$L__BB6_24;
 
-$L__BB5_23:
-	setp.ge.u64 	%p23, %rd335, %rd148;
-	@%p23 bra 	$L__BB5_25;
+$L__BB6_25:
+	setp.ge.u64 	%p24, %rd340, %rd155;
+	@%p24 bra 	$L__BB6_27;
 
-$L__BB5_24:
-	add.s64 	%rd194, %rd12, %rd335;
-	ld.u8 	%rs5, [%rd194];
-	add.s64 	%rd195, %rd11, %rd335;
-	st.global.u8 	[%rd195], %rs5;
-	add.s64 	%rd335, %rd335, %rd19;
-	setp.lt.u64 	%p24, %rd335, %rd148;
-	@%p24 bra 	$L__BB5_24;
+$L__BB6_26:
+	add.s64 	%rd196, %rd19, %rd340;
+	ld.u8 	%rs5, [%rd196];
+	add.s64 	%rd197, %rd18, %rd340;
+	st.global.u8 	[%rd197], %rs5;
+	add.s64 	%rd340, %rd340, %rd26;
+	setp.lt.u64 	%p25, %rd340, %rd155;
+	@%p25 bra 	$L__BB6_26;
 
-$L__BB5_25:
-	add.s64 	%rd337, %rd17, %rd148;
-	setp.ge.u64 	%p25, %rd337, %rd17;
-	@%p25 bra 	$L__BB5_71;
+$L__BB6_27:
+	add.s64 	%rd342, %rd24, %rd155;
+	setp.ge.u64 	%p26, %rd342, %rd24;
+	@%p26 bra 	$L__BB6_73;
 
-$L__BB5_26:
-	add.s64 	%rd196, %rd12, %rd337;
-	ld.u8 	%rs6, [%rd196];
-	add.s64 	%rd197, %rd11, %rd337;
-	st.global.u8 	[%rd197], %rs6;
-	add.s64 	%rd337, %rd337, %rd19;
-	setp.lt.u64 	%p26, %rd337, %rd148;
-	@%p26 bra 	$L__BB5_26;
+$L__BB6_28:
+	add.s64 	%rd198, %rd19, %rd342;
+	ld.u8 	%rs6, [%rd198];
+	add.s64 	%rd199, %rd18, %rd342;
+	st.global.u8 	[%rd199], %rs6;
+	add.s64 	%rd342, %rd342, %rd26;
+	setp.lt.u64 	%p27, %rd342, %rd155;
+	@%p27 bra 	$L__BB6_28;
 
-$L__BB5_71:
+$L__BB6_73:
 	membar.gl;
 	bar.sync 	0;
-	@%p1 bra 	$L__BB5_74;
+	@%p1 bra 	$L__BB6_76;
 
-	add.s64 	%rd323, %rd2, 128;
-	atom.global.add.u64 	%rd324, [%rd323], 1;
-	mov.u32 	%r90, %nctaid.x;
-	add.s32 	%r91, %r90, -1;
-	cvt.u64.u32 	%rd325, %r91;
-	setp.ne.s64 	%p60, %rd324, %rd325;
-	@%p60 bra 	$L__BB5_74;
+	add.s64 	%rd325, %rd2, 128;
+	atom.global.add.u64 	%rd326, [%rd325], 1;
+	mov.u32 	%r94, %nctaid.x;
+	add.s32 	%r95, %r94, -1;
+	cvt.u64.u32 	%rd327, %r95;
+	setp.ne.s64 	%p61, %rd326, %rd327;
+	@%p61 bra 	$L__BB6_76;
 
-	mov.u64 	%rd327, 0;
-	st.global.u64 	[%rd2+128], %rd327;
-	st.global.u64 	[%rd2+136], %rd327;
-	st.global.u64 	[%rd2+144], %rd327;
+	mov.u64 	%rd329, 0;
+	st.global.u64 	[%rd2+128], %rd329;
+	st.global.u64 	[%rd2+136], %rd329;
+	st.global.u64 	[%rd2+144], %rd329;
 	membar.sys;
-	ld.volatile.global.u64 	%rd328, [%rd2+120];
-	mov.u64 	%rd329, 1;
-	st.volatile.u64 	[%rd328], %rd329;
+	ld.volatile.global.u64 	%rd330, [%rd2+120];
+	mov.u64 	%rd331, 1;
+	st.volatile.u64 	[%rd330], %rd331;
 	membar.sys;
 
-$L__BB5_74:
+$L__BB6_76:
 	ret;
 
 }

@@ -5,11 +5,12 @@
 // the poller through the channel's pinned and device words. The device never touches a cell without a
 // grant, and a grant is always ordered after every copy into or out of that cell.
 //
-// Kernel grants (the default): a channel has K cells; a round (K > 1) is one fused kernel whose first
-// block to arrive takes a cell's pre-armed grant (or knocks/requests and waits for the poller) and
-// publishes the cell's address to the other blocks, all of which then copy into/out of it; the last
-// block publishes the cell's filled/done word. JAXVMM_GRAPH_FUSED=0 records two nodes instead: a take
-// kernel that leaves the cell's address in a device word, and a copy kernel into/out of that address.
+// Kernel grants (the default): a channel has K cells; a round (K > 1) is three nodes: a one-thread take
+// kernel takes a cell's pre-armed grant (or knocks/requests and waits for the poller) and leaves the
+// cell's address in a device word, a copy kernel copies into/out of that address, and a one-thread
+// publish kernel writes the cell's filled/done word. JAXVMM_GRAPH_FUSED=1 records one fused kernel
+// instead, whose first block to arrive takes and hands the cell to the other blocks, all of which then
+// copy; its last block publishes.
 // The poller arms each offload cell behind its own D2H and prefetches the next predictions into the
 // idle reload cells. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host
 // grants every round:
@@ -241,7 +242,7 @@ Status GraphMode::WarmKernels(Channel& c) {
   // with one cell (its "cell" the pinned word `token`, its flag `filled[0]`) whose grant[0] = 1,
   // take_offload takes the grant and writes the token into grant[0]; take_reload finds grant[0] naming
   // the token it reads from grant[0] and takes it; the copy kernel copies the cell into `probe` and
-  // publishes filled[0]; revoke finds grant[0] empty. The fused kernels first, alike (one block each):
+  // the publish kernel writes filled[0]; revoke finds grant[0] empty. The fused kernels first, alike (one block each):
   // fused_offload takes grant[0] = 1, writes token 1 into grant[0] and copies `probe` into the cell;
   // fused_reload takes grant[0] (it names token 1) and copies the cell into `probe`.
   const DriverTable& d = Driver(backend_);
@@ -260,6 +261,7 @@ Status GraphMode::WarmKernels(Channel& c) {
   if (st.ok()) st = kernels_.TakeOffload(gd2h_, c.dw, g0, Addr(w.knock));
   if (st.ok()) st = kernels_.TakeReload(gd2h_, c.dw, g0, Addr(w.probe), Addr(w.request), Addr(w.go));
   if (st.ok()) st = kernels_.CellCopy(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), /*out=*/true);
+  if (st.ok()) st = kernels_.Publish(gd2h_, c.dw, stage);
   if (st.ok()) st = kernels_.Revoke(gd2h_, g0, 0, Addr(w.result));
   Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
   if (st.ok()) st = sync;
@@ -318,8 +320,8 @@ Status GraphMode::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src
       Recorded(*c);
       return Status();
     }
-    // Two nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that cell
-    // (the copy's last block publishes the cell's filled word).
+    // Separate nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that
+    // cell, publish the cell's filled word.
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c->dw, token_out, Addr(w.knock)));
     if (fixed_cell) {
       // One cell (JAXVMM_GRAPH_CELLS=1): the copy names it, as before K cells.
@@ -327,6 +329,7 @@ Status GraphMode::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled[0]), 1, 0); }));
     } else {
       JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, src, meta.nbytes, /*out=*/false));
+      JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c->dw, stage));
     }
     Recorded(*c);
     return Status();
@@ -365,6 +368,7 @@ Status GraphMode::CapturedReload(CUstream stream, int64_t site, CUdeviceptr toke
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done[0]), 1, 0); }));
     } else {
       JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, dst, meta.nbytes, /*out=*/true));
+      JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c->dw, stage));
     }
     Recorded(*c);
     return Status();

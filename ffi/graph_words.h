@@ -26,7 +26,7 @@ struct DeviceWords {
   uint64_t publish;           // that cell's flag (the copy kernel's last block writes 1 there)
   uint64_t blocks;            // copy and fused kernels: blocks finished (the last one resets it)
   uint64_t arrive;            // fused kernels: blocks arrived (the first takes; the last to finish resets it)
-  uint64_t ready;             // fused kernels: 1 once the taker chose the cell (the last to finish resets it)
+  uint64_t ready;             // fused kernels: the chosen cell's address once the taker chose it (the last to finish resets it)
   uint64_t pad[13];
 };
 static_assert(sizeof(DeviceWords) == 256, "the layout of Cells in graph_kernels.cu");

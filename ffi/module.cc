@@ -765,7 +765,7 @@ NB_MODULE(_jaxvmm, m) {
     if (k > 0) EngineConfig::SetGraphCells(k);
     return EngineConfig::GraphCells();
   });
-  // Graph-mode rounds recorded from now on as one fused kernel (1), two nodes (0); -1 leaves it.
+  // Graph-mode rounds recorded from now on as one fused kernel (1), separate nodes (0); -1 leaves it.
   // Returns the value in force.
   m.def("graph_fused", [](int on) {
     if (on >= 0) EngineConfig::SetGraphFused(on != 0);

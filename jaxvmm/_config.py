@@ -136,7 +136,7 @@ VARIABLES = {
         EnvVar("JAXVMM_GRAPH_SPARES", "int", 0, MAX_GRAPH_SPARES,
                "graph mode with grant kernels: spare cells per offload call site, lent while PCIe is behind (0)"),
         EnvVar("JAXVMM_GRAPH_FUSED", "bool",
-               doc="graph mode with grant kernels and several cells: each round is one fused take + copy kernel (on; off: two kernels)"),
+               doc="graph mode with grant kernels and several cells: each round is one fused take + copy kernel (on) or a take, a copy and a publish kernel (off, the default)"),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
         EnvVar("JAXVMM_POSIX_ASYNC", "int", 0, 10_000_000,
                "tests, cpu platform: each driver stream runs its operations on a thread of its own, as a GPU stream "
@@ -184,7 +184,7 @@ def apply(lib, values: dict) -> None:
                   values.get("JAXVMM_STAGING_BUDGET", 0), values.get("JAXVMM_STAGING_IDLE_MS", 0))
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
     lib.set_graph_kernels(bool(values.get("JAXVMM_GRAPH_KERNELS", True)))
-    lib.graph_fused(int(bool(values.get("JAXVMM_GRAPH_FUSED", True))))
+    lib.graph_fused(int(bool(values.get("JAXVMM_GRAPH_FUSED", False))))
     if "JAXVMM_GRAPH_CELLS" in values:
         lib.graph_cells(values["JAXVMM_GRAPH_CELLS"])
     if "JAXVMM_GRAPH_SPARES" in values:

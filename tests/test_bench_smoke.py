@@ -117,13 +117,13 @@ def test_train_step_engine_totals_sum_the_counters_only():
 
 
 def test_graph_rounds_runs_on_cpu():
-    """bench/graph_rounds.py (fused against two-node rounds) end to end on the POSIX backend: both
+    """bench/graph_rounds.py (fused against separate-node rounds) end to end on the POSIX backend: both
     modes replayed, and no round waited for the host (every cell armed ahead)."""
     proc = subprocess.run([sys.executable, str(BENCH / "graph_rounds.py"), "--device", "cpu", "--rounds", "4",
                            "--reps", "3", "--size", "16K"],
                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=120,
                           cwd=tempfile.gettempdir())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| fused |") or ln.startswith("| two-node |")]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| fused |") or ln.startswith("| nodes |")]
     assert len(rows) == 2, proc.stdout
     assert all(ln.rstrip().endswith("| 0 |") for ln in rows), proc.stdout

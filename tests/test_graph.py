@@ -45,8 +45,8 @@ def read(slot) -> np.ndarray:
 
 @pytest.fixture(autouse=True, params=["fused", "two_node"])
 def round_kernels(request, monkeypatch) -> bool:
-    """Every test runs twice: rounds of K > 1 cells recorded as one fused take + copy kernel (the
-    default) and as a take kernel then a copy kernel (JAXVMM_GRAPH_FUSED=0), in this process (read at
+    """Every test runs twice: rounds of K > 1 cells recorded as one fused take + copy kernel
+    (JAXVMM_GRAPH_FUSED=1) and as a take, a copy and a publish kernel (the default), in this process (read at
     each capture) and in the subprocesses the test starts (the environment). True: fused."""
     fused = request.param == "fused"
     monkeypatch.setenv("JAXVMM_GRAPH_FUSED", "1" if fused else "0")
@@ -596,7 +596,7 @@ _ROUND_TRIP_PRELUDE = textwrap.dedent('''
         with r.capture() as bwd:
             r.reload(rs, tok.address, y.address, N)
         return fwd, bwd
-    FUSED = os.environ.get("JAXVMM_GRAPH_FUSED", "1") != "0"  # the round_kernels fixture's choice
+    FUSED = os.environ.get("JAXVMM_GRAPH_FUSED", "0") != "0"  # the round_kernels fixture's choice
     def replay_rounds(r, g, n):  # n replays, each bit-exact
         for i in range(n):
             x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()

@@ -197,13 +197,14 @@ def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused):
     assert r["tickets_live"] == 0, r
 
 
-# Spare cells under XLA: a 64-layer scan whose 4 MiB activations come faster than PCIe carries them
-# (B x D = 4096 x 256 f32: ~80 us of D2H each on an H200 against a few us of matmul; at 1024 x 1024
-# the layer's compute kept up with PCIe and no cell was ever lent), with 2 cells and 32 spares per
-# call site. Offload cells are lent while
+# Spare cells under XLA: a 64-layer scan whose 8 MiB activations come faster than PCIe carries them
+# (B x D = 8192 x 256 f32: ~160 us of D2H each on an H200 against a few us of matmul; at 1024 x 1024
+# the layer's compute kept up with PCIe and no cell was ever lent, and at 4096 x 256 one default-mode
+# run lent none either: there the host launches each iteration's command buffer, ~80 us of D2H
+# was not always more than that), with 2 cells and 32 spares per call site. Offload cells are lent while
 # their D2H is queued (the cell's address in the device words changes under the recorded kernels), the
 # first reloads of the backward copy from lent cells, and the training matches jax.checkpoint bit for bit.
-SPARES = _train_prelude(L=64, STEPS=4, B=4096, D=256) + textwrap.dedent("""
+SPARES = _train_prelude(L=64, STEPS=4, B=8192, D=256) + textwrap.dedent("""
     assert jaxvmm.configure()["graph_spares"] == 32
     print("RESULT", json.dumps(against(train(REF))))
 """)

@@ -72,7 +72,24 @@ def report(path: str, variant: str) -> None:
     print(f"{variant}: {len(ks)} GPU events on {len(streams)} rows, span {(t1 - t0) / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms")
     rows = sorted(by.items(), key=lambda kv: (not kv[0].startswith("jaxvmm"), -sum(kv[1])))
     for name, d in rows[:25]:
-        print(f"  {name:60s} n={len(d):5d} mean={sum(d) / len(d):8.2f} us total={sum(d) / 1e3:8.3f} ms")
+        q = sorted(d)
+        pct = f" p50={q[len(q) // 2]:.1f} p90={q[len(q) * 9 // 10]:.1f} max={q[-1]:.1f}" if name.startswith("jaxvmm") else ""
+        print(f"  {name:60s} n={len(d):5d} mean={sum(d) / len(d):8.2f} us total={sum(d) / 1e3:8.3f} ms{pct}")
+    # XLA's compute stream (the row with the most events): its idle gaps between consecutive events,
+    # summed by the name of the event that ends each gap (what the stream was about to run).
+    main_row = streams.most_common(1)[0][0]
+    mk = [e for e in ks if (e["pid"], e["tid"]) == main_row]
+    gaps = collections.defaultdict(list)
+    for a, b in zip(mk, mk[1:]):
+        g = b["ts"] - (a["ts"] + a["dur"])
+        if g > 0:
+            gaps[b["name"][:60]].append(g)
+    mbusy = sum(e["dur"] for e in mk)
+    print(f"  compute stream: {len(mk)} events, busy {mbusy / 1e3:.2f} ms, idle gaps {sum(map(sum, gaps.values())) / 1e3:.2f} ms; gaps before:")
+    for name, g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        q = sorted(g)
+        print(f"    {name:58s} n={len(g):5d} mean={sum(g) / len(g):8.2f} us total={sum(g) / 1e3:8.3f} ms "
+              f"p50={q[len(q) // 2]:.1f} p90={q[len(q) * 9 // 10]:.1f} max={q[-1]:.1f}")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,12 @@
 // the poller only with cuStreamWriteValue64 on its copy streams, ordered after the copy that makes the
 // grant true, and taken back by the device or by jaxvmm_revoke with an atomic.
 //
-// A round (K > 1) is one node by default, the fused kernel of its direction (jaxvmm_fused_offload /
-// jaxvmm_fused_reload): the first block to arrive takes the grant (the take logic below, unchanged)
-// and publishes the chosen cell to the other blocks, which then copy their share; the last block to
-// finish publishes filled/done. With JAXVMM_GRAPH_FUSED=0 it is two nodes: the one-thread take kernel
-// picks the cell whose grant it took and leaves its address in `ptr` (and its flag in `publish`);
-// jaxvmm_cell_copy copies into or out of `*ptr` and its last block publishes.
+// A round (K > 1) is three nodes by default: the one-thread take kernel picks the cell whose grant it
+// took and leaves its address in `ptr` (and its flag in `publish`); jaxvmm_cell_copy copies into or out
+// of `*ptr`; the one-thread jaxvmm_publish writes the flag. With JAXVMM_GRAPH_FUSED=1 it is one node,
+// the fused kernel of its direction (jaxvmm_fused_offload / jaxvmm_fused_reload): the first block to
+// arrive takes the grant (the same take logic) and hands the chosen cell to the other blocks, which
+// then copy their share; the last block to finish publishes filled/done.
 // knock/probe/request/go/result are pinned host words the poller reads.
 typedef unsigned long long u64;
 
@@ -30,7 +30,7 @@ struct Cells {
   u64 publish;                  // the chosen cell's flag word
   u64 blocks;                   // copy kernel: blocks finished (the last one resets it)
   u64 arrive;                   // fused kernels: blocks arrived (the first one takes; the last to finish resets it)
-  u64 ready;                    // fused kernels: 1 once the taker chose the cell (the last to finish resets it)
+  u64 ready;                    // fused kernels: the chosen cell's address, once the taker chose it (the last to finish resets it)
   u64 pad[13];
 };
 static_assert(sizeof(Cells) == 256, "Cells layout (graph_words.h)");
@@ -40,19 +40,24 @@ __device__ __forceinline__ void backoff(unsigned* ns) {
   if (*ns < 2048) *ns *= 2;
 }
 
-__device__ __forceinline__ void choose(Cells* c, u64 i) {
+__device__ __forceinline__ u64 choose(Cells* c, u64 i) {
   // cell[i] of an offload channel changes when the poller lends the cell (spare cells): a volatile
   // read, after the fence that follows taking the grant written behind it.
-  c->ptr = *(volatile u64*)&c->cell[i];
+  const u64 p = *(volatile u64*)&c->cell[i];
+  c->ptr = p;
   c->publish = c->flag[i];
+  return p;
 }
 
 // Offload round: take a pre-armed grant, scanning the K cells from `next` (the cell armed longest
-// ago first). Without one, knock (a level the device holds while it waits) until the poller arms.
-__device__ __forceinline__ void take_offload(Cells* c, unsigned* token_out, volatile u64* knock) {
+// ago first: in steady state the one armed, so that cell is tried with the atomic at once, one round
+// trip, and the others after a read). Without one, knock (a level the device holds while it waits)
+// until the poller arms. Returns the chosen cell's address.
+__device__ __forceinline__ u64 take_offload(Cells* c, unsigned* token_out, volatile u64* knock) {
   const u64 k = c->ncells, start = c->next;
-  u64 t = 0, i = 0;
-  for (u64 j = 0; j < k && t == 0; ++j) {
+  u64 i = start;
+  u64 t = atomicExch(&c->grant[start], 0ull);  // exchanging 0 for 0 is harmless
+  for (u64 j = 1; j < k && t == 0; ++j) {
     i = (start + j) % k;
     if (*(volatile u64*)&c->grant[i] != 0) t = atomicExch(&c->grant[i], 0ull);
   }
@@ -73,19 +78,19 @@ __device__ __forceinline__ void take_offload(Cells* c, unsigned* token_out, vola
   }
   __threadfence();
   c->next = (i + 1) % k;
-  choose(c, i);
   token_out[0] = (unsigned)t;
   token_out[1] = (unsigned)(t >> 32);
+  return choose(c, i);
 }
 
 extern "C" __global__ void jaxvmm_take_offload(Cells* c, unsigned* token_out, volatile u64* knock) {
-  take_offload(c, token_out, knock);
+  (void)take_offload(c, token_out, knock);
 }
 
 // Reload round: if a cell's grant names the probed token, that cell already holds its bytes (the
 // poller wrote the grant after the prefetch copy): consume it and go on. Else publish the probe,
 // request and wait for go = 1 + the cell the poller put the bytes in (or filled with 0xFF).
-__device__ __forceinline__ void take_reload(Cells* c, const unsigned* token_in, volatile u64* probe, volatile u64* request,
+__device__ __forceinline__ u64 take_reload(Cells* c, const unsigned* token_in, volatile u64* probe, volatile u64* request,
                                             volatile u64* go) {
   const u64 t = (u64)token_in[0] | ((u64)token_in[1] << 32);
   const u64 k = c->ncells;
@@ -93,8 +98,7 @@ __device__ __forceinline__ void take_reload(Cells* c, const unsigned* token_in, 
     for (u64 i = 0; i < k; ++i) {
       if (atomicCAS(&c->grant[i], t, 0ull) == t) {
         __threadfence();
-        choose(c, i);
-        return;
+        return choose(c, i);
       }
     }
   }
@@ -107,12 +111,12 @@ __device__ __forceinline__ void take_reload(Cells* c, const unsigned* token_in, 
   while ((g = *go) == 0) backoff(&ns);
   *go = 0;
   __threadfence_system();
-  choose(c, g - 1);
+  return choose(c, g - 1);
 }
 
 extern "C" __global__ void jaxvmm_take_reload(Cells* c, const unsigned* token_in, volatile u64* probe,
                                               volatile u64* request, volatile u64* go) {
-  take_reload(c, token_in, probe, request, go);
+  (void)take_reload(c, token_in, probe, request, go);
 }
 
 // Revocation (poller, on the stream that wrote the grant, so it runs after that write): take the
@@ -183,19 +187,29 @@ __device__ __forceinline__ void finish_round(Cells* c) {
   }
 }
 
-// The copy of a round (two-node rounds): copies into or out of the cell the take kernel chose; the
-// last block publishes.
+// The copy of a round in separate nodes: copies into or out of the cell the take kernel chose. It
+// publishes nothing: the next node (jaxvmm_publish) does, after the kernel boundary, which orders every
+// block's stores before it without the fences and block count a grid-wide "last block" needs (measured
+// on the H200: ~1.8 us of a ~4.6 us fused 1 MiB round; tools/micro/round_pieces.py).
 extern "C" __global__ void jaxvmm_cell_copy(Cells* c, u64 other, u64 n, u64 out) {
   copy_cell((char*)*(volatile u64*)&c->ptr, other, n, out);
-  finish_round(c);
+}
+
+// A round's last node (separate nodes): one thread writes 1 into the chosen cell's filled/done word.
+// The copy before it is a finished kernel of the same stream, so its bytes are visible device-wide
+// (the poller's D2H or the XLA reader that follows) before the poller can see the flag.
+extern "C" __global__ void jaxvmm_publish(Cells* c) {
+  *(volatile u64*)*(volatile u64*)&c->publish = 1;
 }
 
 // Fused rounds: the take and the copy in one grid. Thread 0 of each block counts its block in
 // `arrive`; the first block to arrive (so a block that is running, whatever order the blocks are
 // scheduled in) runs the take logic above, exactly as the one-thread take kernel does, then releases
-// `ready` (its take's stores, `ptr` and `publish` included, are visible first: __threadfence, then an
-// atomic store). Every other block spins on `ready` (volatile loads, nanosleep backoff), then fences
-// (acquire: the grid-sync pattern of cooperative groups) before any thread reads or writes the cell.
+// `ready` with the chosen cell's address (its take's stores, `ptr` and `publish` included, are
+// visible first: __threadfence, then an atomic store), so one load both releases a waiting block and
+// tells it the cell. Every other block spins on `ready` (volatile loads; nanosleep backoff only after
+// the first spins, since in steady state the take is a few round trips), then fences (acquire: the
+// grid-sync pattern of cooperative groups) before any thread reads or writes the cell.
 // The taker waits only for the host (the poller's grant or go), never for another block, so blocks
 // not yet scheduled cannot hold it up; the waiters end once it publishes.
 // Returns the chosen cell's address to every thread of the block.
@@ -203,29 +217,70 @@ template <typename Take>
 __device__ __forceinline__ char* fused_take(Cells* c, Take take) {
   __shared__ u64 cell;
   if (threadIdx.x == 0) {
+    u64 p;
     if (atomicAdd(&c->arrive, 1ull) == 0) {
-      take();
+      p = take();
       __threadfence();
-      atomicExch(&c->ready, 1ull);
+      atomicExch(&c->ready, p);  // a cell's address is never 0
     } else {
-      unsigned ns = 32;
-      while (*(volatile u64*)&c->ready == 0) {
+      unsigned spins = 0, ns = 32;
+      while ((p = *(volatile u64*)&c->ready) == 0) {
+        if (++spins < 64) continue;
         __nanosleep(ns);
         if (ns < 256) ns *= 2;
       }
       __threadfence();
     }
-    cell = *(volatile u64*)&c->ptr;
+    cell = p;
   }
   __syncthreads();
   return (char*)cell;
 }
 
 // Offload round in one node: take a grant (take_offload), copy `src` (n bytes) into the chosen cell,
-// publish its filled word.
+// publish its filled word. The copy's first loads do not depend on the cell: every thread issues them
+// before the take and holds them in registers (a 1 MiB round's whole source, at one block per SM),
+// so the source's read latency overlaps the take's round trips. A cell is a slot's start (aligned to
+// the VMM granularity), so the unit V is set by the source's alignment alone.
+template <typename V, typename Take>
+__device__ __forceinline__ void offload_prefetched(Cells* c, Take take, const char* src, u64 n) {
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  const u64 w = sizeof(V), nv = n / w;
+  const V* s = (const V*)src;
+  V r[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+    if (tid + u * stride < nv) r[u] = s[tid + u * stride];
+  char* cell = fused_take(c, take);
+  if ((u64)cell & 15) {  // never (see above); correct all the same
+    copy_cell(cell, (u64)src, n, 0);
+    return;
+  }
+  V* d = (V*)cell;
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+    if (tid + u * stride < nv) d[tid + u * stride] = r[u];
+  u64 i = tid + 4 * stride;
+  for (; i + 3 * stride < nv; i += 4 * stride) {
+    const V a = s[i], b = s[i + stride], e = s[i + 2 * stride], f = s[i + 3 * stride];
+    d[i] = a;
+    d[i + stride] = b;
+    d[i + 2 * stride] = e;
+    d[i + 3 * stride] = f;
+  }
+  for (; i < nv; i += stride) d[i] = s[i];
+  for (u64 j = nv * w + tid; j < n; j += stride) cell[j] = src[j];
+}
+
 extern "C" __global__ void jaxvmm_fused_offload(Cells* c, u64 src, u64 n, unsigned* token_out, volatile u64* knock) {
-  char* cell = fused_take(c, [&] { take_offload(c, token_out, knock); });
-  copy_cell(cell, src, n, 0);
+  auto take = [&] { return take_offload(c, token_out, knock); };
+  const char* s = (const char*)src;
+  if ((src & 15) == 0) offload_prefetched<uint4>(c, take, s, n);
+  else if ((src & 7) == 0) offload_prefetched<uint2>(c, take, s, n);
+  else if ((src & 3) == 0) offload_prefetched<unsigned>(c, take, s, n);
+  else if ((src & 1) == 0) offload_prefetched<unsigned short>(c, take, s, n);
+  else offload_prefetched<unsigned char>(c, take, s, n);
   finish_round(c);
 }
 
@@ -233,7 +288,7 @@ extern "C" __global__ void jaxvmm_fused_offload(Cells* c, u64 src, u64 n, unsign
 // copy it into `dst` (n bytes), publish its done word.
 extern "C" __global__ void jaxvmm_fused_reload(Cells* c, u64 dst, u64 n, const unsigned* token_in, volatile u64* probe,
                                                volatile u64* request, volatile u64* go) {
-  char* cell = fused_take(c, [&] { take_reload(c, token_in, probe, request, go); });
+  char* cell = fused_take(c, [&] { return take_reload(c, token_in, probe, request, go); });
   copy_cell(cell, dst, n, 1);
   finish_round(c);
 }
