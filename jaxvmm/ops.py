@@ -804,7 +804,9 @@ def reserve_host(nbytes: int | str, device=None) -> None:
     while the first steps run, and pinning is slow (about 0.6 s per GiB on an H200 host): the first
     steps of a job whose round tickets outgrow the pool go through pageable memory and wait for the
     grower. ``host_stats()["window_peak_in_use_bytes"]`` of an earlier run tells how much a step
-    needs. Raises ``OutOfMemoryError`` past ``host_pool_limit``."""
+    needs. Pinned host memory also takes a little device memory for its mappings (about 1.5 MiB per
+    GiB on an H200): near a device budget's edge, leave room for it. Raises ``OutOfMemoryError`` past
+    ``host_pool_limit``."""
     n = _config.parse_size(nbytes, "jaxvmm.reserve_host: nbytes")
     tgt = target_of(device)
     lib.engine_reserve_host(tgt.backend, tgt.ordinal, n)

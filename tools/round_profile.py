@@ -75,6 +75,9 @@ def report(path: str, variant: str) -> None:
         q = sorted(d)
         pct = f" p50={q[len(q) // 2]:.1f} p90={q[len(q) * 9 // 10]:.1f} max={q[-1]:.1f}" if name.startswith("jaxvmm") else ""
         print(f"  {name:60s} n={len(d):5d} mean={sum(d) / len(d):8.2f} us total={sum(d) / 1e3:8.3f} ms{pct}")
+        if name.startswith("jaxvmm"):  # the longest, with their place among this kernel's events
+            top = sorted(range(len(d)), key=lambda i: -d[i])[:6]
+            print("      longest: " + ", ".join(f"#{i} {d[i]:.1f} us" for i in sorted(top)))
     # XLA's compute stream (the row with the most events): its idle gaps between consecutive events,
     # summed by the name of the event that ends each gap (what the stream was about to run).
     main_row = streams.most_common(1)[0][0]
