@@ -128,9 +128,22 @@ extern "C" __global__ void jaxvmm_revoke(u64* word, u64 expect, volatile u64* re
   __threadfence_system();
 }
 
+// Units [i, nv) of a grid-stride copy (this thread's, from unit i on): four loads in flight per thread
+// before their stores, then one at a time.
+template <typename V>
+__device__ __forceinline__ void copy_units(V* d, const V* s, u64 i, u64 nv, u64 stride) {
+  for (; i + 3 * stride < nv; i += 4 * stride) {
+    const V a = s[i], b = s[i + stride], e = s[i + 2 * stride], f = s[i + 3 * stride];
+    d[i] = a;
+    d[i + stride] = b;
+    d[i + 2 * stride] = e;
+    d[i + 3 * stride] = f;
+  }
+  for (; i < nv; i += stride) d[i] = s[i];
+}
+
 // Grid-stride copy of n bytes in units of V, after a head of bytes that aligns dst to sizeof(V)
-// (src is aligned alike: the caller checked dst ^ src), and a tail of bytes. Four loads in flight per
-// thread before their stores.
+// (src is aligned alike: the caller checked dst ^ src), and a tail of bytes.
 template <typename V>
 __device__ __forceinline__ void copy_as(char* dst, const char* src, u64 n) {
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -140,17 +153,7 @@ __device__ __forceinline__ void copy_as(char* dst, const char* src, u64 n) {
   if (head > n) head = n;
   for (u64 i = tid; i < head; i += stride) dst[i] = src[i];
   const u64 nv = (n - head) / w;
-  V* d = (V*)(dst + head);
-  const V* s = (const V*)(src + head);
-  u64 i = tid;
-  for (; i + 3 * stride < nv; i += 4 * stride) {
-    const V a = s[i], b = s[i + stride], e = s[i + 2 * stride], f = s[i + 3 * stride];
-    d[i] = a;
-    d[i + stride] = b;
-    d[i + 2 * stride] = e;
-    d[i + 3 * stride] = f;
-  }
-  for (; i < nv; i += stride) d[i] = s[i];
+  copy_units((V*)(dst + head), (const V*)(src + head), tid, nv, stride);
   for (u64 j = head + nv * w + tid; j < n; j += stride) dst[j] = src[j];
 }
 
@@ -261,15 +264,7 @@ __device__ __forceinline__ void offload_prefetched(Cells* c, Take take, const ch
 #pragma unroll
   for (int u = 0; u < 4; ++u)
     if (tid + u * stride < nv) d[tid + u * stride] = r[u];
-  u64 i = tid + 4 * stride;
-  for (; i + 3 * stride < nv; i += 4 * stride) {
-    const V a = s[i], b = s[i + stride], e = s[i + 2 * stride], f = s[i + 3 * stride];
-    d[i] = a;
-    d[i + stride] = b;
-    d[i + 2 * stride] = e;
-    d[i + 3 * stride] = f;
-  }
-  for (; i < nv; i += stride) d[i] = s[i];
+  copy_units(d, s, tid + 4 * stride, nv, stride);
   for (u64 j = nv * w + tid; j < n; j += stride) cell[j] = src[j];
 }
 
