@@ -257,7 +257,6 @@ Status GraphMode::WarmKernels(Channel& c) {
   if (st.ok()) st = WriteDevice(gd2h_, g0, 1, stage);
   if (st.ok()) st = kernels_.FusedOffload(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), g0, Addr(w.knock));
   if (st.ok()) st = kernels_.FusedReload(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), g0, Addr(w.probe), Addr(w.request), Addr(w.go));
-  if (st.ok()) st = WriteDevice(gd2h_, Addr(w.filled[0]), 0, stage);  // only the publish kernel below sets it again
   if (st.ok()) st = WriteDevice(gd2h_, g0, 1, stage);
   if (st.ok()) st = kernels_.TakeOffload(gd2h_, c.dw, g0, Addr(w.knock));
   if (st.ok()) st = kernels_.TakeReload(gd2h_, c.dw, g0, Addr(w.probe), Addr(w.request), Addr(w.go));
@@ -719,7 +718,6 @@ void GraphMode::PrefetchInto(Channel& c) {
     }
     if (!st.ok()) {
       d.StreamSynchronize(gh2d_);
-      d.StreamSynchronize(garm_);  // a copy out of an offload cell into this one (CopyFromOffloadCell)
       cell.stream = nullptr;  // nothing runs on the cell any more
       if (!armed) {
         Held h = ledger_.Lock();
@@ -1032,18 +1030,13 @@ bool GraphMode::RevokeOn(Channel& c, int i, CUstream on, bool counted) {
   return true;
 }
 
-bool GraphMode::CopyFromOffloadCell(const std::shared_ptr<Ticket>& a, Cell& dst, size_t nbytes, CUdeviceptr clear) {
+bool GraphMode::CopyFromOffloadCell(const std::shared_ptr<Ticket>& a, Cell& dst, size_t nbytes) {
   // The cell whose last round made `a` holds its bytes until a newer round takes the cell's grant. Only
   // a revoke rules that out: a round that took the grant (live, or finished with its filled not served
   // yet) owns the cell, and the bytes come from the host as usual. The revoke runs on garm_ once the
   // grant's write (behind the cell's D2H on gd2h_) has landed, so it waits for no copy; while that
   // D2H still runs the cell is not read. Races with nothing else: the poller alone arms, lends, unmaps.
   if (!use_kernels_ || !a || !a->graph_round) return false;
-  const DriverTable& d = Driver(backend_);
-  // garm_ never waits for another stream (gd2h_ waits for garm_ before the offload cell's next grant,
-  // and gfix_ or gh2d_ work may wait for the D2H backlog or for XLA's streams): the reload cell must
-  // have no copy pending.
-  if (dst.stream && d.EventQuery(dst.event) != CUDA_SUCCESS) return false;
   Channel* oc = nullptr;
   int x = -1;
   channels_.ForEach([&](Channel& c) {
@@ -1053,6 +1046,7 @@ bool GraphMode::CopyFromOffloadCell(const std::shared_ptr<Ticket>& a, Cell& dst,
   });
   if (!oc) return false;
   Cell& cell = oc->cells[x];
+  const DriverTable& d = Driver(backend_);
   if (oc->w->filled[x].load(std::memory_order_acquire) != 0 || cell.round == Channel::Round::kGranted) return false;
   if (cell.round == Channel::Round::kArmed) {
     if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) return false;  // the D2H and grant write still run
@@ -1061,7 +1055,8 @@ bool GraphMode::CopyFromOffloadCell(const std::shared_ptr<Ticket>& a, Cell& dst,
   // No grant is out: nothing writes the cell until Arm below, which is ordered after the copy.
   const char* stage = "reload (graph, from an offload cell)";
   Status st;
-  if (clear) st = WriteDevice(garm_, clear, 0, stage);  // the reload cell's grant: the host decides what it holds
+  if (dst.stream && dst.stream != garm_)
+    st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(garm_, dst.event, 0); });
   if (st.ok()) st = Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst.addr, cell.addr, nbytes, garm_); });
   if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(dst.event, garm_); });
   if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(cell.event, garm_); });
@@ -1214,13 +1209,6 @@ bool GraphMode::ServiceReloadK(Channel& c) {
     cell.host_grant = true;
     c.last_use = std::chrono::steady_clock::now();
     const uint64_t go = static_cast<uint64_t>(j) + 1;
-    // The newest offloads (the backward's first reloads) may still be in their offload cell: a copy
-    // device to device, without waiting for their D2H and an H2D (all on garm_, grant[j] cleared first).
-    if (!hit && a && !src.resident && CopyFromOffloadCell(a, cell, c.meta.nbytes, c.Grant(j))) {
-      ++stats_.misses;
-      Grant(&w.go, c, j, go);
-      return busy;
-    }
     // On gfix_, after every copy into the cell (a prefetch and its grant write): clear grant[j] (the
     // host decides what the cell holds now), put the bytes in, then go.
     Status st;
@@ -1248,6 +1236,12 @@ bool GraphMode::ServiceReloadK(Channel& c) {
       ledger_.Report(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
                                                             "; the output was filled with 0xFF bytes"));
       FillInvalid(c, j);
+      Grant(&w.go, c, j, go);
+      return busy;
+    }
+    // The newest offloads (the backward's first reloads) may still be in their offload cell: a copy
+    // device to device, without waiting for their D2H and an H2D.
+    if (!src.resident && CopyFromOffloadCell(a, cell, c.meta.nbytes)) {
       Grant(&w.go, c, j, go);
       return busy;
     }

@@ -153,12 +153,10 @@ class GraphMode {
   // Revoke on stream `s` (null: the stream that wrote the grant), counted in the stats when `counted`.
   bool RevokeOn(Channel& c, int i, CUstream s, bool counted);
   // Copies round ticket `a` into reload cell `dst` (of `nbytes`) device to device, on garm_, from the
-  // offload cell that still holds its bytes, if one does, `dst` has no copy pending and the offload
-  // cell's grant can be taken back at once (its write landed; the device did not take it first); the
-  // cell is armed again behind the copy. `clear`: a device word written 0 first (the reload cell's
-  // grant). `dst`'s event and stream then name the copy. False: nothing enqueued (the caller copies
-  // from the host).
-  bool CopyFromOffloadCell(const std::shared_ptr<Ticket>& a, Cell& dst, size_t nbytes, CUdeviceptr clear = 0);
+  // offload cell that still holds its bytes, if one does and its grant can be taken back at once (its
+  // write landed; the device did not take it first); the cell is armed again behind the copy. `dst`'s
+  // event and stream then name the copy. False: no such cell (the caller copies from the host).
+  bool CopyFromOffloadCell(const std::shared_ptr<Ticket>& a, Cell& dst, size_t nbytes);
   Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
   Status LoadKernels(Channel& first);  // at the first initialize stage: the protocol captures record
   Status WarmKernels(Channel& c);   // each grant kernel launched once (loaded), at the first initialize
