@@ -76,10 +76,6 @@ struct Cell : CellPages {
   CUstream stream = nullptr;       // the stream that copy ran on (grants are ordered after it)
   CUstream grant_stream = nullptr; // offload, kArmed: the stream that wrote grant[i] (a revoke runs there)
   std::shared_ptr<Ticket> draining;  // offload: the ticket whose D2H out of this cell may still run
-  // Offload: the ticket whose bytes the cell holds, from its round's filled until the cell's pages go
-  // (a lend, an unmap); the next round that takes the cell overwrites them, which only a revoke rules
-  // out (GraphMode::CopyFromOffloadCell).
-  std::weak_ptr<Ticket> holds;
 };
 
 // A spare cell of an offload channel (graph_spares): VA reserved with the channel's cells, pages mapped

@@ -465,10 +465,7 @@ void GraphMode::Mapped(const Channel& c, CellPages* p) {
   ++stats_.pages_mapped;
 }
 
-void GraphMode::UnmapCell(Channel& c, int i) {
-  UnmapPages(c, &c.cells[i], "graph-mode cell kept");
-  if (!c.cells[i].mapped) c.cells[i].holds.reset();  // its bytes went with its pages
-}
+void GraphMode::UnmapCell(Channel& c, int i) { UnmapPages(c, &c.cells[i], "graph-mode cell kept"); }
 
 void GraphMode::UnmapPages(Channel& c, CellPages* p, const char* kept) {
   // A cell's or a spare's pages back to the driver, uncharged from the budget.
@@ -696,13 +693,7 @@ void GraphMode::PrefetchInto(Channel& c) {
       cell.loaded = t;
       src = RoundSourceOf(*t);
     }
-    // From the offload cell that still holds it when one does (device to device; the grant below
-    // follows that copy), else from the host.
-    Status st;
-    if (!src.resident && CopyFromOffloadCell(cell.loaded, cell, c.meta.nbytes))
-      st = Call(-1, "reload prefetch (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(gh2d_, cell.event, 0); });
-    else
-      st = transfers_.CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload prefetch (graph)");
+    Status st = transfers_.CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload prefetch (graph)");
     bool armed = false;
     if (st.ok() && use_kernels_) {
       // The device's grant: grant[i] names the token only once its bytes are in the cell (stream
@@ -873,8 +864,7 @@ Status GraphMode::WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, cons
 }
 
 bool GraphMode::Arm(Channel& c, int i, bool host) {
-  // Every D2H out of an offload cell runs on gd2h_, so a write on gd2h_ is ordered after the last one; a
-  // reload's device-to-device read of the cell (garm_) is waited for through the cell's event.
+  // Every copy out of an offload cell runs on gd2h_, so a write on gd2h_ is ordered after the last one.
   // gd2h_/gh2d_ never wait on XLA's streams (unlike the op ring's d2h/h2d): a grant written there
   // cannot queue behind work that waits for the very round the grant releases.
   Cell& cell = c.cells[i];
@@ -885,29 +875,17 @@ bool GraphMode::Arm(Channel& c, int i, bool host) {
   const bool lent = cell.draining && !c.spares.empty() && behind && !transfers_.D2hDone(*cell.draining) && Lend(c, i);
   cell.draining.reset();
   CUstream s = lent ? garm_ : gd2h_;
-  const DriverTable& d = Driver(backend_);
   const uint64_t token = ledger_.ArmToken();  // armed before the device can take it (WaitUntilServed)
-  Status st;
-  // A reload's copy out of the cell (CopyFromOffloadCell, on garm_) comes before the next round's grant.
-  if (!lent && cell.stream && cell.stream != s)
-    st = Call(-1, "offload grant (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(s, cell.event, 0); });
-  if (st.ok()) st = WriteDevice(s, c.Grant(i), token, "offload grant (graph)");
+  Status st = WriteDevice(s, c.Grant(i), token, "offload grant (graph)");
   if (!st.ok()) {
     // A retry may write its grant on gd2h_: the new address (on garm_) must be in place before it.
-    if (lent) d.StreamSynchronize(garm_);
+    if (lent) Driver(backend_).StreamSynchronize(garm_);
     {
       Held h = ledger_.Lock();
       ledger_.Disarm(h, token);
     }
     ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode grant of call site " + std::to_string(c.site) + "; retrying)"));
     return false;
-  }
-  // The cell's event now also marks the grant's write: a reload may read the cell only once it landed.
-  if (Call(-1, "offload grant (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, s); }).ok()) {
-    cell.stream = s;
-  } else {
-    d.StreamSynchronize(s);
-    cell.stream = nullptr;  // nothing of the cell's is pending any more
   }
   cell.grant_token = token;
   cell.host_grant = host;
@@ -940,7 +918,6 @@ bool GraphMode::Lend(Channel& c, int i) {
     return false;
   }
   std::swap(static_cast<CellPages&>(cell), static_cast<CellPages&>(*sp));  // both mapped
-  cell.holds.reset();  // the bytes went with the pages: the spare serves them (lent_cell)
   sp->lent = std::move(cell.draining);
   {
     Held h = ledger_.Lock();
@@ -994,9 +971,7 @@ void GraphMode::ArmIdleCells(Channel& c) {
   }
 }
 
-bool GraphMode::Revoke(Channel& c, int i) { return RevokeOn(c, i, nullptr, /*counted=*/true); }
-
-bool GraphMode::RevokeOn(Channel& c, int i, CUstream on, bool counted) {
+bool GraphMode::Revoke(Channel& c, int i) {
   // Caller holds mu_. Takes cell i's armed grant back on the stream that wrote it (so after that
   // write), waits for the kernel, and reads what it found. Only a grant taken back lets the cell go.
   Cell& cell = c.cells[i];
@@ -1004,7 +979,7 @@ bool GraphMode::RevokeOn(Channel& c, int i, CUstream on, bool counted) {
   ScopedContext ctx(backend_, device_);  // trim() calls this from a user thread
   const DriverTable& d = Driver(backend_);
   const bool offload = c.kind == ChannelKind::kOffload;
-  CUstream s = on ? on : offload ? (cell.grant_stream ? cell.grant_stream : gd2h_) : gh2d_;
+  CUstream s = offload ? (cell.grant_stream ? cell.grant_stream : gd2h_) : gh2d_;
   const uint64_t expect = offload ? 0 : (cell.loaded ? cell.loaded->token : 0);
   c.w->result.store(0, std::memory_order_relaxed);
   Status st = kernels_.Revoke(s, c.Grant(i), expect, Addr(c.w->result));
@@ -1015,11 +990,11 @@ bool GraphMode::RevokeOn(Channel& c, int i, CUstream on, bool counted) {
   }
   if (c.w->result.load(std::memory_order_acquire) == 0) {
     // The device took it first: the round is live (its filled/done comes), the cell stays.
-    if (counted) ++stats_.revokes_lost;
+    ++stats_.revokes_lost;
     cell.round = Channel::Round::kGranted;
     return false;
   }
-  if (counted) ++stats_.revokes;
+  ++stats_.revokes;
   cell.round = Channel::Round::kIdle;
   {
     Held h = ledger_.Lock();
@@ -1028,47 +1003,6 @@ bool GraphMode::RevokeOn(Channel& c, int i, CUstream on, bool counted) {
   }
   cell.grant_token = 0;  // a reserved number never used: no ticket was made for it
   return true;
-}
-
-bool GraphMode::CopyFromOffloadCell(const std::shared_ptr<Ticket>& a, Cell& dst, size_t nbytes) {
-  // The cell whose last round made `a` holds its bytes until a newer round takes the cell's grant. Only
-  // a revoke rules that out: a round that took the grant (live, or finished with its filled not served
-  // yet) owns the cell, and the bytes come from the host as usual. The revoke runs on garm_ once the
-  // grant's write (behind the cell's D2H on gd2h_) has landed, so it waits for no copy; while that
-  // D2H still runs the cell is not read. Races with nothing else: the poller alone arms, lends, unmaps.
-  if (!use_kernels_ || !a || !a->graph_round) return false;
-  Channel* oc = nullptr;
-  int x = -1;
-  channels_.ForEach([&](Channel& c) {
-    if (oc || c.kind != ChannelKind::kOffload || c.meta.nbytes != nbytes) return;
-    for (int i = 0; i < c.ncells && !oc; ++i)
-      if (c.cells[i].mapped && c.cells[i].holds.lock() == a) oc = &c, x = i;
-  });
-  if (!oc) return false;
-  Cell& cell = oc->cells[x];
-  const DriverTable& d = Driver(backend_);
-  if (oc->w->filled[x].load(std::memory_order_acquire) != 0 || cell.round == Channel::Round::kGranted) return false;
-  if (cell.round == Channel::Round::kArmed) {
-    if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) return false;  // the D2H and grant write still run
-    if (!RevokeOn(*oc, x, garm_, /*counted=*/false)) return false;            // a newer round took the cell
-  }
-  // No grant is out: nothing writes the cell until Arm below, which is ordered after the copy.
-  const char* stage = "reload (graph, from an offload cell)";
-  Status st;
-  if (dst.stream && dst.stream != garm_)
-    st = Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(garm_, dst.event, 0); });
-  if (st.ok()) st = Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst.addr, cell.addr, nbytes, garm_); });
-  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(dst.event, garm_); });
-  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(cell.event, garm_); });
-  if (st.ok()) {
-    dst.stream = cell.stream = garm_;
-    ++stats_.cell_reads;
-  } else {
-    d.StreamSynchronize(garm_);  // whatever was enqueued has run: the caller copies from the host
-    if (cell.stream == garm_) cell.stream = nullptr;
-  }
-  (void)Arm(*oc, x, /*host=*/false);  // the channel's next round finds its grant, behind the copy
-  return st.ok();
 }
 
 bool GraphMode::ServiceOffloadK(Channel& c) {
@@ -1092,8 +1026,6 @@ bool GraphMode::ServiceOffloadK(Channel& c) {
     std::shared_ptr<Ticket> t = MakeRoundTicket(c, token, &st);
     if (t) st = CopyOutOfCell(c, i, t);
     if (t && st.ok()) cell.draining = t;  // Arm may lend the cell to it (spares)
-    if (t && st.ok()) cell.holds = t;
-    else cell.holds.reset();
     // Failed: the token the device handed out names no ticket; its reload fills 0xFF and reports too.
     if (!st.ok()) RecordOffloadError(c, st);
   }
@@ -1236,12 +1168,6 @@ bool GraphMode::ServiceReloadK(Channel& c) {
       ledger_.Report(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
                                                             "; the output was filled with 0xFF bytes"));
       FillInvalid(c, j);
-      Grant(&w.go, c, j, go);
-      return busy;
-    }
-    // The newest offloads (the backward's first reloads) may still be in their offload cell: a copy
-    // device to device, without waiting for their D2H and an H2D.
-    if (!src.resident && CopyFromOffloadCell(a, cell, c.meta.nbytes)) {
       Grant(&w.go, c, j, go);
       return busy;
     }

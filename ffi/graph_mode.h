@@ -60,9 +60,6 @@ struct GraphStats {
   // still queued (the cell's bytes lent to its ticket), and reload copies served from such a lent cell
   // (device to device, without waiting for PCIe).
   int64_t spares = 0, lends = 0, lent_reads = 0;
-  // Reload copies served device to device from the offload cell that still held the ticket's bytes
-  // (the newest offloads: the backward's first reloads), instead of from the host.
-  int64_t cell_reads = 0;
 };
 
 class GraphMode {
@@ -150,13 +147,6 @@ class GraphMode {
   bool ReturnSpares();              // lent spares whose ticket's D2H is done and no reader holds it
   void ArmIdleCells(Channel& c);    // offload: arms every idle cell it can map within the budget
   bool Revoke(Channel& c, int i);   // takes cell i's armed grant back; true: none is outstanding any more
-  // Revoke on stream `s` (null: the stream that wrote the grant), counted in the stats when `counted`.
-  bool RevokeOn(Channel& c, int i, CUstream s, bool counted);
-  // Copies round ticket `a` into reload cell `dst` (of `nbytes`) device to device, on garm_, from the
-  // offload cell that still holds its bytes, if one does and its grant can be taken back at once (its
-  // write landed; the device did not take it first); the cell is armed again behind the copy. `dst`'s
-  // event and stream then name the copy. False: no such cell (the caller copies from the host).
-  bool CopyFromOffloadCell(const std::shared_ptr<Ticket>& a, Cell& dst, size_t nbytes);
   Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
   Status LoadKernels(Channel& first);  // at the first initialize stage: the protocol captures record
   Status WarmKernels(Channel& c);   // each grant kernel launched once (loaded), at the first initialize
@@ -172,8 +162,7 @@ class GraphMode {
   Transfers& transfers_;
   // gd2h_: D2H out of offload cells and the grants behind them; gh2d_: prefetches into reload cells
   // and their grants; garm_: grants of offload cells that took a spare (no copy of theirs is pending:
-  // nothing to queue behind), and reloads' device-to-device copies out of offload cells
-  // (CopyFromOffloadCell); gfix_: corrections and 0xFF fills. Nothing on them waits for XLA's streams.
+  // nothing to queue behind); gfix_: corrections and 0xFF fills. Nothing on them waits for XLA's streams.
   CUstream gd2h_ = nullptr, gh2d_ = nullptr, garm_ = nullptr, gfix_ = nullptr;
 
   std::mutex mu_;  // guards everything below

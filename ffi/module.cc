@@ -597,7 +597,6 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_spares"] = s.graph.spares;
     d["graph_lends"] = s.graph.lends;
     d["graph_lent_reads"] = s.graph.lent_reads;
-    d["graph_cell_reads"] = s.graph.cell_reads;
     return d;
   });
   // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in

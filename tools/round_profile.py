@@ -44,11 +44,6 @@ def main() -> int:
         jax.block_until_ready((loss, params))
     path = sorted(glob.glob(os.path.join(args.dir, "**", "*perfetto_trace.json.gz"), recursive=True))[-1]
     report(path, args.variant)
-    if args.variant != "save":
-        import jaxvmm
-        st = next(iter(jaxvmm.engine_stats().values()))
-        print("engine:", {k: st[k] for k in ("graph_offload_rounds", "graph_reload_rounds", "graph_grants_host",
-                                              "graph_cell_reads", "graph_lent_reads", "graph_misses")})
     return 0
 
 
