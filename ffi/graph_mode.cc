@@ -257,6 +257,7 @@ Status GraphMode::WarmKernels(Channel& c) {
   if (st.ok()) st = WriteDevice(gd2h_, g0, 1, stage);
   if (st.ok()) st = kernels_.FusedOffload(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), g0, Addr(w.knock));
   if (st.ok()) st = kernels_.FusedReload(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), g0, Addr(w.probe), Addr(w.request), Addr(w.go));
+  if (st.ok()) st = WriteDevice(gd2h_, Addr(w.filled[0]), 0, stage);  // only the publish kernel below sets it again
   if (st.ok()) st = WriteDevice(gd2h_, g0, 1, stage);
   if (st.ok()) st = kernels_.TakeOffload(gd2h_, c.dw, g0, Addr(w.knock));
   if (st.ok()) st = kernels_.TakeReload(gd2h_, c.dw, g0, Addr(w.probe), Addr(w.request), Addr(w.go));
