@@ -23,8 +23,8 @@ struct DeviceWords {
   uint64_t ncells;            // K (idem)
   uint64_t next;              // offload: the cell the next take scans first (the device's round robin)
   uint64_t ptr;               // the cell the round took (take kernel -> copy kernel; fused: taker -> other blocks)
-  uint64_t publish;           // that cell's flag (the copy kernel's last block writes 1 there)
-  uint64_t blocks;            // copy and fused kernels: blocks finished (the last one resets it)
+  uint64_t publish;           // that cell's flag (the publish kernel, or a fused kernel's last block, writes 1 there)
+  uint64_t blocks;            // fused kernels: blocks finished (the last one resets it)
   uint64_t arrive;            // fused kernels: blocks arrived (the first takes; the last to finish resets it)
   uint64_t ready;             // fused kernels: the chosen cell's address once the taker chose it (the last to finish resets it)
   uint64_t pad[13];

@@ -28,7 +28,7 @@ struct Cells {
   u64 next;                     // offload: where the next scan starts (round robin)
   u64 ptr;                      // the chosen cell's address (take kernel -> copy kernel)
   u64 publish;                  // the chosen cell's flag word
-  u64 blocks;                   // copy kernel: blocks finished (the last one resets it)
+  u64 blocks;                   // fused kernels: blocks finished (the last one resets it)
   u64 arrive;                   // fused kernels: blocks arrived (the first one takes; the last to finish resets it)
   u64 ready;                    // fused kernels: the chosen cell's address, once the taker chose it (the last to finish resets it)
   u64 pad[13];
