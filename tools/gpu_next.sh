@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# The next session's first device call (nvidia-h200, <= ~6 minutes), checking what this session changed
-# after its last GPU run: comments only in graph_mode.cc, jaxvmm.reserve_host (cpu-tested) and
-# capacity.py's --reserve-host. The engine and graph gpu tests, then the jaxvmm (dots) capacity trial at
-# 26 layers with a step's worth of host memory pinned first (last session, without it: 1.94 s and
-# 1.11 s for the steps after the first, then 0.64 s; with it the first steps should be near 0.64 s).
-# Logs under $OUT.
+# The next session's first device call (nvidia-h200, ~5 min): a baseline of this head to A/B the
+# reverted "reloads from offload cells" against (commits 08e1a32 and cb8d2b7; export each to its own
+# tree and run this script there too): three profiles of the 1 MiB row (each kernel's longest rounds:
+# the backward's first two reloads waited 58/35 us without the feature, 73/<3 with 08e1a32 and
+# 112-120/49-96 with cb8d2b7, one profile each run), graph_rounds at 1 MiB, three 1 MiB rows, and the
+# ring path's handler cost. Logs under $OUT.
 set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
-export JAXVMM_REQUIRE_GPU=1
-gpu_tests core 230 tests/test_engine.py tests/test_graph.py tests/test_graph_xla.py
-capacity_trial dots26_reserved jaxvmm-dots 26 --warmup 3 --reserve-host 14G
+for i in 1 2 3; do
+  timeout 60 python3 tools/round_profile.py --variant jaxvmm --shape 256,512,64 --dir /tmp/prof_$i > "$OUT/prof_$i.txt" 2>&1
+  echo "=== profile $i ($((SECONDS - T0)) s)"; grep -E "span|jaxvmm_take_reload|longest" "$OUT/prof_$i.txt" | head -5
+done
+timeout 60 python3 bench/graph_rounds.py --reps 40 > "$OUT/rounds.txt" 2>&1; grep -E "^\|" "$OUT/rounds.txt" | tail -2
+: > "$OUT/rows.txt"
+for i in 1 2 3; do mlp_row base 256,512,64; done
+XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 60 python3 tools/ring_cost.py > "$OUT/ring_cost.txt" 2>&1; tail -2 "$OUT/ring_cost.txt"
