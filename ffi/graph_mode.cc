@@ -304,6 +304,22 @@ void GraphMode::Recorded(Channel& c) {
   WakePoller();
 }
 
+Status GraphMode::RecordCopyAndPublish(CUstream stream, Channel& c, CUdeviceptr other, size_t nbytes, bool out,
+                                       const char* stage) {
+  if (c.ncells == 1 && c.spares.empty()) {
+    // One cell whose address never changes (JAXVMM_GRAPH_CELLS=1, no spares; reload channels have
+    // none): a memcpy that names it, as before K cells, then a write of its flag.
+    const DriverTable& d = Driver(backend_);
+    const CUdeviceptr cell = c.cells[0].addr;
+    const CUdeviceptr to = out ? other : cell, from = out ? cell : other;
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(to, from, nbytes, stream); }));
+    const CUdeviceptr flag = Addr(out ? c.w->done[0] : c.w->filled[0]);
+    return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, flag, 1, 0); });
+  }
+  JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out));
+  return kernels_.Publish(stream, c.dw, stage);
+}
+
 Status GraphMode::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
   std::lock_guard<std::mutex> lock(mu_);
   Channel* c = nullptr;
@@ -324,14 +340,7 @@ Status GraphMode::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src
     // Separate nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that
     // cell, publish the cell's filled word.
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c->dw, token_out, Addr(w.knock)));
-    if (fixed_cell) {
-      // One cell (JAXVMM_GRAPH_CELLS=1): the copy names it, as before K cells.
-      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(c->cells[0].addr, src, meta.nbytes, stream); }));
-      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled[0]), 1, 0); }));
-    } else {
-      JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, src, meta.nbytes, /*out=*/false));
-      JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c->dw, stage));
-    }
+    JAXVMM_RETURN_IF_ERROR(RecordCopyAndPublish(stream, *c, src, meta.nbytes, /*out=*/false, stage));
     Recorded(*c);
     return Status();
   }
@@ -364,13 +373,7 @@ Status GraphMode::CapturedReload(CUstream stream, int64_t site, CUdeviceptr toke
       return Status();
     }
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, c->dw, token_in, Addr(w.probe), Addr(w.request), Addr(w.go)));
-    if (c->ncells == 1) {
-      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, c->cells[0].addr, meta.nbytes, stream); }));
-      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done[0]), 1, 0); }));
-    } else {
-      JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c->dw, dst, meta.nbytes, /*out=*/true));
-      JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c->dw, stage));
-    }
+    JAXVMM_RETURN_IF_ERROR(RecordCopyAndPublish(stream, *c, dst, meta.nbytes, /*out=*/true, stage));
     Recorded(*c);
     return Status();
   }

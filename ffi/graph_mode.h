@@ -103,6 +103,9 @@ class GraphMode {
   // Caller holds mu_ (as do all the helpers below unless they say otherwise).
   Status CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out);
   void Recorded(Channel& c);  // counts the recording, wakes the poller
+  // A kernel-granted round's nodes after its take: the copy between XLA's buffer `other` and the cell
+  // (out: cell -> other, a reload), then the publish of the cell's filled/done word.
+  Status RecordCopyAndPublish(CUstream stream, Channel& c, CUdeviceptr other, size_t nbytes, bool out, const char* stage);
   void WakePoller();
   void Poll();  // the poller thread
   bool ServiceOffload(Channel& c);  // host grants
