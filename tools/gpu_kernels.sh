@@ -7,8 +7,7 @@ T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
 gpu_tests graph 240 tests/test_graph.py tests/test_graph_xla.py
-timeout 120 python3 tools/round_profile.py --variant jaxvmm --shape 256,512,64 --dir /tmp/prof_k > "$OUT/prof.txt" 2>&1
-echo "=== profile ($((SECONDS - T0)) s)"; grep -E "jaxvmm|memcpy128|Memcpy" "$OUT/prof.txt" | head -8
+round_prof k jaxvmm
 : > "$OUT/rows.txt"
 mlp_row acq_rel 256,512,64
 mlp_row acq_rel 256,512,64

@@ -8,10 +8,7 @@
 set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
-for i in 1 2 3; do
-  timeout 60 python3 tools/round_profile.py --variant jaxvmm --shape 256,512,64 --dir /tmp/prof_$i > "$OUT/prof_$i.txt" 2>&1
-  echo "=== profile $i ($((SECONDS - T0)) s)"; grep -E "span|jaxvmm_take_reload|longest" "$OUT/prof_$i.txt" | head -5
-done
+for i in 1 2 3; do round_prof "$i" jaxvmm; done
 timeout 60 python3 bench/graph_rounds.py --reps 40 > "$OUT/rounds.txt" 2>&1; grep -E "^\|" "$OUT/rounds.txt" | tail -2
 : > "$OUT/rows.txt"
 for i in 1 2 3; do mlp_row base 256,512,64; done

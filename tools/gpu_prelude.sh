@@ -35,3 +35,13 @@ mlp_row() {
     --variants save,jaxvmm --steps "${STEPS:-20}" --warmup "${WARMUP:-3}" --timeout $((to - 5)) >> "$OUT/rows.txt" 2>&1
   echo "=== row $label $shape $* ($((SECONDS - ${T0:-0})) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-400
 }
+
+# round_prof LABEL VARIANT [VAR=value ...]: tools/round_profile.py of the 1 MiB MLP-scan row (VARIANT:
+# save or jaxvmm) with those environment variables into $OUT/prof_LABEL.txt, then its summary: the GPU
+# span, jaxvmm's kernels with their longest rounds, the copies, the compute stream's gaps.
+round_prof() {
+  local label=$1 v=$2; shift 2
+  env "$@" timeout 120 python3 tools/round_profile.py --variant "$v" --shape 256,512,64 --dir "/tmp/prof_$label" > "$OUT/prof_$label.txt" 2>&1
+  echo "=== profile $label $v $* ($((SECONDS - ${T0:-0})) s)"
+  grep -E "span|jaxvmm|longest|memcpy128|Memcpy|compute stream" "$OUT/prof_$label.txt" | head -18
+}

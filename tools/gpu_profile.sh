@@ -4,10 +4,5 @@
 set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
-for v in save jaxvmm; do
-  timeout 120 python3 tools/round_profile.py --variant $v --shape 256,512,64 --dir /tmp/prof_$v > "$OUT/prof_$v.txt" 2>&1
-  echo "=== $v ($((SECONDS - T0)) s)"; grep -v "^WARNING\|^I0000\|^E0000" "$OUT/prof_$v.txt" | tail -28
-done
-XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE timeout 120 python3 tools/round_profile.py --variant jaxvmm --shape 256,512,64 \
-  --dir /tmp/prof_w > "$OUT/prof_jaxvmm_while.txt" 2>&1
-echo "=== jaxvmm +WHILE ($((SECONDS - T0)) s)"; grep -v "^WARNING\|^I0000\|^E0000" "$OUT/prof_jaxvmm_while.txt" | tail -28
+for v in save jaxvmm; do round_prof "$v" "$v"; done
+round_prof jaxvmm_while jaxvmm XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE

@@ -5,11 +5,6 @@
 set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
-prof() {  # prof NAME [env...]
-  local name=$1; shift
-  env "$@" timeout 120 python3 tools/round_profile.py --variant jaxvmm --shape 256,512,64 --dir /tmp/prof_$name > "$OUT/prof_$name.txt" 2>&1
-  echo "=== profile $name $* ($((SECONDS - T0)) s)"; grep -E "^jaxvmm:|jaxvmm_|memcpy128|Memcpy" "$OUT/prof_$name.txt" | head -8
-}
-prof two_nodes JAXVMM_GRAPH_FUSED=0
-prof cells4 JAXVMM_GRAPH_CELLS=4
+round_prof two_nodes jaxvmm JAXVMM_GRAPH_FUSED=0
+round_prof cells4 jaxvmm JAXVMM_GRAPH_CELLS=4
 mlp_row cells4 256,512,64 JAXVMM_GRAPH_CELLS=4

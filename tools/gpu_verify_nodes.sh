@@ -9,6 +9,5 @@ source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
 gpu_tests core 230 tests/test_engine.py tests/test_graph.py tests/test_graph_xla.py
 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE gpu_tests offload_while 120 tests/test_offload.py
-timeout 120 python3 tools/round_profile.py --variant jaxvmm --shape 256,512,64 --dir /tmp/prof_n > "$OUT/prof_nodes.txt" 2>&1
-echo "=== profile ($((SECONDS - T0)) s)"; grep -E "jaxvmm|longest|span" "$OUT/prof_nodes.txt" | head -12
+round_prof nodes jaxvmm
 capacity_trial dots26_reserved jaxvmm-dots 26 --warmup 3 --reserve-host 14G

@@ -47,6 +47,11 @@ def main() -> int:
     return 0
 
 
+def percentiles(v: list) -> str:
+    q = sorted(v)
+    return f"p50={q[len(q) // 2]:.1f} p90={q[len(q) * 9 // 10]:.1f} max={q[-1]:.1f}"
+
+
 def report(path: str, variant: str) -> None:
     with gzip.open(path, "rt") as f:
         tr = json.load(f)
@@ -72,8 +77,7 @@ def report(path: str, variant: str) -> None:
     print(f"{variant}: {len(ks)} GPU events on {len(streams)} rows, span {(t1 - t0) / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms")
     rows = sorted(by.items(), key=lambda kv: (not kv[0].startswith("jaxvmm"), -sum(kv[1])))
     for name, d in rows[:25]:
-        q = sorted(d)
-        pct = f" p50={q[len(q) // 2]:.1f} p90={q[len(q) * 9 // 10]:.1f} max={q[-1]:.1f}" if name.startswith("jaxvmm") else ""
+        pct = " " + percentiles(d) if name.startswith("jaxvmm") else ""
         print(f"  {name:60s} n={len(d):5d} mean={sum(d) / len(d):8.2f} us total={sum(d) / 1e3:8.3f} ms{pct}")
         if name.startswith("jaxvmm"):  # the longest, with their place among this kernel's events
             top = sorted(range(len(d)), key=lambda i: -d[i])[:6]
@@ -90,9 +94,7 @@ def report(path: str, variant: str) -> None:
     mbusy = sum(e["dur"] for e in mk)
     print(f"  compute stream: {len(mk)} events, busy {mbusy / 1e3:.2f} ms, idle gaps {sum(map(sum, gaps.values())) / 1e3:.2f} ms; gaps before:")
     for name, g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:12]:
-        q = sorted(g)
-        print(f"    {name:58s} n={len(g):5d} mean={sum(g) / len(g):8.2f} us total={sum(g) / 1e3:8.3f} ms "
-              f"p50={q[len(q) // 2]:.1f} p90={q[len(q) * 9 // 10]:.1f} max={q[-1]:.1f}")
+        print(f"    {name:58s} n={len(g):5d} mean={sum(g) / len(g):8.2f} us total={sum(g) / 1e3:8.3f} ms {percentiles(g)}")
 
 
 if __name__ == "__main__":
