@@ -1032,6 +1032,16 @@ CUresult KCellCopy(const uint64_t* a) {  // (Cells* cells, u64 other, u64 nbytes
   return CUDA_SUCCESS;
 }
 
+CUresult KCopy(const uint64_t* a) {  // (u64 dst, u64 src, u64 nbytes, u32* word, u64 value)
+  if (a[3]) {
+    auto* w = reinterpret_cast<uint32_t*>(a[3]);
+    w[0] = static_cast<uint32_t>(a[4]);
+    w[1] = static_cast<uint32_t>(a[4] >> 32);
+  }
+  std::memmove(reinterpret_cast<void*>(a[0]), reinterpret_cast<const void*>(a[1]), a[2]);
+  return CUDA_SUCCESS;
+}
+
 CUresult KPublish(const uint64_t* a) {  // (Cells* cells)
   DeviceWords* c = Cells(a);
   if (!c->publish) return CUDA_ERROR_ILLEGAL_ADDRESS;  // no take kernel chose a cell
@@ -1105,6 +1115,7 @@ constexpr PosixKernel kKernels[] = {
     {"jaxvmm_revoke", 3, KRevoke, false},
     {"jaxvmm_cell_copy", 4, KCellCopy, true},
     {"jaxvmm_publish", 1, KPublish, false},
+    {"jaxvmm_copy", 5, KCopy, true},
     {"jaxvmm_fused_offload", 5, KFusedOffload, true, true},
     {"jaxvmm_fused_reload", 7, KFusedReload, true, true},
 };

@@ -29,8 +29,9 @@ Engine::Engine(Backend b, int device)
       staging_(b, device),
       transfers_(b, device),
       ledger_(b, device, EngineKey(), host_store_, staging_),
-      graph_(b, device, ledger_, host_store_, staging_, transfers_),
-      ring_(b, device, ledger_, host_store_, staging_, transfers_) {}
+      kernels_(b),
+      graph_(b, device, ledger_, host_store_, staging_, transfers_, kernels_),
+      ring_(b, device, ledger_, host_store_, staging_, transfers_, kernels_) {}
 
 Status Engine::For(Backend b, int device, Engine** out) {
   std::lock_guard<std::mutex> lock(g_engines_mu);
@@ -88,6 +89,7 @@ Engine::~Engine() {
   // destroyed worker). The members' destructors then free the tickets and the staging cells.
   graph_.Stop();
   ring_.Stop();
+  kernels_.Unload();  // every stream that ran one of its kernels is synchronized
 }
 
 // ---------------------------------------------------------------- the handlers' host time

@@ -19,6 +19,7 @@
 
 #include "channels.h"
 #include "config.h"
+#include "graph_kernels.h"
 #include "graph_mode.h"
 #include "host_pool.h"
 #include "ledger.h"
@@ -113,6 +114,7 @@ class Engine {
   StagingArea staging_;
   Transfers transfers_;
   Ledger ledger_;
+  GraphKernels kernels_;  // graph mode loads and warms it; the op ring copies with it once warmed
   GraphMode graph_;
   OpRing ring_;
 };

@@ -25,7 +25,7 @@ Status GraphKernels::Load(int device) {
   for (Want w : {Want{"jaxvmm_take_offload", &take_offload_}, Want{"jaxvmm_take_reload", &take_reload_},
                  Want{"jaxvmm_revoke", &revoke_}, Want{"jaxvmm_cell_copy", &cell_copy_},
                  Want{"jaxvmm_fused_offload", &fused_offload_}, Want{"jaxvmm_fused_reload", &fused_reload_},
-                 Want{"jaxvmm_publish", &publish_}}) {
+                 Want{"jaxvmm_publish", &publish_}, Want{"jaxvmm_copy", &copy_}}) {
     if (!st.ok()) break;
     st = Call(-1, stage, Entry::kModuleGetFunction, [&] { return d.ModuleGetFunction(w.f, module_, w.name); });
   }
@@ -38,6 +38,7 @@ Status GraphKernels::Load(int device) {
 }
 
 void GraphKernels::Unload() {
+  warmed_.store(false, std::memory_order_release);
   if (module_) Driver(backend_).ModuleUnload(module_);
   module_ = nullptr;
 }
@@ -93,6 +94,13 @@ Status GraphKernels::FusedReload(CUstream s, CUdeviceptr cells, CUdeviceptr dst,
   unsigned long long n = nbytes;
   void* p[] = {&cells, &dst, &n, &token_in, &probe, &request, &go};
   return Launch(fused_reload_, s, p, "reload (capture)", FusedBlocks(nbytes), kCopyThreads);
+}
+
+Status GraphKernels::Copy(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr word, uint64_t value,
+                          const char* stage) const {
+  unsigned long long n = nbytes, v = value;
+  void* p[] = {&dst, &src, &n, &word, &v};
+  return Launch(copy_, s, p, stage, CopyBlocks(nbytes), kCopyThreads);
 }
 
 Status GraphKernels::Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const {

@@ -1,13 +1,17 @@
-// The graph-mode grant kernels: a module loaded at run time from checked-in PTX (graph_kernels_ptx.h,
-// made by tools/gen_ptx.sh from ffi/kernels/graph_kernels.cu), so building jaxvmm needs no CUDA
-// toolkit. Each launch is capturable (XLA's capture records it as a kernel node); the grant kernels are
-// one thread, the cell copy and the fused rounds (take + copy in one node) a grid.
+// The engine's kernels: graph mode's grant kernels and the op ring's copy, a module loaded at run time
+// from checked-in PTX (graph_kernels_ptx.h, made by tools/gen_ptx.sh from ffi/kernels/graph_kernels.cu),
+// so building jaxvmm needs no CUDA toolkit. Each launch is capturable (XLA's capture records it as a
+// kernel node); the grant kernels are one thread, the copies and the fused rounds (take + copy in one
+// node) a grid.
 //
-// Load it outside any capture (the engine does at its first initialize stage); Unload only after every
-// stream that may still run one of its kernels is synchronized. A driver that cannot load it (no PTX
-// JIT, too old for the PTX ISA) leaves the engine on the host-granted protocol.
+// Owned by the engine; graph mode loads and warms it at the engine's first initialize stage, outside any
+// capture (GraphMode::LoadKernels), and the op ring launches its copy only once warmed() says so.
+// Unload only after every stream that may still run one of its kernels is synchronized. A driver that
+// cannot load it (no PTX JIT, too old for the PTX ISA) leaves graph mode on the host-granted protocol
+// and the op ring on driver copies.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -28,6 +32,10 @@ class GraphKernels {
   Status Load(int device);
   bool loaded() const { return module_ != nullptr; }
   bool tried() const { return tried_; }
+  // Every kernel has run once (GraphMode::WarmKernels): under lazy module loading a first launch may
+  // wait for the device to drain, which must never happen once anything waits on the device. Any thread.
+  bool warmed() const { return warmed_.load(std::memory_order_acquire); }
+  void MarkWarmed() { warmed_.store(true, std::memory_order_release); }
   const std::string& why() const { return why_; }  // why it did not load ("" when it did)
   void Unload();
 
@@ -59,6 +67,10 @@ class GraphKernels {
   // residency (the taker is a block that runs; blocks not yet scheduled wait for nothing).
   unsigned FusedBlocks(size_t nbytes) const;
   static constexpr unsigned kMaxFusedBlocks = 128;
+  // jaxvmm_copy(dst, src, nbytes, word, value): the op ring's copy of nbytes (CopyBlocks' grid), and
+  // with `word` != 0 `value` written there (an offload's token into XLA's output).
+  Status Copy(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr word, uint64_t value,
+              const char* stage) const;
   // jaxvmm_revoke(word, expect, result).
   Status Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const;
 
@@ -69,7 +81,8 @@ class GraphKernels {
   std::string why_;
   CUmodule module_ = nullptr;
   CUfunction take_offload_ = nullptr, take_reload_ = nullptr, revoke_ = nullptr, cell_copy_ = nullptr;
-  CUfunction fused_offload_ = nullptr, fused_reload_ = nullptr, publish_ = nullptr;
+  CUfunction fused_offload_ = nullptr, fused_reload_ = nullptr, publish_ = nullptr, copy_ = nullptr;
+  std::atomic<bool> warmed_{false};
   unsigned sms_ = 0;  // the device's SM count (0: unknown; the grid is then kMaxFusedBlocks at most)
 };
 

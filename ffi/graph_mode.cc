@@ -57,9 +57,10 @@ CUdeviceptr Addr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CU
 
 // ---------------------------------------------------------------- lifetime
 
-GraphMode::GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, Transfers& transfers)
+GraphMode::GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, Transfers& transfers,
+                     GraphKernels& kernels)
     : backend_(b), device_(device), ledger_(ledger), host_store_(host), staging_(staging), transfers_(transfers),
-      channels_(b, device), round_host_(b, device, host), kernels_(b) {}
+      channels_(b, device), round_host_(b, device, host), kernels_(kernels) {}
 
 Status GraphMode::Init() {
   const DriverTable& d = Driver(backend_);
@@ -74,7 +75,6 @@ GraphMode::~GraphMode() {
   const DriverTable& d = Driver(backend_);
   for (CUstream s : {gd2h_, gh2d_, garm_, gfix_})
     if (s) GiveBack("graph mode teardown", Entry::kStreamDestroy, [&] { return d.StreamDestroy(s); });
-  kernels_.Unload();  // Stop() synchronized every stream that ran a grant kernel
 }
 
 void GraphMode::WakePoller() {
@@ -96,7 +96,7 @@ Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const
   bool created = false;
   const bool first = !kernels_.tried() && channels_.size() == 0;
   JAXVMM_RETURN_IF_ERROR(channels_.GetOrCreate(site, kind, meta, &c, &created));
-  if (first || (use_kernels_ && !kernels_warmed_ && !any_captured_)) {
+  if (first || (use_kernels_ && !kernels_.warmed() && !any_captured_)) {
     Status ks = LoadKernels(*c);
     if (!ks.ok()) {
       use_kernels_ = stats_.kernels = false;
@@ -138,14 +138,14 @@ Status GraphMode::LoadKernels(Channel& first) {
       use_kernels_ = stats_.kernels = true;
     }
   }
-  if (!use_kernels_ || kernels_warmed_ || any_captured_) return Status();
+  if (!use_kernels_ || kernels_.warmed() || any_captured_) return Status();
   // Before any round of this engine can wait on the device: under lazy module loading (the CUDA
   // default) a kernel's first launch may wait for the whole device to drain while holding the
   // context's lock. Launched first under a capture (mu_ held) or by a revocation (the poller) while
   // another channel's round waits for the poller, that wait never ends. Nothing of this engine waits
   // on the device yet, so the loads end; if they fail, the host-granted protocol runs.
   JAXVMM_RETURN_IF_ERROR(WarmKernels(first));
-  kernels_warmed_ = true;
+  kernels_.MarkWarmed();  // from here on the op ring copies with jaxvmm_copy too
   return Status();
 }
 
@@ -264,11 +264,15 @@ Status GraphMode::WarmKernels(Channel& c) {
   if (st.ok()) st = kernels_.CellCopy(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), /*out=*/true);
   if (st.ok()) st = kernels_.Publish(gd2h_, c.dw, stage);
   if (st.ok()) st = kernels_.Revoke(gd2h_, g0, 0, Addr(w.result));
+  // The op ring's copy: filled[0] (1 by now) into `unused`, and 7 into `arm` (not used by kernel grants).
+  if (st.ok()) st = kernels_.Copy(gd2h_, Addr(w.unused), Addr(w.filled[0]), sizeof(uint64_t), Addr(w.arm), 7, stage);
   Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
   if (st.ok()) st = sync;
-  if (st.ok() && (w.knock.load() || w.request.load() || w.result.load() || w.filled[0].load() != 1))
-    st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set, or the copy did not publish)");
-  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0]}) word->store(0, std::memory_order_relaxed);
+  if (st.ok() && (w.knock.load() || w.request.load() || w.result.load() || w.filled[0].load() != 1 || w.unused.load() != 1 ||
+                  w.arm.load() != 7))
+    st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set, or a copy did not land)");
+  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0], &w.unused, &w.arm})
+    word->store(0, std::memory_order_relaxed);
   // Leave the device words as a new channel's (SetUpCells writes the constants).
   for (CUdeviceptr word : {g0, ncells, cell0, flag0, c.Word(offsetof(DeviceWords, next)), c.Word(offsetof(DeviceWords, ptr)),
                            c.Word(offsetof(DeviceWords, publish)), c.Word(offsetof(DeviceWords, blocks)),

@@ -1,13 +1,13 @@
 // Graph mode: offload/reload call sites that XLA captured into command buffers (CUDA graphs), and the
 // poller thread that serves their rounds on every replay. DESIGN.md, "Graph mode".
 //
-// Owns: the channels (per call site: pinned words, K cells at fixed VAs, spares), the grant kernels,
-// the poller thread, streams gd2h (D2H out of offload cells, the grants behind them, the graph D2H
+// Owns: the channels (per call site: pinned words, K cells at fixed VAs, spares), the poller thread, streams gd2h (D2H out of offload cells, the grants behind them, the graph D2H
 // clock), gh2d (prefetches into reload cells), garm (grants of cells that took a spare) and gfix
 // (corrections and 0xFF fills), and the supply of round tickets' host blocks (RoundHostSupply: the
 // pool, else pageable memory, its bounce buffers and the grower that pins more). Handed: the ledger
 // (tickets, errors, armed tokens), the host store, the staging area (its budget charges every cell's
-// pages) and the transfers (copies, the clock). Knows nothing of the op ring.
+// pages), the transfers (copies, the clock) and the engine's kernels (loaded and warmed here, at the
+// first initialize stage). Knows nothing of the op ring.
 //
 // Lock order: GraphMode::mu_ -> Ledger::mu_ -> HostPool / StagingArea -> Registry -> Slot. The poller
 // holds mu_ while it serves a pass (dropping it between passes); the op ring never takes it.
@@ -64,7 +64,8 @@ struct GraphStats {
 
 class GraphMode {
  public:
-  GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, Transfers& transfers);
+  GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, Transfers& transfers,
+            GraphKernels& kernels);
   ~GraphMode();  // Stop() first
   GraphMode(const GraphMode&) = delete;
   GraphMode& operator=(const GraphMode&) = delete;
@@ -152,7 +153,7 @@ class GraphMode {
   bool Revoke(Channel& c, int i);   // takes cell i's armed grant back; true: none is outstanding any more
   Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
   Status LoadKernels(Channel& first);  // at the first initialize stage: the protocol captures record
-  Status WarmKernels(Channel& c);   // each grant kernel launched once (loaded), at the first initialize
+  Status WarmKernels(Channel& c);   // each kernel launched once (loaded), at the first initialize
   Status SetUpCells(Channel& c);    // the channel's constant device words (K, cells, flags)
   void Unload(const Held& h, Channel& c, int i);  // drops the prediction reload cell i holds
   bool Idle();                      // no round in progress, no D2H outstanding
@@ -178,12 +179,11 @@ class GraphMode {
   bool any_captured_ = false;
   bool poll_stop_ = false;
   bool poll_paused_ = false;     // test hook (PausePoller): passes skipped while set
-  bool kernels_warmed_ = false;  // WarmKernels ran
   RoundHostSupply round_host_;  // round tickets' host blocks, pageable ones' bounce buffers, the grower
   // Unloaded guesses whose cell's copy (the prefetch that reads them) may still run, with that cell's
   // event at the time: unpinned by ReleaseUnpins once it has completed.
   std::vector<std::pair<CUevent, std::shared_ptr<Ticket>>> unpin_after_;
-  GraphKernels kernels_;  // loaded by the first initialize stage (kernel grants), unloaded last
+  GraphKernels& kernels_;  // the engine's; loaded and warmed here, by the first initialize stage (kernel grants)
   bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage
 };

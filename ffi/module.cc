@@ -545,6 +545,7 @@ NB_MODULE(_jaxvmm, m) {
     d["handler_calls"] = s.ring.handler_calls;
     d["handler_median_ns"] = s.ring.handler_median_ns;
     d["handler_p99_ns"] = s.ring.handler_p99_ns;
+    d["ring_copy_kernel"] = s.ring.copy_kernel ? 1 : 0;
     d["staging_budget_bytes"] = s.staging.budget_bytes;
     d["staging_mapped_bytes"] = s.staging.mapped_bytes;
     d["staging_peak_bytes"] = s.staging.peak_mapped_bytes;

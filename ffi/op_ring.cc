@@ -31,13 +31,22 @@ struct OpRing::Op {
   std::shared_ptr<Ticket> actual;  // reload/prefetch: what the token resolved to
   uint64_t tag = 0;                // the predicted ticket's token (0: no prediction)
   CUevent tok = nullptr, done = nullptr;
-  CUevent filled = nullptr;  // reload: recorded on h2d_ once the cell is free and the prefetch (if any) is in
+  CUevent filled = nullptr;  // reload: recorded on h2d_ once the cell is free and the prefetch (if any) is in (a
+                             // predicted reload's wait on XLA's stream; a correction's on fix_)
 };
 
 // ---------------------------------------------------------------- lifetime
 
-OpRing::OpRing(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, const Transfers& transfers)
-    : backend_(b), device_(device), ledger_(ledger), host_store_(host), staging_(staging), transfers_(transfers), bounce_(b, device) {}
+OpRing::OpRing(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, const Transfers& transfers,
+               const GraphKernels& kernels)
+    : backend_(b),
+      device_(device),
+      ledger_(ledger),
+      host_store_(host),
+      staging_(staging),
+      transfers_(transfers),
+      kernels_(kernels),
+      bounce_(b, device) {}
 
 Status OpRing::Init() {
   const DriverTable& d = Driver(backend_);
@@ -155,6 +164,19 @@ Status OpRing::Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage) {
     Release(h, op);
   }
   return st;
+}
+
+Status OpRing::Copy(CUstream stream, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out, const Words& w,
+                    const char* stage) {
+  // One kernel launch (the copy and the token together) once the engine's kernels are warm; until then
+  // (or without them) a driver copy, and the token from its pinned word.
+  if (kernels_.warmed()) return kernels_.Copy(stream, dst, src, nbytes, token_out, w.token, stage);
+  const DriverTable& d = Driver(backend_);
+  if (token_out)
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] {
+      return d.MemcpyAsync(token_out, reinterpret_cast<CUdeviceptr>(&w.token), sizeof(uint64_t), stream);
+    }));
+  return Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, src, nbytes, stream); });
 }
 
 Status OpRing::EnqueueCompletion(Op& op, CUstream stream) {
@@ -284,10 +306,7 @@ Status OpRing::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
     // XLA's stream: once the cell's previous user is done, snapshot x into it and hand out the token.
     if (lease.wait)
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(stream, lease.wait, 0); }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] {
-      return d.MemcpyAsync(token_out, reinterpret_cast<CUdeviceptr>(&w.token), sizeof(uint64_t), stream);
-    }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(lease.address, src, meta.nbytes, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Copy(stream, lease.address, src, meta.nbytes, token_out, w, stage));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->done, stream); }));
     // Copy stream: after the snapshot, D2H into pinned memory; the cell is free once that is done.
     // The one host function after the D2H also reports the op complete (XLA's stream passed it
@@ -349,25 +368,27 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, lease.wait, 0); }));
     if (op->ticket) JAXVMM_RETURN_IF_ERROR(transfers_.CopyTicket(h2d_, src, lease.address, meta.nbytes, bounce_, "prefetch"));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->filled, h2d_); }));
-    if (op->ticket)
-      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(h2d_, ready, seq, 0); }));
     // XLA's stream: let the resolver learn which ticket the GPU holds, without a host round trip on
     // XLA's stream when the prediction was right.
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(probe, token_in, sizeof(uint64_t), stream); }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
     JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &OpRing::OnResolve, *op, stage));
-    // XLA's stream waits for exactly this cell: the right ticket (probe == predicted token, or the
-    // resolver's correction) and its data in place (ready >= seq). Without a prediction only the
-    // resolver writes `ready`, after it has put the right data (or 0xFF) in the cell.
-    if (op->ticket)
+    // XLA's stream waits for exactly this cell. With a prediction: its prefetch in place (`filled`) and
+    // the right ticket (probe == predicted token: a hit, or the resolver's release after its correction
+    // or 0xFF fill, both on fix_ after `filled`). Without one: `ready` >= seq, which only the resolver
+    // writes, after it has put the right data (or 0xFF) in the cell.
+    if (op->ticket) {
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(stream, op->filled, 0); }));
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitValue64, [&] {
         return d.StreamWaitValue64(stream, probe, op->tag, CU_STREAM_WAIT_VALUE_EQ);
       }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitValue64, [&] {
-      return d.StreamWaitValue64(stream, ready, seq, CU_STREAM_WAIT_VALUE_GEQ);
-    }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, lease.address, meta.nbytes, stream); }));
+    } else {
+      JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitValue64, [&] {
+        return d.StreamWaitValue64(stream, ready, seq, CU_STREAM_WAIT_VALUE_GEQ);
+      }));
+    }
+    JAXVMM_RETURN_IF_ERROR(Copy(stream, dst, lease.address, meta.nbytes, 0, w, stage));
     return EnqueueCompletion(*op, stream);
   };
   Status st = enqueue();
@@ -639,6 +660,7 @@ RingStats OpRing::Stats() {
   s.seq_issued = static_cast<int64_t>(issued);
   s.seq_completed = static_cast<int64_t>(completed_seq_);
   s.handler_calls = handler_calls_;
+  s.copy_kernel = kernels_.warmed();
   if (!handler_ns_.empty()) {
     std::vector<int64_t> v = handler_ns_;
     std::sort(v.begin(), v.end());

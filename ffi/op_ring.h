@@ -8,8 +8,9 @@
 //
 // Owns: the records, the pinned words, streams d2h/h2d/fix/ctl/rel, the workers, the bounce buffers
 // its copies of pageable tickets use, the drops waiting for GPU progress, the handler timings. Handed:
-// the ledger (tickets; its lock also guards the records here), the host store, the staging area and
-// the transfers. Knows nothing of graph mode.
+// the ledger (tickets; its lock also guards the records here), the host store, the staging area, the
+// transfers and the engine's kernels (their copy, once graph mode has warmed them). Knows nothing of
+// graph mode.
 #pragma once
 
 #include <chrono>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "bounce.h"
+#include "graph_kernels.h"
 #include "host_pool.h"
 #include "ledger.h"
 #include "staging.h"
@@ -39,11 +41,15 @@ struct RingStats {
   // Host time spent in the handlers (XLA's thread), per call: median and 99th percentile of the last
   // 4096 calls, in nanoseconds.
   int64_t handler_calls = 0, handler_median_ns = 0, handler_p99_ns = 0;
+  // The ring copies with the engine's jaxvmm_copy kernel (false: cuMemcpyDtoDAsync and a token copy,
+  // until graph mode has loaded and warmed the kernels, or for good where they did not load).
+  bool copy_kernel = false;
 };
 
 class OpRing {
  public:
-  OpRing(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, const Transfers& transfers);
+  OpRing(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, const Transfers& transfers,
+         const GraphKernels& kernels);
   ~OpRing();  // Stop() first
   OpRing(const OpRing&) = delete;
   OpRing& operator=(const OpRing&) = delete;
@@ -72,8 +78,8 @@ class OpRing {
   struct Op;
   struct alignas(64) Words {
     std::atomic<uint64_t> probe;  // reload: the token the GPU read, copied here by XLA's stream
-    std::atomic<uint64_t> ready;  // >= op seq once the staging cell holds what XLA's stream needs
-    uint64_t token;               // offload: the ticket's token, copied into XLA's output
+    std::atomic<uint64_t> ready;  // reload without a prediction: >= op seq once the resolver put its data in place
+    uint64_t token;               // offload: the ticket's token (for XLA's output: the copy kernel's argument, or copied)
   };
   using Held = Ledger::Held;
 
@@ -83,6 +89,10 @@ class OpRing {
   void Completed(const Held& h, uint64_t seq);  // MarkCompleted, then the drops it allows
   Status EnqueueCompletion(Op& op, CUstream stream);
   Status Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage);  // host function, counted in op.pending
+  // XLA's stream: nbytes from src to dst, and with token_out != 0 the offload's token (w.token) there.
+  // The kernels' jaxvmm_copy (one launch) once warmed; else cuMemcpyDtoDAsync and a token copy.
+  Status Copy(CUstream stream, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out, const Words& w,
+              const char* stage);
   // Ends a handler's enqueue: undoes a failed op, counts the handler's host time since `start`.
   void FinishEnqueue(Op& op, const Status& st, Clock::time_point start);
   void KeepResident(const Held& h, const std::shared_ptr<Ticket>& t, StagingLease* lease, CUstream stream);
@@ -109,6 +119,7 @@ class OpRing {
   HostStore& host_store_;
   StagingArea& staging_;
   const Transfers& transfers_;
+  const GraphKernels& kernels_;
   // d2h_: offload copies out; h2d_: reload prefetches (in handler order); fix_: the resolver's
   // corrections and prefetch-hint copies; ctl_: event waits and the resolver's host functions; rel_:
   // event waits and the releaser's host functions (an offload's D2H done). d2h_ and h2d_ carry copies,

@@ -34,22 +34,39 @@ PRELUDE = textwrap.dedent("""
 """)
 
 
-def sub(code, **env):
-    return run_in_subprocess(PRELUDE + textwrap.dedent(code), env={"JAX_PLATFORMS": "cpu", **env}, timeout=180)
+def sub(code, prelude="", **env):
+    return run_in_subprocess(PRELUDE + prelude + textwrap.dedent(code), env={"JAX_PLATFORMS": "cpu", **env}, timeout=180)
+
+
+# The op ring's copies on XLA's stream are driver copies until graph mode has warmed the engine's kernels
+# (a CUDA initialize stage), then one jaxvmm_copy launch each. On cpu no initialize stage runs, so the
+# kernel variant warms them through a replayed call site's initialize stage first.
+WARM_KERNELS = textwrap.dedent("""
+    jt.Replay().prepare(1 << 40, jt.Replay.OFFLOAD, 4096)
+    assert jaxvmm.engine_stats()["cpu:0"]["ring_copy_kernel"] == 1
+""")
+RING_COPIES = pytest.mark.parametrize("copy_entry", ["cuMemcpyDtoDAsync", "cuLaunchKernel"])
+
+
+def ring_prelude(copy_entry: str) -> str:
+    """Code that puts the op ring on `copy_entry`'s copies and names that entry COPY."""
+    warm = WARM_KERNELS if copy_entry == "cuLaunchKernel" else ""
+    return warm + f"COPY = {copy_entry!r}\n"
 
 
 # ---- bug 1: a reload whose enqueue fails after its resolve host function was launched ----
-def test_reload_failing_after_resolve_was_launched_consumes_nothing_and_corrupts_nothing():
-    # The copy out of the staging cell fails after the resolve host function is on its stream: the
-    # undo must wait for the resolve task, the cell must not be reused while a correction may write
-    # it, and the ticket stays reloadable with its own data.
-    ok(sub("""
+@RING_COPIES
+def test_reload_failing_after_resolve_was_launched_consumes_nothing_and_corrupts_nothing(copy_entry):
+    # The copy out of the staging cell fails after the resolve task was posted: the undo must wait for
+    # the resolve task, the cell must not be reused while a correction may write it, and the ticket
+    # stays reloadable with its own data.
+    ok(sub(prelude=ring_prelude(copy_entry), code="""
         xs = [jnp.full((3000,), float(i), jnp.float32) for i in range(40)]
         for i in range(40):
             a = jaxvmm.offload(xs[i])
             b = jaxvmm.offload(xs[(i + 1) % 40] * 2)  # a newer ticket of the same shape: a is mispredicted
             jax.block_until_ready((a.token, b.token))
-            jt.arm_fault("cuMemcpyDtoDAsync", nth=1, times=1)
+            jt.arm_fault(COPY, nth=1, times=1)
             e = swallow(lambda: jax.block_until_ready(jaxvmm.reload(a)))
             jt.clear_faults()
             assert isinstance(e, Exception), "the injected fault did not fail the reload"
@@ -171,15 +188,16 @@ def test_idle_staging_goes_back_to_the_driver_by_itself():
 
 
 # ---- bug 5: a synchronous failure is reported once, by the call that failed ----
-def test_synchronous_failure_is_not_reported_again_by_the_next_call():
-    ok(sub("""
+@RING_COPIES
+def test_synchronous_failure_is_not_reported_again_by_the_next_call(copy_entry):
+    ok(sub(prelude=ring_prelude(copy_entry), code="""
         x = jnp.arange(3000, dtype=jnp.float32)
         rt = jax.jit(lambda x: jaxvmm.reload(jaxvmm.offload(x)))
         rt(x).block_until_ready()
-        jt.arm_fault("cuMemcpyDtoDAsync", nth=1, times=1)  # the offload's snapshot fails at enqueue
+        jt.arm_fault(COPY, nth=1, times=1)  # the offload's snapshot fails at enqueue
         e = swallow(lambda: jax.block_until_ready(jaxvmm.offload(x).token))
         jt.clear_faults()
-        assert isinstance(e, Exception) and "cuMemcpyDtoDAsync" in str(e), e
+        assert isinstance(e, Exception) and COPY in str(e), e
         jaxvmm.synchronize()
         assert np.array_equal(np.asarray(rt(x)), np.asarray(x))  # the next call is not failed by it
         jaxvmm.check()                                             # nor is check()
@@ -273,8 +291,9 @@ def test_gpu_offload_storm_stays_within_depth_cells():
         assert float(total) == sum(range(1, 33)), float(total)
         jaxvmm.synchronize()
         s = jaxvmm.engine_stats()["cuda:0"]
-        # prefetch_depth ring cells, plus one cell per graph-mode call site (CUDA command buffers)
-        assert s["staging_peak_bytes"] <= (2 + s["graph_channels"]) * (64 << 20), s
+        # prefetch_depth ring cells per direction (the offload and the reload pool; with command buffers
+        # off every call takes the ring), plus one cell per graph-mode call site (CUDA command buffers)
+        assert s["staging_peak_bytes"] <= (2 * 2 + s["graph_channels"]) * (64 << 20), s
         # Back-pressure on the device: a ring-path offload waits for a staging cell; a captured scan
         # body (graph mode) waits for its one cell's grant, after the previous round's D2H.
         assert s["staging_device_waits"] > 0 or s["graph_offload_rounds"] > 0, s
@@ -342,3 +361,39 @@ def test_budget_full_of_other_sizes_evicts_idle_cells():
         jaxvmm.check()
         print("OK")
     """))
+
+
+# ---- the ring path's driver calls per op (issue 8: handler host time) ----
+@RING_COPIES
+def test_ring_copies_are_one_call_and_predicted_reloads_make_no_memop_write(copy_entry):
+    # With the engine's kernels warm each copy on XLA's stream is one jaxvmm_copy launch (an offload's
+    # token included); without them a D2D copy (and a token copy). A reload whose prediction hit waits
+    # for its prefetch's event: no `ready` write on h2d_. Bookkeeping: one host function per offload, two
+    # per reload. Asynchronous POSIX streams, as on a GPU.
+    ok(sub(prelude=ring_prelude(copy_entry), code="""
+        xs = [jnp.full((4096,), float(i), jnp.float32) for i in range(8)]
+        f = jax.jit(lambda xs: [jaxvmm.reload(t) for t in reversed([jaxvmm.offload(x) for x in xs])])
+        jax.block_until_ready(f(xs))
+        jaxvmm.synchronize()
+        before = dict(jt.driver_counters()["calls"])
+        hits = jaxvmm.engine_stats()["cpu:0"]["prefetch_hits"]
+        for _ in range(5):
+            ys = jax.block_until_ready(f(xs))
+            assert all(np.array_equal(np.asarray(y), np.asarray(x)) for y, x in zip(ys, reversed(xs)))
+        jaxvmm.synchronize()
+        calls = {k: v - before.get(k, 0) for k, v in jt.driver_counters()["calls"].items()}
+        s = jaxvmm.engine_stats()["cpu:0"]
+        assert s["prefetch_hits"] - hits == 40, s      # every reload predicted right
+        assert calls.get("cuStreamWriteValue64", 0) == 0, calls
+        assert calls.get("cuLaunchHostFunc", 0) == 40 + 2 * 40, calls
+        if COPY == "cuLaunchKernel":
+            assert calls.get("cuLaunchKernel", 0) == 80 and calls.get("cuMemcpyDtoDAsync", 0) == 0, calls
+            assert calls.get("cuMemcpyAsync", 0) == 40, calls  # the reloads' probes only: no token copy
+            assert s["ring_copy_kernel"] == 1
+        else:
+            assert calls.get("cuMemcpyDtoDAsync", 0) == 80 and calls.get("cuLaunchKernel", 0) == 0, calls
+            assert calls.get("cuMemcpyAsync", 0) == 80, calls  # the probes and the tokens
+            assert s["ring_copy_kernel"] == 0
+        assert s["tickets_live"] == 0, s
+        print("OK")
+    """, JAXVMM_POSIX_ASYNC="1"))

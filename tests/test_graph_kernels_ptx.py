@@ -27,7 +27,7 @@ def test_ptx_is_loadable_by_a_cuda_13_driver():
     assert version and (int(version.group(1)), int(version.group(2))) <= (9, 0), "PTX ISA newer than CUDA 13.0 (driver 580) JITs"
     assert re.search(r"^\.target sm_80$", ptx, re.M), "compute_80 PTX covers sm_80 and newer (H100/H200) by JIT"
     for name in ("jaxvmm_take_offload", "jaxvmm_take_reload", "jaxvmm_revoke", "jaxvmm_cell_copy", "jaxvmm_fused_offload",
-                 "jaxvmm_fused_reload"):
+                 "jaxvmm_fused_reload", "jaxvmm_publish", "jaxvmm_copy"):
         assert f".entry {name}(" in ptx
 
 

@@ -90,7 +90,8 @@ LAYERS: dict[str, Group] = {
                         only=frozenset({"bounce.h", "host_pool.h", "worker.h", "status.h", "driver.h"})),
     # the op ring and graph mode sit side by side: neither sees the other (nor the engine)
     "op_ring": Group(8, ("op_ring.h", "op_ring.cc"),
-                     only=frozenset({"ledger.h", "transfers.h", "worker.h", "tickets.h", "bounce.h", "host_pool.h",
+                     only=frozenset({"ledger.h", "transfers.h", "worker.h", "graph_kernels.h", "tickets.h", "bounce.h",
+                                     "host_pool.h",
                                      "staging.h", "registry.h", "slot.h", "config.h", "vmm.h", "status.h",
                                      "driver.h"})),
     "graph_mode": Group(8, ("graph_mode.h", "graph_mode.cc"),

@@ -205,6 +205,19 @@ extern "C" __global__ void jaxvmm_publish(Cells* c) {
   *(volatile u64*)*(volatile u64*)&c->publish = 1;
 }
 
+// The op ring's copy (the offloads and reloads XLA's host thread enqueues, outside any capture): n
+// bytes from src to dst, and with `word` != 0 one thread also writes `value` there as two 32-bit
+// halves (an offload's token into XLA's 4-byte aligned output). One launch instead of a
+// cuMemcpyDtoDAsync and a token copy: on the H200 a launch costs the handler less host time than
+// either (ffi/DESIGN.md, "Offload and reload").
+extern "C" __global__ void jaxvmm_copy(u64 dst, u64 src, u64 n, unsigned* word, u64 value) {
+  if (word && blockIdx.x == 0 && threadIdx.x == 0) {
+    word[0] = (unsigned)value;
+    word[1] = (unsigned)(value >> 32);
+  }
+  copy_cell((char*)dst, src, n, 0);
+}
+
 // Fused rounds: the take and the copy in one grid. Thread 0 of each block counts its block in
 // `arrive`; the first block to arrive (so a block that is running, whatever order the blocks are
 // scheduled in) runs the take logic above, exactly as the one-thread take kernel does, then releases
