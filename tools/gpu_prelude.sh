@@ -1,9 +1,12 @@
 # Sourced by the device scripts (tools/gpu_*.sh): $OUT, the system compiler (the image's default CXX
-# links libstdc++ statically, which clashes with jaxlib's), the environment, then `pip install .`.
+# links libstdc++ statically, which clashes with jaxlib's), the environment, then `pip install .` (unless SKIP_BUILD).
 OUT=${OUT:-out}; mkdir -p "$OUT"
 [[ -x /usr/bin/g++ ]] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
+# SKIP_BUILD=1: a follow-up call on the still-warm machine keeps the build the previous call installed.
+if [[ -z ${SKIP_BUILD:-} ]]; then
+  python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
+fi
 
 # gpu_tests NAME TIMEOUT pytest-args...: the gpu-marked tests into $OUT/NAME.txt, then a summary line, the
 # failures and their first error lines (T0: the script's start, for the elapsed time).

@@ -47,7 +47,7 @@ def main() -> int:
     s = jaxvmm.engine_stats()["cuda:0"]
     calls = s["handler_calls"] - before["handler_calls"]
     print(f"handler calls {calls}, median {s['handler_median_ns'] / 1e3:.1f} us, p99 {s['handler_p99_ns'] / 1e3:.1f} us "
-          f"(graph captures {s['graph_captures']})")
+          f"(graph captures {s['graph_captures']}, ring copy kernel {s['ring_copy_kernel']})")
     return 0
 
 
