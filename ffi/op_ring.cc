@@ -20,8 +20,8 @@ struct OpRing::Op {
   uint64_t seq = 0;
   Kind kind = kOffload;
   int pending = 0;  // the host's reference plus callbacks still to run; the record is reusable at 0
-  bool completion_launched = false;  // OnComplete is on ctl_: CompleteTask will run
-  bool offloaded_launched = false;   // OnOffloaded is on rel_: OffloadedTask will run
+  bool completion_posted = false;  // CompleteTask is posted to the resolver (behind `done`): it will run
+  bool offloaded_posted = false;   // OffloadedTask is posted to the releaser (behind the D2H): it will run
   bool abandoned = false;            // its enqueue failed part way: workers release, never consume
   CUstream stream = nullptr;         // XLA's stream for the op (null on cpu)
   CUdeviceptr staging = 0;           // the staging cell's address (reload: what XLA's stream copies out)
@@ -51,10 +51,10 @@ OpRing::OpRing(Backend b, int device, Ledger& ledger, HostStore& host, StagingAr
 Status OpRing::Init() {
   const DriverTable& d = Driver(backend_);
   const char* stage = "engine init";
-  // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ and rel_
-  // only carry event waits and host functions, so bookkeeping never queues behind a large copy and no
-  // copy queues behind bookkeeping.
-  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_, &rel_})
+  // Copies run on their own streams so D2H and H2D overlap each other and XLA's compute; ctl_ only
+  // carries the resolver's last-resort 0xFF fill. Bookkeeping waits for the device on the workers'
+  // threads (Worker::PostAfter), never on a stream: no copy queues behind it, nor it behind a copy.
+  for (CUstream* s : {&d2h_, &h2d_, &fix_, &ctl_})
     JAXVMM_RETURN_IF_ERROR(
         Call(-1, stage, Entry::kStreamCreateWithPriority, [&] { return d.StreamCreateWithPriority(s, CU_STREAM_NON_BLOCKING, 0); }));
   void* words = nullptr;
@@ -80,10 +80,10 @@ Status OpRing::Init() {
 }
 
 void OpRing::Stop() {
-  // Streams first: a host function that fires later would post to a destroyed worker. Then the
-  // workers drain (their tasks may still touch tickets) and stop.
+  // Streams first, then the workers drain (they wait for the events of every op enqueued, and their
+  // tasks may still touch tickets) and stop.
   const DriverTable& d = Driver(backend_);
-  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_})
+  for (CUstream s : {h2d_, fix_, d2h_, ctl_})
     if (s) d.StreamSynchronize(s);
   if (resolver_) resolver_->Drain();
   if (releaser_) releaser_->Drain();
@@ -98,7 +98,7 @@ OpRing::~OpRing() {
   for (auto& op : ops_)
     for (CUevent e : {op.tok, op.done, op.filled})
       if (e) GiveBack(what, Entry::kEventDestroy, [&] { return d.EventDestroy(e); });
-  for (CUstream s : {d2h_, h2d_, fix_, ctl_, rel_})
+  for (CUstream s : {d2h_, h2d_, fix_, ctl_})
     if (s) GiveBack(what, Entry::kStreamDestroy, [&] { return d.StreamDestroy(s); });
   if (words_) GiveBack(what, Entry::kMemFreeHost, [&] { return d.MemFreeHost(words_); });
 }
@@ -130,7 +130,7 @@ OpRing::Op& OpRing::BeginOp(Held& h) {
   Op& op = ops_[seq % kRing];
   op.seq = seq;
   op.pending = 1;  // the host's reference, dropped by FinishEnqueue
-  op.completion_launched = op.offloaded_launched = false;
+  op.completion_posted = op.offloaded_posted = false;
   op.abandoned = false;
   op.stream = nullptr;
   op.staging = 0;
@@ -153,17 +153,16 @@ void OpRing::MarkCompleted(const Held& h, uint64_t seq) {
   }
 }
 
-Status OpRing::Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage) {
+void OpRing::After(Worker& w, CUevent event, Op& op, void (OpRing::*task)(uint64_t)) {
   {
     Held h = ledger_.Lock();
-    ++op.pending;  // before the launch: the host function may run (and decrement) at once
+    ++op.pending;  // the task's reference: it may run (and release it) at once
   }
-  Status st = Call(-1, stage, Entry::kLaunchHostFunc, [&] { return Driver(backend_).LaunchHostFunc(stream, fn, &op); });
-  if (!st.ok()) {
-    Held h = ledger_.Lock();
-    Release(h, op);
-  }
-  return st;
+  const uint64_t seq = op.seq;
+  w.PostAfter(event, [this, &op, seq, task](const Status& st) {
+    if (!st.ok()) Report(op, st);  // the context failed: the bookkeeping still runs
+    (this->*task)(seq);
+  });
 }
 
 Status OpRing::Copy(CUstream stream, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out, const Words& w,
@@ -183,10 +182,9 @@ Status OpRing::EnqueueCompletion(Op& op, CUstream stream) {
   const DriverTable& d = Driver(backend_);
   const char* stage = "enqueue";
   JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op.done, stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op.done, 0); }));
-  JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &OpRing::OnComplete, op, stage));
+  After(*resolver_, op.done, op, &OpRing::CompleteTask);
   Held h = ledger_.Lock();
-  op.completion_launched = true;
+  op.completion_posted = true;
   return Status();
 }
 
@@ -198,7 +196,7 @@ void OpRing::FinishEnqueue(Op& op, const Status& st, Clock::time_point start) {
     Held h = ledger_.Lock();
     if (!st.ok()) {
       op.abandoned = true;
-      if (!op.completion_launched) MarkCompleted(h, op.seq);  // no completion will ever be reported for it
+      if (!op.completion_posted) MarkCompleted(h, op.seq);  // no completion will ever be reported for it
       ++op.pending;  // AbandonTask's reference
     }
     const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
@@ -215,16 +213,16 @@ void OpRing::AbandonTask(uint64_t seq) {
   Op& op = ops_[seq % kRing];
   const DriverTable& d = Driver(backend_);
   Held h = ledger_.Lock();
-  // Every host function already launched for this op runs its task first (the resolver releases XLA's
+  // Every task already posted for this op runs first (the resolver releases XLA's
   // stream if it waits on us), so nothing below races a queued resolve: the cell is returned only once
   // no correction can write it, and a ticket is never consumed after the undo.
   cv_.wait(h, [&] { return op.pending == 1; });
   h.unlock();
   if (op.stream) d.StreamSynchronize(op.stream);
-  for (CUstream s : {h2d_, fix_, d2h_, rel_, ctl_}) d.StreamSynchronize(s);
+  for (CUstream s : {h2d_, fix_, d2h_, ctl_}) d.StreamSynchronize(s);
   staging_.Return(&op.lease, nullptr);  // every stream that touched the cell has drained
   h.lock();
-  if (op.kind == Op::kReload && !op.completion_launched) {
+  if (op.kind == Op::kReload && !op.completion_posted) {
     // The reload never delivered its data: the ticket it resolved to stays reloadable.
     if (op.actual && op.actual != op.ticket) op.actual->pins -= 1;
     if (op.actual) op.actual->consumed = false;
@@ -234,7 +232,7 @@ void OpRing::AbandonTask(uint64_t seq) {
       ledger_.Retire(h, op.ticket);
     }
     if (op.actual) ledger_.Retire(h, op.actual);
-  } else if (op.kind == Op::kOffload && op.ticket && !op.offloaded_launched) {
+  } else if (op.kind == Op::kOffload && op.ticket && !op.offloaded_posted) {
     op.ticket->on_host = true;  // nothing is copying into it any more
     op.ticket->dropped = true;  // its data never reached the host in full
     ledger_.Retire(h, op.ticket);
@@ -309,16 +307,14 @@ Status OpRing::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
     JAXVMM_RETURN_IF_ERROR(Copy(stream, lease.address, src, meta.nbytes, token_out, w, stage));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->done, stream); }));
     // Copy stream: after the snapshot, D2H into pinned memory; the cell is free once that is done.
-    // The one host function after the D2H also reports the op complete (XLA's stream passed it
-    // before the D2H began), so an offload costs one host function, not two.
+    // The releaser's one task after the D2H also reports the op complete (XLA's stream passed it
+    // before the D2H began), so an offload costs one wait, not two.
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(d2h_, op->done, 0); }));
     JAXVMM_RETURN_IF_ERROR(transfers_.CopyToHost(d2h_, host, lease.address, meta.nbytes, stage));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(d2h_done, d2h_); }));
-    // The host function waits on rel_, not on d2h_: the next D2H never queues behind it.
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(rel_, d2h_done, 0); }));
-    JAXVMM_RETURN_IF_ERROR(Launch(rel_, &OpRing::OnOffloaded, *op, stage));
+    After(*releaser_, d2h_done, *op, &OpRing::OffloadedTask);
     Held h = ledger_.Lock();
-    op->offloaded_launched = op->completion_launched = true;
+    op->offloaded_posted = op->completion_posted = true;
     t->enqueued = true;
     if (EngineConfig::KeepResident() > 0) KeepResident(h, t, &op->lease, stream);
     return Status();
@@ -372,8 +368,7 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
     // XLA's stream when the prediction was right.
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(probe, token_in, sizeof(uint64_t), stream); }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
-    JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &OpRing::OnResolve, *op, stage));
+    After(*resolver_, op->tok, *op, &OpRing::ResolveTask);
     // XLA's stream waits for exactly this cell. With a prediction: its prefetch in place (`filled`) and
     // the right ticket (probe == predicted token: a hit, or the resolver's release after its correction
     // or 0xFF fill, both on fix_ after `filled`). Without one: `ready` >= seq, which only the resolver
@@ -417,33 +412,12 @@ Status OpRing::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
       return d.MemcpyAsync(reinterpret_cast<CUdeviceptr>(&w.probe), token_in, sizeof(uint64_t), stream);
     }));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(ctl_, op->tok, 0); }));
-    JAXVMM_RETURN_IF_ERROR(Launch(ctl_, &OpRing::OnResolve, *op, stage));
+    After(*resolver_, op->tok, *op, &OpRing::ResolveTask);
     return EnqueueCompletion(*op, stream);
   };
   Status st = enqueue();
   FinishEnqueue(*op, st, start);
   return st;
-}
-
-// ---------------------------------------------------------------- host functions: post, nothing else
-
-void CUDA_CB OpRing::OnResolve(void* p) {
-  auto* op = static_cast<Op*>(p);
-  const uint64_t seq = op->seq;
-  op->ring->resolver_->Post([r = op->ring, seq] { r->ResolveTask(seq); });
-}
-
-void CUDA_CB OpRing::OnComplete(void* p) {
-  auto* op = static_cast<Op*>(p);
-  const uint64_t seq = op->seq;
-  op->ring->resolver_->Post([r = op->ring, seq] { r->CompleteTask(seq); });
-}
-
-void CUDA_CB OpRing::OnOffloaded(void* p) {
-  auto* op = static_cast<Op*>(p);
-  const uint64_t seq = op->seq;
-  op->ring->releaser_->Post([r = op->ring, seq] { r->OffloadedTask(seq); });
 }
 
 // ---------------------------------------------------------------- workers
@@ -483,7 +457,7 @@ void OpRing::ResolveTask(uint64_t seq) {
   const DriverTable& d = Driver(backend_);
   Held h = ledger_.Lock();
   if (op.abandoned) {
-    // The enqueue failed after this host function was launched: XLA aborts the execution. Release its
+    // The enqueue failed after this task was posted: XLA aborts the execution. Release its
     // stream if it may wait on us, but consume nothing.
     if (op.kind == Op::kReload) {
       h.unlock();

@@ -2,11 +2,13 @@
 // calls it did not capture into a command buffer). DESIGN.md, "Offload and reload".
 //
 // Each op takes one of kRing records (three events, pinned probe/ready/token words); its stream work
-// is enqueued by the handler, and host functions on the ring's streams wake two workers: the resolver
+// is enqueued by the handler, which also posts the op's bookkeeping to two workers, each task behind an
+// event the handler recorded (Worker::PostAfter: the worker polls the events, in order): the resolver
 // (learns which ticket a reload holds, corrects a misprediction, records completion) and the releaser
-// (an offload's D2H is done). Host functions only post to a worker; no driver call runs inside one.
+// (an offload's D2H is done). No stream host function and no bookkeeping stream: a handler's host time
+// is its copies, memops and event records (ffi/DESIGN.md, "Offload and reload").
 //
-// Owns: the records, the pinned words, streams d2h/h2d/fix/ctl/rel, the workers, the bounce buffers
+// Owns: the records, the pinned words, streams d2h/h2d/fix/ctl, the workers, the bounce buffers
 // its copies of pageable tickets use, the drops waiting for GPU progress, the handler timings. Handed:
 // the ledger (tickets; its lock also guards the records here), the host store, the staging area, the
 // transfers and the engine's kernels (their copy, once graph mode has warmed them). Knows nothing of
@@ -88,7 +90,8 @@ class OpRing {
   void MarkCompleted(const Held& h, uint64_t seq);
   void Completed(const Held& h, uint64_t seq);  // MarkCompleted, then the drops it allows
   Status EnqueueCompletion(Op& op, CUstream stream);
-  Status Launch(CUstream stream, CUhostFn fn, Op& op, const char* stage);  // host function, counted in op.pending
+  // Posts op's `task` to worker `w` behind `event` (recorded already), counted in op.pending.
+  void After(Worker& w, CUevent event, Op& op, void (OpRing::*task)(uint64_t));
   // XLA's stream: nbytes from src to dst, and with token_out != 0 the offload's token (w.token) there.
   // The kernels' jaxvmm_copy (one launch) once warmed; else cuMemcpyDtoDAsync and a token copy.
   Status Copy(CUstream stream, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out, const Words& w,
@@ -109,10 +112,6 @@ class OpRing {
   Status Resident(const std::shared_ptr<Ticket>& t);  // a prefetch hint's device copy
   void Release(Held& h, Op& op);  // drops a reference to op (pending), waking BeginOp/AbandonTask
 
-  static void CUDA_CB OnResolve(void* op);
-  static void CUDA_CB OnComplete(void* op);
-  static void CUDA_CB OnOffloaded(void* op);
-
   const Backend backend_;
   const int device_;
   Ledger& ledger_;
@@ -121,11 +120,10 @@ class OpRing {
   const Transfers& transfers_;
   const GraphKernels& kernels_;
   // d2h_: offload copies out; h2d_: reload prefetches (in handler order); fix_: the resolver's
-  // corrections and prefetch-hint copies; ctl_: event waits and the resolver's host functions; rel_:
-  // event waits and the releaser's host functions (an offload's D2H done). d2h_ and h2d_ carry copies,
-  // event records and the `ready` writes only: nothing on them waits for the other direction's copies
+  // corrections and prefetch-hint copies; ctl_: the resolver's last-resort 0xFF fill. d2h_ and h2d_
+  // carry copies and event records only: nothing on them waits for the other direction's copies
   // except a reload's wait for its own ticket's D2H.
-  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr, rel_ = nullptr;
+  CUstream d2h_ = nullptr, h2d_ = nullptr, fix_ = nullptr, ctl_ = nullptr;
   Words* words_ = nullptr;  // pinned, kRing entries
   std::vector<Op> ops_;
   PageableBounce bounce_;
@@ -140,7 +138,7 @@ class OpRing {
   std::vector<int64_t> handler_ns_;  // ring of the last kTimings handler host times
   int64_t handler_calls_ = 0;
 
-  // Workers last: destroyed first, after Stop() has synchronized every stream.
+  // Workers last: destroyed first, after Stop() has drained them.
   std::unique_ptr<Worker> resolver_, releaser_;
 };
 

@@ -1,5 +1,8 @@
 #include "worker.h"
 
+#include <algorithm>
+#include <chrono>
+
 #include "vmm.h"
 
 namespace jaxvmm {
@@ -17,11 +20,36 @@ Worker::~Worker() {
 }
 
 void Worker::Post(std::function<void()> task) {
+  PostAfter(nullptr, [t = std::move(task)](const Status&) { t(); });
+}
+
+void Worker::PostAfter(CUevent event, std::function<void(const Status&)> task) {
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(task));
+    queue_.push_back(Queued{event, std::move(task)});
+    wake = sleeping_;  // a busy worker finds the entry on its own: no futex wake on the poster's thread
   }
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
+}
+
+Status Worker::WaitFor(CUevent event) const {
+  // Spins first (yielding: a copy or kernel about to finish), then naps of 10, 20, ... kMaxNapMicros
+  // µs: a far-off event (XLA's thread runs ahead of the device by a whole step) costs a wake-up per nap.
+  const DriverTable& d = Driver(backend_);
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+  int nap = 10;
+  for (;;) {
+    const CUresult r = d.EventQuery(event);
+    if (r == CUDA_SUCCESS) return Status();
+    if (r != CUDA_ERROR_NOT_READY) return Status::Driver(r, Entry::kEventQuery).At(-1, name_.c_str());
+    if (std::chrono::steady_clock::now() < spin_until) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(nap));
+    nap = std::min(nap * 2, kMaxNapMicros);
+  }
 }
 
 void Worker::Drain() {
@@ -33,13 +61,15 @@ void Worker::Run() {
   ScopedContext ctx(backend_, device_);  // the device's primary context, for every task
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
+    sleeping_ = true;
     cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    sleeping_ = false;
     if (queue_.empty()) break;  // stop requested and drained
-    auto task = std::move(queue_.front());
+    Queued e = std::move(queue_.front());
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
-    task();
+    e.task(e.event ? WaitFor(e.event) : Status());
     lock.lock();
     busy_ = false;
     if (queue_.empty()) idle_cv_.notify_all();

@@ -1,6 +1,10 @@
-// Worker: one thread, one FIFO of tasks. Host functions enqueued on CUDA streams only Post() here (no
-// driver call ever runs inside a host function); the task runs on the worker's thread with the
-// device's context current. Workers never touch Python.
+// Worker: one thread, one FIFO of tasks, each run with the device's context current. A task may come
+// with an event to wait for first (PostAfter): the worker polls it (cuEventQuery) in FIFO order, as a
+// stream of event waits and host functions would, for a fraction of the poster's host time (nothing
+// but the event record it already made). It polls rather than blocks in cuEventSynchronize: XLA's
+// thread can spin inside cuGraphLaunch holding a driver lock while the device waits for a worker's
+// task, and a blocking wait could need that lock (DESIGN.md, "Why the workers poll"). No stream host
+// function is used. Workers never touch Python.
 #pragma once
 
 #include <condition_variable>
@@ -11,6 +15,7 @@
 #include <thread>
 
 #include "driver.h"
+#include "status.h"
 
 namespace jaxvmm {
 
@@ -21,7 +26,13 @@ class Worker {
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
-  void Post(std::function<void()> task);  // never blocks on the task; safe from host functions
+  void Post(std::function<void()> task);  // never blocks on the task
+  // Runs `task` once `event` (recorded by the caller before this call) has completed: after every task
+  // posted before, the worker polls the event (a few spins, then sleeps of growing length up to
+  // kMaxNapMicros), then runs the task with the poll's status (not OK: the context failed; the task still
+  // runs, so its bookkeeping is done). Never blocks the caller on the task or the event.
+  void PostAfter(CUevent event, std::function<void(const Status&)> task);
+  static constexpr int kMaxNapMicros = 200;
   // Blocks until every task posted before this call has run.
   void Drain();
   const std::string& name() const { return name_; }
@@ -34,7 +45,13 @@ class Worker {
   const int device_;
   std::mutex mu_;
   std::condition_variable cv_, idle_cv_;
-  std::deque<std::function<void()>> queue_;
+  struct Queued {
+    CUevent event = nullptr;  // polled until complete before the task runs (null: none)
+    std::function<void(const Status&)> task;
+  };
+  Status WaitFor(CUevent event) const;  // the worker's poll of one event
+  std::deque<Queued> queue_;
+  bool sleeping_ = false;  // the thread waits on cv_ for an entry: a poster must notify
   bool stop_ = false;
   bool busy_ = false;
   std::thread thread_;
