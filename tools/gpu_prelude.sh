@@ -48,3 +48,24 @@ round_prof() {
   echo "=== profile $label $v $* ($((SECONDS - ${T0:-0})) s)"
   grep -E "span|jaxvmm|longest|memcpy128|Memcpy|compute stream" "$OUT/prof_$label.txt" | head -18
 }
+
+# A/B against ab_old/ (an exported older tree, `git archive REV | tar -x -C ab_old`; git-ignored, so the
+# device call names it in `carry`). ab_build installs it into /tmp/ab_old; `old CMD` / `new CMD` run CMD
+# from /tmp with that tree's package (its scripts under $T) or this one's; ab_ring_cost N runs
+# tools/ring_cost.py (command buffers off) alternating old and new N times.
+AB_ROOT=$PWD
+ab_build() {
+  python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab_old ./ab_old > "$OUT/build_old.txt" 2>&1 \
+    || { tail -20 "$OUT/build_old.txt"; exit 1; }
+}
+old() { (cd /tmp && T=$AB_ROOT/ab_old PYTHONPATH=/tmp/ab_old "$@"); }
+new() { (cd /tmp && T=$AB_ROOT "$@"); }
+ab_ring_cost() {
+  local i v
+  for i in $(seq "$1"); do
+    for v in old new; do
+      $v bash -c 'XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 90 python3 "$T/tools/ring_cost.py"' > "$OUT/ring_$v$i.txt" 2>&1
+      echo "=== ring_cost $v $i: $(tail -1 "$OUT/ring_$v$i.txt") ($((SECONDS - ${T0:-0})) s)"
+    done
+  done
+}

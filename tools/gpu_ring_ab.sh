@@ -8,17 +8,8 @@ set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 OFF=--xla_gpu_enable_command_buffer=
-python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab_old ./ab_old > "$OUT/build_old.txt" 2>&1 || { tail -20 "$OUT/build_old.txt"; exit 1; }
-ROOT=$PWD
-# old/new CMD ARGS: CMD with that tree's package, its scripts under $T.
-old() { (cd /tmp && T=$ROOT/ab_old PYTHONPATH=/tmp/ab_old "$@"); }
-new() { (cd /tmp && T=$ROOT "$@"); }
-for i in $(seq "${N:-3}"); do
-  for v in old new; do
-    $v bash -c 'XLA_FLAGS='$OFF' timeout 90 python3 "$T/tools/ring_cost.py"' > "$OUT/ring_$v$i.txt" 2>&1
-    echo "=== ring_cost $v $i: $(tail -1 "$OUT/ring_$v$i.txt") ($((SECONDS - T0)) s)"
-  done
-done
+ab_build
+ab_ring_cost "${N:-3}"
 : > "$OUT/rows.txt"
 [[ -n ${ROWS:-} ]] && for v in old new old new; do
   $v bash -c 'XLA_FLAGS='$OFF' timeout 70 python3 "$T/bench/train_step.py" --models mlp --targets mlp_hidden \

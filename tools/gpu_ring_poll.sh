@@ -7,16 +7,8 @@ set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 OFF=--xla_gpu_enable_command_buffer=
-python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/ab_old ./ab_old > "$OUT/build_old.txt" 2>&1 || { tail -20 "$OUT/build_old.txt"; exit 1; }
-ROOT=$PWD
-old() { (cd /tmp && T=$ROOT/ab_old PYTHONPATH=/tmp/ab_old "$@"); }
-new() { (cd /tmp && T=$ROOT "$@"); }
-for i in $(seq "${N:-3}"); do
-  for v in old new; do
-    $v bash -c 'XLA_FLAGS='$OFF' timeout 90 python3 "$T/tools/ring_cost.py"' > "$OUT/ring_$v$i.txt" 2>&1
-    echo "=== ring_cost $v $i: $(tail -1 "$OUT/ring_$v$i.txt") ($((SECONDS - T0)) s)"
-  done
-done
+ab_build
+ab_ring_cost "${N:-3}"
 for i in $(seq "${REPS:-2}"); do
   gpu_tests hangk$i 150 tests/test_graph_xla.py -k one_to_three
 done
