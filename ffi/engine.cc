@@ -84,9 +84,9 @@ Status Engine::Init() {
 
 Engine::~Engine() {
   ScopedContext ctx(backend_, device_);
-  // Graph mode first (the poller enqueues copies and owns the channels' cells), then the op ring
-  // (streams synchronized before its workers stop: a host function that fires later would post to a
-  // destroyed worker). The members' destructors then free the tickets and the staging cells.
+  // Graph mode first (the poller enqueues copies and owns the channels' cells), then the op ring (its
+  // workers drained, then its streams synchronized). The members' destructors then free the tickets
+  // and the staging cells.
   graph_.Stop();
   ring_.Stop();
   kernels_.Unload();  // every stream that ran one of its kernels is synchronized

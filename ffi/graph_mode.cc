@@ -264,12 +264,14 @@ Status GraphMode::WarmKernels(Channel& c) {
   if (st.ok()) st = kernels_.CellCopy(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), /*out=*/true);
   if (st.ok()) st = kernels_.Publish(gd2h_, c.dw, stage);
   if (st.ok()) st = kernels_.Revoke(gd2h_, g0, 0, Addr(w.result));
-  // The op ring's copy: filled[0] (1 by now) into `unused`, and 7 into `arm` (not used by kernel grants).
-  if (st.ok()) st = kernels_.Copy(gd2h_, Addr(w.unused), Addr(w.filled[0]), sizeof(uint64_t), Addr(w.arm), 7, stage);
+  // The op ring's copy: filled[0] (1 by now) into `unused`, and a value with both 32-bit halves set into
+  // `arm` (not used by kernel grants).
+  constexpr uint64_t kWarmToken = 0x0000000900000007ull;
+  if (st.ok()) st = kernels_.Copy(gd2h_, Addr(w.unused), Addr(w.filled[0]), sizeof(uint64_t), Addr(w.arm), kWarmToken, stage);
   Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
   if (st.ok()) st = sync;
   if (st.ok() && (w.knock.load() || w.request.load() || w.result.load() || w.filled[0].load() != 1 || w.unused.load() != 1 ||
-                  w.arm.load() != 7))
+                  w.arm.load() != kWarmToken))
     st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set, or a copy did not land)");
   for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0], &w.unused, &w.arm})
     word->store(0, std::memory_order_relaxed);

@@ -80,15 +80,16 @@ Status OpRing::Init() {
 }
 
 void OpRing::Stop() {
-  // Streams first, then the workers drain (they wait for the events of every op enqueued, and their
-  // tasks may still touch tickets) and stop.
-  const DriverTable& d = Driver(backend_);
-  for (CUstream s : {h2d_, fix_, d2h_, ctl_})
-    if (s) d.StreamSynchronize(s);
+  // The workers first: they wait for the events of every op enqueued (on XLA's stream and d2h_ only)
+  // and their tasks may still enqueue on fix_/ctl_ (a correction, a 0xFF fill, a prefetch hint's copy).
+  // Then those streams, so nothing the engine's parts free afterwards is still being copied.
   if (resolver_) resolver_->Drain();
   if (releaser_) releaser_->Drain();
   resolver_.reset();
   releaser_.reset();
+  const DriverTable& d = Driver(backend_);
+  for (CUstream s : {h2d_, fix_, d2h_, ctl_})
+    if (s) d.StreamSynchronize(s);
 }
 
 OpRing::~OpRing() {

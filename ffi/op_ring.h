@@ -57,7 +57,7 @@ class OpRing {
   OpRing& operator=(const OpRing&) = delete;
 
   Status Init();  // streams, records, pinned words, workers
-  // Streams synchronized, then the workers drained and stopped (before the ledger frees tickets).
+  // The workers drained and stopped, then the streams synchronized (before the ledger frees tickets).
   void Stop();
 
   // The handlers' host time (outside any capture; `start`: when the handler began, for its timing).

@@ -36,13 +36,17 @@ void Worker::PostAfter(CUevent event, std::function<void(const Status&)> task) {
 Status Worker::WaitFor(CUevent event) const {
   // Spins first (yielding: a copy or kernel about to finish), then naps of 10, 20, ... kMaxNapMicros
   // µs: a far-off event (XLA's thread runs ahead of the device by a whole step) costs a wake-up per nap.
+  // A query that fails is retried for kErrorPatience: only an error that persists (a failed context)
+  // lets the task run before the event, so a passing error never has it act on work not done yet.
   const DriverTable& d = Driver(backend_);
-  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+  const auto start = std::chrono::steady_clock::now();
+  const auto spin_until = start + std::chrono::microseconds(50);
   int nap = 10;
   for (;;) {
     const CUresult r = d.EventQuery(event);
     if (r == CUDA_SUCCESS) return Status();
-    if (r != CUDA_ERROR_NOT_READY) return Status::Driver(r, Entry::kEventQuery).At(-1, name_.c_str());
+    if (r != CUDA_ERROR_NOT_READY && std::chrono::steady_clock::now() - start > kErrorPatience)
+      return Status::Driver(r, Entry::kEventQuery).At(-1, name_.c_str());
     if (std::chrono::steady_clock::now() < spin_until) {
       std::this_thread::yield();
       continue;

@@ -7,6 +7,7 @@
 // function is used. Workers never touch Python.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -29,10 +30,12 @@ class Worker {
   void Post(std::function<void()> task);  // never blocks on the task
   // Runs `task` once `event` (recorded by the caller before this call) has completed: after every task
   // posted before, the worker polls the event (a few spins, then sleeps of growing length up to
-  // kMaxNapMicros), then runs the task with the poll's status (not OK: the context failed; the task still
-  // runs, so its bookkeeping is done). Never blocks the caller on the task or the event.
+  // kMaxNapMicros), then runs the task with the poll's status (not OK: the query kept failing for
+  // kErrorPatience, a failed context; the task still runs, so its bookkeeping is done). Never blocks
+  // the caller on the task or the event.
   void PostAfter(CUevent event, std::function<void(const Status&)> task);
   static constexpr int kMaxNapMicros = 200;
+  static constexpr std::chrono::milliseconds kErrorPatience{1000};
   // Blocks until every task posted before this call has run.
   void Drain();
   const std::string& name() const { return name_; }

@@ -397,3 +397,28 @@ def test_ring_copies_are_one_call_and_predicted_reloads_make_no_memop_write(copy
         assert s["tickets_live"] == 0, s
         print("OK")
     """, JAXVMM_POSIX_ASYNC="1"))
+
+
+def test_a_failing_event_poll_never_runs_the_resolver_early():
+    # Review finding: the workers poll the ops' events; a query that fails once (not NOT_READY) ran the
+    # task at once, before the device reached the event. For a mispredicted reload the resolver then read
+    # a probe word XLA's stream had not written yet, took it for an unknown token and released the stream
+    # onto 0xFF bytes. A failing query is retried now; only a lasting failure runs the task. Streams are
+    # asynchronous with random delays, so the events are usually not complete at the first poll.
+    ok(sub("""
+        xs = [jnp.full((3000,), float(i), jnp.float32) for i in range(6)]
+        rel = jax.jit(jaxvmm.reload)
+        for i in range(6):
+            a = jaxvmm.offload(xs[i])
+            b = jaxvmm.offload(xs[i] * 2)  # the newest of that shape: the reload of `a` is mispredicted
+            jaxvmm.synchronize()
+            jt.arm_fault("cuEventQuery", nth=1, times=4, error="CUDA_ERROR_LAUNCH_FAILED")
+            y = np.asarray(rel(a))
+            jaxvmm.synchronize()
+            jt.clear_faults()
+            assert np.array_equal(y, np.asarray(xs[i])), (i, y[:4])
+            assert np.array_equal(np.asarray(rel(b)), np.asarray(xs[i] * 2)), i
+        jaxvmm.synchronize()
+        jaxvmm.check()
+        print("OK")
+    """, JAXVMM_POSIX_ASYNC="3000"))
