@@ -48,7 +48,7 @@ namespace jaxvmm {
   /* synchronous copies (Slot.read / Slot.write) */ \
   X(MemcpyHtoD, 3020)                            \
   X(MemcpyDtoH, 3020)                            \
-  /* streams, events, host functions, async copies, stream memory ops (offload engine) */ \
+  /* streams, events, async copies, stream memory ops (offload engine) */ \
   X(StreamCreateWithPriority, 5050)              \
   X(StreamDestroy, 4000)                         \
   X(StreamSynchronize, 2000)                     \
@@ -60,9 +60,7 @@ namespace jaxvmm {
   X(EventCreate, 2000)                           \
   X(EventRecord, 2000)                           \
   X(EventQuery, 2000)                            \
-  X(EventSynchronize, 2000)                      \
   X(EventDestroy, 4000)                          \
-  X(LaunchHostFunc, 10000)                       \
   X(MemcpyAsync, 4000)                           \
   X(MemcpyHtoDAsync, 3020)                       \
   X(MemcpyDtoHAsync, 3020)                       \

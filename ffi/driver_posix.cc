@@ -825,21 +825,9 @@ CUresult PosixEventQuery(CUevent e) {
   auto* ev = reinterpret_cast<PosixEvent*>(e);
   return ev && ev->stream && !ev->stream->Reached(ev->seq) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
-CUresult PosixEventSynchronize(CUevent e) {
-  auto* ev = reinterpret_cast<PosixEvent*>(e);
-  if (ev && ev->stream) ev->stream->WaitFor(ev->seq);
-  return CUDA_SUCCESS;
-}
 CUresult PosixEventDestroy(CUevent e) {
   delete reinterpret_cast<PosixEvent*>(e);
   return CUDA_SUCCESS;
-}
-CUresult PosixLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
-  if (!fn) return CUDA_ERROR_INVALID_VALUE;
-  return Enqueue(s, [=] {
-    fn(data);
-    return CUDA_SUCCESS;
-  });
 }
 CUresult PosixStreamIsCapturing(CUstream s, CUstreamCaptureStatus* status) {
   if (!status) return CUDA_ERROR_INVALID_VALUE;
@@ -962,6 +950,13 @@ void Choose(DeviceWords* c, uint64_t i) {
   c->publish = c->flag[i];
 }
 
+// A ticket token into XLA's 8-byte, 4-byte aligned token buffer: two 32-bit halves, as the kernels do.
+void StoreToken(uint64_t addr, uint64_t t) {
+  auto* out = reinterpret_cast<uint32_t*>(addr);
+  out[0] = static_cast<uint32_t>(t);
+  out[1] = static_cast<uint32_t>(t >> 32);
+}
+
 CUresult KTakeOffload(const uint64_t* a) {  // (Cells* cells, u32* token_out, u64* knock)
   DeviceWords* c = Cells(a);
   const uint64_t k = c->ncells, start = c->next;
@@ -982,9 +977,7 @@ CUresult KTakeOffload(const uint64_t* a) {  // (Cells* cells, u32* token_out, u6
   }
   c->next = (i + 1) % k;
   Choose(c, i);
-  auto* out = reinterpret_cast<uint32_t*>(a[1]);
-  out[0] = static_cast<uint32_t>(t);
-  out[1] = static_cast<uint32_t>(t >> 32);
+  StoreToken(a[1], t);
   void (*hook)(void*) = nullptr;
   void* arg = nullptr;
   {
@@ -1033,11 +1026,7 @@ CUresult KCellCopy(const uint64_t* a) {  // (Cells* cells, u64 other, u64 nbytes
 }
 
 CUresult KCopy(const uint64_t* a) {  // (u64 dst, u64 src, u64 nbytes, u32* word, u64 value)
-  if (a[3]) {
-    auto* w = reinterpret_cast<uint32_t*>(a[3]);
-    w[0] = static_cast<uint32_t>(a[4]);
-    w[1] = static_cast<uint32_t>(a[4] >> 32);
-  }
+  if (a[3]) StoreToken(a[3], a[4]);
   std::memmove(reinterpret_cast<void*>(a[0]), reinterpret_cast<const void*>(a[1]), a[2]);
   return CUDA_SUCCESS;
 }

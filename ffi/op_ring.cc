@@ -16,7 +16,6 @@ constexpr size_t kTimings = 4096;  // handler host times kept for the median
 
 struct OpRing::Op {
   enum Kind { kOffload, kReload, kPrefetch };
-  OpRing* ring = nullptr;
   uint64_t seq = 0;
   Kind kind = kOffload;
   int pending = 0;  // the host's reference plus callbacks still to run; the record is reusable at 0
@@ -70,7 +69,6 @@ Status OpRing::Init() {
   }
   ops_.resize(kRing);
   for (auto& op : ops_) {
-    op.ring = this;
     for (CUevent* e : {&op.tok, &op.done, &op.filled})
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventCreate, [&] { return d.EventCreate(e, CU_EVENT_DISABLE_TIMING); }));
   }

@@ -40,6 +40,12 @@ __device__ __forceinline__ void backoff(unsigned* ns) {
   if (*ns < 2048) *ns *= 2;
 }
 
+// A ticket token into XLA's 8-byte token buffer, which is only 4-byte aligned: two 32-bit halves.
+__device__ __forceinline__ void store_token(unsigned* out, u64 t) {
+  out[0] = (unsigned)t;
+  out[1] = (unsigned)(t >> 32);
+}
+
 __device__ __forceinline__ u64 choose(Cells* c, u64 i) {
   // cell[i] of an offload channel changes when the poller lends the cell (spare cells): a volatile
   // read, after the fence that follows taking the grant written behind it.
@@ -78,8 +84,7 @@ __device__ __forceinline__ u64 take_offload(Cells* c, unsigned* token_out, volat
   }
   __threadfence();
   c->next = (i + 1) % k;
-  token_out[0] = (unsigned)t;
-  token_out[1] = (unsigned)(t >> 32);
+  store_token(token_out, t);
   return choose(c, i);
 }
 
@@ -211,10 +216,7 @@ extern "C" __global__ void jaxvmm_publish(Cells* c) {
 // cuMemcpyDtoDAsync and a token copy: on the H200 a launch costs the handler less host time than
 // either (ffi/DESIGN.md, "Offload and reload").
 extern "C" __global__ void jaxvmm_copy(u64 dst, u64 src, u64 n, unsigned* word, u64 value) {
-  if (word && blockIdx.x == 0 && threadIdx.x == 0) {
-    word[0] = (unsigned)value;
-    word[1] = (unsigned)(value >> 32);
-  }
+  if (word && blockIdx.x == 0 && threadIdx.x == 0) store_token(word, value);
   copy_cell((char*)dst, src, n, 0);
 }
 
