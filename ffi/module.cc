@@ -545,6 +545,8 @@ NB_MODULE(_jaxvmm, m) {
     d["handler_calls"] = s.ring.handler_calls;
     d["handler_median_ns"] = s.ring.handler_median_ns;
     d["handler_p99_ns"] = s.ring.handler_p99_ns;
+    d["handler_offload_median_ns"] = s.ring.offload_median_ns;
+    d["handler_reload_median_ns"] = s.ring.reload_median_ns;
     d["ring_copy_kernel"] = s.ring.copy_kernel ? 1 : 0;
     d["staging_budget_bytes"] = s.staging.budget_bytes;
     d["staging_mapped_bytes"] = s.staging.mapped_bytes;

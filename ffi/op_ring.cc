@@ -199,8 +199,13 @@ void OpRing::FinishEnqueue(Op& op, const Status& st, Clock::time_point start) {
       ++op.pending;  // AbandonTask's reference
     }
     const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-    if (handler_ns_.size() < kTimings) handler_ns_.push_back(ns);
-    else handler_ns_[handler_calls_ % kTimings] = ns;
+    if (handler_ns_.size() < kTimings) {
+      handler_ns_.push_back(ns);
+      handler_kind_.push_back(static_cast<uint8_t>(op.kind));
+    } else {
+      handler_ns_[handler_calls_ % kTimings] = ns;
+      handler_kind_[handler_calls_ % kTimings] = static_cast<uint8_t>(op.kind);
+    }
     ++handler_calls_;
     Release(h, op);  // the host's own reference
   }
@@ -639,6 +644,14 @@ RingStats OpRing::Stats() {
     std::sort(v.begin(), v.end());
     s.handler_median_ns = v[v.size() / 2];
     s.handler_p99_ns = v[std::min(v.size() - 1, v.size() * 99 / 100)];
+  }
+  for (auto [kind, out] : {std::pair{Op::kOffload, &s.offload_median_ns}, std::pair{Op::kReload, &s.reload_median_ns}}) {
+    std::vector<int64_t> v;
+    for (size_t i = 0; i < handler_ns_.size(); ++i)
+      if (handler_kind_[i] == kind) v.push_back(handler_ns_[i]);
+    if (v.empty()) continue;
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    *out = v[v.size() / 2];
   }
   return s;
 }

@@ -43,6 +43,8 @@ struct RingStats {
   // Host time spent in the handlers (XLA's thread), per call: median and 99th percentile of the last
   // 4096 calls, in nanoseconds.
   int64_t handler_calls = 0, handler_median_ns = 0, handler_p99_ns = 0;
+  // The same median per kind of call (0 when none among the last 4096).
+  int64_t offload_median_ns = 0, reload_median_ns = 0;
   // The ring copies with the engine's jaxvmm_copy kernel (false: cuMemcpyDtoDAsync and a token copy,
   // until graph mode has loaded and warmed the kernels, or for good where they did not load).
   bool copy_kernel = false;
@@ -136,6 +138,7 @@ class OpRing {
   std::vector<std::shared_ptr<Ticket>> kept_;  // newest offloads keeping their staging cell
   std::vector<std::pair<uint64_t, uint64_t>> pending_drops_;  // (token, after seq)
   std::vector<int64_t> handler_ns_;  // ring of the last kTimings handler host times
+  std::vector<uint8_t> handler_kind_;  // their Op::Kind, same positions
   int64_t handler_calls_ = 0;
 
   // Workers last: destroyed first, after Stop() has drained them.

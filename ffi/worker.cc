@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 
 #include "vmm.h"
 
@@ -33,6 +34,14 @@ void Worker::PostAfter(CUevent event, std::function<void(const Status&)> task) {
   if (wake) cv_.notify_one();
 }
 
+int Worker::SpinMicros() {
+  static const int us = [] {
+    const char* v = std::getenv("JAXVMM_WORKER_SPIN_US");
+    return v && *v ? std::clamp(std::atoi(v), 0, 100000) : 50;
+  }();
+  return us;
+}
+
 Status Worker::WaitFor(CUevent event) const {
   // Spins first (yielding: a copy or kernel about to finish), then naps of 10, 20, ... kMaxNapMicros
   // µs: a far-off event (XLA's thread runs ahead of the device by a whole step) costs a wake-up per nap.
@@ -40,7 +49,7 @@ Status Worker::WaitFor(CUevent event) const {
   // lets the task run before the event, so a passing error never has it act on work not done yet.
   const DriverTable& d = Driver(backend_);
   const auto start = std::chrono::steady_clock::now();
-  const auto spin_until = start + std::chrono::microseconds(50);
+  const auto spin_until = start + std::chrono::microseconds(SpinMicros());
   int nap = 10;
   for (;;) {
     const CUresult r = d.EventQuery(event);

@@ -35,6 +35,8 @@ class Worker {
   // the caller on the task or the event.
   void PostAfter(CUevent event, std::function<void(const Status&)> task);
   static constexpr int kMaxNapMicros = 200;
+  // How long a poll spins (yielding) before its first nap: JAXVMM_WORKER_SPIN_US, default 50 µs.
+  static int SpinMicros();
   static constexpr std::chrono::milliseconds kErrorPatience{1000};
   // Blocks until every task posted before this call has run.
   void Drain();

@@ -46,7 +46,8 @@ def main() -> int:
     assert all(bool(jnp.array_equal(a, b)) for a, b in zip(out, reversed(xs)))
     s = jaxvmm.engine_stats()["cuda:0"]
     calls = s["handler_calls"] - before["handler_calls"]
-    print(f"handler calls {calls}, median {s['handler_median_ns'] / 1e3:.1f} us, p99 {s['handler_p99_ns'] / 1e3:.1f} us "
+    print(f"handler calls {calls}, median {s['handler_median_ns'] / 1e3:.1f} us, p99 {s['handler_p99_ns'] / 1e3:.1f} us, "
+          f"offload {s['handler_offload_median_ns'] / 1e3:.1f} us, reload {s['handler_reload_median_ns'] / 1e3:.1f} us "
           f"(graph captures {s['graph_captures']}, ring copy kernel {s['ring_copy_kernel']})")
     return 0
 
