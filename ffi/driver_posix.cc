@@ -1031,6 +1031,20 @@ CUresult KCopy(const uint64_t* a) {  // (u64 dst, u64 src, u64 nbytes, u32* word
   return CUDA_SUCCESS;
 }
 
+// (u64 dst, u64 src, u64 nbytes, u32* token_in, u64 tag, u64* probe, u64* seen, u64 seq, u64* ready)
+CUresult KRingReload(const uint64_t* a) {
+  const auto* in = reinterpret_cast<const uint32_t*>(a[3]);
+  const uint64_t t = uint64_t{in[0]} | (uint64_t{in[1]} << 32);
+  W(a[5])->store(t, std::memory_order_release);
+  W(a[6])->store(a[7], std::memory_order_release);
+  if (a[4] == 0 || t != a[4]) {
+    CUresult r = SpinUntil([&] { return W(a[8])->load(std::memory_order_acquire) >= a[7]; });
+    if (r != CUDA_SUCCESS) return r;
+  }
+  std::memmove(reinterpret_cast<void*>(a[0]), reinterpret_cast<const void*>(a[1]), a[2]);
+  return CUDA_SUCCESS;
+}
+
 CUresult KPublish(const uint64_t* a) {  // (Cells* cells)
   DeviceWords* c = Cells(a);
   if (!c->publish) return CUDA_ERROR_ILLEGAL_ADDRESS;  // no take kernel chose a cell
@@ -1096,7 +1110,7 @@ struct PosixKernel {
   int params;  // all 8 bytes wide
   CUresult (*fn)(const uint64_t*);
   bool grid;   // launched as a grid (the copy and fused kernels); the grant kernels are one thread
-  bool fused = false;  // a fused round: its grid waits for one block, so it must leave every SM room
+  bool fused = false;  // its grid may wait for the host (fused rounds, the ring reload): at most one block per SM
 };
 constexpr PosixKernel kKernels[] = {
     {"jaxvmm_take_offload", 3, KTakeOffload, false},
@@ -1107,8 +1121,9 @@ constexpr PosixKernel kKernels[] = {
     {"jaxvmm_copy", 5, KCopy, true},
     {"jaxvmm_fused_offload", 5, KFusedOffload, true, true},
     {"jaxvmm_fused_reload", 7, KFusedReload, true, true},
+    {"jaxvmm_ring_reload", 9, KRingReload, true, true},
 };
-constexpr int kMaxParams = 7;
+constexpr int kMaxParams = 9;
 struct PosixModule {
   std::vector<const PosixKernel*> kernels;
 };

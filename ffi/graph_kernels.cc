@@ -25,7 +25,8 @@ Status GraphKernels::Load(int device) {
   for (Want w : {Want{"jaxvmm_take_offload", &take_offload_}, Want{"jaxvmm_take_reload", &take_reload_},
                  Want{"jaxvmm_revoke", &revoke_}, Want{"jaxvmm_cell_copy", &cell_copy_},
                  Want{"jaxvmm_fused_offload", &fused_offload_}, Want{"jaxvmm_fused_reload", &fused_reload_},
-                 Want{"jaxvmm_publish", &publish_}, Want{"jaxvmm_copy", &copy_}}) {
+                 Want{"jaxvmm_publish", &publish_}, Want{"jaxvmm_copy", &copy_},
+                 Want{"jaxvmm_ring_reload", &ring_reload_}}) {
     if (!st.ok()) break;
     st = Call(-1, stage, Entry::kModuleGetFunction, [&] { return d.ModuleGetFunction(w.f, module_, w.name); });
   }
@@ -101,6 +102,13 @@ Status GraphKernels::Copy(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t n
   unsigned long long n = nbytes, v = value;
   void* p[] = {&dst, &src, &n, &word, &v};
   return Launch(copy_, s, p, stage, CopyBlocks(nbytes), kCopyThreads);
+}
+
+Status GraphKernels::RingReload(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_in, uint64_t tag,
+                                CUdeviceptr probe, CUdeviceptr seen, uint64_t seq, CUdeviceptr ready) const {
+  unsigned long long n = nbytes, t = tag, q = seq;
+  void* p[] = {&dst, &src, &n, &token_in, &t, &probe, &seen, &q, &ready};
+  return Launch(ring_reload_, s, p, "reload", FusedBlocks(nbytes), kCopyThreads);
 }
 
 Status GraphKernels::Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const {

@@ -71,6 +71,14 @@ class GraphKernels {
   // with `word` != 0 `value` written there (an offload's token into XLA's output).
   Status Copy(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr word, uint64_t value,
               const char* stage) const;
+  // jaxvmm_ring_reload(dst, src, nbytes, token_in, tag, probe, seen, seq, ready): the op ring's reload
+  // copy out of its cell, which also publishes the token it holds (probe, then seen = seq) and, unless
+  // that token is `tag` (!= 0, the prediction), first waits for ready >= seq. FusedBlocks' grid.
+  Status RingReload(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_in, uint64_t tag,
+                    CUdeviceptr probe, CUdeviceptr seen, uint64_t seq, CUdeviceptr ready) const;
+  // The waiting reload's grid is the copy's own (CopyBlocks, not capped to one block per SM): the op
+  // ring uses RingReload for such sizes only (on the H200, up to 2 MiB), a copy with a memop wait above.
+  bool RingReloadFullGrid(size_t nbytes) const { return FusedBlocks(nbytes) == CopyBlocks(nbytes); }
   // jaxvmm_revoke(word, expect, result).
   Status Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const;
 
@@ -82,6 +90,7 @@ class GraphKernels {
   CUmodule module_ = nullptr;
   CUfunction take_offload_ = nullptr, take_reload_ = nullptr, revoke_ = nullptr, cell_copy_ = nullptr;
   CUfunction fused_offload_ = nullptr, fused_reload_ = nullptr, publish_ = nullptr, copy_ = nullptr;
+  CUfunction ring_reload_ = nullptr;
   std::atomic<bool> warmed_{false};
   unsigned sms_ = 0;  // the device's SM count (0: unknown; the grid is then kMaxFusedBlocks at most)
 };

@@ -1420,6 +1420,609 @@ $L__BB5_57:
 	ret;
 
 }
+	// .globl	jaxvmm_ring_reload
+.visible .entry jaxvmm_ring_reload(
+	.param .u64 jaxvmm_ring_reload_param_0,
+	.param .u64 jaxvmm_ring_reload_param_1,
+	.param .u64 jaxvmm_ring_reload_param_2,
+	.param .u64 jaxvmm_ring_reload_param_3,
+	.param .u64 jaxvmm_ring_reload_param_4,
+	.param .u64 jaxvmm_ring_reload_param_5,
+	.param .u64 jaxvmm_ring_reload_param_6,
+	.param .u64 jaxvmm_ring_reload_param_7,
+	.param .u64 jaxvmm_ring_reload_param_8
+)
+{
+	.reg .pred 	%p<54>;
+	.reg .b16 	%rs<20>;
+	.reg .b32 	%r<86>;
+	.reg .b64 	%rd<328>;
+
+	ld.param.u64 	%rd138, [jaxvmm_ring_reload_param_0];
+	ld.param.u64 	%rd139, [jaxvmm_ring_reload_param_1];
+	ld.param.u64 	%rd140, [jaxvmm_ring_reload_param_2];
+	ld.param.u64 	%rd141, [jaxvmm_ring_reload_param_3];
+	ld.param.u64 	%rd142, [jaxvmm_ring_reload_param_4];
+	ld.param.u64 	%rd143, [jaxvmm_ring_reload_param_5];
+	ld.param.u64 	%rd144, [jaxvmm_ring_reload_param_6];
+	ld.param.u64 	%rd145, [jaxvmm_ring_reload_param_7];
+	ld.param.u64 	%rd146, [jaxvmm_ring_reload_param_8];
+	cvta.to.global.u64 	%rd1, %rd146;
+	mov.u32 	%r1, %tid.x;
+	setp.ne.s32 	%p1, %r1, 0;
+	@%p1 bra 	$L__BB6_8;
+
+	cvta.to.global.u64 	%rd147, %rd141;
+	ld.global.u32 	%rd148, [%rd147];
+	ld.global.u32 	%rd149, [%rd147+4];
+	bfi.b64 	%rd2, %rd149, %rd148, 32, 32;
+	mov.u32 	%r4, %ctaid.x;
+	setp.ne.s32 	%p2, %r4, 0;
+	@%p2 bra 	$L__BB6_3;
+
+	cvta.to.global.u64 	%rd150, %rd143;
+	st.volatile.global.u64 	[%rd150], %rd2;
+	membar.sys;
+	cvta.to.global.u64 	%rd151, %rd144;
+	st.volatile.global.u64 	[%rd151], %rd145;
+	membar.sys;
+
+$L__BB6_3:
+	setp.ne.s64 	%p3, %rd142, 0;
+	setp.eq.s64 	%p4, %rd2, %rd142;
+	and.pred  	%p5, %p3, %p4;
+	@%p5 bra 	$L__BB6_8;
+
+	ld.volatile.global.u64 	%rd152, [%rd1];
+	setp.ge.u64 	%p6, %rd152, %rd145;
+	@%p6 bra 	$L__BB6_7;
+
+	mov.u32 	%r85, 32;
+
+$L__BB6_6:
+	// begin inline asm
+	nanosleep.u32 %r85;
+	// end inline asm
+	setp.lt.u32 	%p7, %r85, 2048;
+	selp.u32 	%r7, 1, 0, %p7;
+	shl.b32 	%r85, %r85, %r7;
+	ld.volatile.global.u64 	%rd153, [%rd1];
+	setp.lt.u64 	%p8, %rd153, %rd145;
+	@%p8 bra 	$L__BB6_6;
+
+$L__BB6_7:
+	membar.sys;
+
+$L__BB6_8:
+	bar.sync 	0;
+	cvta.to.global.u64 	%rd3, %rd139;
+	cvta.to.global.u64 	%rd4, %rd138;
+	xor.b64  	%rd5, %rd139, %rd138;
+	and.b64  	%rd154, %rd5, 15;
+	setp.eq.s64 	%p9, %rd154, 0;
+	@%p9 bra 	$L__BB6_52;
+
+	and.b64  	%rd155, %rd5, 7;
+	setp.eq.s64 	%p10, %rd155, 0;
+	@%p10 bra 	$L__BB6_41;
+
+	and.b64  	%rd156, %rd5, 3;
+	setp.eq.s64 	%p11, %rd156, 0;
+	@%p11 bra 	$L__BB6_30;
+
+	and.b64  	%rd157, %rd5, 1;
+	setp.eq.b64 	%p12, %rd157, 1;
+	mov.pred 	%p13, 0;
+	xor.pred  	%p14, %p12, %p13;
+	not.pred 	%p15, %p14;
+	mov.u32 	%r8, %ctaid.x;
+	cvt.u64.u32 	%rd6, %r8;
+	mov.u32 	%r9, %ntid.x;
+	cvt.u64.u32 	%rd7, %r9;
+	mul.wide.u32 	%rd158, %r8, %r9;
+	cvt.u64.u32 	%rd8, %r1;
+	add.s64 	%rd9, %rd158, %rd8;
+	mov.u32 	%r10, %nctaid.x;
+	cvt.u64.u32 	%rd10, %r10;
+	mul.wide.u32 	%rd11, %r10, %r9;
+	@%p15 bra 	$L__BB6_19;
+	bra.uni 	$L__BB6_12;
+
+$L__BB6_19:
+	and.b64  	%rd28, %rd138, 1;
+	min.u64 	%rd29, %rd28, %rd140;
+	setp.ge.u64 	%p22, %rd9, %rd29;
+	@%p22 bra 	$L__BB6_22;
+
+	mov.u64 	%rd302, %rd9;
+
+$L__BB6_21:
+	add.s64 	%rd172, %rd3, %rd302;
+	ld.global.u8 	%rs7, [%rd172];
+	add.s64 	%rd173, %rd4, %rd302;
+	st.global.u8 	[%rd173], %rs7;
+	add.s64 	%rd302, %rd302, %rd11;
+	setp.lt.u64 	%p23, %rd302, %rd29;
+	@%p23 bra 	$L__BB6_21;
+
+$L__BB6_22:
+	sub.s64 	%rd32, %rd140, %rd29;
+	shr.u64 	%rd33, %rd32, 1;
+	mul.lo.s64 	%rd34, %rd11, 3;
+	add.s64 	%rd174, %rd9, %rd34;
+	setp.ge.u64 	%p24, %rd174, %rd33;
+	mov.u64 	%rd306, %rd9;
+	@%p24 bra 	$L__BB6_25;
+
+	mul.lo.s64 	%rd175, %rd6, %rd7;
+	shl.b64 	%rd176, %rd175, 1;
+	shl.b64 	%rd177, %rd8, 1;
+	add.s64 	%rd178, %rd176, %rd177;
+	add.s64 	%rd179, %rd178, -1;
+	not.b64 	%rd180, %rd140;
+	not.b64 	%rd181, %rd28;
+	max.u64 	%rd182, %rd181, %rd180;
+	sub.s64 	%rd183, %rd179, %rd182;
+	add.s64 	%rd304, %rd3, %rd183;
+	mul.lo.s64 	%rd184, %rd10, %rd7;
+	shl.b64 	%rd36, %rd184, 1;
+	add.s64 	%rd305, %rd4, %rd183;
+	mov.u64 	%rd306, %rd9;
+
+$L__BB6_24:
+	ld.global.u16 	%rs8, [%rd304];
+	add.s64 	%rd185, %rd304, %rd36;
+	ld.global.u16 	%rs9, [%rd185];
+	add.s64 	%rd186, %rd185, %rd36;
+	ld.global.u16 	%rs10, [%rd186];
+	add.s64 	%rd187, %rd186, %rd36;
+	add.s64 	%rd304, %rd187, %rd36;
+	ld.global.u16 	%rs11, [%rd187];
+	st.global.u16 	[%rd305], %rs8;
+	add.s64 	%rd188, %rd305, %rd36;
+	st.global.u16 	[%rd188], %rs9;
+	add.s64 	%rd189, %rd188, %rd36;
+	st.global.u16 	[%rd189], %rs10;
+	add.s64 	%rd190, %rd189, %rd36;
+	add.s64 	%rd305, %rd190, %rd36;
+	st.global.u16 	[%rd190], %rs11;
+	add.s64 	%rd191, %rd306, %rd11;
+	add.s64 	%rd306, %rd34, %rd191;
+	add.s64 	%rd192, %rd306, %rd34;
+	setp.lt.u64 	%p25, %rd192, %rd33;
+	@%p25 bra 	$L__BB6_24;
+
+$L__BB6_25:
+	setp.ge.u64 	%p26, %rd306, %rd33;
+	@%p26 bra 	$L__BB6_28;
+
+	add.s64 	%rd45, %rd4, %rd29;
+	add.s64 	%rd46, %rd3, %rd29;
+
+$L__BB6_27:
+	shl.b64 	%rd193, %rd306, 1;
+	add.s64 	%rd194, %rd46, %rd193;
+	ld.global.u16 	%rs12, [%rd194];
+	add.s64 	%rd195, %rd45, %rd193;
+	st.global.u16 	[%rd195], %rs12;
+	add.s64 	%rd306, %rd306, %rd11;
+	setp.lt.u64 	%p27, %rd306, %rd33;
+	@%p27 bra 	$L__BB6_27;
+
+$L__BB6_28:
+	and.b64  	%rd196, %rd32, -2;
+	add.s64 	%rd197, %rd29, %rd9;
+	add.s64 	%rd308, %rd197, %rd196;
+	setp.ge.u64 	%p28, %rd308, %rd140;
+	@%p28 bra 	$L__BB6_63;
+
+$L__BB6_29:
+	add.s64 	%rd198, %rd3, %rd308;
+	ld.global.u8 	%rs13, [%rd198];
+	add.s64 	%rd199, %rd4, %rd308;
+	st.global.u8 	[%rd199], %rs13;
+	add.s64 	%rd308, %rd308, %rd11;
+	setp.lt.u64 	%p29, %rd308, %rd140;
+	@%p29 bra 	$L__BB6_29;
+	bra.uni 	$L__BB6_63;
+
+$L__BB6_52:
+	mov.u32 	%r42, %ctaid.x;
+	cvt.u64.u32 	%rd110, %r42;
+	mov.u32 	%r43, %ntid.x;
+	cvt.u64.u32 	%rd111, %r43;
+	mul.wide.u32 	%rd262, %r42, %r43;
+	cvt.u64.u32 	%rd112, %r1;
+	add.s64 	%rd113, %rd262, %rd112;
+	mov.u32 	%r44, %nctaid.x;
+	cvt.u64.u32 	%rd114, %r44;
+	mul.wide.u32 	%rd115, %r44, %r43;
+	neg.s64 	%rd263, %rd138;
+	and.b64  	%rd116, %rd263, 15;
+	min.u64 	%rd117, %rd116, %rd140;
+	setp.ge.u64 	%p46, %rd113, %rd117;
+	@%p46 bra 	$L__BB6_55;
+
+	mov.u64 	%rd322, %rd113;
+
+$L__BB6_54:
+	add.s64 	%rd264, %rd3, %rd322;
+	ld.global.u8 	%rs18, [%rd264];
+	add.s64 	%rd265, %rd4, %rd322;
+	st.global.u8 	[%rd265], %rs18;
+	add.s64 	%rd322, %rd322, %rd115;
+	setp.lt.u64 	%p47, %rd322, %rd117;
+	@%p47 bra 	$L__BB6_54;
+
+$L__BB6_55:
+	sub.s64 	%rd120, %rd140, %rd117;
+	shr.u64 	%rd121, %rd120, 4;
+	add.s64 	%rd122, %rd3, %rd117;
+	mul.lo.s64 	%rd123, %rd115, 3;
+	add.s64 	%rd266, %rd113, %rd123;
+	setp.ge.u64 	%p48, %rd266, %rd121;
+	mov.u64 	%rd325, %rd113;
+	@%p48 bra 	$L__BB6_58;
+
+	mul.lo.s64 	%rd267, %rd114, %rd111;
+	shl.b64 	%rd124, %rd267, 4;
+	mul.lo.s64 	%rd268, %rd110, %rd111;
+	shl.b64 	%rd269, %rd268, 4;
+	shl.b64 	%rd270, %rd112, 4;
+	add.s64 	%rd271, %rd269, %rd270;
+	add.s64 	%rd272, %rd271, -1;
+	not.b64 	%rd273, %rd140;
+	not.b64 	%rd274, %rd116;
+	max.u64 	%rd275, %rd274, %rd273;
+	sub.s64 	%rd276, %rd272, %rd275;
+	add.s64 	%rd324, %rd4, %rd276;
+	mul.lo.s64 	%rd126, %rd267, -48;
+	mov.u64 	%rd325, %rd113;
+
+$L__BB6_57:
+	shl.b64 	%rd277, %rd325, 4;
+	add.s64 	%rd278, %rd122, %rd277;
+	shl.b64 	%rd279, %rd115, 2;
+	shl.b64 	%rd280, %rd115, 4;
+	add.s64 	%rd281, %rd278, %rd280;
+	ld.global.v4.u32 	{%r45, %r46, %r47, %r48}, [%rd281];
+	add.s64 	%rd282, %rd281, %rd124;
+	ld.global.v4.u32 	{%r53, %r54, %r55, %r56}, [%rd282];
+	add.s64 	%rd283, %rd282, %rd124;
+	ld.global.v4.u32 	{%r61, %r62, %r63, %r64}, [%rd283];
+	add.s64 	%rd284, %rd283, %rd126;
+	ld.global.v4.u32 	{%r69, %r70, %r71, %r72}, [%rd284];
+	st.global.v4.u32 	[%rd324], {%r69, %r70, %r71, %r72};
+	add.s64 	%rd285, %rd324, %rd124;
+	st.global.v4.u32 	[%rd285], {%r45, %r46, %r47, %r48};
+	add.s64 	%rd286, %rd285, %rd124;
+	st.global.v4.u32 	[%rd286], {%r53, %r54, %r55, %r56};
+	add.s64 	%rd287, %rd286, %rd124;
+	add.s64 	%rd324, %rd287, %rd124;
+	st.global.v4.u32 	[%rd287], {%r61, %r62, %r63, %r64};
+	add.s64 	%rd325, %rd279, %rd325;
+	add.s64 	%rd288, %rd325, %rd123;
+	setp.lt.u64 	%p49, %rd288, %rd121;
+	@%p49 bra 	$L__BB6_57;
+
+$L__BB6_58:
+	setp.ge.u64 	%p50, %rd325, %rd121;
+	@%p50 bra 	$L__BB6_61;
+
+	add.s64 	%rd132, %rd4, %rd117;
+
+$L__BB6_60:
+	shl.b64 	%rd289, %rd325, 4;
+	add.s64 	%rd290, %rd132, %rd289;
+	add.s64 	%rd291, %rd122, %rd289;
+	ld.global.v4.u32 	{%r77, %r78, %r79, %r80}, [%rd291];
+	st.global.v4.u32 	[%rd290], {%r77, %r78, %r79, %r80};
+	add.s64 	%rd325, %rd325, %rd115;
+	setp.lt.u64 	%p51, %rd325, %rd121;
+	@%p51 bra 	$L__BB6_60;
+
+$L__BB6_61:
+	and.b64  	%rd292, %rd120, -16;
+	add.s64 	%rd293, %rd117, %rd113;
+	add.s64 	%rd327, %rd293, %rd292;
+	setp.ge.u64 	%p52, %rd327, %rd140;
+	@%p52 bra 	$L__BB6_63;
+
+$L__BB6_62:
+	add.s64 	%rd294, %rd3, %rd327;
+	ld.global.u8 	%rs19, [%rd294];
+	add.s64 	%rd295, %rd4, %rd327;
+	st.global.u8 	[%rd295], %rs19;
+	add.s64 	%rd327, %rd327, %rd115;
+	setp.lt.u64 	%p53, %rd327, %rd140;
+	@%p53 bra 	$L__BB6_62;
+	bra.uni 	$L__BB6_63;
+
+$L__BB6_41:
+	mov.u32 	%r19, %ctaid.x;
+	cvt.u64.u32 	%rd82, %r19;
+	mov.u32 	%r20, %ntid.x;
+	cvt.u64.u32 	%rd83, %r20;
+	mul.wide.u32 	%rd230, %r19, %r20;
+	cvt.u64.u32 	%rd84, %r1;
+	add.s64 	%rd85, %rd230, %rd84;
+	mov.u32 	%r21, %nctaid.x;
+	cvt.u64.u32 	%rd86, %r21;
+	mul.wide.u32 	%rd87, %r21, %r20;
+	neg.s64 	%rd231, %rd138;
+	and.b64  	%rd88, %rd231, 7;
+	min.u64 	%rd89, %rd88, %rd140;
+	setp.ge.u64 	%p38, %rd85, %rd89;
+	@%p38 bra 	$L__BB6_44;
+
+	mov.u64 	%rd316, %rd85;
+
+$L__BB6_43:
+	add.s64 	%rd232, %rd3, %rd316;
+	ld.global.u8 	%rs16, [%rd232];
+	add.s64 	%rd233, %rd4, %rd316;
+	st.global.u8 	[%rd233], %rs16;
+	add.s64 	%rd316, %rd316, %rd87;
+	setp.lt.u64 	%p39, %rd316, %rd89;
+	@%p39 bra 	$L__BB6_43;
+
+$L__BB6_44:
+	sub.s64 	%rd92, %rd140, %rd89;
+	shr.u64 	%rd93, %rd92, 3;
+	add.s64 	%rd94, %rd3, %rd89;
+	mul.lo.s64 	%rd95, %rd87, 3;
+	add.s64 	%rd234, %rd85, %rd95;
+	setp.ge.u64 	%p40, %rd234, %rd93;
+	mov.u64 	%rd319, %rd85;
+	@%p40 bra 	$L__BB6_47;
+
+	mul.lo.s64 	%rd235, %rd86, %rd83;
+	shl.b64 	%rd96, %rd235, 3;
+	mul.lo.s64 	%rd236, %rd82, %rd83;
+	shl.b64 	%rd237, %rd236, 3;
+	shl.b64 	%rd238, %rd84, 3;
+	add.s64 	%rd239, %rd237, %rd238;
+	add.s64 	%rd240, %rd239, -1;
+	not.b64 	%rd241, %rd140;
+	not.b64 	%rd242, %rd88;
+	max.u64 	%rd243, %rd242, %rd241;
+	sub.s64 	%rd244, %rd240, %rd243;
+	add.s64 	%rd318, %rd4, %rd244;
+	mul.lo.s64 	%rd98, %rd235, -24;
+	mov.u64 	%rd319, %rd85;
+
+$L__BB6_46:
+	add.s64 	%rd245, %rd319, %rd87;
+	shl.b64 	%rd246, %rd245, 3;
+	add.s64 	%rd247, %rd94, %rd246;
+	ld.global.v2.u32 	{%r22, %r23}, [%rd247];
+	add.s64 	%rd248, %rd247, %rd96;
+	ld.global.v2.u32 	{%r26, %r27}, [%rd248];
+	add.s64 	%rd249, %rd248, %rd96;
+	ld.global.v2.u32 	{%r30, %r31}, [%rd249];
+	add.s64 	%rd250, %rd249, %rd98;
+	ld.global.v2.u32 	{%r34, %r35}, [%rd250];
+	st.global.v2.u32 	[%rd318], {%r34, %r35};
+	add.s64 	%rd251, %rd318, %rd96;
+	st.global.v2.u32 	[%rd251], {%r22, %r23};
+	add.s64 	%rd252, %rd251, %rd96;
+	st.global.v2.u32 	[%rd252], {%r26, %r27};
+	add.s64 	%rd253, %rd252, %rd96;
+	add.s64 	%rd318, %rd253, %rd96;
+	st.global.v2.u32 	[%rd253], {%r30, %r31};
+	add.s64 	%rd319, %rd95, %rd245;
+	add.s64 	%rd254, %rd319, %rd95;
+	setp.lt.u64 	%p41, %rd254, %rd93;
+	@%p41 bra 	$L__BB6_46;
+
+$L__BB6_47:
+	setp.ge.u64 	%p42, %rd319, %rd93;
+	@%p42 bra 	$L__BB6_50;
+
+	add.s64 	%rd104, %rd4, %rd89;
+
+$L__BB6_49:
+	shl.b64 	%rd255, %rd319, 3;
+	add.s64 	%rd256, %rd94, %rd255;
+	ld.global.v2.u32 	{%r38, %r39}, [%rd256];
+	add.s64 	%rd257, %rd104, %rd255;
+	st.global.v2.u32 	[%rd257], {%r38, %r39};
+	add.s64 	%rd319, %rd319, %rd87;
+	setp.lt.u64 	%p43, %rd319, %rd93;
+	@%p43 bra 	$L__BB6_49;
+
+$L__BB6_50:
+	and.b64  	%rd258, %rd92, -8;
+	add.s64 	%rd259, %rd89, %rd85;
+	add.s64 	%rd321, %rd259, %rd258;
+	setp.ge.u64 	%p44, %rd321, %rd140;
+	@%p44 bra 	$L__BB6_63;
+
+$L__BB6_51:
+	add.s64 	%rd260, %rd3, %rd321;
+	ld.global.u8 	%rs17, [%rd260];
+	add.s64 	%rd261, %rd4, %rd321;
+	st.global.u8 	[%rd261], %rs17;
+	add.s64 	%rd321, %rd321, %rd87;
+	setp.lt.u64 	%p45, %rd321, %rd140;
+	@%p45 bra 	$L__BB6_51;
+	bra.uni 	$L__BB6_63;
+
+$L__BB6_30:
+	mov.u32 	%r11, %ctaid.x;
+	cvt.u64.u32 	%rd52, %r11;
+	mov.u32 	%r12, %ntid.x;
+	cvt.u64.u32 	%rd53, %r12;
+	mul.wide.u32 	%rd200, %r11, %r12;
+	cvt.u64.u32 	%rd54, %r1;
+	add.s64 	%rd55, %rd200, %rd54;
+	mov.u32 	%r13, %nctaid.x;
+	cvt.u64.u32 	%rd56, %r13;
+	mul.wide.u32 	%rd57, %r13, %r12;
+	neg.s64 	%rd201, %rd138;
+	and.b64  	%rd58, %rd201, 3;
+	min.u64 	%rd59, %rd58, %rd140;
+	setp.ge.u64 	%p30, %rd55, %rd59;
+	@%p30 bra 	$L__BB6_33;
+
+	mov.u64 	%rd309, %rd55;
+
+$L__BB6_32:
+	add.s64 	%rd202, %rd3, %rd309;
+	ld.global.u8 	%rs14, [%rd202];
+	add.s64 	%rd203, %rd4, %rd309;
+	st.global.u8 	[%rd203], %rs14;
+	add.s64 	%rd309, %rd309, %rd57;
+	setp.lt.u64 	%p31, %rd309, %rd59;
+	@%p31 bra 	$L__BB6_32;
+
+$L__BB6_33:
+	sub.s64 	%rd62, %rd140, %rd59;
+	shr.u64 	%rd63, %rd62, 2;
+	mul.lo.s64 	%rd64, %rd57, 3;
+	add.s64 	%rd204, %rd55, %rd64;
+	setp.ge.u64 	%p32, %rd204, %rd63;
+	mov.u64 	%rd313, %rd55;
+	@%p32 bra 	$L__BB6_36;
+
+	mul.lo.s64 	%rd205, %rd52, %rd53;
+	shl.b64 	%rd206, %rd205, 2;
+	shl.b64 	%rd207, %rd54, 2;
+	add.s64 	%rd208, %rd206, %rd207;
+	add.s64 	%rd209, %rd208, -1;
+	not.b64 	%rd210, %rd140;
+	not.b64 	%rd211, %rd58;
+	max.u64 	%rd212, %rd211, %rd210;
+	sub.s64 	%rd213, %rd209, %rd212;
+	add.s64 	%rd311, %rd3, %rd213;
+	mul.lo.s64 	%rd214, %rd56, %rd53;
+	shl.b64 	%rd66, %rd214, 2;
+	add.s64 	%rd312, %rd4, %rd213;
+	mov.u64 	%rd313, %rd55;
+
+$L__BB6_35:
+	ld.global.u32 	%r14, [%rd311];
+	add.s64 	%rd215, %rd311, %rd66;
+	ld.global.u32 	%r15, [%rd215];
+	add.s64 	%rd216, %rd215, %rd66;
+	ld.global.u32 	%r16, [%rd216];
+	add.s64 	%rd217, %rd216, %rd66;
+	add.s64 	%rd311, %rd217, %rd66;
+	ld.global.u32 	%r17, [%rd217];
+	st.global.u32 	[%rd312], %r14;
+	add.s64 	%rd218, %rd312, %rd66;
+	st.global.u32 	[%rd218], %r15;
+	add.s64 	%rd219, %rd218, %rd66;
+	st.global.u32 	[%rd219], %r16;
+	add.s64 	%rd220, %rd219, %rd66;
+	add.s64 	%rd312, %rd220, %rd66;
+	st.global.u32 	[%rd220], %r17;
+	add.s64 	%rd221, %rd313, %rd57;
+	add.s64 	%rd313, %rd64, %rd221;
+	add.s64 	%rd222, %rd313, %rd64;
+	setp.lt.u64 	%p33, %rd222, %rd63;
+	@%p33 bra 	$L__BB6_35;
+
+$L__BB6_36:
+	setp.ge.u64 	%p34, %rd313, %rd63;
+	@%p34 bra 	$L__BB6_39;
+
+	add.s64 	%rd75, %rd4, %rd59;
+	add.s64 	%rd76, %rd3, %rd59;
+
+$L__BB6_38:
+	shl.b64 	%rd223, %rd313, 2;
+	add.s64 	%rd224, %rd76, %rd223;
+	ld.global.u32 	%r18, [%rd224];
+	add.s64 	%rd225, %rd75, %rd223;
+	st.global.u32 	[%rd225], %r18;
+	add.s64 	%rd313, %rd313, %rd57;
+	setp.lt.u64 	%p35, %rd313, %rd63;
+	@%p35 bra 	$L__BB6_38;
+
+$L__BB6_39:
+	and.b64  	%rd226, %rd62, -4;
+	add.s64 	%rd227, %rd59, %rd55;
+	add.s64 	%rd315, %rd227, %rd226;
+	setp.ge.u64 	%p36, %rd315, %rd140;
+	@%p36 bra 	$L__BB6_63;
+
+$L__BB6_40:
+	add.s64 	%rd228, %rd3, %rd315;
+	ld.global.u8 	%rs15, [%rd228];
+	add.s64 	%rd229, %rd4, %rd315;
+	st.global.u8 	[%rd229], %rs15;
+	add.s64 	%rd315, %rd315, %rd57;
+	setp.lt.u64 	%p37, %rd315, %rd140;
+	@%p37 bra 	$L__BB6_40;
+	bra.uni 	$L__BB6_63;
+
+$L__BB6_12:
+	mul.lo.s64 	%rd12, %rd11, 3;
+	add.s64 	%rd159, %rd9, %rd12;
+	setp.ge.u64 	%p16, %rd159, %rd140;
+	mov.u64 	%rd299, %rd9;
+	@%p16 bra 	$L__BB6_15;
+
+	add.s64 	%rd297, %rd3, %rd9;
+	mul.lo.s64 	%rd14, %rd10, %rd7;
+	add.s64 	%rd298, %rd4, %rd9;
+	mov.u64 	%rd299, %rd9;
+
+$L__BB6_14:
+	ld.global.u8 	%rs1, [%rd297];
+	add.s64 	%rd160, %rd297, %rd14;
+	ld.global.u8 	%rs2, [%rd160];
+	add.s64 	%rd161, %rd160, %rd14;
+	ld.global.u8 	%rs3, [%rd161];
+	add.s64 	%rd162, %rd161, %rd14;
+	add.s64 	%rd297, %rd162, %rd14;
+	ld.global.u8 	%rs4, [%rd162];
+	st.global.u8 	[%rd298], %rs1;
+	add.s64 	%rd163, %rd298, %rd14;
+	st.global.u8 	[%rd163], %rs2;
+	add.s64 	%rd164, %rd163, %rd14;
+	st.global.u8 	[%rd164], %rs3;
+	add.s64 	%rd165, %rd164, %rd14;
+	add.s64 	%rd298, %rd165, %rd14;
+	st.global.u8 	[%rd165], %rs4;
+	add.s64 	%rd166, %rd299, %rd11;
+	add.s64 	%rd299, %rd12, %rd166;
+	add.s64 	%rd167, %rd299, %rd12;
+	setp.lt.u64 	%p17, %rd167, %rd140;
+	@%p17 bra 	$L__BB6_14;
+
+$L__BB6_15:
+	setp.ge.u64 	%p18, %rd299, %rd140;
+	@%p18 bra 	$L__BB6_17;
+
+$L__BB6_16:
+	add.s64 	%rd168, %rd3, %rd299;
+	ld.global.u8 	%rs5, [%rd168];
+	add.s64 	%rd169, %rd4, %rd299;
+	st.global.u8 	[%rd169], %rs5;
+	add.s64 	%rd299, %rd299, %rd11;
+	setp.lt.u64 	%p19, %rd299, %rd140;
+	@%p19 bra 	$L__BB6_16;
+
+$L__BB6_17:
+	add.s64 	%rd301, %rd9, %rd140;
+	setp.ge.u64 	%p20, %rd301, %rd9;
+	@%p20 bra 	$L__BB6_63;
+
+$L__BB6_18:
+	add.s64 	%rd170, %rd3, %rd301;
+	ld.global.u8 	%rs6, [%rd170];
+	add.s64 	%rd171, %rd4, %rd301;
+	st.global.u8 	[%rd171], %rs6;
+	add.s64 	%rd301, %rd301, %rd11;
+	setp.lt.u64 	%p21, %rd301, %rd140;
+	@%p21 bra 	$L__BB6_18;
+
+$L__BB6_63:
+	ret;
+
+}
 	// .globl	jaxvmm_fused_offload
 .visible .entry jaxvmm_fused_offload(
 	.param .u64 jaxvmm_fused_offload_param_0,
@@ -1446,17 +2049,17 @@ $L__BB5_57:
 	setp.eq.s64 	%p26, %rd840, 0;
 	cvta.to.global.u64 	%rd4, %rd837;
 	add.s64 	%rd5, %rd4, 144;
-	@%p26 bra 	$L__BB6_456;
+	@%p26 bra 	$L__BB7_456;
 
 	ld.param.u64 	%rd1891, [jaxvmm_fused_offload_param_1];
 	and.b64  	%rd841, %rd1891, 7;
 	setp.eq.s64 	%p27, %rd841, 0;
-	@%p27 bra 	$L__BB6_343;
+	@%p27 bra 	$L__BB7_343;
 
 	ld.param.u64 	%rd1892, [jaxvmm_fused_offload_param_1];
 	and.b64  	%rd842, %rd1892, 3;
 	setp.eq.s64 	%p28, %rd842, 0;
-	@%p28 bra 	$L__BB6_230;
+	@%p28 bra 	$L__BB7_230;
 
 	ld.param.u64 	%rd1893, [jaxvmm_fused_offload_param_1];
 	and.b64  	%rd843, %rd1893, 1;
@@ -1475,66 +2078,66 @@ $L__BB5_57:
 	mov.u32 	%r98, %nctaid.x;
 	cvt.u64.u32 	%rd10, %r98;
 	mul.wide.u32 	%rd11, %r98, %r97;
-	@%p32 bra 	$L__BB6_117;
-	bra.uni 	$L__BB6_4;
+	@%p32 bra 	$L__BB7_117;
+	bra.uni 	$L__BB7_4;
 
-$L__BB6_117:
+$L__BB7_117:
 	shr.u64 	%rd173, %rd836, 1;
 	setp.ge.u64 	%p115, %rd9, %rd173;
-	@%p115 bra 	$L__BB6_119;
+	@%p115 bra 	$L__BB7_119;
 
 	shl.b64 	%rd1030, %rd9, 1;
 	add.s64 	%rd1031, %rd3, %rd1030;
 	ld.global.u16 	%rs10, [%rd1031];
 
-$L__BB6_119:
+$L__BB7_119:
 	add.s64 	%rd174, %rd11, %rd9;
 	setp.ge.u64 	%p116, %rd174, %rd173;
-	@%p116 bra 	$L__BB6_121;
+	@%p116 bra 	$L__BB7_121;
 
 	shl.b64 	%rd1032, %rd174, 1;
 	add.s64 	%rd1033, %rd3, %rd1032;
 	ld.global.u16 	%rs12, [%rd1033];
 
-$L__BB6_121:
+$L__BB7_121:
 	add.s64 	%rd175, %rd174, %rd11;
 	setp.ge.u64 	%p117, %rd175, %rd173;
-	@%p117 bra 	$L__BB6_123;
+	@%p117 bra 	$L__BB7_123;
 
 	shl.b64 	%rd1034, %rd175, 1;
 	add.s64 	%rd1035, %rd3, %rd1034;
 	ld.global.u16 	%rs14, [%rd1035];
 
-$L__BB6_123:
+$L__BB7_123:
 	mul.lo.s64 	%rd176, %rd11, 3;
 	add.s64 	%rd177, %rd175, %rd11;
 	setp.ge.u64 	%p118, %rd177, %rd173;
-	@%p118 bra 	$L__BB6_125;
+	@%p118 bra 	$L__BB7_125;
 
 	shl.b64 	%rd1036, %rd177, 1;
 	add.s64 	%rd1037, %rd3, %rd1036;
 	ld.global.u16 	%rs16, [%rd1037];
 
-$L__BB6_125:
+$L__BB7_125:
 	setp.ne.s32 	%p119, %r1, 0;
-	@%p119 bra 	$L__BB6_158;
+	@%p119 bra 	$L__BB7_158;
 
 	add.s64 	%rd1038, %rd4, 136;
 	atom.global.add.u64 	%rd1039, [%rd1038], 1;
 	setp.eq.s64 	%p120, %rd1039, 0;
-	@%p120 bra 	$L__BB6_133;
+	@%p120 bra 	$L__BB7_133;
 
 	ld.volatile.global.u64 	%rd1970, [%rd5];
 	setp.ne.s64 	%p121, %rd1970, 0;
-	@%p121 bra 	$L__BB6_132;
+	@%p121 bra 	$L__BB7_132;
 
 	mov.u32 	%r624, 0;
 	mov.u32 	%r625, 32;
 
-$L__BB6_129:
+$L__BB7_129:
 	add.s32 	%r624, %r624, 1;
 	setp.lt.u32 	%p122, %r624, 64;
-	@%p122 bra 	$L__BB6_131;
+	@%p122 bra 	$L__BB7_131;
 
 	// begin inline asm
 	nanosleep.u32 %r625;
@@ -1543,16 +2146,16 @@ $L__BB6_129:
 	selp.u32 	%r183, 1, 0, %p123;
 	shl.b32 	%r625, %r625, %r183;
 
-$L__BB6_131:
+$L__BB7_131:
 	ld.volatile.global.u64 	%rd1970, [%rd5];
 	setp.eq.s64 	%p124, %rd1970, 0;
-	@%p124 bra 	$L__BB6_129;
+	@%p124 bra 	$L__BB7_129;
 
-$L__BB6_132:
+$L__BB7_132:
 	membar.gl;
-	bra.uni 	$L__BB6_157;
+	bra.uni 	$L__BB7_157;
 
-$L__BB6_456:
+$L__BB7_456:
 	mov.u32 	%r471, %ctaid.x;
 	cvt.u64.u32 	%rd669, %r471;
 	mov.u32 	%r472, %ntid.x;
@@ -1566,61 +2169,61 @@ $L__BB6_456:
 	mul.wide.u32 	%rd674, %r473, %r472;
 	shr.u64 	%rd675, %rd836, 4;
 	setp.ge.u64 	%p361, %rd672, %rd675;
-	@%p361 bra 	$L__BB6_458;
+	@%p361 bra 	$L__BB7_458;
 
 	shl.b64 	%rd1644, %rd672, 4;
 	add.s64 	%rd1645, %rd3, %rd1644;
 	ld.global.v4.u32 	{%r64, %r63, %r62, %r61}, [%rd1645];
 
-$L__BB6_458:
+$L__BB7_458:
 	add.s64 	%rd676, %rd674, %rd672;
 	setp.ge.u64 	%p362, %rd676, %rd675;
-	@%p362 bra 	$L__BB6_460;
+	@%p362 bra 	$L__BB7_460;
 
 	shl.b64 	%rd1646, %rd676, 4;
 	add.s64 	%rd1647, %rd3, %rd1646;
 	ld.global.v4.u32 	{%r72, %r71, %r70, %r69}, [%rd1647];
 
-$L__BB6_460:
+$L__BB7_460:
 	add.s64 	%rd677, %rd676, %rd674;
 	setp.ge.u64 	%p363, %rd677, %rd675;
-	@%p363 bra 	$L__BB6_462;
+	@%p363 bra 	$L__BB7_462;
 
 	shl.b64 	%rd1648, %rd677, 4;
 	add.s64 	%rd1649, %rd3, %rd1648;
 	ld.global.v4.u32 	{%r80, %r79, %r78, %r77}, [%rd1649];
 
-$L__BB6_462:
+$L__BB7_462:
 	mul.lo.s64 	%rd678, %rd674, 3;
 	add.s64 	%rd679, %rd677, %rd674;
 	setp.ge.u64 	%p364, %rd679, %rd675;
-	@%p364 bra 	$L__BB6_464;
+	@%p364 bra 	$L__BB7_464;
 
 	shl.b64 	%rd1650, %rd679, 4;
 	add.s64 	%rd1651, %rd3, %rd1650;
 	ld.global.v4.u32 	{%r88, %r87, %r86, %r85}, [%rd1651];
 
-$L__BB6_464:
+$L__BB7_464:
 	mov.u32 	%r618, %tid.x;
 	setp.ne.s32 	%p365, %r618, 0;
-	@%p365 bra 	$L__BB6_497;
+	@%p365 bra 	$L__BB7_497;
 
 	add.s64 	%rd1652, %rd4, 136;
 	atom.global.add.u64 	%rd1653, [%rd1652], 1;
 	setp.eq.s64 	%p366, %rd1653, 0;
-	@%p366 bra 	$L__BB6_472;
+	@%p366 bra 	$L__BB7_472;
 
 	ld.volatile.global.u64 	%rd2131, [%rd5];
 	setp.ne.s64 	%p367, %rd2131, 0;
-	@%p367 bra 	$L__BB6_471;
+	@%p367 bra 	$L__BB7_471;
 
 	mov.u32 	%r664, 0;
 	mov.u32 	%r665, 32;
 
-$L__BB6_468:
+$L__BB7_468:
 	add.s32 	%r664, %r664, 1;
 	setp.lt.u32 	%p368, %r664, 64;
-	@%p368 bra 	$L__BB6_470;
+	@%p368 bra 	$L__BB7_470;
 
 	// begin inline asm
 	nanosleep.u32 %r665;
@@ -1629,16 +2232,16 @@ $L__BB6_468:
 	selp.u32 	%r496, 1, 0, %p369;
 	shl.b32 	%r665, %r665, %r496;
 
-$L__BB6_470:
+$L__BB7_470:
 	ld.volatile.global.u64 	%rd2131, [%rd5];
 	setp.eq.s64 	%p370, %rd2131, 0;
-	@%p370 bra 	$L__BB6_468;
+	@%p370 bra 	$L__BB7_468;
 
-$L__BB6_471:
+$L__BB7_471:
 	membar.gl;
-	bra.uni 	$L__BB6_496;
+	bra.uni 	$L__BB7_496;
 
-$L__BB6_343:
+$L__BB7_343:
 	mov.u32 	%r355, %ctaid.x;
 	cvt.u64.u32 	%rd503, %r355;
 	mov.u32 	%r356, %ntid.x;
@@ -1652,61 +2255,61 @@ $L__BB6_343:
 	mul.wide.u32 	%rd508, %r357, %r356;
 	shr.u64 	%rd509, %rd836, 3;
 	setp.ge.u64 	%p279, %rd506, %rd509;
-	@%p279 bra 	$L__BB6_345;
+	@%p279 bra 	$L__BB7_345;
 
 	shl.b64 	%rd1438, %rd506, 3;
 	add.s64 	%rd1439, %rd3, %rd1438;
 	ld.global.v2.u32 	{%r36, %r35}, [%rd1439];
 
-$L__BB6_345:
+$L__BB7_345:
 	add.s64 	%rd510, %rd508, %rd506;
 	setp.ge.u64 	%p280, %rd510, %rd509;
-	@%p280 bra 	$L__BB6_347;
+	@%p280 bra 	$L__BB7_347;
 
 	shl.b64 	%rd1440, %rd510, 3;
 	add.s64 	%rd1441, %rd3, %rd1440;
 	ld.global.v2.u32 	{%r40, %r39}, [%rd1441];
 
-$L__BB6_347:
+$L__BB7_347:
 	add.s64 	%rd511, %rd510, %rd508;
 	setp.ge.u64 	%p281, %rd511, %rd509;
-	@%p281 bra 	$L__BB6_349;
+	@%p281 bra 	$L__BB7_349;
 
 	shl.b64 	%rd1442, %rd511, 3;
 	add.s64 	%rd1443, %rd3, %rd1442;
 	ld.global.v2.u32 	{%r44, %r43}, [%rd1443];
 
-$L__BB6_349:
+$L__BB7_349:
 	mul.lo.s64 	%rd512, %rd508, 3;
 	add.s64 	%rd513, %rd511, %rd508;
 	setp.ge.u64 	%p282, %rd513, %rd509;
-	@%p282 bra 	$L__BB6_351;
+	@%p282 bra 	$L__BB7_351;
 
 	shl.b64 	%rd1444, %rd513, 3;
 	add.s64 	%rd1445, %rd3, %rd1444;
 	ld.global.v2.u32 	{%r48, %r47}, [%rd1445];
 
-$L__BB6_351:
+$L__BB7_351:
 	mov.u32 	%r617, %tid.x;
 	setp.ne.s32 	%p283, %r617, 0;
-	@%p283 bra 	$L__BB6_384;
+	@%p283 bra 	$L__BB7_384;
 
 	add.s64 	%rd1446, %rd4, 136;
 	atom.global.add.u64 	%rd1447, [%rd1446], 1;
 	setp.eq.s64 	%p284, %rd1447, 0;
-	@%p284 bra 	$L__BB6_359;
+	@%p284 bra 	$L__BB7_359;
 
 	ld.volatile.global.u64 	%rd2078, [%rd5];
 	setp.ne.s64 	%p285, %rd2078, 0;
-	@%p285 bra 	$L__BB6_358;
+	@%p285 bra 	$L__BB7_358;
 
 	mov.u32 	%r644, 0;
 	mov.u32 	%r645, 32;
 
-$L__BB6_355:
+$L__BB7_355:
 	add.s32 	%r644, %r644, 1;
 	setp.lt.u32 	%p286, %r644, 64;
-	@%p286 bra 	$L__BB6_357;
+	@%p286 bra 	$L__BB7_357;
 
 	// begin inline asm
 	nanosleep.u32 %r645;
@@ -1715,16 +2318,16 @@ $L__BB6_355:
 	selp.u32 	%r372, 1, 0, %p287;
 	shl.b32 	%r645, %r645, %r372;
 
-$L__BB6_357:
+$L__BB7_357:
 	ld.volatile.global.u64 	%rd2078, [%rd5];
 	setp.eq.s64 	%p288, %rd2078, 0;
-	@%p288 bra 	$L__BB6_355;
+	@%p288 bra 	$L__BB7_355;
 
-$L__BB6_358:
+$L__BB7_358:
 	membar.gl;
-	bra.uni 	$L__BB6_383;
+	bra.uni 	$L__BB7_383;
 
-$L__BB6_230:
+$L__BB7_230:
 	mov.u32 	%r262, %ctaid.x;
 	cvt.u64.u32 	%rd335, %r262;
 	mov.u32 	%r263, %ntid.x;
@@ -1738,60 +2341,60 @@ $L__BB6_230:
 	mul.wide.u32 	%rd340, %r264, %r263;
 	shr.u64 	%rd341, %rd836, 2;
 	setp.ge.u64 	%p197, %rd338, %rd341;
-	@%p197 bra 	$L__BB6_232;
+	@%p197 bra 	$L__BB7_232;
 
 	shl.b64 	%rd1233, %rd338, 2;
 	add.s64 	%rd1234, %rd3, %rd1233;
 	ld.global.u32 	%r18, [%rd1234];
 
-$L__BB6_232:
+$L__BB7_232:
 	add.s64 	%rd342, %rd340, %rd338;
 	setp.ge.u64 	%p198, %rd342, %rd341;
-	@%p198 bra 	$L__BB6_234;
+	@%p198 bra 	$L__BB7_234;
 
 	shl.b64 	%rd1235, %rd342, 2;
 	add.s64 	%rd1236, %rd3, %rd1235;
 	ld.global.u32 	%r20, [%rd1236];
 
-$L__BB6_234:
+$L__BB7_234:
 	add.s64 	%rd343, %rd342, %rd340;
 	setp.ge.u64 	%p199, %rd343, %rd341;
-	@%p199 bra 	$L__BB6_236;
+	@%p199 bra 	$L__BB7_236;
 
 	shl.b64 	%rd1237, %rd343, 2;
 	add.s64 	%rd1238, %rd3, %rd1237;
 	ld.global.u32 	%r22, [%rd1238];
 
-$L__BB6_236:
+$L__BB7_236:
 	mul.lo.s64 	%rd344, %rd340, 3;
 	add.s64 	%rd345, %rd343, %rd340;
 	setp.ge.u64 	%p200, %rd345, %rd341;
-	@%p200 bra 	$L__BB6_238;
+	@%p200 bra 	$L__BB7_238;
 
 	shl.b64 	%rd1239, %rd345, 2;
 	add.s64 	%rd1240, %rd3, %rd1239;
 	ld.global.u32 	%r24, [%rd1240];
 
-$L__BB6_238:
+$L__BB7_238:
 	setp.ne.s32 	%p201, %r16, 0;
-	@%p201 bra 	$L__BB6_271;
+	@%p201 bra 	$L__BB7_271;
 
 	add.s64 	%rd1241, %rd4, 136;
 	atom.global.add.u64 	%rd1242, [%rd1241], 1;
 	setp.eq.s64 	%p202, %rd1242, 0;
-	@%p202 bra 	$L__BB6_246;
+	@%p202 bra 	$L__BB7_246;
 
 	ld.volatile.global.u64 	%rd2024, [%rd5];
 	setp.ne.s64 	%p203, %rd2024, 0;
-	@%p203 bra 	$L__BB6_245;
+	@%p203 bra 	$L__BB7_245;
 
 	mov.u32 	%r632, 0;
 	mov.u32 	%r633, 32;
 
-$L__BB6_242:
+$L__BB7_242:
 	add.s32 	%r632, %r632, 1;
 	setp.lt.u32 	%p204, %r632, 64;
-	@%p204 bra 	$L__BB6_244;
+	@%p204 bra 	$L__BB7_244;
 
 	// begin inline asm
 	nanosleep.u32 %r633;
@@ -1800,67 +2403,67 @@ $L__BB6_242:
 	selp.u32 	%r271, 1, 0, %p205;
 	shl.b32 	%r633, %r633, %r271;
 
-$L__BB6_244:
+$L__BB7_244:
 	ld.volatile.global.u64 	%rd2024, [%rd5];
 	setp.eq.s64 	%p206, %rd2024, 0;
-	@%p206 bra 	$L__BB6_242;
+	@%p206 bra 	$L__BB7_242;
 
-$L__BB6_245:
+$L__BB7_245:
 	membar.gl;
-	bra.uni 	$L__BB6_270;
+	bra.uni 	$L__BB7_270;
 
-$L__BB6_4:
+$L__BB7_4:
 	setp.ge.u64 	%p33, %rd9, %rd836;
-	@%p33 bra 	$L__BB6_6;
+	@%p33 bra 	$L__BB7_6;
 
 	add.s64 	%rd845, %rd3, %rd9;
 	ld.global.u8 	%rs2, [%rd845];
 
-$L__BB6_6:
+$L__BB7_6:
 	add.s64 	%rd12, %rd11, %rd9;
 	setp.ge.u64 	%p34, %rd12, %rd836;
-	@%p34 bra 	$L__BB6_8;
+	@%p34 bra 	$L__BB7_8;
 
 	add.s64 	%rd846, %rd3, %rd12;
 	ld.global.u8 	%rs4, [%rd846];
 
-$L__BB6_8:
+$L__BB7_8:
 	add.s64 	%rd13, %rd12, %rd11;
 	setp.ge.u64 	%p35, %rd13, %rd836;
-	@%p35 bra 	$L__BB6_10;
+	@%p35 bra 	$L__BB7_10;
 
 	add.s64 	%rd847, %rd3, %rd13;
 	ld.global.u8 	%rs6, [%rd847];
 
-$L__BB6_10:
+$L__BB7_10:
 	mul.lo.s64 	%rd14, %rd11, 3;
 	add.s64 	%rd15, %rd13, %rd11;
 	setp.ge.u64 	%p36, %rd15, %rd836;
-	@%p36 bra 	$L__BB6_12;
+	@%p36 bra 	$L__BB7_12;
 
 	add.s64 	%rd848, %rd3, %rd15;
 	ld.global.u8 	%rs8, [%rd848];
 
-$L__BB6_12:
+$L__BB7_12:
 	setp.ne.s32 	%p37, %r1, 0;
-	@%p37 bra 	$L__BB6_45;
+	@%p37 bra 	$L__BB7_45;
 
 	add.s64 	%rd849, %rd4, 136;
 	atom.global.add.u64 	%rd850, [%rd849], 1;
 	setp.eq.s64 	%p38, %rd850, 0;
-	@%p38 bra 	$L__BB6_20;
+	@%p38 bra 	$L__BB7_20;
 
 	ld.volatile.global.u64 	%rd1916, [%rd5];
 	setp.ne.s64 	%p39, %rd1916, 0;
-	@%p39 bra 	$L__BB6_19;
+	@%p39 bra 	$L__BB7_19;
 
 	mov.u32 	%r620, 0;
 	mov.u32 	%r621, 32;
 
-$L__BB6_16:
+$L__BB7_16:
 	add.s32 	%r620, %r620, 1;
 	setp.lt.u32 	%p40, %r620, 64;
-	@%p40 bra 	$L__BB6_18;
+	@%p40 bra 	$L__BB7_18;
 
 	// begin inline asm
 	nanosleep.u32 %r621;
@@ -1869,16 +2472,16 @@ $L__BB6_16:
 	selp.u32 	%r102, 1, 0, %p41;
 	shl.b32 	%r621, %r621, %r102;
 
-$L__BB6_18:
+$L__BB7_18:
 	ld.volatile.global.u64 	%rd1916, [%rd5];
 	setp.eq.s64 	%p42, %rd1916, 0;
-	@%p42 bra 	$L__BB6_16;
+	@%p42 bra 	$L__BB7_16;
 
-$L__BB6_19:
+$L__BB7_19:
 	membar.gl;
-	bra.uni 	$L__BB6_44;
+	bra.uni 	$L__BB7_44;
 
-$L__BB6_472:
+$L__BB7_472:
 	ld.global.u64 	%rd683, [%rd5+-48];
 	ld.global.u64 	%rd684, [%rd5+-40];
 	shl.b64 	%rd1654, %rd684, 3;
@@ -1889,46 +2492,46 @@ $L__BB6_472:
 	setp.ne.s64 	%p372, %rd2121, 0;
 	or.pred  	%p373, %p372, %p371;
 	mov.u64 	%rd2126, %rd684;
-	@%p373 bra 	$L__BB6_480;
+	@%p373 bra 	$L__BB7_480;
 
 	mov.u64 	%rd2117, 1;
 	cvt.u32.u64 	%r497, %rd683;
 
-$L__BB6_474:
+$L__BB7_474:
 	add.s64 	%rd687, %rd2117, %rd684;
 	or.b64  	%rd1657, %rd687, %rd683;
 	and.b64  	%rd1658, %rd1657, -4294967296;
 	setp.eq.s64 	%p374, %rd1658, 0;
-	@%p374 bra 	$L__BB6_476;
+	@%p374 bra 	$L__BB7_476;
 
 	rem.u64 	%rd2126, %rd687, %rd683;
-	bra.uni 	$L__BB6_477;
+	bra.uni 	$L__BB7_477;
 
-$L__BB6_476:
+$L__BB7_476:
 	cvt.u32.u64 	%r498, %rd687;
 	rem.u32 	%r499, %r498, %r497;
 	cvt.u64.u32 	%rd2126, %r499;
 
-$L__BB6_477:
+$L__BB7_477:
 	shl.b64 	%rd1660, %rd2126, 3;
 	add.s64 	%rd691, %rd4, %rd1660;
 	mov.u64 	%rd2121, 0;
 	ld.volatile.global.u64 	%rd1661, [%rd691];
 	setp.eq.s64 	%p375, %rd1661, 0;
-	@%p375 bra 	$L__BB6_479;
+	@%p375 bra 	$L__BB7_479;
 
 	atom.global.exch.b64 	%rd2121, [%rd691], 0;
 
-$L__BB6_479:
+$L__BB7_479:
 	add.s64 	%rd2117, %rd2117, 1;
 	setp.lt.u64 	%p376, %rd2117, %rd683;
 	setp.eq.s64 	%p459, %rd2121, 0;
 	and.pred  	%p377, %p459, %p376;
-	@%p377 bra 	$L__BB6_474;
+	@%p377 bra 	$L__BB7_474;
 
-$L__BB6_480:
+$L__BB7_480:
 	not.pred 	%p378, %p459;
-	@%p378 bra 	$L__BB6_492;
+	@%p378 bra 	$L__BB7_492;
 
 	ld.param.u64 	%rd1869, [jaxvmm_fused_offload_param_4];
 	cvta.to.global.u64 	%rd1868, %rd1869;
@@ -1937,9 +2540,9 @@ $L__BB6_480:
 	membar.sys;
 	mov.u32 	%r666, 32;
 	cvt.u32.u64 	%r501, %rd683;
-	bra.uni 	$L__BB6_482;
+	bra.uni 	$L__BB7_482;
 
-$L__BB6_572:
+$L__BB7_572:
 	// begin inline asm
 	nanosleep.u32 %r666;
 	// end inline asm
@@ -1947,48 +2550,48 @@ $L__BB6_572:
 	selp.u32 	%r616, 1, 0, %p444;
 	shl.b32 	%r666, %r666, %r616;
 
-$L__BB6_482:
+$L__BB7_482:
 	setp.eq.s64 	%p380, %rd683, 0;
 	mov.pred 	%p460, -1;
 	mov.u64 	%rd2121, 0;
-	@%p380 bra 	$L__BB6_490;
+	@%p380 bra 	$L__BB7_490;
 
 	mov.u64 	%rd2123, 0;
 
-$L__BB6_484:
+$L__BB7_484:
 	add.s64 	%rd699, %rd2123, %rd684;
 	or.b64  	%rd1665, %rd699, %rd683;
 	and.b64  	%rd1666, %rd1665, -4294967296;
 	setp.eq.s64 	%p381, %rd1666, 0;
-	@%p381 bra 	$L__BB6_486;
+	@%p381 bra 	$L__BB7_486;
 
 	rem.u64 	%rd2126, %rd699, %rd683;
-	bra.uni 	$L__BB6_487;
+	bra.uni 	$L__BB7_487;
 
-$L__BB6_486:
+$L__BB7_486:
 	cvt.u32.u64 	%r502, %rd699;
 	rem.u32 	%r503, %r502, %r501;
 	cvt.u64.u32 	%rd2126, %r503;
 
-$L__BB6_487:
+$L__BB7_487:
 	shl.b64 	%rd1668, %rd2126, 3;
 	add.s64 	%rd703, %rd4, %rd1668;
 	mov.u64 	%rd2121, 0;
 	ld.volatile.global.u64 	%rd1669, [%rd703];
 	setp.eq.s64 	%p382, %rd1669, 0;
-	@%p382 bra 	$L__BB6_489;
+	@%p382 bra 	$L__BB7_489;
 
 	atom.global.exch.b64 	%rd2121, [%rd703], 0;
 
-$L__BB6_489:
+$L__BB7_489:
 	add.s64 	%rd2123, %rd2123, 1;
 	setp.lt.u64 	%p383, %rd2123, %rd683;
 	setp.eq.s64 	%p460, %rd2121, 0;
 	and.pred  	%p384, %p460, %p383;
-	@%p384 bra 	$L__BB6_484;
+	@%p384 bra 	$L__BB7_484;
 
-$L__BB6_490:
-	@%p460 bra 	$L__BB6_572;
+$L__BB7_490:
+	@%p460 bra 	$L__BB7_572;
 
 	ld.param.u64 	%rd1871, [jaxvmm_fused_offload_param_4];
 	cvta.to.global.u64 	%rd1870, %rd1871;
@@ -1996,18 +2599,18 @@ $L__BB6_490:
 	st.volatile.global.u64 	[%rd1870], %rd1670;
 	membar.sys;
 
-$L__BB6_492:
+$L__BB7_492:
 	membar.gl;
 	add.s64 	%rd1671, %rd2126, 1;
 	or.b64  	%rd1672, %rd1671, %rd683;
 	and.b64  	%rd1673, %rd1672, -4294967296;
 	setp.eq.s64 	%p385, %rd1673, 0;
-	@%p385 bra 	$L__BB6_494;
+	@%p385 bra 	$L__BB7_494;
 
 	rem.u64 	%rd2130, %rd1671, %rd683;
-	bra.uni 	$L__BB6_495;
+	bra.uni 	$L__BB7_495;
 
-$L__BB6_359:
+$L__BB7_359:
 	ld.global.u64 	%rd517, [%rd5+-48];
 	ld.global.u64 	%rd518, [%rd5+-40];
 	shl.b64 	%rd1448, %rd518, 3;
@@ -2018,55 +2621,55 @@ $L__BB6_359:
 	setp.ne.s64 	%p290, %rd2068, 0;
 	or.pred  	%p291, %p290, %p289;
 	mov.u64 	%rd2073, %rd518;
-	@%p291 bra 	$L__BB6_367;
+	@%p291 bra 	$L__BB7_367;
 
 	mov.u64 	%rd2064, 1;
 	cvt.u32.u64 	%r373, %rd517;
 
-$L__BB6_361:
+$L__BB7_361:
 	add.s64 	%rd521, %rd2064, %rd518;
 	or.b64  	%rd1451, %rd521, %rd517;
 	and.b64  	%rd1452, %rd1451, -4294967296;
 	setp.eq.s64 	%p292, %rd1452, 0;
-	@%p292 bra 	$L__BB6_363;
+	@%p292 bra 	$L__BB7_363;
 
 	rem.u64 	%rd2073, %rd521, %rd517;
-	bra.uni 	$L__BB6_364;
+	bra.uni 	$L__BB7_364;
 
-$L__BB6_363:
+$L__BB7_363:
 	cvt.u32.u64 	%r374, %rd521;
 	rem.u32 	%r375, %r374, %r373;
 	cvt.u64.u32 	%rd2073, %r375;
 
-$L__BB6_364:
+$L__BB7_364:
 	shl.b64 	%rd1454, %rd2073, 3;
 	add.s64 	%rd525, %rd4, %rd1454;
 	mov.u64 	%rd2068, 0;
 	ld.volatile.global.u64 	%rd1455, [%rd525];
 	setp.eq.s64 	%p293, %rd1455, 0;
-	@%p293 bra 	$L__BB6_366;
+	@%p293 bra 	$L__BB7_366;
 
 	atom.global.exch.b64 	%rd2068, [%rd525], 0;
 
-$L__BB6_366:
+$L__BB7_366:
 	add.s64 	%rd2064, %rd2064, 1;
 	setp.lt.u64 	%p294, %rd2064, %rd517;
 	setp.eq.s64 	%p457, %rd2068, 0;
 	and.pred  	%p295, %p457, %p294;
-	@%p295 bra 	$L__BB6_361;
+	@%p295 bra 	$L__BB7_361;
 
-$L__BB6_367:
+$L__BB7_367:
 	not.pred 	%p296, %p457;
-	@%p296 bra 	$L__BB6_379;
+	@%p296 bra 	$L__BB7_379;
 
 	mov.u64 	%rd1456, 1;
 	st.volatile.global.u64 	[%rd2], %rd1456;
 	membar.sys;
 	mov.u32 	%r646, 32;
 	cvt.u32.u64 	%r377, %rd517;
-	bra.uni 	$L__BB6_369;
+	bra.uni 	$L__BB7_369;
 
-$L__BB6_455:
+$L__BB7_455:
 	// begin inline asm
 	nanosleep.u32 %r646;
 	// end inline asm
@@ -2074,65 +2677,65 @@ $L__BB6_455:
 	selp.u32 	%r469, 1, 0, %p360;
 	shl.b32 	%r646, %r646, %r469;
 
-$L__BB6_369:
+$L__BB7_369:
 	setp.eq.s64 	%p298, %rd517, 0;
 	mov.pred 	%p458, -1;
 	mov.u64 	%rd2068, 0;
-	@%p298 bra 	$L__BB6_377;
+	@%p298 bra 	$L__BB7_377;
 
 	mov.u64 	%rd2070, 0;
 
-$L__BB6_371:
+$L__BB7_371:
 	add.s64 	%rd533, %rd2070, %rd518;
 	or.b64  	%rd1459, %rd533, %rd517;
 	and.b64  	%rd1460, %rd1459, -4294967296;
 	setp.eq.s64 	%p299, %rd1460, 0;
-	@%p299 bra 	$L__BB6_373;
+	@%p299 bra 	$L__BB7_373;
 
 	rem.u64 	%rd2073, %rd533, %rd517;
-	bra.uni 	$L__BB6_374;
+	bra.uni 	$L__BB7_374;
 
-$L__BB6_373:
+$L__BB7_373:
 	cvt.u32.u64 	%r378, %rd533;
 	rem.u32 	%r379, %r378, %r377;
 	cvt.u64.u32 	%rd2073, %r379;
 
-$L__BB6_374:
+$L__BB7_374:
 	shl.b64 	%rd1462, %rd2073, 3;
 	add.s64 	%rd537, %rd4, %rd1462;
 	mov.u64 	%rd2068, 0;
 	ld.volatile.global.u64 	%rd1463, [%rd537];
 	setp.eq.s64 	%p300, %rd1463, 0;
-	@%p300 bra 	$L__BB6_376;
+	@%p300 bra 	$L__BB7_376;
 
 	atom.global.exch.b64 	%rd2068, [%rd537], 0;
 
-$L__BB6_376:
+$L__BB7_376:
 	add.s64 	%rd2070, %rd2070, 1;
 	setp.lt.u64 	%p301, %rd2070, %rd517;
 	setp.eq.s64 	%p458, %rd2068, 0;
 	and.pred  	%p302, %p458, %p301;
-	@%p302 bra 	$L__BB6_371;
+	@%p302 bra 	$L__BB7_371;
 
-$L__BB6_377:
-	@%p458 bra 	$L__BB6_455;
+$L__BB7_377:
+	@%p458 bra 	$L__BB7_455;
 
 	mov.u64 	%rd1464, 0;
 	st.volatile.global.u64 	[%rd2], %rd1464;
 	membar.sys;
 
-$L__BB6_379:
+$L__BB7_379:
 	membar.gl;
 	add.s64 	%rd1465, %rd2073, 1;
 	or.b64  	%rd1466, %rd1465, %rd517;
 	and.b64  	%rd1467, %rd1466, -4294967296;
 	setp.eq.s64 	%p303, %rd1467, 0;
-	@%p303 bra 	$L__BB6_381;
+	@%p303 bra 	$L__BB7_381;
 
 	rem.u64 	%rd2077, %rd1465, %rd517;
-	bra.uni 	$L__BB6_382;
+	bra.uni 	$L__BB7_382;
 
-$L__BB6_246:
+$L__BB7_246:
 	ld.global.u64 	%rd349, [%rd5+-48];
 	ld.global.u64 	%rd350, [%rd5+-40];
 	shl.b64 	%rd1243, %rd350, 3;
@@ -2143,55 +2746,55 @@ $L__BB6_246:
 	setp.ne.s64 	%p208, %rd2014, 0;
 	or.pred  	%p209, %p208, %p207;
 	mov.u64 	%rd2019, %rd350;
-	@%p209 bra 	$L__BB6_254;
+	@%p209 bra 	$L__BB7_254;
 
 	mov.u64 	%rd2010, 1;
 	cvt.u32.u64 	%r272, %rd349;
 
-$L__BB6_248:
+$L__BB7_248:
 	add.s64 	%rd353, %rd2010, %rd350;
 	or.b64  	%rd1246, %rd353, %rd349;
 	and.b64  	%rd1247, %rd1246, -4294967296;
 	setp.eq.s64 	%p210, %rd1247, 0;
-	@%p210 bra 	$L__BB6_250;
+	@%p210 bra 	$L__BB7_250;
 
 	rem.u64 	%rd2019, %rd353, %rd349;
-	bra.uni 	$L__BB6_251;
+	bra.uni 	$L__BB7_251;
 
-$L__BB6_250:
+$L__BB7_250:
 	cvt.u32.u64 	%r273, %rd353;
 	rem.u32 	%r274, %r273, %r272;
 	cvt.u64.u32 	%rd2019, %r274;
 
-$L__BB6_251:
+$L__BB7_251:
 	shl.b64 	%rd1249, %rd2019, 3;
 	add.s64 	%rd357, %rd4, %rd1249;
 	mov.u64 	%rd2014, 0;
 	ld.volatile.global.u64 	%rd1250, [%rd357];
 	setp.eq.s64 	%p211, %rd1250, 0;
-	@%p211 bra 	$L__BB6_253;
+	@%p211 bra 	$L__BB7_253;
 
 	atom.global.exch.b64 	%rd2014, [%rd357], 0;
 
-$L__BB6_253:
+$L__BB7_253:
 	add.s64 	%rd2010, %rd2010, 1;
 	setp.lt.u64 	%p212, %rd2010, %rd349;
 	setp.eq.s64 	%p455, %rd2014, 0;
 	and.pred  	%p213, %p455, %p212;
-	@%p213 bra 	$L__BB6_248;
+	@%p213 bra 	$L__BB7_248;
 
-$L__BB6_254:
+$L__BB7_254:
 	not.pred 	%p214, %p455;
-	@%p214 bra 	$L__BB6_266;
+	@%p214 bra 	$L__BB7_266;
 
 	mov.u64 	%rd1251, 1;
 	st.volatile.global.u64 	[%rd2], %rd1251;
 	membar.sys;
 	mov.u32 	%r634, 32;
 	cvt.u32.u64 	%r276, %rd349;
-	bra.uni 	$L__BB6_256;
+	bra.uni 	$L__BB7_256;
 
-$L__BB6_342:
+$L__BB7_342:
 	// begin inline asm
 	nanosleep.u32 %r634;
 	// end inline asm
@@ -2199,71 +2802,71 @@ $L__BB6_342:
 	selp.u32 	%r353, 1, 0, %p278;
 	shl.b32 	%r634, %r634, %r353;
 
-$L__BB6_256:
+$L__BB7_256:
 	setp.eq.s64 	%p216, %rd349, 0;
 	mov.pred 	%p456, -1;
 	mov.u64 	%rd2014, 0;
-	@%p216 bra 	$L__BB6_264;
+	@%p216 bra 	$L__BB7_264;
 
 	mov.u64 	%rd2016, 0;
 
-$L__BB6_258:
+$L__BB7_258:
 	add.s64 	%rd365, %rd2016, %rd350;
 	or.b64  	%rd1254, %rd365, %rd349;
 	and.b64  	%rd1255, %rd1254, -4294967296;
 	setp.eq.s64 	%p217, %rd1255, 0;
-	@%p217 bra 	$L__BB6_260;
+	@%p217 bra 	$L__BB7_260;
 
 	rem.u64 	%rd2019, %rd365, %rd349;
-	bra.uni 	$L__BB6_261;
+	bra.uni 	$L__BB7_261;
 
-$L__BB6_260:
+$L__BB7_260:
 	cvt.u32.u64 	%r277, %rd365;
 	rem.u32 	%r278, %r277, %r276;
 	cvt.u64.u32 	%rd2019, %r278;
 
-$L__BB6_261:
+$L__BB7_261:
 	shl.b64 	%rd1257, %rd2019, 3;
 	add.s64 	%rd369, %rd4, %rd1257;
 	mov.u64 	%rd2014, 0;
 	ld.volatile.global.u64 	%rd1258, [%rd369];
 	setp.eq.s64 	%p218, %rd1258, 0;
-	@%p218 bra 	$L__BB6_263;
+	@%p218 bra 	$L__BB7_263;
 
 	atom.global.exch.b64 	%rd2014, [%rd369], 0;
 
-$L__BB6_263:
+$L__BB7_263:
 	add.s64 	%rd2016, %rd2016, 1;
 	setp.lt.u64 	%p219, %rd2016, %rd349;
 	setp.eq.s64 	%p456, %rd2014, 0;
 	and.pred  	%p220, %p456, %p219;
-	@%p220 bra 	$L__BB6_258;
+	@%p220 bra 	$L__BB7_258;
 
-$L__BB6_264:
-	@%p456 bra 	$L__BB6_342;
+$L__BB7_264:
+	@%p456 bra 	$L__BB7_342;
 
 	mov.u64 	%rd1259, 0;
 	st.volatile.global.u64 	[%rd2], %rd1259;
 	membar.sys;
 
-$L__BB6_266:
+$L__BB7_266:
 	membar.gl;
 	add.s64 	%rd1260, %rd2019, 1;
 	or.b64  	%rd1261, %rd1260, %rd349;
 	and.b64  	%rd1262, %rd1261, -4294967296;
 	setp.eq.s64 	%p221, %rd1262, 0;
-	@%p221 bra 	$L__BB6_268;
+	@%p221 bra 	$L__BB7_268;
 
 	rem.u64 	%rd2023, %rd1260, %rd349;
-	bra.uni 	$L__BB6_269;
+	bra.uni 	$L__BB7_269;
 
-$L__BB6_494:
+$L__BB7_494:
 	cvt.u32.u64 	%r504, %rd683;
 	cvt.u32.u64 	%r505, %rd1671;
 	rem.u32 	%r506, %r505, %r504;
 	cvt.u64.u32 	%rd2130, %r506;
 
-$L__BB6_495:
+$L__BB7_495:
 	ld.param.u64 	%rd1859, [jaxvmm_fused_offload_param_3];
 	cvta.to.global.u64 	%rd1858, %rd1859;
 	add.s64 	%rd1857, %rd4, 144;
@@ -2280,61 +2883,61 @@ $L__BB6_495:
 	membar.gl;
 	atom.global.exch.b64 	%rd1681, [%rd1857], %rd2131;
 
-$L__BB6_496:
+$L__BB7_496:
 	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2131;
 
-$L__BB6_497:
+$L__BB7_497:
 	bar.sync 	0;
 	ld.shared.u64 	%rd716, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd1682, %rd716, 15;
 	setp.eq.s64 	%p386, %rd1682, 0;
-	@%p386 bra 	$L__BB6_553;
+	@%p386 bra 	$L__BB7_553;
 
 	ld.param.u64 	%rd1860, [jaxvmm_fused_offload_param_1];
 	xor.b64  	%rd717, %rd716, %rd1860;
 	and.b64  	%rd1683, %rd717, 15;
 	setp.eq.s64 	%p387, %rd1683, 0;
-	@%p387 bra 	$L__BB6_542;
+	@%p387 bra 	$L__BB7_542;
 
 	and.b64  	%rd1684, %rd717, 7;
 	setp.eq.s64 	%p388, %rd1684, 0;
-	@%p388 bra 	$L__BB6_531;
+	@%p388 bra 	$L__BB7_531;
 
 	and.b64  	%rd1685, %rd717, 3;
 	setp.eq.s64 	%p389, %rd1685, 0;
-	@%p389 bra 	$L__BB6_520;
+	@%p389 bra 	$L__BB7_520;
 
 	and.b64  	%rd1686, %rd717, 1;
 	setp.eq.b64 	%p390, %rd1686, 1;
 	mov.pred 	%p391, 0;
 	xor.pred  	%p392, %p390, %p391;
 	not.pred 	%p393, %p392;
-	@%p393 bra 	$L__BB6_509;
-	bra.uni 	$L__BB6_502;
+	@%p393 bra 	$L__BB7_509;
+	bra.uni 	$L__BB7_502;
 
-$L__BB6_509:
+$L__BB7_509:
 	and.b64  	%rd733, %rd716, 1;
 	min.u64 	%rd734, %rd733, %rd836;
 	setp.ge.u64 	%p400, %rd672, %rd734;
-	@%p400 bra 	$L__BB6_512;
+	@%p400 bra 	$L__BB7_512;
 
 	mov.u64 	%rd2138, %rd672;
 
-$L__BB6_511:
+$L__BB7_511:
 	add.s64 	%rd1699, %rd3, %rd2138;
 	ld.global.u8 	%rs121, [%rd1699];
 	add.s64 	%rd1700, %rd716, %rd2138;
 	st.u8 	[%rd1700], %rs121;
 	add.s64 	%rd2138, %rd2138, %rd674;
 	setp.lt.u64 	%p401, %rd2138, %rd734;
-	@%p401 bra 	$L__BB6_511;
+	@%p401 bra 	$L__BB7_511;
 
-$L__BB6_512:
+$L__BB7_512:
 	sub.s64 	%rd737, %rd836, %rd734;
 	shr.u64 	%rd738, %rd737, 1;
 	setp.ge.u64 	%p402, %rd679, %rd738;
 	mov.u64 	%rd2142, %rd672;
-	@%p402 bra 	$L__BB6_515;
+	@%p402 bra 	$L__BB7_515;
 
 	mul.lo.s64 	%rd1701, %rd669, %rd670;
 	shl.b64 	%rd1702, %rd1701, 1;
@@ -2351,7 +2954,7 @@ $L__BB6_512:
 	add.s64 	%rd2141, %rd716, %rd1709;
 	mov.u64 	%rd2142, %rd672;
 
-$L__BB6_514:
+$L__BB7_514:
 	ld.global.u16 	%rs122, [%rd2140];
 	add.s64 	%rd1711, %rd2140, %rd740;
 	ld.global.u16 	%rs123, [%rd1711];
@@ -2372,16 +2975,16 @@ $L__BB6_514:
 	add.s64 	%rd2142, %rd678, %rd1717;
 	add.s64 	%rd1718, %rd2142, %rd678;
 	setp.lt.u64 	%p403, %rd1718, %rd738;
-	@%p403 bra 	$L__BB6_514;
+	@%p403 bra 	$L__BB7_514;
 
-$L__BB6_515:
+$L__BB7_515:
 	setp.ge.u64 	%p404, %rd2142, %rd738;
-	@%p404 bra 	$L__BB6_518;
+	@%p404 bra 	$L__BB7_518;
 
 	add.s64 	%rd749, %rd716, %rd734;
 	add.s64 	%rd750, %rd3, %rd734;
 
-$L__BB6_517:
+$L__BB7_517:
 	shl.b64 	%rd1719, %rd2142, 1;
 	add.s64 	%rd1720, %rd750, %rd1719;
 	ld.global.u16 	%rs126, [%rd1720];
@@ -2389,48 +2992,48 @@ $L__BB6_517:
 	st.u16 	[%rd1721], %rs126;
 	add.s64 	%rd2142, %rd2142, %rd674;
 	setp.lt.u64 	%p405, %rd2142, %rd738;
-	@%p405 bra 	$L__BB6_517;
+	@%p405 bra 	$L__BB7_517;
 
-$L__BB6_518:
+$L__BB7_518:
 	and.b64  	%rd1722, %rd737, -2;
 	add.s64 	%rd1723, %rd734, %rd672;
 	add.s64 	%rd2144, %rd1723, %rd1722;
 	setp.ge.u64 	%p406, %rd2144, %rd836;
-	@%p406 bra 	$L__BB6_568;
+	@%p406 bra 	$L__BB7_568;
 
-$L__BB6_519:
+$L__BB7_519:
 	add.s64 	%rd1724, %rd3, %rd2144;
 	ld.global.u8 	%rs127, [%rd1724];
 	add.s64 	%rd1725, %rd716, %rd2144;
 	st.u8 	[%rd1725], %rs127;
 	add.s64 	%rd2144, %rd2144, %rd674;
 	setp.lt.u64 	%p407, %rd2144, %rd836;
-	@%p407 bra 	$L__BB6_519;
-	bra.uni 	$L__BB6_568;
+	@%p407 bra 	$L__BB7_519;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_553:
+$L__BB7_553:
 	setp.ge.u64 	%p445, %rd672, %rd675;
-	@%p445 bra 	$L__BB6_555;
+	@%p445 bra 	$L__BB7_555;
 
 	shl.b64 	%rd1817, %rd672, 4;
 	add.s64 	%rd1818, %rd716, %rd1817;
 	st.v4.u32 	[%rd1818], {%r64, %r63, %r62, %r61};
 
-$L__BB6_555:
+$L__BB7_555:
 	add.s64 	%rd1862, %rd674, %rd672;
 	setp.ge.u64 	%p446, %rd1862, %rd675;
-	@%p446 bra 	$L__BB6_557;
+	@%p446 bra 	$L__BB7_557;
 
 	add.s64 	%rd1867, %rd674, %rd672;
 	shl.b64 	%rd1819, %rd1867, 4;
 	add.s64 	%rd1820, %rd716, %rd1819;
 	st.v4.u32 	[%rd1820], {%r72, %r71, %r70, %r69};
 
-$L__BB6_557:
+$L__BB7_557:
 	add.s64 	%rd1864, %rd674, %rd672;
 	add.s64 	%rd1863, %rd1864, %rd674;
 	setp.ge.u64 	%p447, %rd1863, %rd675;
-	@%p447 bra 	$L__BB6_559;
+	@%p447 bra 	$L__BB7_559;
 
 	add.s64 	%rd1866, %rd674, %rd672;
 	add.s64 	%rd1865, %rd1866, %rd674;
@@ -2438,22 +3041,22 @@ $L__BB6_557:
 	add.s64 	%rd1822, %rd716, %rd1821;
 	st.v4.u32 	[%rd1822], {%r80, %r79, %r78, %r77};
 
-$L__BB6_559:
+$L__BB7_559:
 	add.s64 	%rd1890, %rd674, %rd672;
 	add.s64 	%rd1889, %rd1890, %rd674;
 	add.s64 	%rd1888, %rd1889, %rd674;
 	setp.ge.u64 	%p450, %rd1888, %rd675;
-	@%p450 bra 	$L__BB6_561;
+	@%p450 bra 	$L__BB7_561;
 
 	shl.b64 	%rd1823, %rd679, 4;
 	add.s64 	%rd1824, %rd716, %rd1823;
 	st.v4.u32 	[%rd1824], {%r88, %r87, %r86, %r85};
 
-$L__BB6_561:
+$L__BB7_561:
 	add.s64 	%rd2166, %rd679, %rd674;
 	add.s64 	%rd1825, %rd2166, %rd678;
 	setp.ge.u64 	%p436, %rd1825, %rd675;
-	@%p436 bra 	$L__BB6_564;
+	@%p436 bra 	$L__BB7_564;
 
 	mul.lo.s64 	%rd1826, %rd673, %rd670;
 	shl.b64 	%rd822, %rd1826, 4;
@@ -2466,7 +3069,7 @@ $L__BB6_561:
 	add.s64 	%rd2165, %rd716, %rd1832;
 	mul.lo.s64 	%rd824, %rd1826, -48;
 
-$L__BB6_563:
+$L__BB7_563:
 	shl.b64 	%rd1833, %rd2166, 4;
 	add.s64 	%rd1834, %rd3, %rd1833;
 	shl.b64 	%rd1835, %rd674, 2;
@@ -2490,13 +3093,13 @@ $L__BB6_563:
 	add.s64 	%rd2166, %rd1835, %rd2166;
 	add.s64 	%rd1844, %rd2166, %rd678;
 	setp.lt.u64 	%p437, %rd1844, %rd675;
-	@%p437 bra 	$L__BB6_563;
+	@%p437 bra 	$L__BB7_563;
 
-$L__BB6_564:
+$L__BB7_564:
 	setp.ge.u64 	%p438, %rd2166, %rd675;
-	@%p438 bra 	$L__BB6_566;
+	@%p438 bra 	$L__BB7_566;
 
-$L__BB6_565:
+$L__BB7_565:
 	shl.b64 	%rd1845, %rd2166, 4;
 	add.s64 	%rd1846, %rd716, %rd1845;
 	add.s64 	%rd1847, %rd3, %rd1845;
@@ -2504,49 +3107,49 @@ $L__BB6_565:
 	st.v4.u32 	[%rd1846], {%r604, %r605, %r606, %r607};
 	add.s64 	%rd2166, %rd2166, %rd674;
 	setp.lt.u64 	%p439, %rd2166, %rd675;
-	@%p439 bra 	$L__BB6_565;
+	@%p439 bra 	$L__BB7_565;
 
-$L__BB6_566:
+$L__BB7_566:
 	and.b64  	%rd1848, %rd836, -16;
 	add.s64 	%rd2168, %rd1848, %rd672;
 	setp.ge.u64 	%p440, %rd2168, %rd836;
-	@%p440 bra 	$L__BB6_568;
+	@%p440 bra 	$L__BB7_568;
 
-$L__BB6_567:
+$L__BB7_567:
 	add.s64 	%rd1849, %rd3, %rd2168;
 	ld.global.u8 	%rs134, [%rd1849];
 	add.s64 	%rd1850, %rd716, %rd2168;
 	st.u8 	[%rd1850], %rs134;
 	add.s64 	%rd2168, %rd2168, %rd674;
 	setp.lt.u64 	%p441, %rd2168, %rd836;
-	@%p441 bra 	$L__BB6_567;
-	bra.uni 	$L__BB6_568;
+	@%p441 bra 	$L__BB7_567;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_542:
+$L__BB7_542:
 	neg.s64 	%rd1785, %rd716;
 	and.b64  	%rd800, %rd1785, 15;
 	min.u64 	%rd801, %rd800, %rd836;
 	setp.ge.u64 	%p424, %rd672, %rd801;
-	@%p424 bra 	$L__BB6_545;
+	@%p424 bra 	$L__BB7_545;
 
 	mov.u64 	%rd2158, %rd672;
 
-$L__BB6_544:
+$L__BB7_544:
 	add.s64 	%rd1786, %rd3, %rd2158;
 	ld.global.u8 	%rs132, [%rd1786];
 	add.s64 	%rd1787, %rd716, %rd2158;
 	st.u8 	[%rd1787], %rs132;
 	add.s64 	%rd2158, %rd2158, %rd674;
 	setp.lt.u64 	%p425, %rd2158, %rd801;
-	@%p425 bra 	$L__BB6_544;
+	@%p425 bra 	$L__BB7_544;
 
-$L__BB6_545:
+$L__BB7_545:
 	sub.s64 	%rd804, %rd836, %rd801;
 	shr.u64 	%rd805, %rd804, 4;
 	add.s64 	%rd806, %rd3, %rd801;
 	setp.ge.u64 	%p426, %rd679, %rd805;
 	mov.u64 	%rd2161, %rd672;
-	@%p426 bra 	$L__BB6_548;
+	@%p426 bra 	$L__BB7_548;
 
 	mul.lo.s64 	%rd1788, %rd673, %rd670;
 	shl.b64 	%rd807, %rd1788, 4;
@@ -2563,7 +3166,7 @@ $L__BB6_545:
 	mul.lo.s64 	%rd809, %rd1788, -48;
 	mov.u64 	%rd2161, %rd672;
 
-$L__BB6_547:
+$L__BB7_547:
 	shl.b64 	%rd1798, %rd2161, 4;
 	add.s64 	%rd1799, %rd806, %rd1798;
 	shl.b64 	%rd1800, %rd674, 2;
@@ -2587,15 +3190,15 @@ $L__BB6_547:
 	add.s64 	%rd2161, %rd1800, %rd2161;
 	add.s64 	%rd1809, %rd2161, %rd678;
 	setp.lt.u64 	%p427, %rd1809, %rd805;
-	@%p427 bra 	$L__BB6_547;
+	@%p427 bra 	$L__BB7_547;
 
-$L__BB6_548:
+$L__BB7_548:
 	setp.ge.u64 	%p428, %rd2161, %rd805;
-	@%p428 bra 	$L__BB6_551;
+	@%p428 bra 	$L__BB7_551;
 
 	add.s64 	%rd815, %rd716, %rd801;
 
-$L__BB6_550:
+$L__BB7_550:
 	shl.b64 	%rd1810, %rd2161, 4;
 	add.s64 	%rd1811, %rd815, %rd1810;
 	add.s64 	%rd1812, %rd806, %rd1810;
@@ -2603,50 +3206,50 @@ $L__BB6_550:
 	st.v4.u32 	[%rd1811], {%r564, %r565, %r566, %r567};
 	add.s64 	%rd2161, %rd2161, %rd674;
 	setp.lt.u64 	%p429, %rd2161, %rd805;
-	@%p429 bra 	$L__BB6_550;
+	@%p429 bra 	$L__BB7_550;
 
-$L__BB6_551:
+$L__BB7_551:
 	and.b64  	%rd1813, %rd804, -16;
 	add.s64 	%rd1814, %rd801, %rd672;
 	add.s64 	%rd2163, %rd1814, %rd1813;
 	setp.ge.u64 	%p430, %rd2163, %rd836;
-	@%p430 bra 	$L__BB6_568;
+	@%p430 bra 	$L__BB7_568;
 
-$L__BB6_552:
+$L__BB7_552:
 	add.s64 	%rd1815, %rd3, %rd2163;
 	ld.global.u8 	%rs133, [%rd1815];
 	add.s64 	%rd1816, %rd716, %rd2163;
 	st.u8 	[%rd1816], %rs133;
 	add.s64 	%rd2163, %rd2163, %rd674;
 	setp.lt.u64 	%p431, %rd2163, %rd836;
-	@%p431 bra 	$L__BB6_552;
-	bra.uni 	$L__BB6_568;
+	@%p431 bra 	$L__BB7_552;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_531:
+$L__BB7_531:
 	neg.s64 	%rd1754, %rd716;
 	and.b64  	%rd779, %rd1754, 7;
 	min.u64 	%rd780, %rd779, %rd836;
 	setp.ge.u64 	%p416, %rd672, %rd780;
-	@%p416 bra 	$L__BB6_534;
+	@%p416 bra 	$L__BB7_534;
 
 	mov.u64 	%rd2152, %rd672;
 
-$L__BB6_533:
+$L__BB7_533:
 	add.s64 	%rd1755, %rd3, %rd2152;
 	ld.global.u8 	%rs130, [%rd1755];
 	add.s64 	%rd1756, %rd716, %rd2152;
 	st.u8 	[%rd1756], %rs130;
 	add.s64 	%rd2152, %rd2152, %rd674;
 	setp.lt.u64 	%p417, %rd2152, %rd780;
-	@%p417 bra 	$L__BB6_533;
+	@%p417 bra 	$L__BB7_533;
 
-$L__BB6_534:
+$L__BB7_534:
 	sub.s64 	%rd783, %rd836, %rd780;
 	shr.u64 	%rd784, %rd783, 3;
 	add.s64 	%rd785, %rd3, %rd780;
 	setp.ge.u64 	%p418, %rd679, %rd784;
 	mov.u64 	%rd2155, %rd672;
-	@%p418 bra 	$L__BB6_537;
+	@%p418 bra 	$L__BB7_537;
 
 	mul.lo.s64 	%rd1757, %rd673, %rd670;
 	shl.b64 	%rd786, %rd1757, 3;
@@ -2664,7 +3267,7 @@ $L__BB6_534:
 	shl.b64 	%rd1772, %rd788, 3;
 	mov.u64 	%rd2155, %rd672;
 
-$L__BB6_536:
+$L__BB7_536:
 	add.s64 	%rd1767, %rd2155, %rd674;
 	shl.b64 	%rd1768, %rd1767, 3;
 	add.s64 	%rd1769, %rd785, %rd1768;
@@ -2686,15 +3289,15 @@ $L__BB6_536:
 	add.s64 	%rd2155, %rd678, %rd1767;
 	add.s64 	%rd1777, %rd2155, %rd678;
 	setp.lt.u64 	%p419, %rd1777, %rd784;
-	@%p419 bra 	$L__BB6_536;
+	@%p419 bra 	$L__BB7_536;
 
-$L__BB6_537:
+$L__BB7_537:
 	setp.ge.u64 	%p420, %rd2155, %rd784;
-	@%p420 bra 	$L__BB6_540;
+	@%p420 bra 	$L__BB7_540;
 
 	add.s64 	%rd794, %rd716, %rd780;
 
-$L__BB6_539:
+$L__BB7_539:
 	shl.b64 	%rd1778, %rd2155, 3;
 	add.s64 	%rd1779, %rd785, %rd1778;
 	ld.global.v2.u32 	{%r528, %r529}, [%rd1779];
@@ -2702,49 +3305,49 @@ $L__BB6_539:
 	st.v2.u32 	[%rd1780], {%r528, %r529};
 	add.s64 	%rd2155, %rd2155, %rd674;
 	setp.lt.u64 	%p421, %rd2155, %rd784;
-	@%p421 bra 	$L__BB6_539;
+	@%p421 bra 	$L__BB7_539;
 
-$L__BB6_540:
+$L__BB7_540:
 	and.b64  	%rd1781, %rd783, -8;
 	add.s64 	%rd1782, %rd780, %rd672;
 	add.s64 	%rd2157, %rd1782, %rd1781;
 	setp.ge.u64 	%p422, %rd2157, %rd836;
-	@%p422 bra 	$L__BB6_568;
+	@%p422 bra 	$L__BB7_568;
 
-$L__BB6_541:
+$L__BB7_541:
 	add.s64 	%rd1783, %rd3, %rd2157;
 	ld.global.u8 	%rs131, [%rd1783];
 	add.s64 	%rd1784, %rd716, %rd2157;
 	st.u8 	[%rd1784], %rs131;
 	add.s64 	%rd2157, %rd2157, %rd674;
 	setp.lt.u64 	%p423, %rd2157, %rd836;
-	@%p423 bra 	$L__BB6_541;
-	bra.uni 	$L__BB6_568;
+	@%p423 bra 	$L__BB7_541;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_520:
+$L__BB7_520:
 	neg.s64 	%rd1726, %rd716;
 	and.b64  	%rd756, %rd1726, 3;
 	min.u64 	%rd757, %rd756, %rd836;
 	setp.ge.u64 	%p408, %rd672, %rd757;
-	@%p408 bra 	$L__BB6_523;
+	@%p408 bra 	$L__BB7_523;
 
 	mov.u64 	%rd2145, %rd672;
 
-$L__BB6_522:
+$L__BB7_522:
 	add.s64 	%rd1727, %rd3, %rd2145;
 	ld.global.u8 	%rs128, [%rd1727];
 	add.s64 	%rd1728, %rd716, %rd2145;
 	st.u8 	[%rd1728], %rs128;
 	add.s64 	%rd2145, %rd2145, %rd674;
 	setp.lt.u64 	%p409, %rd2145, %rd757;
-	@%p409 bra 	$L__BB6_522;
+	@%p409 bra 	$L__BB7_522;
 
-$L__BB6_523:
+$L__BB7_523:
 	sub.s64 	%rd760, %rd836, %rd757;
 	shr.u64 	%rd761, %rd760, 2;
 	setp.ge.u64 	%p410, %rd679, %rd761;
 	mov.u64 	%rd2149, %rd672;
-	@%p410 bra 	$L__BB6_526;
+	@%p410 bra 	$L__BB7_526;
 
 	mul.lo.s64 	%rd1729, %rd669, %rd670;
 	shl.b64 	%rd1730, %rd1729, 2;
@@ -2761,7 +3364,7 @@ $L__BB6_523:
 	add.s64 	%rd2148, %rd716, %rd1737;
 	mov.u64 	%rd2149, %rd672;
 
-$L__BB6_525:
+$L__BB7_525:
 	ld.global.u32 	%r507, [%rd2147];
 	add.s64 	%rd1739, %rd2147, %rd763;
 	ld.global.u32 	%r508, [%rd1739];
@@ -2782,16 +3385,16 @@ $L__BB6_525:
 	add.s64 	%rd2149, %rd678, %rd1745;
 	add.s64 	%rd1746, %rd2149, %rd678;
 	setp.lt.u64 	%p411, %rd1746, %rd761;
-	@%p411 bra 	$L__BB6_525;
+	@%p411 bra 	$L__BB7_525;
 
-$L__BB6_526:
+$L__BB7_526:
 	setp.ge.u64 	%p412, %rd2149, %rd761;
-	@%p412 bra 	$L__BB6_529;
+	@%p412 bra 	$L__BB7_529;
 
 	add.s64 	%rd772, %rd716, %rd757;
 	add.s64 	%rd773, %rd3, %rd757;
 
-$L__BB6_528:
+$L__BB7_528:
 	shl.b64 	%rd1747, %rd2149, 2;
 	add.s64 	%rd1748, %rd773, %rd1747;
 	ld.global.u32 	%r511, [%rd1748];
@@ -2799,36 +3402,36 @@ $L__BB6_528:
 	st.u32 	[%rd1749], %r511;
 	add.s64 	%rd2149, %rd2149, %rd674;
 	setp.lt.u64 	%p413, %rd2149, %rd761;
-	@%p413 bra 	$L__BB6_528;
+	@%p413 bra 	$L__BB7_528;
 
-$L__BB6_529:
+$L__BB7_529:
 	and.b64  	%rd1750, %rd760, -4;
 	add.s64 	%rd1751, %rd757, %rd672;
 	add.s64 	%rd2151, %rd1751, %rd1750;
 	setp.ge.u64 	%p414, %rd2151, %rd836;
-	@%p414 bra 	$L__BB6_568;
+	@%p414 bra 	$L__BB7_568;
 
-$L__BB6_530:
+$L__BB7_530:
 	add.s64 	%rd1752, %rd3, %rd2151;
 	ld.global.u8 	%rs129, [%rd1752];
 	add.s64 	%rd1753, %rd716, %rd2151;
 	st.u8 	[%rd1753], %rs129;
 	add.s64 	%rd2151, %rd2151, %rd674;
 	setp.lt.u64 	%p415, %rd2151, %rd836;
-	@%p415 bra 	$L__BB6_530;
-	bra.uni 	$L__BB6_568;
+	@%p415 bra 	$L__BB7_530;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_502:
+$L__BB7_502:
 	setp.ge.u64 	%p394, %rd679, %rd836;
 	mov.u64 	%rd2135, %rd672;
-	@%p394 bra 	$L__BB6_505;
+	@%p394 bra 	$L__BB7_505;
 
 	add.s64 	%rd2133, %rd3, %rd672;
 	mul.lo.s64 	%rd719, %rd673, %rd670;
 	add.s64 	%rd2134, %rd716, %rd672;
 	mov.u64 	%rd2135, %rd672;
 
-$L__BB6_504:
+$L__BB7_504:
 	ld.global.u8 	%rs115, [%rd2133];
 	add.s64 	%rd1687, %rd2133, %rd719;
 	ld.global.u8 	%rs116, [%rd1687];
@@ -2849,37 +3452,37 @@ $L__BB6_504:
 	add.s64 	%rd2135, %rd678, %rd1693;
 	add.s64 	%rd1694, %rd2135, %rd678;
 	setp.lt.u64 	%p395, %rd1694, %rd836;
-	@%p395 bra 	$L__BB6_504;
+	@%p395 bra 	$L__BB7_504;
 
-$L__BB6_505:
+$L__BB7_505:
 	setp.ge.u64 	%p396, %rd2135, %rd836;
-	@%p396 bra 	$L__BB6_507;
+	@%p396 bra 	$L__BB7_507;
 
-$L__BB6_506:
+$L__BB7_506:
 	add.s64 	%rd1695, %rd3, %rd2135;
 	ld.global.u8 	%rs119, [%rd1695];
 	add.s64 	%rd1696, %rd716, %rd2135;
 	st.u8 	[%rd1696], %rs119;
 	add.s64 	%rd2135, %rd2135, %rd674;
 	setp.lt.u64 	%p397, %rd2135, %rd836;
-	@%p397 bra 	$L__BB6_506;
+	@%p397 bra 	$L__BB7_506;
 
-$L__BB6_507:
+$L__BB7_507:
 	add.s64 	%rd2137, %rd672, %rd836;
 	setp.ge.u64 	%p398, %rd2137, %rd672;
-	@%p398 bra 	$L__BB6_568;
+	@%p398 bra 	$L__BB7_568;
 
-$L__BB6_508:
+$L__BB7_508:
 	add.s64 	%rd1697, %rd3, %rd2137;
 	ld.global.u8 	%rs120, [%rd1697];
 	add.s64 	%rd1698, %rd716, %rd2137;
 	st.u8 	[%rd1698], %rs120;
 	add.s64 	%rd2137, %rd2137, %rd674;
 	setp.lt.u64 	%p399, %rd2137, %rd836;
-	@%p399 bra 	$L__BB6_508;
-	bra.uni 	$L__BB6_568;
+	@%p399 bra 	$L__BB7_508;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_133:
+$L__BB7_133:
 	ld.global.u64 	%rd181, [%rd5+-48];
 	ld.global.u64 	%rd182, [%rd5+-40];
 	shl.b64 	%rd1040, %rd182, 3;
@@ -2890,55 +3493,55 @@ $L__BB6_133:
 	setp.ne.s64 	%p126, %rd1960, 0;
 	or.pred  	%p127, %p126, %p125;
 	mov.u64 	%rd1965, %rd182;
-	@%p127 bra 	$L__BB6_141;
+	@%p127 bra 	$L__BB7_141;
 
 	mov.u64 	%rd1956, 1;
 	cvt.u32.u64 	%r184, %rd181;
 
-$L__BB6_135:
+$L__BB7_135:
 	add.s64 	%rd185, %rd1956, %rd182;
 	or.b64  	%rd1043, %rd185, %rd181;
 	and.b64  	%rd1044, %rd1043, -4294967296;
 	setp.eq.s64 	%p128, %rd1044, 0;
-	@%p128 bra 	$L__BB6_137;
+	@%p128 bra 	$L__BB7_137;
 
 	rem.u64 	%rd1965, %rd185, %rd181;
-	bra.uni 	$L__BB6_138;
+	bra.uni 	$L__BB7_138;
 
-$L__BB6_137:
+$L__BB7_137:
 	cvt.u32.u64 	%r185, %rd185;
 	rem.u32 	%r186, %r185, %r184;
 	cvt.u64.u32 	%rd1965, %r186;
 
-$L__BB6_138:
+$L__BB7_138:
 	shl.b64 	%rd1046, %rd1965, 3;
 	add.s64 	%rd189, %rd4, %rd1046;
 	mov.u64 	%rd1960, 0;
 	ld.volatile.global.u64 	%rd1047, [%rd189];
 	setp.eq.s64 	%p129, %rd1047, 0;
-	@%p129 bra 	$L__BB6_140;
+	@%p129 bra 	$L__BB7_140;
 
 	atom.global.exch.b64 	%rd1960, [%rd189], 0;
 
-$L__BB6_140:
+$L__BB7_140:
 	add.s64 	%rd1956, %rd1956, 1;
 	setp.lt.u64 	%p130, %rd1956, %rd181;
 	setp.eq.s64 	%p453, %rd1960, 0;
 	and.pred  	%p131, %p453, %p130;
-	@%p131 bra 	$L__BB6_135;
+	@%p131 bra 	$L__BB7_135;
 
-$L__BB6_141:
+$L__BB7_141:
 	not.pred 	%p132, %p453;
-	@%p132 bra 	$L__BB6_153;
+	@%p132 bra 	$L__BB7_153;
 
 	mov.u64 	%rd1048, 1;
 	st.volatile.global.u64 	[%rd2], %rd1048;
 	membar.sys;
 	mov.u32 	%r626, 32;
 	cvt.u32.u64 	%r188, %rd181;
-	bra.uni 	$L__BB6_143;
+	bra.uni 	$L__BB7_143;
 
-$L__BB6_229:
+$L__BB7_229:
 	// begin inline asm
 	nanosleep.u32 %r626;
 	// end inline asm
@@ -2946,65 +3549,65 @@ $L__BB6_229:
 	selp.u32 	%r260, 1, 0, %p196;
 	shl.b32 	%r626, %r626, %r260;
 
-$L__BB6_143:
+$L__BB7_143:
 	setp.eq.s64 	%p134, %rd181, 0;
 	mov.pred 	%p454, -1;
 	mov.u64 	%rd1960, 0;
-	@%p134 bra 	$L__BB6_151;
+	@%p134 bra 	$L__BB7_151;
 
 	mov.u64 	%rd1962, 0;
 
-$L__BB6_145:
+$L__BB7_145:
 	add.s64 	%rd197, %rd1962, %rd182;
 	or.b64  	%rd1051, %rd197, %rd181;
 	and.b64  	%rd1052, %rd1051, -4294967296;
 	setp.eq.s64 	%p135, %rd1052, 0;
-	@%p135 bra 	$L__BB6_147;
+	@%p135 bra 	$L__BB7_147;
 
 	rem.u64 	%rd1965, %rd197, %rd181;
-	bra.uni 	$L__BB6_148;
+	bra.uni 	$L__BB7_148;
 
-$L__BB6_147:
+$L__BB7_147:
 	cvt.u32.u64 	%r189, %rd197;
 	rem.u32 	%r190, %r189, %r188;
 	cvt.u64.u32 	%rd1965, %r190;
 
-$L__BB6_148:
+$L__BB7_148:
 	shl.b64 	%rd1054, %rd1965, 3;
 	add.s64 	%rd201, %rd4, %rd1054;
 	mov.u64 	%rd1960, 0;
 	ld.volatile.global.u64 	%rd1055, [%rd201];
 	setp.eq.s64 	%p136, %rd1055, 0;
-	@%p136 bra 	$L__BB6_150;
+	@%p136 bra 	$L__BB7_150;
 
 	atom.global.exch.b64 	%rd1960, [%rd201], 0;
 
-$L__BB6_150:
+$L__BB7_150:
 	add.s64 	%rd1962, %rd1962, 1;
 	setp.lt.u64 	%p137, %rd1962, %rd181;
 	setp.eq.s64 	%p454, %rd1960, 0;
 	and.pred  	%p138, %p454, %p137;
-	@%p138 bra 	$L__BB6_145;
+	@%p138 bra 	$L__BB7_145;
 
-$L__BB6_151:
-	@%p454 bra 	$L__BB6_229;
+$L__BB7_151:
+	@%p454 bra 	$L__BB7_229;
 
 	mov.u64 	%rd1056, 0;
 	st.volatile.global.u64 	[%rd2], %rd1056;
 	membar.sys;
 
-$L__BB6_153:
+$L__BB7_153:
 	membar.gl;
 	add.s64 	%rd1057, %rd1965, 1;
 	or.b64  	%rd1058, %rd1057, %rd181;
 	and.b64  	%rd1059, %rd1058, -4294967296;
 	setp.eq.s64 	%p139, %rd1059, 0;
-	@%p139 bra 	$L__BB6_155;
+	@%p139 bra 	$L__BB7_155;
 
 	rem.u64 	%rd1969, %rd1057, %rd181;
-	bra.uni 	$L__BB6_156;
+	bra.uni 	$L__BB7_156;
 
-$L__BB6_20:
+$L__BB7_20:
 	ld.global.u64 	%rd19, [%rd5+-48];
 	ld.global.u64 	%rd20, [%rd5+-40];
 	shl.b64 	%rd851, %rd20, 3;
@@ -3015,55 +3618,55 @@ $L__BB6_20:
 	setp.ne.s64 	%p44, %rd1906, 0;
 	or.pred  	%p45, %p44, %p43;
 	mov.u64 	%rd1911, %rd20;
-	@%p45 bra 	$L__BB6_28;
+	@%p45 bra 	$L__BB7_28;
 
 	mov.u64 	%rd1902, 1;
 	cvt.u32.u64 	%r103, %rd19;
 
-$L__BB6_22:
+$L__BB7_22:
 	add.s64 	%rd23, %rd1902, %rd20;
 	or.b64  	%rd854, %rd23, %rd19;
 	and.b64  	%rd855, %rd854, -4294967296;
 	setp.eq.s64 	%p46, %rd855, 0;
-	@%p46 bra 	$L__BB6_24;
+	@%p46 bra 	$L__BB7_24;
 
 	rem.u64 	%rd1911, %rd23, %rd19;
-	bra.uni 	$L__BB6_25;
+	bra.uni 	$L__BB7_25;
 
-$L__BB6_24:
+$L__BB7_24:
 	cvt.u32.u64 	%r104, %rd23;
 	rem.u32 	%r105, %r104, %r103;
 	cvt.u64.u32 	%rd1911, %r105;
 
-$L__BB6_25:
+$L__BB7_25:
 	shl.b64 	%rd857, %rd1911, 3;
 	add.s64 	%rd27, %rd4, %rd857;
 	mov.u64 	%rd1906, 0;
 	ld.volatile.global.u64 	%rd858, [%rd27];
 	setp.eq.s64 	%p47, %rd858, 0;
-	@%p47 bra 	$L__BB6_27;
+	@%p47 bra 	$L__BB7_27;
 
 	atom.global.exch.b64 	%rd1906, [%rd27], 0;
 
-$L__BB6_27:
+$L__BB7_27:
 	add.s64 	%rd1902, %rd1902, 1;
 	setp.lt.u64 	%p48, %rd1902, %rd19;
 	setp.eq.s64 	%p451, %rd1906, 0;
 	and.pred  	%p49, %p451, %p48;
-	@%p49 bra 	$L__BB6_22;
+	@%p49 bra 	$L__BB7_22;
 
-$L__BB6_28:
+$L__BB7_28:
 	not.pred 	%p50, %p451;
-	@%p50 bra 	$L__BB6_40;
+	@%p50 bra 	$L__BB7_40;
 
 	mov.u64 	%rd859, 1;
 	st.volatile.global.u64 	[%rd2], %rd859;
 	membar.sys;
 	mov.u32 	%r622, 32;
 	cvt.u32.u64 	%r107, %rd19;
-	bra.uni 	$L__BB6_30;
+	bra.uni 	$L__BB7_30;
 
-$L__BB6_116:
+$L__BB7_116:
 	// begin inline asm
 	nanosleep.u32 %r622;
 	// end inline asm
@@ -3071,71 +3674,71 @@ $L__BB6_116:
 	selp.u32 	%r179, 1, 0, %p114;
 	shl.b32 	%r622, %r622, %r179;
 
-$L__BB6_30:
+$L__BB7_30:
 	setp.eq.s64 	%p52, %rd19, 0;
 	mov.pred 	%p452, -1;
 	mov.u64 	%rd1906, 0;
-	@%p52 bra 	$L__BB6_38;
+	@%p52 bra 	$L__BB7_38;
 
 	mov.u64 	%rd1908, 0;
 
-$L__BB6_32:
+$L__BB7_32:
 	add.s64 	%rd35, %rd1908, %rd20;
 	or.b64  	%rd862, %rd35, %rd19;
 	and.b64  	%rd863, %rd862, -4294967296;
 	setp.eq.s64 	%p53, %rd863, 0;
-	@%p53 bra 	$L__BB6_34;
+	@%p53 bra 	$L__BB7_34;
 
 	rem.u64 	%rd1911, %rd35, %rd19;
-	bra.uni 	$L__BB6_35;
+	bra.uni 	$L__BB7_35;
 
-$L__BB6_34:
+$L__BB7_34:
 	cvt.u32.u64 	%r108, %rd35;
 	rem.u32 	%r109, %r108, %r107;
 	cvt.u64.u32 	%rd1911, %r109;
 
-$L__BB6_35:
+$L__BB7_35:
 	shl.b64 	%rd865, %rd1911, 3;
 	add.s64 	%rd39, %rd4, %rd865;
 	mov.u64 	%rd1906, 0;
 	ld.volatile.global.u64 	%rd866, [%rd39];
 	setp.eq.s64 	%p54, %rd866, 0;
-	@%p54 bra 	$L__BB6_37;
+	@%p54 bra 	$L__BB7_37;
 
 	atom.global.exch.b64 	%rd1906, [%rd39], 0;
 
-$L__BB6_37:
+$L__BB7_37:
 	add.s64 	%rd1908, %rd1908, 1;
 	setp.lt.u64 	%p55, %rd1908, %rd19;
 	setp.eq.s64 	%p452, %rd1906, 0;
 	and.pred  	%p56, %p452, %p55;
-	@%p56 bra 	$L__BB6_32;
+	@%p56 bra 	$L__BB7_32;
 
-$L__BB6_38:
-	@%p452 bra 	$L__BB6_116;
+$L__BB7_38:
+	@%p452 bra 	$L__BB7_116;
 
 	mov.u64 	%rd867, 0;
 	st.volatile.global.u64 	[%rd2], %rd867;
 	membar.sys;
 
-$L__BB6_40:
+$L__BB7_40:
 	membar.gl;
 	add.s64 	%rd868, %rd1911, 1;
 	or.b64  	%rd869, %rd868, %rd19;
 	and.b64  	%rd870, %rd869, -4294967296;
 	setp.eq.s64 	%p57, %rd870, 0;
-	@%p57 bra 	$L__BB6_42;
+	@%p57 bra 	$L__BB7_42;
 
 	rem.u64 	%rd1915, %rd868, %rd19;
-	bra.uni 	$L__BB6_43;
+	bra.uni 	$L__BB7_43;
 
-$L__BB6_381:
+$L__BB7_381:
 	cvt.u32.u64 	%r380, %rd517;
 	cvt.u32.u64 	%r381, %rd1465;
 	rem.u32 	%r382, %r381, %r380;
 	cvt.u64.u32 	%rd2077, %r382;
 
-$L__BB6_382:
+$L__BB7_382:
 	ld.param.u64 	%rd1884, [jaxvmm_fused_offload_param_3];
 	cvta.to.global.u64 	%rd1883, %rd1884;
 	add.s64 	%rd1882, %rd4, 144;
@@ -3152,61 +3755,61 @@ $L__BB6_382:
 	membar.gl;
 	atom.global.exch.b64 	%rd1475, [%rd1882], %rd2078;
 
-$L__BB6_383:
+$L__BB7_383:
 	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2078;
 
-$L__BB6_384:
+$L__BB7_384:
 	bar.sync 	0;
 	ld.shared.u64 	%rd550, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd1476, %rd550, 15;
 	setp.eq.s64 	%p304, %rd1476, 0;
-	@%p304 bra 	$L__BB6_440;
+	@%p304 bra 	$L__BB7_440;
 
 	ld.param.u64 	%rd1880, [jaxvmm_fused_offload_param_1];
 	xor.b64  	%rd551, %rd550, %rd1880;
 	and.b64  	%rd1477, %rd551, 15;
 	setp.eq.s64 	%p305, %rd1477, 0;
-	@%p305 bra 	$L__BB6_429;
+	@%p305 bra 	$L__BB7_429;
 
 	and.b64  	%rd1478, %rd551, 7;
 	setp.eq.s64 	%p306, %rd1478, 0;
-	@%p306 bra 	$L__BB6_418;
+	@%p306 bra 	$L__BB7_418;
 
 	and.b64  	%rd1479, %rd551, 3;
 	setp.eq.s64 	%p307, %rd1479, 0;
-	@%p307 bra 	$L__BB6_407;
+	@%p307 bra 	$L__BB7_407;
 
 	and.b64  	%rd1480, %rd551, 1;
 	setp.eq.b64 	%p308, %rd1480, 1;
 	mov.pred 	%p309, 0;
 	xor.pred  	%p310, %p308, %p309;
 	not.pred 	%p311, %p310;
-	@%p311 bra 	$L__BB6_396;
-	bra.uni 	$L__BB6_389;
+	@%p311 bra 	$L__BB7_396;
+	bra.uni 	$L__BB7_389;
 
-$L__BB6_396:
+$L__BB7_396:
 	and.b64  	%rd567, %rd550, 1;
 	min.u64 	%rd568, %rd567, %rd836;
 	setp.ge.u64 	%p318, %rd506, %rd568;
-	@%p318 bra 	$L__BB6_399;
+	@%p318 bra 	$L__BB7_399;
 
 	mov.u64 	%rd2085, %rd506;
 
-$L__BB6_398:
+$L__BB7_398:
 	add.s64 	%rd1493, %rd3, %rd2085;
 	ld.global.u8 	%rs101, [%rd1493];
 	add.s64 	%rd1494, %rd550, %rd2085;
 	st.u8 	[%rd1494], %rs101;
 	add.s64 	%rd2085, %rd2085, %rd508;
 	setp.lt.u64 	%p319, %rd2085, %rd568;
-	@%p319 bra 	$L__BB6_398;
+	@%p319 bra 	$L__BB7_398;
 
-$L__BB6_399:
+$L__BB7_399:
 	sub.s64 	%rd571, %rd836, %rd568;
 	shr.u64 	%rd572, %rd571, 1;
 	setp.ge.u64 	%p320, %rd513, %rd572;
 	mov.u64 	%rd2089, %rd506;
-	@%p320 bra 	$L__BB6_402;
+	@%p320 bra 	$L__BB7_402;
 
 	mul.lo.s64 	%rd1495, %rd503, %rd504;
 	shl.b64 	%rd1496, %rd1495, 1;
@@ -3223,7 +3826,7 @@ $L__BB6_399:
 	add.s64 	%rd2088, %rd550, %rd1503;
 	mov.u64 	%rd2089, %rd506;
 
-$L__BB6_401:
+$L__BB7_401:
 	ld.global.u16 	%rs102, [%rd2087];
 	add.s64 	%rd1505, %rd2087, %rd574;
 	ld.global.u16 	%rs103, [%rd1505];
@@ -3244,16 +3847,16 @@ $L__BB6_401:
 	add.s64 	%rd2089, %rd512, %rd1511;
 	add.s64 	%rd1512, %rd2089, %rd512;
 	setp.lt.u64 	%p321, %rd1512, %rd572;
-	@%p321 bra 	$L__BB6_401;
+	@%p321 bra 	$L__BB7_401;
 
-$L__BB6_402:
+$L__BB7_402:
 	setp.ge.u64 	%p322, %rd2089, %rd572;
-	@%p322 bra 	$L__BB6_405;
+	@%p322 bra 	$L__BB7_405;
 
 	add.s64 	%rd583, %rd550, %rd568;
 	add.s64 	%rd584, %rd3, %rd568;
 
-$L__BB6_404:
+$L__BB7_404:
 	shl.b64 	%rd1513, %rd2089, 1;
 	add.s64 	%rd1514, %rd584, %rd1513;
 	ld.global.u16 	%rs106, [%rd1514];
@@ -3261,45 +3864,45 @@ $L__BB6_404:
 	st.u16 	[%rd1515], %rs106;
 	add.s64 	%rd2089, %rd2089, %rd508;
 	setp.lt.u64 	%p323, %rd2089, %rd572;
-	@%p323 bra 	$L__BB6_404;
+	@%p323 bra 	$L__BB7_404;
 
-$L__BB6_405:
+$L__BB7_405:
 	and.b64  	%rd1516, %rd571, -2;
 	add.s64 	%rd1517, %rd568, %rd506;
 	add.s64 	%rd2091, %rd1517, %rd1516;
 	setp.ge.u64 	%p324, %rd2091, %rd836;
-	@%p324 bra 	$L__BB6_568;
+	@%p324 bra 	$L__BB7_568;
 
-$L__BB6_406:
+$L__BB7_406:
 	add.s64 	%rd1518, %rd3, %rd2091;
 	ld.global.u8 	%rs107, [%rd1518];
 	add.s64 	%rd1519, %rd550, %rd2091;
 	st.u8 	[%rd1519], %rs107;
 	add.s64 	%rd2091, %rd2091, %rd508;
 	setp.lt.u64 	%p325, %rd2091, %rd836;
-	@%p325 bra 	$L__BB6_406;
-	bra.uni 	$L__BB6_568;
+	@%p325 bra 	$L__BB7_406;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_440:
+$L__BB7_440:
 	setp.ge.u64 	%p448, %rd506, %rd509;
-	@%p448 bra 	$L__BB6_442;
+	@%p448 bra 	$L__BB7_442;
 
 	shl.b64 	%rd1611, %rd506, 3;
 	add.s64 	%rd1612, %rd550, %rd1611;
 	st.v2.u32 	[%rd1612], {%r36, %r35};
 
-$L__BB6_442:
+$L__BB7_442:
 	add.s64 	%rd1887, %rd508, %rd506;
 	setp.ge.u64 	%p449, %rd1887, %rd509;
-	@%p449 bra 	$L__BB6_444;
+	@%p449 bra 	$L__BB7_444;
 
 	add.s64 	%rd1881, %rd508, %rd506;
 	shl.b64 	%rd1613, %rd1881, 3;
 	add.s64 	%rd1614, %rd550, %rd1613;
 	st.v2.u32 	[%rd1614], {%r40, %r39};
 
-$L__BB6_444:
-	@%p281 bra 	$L__BB6_446;
+$L__BB7_444:
+	@%p281 bra 	$L__BB7_446;
 
 	add.s64 	%rd1886, %rd508, %rd506;
 	add.s64 	%rd1885, %rd1886, %rd508;
@@ -3307,18 +3910,18 @@ $L__BB6_444:
 	add.s64 	%rd1616, %rd550, %rd1615;
 	st.v2.u32 	[%rd1616], {%r44, %r43};
 
-$L__BB6_446:
-	@%p282 bra 	$L__BB6_448;
+$L__BB7_446:
+	@%p282 bra 	$L__BB7_448;
 
 	shl.b64 	%rd1617, %rd513, 3;
 	add.s64 	%rd1618, %rd550, %rd1617;
 	st.v2.u32 	[%rd1618], {%r48, %r47};
 
-$L__BB6_448:
+$L__BB7_448:
 	add.s64 	%rd2113, %rd513, %rd508;
 	add.s64 	%rd1619, %rd2113, %rd512;
 	setp.ge.u64 	%p354, %rd1619, %rd509;
-	@%p354 bra 	$L__BB6_451;
+	@%p354 bra 	$L__BB7_451;
 
 	mul.lo.s64 	%rd1620, %rd507, %rd504;
 	shl.b64 	%rd656, %rd1620, 3;
@@ -3331,7 +3934,7 @@ $L__BB6_448:
 	add.s64 	%rd2112, %rd550, %rd1626;
 	mul.lo.s64 	%rd658, %rd1620, -24;
 
-$L__BB6_450:
+$L__BB7_450:
 	add.s64 	%rd1627, %rd2113, %rd508;
 	shl.b64 	%rd1628, %rd1627, 3;
 	add.s64 	%rd1629, %rd3, %rd1628;
@@ -3353,13 +3956,13 @@ $L__BB6_450:
 	add.s64 	%rd2113, %rd512, %rd1627;
 	add.s64 	%rd1636, %rd2113, %rd512;
 	setp.lt.u64 	%p355, %rd1636, %rd509;
-	@%p355 bra 	$L__BB6_450;
+	@%p355 bra 	$L__BB7_450;
 
-$L__BB6_451:
+$L__BB7_451:
 	setp.ge.u64 	%p356, %rd2113, %rd509;
-	@%p356 bra 	$L__BB6_453;
+	@%p356 bra 	$L__BB7_453;
 
-$L__BB6_452:
+$L__BB7_452:
 	shl.b64 	%rd1637, %rd2113, 3;
 	add.s64 	%rd1638, %rd3, %rd1637;
 	ld.global.v2.u32 	{%r464, %r465}, [%rd1638];
@@ -3367,49 +3970,49 @@ $L__BB6_452:
 	st.v2.u32 	[%rd1639], {%r464, %r465};
 	add.s64 	%rd2113, %rd2113, %rd508;
 	setp.lt.u64 	%p357, %rd2113, %rd509;
-	@%p357 bra 	$L__BB6_452;
+	@%p357 bra 	$L__BB7_452;
 
-$L__BB6_453:
+$L__BB7_453:
 	and.b64  	%rd1640, %rd836, -8;
 	add.s64 	%rd2115, %rd1640, %rd506;
 	setp.ge.u64 	%p358, %rd2115, %rd836;
-	@%p358 bra 	$L__BB6_568;
+	@%p358 bra 	$L__BB7_568;
 
-$L__BB6_454:
+$L__BB7_454:
 	add.s64 	%rd1641, %rd3, %rd2115;
 	ld.global.u8 	%rs114, [%rd1641];
 	add.s64 	%rd1642, %rd550, %rd2115;
 	st.u8 	[%rd1642], %rs114;
 	add.s64 	%rd2115, %rd2115, %rd508;
 	setp.lt.u64 	%p359, %rd2115, %rd836;
-	@%p359 bra 	$L__BB6_454;
-	bra.uni 	$L__BB6_568;
+	@%p359 bra 	$L__BB7_454;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_429:
+$L__BB7_429:
 	neg.s64 	%rd1578, %rd550;
 	and.b64  	%rd634, %rd1578, 15;
 	min.u64 	%rd635, %rd634, %rd836;
 	setp.ge.u64 	%p342, %rd506, %rd635;
-	@%p342 bra 	$L__BB6_432;
+	@%p342 bra 	$L__BB7_432;
 
 	mov.u64 	%rd2105, %rd506;
 
-$L__BB6_431:
+$L__BB7_431:
 	add.s64 	%rd1579, %rd3, %rd2105;
 	ld.global.u8 	%rs112, [%rd1579];
 	add.s64 	%rd1580, %rd550, %rd2105;
 	st.u8 	[%rd1580], %rs112;
 	add.s64 	%rd2105, %rd2105, %rd508;
 	setp.lt.u64 	%p343, %rd2105, %rd635;
-	@%p343 bra 	$L__BB6_431;
+	@%p343 bra 	$L__BB7_431;
 
-$L__BB6_432:
+$L__BB7_432:
 	sub.s64 	%rd638, %rd836, %rd635;
 	shr.u64 	%rd639, %rd638, 4;
 	add.s64 	%rd640, %rd3, %rd635;
 	setp.ge.u64 	%p344, %rd513, %rd639;
 	mov.u64 	%rd2108, %rd506;
-	@%p344 bra 	$L__BB6_435;
+	@%p344 bra 	$L__BB7_435;
 
 	mul.lo.s64 	%rd1581, %rd507, %rd504;
 	shl.b64 	%rd641, %rd1581, 4;
@@ -3427,7 +4030,7 @@ $L__BB6_432:
 	neg.s64 	%rd643, %rd1591;
 	mov.u64 	%rd2108, %rd506;
 
-$L__BB6_434:
+$L__BB7_434:
 	shl.b64 	%rd1592, %rd2108, 4;
 	add.s64 	%rd1593, %rd640, %rd1592;
 	shl.b64 	%rd1594, %rd508, 2;
@@ -3451,15 +4054,15 @@ $L__BB6_434:
 	add.s64 	%rd2108, %rd1594, %rd2108;
 	add.s64 	%rd1603, %rd2108, %rd512;
 	setp.lt.u64 	%p345, %rd1603, %rd639;
-	@%p345 bra 	$L__BB6_434;
+	@%p345 bra 	$L__BB7_434;
 
-$L__BB6_435:
+$L__BB7_435:
 	setp.ge.u64 	%p346, %rd2108, %rd639;
-	@%p346 bra 	$L__BB6_438;
+	@%p346 bra 	$L__BB7_438;
 
 	add.s64 	%rd649, %rd550, %rd635;
 
-$L__BB6_437:
+$L__BB7_437:
 	shl.b64 	%rd1604, %rd2108, 4;
 	add.s64 	%rd1605, %rd649, %rd1604;
 	add.s64 	%rd1606, %rd640, %rd1604;
@@ -3467,50 +4070,50 @@ $L__BB6_437:
 	st.v4.u32 	[%rd1605], {%r440, %r441, %r442, %r443};
 	add.s64 	%rd2108, %rd2108, %rd508;
 	setp.lt.u64 	%p347, %rd2108, %rd639;
-	@%p347 bra 	$L__BB6_437;
+	@%p347 bra 	$L__BB7_437;
 
-$L__BB6_438:
+$L__BB7_438:
 	and.b64  	%rd1607, %rd638, -16;
 	add.s64 	%rd1608, %rd635, %rd506;
 	add.s64 	%rd2110, %rd1608, %rd1607;
 	setp.ge.u64 	%p348, %rd2110, %rd836;
-	@%p348 bra 	$L__BB6_568;
+	@%p348 bra 	$L__BB7_568;
 
-$L__BB6_439:
+$L__BB7_439:
 	add.s64 	%rd1609, %rd3, %rd2110;
 	ld.global.u8 	%rs113, [%rd1609];
 	add.s64 	%rd1610, %rd550, %rd2110;
 	st.u8 	[%rd1610], %rs113;
 	add.s64 	%rd2110, %rd2110, %rd508;
 	setp.lt.u64 	%p349, %rd2110, %rd836;
-	@%p349 bra 	$L__BB6_439;
-	bra.uni 	$L__BB6_568;
+	@%p349 bra 	$L__BB7_439;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_418:
+$L__BB7_418:
 	neg.s64 	%rd1548, %rd550;
 	and.b64  	%rd613, %rd1548, 7;
 	min.u64 	%rd614, %rd613, %rd836;
 	setp.ge.u64 	%p334, %rd506, %rd614;
-	@%p334 bra 	$L__BB6_421;
+	@%p334 bra 	$L__BB7_421;
 
 	mov.u64 	%rd2099, %rd506;
 
-$L__BB6_420:
+$L__BB7_420:
 	add.s64 	%rd1549, %rd3, %rd2099;
 	ld.global.u8 	%rs110, [%rd1549];
 	add.s64 	%rd1550, %rd550, %rd2099;
 	st.u8 	[%rd1550], %rs110;
 	add.s64 	%rd2099, %rd2099, %rd508;
 	setp.lt.u64 	%p335, %rd2099, %rd614;
-	@%p335 bra 	$L__BB6_420;
+	@%p335 bra 	$L__BB7_420;
 
-$L__BB6_421:
+$L__BB7_421:
 	sub.s64 	%rd617, %rd836, %rd614;
 	shr.u64 	%rd618, %rd617, 3;
 	add.s64 	%rd619, %rd3, %rd614;
 	setp.ge.u64 	%p336, %rd513, %rd618;
 	mov.u64 	%rd2102, %rd506;
-	@%p336 bra 	$L__BB6_424;
+	@%p336 bra 	$L__BB7_424;
 
 	mul.lo.s64 	%rd1551, %rd507, %rd504;
 	shl.b64 	%rd620, %rd1551, 3;
@@ -3527,7 +4130,7 @@ $L__BB6_421:
 	mul.lo.s64 	%rd622, %rd1551, -24;
 	mov.u64 	%rd2102, %rd506;
 
-$L__BB6_423:
+$L__BB7_423:
 	add.s64 	%rd1561, %rd2102, %rd508;
 	shl.b64 	%rd1562, %rd1561, 3;
 	add.s64 	%rd1563, %rd619, %rd1562;
@@ -3549,15 +4152,15 @@ $L__BB6_423:
 	add.s64 	%rd2102, %rd512, %rd1561;
 	add.s64 	%rd1570, %rd2102, %rd512;
 	setp.lt.u64 	%p337, %rd1570, %rd618;
-	@%p337 bra 	$L__BB6_423;
+	@%p337 bra 	$L__BB7_423;
 
-$L__BB6_424:
+$L__BB7_424:
 	setp.ge.u64 	%p338, %rd2102, %rd618;
-	@%p338 bra 	$L__BB6_427;
+	@%p338 bra 	$L__BB7_427;
 
 	add.s64 	%rd628, %rd550, %rd614;
 
-$L__BB6_426:
+$L__BB7_426:
 	shl.b64 	%rd1571, %rd2102, 3;
 	add.s64 	%rd1572, %rd619, %rd1571;
 	ld.global.v2.u32 	{%r404, %r405}, [%rd1572];
@@ -3565,49 +4168,49 @@ $L__BB6_426:
 	st.v2.u32 	[%rd1573], {%r404, %r405};
 	add.s64 	%rd2102, %rd2102, %rd508;
 	setp.lt.u64 	%p339, %rd2102, %rd618;
-	@%p339 bra 	$L__BB6_426;
+	@%p339 bra 	$L__BB7_426;
 
-$L__BB6_427:
+$L__BB7_427:
 	and.b64  	%rd1574, %rd617, -8;
 	add.s64 	%rd1575, %rd614, %rd506;
 	add.s64 	%rd2104, %rd1575, %rd1574;
 	setp.ge.u64 	%p340, %rd2104, %rd836;
-	@%p340 bra 	$L__BB6_568;
+	@%p340 bra 	$L__BB7_568;
 
-$L__BB6_428:
+$L__BB7_428:
 	add.s64 	%rd1576, %rd3, %rd2104;
 	ld.global.u8 	%rs111, [%rd1576];
 	add.s64 	%rd1577, %rd550, %rd2104;
 	st.u8 	[%rd1577], %rs111;
 	add.s64 	%rd2104, %rd2104, %rd508;
 	setp.lt.u64 	%p341, %rd2104, %rd836;
-	@%p341 bra 	$L__BB6_428;
-	bra.uni 	$L__BB6_568;
+	@%p341 bra 	$L__BB7_428;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_407:
+$L__BB7_407:
 	neg.s64 	%rd1520, %rd550;
 	and.b64  	%rd590, %rd1520, 3;
 	min.u64 	%rd591, %rd590, %rd836;
 	setp.ge.u64 	%p326, %rd506, %rd591;
-	@%p326 bra 	$L__BB6_410;
+	@%p326 bra 	$L__BB7_410;
 
 	mov.u64 	%rd2092, %rd506;
 
-$L__BB6_409:
+$L__BB7_409:
 	add.s64 	%rd1521, %rd3, %rd2092;
 	ld.global.u8 	%rs108, [%rd1521];
 	add.s64 	%rd1522, %rd550, %rd2092;
 	st.u8 	[%rd1522], %rs108;
 	add.s64 	%rd2092, %rd2092, %rd508;
 	setp.lt.u64 	%p327, %rd2092, %rd591;
-	@%p327 bra 	$L__BB6_409;
+	@%p327 bra 	$L__BB7_409;
 
-$L__BB6_410:
+$L__BB7_410:
 	sub.s64 	%rd594, %rd836, %rd591;
 	shr.u64 	%rd595, %rd594, 2;
 	setp.ge.u64 	%p328, %rd513, %rd595;
 	mov.u64 	%rd2096, %rd506;
-	@%p328 bra 	$L__BB6_413;
+	@%p328 bra 	$L__BB7_413;
 
 	mul.lo.s64 	%rd1523, %rd503, %rd504;
 	shl.b64 	%rd1524, %rd1523, 2;
@@ -3624,7 +4227,7 @@ $L__BB6_410:
 	add.s64 	%rd2095, %rd550, %rd1531;
 	mov.u64 	%rd2096, %rd506;
 
-$L__BB6_412:
+$L__BB7_412:
 	ld.global.u32 	%r383, [%rd2094];
 	add.s64 	%rd1533, %rd2094, %rd597;
 	ld.global.u32 	%r384, [%rd1533];
@@ -3645,16 +4248,16 @@ $L__BB6_412:
 	add.s64 	%rd2096, %rd512, %rd1539;
 	add.s64 	%rd1540, %rd2096, %rd512;
 	setp.lt.u64 	%p329, %rd1540, %rd595;
-	@%p329 bra 	$L__BB6_412;
+	@%p329 bra 	$L__BB7_412;
 
-$L__BB6_413:
+$L__BB7_413:
 	setp.ge.u64 	%p330, %rd2096, %rd595;
-	@%p330 bra 	$L__BB6_416;
+	@%p330 bra 	$L__BB7_416;
 
 	add.s64 	%rd606, %rd550, %rd591;
 	add.s64 	%rd607, %rd3, %rd591;
 
-$L__BB6_415:
+$L__BB7_415:
 	shl.b64 	%rd1541, %rd2096, 2;
 	add.s64 	%rd1542, %rd607, %rd1541;
 	ld.global.u32 	%r387, [%rd1542];
@@ -3662,36 +4265,36 @@ $L__BB6_415:
 	st.u32 	[%rd1543], %r387;
 	add.s64 	%rd2096, %rd2096, %rd508;
 	setp.lt.u64 	%p331, %rd2096, %rd595;
-	@%p331 bra 	$L__BB6_415;
+	@%p331 bra 	$L__BB7_415;
 
-$L__BB6_416:
+$L__BB7_416:
 	and.b64  	%rd1544, %rd594, -4;
 	add.s64 	%rd1545, %rd591, %rd506;
 	add.s64 	%rd2098, %rd1545, %rd1544;
 	setp.ge.u64 	%p332, %rd2098, %rd836;
-	@%p332 bra 	$L__BB6_568;
+	@%p332 bra 	$L__BB7_568;
 
-$L__BB6_417:
+$L__BB7_417:
 	add.s64 	%rd1546, %rd3, %rd2098;
 	ld.global.u8 	%rs109, [%rd1546];
 	add.s64 	%rd1547, %rd550, %rd2098;
 	st.u8 	[%rd1547], %rs109;
 	add.s64 	%rd2098, %rd2098, %rd508;
 	setp.lt.u64 	%p333, %rd2098, %rd836;
-	@%p333 bra 	$L__BB6_417;
-	bra.uni 	$L__BB6_568;
+	@%p333 bra 	$L__BB7_417;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_389:
+$L__BB7_389:
 	setp.ge.u64 	%p312, %rd513, %rd836;
 	mov.u64 	%rd2082, %rd506;
-	@%p312 bra 	$L__BB6_392;
+	@%p312 bra 	$L__BB7_392;
 
 	add.s64 	%rd2080, %rd3, %rd506;
 	mul.lo.s64 	%rd553, %rd507, %rd504;
 	add.s64 	%rd2081, %rd550, %rd506;
 	mov.u64 	%rd2082, %rd506;
 
-$L__BB6_391:
+$L__BB7_391:
 	ld.global.u8 	%rs95, [%rd2080];
 	add.s64 	%rd1481, %rd2080, %rd553;
 	ld.global.u8 	%rs96, [%rd1481];
@@ -3712,43 +4315,43 @@ $L__BB6_391:
 	add.s64 	%rd2082, %rd512, %rd1487;
 	add.s64 	%rd1488, %rd2082, %rd512;
 	setp.lt.u64 	%p313, %rd1488, %rd836;
-	@%p313 bra 	$L__BB6_391;
+	@%p313 bra 	$L__BB7_391;
 
-$L__BB6_392:
+$L__BB7_392:
 	setp.ge.u64 	%p314, %rd2082, %rd836;
-	@%p314 bra 	$L__BB6_394;
+	@%p314 bra 	$L__BB7_394;
 
-$L__BB6_393:
+$L__BB7_393:
 	add.s64 	%rd1489, %rd3, %rd2082;
 	ld.global.u8 	%rs99, [%rd1489];
 	add.s64 	%rd1490, %rd550, %rd2082;
 	st.u8 	[%rd1490], %rs99;
 	add.s64 	%rd2082, %rd2082, %rd508;
 	setp.lt.u64 	%p315, %rd2082, %rd836;
-	@%p315 bra 	$L__BB6_393;
+	@%p315 bra 	$L__BB7_393;
 
-$L__BB6_394:
+$L__BB7_394:
 	add.s64 	%rd2084, %rd506, %rd836;
 	setp.ge.u64 	%p316, %rd2084, %rd506;
-	@%p316 bra 	$L__BB6_568;
+	@%p316 bra 	$L__BB7_568;
 
-$L__BB6_395:
+$L__BB7_395:
 	add.s64 	%rd1491, %rd3, %rd2084;
 	ld.global.u8 	%rs100, [%rd1491];
 	add.s64 	%rd1492, %rd550, %rd2084;
 	st.u8 	[%rd1492], %rs100;
 	add.s64 	%rd2084, %rd2084, %rd508;
 	setp.lt.u64 	%p317, %rd2084, %rd836;
-	@%p317 bra 	$L__BB6_395;
-	bra.uni 	$L__BB6_568;
+	@%p317 bra 	$L__BB7_395;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_268:
+$L__BB7_268:
 	cvt.u32.u64 	%r279, %rd349;
 	cvt.u32.u64 	%r280, %rd1260;
 	rem.u32 	%r281, %r280, %r279;
 	cvt.u64.u32 	%rd2023, %r281;
 
-$L__BB6_269:
+$L__BB7_269:
 	ld.param.u64 	%rd1900, [jaxvmm_fused_offload_param_3];
 	cvta.to.global.u64 	%rd1899, %rd1900;
 	add.s64 	%rd1877, %rd4, 144;
@@ -3765,61 +4368,61 @@ $L__BB6_269:
 	membar.gl;
 	atom.global.exch.b64 	%rd1270, [%rd1877], %rd2024;
 
-$L__BB6_270:
+$L__BB7_270:
 	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2024;
 
-$L__BB6_271:
+$L__BB7_271:
 	bar.sync 	0;
 	ld.shared.u64 	%rd382, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd1271, %rd382, 15;
 	setp.eq.s64 	%p222, %rd1271, 0;
-	@%p222 bra 	$L__BB6_327;
+	@%p222 bra 	$L__BB7_327;
 
 	ld.param.u64 	%rd1878, [jaxvmm_fused_offload_param_1];
 	xor.b64  	%rd383, %rd382, %rd1878;
 	and.b64  	%rd1272, %rd383, 15;
 	setp.eq.s64 	%p223, %rd1272, 0;
-	@%p223 bra 	$L__BB6_316;
+	@%p223 bra 	$L__BB7_316;
 
 	and.b64  	%rd1273, %rd383, 7;
 	setp.eq.s64 	%p224, %rd1273, 0;
-	@%p224 bra 	$L__BB6_305;
+	@%p224 bra 	$L__BB7_305;
 
 	and.b64  	%rd1274, %rd383, 3;
 	setp.eq.s64 	%p225, %rd1274, 0;
-	@%p225 bra 	$L__BB6_294;
+	@%p225 bra 	$L__BB7_294;
 
 	and.b64  	%rd1275, %rd383, 1;
 	setp.eq.b64 	%p226, %rd1275, 1;
 	mov.pred 	%p227, 0;
 	xor.pred  	%p228, %p226, %p227;
 	not.pred 	%p229, %p228;
-	@%p229 bra 	$L__BB6_283;
-	bra.uni 	$L__BB6_276;
+	@%p229 bra 	$L__BB7_283;
+	bra.uni 	$L__BB7_276;
 
-$L__BB6_283:
+$L__BB7_283:
 	and.b64  	%rd399, %rd382, 1;
 	min.u64 	%rd400, %rd399, %rd836;
 	setp.ge.u64 	%p236, %rd338, %rd400;
-	@%p236 bra 	$L__BB6_286;
+	@%p236 bra 	$L__BB7_286;
 
 	mov.u64 	%rd2031, %rd338;
 
-$L__BB6_285:
+$L__BB7_285:
 	add.s64 	%rd1288, %rd3, %rd2031;
 	ld.global.u8 	%rs81, [%rd1288];
 	add.s64 	%rd1289, %rd382, %rd2031;
 	st.u8 	[%rd1289], %rs81;
 	add.s64 	%rd2031, %rd2031, %rd340;
 	setp.lt.u64 	%p237, %rd2031, %rd400;
-	@%p237 bra 	$L__BB6_285;
+	@%p237 bra 	$L__BB7_285;
 
-$L__BB6_286:
+$L__BB7_286:
 	sub.s64 	%rd403, %rd836, %rd400;
 	shr.u64 	%rd404, %rd403, 1;
 	setp.ge.u64 	%p238, %rd345, %rd404;
 	mov.u64 	%rd2035, %rd338;
-	@%p238 bra 	$L__BB6_289;
+	@%p238 bra 	$L__BB7_289;
 
 	mul.lo.s64 	%rd1290, %rd335, %rd336;
 	shl.b64 	%rd1291, %rd1290, 1;
@@ -3836,7 +4439,7 @@ $L__BB6_286:
 	add.s64 	%rd2034, %rd382, %rd1298;
 	mov.u64 	%rd2035, %rd338;
 
-$L__BB6_288:
+$L__BB7_288:
 	ld.global.u16 	%rs82, [%rd2033];
 	add.s64 	%rd1300, %rd2033, %rd406;
 	ld.global.u16 	%rs83, [%rd1300];
@@ -3857,16 +4460,16 @@ $L__BB6_288:
 	add.s64 	%rd2035, %rd344, %rd1306;
 	add.s64 	%rd1307, %rd2035, %rd344;
 	setp.lt.u64 	%p239, %rd1307, %rd404;
-	@%p239 bra 	$L__BB6_288;
+	@%p239 bra 	$L__BB7_288;
 
-$L__BB6_289:
+$L__BB7_289:
 	setp.ge.u64 	%p240, %rd2035, %rd404;
-	@%p240 bra 	$L__BB6_292;
+	@%p240 bra 	$L__BB7_292;
 
 	add.s64 	%rd415, %rd382, %rd400;
 	add.s64 	%rd416, %rd3, %rd400;
 
-$L__BB6_291:
+$L__BB7_291:
 	shl.b64 	%rd1308, %rd2035, 1;
 	add.s64 	%rd1309, %rd416, %rd1308;
 	ld.global.u16 	%rs86, [%rd1309];
@@ -3874,59 +4477,59 @@ $L__BB6_291:
 	st.u16 	[%rd1310], %rs86;
 	add.s64 	%rd2035, %rd2035, %rd340;
 	setp.lt.u64 	%p241, %rd2035, %rd404;
-	@%p241 bra 	$L__BB6_291;
+	@%p241 bra 	$L__BB7_291;
 
-$L__BB6_292:
+$L__BB7_292:
 	and.b64  	%rd1311, %rd403, -2;
 	add.s64 	%rd1312, %rd400, %rd338;
 	add.s64 	%rd2037, %rd1312, %rd1311;
 	setp.ge.u64 	%p242, %rd2037, %rd836;
-	@%p242 bra 	$L__BB6_568;
+	@%p242 bra 	$L__BB7_568;
 
-$L__BB6_293:
+$L__BB7_293:
 	add.s64 	%rd1313, %rd3, %rd2037;
 	ld.global.u8 	%rs87, [%rd1313];
 	add.s64 	%rd1314, %rd382, %rd2037;
 	st.u8 	[%rd1314], %rs87;
 	add.s64 	%rd2037, %rd2037, %rd340;
 	setp.lt.u64 	%p243, %rd2037, %rd836;
-	@%p243 bra 	$L__BB6_293;
-	bra.uni 	$L__BB6_568;
+	@%p243 bra 	$L__BB7_293;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_327:
-	@%p197 bra 	$L__BB6_329;
+$L__BB7_327:
+	@%p197 bra 	$L__BB7_329;
 
 	shl.b64 	%rd1407, %rd338, 2;
 	add.s64 	%rd1408, %rd382, %rd1407;
 	st.u32 	[%rd1408], %r18;
 
-$L__BB6_329:
-	@%p198 bra 	$L__BB6_331;
+$L__BB7_329:
+	@%p198 bra 	$L__BB7_331;
 
 	add.s64 	%rd1879, %rd340, %rd338;
 	shl.b64 	%rd1409, %rd1879, 2;
 	add.s64 	%rd1410, %rd382, %rd1409;
 	st.u32 	[%rd1410], %r20;
 
-$L__BB6_331:
-	@%p199 bra 	$L__BB6_333;
+$L__BB7_331:
+	@%p199 bra 	$L__BB7_333;
 
 	shl.b64 	%rd1411, %rd343, 2;
 	add.s64 	%rd1412, %rd382, %rd1411;
 	st.u32 	[%rd1412], %r22;
 
-$L__BB6_333:
-	@%p200 bra 	$L__BB6_335;
+$L__BB7_333:
+	@%p200 bra 	$L__BB7_335;
 
 	shl.b64 	%rd1413, %rd345, 2;
 	add.s64 	%rd1414, %rd382, %rd1413;
 	st.u32 	[%rd1414], %r24;
 
-$L__BB6_335:
+$L__BB7_335:
 	add.s64 	%rd2060, %rd345, %rd340;
 	add.s64 	%rd1415, %rd2060, %rd344;
 	setp.ge.u64 	%p272, %rd1415, %rd341;
-	@%p272 bra 	$L__BB6_338;
+	@%p272 bra 	$L__BB7_338;
 
 	shl.b64 	%rd1416, %rd339, 2;
 	add.s64 	%rd1417, %rd1416, %rd335;
@@ -3939,7 +4542,7 @@ $L__BB6_335:
 	shl.b64 	%rd489, %rd1422, 2;
 	add.s64 	%rd2059, %rd382, %rd1421;
 
-$L__BB6_337:
+$L__BB7_337:
 	ld.global.u32 	%r347, [%rd2058];
 	add.s64 	%rd1423, %rd2058, %rd489;
 	ld.global.u32 	%r348, [%rd1423];
@@ -3960,13 +4563,13 @@ $L__BB6_337:
 	add.s64 	%rd2060, %rd344, %rd1429;
 	add.s64 	%rd1430, %rd2060, %rd344;
 	setp.lt.u64 	%p273, %rd1430, %rd341;
-	@%p273 bra 	$L__BB6_337;
+	@%p273 bra 	$L__BB7_337;
 
-$L__BB6_338:
+$L__BB7_338:
 	setp.ge.u64 	%p274, %rd2060, %rd341;
-	@%p274 bra 	$L__BB6_340;
+	@%p274 bra 	$L__BB7_340;
 
-$L__BB6_339:
+$L__BB7_339:
 	shl.b64 	%rd1431, %rd2060, 2;
 	add.s64 	%rd1432, %rd3, %rd1431;
 	ld.global.u32 	%r351, [%rd1432];
@@ -3974,49 +4577,49 @@ $L__BB6_339:
 	st.u32 	[%rd1433], %r351;
 	add.s64 	%rd2060, %rd2060, %rd340;
 	setp.lt.u64 	%p275, %rd2060, %rd341;
-	@%p275 bra 	$L__BB6_339;
+	@%p275 bra 	$L__BB7_339;
 
-$L__BB6_340:
+$L__BB7_340:
 	and.b64  	%rd1434, %rd836, -4;
 	add.s64 	%rd2062, %rd1434, %rd338;
 	setp.ge.u64 	%p276, %rd2062, %rd836;
-	@%p276 bra 	$L__BB6_568;
+	@%p276 bra 	$L__BB7_568;
 
-$L__BB6_341:
+$L__BB7_341:
 	add.s64 	%rd1435, %rd3, %rd2062;
 	ld.global.u8 	%rs94, [%rd1435];
 	add.s64 	%rd1436, %rd382, %rd2062;
 	st.u8 	[%rd1436], %rs94;
 	add.s64 	%rd2062, %rd2062, %rd340;
 	setp.lt.u64 	%p277, %rd2062, %rd836;
-	@%p277 bra 	$L__BB6_341;
-	bra.uni 	$L__BB6_568;
+	@%p277 bra 	$L__BB7_341;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_316:
+$L__BB7_316:
 	neg.s64 	%rd1374, %rd382;
 	and.b64  	%rd466, %rd1374, 15;
 	min.u64 	%rd467, %rd466, %rd836;
 	setp.ge.u64 	%p260, %rd338, %rd467;
-	@%p260 bra 	$L__BB6_319;
+	@%p260 bra 	$L__BB7_319;
 
 	mov.u64 	%rd2051, %rd338;
 
-$L__BB6_318:
+$L__BB7_318:
 	add.s64 	%rd1375, %rd3, %rd2051;
 	ld.global.u8 	%rs92, [%rd1375];
 	add.s64 	%rd1376, %rd382, %rd2051;
 	st.u8 	[%rd1376], %rs92;
 	add.s64 	%rd2051, %rd2051, %rd340;
 	setp.lt.u64 	%p261, %rd2051, %rd467;
-	@%p261 bra 	$L__BB6_318;
+	@%p261 bra 	$L__BB7_318;
 
-$L__BB6_319:
+$L__BB7_319:
 	sub.s64 	%rd470, %rd836, %rd467;
 	shr.u64 	%rd471, %rd470, 4;
 	add.s64 	%rd472, %rd3, %rd467;
 	setp.ge.u64 	%p262, %rd345, %rd471;
 	mov.u64 	%rd2054, %rd338;
-	@%p262 bra 	$L__BB6_322;
+	@%p262 bra 	$L__BB7_322;
 
 	mul.lo.s64 	%rd1377, %rd339, %rd336;
 	shl.b64 	%rd473, %rd1377, 4;
@@ -4034,7 +4637,7 @@ $L__BB6_319:
 	shl.b64 	%rd1394, %rd475, 4;
 	mov.u64 	%rd2054, %rd338;
 
-$L__BB6_321:
+$L__BB7_321:
 	shl.b64 	%rd1387, %rd2054, 4;
 	add.s64 	%rd1388, %rd472, %rd1387;
 	shl.b64 	%rd1389, %rd340, 2;
@@ -4058,15 +4661,15 @@ $L__BB6_321:
 	add.s64 	%rd2054, %rd1389, %rd2054;
 	add.s64 	%rd1399, %rd2054, %rd344;
 	setp.lt.u64 	%p263, %rd1399, %rd471;
-	@%p263 bra 	$L__BB6_321;
+	@%p263 bra 	$L__BB7_321;
 
-$L__BB6_322:
+$L__BB7_322:
 	setp.ge.u64 	%p264, %rd2054, %rd471;
-	@%p264 bra 	$L__BB6_325;
+	@%p264 bra 	$L__BB7_325;
 
 	add.s64 	%rd481, %rd382, %rd467;
 
-$L__BB6_324:
+$L__BB7_324:
 	shl.b64 	%rd1400, %rd2054, 4;
 	add.s64 	%rd1401, %rd481, %rd1400;
 	add.s64 	%rd1402, %rd472, %rd1400;
@@ -4074,50 +4677,50 @@ $L__BB6_324:
 	st.v4.u32 	[%rd1401], {%r339, %r340, %r341, %r342};
 	add.s64 	%rd2054, %rd2054, %rd340;
 	setp.lt.u64 	%p265, %rd2054, %rd471;
-	@%p265 bra 	$L__BB6_324;
+	@%p265 bra 	$L__BB7_324;
 
-$L__BB6_325:
+$L__BB7_325:
 	and.b64  	%rd1403, %rd470, -16;
 	add.s64 	%rd1404, %rd467, %rd338;
 	add.s64 	%rd2056, %rd1404, %rd1403;
 	setp.ge.u64 	%p266, %rd2056, %rd836;
-	@%p266 bra 	$L__BB6_568;
+	@%p266 bra 	$L__BB7_568;
 
-$L__BB6_326:
+$L__BB7_326:
 	add.s64 	%rd1405, %rd3, %rd2056;
 	ld.global.u8 	%rs93, [%rd1405];
 	add.s64 	%rd1406, %rd382, %rd2056;
 	st.u8 	[%rd1406], %rs93;
 	add.s64 	%rd2056, %rd2056, %rd340;
 	setp.lt.u64 	%p267, %rd2056, %rd836;
-	@%p267 bra 	$L__BB6_326;
-	bra.uni 	$L__BB6_568;
+	@%p267 bra 	$L__BB7_326;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_305:
+$L__BB7_305:
 	neg.s64 	%rd1343, %rd382;
 	and.b64  	%rd445, %rd1343, 7;
 	min.u64 	%rd446, %rd445, %rd836;
 	setp.ge.u64 	%p252, %rd338, %rd446;
-	@%p252 bra 	$L__BB6_308;
+	@%p252 bra 	$L__BB7_308;
 
 	mov.u64 	%rd2045, %rd338;
 
-$L__BB6_307:
+$L__BB7_307:
 	add.s64 	%rd1344, %rd3, %rd2045;
 	ld.global.u8 	%rs90, [%rd1344];
 	add.s64 	%rd1345, %rd382, %rd2045;
 	st.u8 	[%rd1345], %rs90;
 	add.s64 	%rd2045, %rd2045, %rd340;
 	setp.lt.u64 	%p253, %rd2045, %rd446;
-	@%p253 bra 	$L__BB6_307;
+	@%p253 bra 	$L__BB7_307;
 
-$L__BB6_308:
+$L__BB7_308:
 	sub.s64 	%rd449, %rd836, %rd446;
 	shr.u64 	%rd450, %rd449, 3;
 	add.s64 	%rd451, %rd3, %rd446;
 	setp.ge.u64 	%p254, %rd345, %rd450;
 	mov.u64 	%rd2048, %rd338;
-	@%p254 bra 	$L__BB6_311;
+	@%p254 bra 	$L__BB7_311;
 
 	mul.lo.s64 	%rd1346, %rd339, %rd336;
 	shl.b64 	%rd452, %rd1346, 3;
@@ -4135,7 +4738,7 @@ $L__BB6_308:
 	neg.s64 	%rd454, %rd1356;
 	mov.u64 	%rd2048, %rd338;
 
-$L__BB6_310:
+$L__BB7_310:
 	add.s64 	%rd1357, %rd2048, %rd340;
 	shl.b64 	%rd1358, %rd1357, 3;
 	add.s64 	%rd1359, %rd451, %rd1358;
@@ -4157,15 +4760,15 @@ $L__BB6_310:
 	add.s64 	%rd2048, %rd344, %rd1357;
 	add.s64 	%rd1366, %rd2048, %rd344;
 	setp.lt.u64 	%p255, %rd1366, %rd450;
-	@%p255 bra 	$L__BB6_310;
+	@%p255 bra 	$L__BB7_310;
 
-$L__BB6_311:
+$L__BB7_311:
 	setp.ge.u64 	%p256, %rd2048, %rd450;
-	@%p256 bra 	$L__BB6_314;
+	@%p256 bra 	$L__BB7_314;
 
 	add.s64 	%rd460, %rd382, %rd446;
 
-$L__BB6_313:
+$L__BB7_313:
 	shl.b64 	%rd1367, %rd2048, 3;
 	add.s64 	%rd1368, %rd451, %rd1367;
 	ld.global.v2.u32 	{%r303, %r304}, [%rd1368];
@@ -4173,49 +4776,49 @@ $L__BB6_313:
 	st.v2.u32 	[%rd1369], {%r303, %r304};
 	add.s64 	%rd2048, %rd2048, %rd340;
 	setp.lt.u64 	%p257, %rd2048, %rd450;
-	@%p257 bra 	$L__BB6_313;
+	@%p257 bra 	$L__BB7_313;
 
-$L__BB6_314:
+$L__BB7_314:
 	and.b64  	%rd1370, %rd449, -8;
 	add.s64 	%rd1371, %rd446, %rd338;
 	add.s64 	%rd2050, %rd1371, %rd1370;
 	setp.ge.u64 	%p258, %rd2050, %rd836;
-	@%p258 bra 	$L__BB6_568;
+	@%p258 bra 	$L__BB7_568;
 
-$L__BB6_315:
+$L__BB7_315:
 	add.s64 	%rd1372, %rd3, %rd2050;
 	ld.global.u8 	%rs91, [%rd1372];
 	add.s64 	%rd1373, %rd382, %rd2050;
 	st.u8 	[%rd1373], %rs91;
 	add.s64 	%rd2050, %rd2050, %rd340;
 	setp.lt.u64 	%p259, %rd2050, %rd836;
-	@%p259 bra 	$L__BB6_315;
-	bra.uni 	$L__BB6_568;
+	@%p259 bra 	$L__BB7_315;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_294:
+$L__BB7_294:
 	neg.s64 	%rd1315, %rd382;
 	and.b64  	%rd422, %rd1315, 3;
 	min.u64 	%rd423, %rd422, %rd836;
 	setp.ge.u64 	%p244, %rd338, %rd423;
-	@%p244 bra 	$L__BB6_297;
+	@%p244 bra 	$L__BB7_297;
 
 	mov.u64 	%rd2038, %rd338;
 
-$L__BB6_296:
+$L__BB7_296:
 	add.s64 	%rd1316, %rd3, %rd2038;
 	ld.global.u8 	%rs88, [%rd1316];
 	add.s64 	%rd1317, %rd382, %rd2038;
 	st.u8 	[%rd1317], %rs88;
 	add.s64 	%rd2038, %rd2038, %rd340;
 	setp.lt.u64 	%p245, %rd2038, %rd423;
-	@%p245 bra 	$L__BB6_296;
+	@%p245 bra 	$L__BB7_296;
 
-$L__BB6_297:
+$L__BB7_297:
 	sub.s64 	%rd426, %rd836, %rd423;
 	shr.u64 	%rd427, %rd426, 2;
 	setp.ge.u64 	%p246, %rd345, %rd427;
 	mov.u64 	%rd2042, %rd338;
-	@%p246 bra 	$L__BB6_300;
+	@%p246 bra 	$L__BB7_300;
 
 	mul.lo.s64 	%rd1318, %rd335, %rd336;
 	shl.b64 	%rd1319, %rd1318, 2;
@@ -4232,7 +4835,7 @@ $L__BB6_297:
 	add.s64 	%rd2041, %rd382, %rd1326;
 	mov.u64 	%rd2042, %rd338;
 
-$L__BB6_299:
+$L__BB7_299:
 	ld.global.u32 	%r282, [%rd2040];
 	add.s64 	%rd1328, %rd2040, %rd429;
 	ld.global.u32 	%r283, [%rd1328];
@@ -4253,16 +4856,16 @@ $L__BB6_299:
 	add.s64 	%rd2042, %rd344, %rd1334;
 	add.s64 	%rd1335, %rd2042, %rd344;
 	setp.lt.u64 	%p247, %rd1335, %rd427;
-	@%p247 bra 	$L__BB6_299;
+	@%p247 bra 	$L__BB7_299;
 
-$L__BB6_300:
+$L__BB7_300:
 	setp.ge.u64 	%p248, %rd2042, %rd427;
-	@%p248 bra 	$L__BB6_303;
+	@%p248 bra 	$L__BB7_303;
 
 	add.s64 	%rd438, %rd382, %rd423;
 	add.s64 	%rd439, %rd3, %rd423;
 
-$L__BB6_302:
+$L__BB7_302:
 	shl.b64 	%rd1336, %rd2042, 2;
 	add.s64 	%rd1337, %rd439, %rd1336;
 	ld.global.u32 	%r286, [%rd1337];
@@ -4270,36 +4873,36 @@ $L__BB6_302:
 	st.u32 	[%rd1338], %r286;
 	add.s64 	%rd2042, %rd2042, %rd340;
 	setp.lt.u64 	%p249, %rd2042, %rd427;
-	@%p249 bra 	$L__BB6_302;
+	@%p249 bra 	$L__BB7_302;
 
-$L__BB6_303:
+$L__BB7_303:
 	and.b64  	%rd1339, %rd426, -4;
 	add.s64 	%rd1340, %rd423, %rd338;
 	add.s64 	%rd2044, %rd1340, %rd1339;
 	setp.ge.u64 	%p250, %rd2044, %rd836;
-	@%p250 bra 	$L__BB6_568;
+	@%p250 bra 	$L__BB7_568;
 
-$L__BB6_304:
+$L__BB7_304:
 	add.s64 	%rd1341, %rd3, %rd2044;
 	ld.global.u8 	%rs89, [%rd1341];
 	add.s64 	%rd1342, %rd382, %rd2044;
 	st.u8 	[%rd1342], %rs89;
 	add.s64 	%rd2044, %rd2044, %rd340;
 	setp.lt.u64 	%p251, %rd2044, %rd836;
-	@%p251 bra 	$L__BB6_304;
-	bra.uni 	$L__BB6_568;
+	@%p251 bra 	$L__BB7_304;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_276:
+$L__BB7_276:
 	setp.ge.u64 	%p230, %rd345, %rd836;
 	mov.u64 	%rd2028, %rd338;
-	@%p230 bra 	$L__BB6_279;
+	@%p230 bra 	$L__BB7_279;
 
 	add.s64 	%rd2026, %rd3, %rd338;
 	mul.lo.s64 	%rd385, %rd339, %rd336;
 	add.s64 	%rd2027, %rd382, %rd338;
 	mov.u64 	%rd2028, %rd338;
 
-$L__BB6_278:
+$L__BB7_278:
 	ld.global.u8 	%rs75, [%rd2026];
 	add.s64 	%rd1276, %rd2026, %rd385;
 	ld.global.u8 	%rs76, [%rd1276];
@@ -4320,43 +4923,43 @@ $L__BB6_278:
 	add.s64 	%rd2028, %rd344, %rd1282;
 	add.s64 	%rd1283, %rd2028, %rd344;
 	setp.lt.u64 	%p231, %rd1283, %rd836;
-	@%p231 bra 	$L__BB6_278;
+	@%p231 bra 	$L__BB7_278;
 
-$L__BB6_279:
+$L__BB7_279:
 	setp.ge.u64 	%p232, %rd2028, %rd836;
-	@%p232 bra 	$L__BB6_281;
+	@%p232 bra 	$L__BB7_281;
 
-$L__BB6_280:
+$L__BB7_280:
 	add.s64 	%rd1284, %rd3, %rd2028;
 	ld.global.u8 	%rs79, [%rd1284];
 	add.s64 	%rd1285, %rd382, %rd2028;
 	st.u8 	[%rd1285], %rs79;
 	add.s64 	%rd2028, %rd2028, %rd340;
 	setp.lt.u64 	%p233, %rd2028, %rd836;
-	@%p233 bra 	$L__BB6_280;
+	@%p233 bra 	$L__BB7_280;
 
-$L__BB6_281:
+$L__BB7_281:
 	add.s64 	%rd2030, %rd338, %rd836;
 	setp.ge.u64 	%p234, %rd2030, %rd338;
-	@%p234 bra 	$L__BB6_568;
+	@%p234 bra 	$L__BB7_568;
 
-$L__BB6_282:
+$L__BB7_282:
 	add.s64 	%rd1286, %rd3, %rd2030;
 	ld.global.u8 	%rs80, [%rd1286];
 	add.s64 	%rd1287, %rd382, %rd2030;
 	st.u8 	[%rd1287], %rs80;
 	add.s64 	%rd2030, %rd2030, %rd340;
 	setp.lt.u64 	%p235, %rd2030, %rd836;
-	@%p235 bra 	$L__BB6_282;
-	bra.uni 	$L__BB6_568;
+	@%p235 bra 	$L__BB7_282;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_155:
+$L__BB7_155:
 	cvt.u32.u64 	%r191, %rd181;
 	cvt.u32.u64 	%r192, %rd1057;
 	rem.u32 	%r193, %r192, %r191;
 	cvt.u64.u32 	%rd1969, %r193;
 
-$L__BB6_156:
+$L__BB7_156:
 	ld.param.u64 	%rd1898, [jaxvmm_fused_offload_param_3];
 	cvta.to.global.u64 	%rd1897, %rd1898;
 	add.s64 	%rd1874, %rd4, 144;
@@ -4373,61 +4976,61 @@ $L__BB6_156:
 	membar.gl;
 	atom.global.exch.b64 	%rd1067, [%rd1874], %rd1970;
 
-$L__BB6_157:
+$L__BB7_157:
 	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd1970;
 
-$L__BB6_158:
+$L__BB7_158:
 	bar.sync 	0;
 	ld.shared.u64 	%rd214, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd1068, %rd214, 15;
 	setp.eq.s64 	%p140, %rd1068, 0;
-	@%p140 bra 	$L__BB6_214;
+	@%p140 bra 	$L__BB7_214;
 
 	ld.param.u64 	%rd1875, [jaxvmm_fused_offload_param_1];
 	xor.b64  	%rd215, %rd214, %rd1875;
 	and.b64  	%rd1069, %rd215, 15;
 	setp.eq.s64 	%p141, %rd1069, 0;
-	@%p141 bra 	$L__BB6_203;
+	@%p141 bra 	$L__BB7_203;
 
 	and.b64  	%rd1070, %rd215, 7;
 	setp.eq.s64 	%p142, %rd1070, 0;
-	@%p142 bra 	$L__BB6_192;
+	@%p142 bra 	$L__BB7_192;
 
 	and.b64  	%rd1071, %rd215, 3;
 	setp.eq.s64 	%p143, %rd1071, 0;
-	@%p143 bra 	$L__BB6_181;
+	@%p143 bra 	$L__BB7_181;
 
 	and.b64  	%rd1072, %rd215, 1;
 	setp.eq.b64 	%p144, %rd1072, 1;
 	mov.pred 	%p145, 0;
 	xor.pred  	%p146, %p144, %p145;
 	not.pred 	%p147, %p146;
-	@%p147 bra 	$L__BB6_170;
-	bra.uni 	$L__BB6_163;
+	@%p147 bra 	$L__BB7_170;
+	bra.uni 	$L__BB7_163;
 
-$L__BB6_170:
+$L__BB7_170:
 	and.b64  	%rd231, %rd214, 1;
 	min.u64 	%rd232, %rd231, %rd836;
 	setp.ge.u64 	%p154, %rd9, %rd232;
-	@%p154 bra 	$L__BB6_173;
+	@%p154 bra 	$L__BB7_173;
 
 	mov.u64 	%rd1977, %rd9;
 
-$L__BB6_172:
+$L__BB7_172:
 	add.s64 	%rd1085, %rd3, %rd1977;
 	ld.global.u8 	%rs56, [%rd1085];
 	add.s64 	%rd1086, %rd214, %rd1977;
 	st.u8 	[%rd1086], %rs56;
 	add.s64 	%rd1977, %rd1977, %rd11;
 	setp.lt.u64 	%p155, %rd1977, %rd232;
-	@%p155 bra 	$L__BB6_172;
+	@%p155 bra 	$L__BB7_172;
 
-$L__BB6_173:
+$L__BB7_173:
 	sub.s64 	%rd235, %rd836, %rd232;
 	shr.u64 	%rd236, %rd235, 1;
 	setp.ge.u64 	%p156, %rd177, %rd236;
 	mov.u64 	%rd1981, %rd9;
-	@%p156 bra 	$L__BB6_176;
+	@%p156 bra 	$L__BB7_176;
 
 	mul.lo.s64 	%rd1087, %rd6, %rd7;
 	shl.b64 	%rd1088, %rd1087, 1;
@@ -4444,7 +5047,7 @@ $L__BB6_173:
 	add.s64 	%rd1980, %rd214, %rd1095;
 	mov.u64 	%rd1981, %rd9;
 
-$L__BB6_175:
+$L__BB7_175:
 	ld.global.u16 	%rs57, [%rd1979];
 	add.s64 	%rd1097, %rd1979, %rd238;
 	ld.global.u16 	%rs58, [%rd1097];
@@ -4465,16 +5068,16 @@ $L__BB6_175:
 	add.s64 	%rd1981, %rd176, %rd1103;
 	add.s64 	%rd1104, %rd1981, %rd176;
 	setp.lt.u64 	%p157, %rd1104, %rd236;
-	@%p157 bra 	$L__BB6_175;
+	@%p157 bra 	$L__BB7_175;
 
-$L__BB6_176:
+$L__BB7_176:
 	setp.ge.u64 	%p158, %rd1981, %rd236;
-	@%p158 bra 	$L__BB6_179;
+	@%p158 bra 	$L__BB7_179;
 
 	add.s64 	%rd247, %rd214, %rd232;
 	add.s64 	%rd248, %rd3, %rd232;
 
-$L__BB6_178:
+$L__BB7_178:
 	shl.b64 	%rd1105, %rd1981, 1;
 	add.s64 	%rd1106, %rd248, %rd1105;
 	ld.global.u16 	%rs61, [%rd1106];
@@ -4482,59 +5085,59 @@ $L__BB6_178:
 	st.u16 	[%rd1107], %rs61;
 	add.s64 	%rd1981, %rd1981, %rd11;
 	setp.lt.u64 	%p159, %rd1981, %rd236;
-	@%p159 bra 	$L__BB6_178;
+	@%p159 bra 	$L__BB7_178;
 
-$L__BB6_179:
+$L__BB7_179:
 	and.b64  	%rd1108, %rd235, -2;
 	add.s64 	%rd1109, %rd232, %rd9;
 	add.s64 	%rd1983, %rd1109, %rd1108;
 	setp.ge.u64 	%p160, %rd1983, %rd836;
-	@%p160 bra 	$L__BB6_568;
+	@%p160 bra 	$L__BB7_568;
 
-$L__BB6_180:
+$L__BB7_180:
 	add.s64 	%rd1110, %rd3, %rd1983;
 	ld.global.u8 	%rs62, [%rd1110];
 	add.s64 	%rd1111, %rd214, %rd1983;
 	st.u8 	[%rd1111], %rs62;
 	add.s64 	%rd1983, %rd1983, %rd11;
 	setp.lt.u64 	%p161, %rd1983, %rd836;
-	@%p161 bra 	$L__BB6_180;
-	bra.uni 	$L__BB6_568;
+	@%p161 bra 	$L__BB7_180;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_214:
-	@%p115 bra 	$L__BB6_216;
+$L__BB7_214:
+	@%p115 bra 	$L__BB7_216;
 
 	shl.b64 	%rd1202, %rd9, 1;
 	add.s64 	%rd1203, %rd214, %rd1202;
 	st.u16 	[%rd1203], %rs10;
 
-$L__BB6_216:
-	@%p116 bra 	$L__BB6_218;
+$L__BB7_216:
+	@%p116 bra 	$L__BB7_218;
 
 	add.s64 	%rd1876, %rd11, %rd9;
 	shl.b64 	%rd1204, %rd1876, 1;
 	add.s64 	%rd1205, %rd214, %rd1204;
 	st.u16 	[%rd1205], %rs12;
 
-$L__BB6_218:
-	@%p117 bra 	$L__BB6_220;
+$L__BB7_218:
+	@%p117 bra 	$L__BB7_220;
 
 	shl.b64 	%rd1206, %rd175, 1;
 	add.s64 	%rd1207, %rd214, %rd1206;
 	st.u16 	[%rd1207], %rs14;
 
-$L__BB6_220:
-	@%p118 bra 	$L__BB6_222;
+$L__BB7_220:
+	@%p118 bra 	$L__BB7_222;
 
 	shl.b64 	%rd1208, %rd177, 1;
 	add.s64 	%rd1209, %rd214, %rd1208;
 	st.u16 	[%rd1209], %rs16;
 
-$L__BB6_222:
+$L__BB7_222:
 	add.s64 	%rd2006, %rd177, %rd11;
 	add.s64 	%rd1210, %rd2006, %rd176;
 	setp.ge.u64 	%p190, %rd1210, %rd173;
-	@%p190 bra 	$L__BB6_225;
+	@%p190 bra 	$L__BB7_225;
 
 	shl.b64 	%rd1211, %rd10, 2;
 	add.s64 	%rd1212, %rd1211, %rd6;
@@ -4547,7 +5150,7 @@ $L__BB6_222:
 	shl.b64 	%rd321, %rd1217, 1;
 	add.s64 	%rd2005, %rd214, %rd1216;
 
-$L__BB6_224:
+$L__BB7_224:
 	ld.global.u16 	%rs69, [%rd2004];
 	add.s64 	%rd1218, %rd2004, %rd321;
 	ld.global.u16 	%rs70, [%rd1218];
@@ -4568,13 +5171,13 @@ $L__BB6_224:
 	add.s64 	%rd2006, %rd176, %rd1224;
 	add.s64 	%rd1225, %rd2006, %rd176;
 	setp.lt.u64 	%p191, %rd1225, %rd173;
-	@%p191 bra 	$L__BB6_224;
+	@%p191 bra 	$L__BB7_224;
 
-$L__BB6_225:
+$L__BB7_225:
 	setp.ge.u64 	%p192, %rd2006, %rd173;
-	@%p192 bra 	$L__BB6_227;
+	@%p192 bra 	$L__BB7_227;
 
-$L__BB6_226:
+$L__BB7_226:
 	shl.b64 	%rd1226, %rd2006, 1;
 	add.s64 	%rd1227, %rd3, %rd1226;
 	ld.global.u16 	%rs73, [%rd1227];
@@ -4582,49 +5185,49 @@ $L__BB6_226:
 	st.u16 	[%rd1228], %rs73;
 	add.s64 	%rd2006, %rd2006, %rd11;
 	setp.lt.u64 	%p193, %rd2006, %rd173;
-	@%p193 bra 	$L__BB6_226;
+	@%p193 bra 	$L__BB7_226;
 
-$L__BB6_227:
+$L__BB7_227:
 	and.b64  	%rd1229, %rd836, -2;
 	add.s64 	%rd2008, %rd1229, %rd9;
 	setp.ge.u64 	%p194, %rd2008, %rd836;
-	@%p194 bra 	$L__BB6_568;
+	@%p194 bra 	$L__BB7_568;
 
-$L__BB6_228:
+$L__BB7_228:
 	add.s64 	%rd1230, %rd3, %rd2008;
 	ld.global.u8 	%rs74, [%rd1230];
 	add.s64 	%rd1231, %rd214, %rd2008;
 	st.u8 	[%rd1231], %rs74;
 	add.s64 	%rd2008, %rd2008, %rd11;
 	setp.lt.u64 	%p195, %rd2008, %rd836;
-	@%p195 bra 	$L__BB6_228;
-	bra.uni 	$L__BB6_568;
+	@%p195 bra 	$L__BB7_228;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_203:
+$L__BB7_203:
 	neg.s64 	%rd1170, %rd214;
 	and.b64  	%rd298, %rd1170, 15;
 	min.u64 	%rd299, %rd298, %rd836;
 	setp.ge.u64 	%p178, %rd9, %rd299;
-	@%p178 bra 	$L__BB6_206;
+	@%p178 bra 	$L__BB7_206;
 
 	mov.u64 	%rd1997, %rd9;
 
-$L__BB6_205:
+$L__BB7_205:
 	add.s64 	%rd1171, %rd3, %rd1997;
 	ld.global.u8 	%rs67, [%rd1171];
 	add.s64 	%rd1172, %rd214, %rd1997;
 	st.u8 	[%rd1172], %rs67;
 	add.s64 	%rd1997, %rd1997, %rd11;
 	setp.lt.u64 	%p179, %rd1997, %rd299;
-	@%p179 bra 	$L__BB6_205;
+	@%p179 bra 	$L__BB7_205;
 
-$L__BB6_206:
+$L__BB7_206:
 	sub.s64 	%rd302, %rd836, %rd299;
 	shr.u64 	%rd303, %rd302, 4;
 	add.s64 	%rd304, %rd3, %rd299;
 	setp.ge.u64 	%p180, %rd177, %rd303;
 	mov.u64 	%rd2000, %rd9;
-	@%p180 bra 	$L__BB6_209;
+	@%p180 bra 	$L__BB7_209;
 
 	mul.lo.s64 	%rd1173, %rd10, %rd7;
 	shl.b64 	%rd305, %rd1173, 4;
@@ -4641,7 +5244,7 @@ $L__BB6_206:
 	mul.lo.s64 	%rd307, %rd1173, -48;
 	mov.u64 	%rd2000, %rd9;
 
-$L__BB6_208:
+$L__BB7_208:
 	shl.b64 	%rd1183, %rd2000, 4;
 	add.s64 	%rd1184, %rd304, %rd1183;
 	shl.b64 	%rd1185, %rd11, 2;
@@ -4665,15 +5268,15 @@ $L__BB6_208:
 	add.s64 	%rd2000, %rd1185, %rd2000;
 	add.s64 	%rd1194, %rd2000, %rd176;
 	setp.lt.u64 	%p181, %rd1194, %rd303;
-	@%p181 bra 	$L__BB6_208;
+	@%p181 bra 	$L__BB7_208;
 
-$L__BB6_209:
+$L__BB7_209:
 	setp.ge.u64 	%p182, %rd2000, %rd303;
-	@%p182 bra 	$L__BB6_212;
+	@%p182 bra 	$L__BB7_212;
 
 	add.s64 	%rd313, %rd214, %rd299;
 
-$L__BB6_211:
+$L__BB7_211:
 	shl.b64 	%rd1195, %rd2000, 4;
 	add.s64 	%rd1196, %rd313, %rd1195;
 	add.s64 	%rd1197, %rd304, %rd1195;
@@ -4681,50 +5284,50 @@ $L__BB6_211:
 	st.v4.u32 	[%rd1196], {%r251, %r252, %r253, %r254};
 	add.s64 	%rd2000, %rd2000, %rd11;
 	setp.lt.u64 	%p183, %rd2000, %rd303;
-	@%p183 bra 	$L__BB6_211;
+	@%p183 bra 	$L__BB7_211;
 
-$L__BB6_212:
+$L__BB7_212:
 	and.b64  	%rd1198, %rd302, -16;
 	add.s64 	%rd1199, %rd299, %rd9;
 	add.s64 	%rd2002, %rd1199, %rd1198;
 	setp.ge.u64 	%p184, %rd2002, %rd836;
-	@%p184 bra 	$L__BB6_568;
+	@%p184 bra 	$L__BB7_568;
 
-$L__BB6_213:
+$L__BB7_213:
 	add.s64 	%rd1200, %rd3, %rd2002;
 	ld.global.u8 	%rs68, [%rd1200];
 	add.s64 	%rd1201, %rd214, %rd2002;
 	st.u8 	[%rd1201], %rs68;
 	add.s64 	%rd2002, %rd2002, %rd11;
 	setp.lt.u64 	%p185, %rd2002, %rd836;
-	@%p185 bra 	$L__BB6_213;
-	bra.uni 	$L__BB6_568;
+	@%p185 bra 	$L__BB7_213;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_192:
+$L__BB7_192:
 	neg.s64 	%rd1140, %rd214;
 	and.b64  	%rd277, %rd1140, 7;
 	min.u64 	%rd278, %rd277, %rd836;
 	setp.ge.u64 	%p170, %rd9, %rd278;
-	@%p170 bra 	$L__BB6_195;
+	@%p170 bra 	$L__BB7_195;
 
 	mov.u64 	%rd1991, %rd9;
 
-$L__BB6_194:
+$L__BB7_194:
 	add.s64 	%rd1141, %rd3, %rd1991;
 	ld.global.u8 	%rs65, [%rd1141];
 	add.s64 	%rd1142, %rd214, %rd1991;
 	st.u8 	[%rd1142], %rs65;
 	add.s64 	%rd1991, %rd1991, %rd11;
 	setp.lt.u64 	%p171, %rd1991, %rd278;
-	@%p171 bra 	$L__BB6_194;
+	@%p171 bra 	$L__BB7_194;
 
-$L__BB6_195:
+$L__BB7_195:
 	sub.s64 	%rd281, %rd836, %rd278;
 	shr.u64 	%rd282, %rd281, 3;
 	add.s64 	%rd283, %rd3, %rd278;
 	setp.ge.u64 	%p172, %rd177, %rd282;
 	mov.u64 	%rd1994, %rd9;
-	@%p172 bra 	$L__BB6_198;
+	@%p172 bra 	$L__BB7_198;
 
 	mul.lo.s64 	%rd1143, %rd10, %rd7;
 	shl.b64 	%rd284, %rd1143, 3;
@@ -4741,7 +5344,7 @@ $L__BB6_195:
 	mul.lo.s64 	%rd286, %rd1143, -24;
 	mov.u64 	%rd1994, %rd9;
 
-$L__BB6_197:
+$L__BB7_197:
 	add.s64 	%rd1153, %rd1994, %rd11;
 	shl.b64 	%rd1154, %rd1153, 3;
 	add.s64 	%rd1155, %rd283, %rd1154;
@@ -4763,15 +5366,15 @@ $L__BB6_197:
 	add.s64 	%rd1994, %rd176, %rd1153;
 	add.s64 	%rd1162, %rd1994, %rd176;
 	setp.lt.u64 	%p173, %rd1162, %rd282;
-	@%p173 bra 	$L__BB6_197;
+	@%p173 bra 	$L__BB7_197;
 
-$L__BB6_198:
+$L__BB7_198:
 	setp.ge.u64 	%p174, %rd1994, %rd282;
-	@%p174 bra 	$L__BB6_201;
+	@%p174 bra 	$L__BB7_201;
 
 	add.s64 	%rd292, %rd214, %rd278;
 
-$L__BB6_200:
+$L__BB7_200:
 	shl.b64 	%rd1163, %rd1994, 3;
 	add.s64 	%rd1164, %rd283, %rd1163;
 	ld.global.v2.u32 	{%r215, %r216}, [%rd1164];
@@ -4779,49 +5382,49 @@ $L__BB6_200:
 	st.v2.u32 	[%rd1165], {%r215, %r216};
 	add.s64 	%rd1994, %rd1994, %rd11;
 	setp.lt.u64 	%p175, %rd1994, %rd282;
-	@%p175 bra 	$L__BB6_200;
+	@%p175 bra 	$L__BB7_200;
 
-$L__BB6_201:
+$L__BB7_201:
 	and.b64  	%rd1166, %rd281, -8;
 	add.s64 	%rd1167, %rd278, %rd9;
 	add.s64 	%rd1996, %rd1167, %rd1166;
 	setp.ge.u64 	%p176, %rd1996, %rd836;
-	@%p176 bra 	$L__BB6_568;
+	@%p176 bra 	$L__BB7_568;
 
-$L__BB6_202:
+$L__BB7_202:
 	add.s64 	%rd1168, %rd3, %rd1996;
 	ld.global.u8 	%rs66, [%rd1168];
 	add.s64 	%rd1169, %rd214, %rd1996;
 	st.u8 	[%rd1169], %rs66;
 	add.s64 	%rd1996, %rd1996, %rd11;
 	setp.lt.u64 	%p177, %rd1996, %rd836;
-	@%p177 bra 	$L__BB6_202;
-	bra.uni 	$L__BB6_568;
+	@%p177 bra 	$L__BB7_202;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_181:
+$L__BB7_181:
 	neg.s64 	%rd1112, %rd214;
 	and.b64  	%rd254, %rd1112, 3;
 	min.u64 	%rd255, %rd254, %rd836;
 	setp.ge.u64 	%p162, %rd9, %rd255;
-	@%p162 bra 	$L__BB6_184;
+	@%p162 bra 	$L__BB7_184;
 
 	mov.u64 	%rd1984, %rd9;
 
-$L__BB6_183:
+$L__BB7_183:
 	add.s64 	%rd1113, %rd3, %rd1984;
 	ld.global.u8 	%rs63, [%rd1113];
 	add.s64 	%rd1114, %rd214, %rd1984;
 	st.u8 	[%rd1114], %rs63;
 	add.s64 	%rd1984, %rd1984, %rd11;
 	setp.lt.u64 	%p163, %rd1984, %rd255;
-	@%p163 bra 	$L__BB6_183;
+	@%p163 bra 	$L__BB7_183;
 
-$L__BB6_184:
+$L__BB7_184:
 	sub.s64 	%rd258, %rd836, %rd255;
 	shr.u64 	%rd259, %rd258, 2;
 	setp.ge.u64 	%p164, %rd177, %rd259;
 	mov.u64 	%rd1988, %rd9;
-	@%p164 bra 	$L__BB6_187;
+	@%p164 bra 	$L__BB7_187;
 
 	mul.lo.s64 	%rd1115, %rd6, %rd7;
 	shl.b64 	%rd1116, %rd1115, 2;
@@ -4838,7 +5441,7 @@ $L__BB6_184:
 	add.s64 	%rd1987, %rd214, %rd1123;
 	mov.u64 	%rd1988, %rd9;
 
-$L__BB6_186:
+$L__BB7_186:
 	ld.global.u32 	%r194, [%rd1986];
 	add.s64 	%rd1125, %rd1986, %rd261;
 	ld.global.u32 	%r195, [%rd1125];
@@ -4859,16 +5462,16 @@ $L__BB6_186:
 	add.s64 	%rd1988, %rd176, %rd1131;
 	add.s64 	%rd1132, %rd1988, %rd176;
 	setp.lt.u64 	%p165, %rd1132, %rd259;
-	@%p165 bra 	$L__BB6_186;
+	@%p165 bra 	$L__BB7_186;
 
-$L__BB6_187:
+$L__BB7_187:
 	setp.ge.u64 	%p166, %rd1988, %rd259;
-	@%p166 bra 	$L__BB6_190;
+	@%p166 bra 	$L__BB7_190;
 
 	add.s64 	%rd270, %rd214, %rd255;
 	add.s64 	%rd271, %rd3, %rd255;
 
-$L__BB6_189:
+$L__BB7_189:
 	shl.b64 	%rd1133, %rd1988, 2;
 	add.s64 	%rd1134, %rd271, %rd1133;
 	ld.global.u32 	%r198, [%rd1134];
@@ -4876,36 +5479,36 @@ $L__BB6_189:
 	st.u32 	[%rd1135], %r198;
 	add.s64 	%rd1988, %rd1988, %rd11;
 	setp.lt.u64 	%p167, %rd1988, %rd259;
-	@%p167 bra 	$L__BB6_189;
+	@%p167 bra 	$L__BB7_189;
 
-$L__BB6_190:
+$L__BB7_190:
 	and.b64  	%rd1136, %rd258, -4;
 	add.s64 	%rd1137, %rd255, %rd9;
 	add.s64 	%rd1990, %rd1137, %rd1136;
 	setp.ge.u64 	%p168, %rd1990, %rd836;
-	@%p168 bra 	$L__BB6_568;
+	@%p168 bra 	$L__BB7_568;
 
-$L__BB6_191:
+$L__BB7_191:
 	add.s64 	%rd1138, %rd3, %rd1990;
 	ld.global.u8 	%rs64, [%rd1138];
 	add.s64 	%rd1139, %rd214, %rd1990;
 	st.u8 	[%rd1139], %rs64;
 	add.s64 	%rd1990, %rd1990, %rd11;
 	setp.lt.u64 	%p169, %rd1990, %rd836;
-	@%p169 bra 	$L__BB6_191;
-	bra.uni 	$L__BB6_568;
+	@%p169 bra 	$L__BB7_191;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_163:
+$L__BB7_163:
 	setp.ge.u64 	%p148, %rd177, %rd836;
 	mov.u64 	%rd1974, %rd9;
-	@%p148 bra 	$L__BB6_166;
+	@%p148 bra 	$L__BB7_166;
 
 	add.s64 	%rd1972, %rd3, %rd9;
 	mul.lo.s64 	%rd217, %rd10, %rd7;
 	add.s64 	%rd1973, %rd214, %rd9;
 	mov.u64 	%rd1974, %rd9;
 
-$L__BB6_165:
+$L__BB7_165:
 	ld.global.u8 	%rs50, [%rd1972];
 	add.s64 	%rd1073, %rd1972, %rd217;
 	ld.global.u8 	%rs51, [%rd1073];
@@ -4926,43 +5529,43 @@ $L__BB6_165:
 	add.s64 	%rd1974, %rd176, %rd1079;
 	add.s64 	%rd1080, %rd1974, %rd176;
 	setp.lt.u64 	%p149, %rd1080, %rd836;
-	@%p149 bra 	$L__BB6_165;
+	@%p149 bra 	$L__BB7_165;
 
-$L__BB6_166:
+$L__BB7_166:
 	setp.ge.u64 	%p150, %rd1974, %rd836;
-	@%p150 bra 	$L__BB6_168;
+	@%p150 bra 	$L__BB7_168;
 
-$L__BB6_167:
+$L__BB7_167:
 	add.s64 	%rd1081, %rd3, %rd1974;
 	ld.global.u8 	%rs54, [%rd1081];
 	add.s64 	%rd1082, %rd214, %rd1974;
 	st.u8 	[%rd1082], %rs54;
 	add.s64 	%rd1974, %rd1974, %rd11;
 	setp.lt.u64 	%p151, %rd1974, %rd836;
-	@%p151 bra 	$L__BB6_167;
+	@%p151 bra 	$L__BB7_167;
 
-$L__BB6_168:
+$L__BB7_168:
 	add.s64 	%rd1976, %rd9, %rd836;
 	setp.ge.u64 	%p152, %rd1976, %rd9;
-	@%p152 bra 	$L__BB6_568;
+	@%p152 bra 	$L__BB7_568;
 
-$L__BB6_169:
+$L__BB7_169:
 	add.s64 	%rd1083, %rd3, %rd1976;
 	ld.global.u8 	%rs55, [%rd1083];
 	add.s64 	%rd1084, %rd214, %rd1976;
 	st.u8 	[%rd1084], %rs55;
 	add.s64 	%rd1976, %rd1976, %rd11;
 	setp.lt.u64 	%p153, %rd1976, %rd836;
-	@%p153 bra 	$L__BB6_169;
-	bra.uni 	$L__BB6_568;
+	@%p153 bra 	$L__BB7_169;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_42:
+$L__BB7_42:
 	cvt.u32.u64 	%r110, %rd19;
 	cvt.u32.u64 	%r111, %rd868;
 	rem.u32 	%r112, %r111, %r110;
 	cvt.u64.u32 	%rd1915, %r112;
 
-$L__BB6_43:
+$L__BB7_43:
 	ld.param.u64 	%rd1896, [jaxvmm_fused_offload_param_3];
 	cvta.to.global.u64 	%rd1895, %rd1896;
 	add.s64 	%rd1872, %rd4, 144;
@@ -4979,61 +5582,61 @@ $L__BB6_43:
 	membar.gl;
 	atom.global.exch.b64 	%rd878, [%rd1872], %rd1916;
 
-$L__BB6_44:
+$L__BB7_44:
 	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd1916;
 
-$L__BB6_45:
+$L__BB7_45:
 	bar.sync 	0;
 	ld.shared.u64 	%rd52, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd879, %rd52, 15;
 	setp.eq.s64 	%p58, %rd879, 0;
-	@%p58 bra 	$L__BB6_101;
+	@%p58 bra 	$L__BB7_101;
 
 	ld.param.u64 	%rd1894, [jaxvmm_fused_offload_param_1];
 	xor.b64  	%rd53, %rd52, %rd1894;
 	and.b64  	%rd880, %rd53, 15;
 	setp.eq.s64 	%p59, %rd880, 0;
-	@%p59 bra 	$L__BB6_90;
+	@%p59 bra 	$L__BB7_90;
 
 	and.b64  	%rd881, %rd53, 7;
 	setp.eq.s64 	%p60, %rd881, 0;
-	@%p60 bra 	$L__BB6_79;
+	@%p60 bra 	$L__BB7_79;
 
 	and.b64  	%rd882, %rd53, 3;
 	setp.eq.s64 	%p61, %rd882, 0;
-	@%p61 bra 	$L__BB6_68;
+	@%p61 bra 	$L__BB7_68;
 
 	and.b64  	%rd883, %rd53, 1;
 	setp.eq.b64 	%p62, %rd883, 1;
 	mov.pred 	%p63, 0;
 	xor.pred  	%p64, %p62, %p63;
 	not.pred 	%p65, %p64;
-	@%p65 bra 	$L__BB6_57;
-	bra.uni 	$L__BB6_50;
+	@%p65 bra 	$L__BB7_57;
+	bra.uni 	$L__BB7_50;
 
-$L__BB6_57:
+$L__BB7_57:
 	and.b64  	%rd69, %rd52, 1;
 	min.u64 	%rd70, %rd69, %rd836;
 	setp.ge.u64 	%p72, %rd9, %rd70;
-	@%p72 bra 	$L__BB6_60;
+	@%p72 bra 	$L__BB7_60;
 
 	mov.u64 	%rd1923, %rd9;
 
-$L__BB6_59:
+$L__BB7_59:
 	add.s64 	%rd896, %rd3, %rd1923;
 	ld.global.u8 	%rs27, [%rd896];
 	add.s64 	%rd897, %rd52, %rd1923;
 	st.u8 	[%rd897], %rs27;
 	add.s64 	%rd1923, %rd1923, %rd11;
 	setp.lt.u64 	%p73, %rd1923, %rd70;
-	@%p73 bra 	$L__BB6_59;
+	@%p73 bra 	$L__BB7_59;
 
-$L__BB6_60:
+$L__BB7_60:
 	sub.s64 	%rd73, %rd836, %rd70;
 	shr.u64 	%rd74, %rd73, 1;
 	setp.ge.u64 	%p74, %rd15, %rd74;
 	mov.u64 	%rd1927, %rd9;
-	@%p74 bra 	$L__BB6_63;
+	@%p74 bra 	$L__BB7_63;
 
 	mul.lo.s64 	%rd898, %rd6, %rd7;
 	shl.b64 	%rd899, %rd898, 1;
@@ -5050,7 +5653,7 @@ $L__BB6_60:
 	add.s64 	%rd1926, %rd52, %rd906;
 	mov.u64 	%rd1927, %rd9;
 
-$L__BB6_62:
+$L__BB7_62:
 	ld.global.u16 	%rs28, [%rd1925];
 	add.s64 	%rd908, %rd1925, %rd76;
 	ld.global.u16 	%rs29, [%rd908];
@@ -5071,16 +5674,16 @@ $L__BB6_62:
 	add.s64 	%rd1927, %rd14, %rd914;
 	add.s64 	%rd915, %rd1927, %rd14;
 	setp.lt.u64 	%p75, %rd915, %rd74;
-	@%p75 bra 	$L__BB6_62;
+	@%p75 bra 	$L__BB7_62;
 
-$L__BB6_63:
+$L__BB7_63:
 	setp.ge.u64 	%p76, %rd1927, %rd74;
-	@%p76 bra 	$L__BB6_66;
+	@%p76 bra 	$L__BB7_66;
 
 	add.s64 	%rd85, %rd52, %rd70;
 	add.s64 	%rd86, %rd3, %rd70;
 
-$L__BB6_65:
+$L__BB7_65:
 	shl.b64 	%rd916, %rd1927, 1;
 	add.s64 	%rd917, %rd86, %rd916;
 	ld.global.u16 	%rs32, [%rd917];
@@ -5088,61 +5691,61 @@ $L__BB6_65:
 	st.u16 	[%rd918], %rs32;
 	add.s64 	%rd1927, %rd1927, %rd11;
 	setp.lt.u64 	%p77, %rd1927, %rd74;
-	@%p77 bra 	$L__BB6_65;
+	@%p77 bra 	$L__BB7_65;
 
-$L__BB6_66:
+$L__BB7_66:
 	and.b64  	%rd919, %rd73, -2;
 	add.s64 	%rd920, %rd70, %rd9;
 	add.s64 	%rd1929, %rd920, %rd919;
 	setp.ge.u64 	%p78, %rd1929, %rd836;
-	@%p78 bra 	$L__BB6_568;
+	@%p78 bra 	$L__BB7_568;
 
-$L__BB6_67:
+$L__BB7_67:
 	add.s64 	%rd921, %rd3, %rd1929;
 	ld.global.u8 	%rs33, [%rd921];
 	add.s64 	%rd922, %rd52, %rd1929;
 	st.u8 	[%rd922], %rs33;
 	add.s64 	%rd1929, %rd1929, %rd11;
 	setp.lt.u64 	%p79, %rd1929, %rd836;
-	@%p79 bra 	$L__BB6_67;
-	bra.uni 	$L__BB6_568;
+	@%p79 bra 	$L__BB7_67;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_101:
-	@%p33 bra 	$L__BB6_103;
+$L__BB7_101:
+	@%p33 bra 	$L__BB7_103;
 
 	add.s64 	%rd1013, %rd52, %rd9;
 	st.u8 	[%rd1013], %rs2;
 
-$L__BB6_103:
-	@%p34 bra 	$L__BB6_105;
+$L__BB7_103:
+	@%p34 bra 	$L__BB7_105;
 
 	add.s64 	%rd1873, %rd11, %rd9;
 	add.s64 	%rd1014, %rd52, %rd1873;
 	st.u8 	[%rd1014], %rs4;
 
-$L__BB6_105:
-	@%p35 bra 	$L__BB6_107;
+$L__BB7_105:
+	@%p35 bra 	$L__BB7_107;
 
 	add.s64 	%rd1015, %rd52, %rd13;
 	st.u8 	[%rd1015], %rs6;
 
-$L__BB6_107:
-	@%p36 bra 	$L__BB6_109;
+$L__BB7_107:
+	@%p36 bra 	$L__BB7_109;
 
 	add.s64 	%rd1016, %rd52, %rd15;
 	st.u8 	[%rd1016], %rs8;
 
-$L__BB6_109:
+$L__BB7_109:
 	add.s64 	%rd1952, %rd15, %rd11;
 	add.s64 	%rd1017, %rd1952, %rd14;
 	setp.ge.u64 	%p108, %rd1017, %rd836;
-	@%p108 bra 	$L__BB6_112;
+	@%p108 bra 	$L__BB7_112;
 
 	add.s64 	%rd1950, %rd3, %rd1952;
 	mul.lo.s64 	%rd159, %rd10, %rd7;
 	add.s64 	%rd1951, %rd52, %rd1952;
 
-$L__BB6_111:
+$L__BB7_111:
 	ld.global.u8 	%rs40, [%rd1950];
 	add.s64 	%rd1018, %rd1950, %rd159;
 	ld.global.u8 	%rs41, [%rd1018];
@@ -5163,61 +5766,61 @@ $L__BB6_111:
 	add.s64 	%rd1952, %rd14, %rd1024;
 	add.s64 	%rd1025, %rd1952, %rd14;
 	setp.lt.u64 	%p109, %rd1025, %rd836;
-	@%p109 bra 	$L__BB6_111;
+	@%p109 bra 	$L__BB7_111;
 
-$L__BB6_112:
+$L__BB7_112:
 	setp.ge.u64 	%p110, %rd1952, %rd836;
-	@%p110 bra 	$L__BB6_114;
+	@%p110 bra 	$L__BB7_114;
 
-$L__BB6_113:
+$L__BB7_113:
 	add.s64 	%rd1026, %rd3, %rd1952;
 	ld.global.u8 	%rs44, [%rd1026];
 	add.s64 	%rd1027, %rd52, %rd1952;
 	st.u8 	[%rd1027], %rs44;
 	add.s64 	%rd1952, %rd1952, %rd11;
 	setp.lt.u64 	%p111, %rd1952, %rd836;
-	@%p111 bra 	$L__BB6_113;
+	@%p111 bra 	$L__BB7_113;
 
-$L__BB6_114:
+$L__BB7_114:
 	add.s64 	%rd1954, %rd9, %rd836;
 	setp.ge.u64 	%p112, %rd1954, %rd9;
-	@%p112 bra 	$L__BB6_568;
+	@%p112 bra 	$L__BB7_568;
 
-$L__BB6_115:
+$L__BB7_115:
 	add.s64 	%rd1028, %rd3, %rd1954;
 	ld.global.u8 	%rs45, [%rd1028];
 	add.s64 	%rd1029, %rd52, %rd1954;
 	st.u8 	[%rd1029], %rs45;
 	add.s64 	%rd1954, %rd1954, %rd11;
 	setp.lt.u64 	%p113, %rd1954, %rd836;
-	@%p113 bra 	$L__BB6_115;
-	bra.uni 	$L__BB6_568;
+	@%p113 bra 	$L__BB7_115;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_90:
+$L__BB7_90:
 	neg.s64 	%rd981, %rd52;
 	and.b64  	%rd136, %rd981, 15;
 	min.u64 	%rd137, %rd136, %rd836;
 	setp.ge.u64 	%p96, %rd9, %rd137;
-	@%p96 bra 	$L__BB6_93;
+	@%p96 bra 	$L__BB7_93;
 
 	mov.u64 	%rd1943, %rd9;
 
-$L__BB6_92:
+$L__BB7_92:
 	add.s64 	%rd982, %rd3, %rd1943;
 	ld.global.u8 	%rs38, [%rd982];
 	add.s64 	%rd983, %rd52, %rd1943;
 	st.u8 	[%rd983], %rs38;
 	add.s64 	%rd1943, %rd1943, %rd11;
 	setp.lt.u64 	%p97, %rd1943, %rd137;
-	@%p97 bra 	$L__BB6_92;
+	@%p97 bra 	$L__BB7_92;
 
-$L__BB6_93:
+$L__BB7_93:
 	sub.s64 	%rd140, %rd836, %rd137;
 	shr.u64 	%rd141, %rd140, 4;
 	add.s64 	%rd142, %rd3, %rd137;
 	setp.ge.u64 	%p98, %rd15, %rd141;
 	mov.u64 	%rd1946, %rd9;
-	@%p98 bra 	$L__BB6_96;
+	@%p98 bra 	$L__BB7_96;
 
 	mul.lo.s64 	%rd984, %rd10, %rd7;
 	shl.b64 	%rd143, %rd984, 4;
@@ -5234,7 +5837,7 @@ $L__BB6_93:
 	mul.lo.s64 	%rd145, %rd984, -48;
 	mov.u64 	%rd1946, %rd9;
 
-$L__BB6_95:
+$L__BB7_95:
 	shl.b64 	%rd994, %rd1946, 4;
 	add.s64 	%rd995, %rd142, %rd994;
 	shl.b64 	%rd996, %rd11, 2;
@@ -5258,15 +5861,15 @@ $L__BB6_95:
 	add.s64 	%rd1946, %rd996, %rd1946;
 	add.s64 	%rd1005, %rd1946, %rd14;
 	setp.lt.u64 	%p99, %rd1005, %rd141;
-	@%p99 bra 	$L__BB6_95;
+	@%p99 bra 	$L__BB7_95;
 
-$L__BB6_96:
+$L__BB7_96:
 	setp.ge.u64 	%p100, %rd1946, %rd141;
-	@%p100 bra 	$L__BB6_99;
+	@%p100 bra 	$L__BB7_99;
 
 	add.s64 	%rd151, %rd52, %rd137;
 
-$L__BB6_98:
+$L__BB7_98:
 	shl.b64 	%rd1006, %rd1946, 4;
 	add.s64 	%rd1007, %rd151, %rd1006;
 	add.s64 	%rd1008, %rd142, %rd1006;
@@ -5274,50 +5877,50 @@ $L__BB6_98:
 	st.v4.u32 	[%rd1007], {%r170, %r171, %r172, %r173};
 	add.s64 	%rd1946, %rd1946, %rd11;
 	setp.lt.u64 	%p101, %rd1946, %rd141;
-	@%p101 bra 	$L__BB6_98;
+	@%p101 bra 	$L__BB7_98;
 
-$L__BB6_99:
+$L__BB7_99:
 	and.b64  	%rd1009, %rd140, -16;
 	add.s64 	%rd1010, %rd137, %rd9;
 	add.s64 	%rd1948, %rd1010, %rd1009;
 	setp.ge.u64 	%p102, %rd1948, %rd836;
-	@%p102 bra 	$L__BB6_568;
+	@%p102 bra 	$L__BB7_568;
 
-$L__BB6_100:
+$L__BB7_100:
 	add.s64 	%rd1011, %rd3, %rd1948;
 	ld.global.u8 	%rs39, [%rd1011];
 	add.s64 	%rd1012, %rd52, %rd1948;
 	st.u8 	[%rd1012], %rs39;
 	add.s64 	%rd1948, %rd1948, %rd11;
 	setp.lt.u64 	%p103, %rd1948, %rd836;
-	@%p103 bra 	$L__BB6_100;
-	bra.uni 	$L__BB6_568;
+	@%p103 bra 	$L__BB7_100;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_79:
+$L__BB7_79:
 	neg.s64 	%rd951, %rd52;
 	and.b64  	%rd115, %rd951, 7;
 	min.u64 	%rd116, %rd115, %rd836;
 	setp.ge.u64 	%p88, %rd9, %rd116;
-	@%p88 bra 	$L__BB6_82;
+	@%p88 bra 	$L__BB7_82;
 
 	mov.u64 	%rd1937, %rd9;
 
-$L__BB6_81:
+$L__BB7_81:
 	add.s64 	%rd952, %rd3, %rd1937;
 	ld.global.u8 	%rs36, [%rd952];
 	add.s64 	%rd953, %rd52, %rd1937;
 	st.u8 	[%rd953], %rs36;
 	add.s64 	%rd1937, %rd1937, %rd11;
 	setp.lt.u64 	%p89, %rd1937, %rd116;
-	@%p89 bra 	$L__BB6_81;
+	@%p89 bra 	$L__BB7_81;
 
-$L__BB6_82:
+$L__BB7_82:
 	sub.s64 	%rd119, %rd836, %rd116;
 	shr.u64 	%rd120, %rd119, 3;
 	add.s64 	%rd121, %rd3, %rd116;
 	setp.ge.u64 	%p90, %rd15, %rd120;
 	mov.u64 	%rd1940, %rd9;
-	@%p90 bra 	$L__BB6_85;
+	@%p90 bra 	$L__BB7_85;
 
 	mul.lo.s64 	%rd954, %rd10, %rd7;
 	shl.b64 	%rd122, %rd954, 3;
@@ -5334,7 +5937,7 @@ $L__BB6_82:
 	mul.lo.s64 	%rd124, %rd954, -24;
 	mov.u64 	%rd1940, %rd9;
 
-$L__BB6_84:
+$L__BB7_84:
 	add.s64 	%rd964, %rd1940, %rd11;
 	shl.b64 	%rd965, %rd964, 3;
 	add.s64 	%rd966, %rd121, %rd965;
@@ -5356,15 +5959,15 @@ $L__BB6_84:
 	add.s64 	%rd1940, %rd14, %rd964;
 	add.s64 	%rd973, %rd1940, %rd14;
 	setp.lt.u64 	%p91, %rd973, %rd120;
-	@%p91 bra 	$L__BB6_84;
+	@%p91 bra 	$L__BB7_84;
 
-$L__BB6_85:
+$L__BB7_85:
 	setp.ge.u64 	%p92, %rd1940, %rd120;
-	@%p92 bra 	$L__BB6_88;
+	@%p92 bra 	$L__BB7_88;
 
 	add.s64 	%rd130, %rd52, %rd116;
 
-$L__BB6_87:
+$L__BB7_87:
 	shl.b64 	%rd974, %rd1940, 3;
 	add.s64 	%rd975, %rd121, %rd974;
 	ld.global.v2.u32 	{%r134, %r135}, [%rd975];
@@ -5372,49 +5975,49 @@ $L__BB6_87:
 	st.v2.u32 	[%rd976], {%r134, %r135};
 	add.s64 	%rd1940, %rd1940, %rd11;
 	setp.lt.u64 	%p93, %rd1940, %rd120;
-	@%p93 bra 	$L__BB6_87;
+	@%p93 bra 	$L__BB7_87;
 
-$L__BB6_88:
+$L__BB7_88:
 	and.b64  	%rd977, %rd119, -8;
 	add.s64 	%rd978, %rd116, %rd9;
 	add.s64 	%rd1942, %rd978, %rd977;
 	setp.ge.u64 	%p94, %rd1942, %rd836;
-	@%p94 bra 	$L__BB6_568;
+	@%p94 bra 	$L__BB7_568;
 
-$L__BB6_89:
+$L__BB7_89:
 	add.s64 	%rd979, %rd3, %rd1942;
 	ld.global.u8 	%rs37, [%rd979];
 	add.s64 	%rd980, %rd52, %rd1942;
 	st.u8 	[%rd980], %rs37;
 	add.s64 	%rd1942, %rd1942, %rd11;
 	setp.lt.u64 	%p95, %rd1942, %rd836;
-	@%p95 bra 	$L__BB6_89;
-	bra.uni 	$L__BB6_568;
+	@%p95 bra 	$L__BB7_89;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_68:
+$L__BB7_68:
 	neg.s64 	%rd923, %rd52;
 	and.b64  	%rd92, %rd923, 3;
 	min.u64 	%rd93, %rd92, %rd836;
 	setp.ge.u64 	%p80, %rd9, %rd93;
-	@%p80 bra 	$L__BB6_71;
+	@%p80 bra 	$L__BB7_71;
 
 	mov.u64 	%rd1930, %rd9;
 
-$L__BB6_70:
+$L__BB7_70:
 	add.s64 	%rd924, %rd3, %rd1930;
 	ld.global.u8 	%rs34, [%rd924];
 	add.s64 	%rd925, %rd52, %rd1930;
 	st.u8 	[%rd925], %rs34;
 	add.s64 	%rd1930, %rd1930, %rd11;
 	setp.lt.u64 	%p81, %rd1930, %rd93;
-	@%p81 bra 	$L__BB6_70;
+	@%p81 bra 	$L__BB7_70;
 
-$L__BB6_71:
+$L__BB7_71:
 	sub.s64 	%rd96, %rd836, %rd93;
 	shr.u64 	%rd97, %rd96, 2;
 	setp.ge.u64 	%p82, %rd15, %rd97;
 	mov.u64 	%rd1934, %rd9;
-	@%p82 bra 	$L__BB6_74;
+	@%p82 bra 	$L__BB7_74;
 
 	mul.lo.s64 	%rd926, %rd6, %rd7;
 	shl.b64 	%rd927, %rd926, 2;
@@ -5431,7 +6034,7 @@ $L__BB6_71:
 	add.s64 	%rd1933, %rd52, %rd934;
 	mov.u64 	%rd1934, %rd9;
 
-$L__BB6_73:
+$L__BB7_73:
 	ld.global.u32 	%r113, [%rd1932];
 	add.s64 	%rd936, %rd1932, %rd99;
 	ld.global.u32 	%r114, [%rd936];
@@ -5452,16 +6055,16 @@ $L__BB6_73:
 	add.s64 	%rd1934, %rd14, %rd942;
 	add.s64 	%rd943, %rd1934, %rd14;
 	setp.lt.u64 	%p83, %rd943, %rd97;
-	@%p83 bra 	$L__BB6_73;
+	@%p83 bra 	$L__BB7_73;
 
-$L__BB6_74:
+$L__BB7_74:
 	setp.ge.u64 	%p84, %rd1934, %rd97;
-	@%p84 bra 	$L__BB6_77;
+	@%p84 bra 	$L__BB7_77;
 
 	add.s64 	%rd108, %rd52, %rd93;
 	add.s64 	%rd109, %rd3, %rd93;
 
-$L__BB6_76:
+$L__BB7_76:
 	shl.b64 	%rd944, %rd1934, 2;
 	add.s64 	%rd945, %rd109, %rd944;
 	ld.global.u32 	%r117, [%rd945];
@@ -5469,35 +6072,35 @@ $L__BB6_76:
 	st.u32 	[%rd946], %r117;
 	add.s64 	%rd1934, %rd1934, %rd11;
 	setp.lt.u64 	%p85, %rd1934, %rd97;
-	@%p85 bra 	$L__BB6_76;
+	@%p85 bra 	$L__BB7_76;
 
-$L__BB6_77:
+$L__BB7_77:
 	and.b64  	%rd947, %rd96, -4;
 	add.s64 	%rd948, %rd93, %rd9;
 	add.s64 	%rd1936, %rd948, %rd947;
 	setp.ge.u64 	%p86, %rd1936, %rd836;
-	@%p86 bra 	$L__BB6_568;
+	@%p86 bra 	$L__BB7_568;
 
-$L__BB6_78:
+$L__BB7_78:
 	add.s64 	%rd949, %rd3, %rd1936;
 	ld.global.u8 	%rs35, [%rd949];
 	add.s64 	%rd950, %rd52, %rd1936;
 	st.u8 	[%rd950], %rs35;
 	add.s64 	%rd1936, %rd1936, %rd11;
 	setp.lt.u64 	%p87, %rd1936, %rd836;
-	@%p87 bra 	$L__BB6_78;
-	bra.uni 	$L__BB6_568;
+	@%p87 bra 	$L__BB7_78;
+	bra.uni 	$L__BB7_568;
 
-$L__BB6_50:
+$L__BB7_50:
 	mov.u64 	%rd1920, %rd9;
-	@%p36 bra 	$L__BB6_53;
+	@%p36 bra 	$L__BB7_53;
 
 	add.s64 	%rd1918, %rd3, %rd9;
 	mul.lo.s64 	%rd55, %rd10, %rd7;
 	add.s64 	%rd1919, %rd52, %rd9;
 	mov.u64 	%rd1920, %rd9;
 
-$L__BB6_52:
+$L__BB7_52:
 	ld.global.u8 	%rs21, [%rd1918];
 	add.s64 	%rd884, %rd1918, %rd55;
 	ld.global.u8 	%rs22, [%rd884];
@@ -5518,41 +6121,41 @@ $L__BB6_52:
 	add.s64 	%rd1920, %rd14, %rd890;
 	add.s64 	%rd891, %rd1920, %rd14;
 	setp.lt.u64 	%p67, %rd891, %rd836;
-	@%p67 bra 	$L__BB6_52;
+	@%p67 bra 	$L__BB7_52;
 
-$L__BB6_53:
+$L__BB7_53:
 	setp.ge.u64 	%p68, %rd1920, %rd836;
-	@%p68 bra 	$L__BB6_55;
+	@%p68 bra 	$L__BB7_55;
 
-$L__BB6_54:
+$L__BB7_54:
 	add.s64 	%rd892, %rd3, %rd1920;
 	ld.global.u8 	%rs25, [%rd892];
 	add.s64 	%rd893, %rd52, %rd1920;
 	st.u8 	[%rd893], %rs25;
 	add.s64 	%rd1920, %rd1920, %rd11;
 	setp.lt.u64 	%p69, %rd1920, %rd836;
-	@%p69 bra 	$L__BB6_54;
+	@%p69 bra 	$L__BB7_54;
 
-$L__BB6_55:
+$L__BB7_55:
 	add.s64 	%rd1922, %rd9, %rd836;
 	setp.ge.u64 	%p70, %rd1922, %rd9;
-	@%p70 bra 	$L__BB6_568;
+	@%p70 bra 	$L__BB7_568;
 
-$L__BB6_56:
+$L__BB7_56:
 	add.s64 	%rd894, %rd3, %rd1922;
 	ld.global.u8 	%rs26, [%rd894];
 	add.s64 	%rd895, %rd52, %rd1922;
 	st.u8 	[%rd895], %rs26;
 	add.s64 	%rd1922, %rd1922, %rd11;
 	setp.lt.u64 	%p71, %rd1922, %rd836;
-	@%p71 bra 	$L__BB6_56;
+	@%p71 bra 	$L__BB7_56;
 
-$L__BB6_568:
+$L__BB7_568:
 	mov.u32 	%r612, %tid.x;
 	membar.gl;
 	bar.sync 	0;
 	setp.ne.s32 	%p442, %r612, 0;
-	@%p442 bra 	$L__BB6_571;
+	@%p442 bra 	$L__BB7_571;
 
 	add.s64 	%rd1851, %rd4, 128;
 	atom.global.add.u64 	%rd1852, [%rd1851], 1;
@@ -5560,7 +6163,7 @@ $L__BB6_568:
 	add.s32 	%r614, %r613, -1;
 	cvt.u64.u32 	%rd1853, %r614;
 	setp.ne.s64 	%p443, %rd1852, %rd1853;
-	@%p443 bra 	$L__BB6_571;
+	@%p443 bra 	$L__BB7_571;
 
 	add.s64 	%rd1861, %rd4, 144;
 	mov.u64 	%rd1854, 0;
@@ -5573,7 +6176,7 @@ $L__BB6_568:
 	st.volatile.u64 	[%rd1855], %rd1856;
 	membar.sys;
 
-$L__BB6_571:
+$L__BB7_571:
 	ret;
 
 }
@@ -5606,25 +6209,25 @@ $L__BB6_571:
 	mov.u32 	%r1, %tid.x;
 	setp.ne.s32 	%p1, %r1, 0;
 	cvta.to.global.u64 	%rd2, %rd153;
-	@%p1 bra 	$L__BB7_18;
+	@%p1 bra 	$L__BB8_18;
 
 	add.s64 	%rd3, %rd2, 144;
 	add.s64 	%rd160, %rd2, 136;
 	atom.global.add.u64 	%rd161, [%rd160], 1;
 	setp.eq.s64 	%p2, %rd161, 0;
-	@%p2 bra 	$L__BB7_8;
+	@%p2 bra 	$L__BB8_8;
 
 	ld.volatile.global.u64 	%rd336, [%rd3];
 	setp.ne.s64 	%p3, %rd336, 0;
-	@%p3 bra 	$L__BB7_7;
+	@%p3 bra 	$L__BB8_7;
 
 	mov.u32 	%r97, 0;
 	mov.u32 	%r98, 32;
 
-$L__BB7_4:
+$L__BB8_4:
 	add.s32 	%r97, %r97, 1;
 	setp.lt.u32 	%p4, %r97, 64;
-	@%p4 bra 	$L__BB7_6;
+	@%p4 bra 	$L__BB8_6;
 
 	// begin inline asm
 	nanosleep.u32 %r98;
@@ -5633,16 +6236,16 @@ $L__BB7_4:
 	selp.u32 	%r12, 1, 0, %p5;
 	shl.b32 	%r98, %r98, %r12;
 
-$L__BB7_6:
+$L__BB8_6:
 	ld.volatile.global.u64 	%rd336, [%rd3];
 	setp.eq.s64 	%p6, %rd336, 0;
-	@%p6 bra 	$L__BB7_4;
+	@%p6 bra 	$L__BB8_4;
 
-$L__BB7_7:
+$L__BB8_7:
 	membar.gl;
-	bra.uni 	$L__BB7_17;
+	bra.uni 	$L__BB8_17;
 
-$L__BB7_8:
+$L__BB8_8:
 	cvta.to.global.u64 	%rd162, %rd156;
 	ld.global.u32 	%rd163, [%rd162];
 	ld.global.u32 	%rd164, [%rd162+4];
@@ -5651,23 +6254,23 @@ $L__BB7_8:
 	ld.global.u64 	%rd8, [%rd3+-48];
 	setp.eq.s64 	%p8, %rd8, 0;
 	or.pred  	%p9, %p7, %p8;
-	@%p9 bra 	$L__BB7_12;
+	@%p9 bra 	$L__BB8_12;
 
 	mov.u64 	%rd165, 0;
 	mov.u64 	%rd333, %rd165;
 
-$L__BB7_10:
+$L__BB8_10:
 	shl.b64 	%rd166, %rd333, 3;
 	add.s64 	%rd167, %rd2, %rd166;
 	atom.global.cas.b64 	%rd169, [%rd167], %rd7, %rd165;
 	setp.eq.s64 	%p10, %rd169, %rd7;
-	@%p10 bra 	$L__BB7_77;
+	@%p10 bra 	$L__BB8_77;
 
 	add.s64 	%rd333, %rd333, 1;
 	setp.lt.u64 	%p11, %rd333, %rd8;
-	@%p11 bra 	$L__BB7_10;
+	@%p11 bra 	$L__BB8_10;
 
-$L__BB7_12:
+$L__BB8_12:
 	cvta.to.global.u64 	%rd173, %rd157;
 	st.volatile.global.u64 	[%rd173], %rd7;
 	membar.sys;
@@ -5677,11 +6280,11 @@ $L__BB7_12:
 	membar.sys;
 	ld.volatile.global.u64 	%rd334, [%rd1];
 	setp.ne.s64 	%p12, %rd334, 0;
-	@%p12 bra 	$L__BB7_15;
+	@%p12 bra 	$L__BB8_15;
 
 	mov.u32 	%r99, 32;
 
-$L__BB7_14:
+$L__BB8_14:
 	// begin inline asm
 	nanosleep.u32 %r99;
 	// end inline asm
@@ -5690,9 +6293,9 @@ $L__BB7_14:
 	shl.b32 	%r99, %r99, %r15;
 	ld.volatile.global.u64 	%rd334, [%rd1];
 	setp.eq.s64 	%p14, %rd334, 0;
-	@%p14 bra 	$L__BB7_14;
+	@%p14 bra 	$L__BB8_14;
 
-$L__BB7_15:
+$L__BB8_15:
 	mov.u64 	%rd176, 0;
 	st.volatile.global.u64 	[%rd1], %rd176;
 	membar.sys;
@@ -5702,38 +6305,38 @@ $L__BB7_15:
 	st.global.u64 	[%rd3+-32], %rd336;
 	ld.global.u64 	%rd179, [%rd178+56];
 	st.global.u64 	[%rd3+-24], %rd179;
-	bra.uni 	$L__BB7_16;
+	bra.uni 	$L__BB8_16;
 
-$L__BB7_77:
+$L__BB8_77:
 	membar.gl;
 	ld.volatile.global.u64 	%rd336, [%rd167+32];
 	st.global.u64 	[%rd3+-32], %rd336;
 	ld.global.u64 	%rd172, [%rd167+64];
 	st.global.u64 	[%rd3+-24], %rd172;
 
-$L__BB7_16:
+$L__BB8_16:
 	membar.gl;
 	atom.global.exch.b64 	%rd181, [%rd3], %rd336;
 
-$L__BB7_17:
+$L__BB8_17:
 	st.shared.u64 	[_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell], %rd336;
 
-$L__BB7_18:
+$L__BB8_18:
 	bar.sync 	0;
 	cvta.to.global.u64 	%rd18, %rd154;
 	ld.shared.u64 	%rd19, [_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell];
 	xor.b64  	%rd20, %rd19, %rd154;
 	and.b64  	%rd182, %rd20, 15;
 	setp.eq.s64 	%p15, %rd182, 0;
-	@%p15 bra 	$L__BB7_62;
+	@%p15 bra 	$L__BB8_62;
 
 	and.b64  	%rd183, %rd20, 7;
 	setp.eq.s64 	%p16, %rd183, 0;
-	@%p16 bra 	$L__BB7_51;
+	@%p16 bra 	$L__BB8_51;
 
 	and.b64  	%rd184, %rd20, 3;
 	setp.eq.s64 	%p17, %rd184, 0;
-	@%p17 bra 	$L__BB7_40;
+	@%p17 bra 	$L__BB8_40;
 
 	and.b64  	%rd185, %rd20, 1;
 	setp.eq.b64 	%p18, %rd185, 1;
@@ -5750,34 +6353,34 @@ $L__BB7_18:
 	mov.u32 	%r18, %nctaid.x;
 	cvt.u64.u32 	%rd25, %r18;
 	mul.wide.u32 	%rd26, %r18, %r17;
-	@%p21 bra 	$L__BB7_29;
-	bra.uni 	$L__BB7_22;
+	@%p21 bra 	$L__BB8_29;
+	bra.uni 	$L__BB8_22;
 
-$L__BB7_29:
+$L__BB8_29:
 	and.b64  	%rd43, %rd154, 1;
 	min.u64 	%rd44, %rd43, %rd155;
 	setp.ge.u64 	%p28, %rd24, %rd44;
-	@%p28 bra 	$L__BB7_32;
+	@%p28 bra 	$L__BB8_32;
 
 	mov.u64 	%rd343, %rd24;
 
-$L__BB7_31:
+$L__BB8_31:
 	add.s64 	%rd200, %rd19, %rd343;
 	ld.u8 	%rs7, [%rd200];
 	add.s64 	%rd201, %rd18, %rd343;
 	st.global.u8 	[%rd201], %rs7;
 	add.s64 	%rd343, %rd343, %rd26;
 	setp.lt.u64 	%p29, %rd343, %rd44;
-	@%p29 bra 	$L__BB7_31;
+	@%p29 bra 	$L__BB8_31;
 
-$L__BB7_32:
+$L__BB8_32:
 	sub.s64 	%rd47, %rd155, %rd44;
 	shr.u64 	%rd48, %rd47, 1;
 	mul.lo.s64 	%rd49, %rd26, 3;
 	add.s64 	%rd202, %rd24, %rd49;
 	setp.ge.u64 	%p30, %rd202, %rd48;
 	mov.u64 	%rd347, %rd24;
-	@%p30 bra 	$L__BB7_35;
+	@%p30 bra 	$L__BB8_35;
 
 	mul.lo.s64 	%rd203, %rd21, %rd22;
 	shl.b64 	%rd204, %rd203, 1;
@@ -5794,7 +6397,7 @@ $L__BB7_32:
 	add.s64 	%rd346, %rd18, %rd211;
 	mov.u64 	%rd347, %rd24;
 
-$L__BB7_34:
+$L__BB8_34:
 	ld.u16 	%rs8, [%rd345];
 	add.s64 	%rd213, %rd345, %rd51;
 	ld.u16 	%rs9, [%rd213];
@@ -5815,16 +6418,16 @@ $L__BB7_34:
 	add.s64 	%rd347, %rd49, %rd219;
 	add.s64 	%rd220, %rd347, %rd49;
 	setp.lt.u64 	%p31, %rd220, %rd48;
-	@%p31 bra 	$L__BB7_34;
+	@%p31 bra 	$L__BB8_34;
 
-$L__BB7_35:
+$L__BB8_35:
 	setp.ge.u64 	%p32, %rd347, %rd48;
-	@%p32 bra 	$L__BB7_38;
+	@%p32 bra 	$L__BB8_38;
 
 	add.s64 	%rd60, %rd18, %rd44;
 	add.s64 	%rd61, %rd19, %rd44;
 
-$L__BB7_37:
+$L__BB8_37:
 	shl.b64 	%rd221, %rd347, 1;
 	add.s64 	%rd222, %rd61, %rd221;
 	ld.u16 	%rs12, [%rd222];
@@ -5832,26 +6435,26 @@ $L__BB7_37:
 	st.global.u16 	[%rd223], %rs12;
 	add.s64 	%rd347, %rd347, %rd26;
 	setp.lt.u64 	%p33, %rd347, %rd48;
-	@%p33 bra 	$L__BB7_37;
+	@%p33 bra 	$L__BB8_37;
 
-$L__BB7_38:
+$L__BB8_38:
 	and.b64  	%rd224, %rd47, -2;
 	add.s64 	%rd225, %rd44, %rd24;
 	add.s64 	%rd349, %rd225, %rd224;
 	setp.ge.u64 	%p34, %rd349, %rd155;
-	@%p34 bra 	$L__BB7_73;
+	@%p34 bra 	$L__BB8_73;
 
-$L__BB7_39:
+$L__BB8_39:
 	add.s64 	%rd226, %rd19, %rd349;
 	ld.u8 	%rs13, [%rd226];
 	add.s64 	%rd227, %rd18, %rd349;
 	st.global.u8 	[%rd227], %rs13;
 	add.s64 	%rd349, %rd349, %rd26;
 	setp.lt.u64 	%p35, %rd349, %rd155;
-	@%p35 bra 	$L__BB7_39;
-	bra.uni 	$L__BB7_73;
+	@%p35 bra 	$L__BB8_39;
+	bra.uni 	$L__BB8_73;
 
-$L__BB7_62:
+$L__BB8_62:
 	mov.u32 	%r50, %ctaid.x;
 	cvt.u64.u32 	%rd125, %r50;
 	mov.u32 	%r51, %ntid.x;
@@ -5866,20 +6469,20 @@ $L__BB7_62:
 	and.b64  	%rd131, %rd291, 15;
 	min.u64 	%rd132, %rd131, %rd155;
 	setp.ge.u64 	%p52, %rd128, %rd132;
-	@%p52 bra 	$L__BB7_65;
+	@%p52 bra 	$L__BB8_65;
 
 	mov.u64 	%rd363, %rd128;
 
-$L__BB7_64:
+$L__BB8_64:
 	add.s64 	%rd292, %rd19, %rd363;
 	ld.u8 	%rs18, [%rd292];
 	add.s64 	%rd293, %rd18, %rd363;
 	st.global.u8 	[%rd293], %rs18;
 	add.s64 	%rd363, %rd363, %rd130;
 	setp.lt.u64 	%p53, %rd363, %rd132;
-	@%p53 bra 	$L__BB7_64;
+	@%p53 bra 	$L__BB8_64;
 
-$L__BB7_65:
+$L__BB8_65:
 	sub.s64 	%rd135, %rd155, %rd132;
 	shr.u64 	%rd136, %rd135, 4;
 	add.s64 	%rd137, %rd19, %rd132;
@@ -5887,7 +6490,7 @@ $L__BB7_65:
 	add.s64 	%rd294, %rd128, %rd138;
 	setp.ge.u64 	%p54, %rd294, %rd136;
 	mov.u64 	%rd366, %rd128;
-	@%p54 bra 	$L__BB7_68;
+	@%p54 bra 	$L__BB8_68;
 
 	mul.lo.s64 	%rd295, %rd129, %rd126;
 	shl.b64 	%rd139, %rd295, 4;
@@ -5904,7 +6507,7 @@ $L__BB7_65:
 	mul.lo.s64 	%rd141, %rd295, -48;
 	mov.u64 	%rd366, %rd128;
 
-$L__BB7_67:
+$L__BB8_67:
 	shl.b64 	%rd305, %rd366, 4;
 	add.s64 	%rd306, %rd137, %rd305;
 	shl.b64 	%rd307, %rd130, 2;
@@ -5928,15 +6531,15 @@ $L__BB7_67:
 	add.s64 	%rd366, %rd307, %rd366;
 	add.s64 	%rd316, %rd366, %rd138;
 	setp.lt.u64 	%p55, %rd316, %rd136;
-	@%p55 bra 	$L__BB7_67;
+	@%p55 bra 	$L__BB8_67;
 
-$L__BB7_68:
+$L__BB8_68:
 	setp.ge.u64 	%p56, %rd366, %rd136;
-	@%p56 bra 	$L__BB7_71;
+	@%p56 bra 	$L__BB8_71;
 
 	add.s64 	%rd147, %rd18, %rd132;
 
-$L__BB7_70:
+$L__BB8_70:
 	shl.b64 	%rd317, %rd366, 4;
 	add.s64 	%rd318, %rd147, %rd317;
 	add.s64 	%rd319, %rd137, %rd317;
@@ -5944,26 +6547,26 @@ $L__BB7_70:
 	st.global.v4.u32 	[%rd318], {%r85, %r86, %r87, %r88};
 	add.s64 	%rd366, %rd366, %rd130;
 	setp.lt.u64 	%p57, %rd366, %rd136;
-	@%p57 bra 	$L__BB7_70;
+	@%p57 bra 	$L__BB8_70;
 
-$L__BB7_71:
+$L__BB8_71:
 	and.b64  	%rd320, %rd135, -16;
 	add.s64 	%rd321, %rd132, %rd128;
 	add.s64 	%rd368, %rd321, %rd320;
 	setp.ge.u64 	%p58, %rd368, %rd155;
-	@%p58 bra 	$L__BB7_73;
+	@%p58 bra 	$L__BB8_73;
 
-$L__BB7_72:
+$L__BB8_72:
 	add.s64 	%rd322, %rd19, %rd368;
 	ld.u8 	%rs19, [%rd322];
 	add.s64 	%rd323, %rd18, %rd368;
 	st.global.u8 	[%rd323], %rs19;
 	add.s64 	%rd368, %rd368, %rd130;
 	setp.lt.u64 	%p59, %rd368, %rd155;
-	@%p59 bra 	$L__BB7_72;
-	bra.uni 	$L__BB7_73;
+	@%p59 bra 	$L__BB8_72;
+	bra.uni 	$L__BB8_73;
 
-$L__BB7_51:
+$L__BB8_51:
 	mov.u32 	%r27, %ctaid.x;
 	cvt.u64.u32 	%rd97, %r27;
 	mov.u32 	%r28, %ntid.x;
@@ -5978,20 +6581,20 @@ $L__BB7_51:
 	and.b64  	%rd103, %rd259, 7;
 	min.u64 	%rd104, %rd103, %rd155;
 	setp.ge.u64 	%p44, %rd100, %rd104;
-	@%p44 bra 	$L__BB7_54;
+	@%p44 bra 	$L__BB8_54;
 
 	mov.u64 	%rd357, %rd100;
 
-$L__BB7_53:
+$L__BB8_53:
 	add.s64 	%rd260, %rd19, %rd357;
 	ld.u8 	%rs16, [%rd260];
 	add.s64 	%rd261, %rd18, %rd357;
 	st.global.u8 	[%rd261], %rs16;
 	add.s64 	%rd357, %rd357, %rd102;
 	setp.lt.u64 	%p45, %rd357, %rd104;
-	@%p45 bra 	$L__BB7_53;
+	@%p45 bra 	$L__BB8_53;
 
-$L__BB7_54:
+$L__BB8_54:
 	sub.s64 	%rd107, %rd155, %rd104;
 	shr.u64 	%rd108, %rd107, 3;
 	add.s64 	%rd109, %rd19, %rd104;
@@ -5999,7 +6602,7 @@ $L__BB7_54:
 	add.s64 	%rd262, %rd100, %rd110;
 	setp.ge.u64 	%p46, %rd262, %rd108;
 	mov.u64 	%rd360, %rd100;
-	@%p46 bra 	$L__BB7_57;
+	@%p46 bra 	$L__BB8_57;
 
 	mul.lo.s64 	%rd263, %rd101, %rd98;
 	shl.b64 	%rd111, %rd263, 3;
@@ -6016,7 +6619,7 @@ $L__BB7_54:
 	mul.lo.s64 	%rd113, %rd263, -24;
 	mov.u64 	%rd360, %rd100;
 
-$L__BB7_56:
+$L__BB8_56:
 	add.s64 	%rd273, %rd360, %rd102;
 	shl.b64 	%rd274, %rd273, 3;
 	add.s64 	%rd275, %rd109, %rd274;
@@ -6038,15 +6641,15 @@ $L__BB7_56:
 	add.s64 	%rd360, %rd110, %rd273;
 	add.s64 	%rd282, %rd360, %rd110;
 	setp.lt.u64 	%p47, %rd282, %rd108;
-	@%p47 bra 	$L__BB7_56;
+	@%p47 bra 	$L__BB8_56;
 
-$L__BB7_57:
+$L__BB8_57:
 	setp.ge.u64 	%p48, %rd360, %rd108;
-	@%p48 bra 	$L__BB7_60;
+	@%p48 bra 	$L__BB8_60;
 
 	add.s64 	%rd119, %rd18, %rd104;
 
-$L__BB7_59:
+$L__BB8_59:
 	shl.b64 	%rd283, %rd360, 3;
 	add.s64 	%rd284, %rd109, %rd283;
 	ld.v2.u32 	{%r46, %r47}, [%rd284];
@@ -6054,26 +6657,26 @@ $L__BB7_59:
 	st.global.v2.u32 	[%rd285], {%r46, %r47};
 	add.s64 	%rd360, %rd360, %rd102;
 	setp.lt.u64 	%p49, %rd360, %rd108;
-	@%p49 bra 	$L__BB7_59;
+	@%p49 bra 	$L__BB8_59;
 
-$L__BB7_60:
+$L__BB8_60:
 	and.b64  	%rd286, %rd107, -8;
 	add.s64 	%rd287, %rd104, %rd100;
 	add.s64 	%rd362, %rd287, %rd286;
 	setp.ge.u64 	%p50, %rd362, %rd155;
-	@%p50 bra 	$L__BB7_73;
+	@%p50 bra 	$L__BB8_73;
 
-$L__BB7_61:
+$L__BB8_61:
 	add.s64 	%rd288, %rd19, %rd362;
 	ld.u8 	%rs17, [%rd288];
 	add.s64 	%rd289, %rd18, %rd362;
 	st.global.u8 	[%rd289], %rs17;
 	add.s64 	%rd362, %rd362, %rd102;
 	setp.lt.u64 	%p51, %rd362, %rd155;
-	@%p51 bra 	$L__BB7_61;
-	bra.uni 	$L__BB7_73;
+	@%p51 bra 	$L__BB8_61;
+	bra.uni 	$L__BB8_73;
 
-$L__BB7_40:
+$L__BB8_40:
 	mov.u32 	%r19, %ctaid.x;
 	cvt.u64.u32 	%rd67, %r19;
 	mov.u32 	%r20, %ntid.x;
@@ -6088,27 +6691,27 @@ $L__BB7_40:
 	and.b64  	%rd73, %rd229, 3;
 	min.u64 	%rd74, %rd73, %rd155;
 	setp.ge.u64 	%p36, %rd70, %rd74;
-	@%p36 bra 	$L__BB7_43;
+	@%p36 bra 	$L__BB8_43;
 
 	mov.u64 	%rd350, %rd70;
 
-$L__BB7_42:
+$L__BB8_42:
 	add.s64 	%rd230, %rd19, %rd350;
 	ld.u8 	%rs14, [%rd230];
 	add.s64 	%rd231, %rd18, %rd350;
 	st.global.u8 	[%rd231], %rs14;
 	add.s64 	%rd350, %rd350, %rd72;
 	setp.lt.u64 	%p37, %rd350, %rd74;
-	@%p37 bra 	$L__BB7_42;
+	@%p37 bra 	$L__BB8_42;
 
-$L__BB7_43:
+$L__BB8_43:
 	sub.s64 	%rd77, %rd155, %rd74;
 	shr.u64 	%rd78, %rd77, 2;
 	mul.lo.s64 	%rd79, %rd72, 3;
 	add.s64 	%rd232, %rd70, %rd79;
 	setp.ge.u64 	%p38, %rd232, %rd78;
 	mov.u64 	%rd354, %rd70;
-	@%p38 bra 	$L__BB7_46;
+	@%p38 bra 	$L__BB8_46;
 
 	mul.lo.s64 	%rd233, %rd67, %rd68;
 	shl.b64 	%rd234, %rd233, 2;
@@ -6125,7 +6728,7 @@ $L__BB7_43:
 	add.s64 	%rd353, %rd18, %rd241;
 	mov.u64 	%rd354, %rd70;
 
-$L__BB7_45:
+$L__BB8_45:
 	ld.u32 	%r22, [%rd352];
 	add.s64 	%rd243, %rd352, %rd81;
 	ld.u32 	%r23, [%rd243];
@@ -6146,16 +6749,16 @@ $L__BB7_45:
 	add.s64 	%rd354, %rd79, %rd249;
 	add.s64 	%rd250, %rd354, %rd79;
 	setp.lt.u64 	%p39, %rd250, %rd78;
-	@%p39 bra 	$L__BB7_45;
+	@%p39 bra 	$L__BB8_45;
 
-$L__BB7_46:
+$L__BB8_46:
 	setp.ge.u64 	%p40, %rd354, %rd78;
-	@%p40 bra 	$L__BB7_49;
+	@%p40 bra 	$L__BB8_49;
 
 	add.s64 	%rd90, %rd18, %rd74;
 	add.s64 	%rd91, %rd19, %rd74;
 
-$L__BB7_48:
+$L__BB8_48:
 	shl.b64 	%rd251, %rd354, 2;
 	add.s64 	%rd252, %rd91, %rd251;
 	ld.u32 	%r26, [%rd252];
@@ -6163,38 +6766,38 @@ $L__BB7_48:
 	st.global.u32 	[%rd253], %r26;
 	add.s64 	%rd354, %rd354, %rd72;
 	setp.lt.u64 	%p41, %rd354, %rd78;
-	@%p41 bra 	$L__BB7_48;
+	@%p41 bra 	$L__BB8_48;
 
-$L__BB7_49:
+$L__BB8_49:
 	and.b64  	%rd254, %rd77, -4;
 	add.s64 	%rd255, %rd74, %rd70;
 	add.s64 	%rd356, %rd255, %rd254;
 	setp.ge.u64 	%p42, %rd356, %rd155;
-	@%p42 bra 	$L__BB7_73;
+	@%p42 bra 	$L__BB8_73;
 
-$L__BB7_50:
+$L__BB8_50:
 	add.s64 	%rd256, %rd19, %rd356;
 	ld.u8 	%rs15, [%rd256];
 	add.s64 	%rd257, %rd18, %rd356;
 	st.global.u8 	[%rd257], %rs15;
 	add.s64 	%rd356, %rd356, %rd72;
 	setp.lt.u64 	%p43, %rd356, %rd155;
-	@%p43 bra 	$L__BB7_50;
-	bra.uni 	$L__BB7_73;
+	@%p43 bra 	$L__BB8_50;
+	bra.uni 	$L__BB8_73;
 
-$L__BB7_22:
+$L__BB8_22:
 	mul.lo.s64 	%rd27, %rd26, 3;
 	add.s64 	%rd187, %rd24, %rd27;
 	setp.ge.u64 	%p22, %rd187, %rd155;
 	mov.u64 	%rd340, %rd24;
-	@%p22 bra 	$L__BB7_25;
+	@%p22 bra 	$L__BB8_25;
 
 	add.s64 	%rd338, %rd19, %rd24;
 	mul.lo.s64 	%rd29, %rd25, %rd22;
 	add.s64 	%rd339, %rd18, %rd24;
 	mov.u64 	%rd340, %rd24;
 
-$L__BB7_24:
+$L__BB8_24:
 	ld.u8 	%rs1, [%rd338];
 	add.s64 	%rd188, %rd338, %rd29;
 	ld.u8 	%rs2, [%rd188];
@@ -6215,39 +6818,39 @@ $L__BB7_24:
 	add.s64 	%rd340, %rd27, %rd194;
 	add.s64 	%rd195, %rd340, %rd27;
 	setp.lt.u64 	%p23, %rd195, %rd155;
-	@%p23 bra 	$L__BB7_24;
+	@%p23 bra 	$L__BB8_24;
 
-$L__BB7_25:
+$L__BB8_25:
 	setp.ge.u64 	%p24, %rd340, %rd155;
-	@%p24 bra 	$L__BB7_27;
+	@%p24 bra 	$L__BB8_27;
 
-$L__BB7_26:
+$L__BB8_26:
 	add.s64 	%rd196, %rd19, %rd340;
 	ld.u8 	%rs5, [%rd196];
 	add.s64 	%rd197, %rd18, %rd340;
 	st.global.u8 	[%rd197], %rs5;
 	add.s64 	%rd340, %rd340, %rd26;
 	setp.lt.u64 	%p25, %rd340, %rd155;
-	@%p25 bra 	$L__BB7_26;
+	@%p25 bra 	$L__BB8_26;
 
-$L__BB7_27:
+$L__BB8_27:
 	add.s64 	%rd342, %rd24, %rd155;
 	setp.ge.u64 	%p26, %rd342, %rd24;
-	@%p26 bra 	$L__BB7_73;
+	@%p26 bra 	$L__BB8_73;
 
-$L__BB7_28:
+$L__BB8_28:
 	add.s64 	%rd198, %rd19, %rd342;
 	ld.u8 	%rs6, [%rd198];
 	add.s64 	%rd199, %rd18, %rd342;
 	st.global.u8 	[%rd199], %rs6;
 	add.s64 	%rd342, %rd342, %rd26;
 	setp.lt.u64 	%p27, %rd342, %rd155;
-	@%p27 bra 	$L__BB7_28;
+	@%p27 bra 	$L__BB8_28;
 
-$L__BB7_73:
+$L__BB8_73:
 	membar.gl;
 	bar.sync 	0;
-	@%p1 bra 	$L__BB7_76;
+	@%p1 bra 	$L__BB8_76;
 
 	add.s64 	%rd325, %rd2, 128;
 	atom.global.add.u64 	%rd326, [%rd325], 1;
@@ -6255,7 +6858,7 @@ $L__BB7_73:
 	add.s32 	%r95, %r94, -1;
 	cvt.u64.u32 	%rd327, %r95;
 	setp.ne.s64 	%p61, %rd326, %rd327;
-	@%p61 bra 	$L__BB7_76;
+	@%p61 bra 	$L__BB8_76;
 
 	mov.u64 	%rd329, 0;
 	st.global.u64 	[%rd2+128], %rd329;
@@ -6267,7 +6870,7 @@ $L__BB7_73:
 	st.volatile.u64 	[%rd330], %rd331;
 	membar.sys;
 
-$L__BB7_76:
+$L__BB8_76:
 	ret;
 
 }

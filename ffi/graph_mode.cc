@@ -268,12 +268,18 @@ Status GraphMode::WarmKernels(Channel& c) {
   // `arm` (not used by kernel grants).
   constexpr uint64_t kWarmToken = 0x0000000900000007ull;
   if (st.ok()) st = kernels_.Copy(gd2h_, Addr(w.unused), Addr(w.filled[0]), sizeof(uint64_t), Addr(w.arm), kWarmToken, stage);
+  // The op ring's reload, a hit (the token in `arm` is the tag): `unused` into `go`, the token into
+  // `probe`, seq 5 into done[0]; `result` stands for the ready word it must not wait on.
+  constexpr uint64_t kWarmSeq = 5;
+  if (st.ok())
+    st = kernels_.RingReload(gd2h_, Addr(w.go), Addr(w.unused), sizeof(uint64_t), Addr(w.arm), kWarmToken, Addr(w.probe),
+                             Addr(w.done[0]), kWarmSeq, Addr(w.result));
   Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
   if (st.ok()) st = sync;
   if (st.ok() && (w.knock.load() || w.request.load() || w.result.load() || w.filled[0].load() != 1 || w.unused.load() != 1 ||
-                  w.arm.load() != kWarmToken))
+                  w.arm.load() != kWarmToken || w.go.load() != 1 || w.probe.load() != kWarmToken || w.done[0].load() != kWarmSeq))
     st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set, or a copy did not land)");
-  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0], &w.unused, &w.arm})
+  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0], &w.done[0], &w.unused, &w.arm})
     word->store(0, std::memory_order_relaxed);
   // Leave the device words as a new channel's (SetUpCells writes the constants).
   for (CUdeviceptr word : {g0, ncells, cell0, flag0, c.Word(offsetof(DeviceWords, next)), c.Word(offsetof(DeviceWords, ptr)),

@@ -29,6 +29,9 @@ struct OpRing::Op {
   std::shared_ptr<Ticket> ticket;  // offload: its ticket; reload: the prediction (may be null)
   std::shared_ptr<Ticket> actual;  // reload/prefetch: what the token resolved to
   uint64_t tag = 0;                // the predicted ticket's token (0: no prediction)
+  // reload: copied out by jaxvmm_ring_reload, which publishes the token (probe, seen) and waits for
+  // `ready` unless it holds `tag`; else a probe copy and a memop wait (`probe` == tag, or `ready`).
+  bool kernel = false;
   CUevent tok = nullptr, done = nullptr;
   CUevent filled = nullptr;  // reload: recorded on h2d_ once the cell is free and the prefetch (if any) is in (a
                              // predicted reload's wait on XLA's stream; a correction's on fix_)
@@ -64,6 +67,7 @@ Status OpRing::Init() {
   for (uint64_t i = 0; i < kRing; ++i) {
     new (&words_[i]) Words();
     words_[i].probe.store(0);
+    words_[i].seen.store(0);
     words_[i].ready.store(0);
     words_[i].token = 0;
   }
@@ -138,6 +142,7 @@ OpRing::Op& OpRing::BeginOp(Held& h) {
   op.ticket.reset();
   op.actual.reset();
   op.tag = 0;
+  op.kernel = false;
   return op;
 }
 
@@ -152,16 +157,19 @@ void OpRing::MarkCompleted(const Held& h, uint64_t seq) {
   }
 }
 
-void OpRing::After(Worker& w, CUevent event, Op& op, void (OpRing::*task)(uint64_t)) {
+void OpRing::After(Worker& w, CUevent event, Op& op, void (OpRing::*task)(uint64_t), const std::atomic<uint64_t>* word,
+                   uint64_t value) {
   {
     Held h = ledger_.Lock();
     ++op.pending;  // the task's reference: it may run (and release it) at once
   }
   const uint64_t seq = op.seq;
-  w.PostAfter(event, [this, &op, seq, task](const Status& st) {
+  auto run = [this, &op, seq, task](const Status& st) {
     if (!st.ok()) Report(op, st);  // the context failed: the bookkeeping still runs
     (this->*task)(seq);
-  });
+  };
+  if (word) w.PostWhen(word, value, event, std::move(run));
+  else w.PostAfter(event, std::move(run));
 }
 
 Status OpRing::Copy(CUstream stream, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out, const Words& w,
@@ -345,6 +353,7 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
     op->meta = meta;
     op->stream = stream;
     op->staging = lease.address;
+    op->kernel = kernels_.warmed() && kernels_.RingReloadFullGrid(meta.nbytes);
     op->ticket = ledger_.tickets(h).Predict(meta, [](const Ticket& t) { return !t.host.pageable; });
     if (op->ticket) {
       op->ticket->claimed_by = op->seq;
@@ -368,6 +377,27 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(h2d_, lease.wait, 0); }));
     if (op->ticket) JAXVMM_RETURN_IF_ERROR(transfers_.CopyTicket(h2d_, src, lease.address, meta.nbytes, bounce_, "prefetch"));
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->filled, h2d_); }));
+    if (op->kernel) {
+      // XLA's stream: (with a prediction) the prefetch in place, then one launch that reads the token,
+      // publishes it to the resolver (probe, seen), waits for `ready` unless it is the prediction, and
+      // copies the cell out. The resolver is posted first: a miss waits for it (on the cpu backend the
+      // launch itself runs the kernel).
+      if (op->ticket)
+        JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(stream, op->filled, 0); }));
+      After(*resolver_, op->filled, *op, &OpRing::ResolveTask, &w.seen, seq);
+      Status launched = kernels_.RingReload(stream, dst, lease.address, meta.nbytes, token_in, op->tag, probe,
+                                            reinterpret_cast<CUdeviceptr>(&w.seen), seq, ready);
+      if (!launched.ok()) {
+        // No kernel will publish: abandon the op, then wake the resolver, which then only releases.
+        {
+          Held h = ledger_.Lock();
+          op->abandoned = true;
+        }
+        w.seen.store(seq, std::memory_order_release);
+        return launched;
+      }
+      return EnqueueCompletion(*op, stream);
+    }
     // XLA's stream: let the resolver learn which ticket the GPU holds, without a host round trip on
     // XLA's stream when the prediction was right.
     JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(probe, token_in, sizeof(uint64_t), stream); }));
@@ -433,8 +463,11 @@ void OpRing::ReleaseReload(Op& op, bool fill_ff) {
   // (never left waiting forever) and the error has been reported.
   const DriverTable& d = Driver(backend_);
   Words& w = words_[op.seq % kRing];
-  const uint64_t value = op.tag ? op.tag : op.seq;
-  auto word = reinterpret_cast<CUdeviceptr>(op.tag ? &w.probe : &w.ready);
+  // XLA's stream waits for probe == tag (a predicted reload's memop wait) or ready >= seq (no
+  // prediction, or the reload kernel).
+  const bool by_probe = op.tag && !op.kernel;
+  const uint64_t value = by_probe ? op.tag : op.seq;
+  auto word = reinterpret_cast<CUdeviceptr>(by_probe ? &w.probe : &w.ready);
   Status st;
   if (fill_ff) {
     st = Call(-1, "reload", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(fix_, op.filled, 0); });

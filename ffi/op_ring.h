@@ -81,8 +81,10 @@ class OpRing {
  private:
   struct Op;
   struct alignas(64) Words {
-    std::atomic<uint64_t> probe;  // reload: the token the GPU read, copied here by XLA's stream
-    std::atomic<uint64_t> ready;  // reload without a prediction: >= op seq once the resolver put its data in place
+    std::atomic<uint64_t> probe;  // reload: the token the GPU read, copied here by XLA's stream (or the reload kernel)
+    std::atomic<uint64_t> seen;   // reload kernel: op seq once it wrote probe (what the resolver polls)
+    // reload without a prediction, or with the reload kernel: >= op seq once the resolver put its data in place
+    std::atomic<uint64_t> ready;
     uint64_t token;               // offload: the ticket's token (for XLA's output: the copy kernel's argument, or copied)
   };
   using Held = Ledger::Held;
@@ -92,8 +94,10 @@ class OpRing {
   void MarkCompleted(const Held& h, uint64_t seq);
   void Completed(const Held& h, uint64_t seq);  // MarkCompleted, then the drops it allows
   Status EnqueueCompletion(Op& op, CUstream stream);
-  // Posts op's `task` to worker `w` behind `event` (recorded already), counted in op.pending.
-  void After(Worker& w, CUevent event, Op& op, void (OpRing::*task)(uint64_t));
+  // Posts op's `task` to worker `w` behind `event` (recorded already), counted in op.pending. With
+  // `word`: once *word == value instead, `event` only watched for a failed context (Worker::PostWhen).
+  void After(Worker& w, CUevent event, Op& op, void (OpRing::*task)(uint64_t), const std::atomic<uint64_t>* word = nullptr,
+             uint64_t value = 0);
   // XLA's stream: nbytes from src to dst, and with token_out != 0 the offload's token (w.token) there.
   // The kernels' jaxvmm_copy (one launch) once warmed; else cuMemcpyDtoDAsync and a token copy.
   Status Copy(CUstream stream, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out, const Words& w,

@@ -7,6 +7,7 @@
 // function is used. Workers never touch Python.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -34,6 +35,13 @@ class Worker {
   // kErrorPatience, a failed context; the task still runs, so its bookkeeping is done). Never blocks
   // the caller on the task or the event.
   void PostAfter(CUevent event, std::function<void(const Status&)> task);
+  // Runs `task` once `*word == value` (a pinned word the device writes, e.g. a kernel's store after
+  // it read what the task needs): after every task posted before, the worker polls the word (plain
+  // loads, no driver call), spinning then napping as PostAfter does. `watch` (an event the caller
+  // recorded for the same op, may be null) is queried about once a millisecond for a failed context
+  // only: its completion means nothing here (it may name an earlier point), but an error that lasts
+  // kErrorPatience runs the task with it, since the device will never write the word.
+  void PostWhen(const std::atomic<uint64_t>* word, uint64_t value, CUevent watch, std::function<void(const Status&)> task);
   static constexpr int kMaxNapMicros = 200;
   // How long a poll spins (yielding) before its first nap: JAXVMM_WORKER_SPIN_US, default 50 µs.
   static int SpinMicros();
@@ -51,10 +59,13 @@ class Worker {
   std::mutex mu_;
   std::condition_variable cv_, idle_cv_;
   struct Queued {
-    CUevent event = nullptr;  // polled until complete before the task runs (null: none)
+    CUevent event = nullptr;  // polled until complete before the task runs (null: none), or with `word`: watched for errors
+    const std::atomic<uint64_t>* word = nullptr;  // PostWhen: polled until it holds `value`
+    uint64_t value = 0;
     std::function<void(const Status&)> task;
   };
-  Status WaitFor(CUevent event) const;  // the worker's poll of one event
+  void Enqueue(Queued q);
+  Status WaitFor(const Queued& q) const;  // the worker's poll of one entry's event or word
   std::deque<Queued> queue_;
   bool sleeping_ = false;  // the thread waits on cv_ for an entry: a poster must notify
   bool stop_ = false;

@@ -82,8 +82,9 @@ def test_reload_failing_after_resolve_was_launched_consumes_nothing_and_corrupts
 
 
 # ---- bug 2: a failed correction must not release XLA's stream onto the mispredicted bytes ----
-def test_failed_correction_fills_0xff_instead_of_the_predicted_tickets_data():
-    ok(sub("""
+@RING_COPIES
+def test_failed_correction_fills_0xff_instead_of_the_predicted_tickets_data(copy_entry):
+    ok(sub(prelude=ring_prelude(copy_entry), code="""
         a = jaxvmm.offload(jnp.full((5000,), 1.0, jnp.float32))
         b = jaxvmm.offload(jnp.full((5000,), 2.0, jnp.float32))  # LIFO predicts b for the next reload
         jaxvmm.synchronize()
@@ -106,8 +107,9 @@ def test_failed_correction_fills_0xff_instead_of_the_predicted_tickets_data():
 
 
 # ---- bug 3: a token 0 (or any value) reloaded with no prediction never passes by itself ----
-def test_zero_token_without_prediction_fills_0xff_never_stale_data():
-    ok(sub("""
+@RING_COPIES
+def test_zero_token_without_prediction_fills_0xff_never_stale_data(copy_entry):
+    ok(sub(prelude=ring_prelude(copy_entry), code="""
         x = jnp.arange(7000, dtype=jnp.float32) + 1
         rt = jax.jit(lambda x: jaxvmm.reload(jaxvmm.offload(x)))
         zero = jaxvmm.Ticket(jnp.zeros((2,), jnp.uint32), (7000,), np.float32)
@@ -366,10 +368,13 @@ def test_budget_full_of_other_sizes_evicts_idle_cells():
 # ---- the ring path's driver calls per op (issue 8: handler host time) ----
 @RING_COPIES
 def test_ring_copies_are_one_call_and_predicted_reloads_make_no_memop_write(copy_entry):
-    # With the engine's kernels warm each copy on XLA's stream is one jaxvmm_copy launch (an offload's
-    # token included); without them a D2D copy (and a token copy). A reload whose prediction hit waits
-    # for its prefetch's event: no `ready` write on h2d_. Bookkeeping: posted to the workers behind the
-    # ops' events, no stream host function. Asynchronous POSIX streams, as on a GPU.
+    # With the engine's kernels warm each copy on XLA's stream is one launch: an offload's jaxvmm_copy
+    # (its token included), a reload's jaxvmm_ring_reload (which also publishes the token it holds and
+    # waits for the resolver only on a miss: no probe copy, no memop wait); without them a D2D copy (and
+    # a token copy, or a probe copy and a memop wait). A reload whose prediction hit waits for its
+    # prefetch's event: no `ready` write on h2d_. Bookkeeping: posted to the workers behind the ops'
+    # events (the kernel's reloads: behind its `seen` word), no stream host function. Asynchronous
+    # POSIX streams, as on a GPU.
     ok(sub(prelude=ring_prelude(copy_entry), code="""
         xs = [jnp.full((4096,), float(i), jnp.float32) for i in range(8)]
         f = jax.jit(lambda xs: [jaxvmm.reload(t) for t in reversed([jaxvmm.offload(x) for x in xs])])
@@ -388,11 +393,13 @@ def test_ring_copies_are_one_call_and_predicted_reloads_make_no_memop_write(copy
         assert calls.get("cuLaunchHostFunc", 0) == 0, calls
         if COPY == "cuLaunchKernel":
             assert calls.get("cuLaunchKernel", 0) == 80 and calls.get("cuMemcpyDtoDAsync", 0) == 0, calls
-            assert calls.get("cuMemcpyAsync", 0) == 40, calls  # the reloads' probes only: no token copy
+            assert calls.get("cuMemcpyAsync", 0) == 0, calls  # no token copy, no probe copy
+            assert calls.get("cuStreamWaitValue64", 0) == 0, calls  # a hit never waits for the resolver
             assert s["ring_copy_kernel"] == 1
         else:
             assert calls.get("cuMemcpyDtoDAsync", 0) == 80 and calls.get("cuLaunchKernel", 0) == 0, calls
             assert calls.get("cuMemcpyAsync", 0) == 80, calls  # the probes and the tokens
+            assert calls.get("cuStreamWaitValue64", 0) == 40, calls  # each reload's wait for probe == tag
             assert s["ring_copy_kernel"] == 0
         assert s["tickets_live"] == 0, s
         print("OK")
