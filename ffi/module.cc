@@ -547,6 +547,13 @@ NB_MODULE(_jaxvmm, m) {
     d["handler_p99_ns"] = s.ring.handler_p99_ns;
     d["handler_offload_median_ns"] = s.ring.offload_median_ns;
     d["handler_reload_median_ns"] = s.ring.reload_median_ns;
+    if (!s.ring.offload_sections.empty() || !s.ring.reload_sections.empty()) {  // JAXVMM_RING_PROFILE=1
+      nb::dict off, rel;
+      for (const auto& [name, ns] : s.ring.offload_sections) off[name.c_str()] = ns;
+      for (const auto& [name, ns] : s.ring.reload_sections) rel[name.c_str()] = ns;
+      d["handler_offload_sections_ns"] = off;
+      d["handler_reload_sections_ns"] = rel;
+    }
     d["ring_copy_kernel"] = s.ring.copy_kernel ? 1 : 0;
     d["staging_budget_bytes"] = s.staging.budget_bytes;
     d["staging_mapped_bytes"] = s.staging.mapped_bytes;

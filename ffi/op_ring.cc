@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 
 #include "config.h"
 #include "vmm.h"
@@ -76,6 +77,8 @@ Status OpRing::Init() {
     for (CUevent* e : {&op.tok, &op.done, &op.filled})
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventCreate, [&] { return d.EventCreate(e, CU_EVENT_DISABLE_TIMING); }));
   }
+  const char* prof = std::getenv("JAXVMM_RING_PROFILE");
+  profile_ = prof && *prof && *prof != '0';
   resolver_ = std::make_unique<Worker>("jaxvmm-resolve", backend_, device_);
   releaser_ = std::make_unique<Worker>("jaxvmm-release", backend_, device_);
   return Status();
@@ -195,7 +198,7 @@ Status OpRing::EnqueueCompletion(Op& op, CUstream stream) {
   return Status();
 }
 
-void OpRing::FinishEnqueue(Op& op, const Status& st, Clock::time_point start) {
+void OpRing::FinishEnqueue(Op& op, const Status& st, Clock::time_point start, const Marks& marks) {
   // A synchronous failure is returned by the handler (XLA aborts the execution); it is not recorded
   // for later calls. What the op's missing callbacks would have done is undone once the work already
   // enqueued for it has drained.
@@ -215,6 +218,16 @@ void OpRing::FinishEnqueue(Op& op, const Status& st, Clock::time_point start) {
       handler_kind_[handler_calls_ % kTimings] = static_cast<uint8_t>(op.kind);
     }
     ++handler_calls_;
+    if (profile_ && st.ok() && (op.kind == Op::kOffload || op.kind == Op::kReload)) {
+      auto& into = section_ns_[op.kind == Op::kOffload ? 0 : 1];
+      Clock::time_point last = start;
+      for (int i = 0; i < kSections; ++i) {
+        if (!marks.set[i]) continue;
+        into[i].push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(marks.at[i] - last).count());
+        last = marks.at[i];
+      }
+      into[kSections].push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - last).count());
+    }
     Release(h, op);  // the host's own reference
   }
   // Undone before the handler returns its error, so a retry of the same ticket finds it reloadable.
@@ -277,14 +290,20 @@ void OpRing::KeepResident(const Held& h, const std::shared_ptr<Ticket>& t, Stagi
 }
 
 Status OpRing::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out, Clock::time_point start) {
+  Marks marks;
+  Mark(marks, kEntry);
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(ledger_.TakeFor(stream));
+  Mark(marks, kTake);
   HostBlock host;
   JAXVMM_RETURN_IF_ERROR(host_store_.Allocate(meta.nbytes, &host).At(-1, "offload"));
+  Mark(marks, kHostBlock);
   StagingLease lease;
   CUevent d2h_done = nullptr;
   Status st = staging_.Acquire(meta.nbytes, CellUse::kOffload, /*try_only=*/false, &lease);
+  Mark(marks, kStaging);
   if (st.ok()) st = ledger_.GetEvent(&d2h_done);
+  Mark(marks, kEvent);
   if (!st.ok()) {
     host_store_.Free(host);
     staging_.Return(&lease, nullptr);
@@ -309,6 +328,7 @@ Status OpRing::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
     op->staging = lease.address;
     words_[op->seq % kRing].token = t->token;
   }
+  Mark(marks, kBegin);
   Words& w = words_[op->seq % kRing];
   const DriverTable& d = Driver(backend_);
   const char* stage = "offload";
@@ -332,16 +352,22 @@ Status OpRing::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
     return Status();
   };
   st = enqueue();
+  Mark(marks, kEnqueue);
   if (st.ok()) st = staging_.Return(&op->lease, d2h_);  // the cell's next user waits for the D2H
-  FinishEnqueue(*op, st, start);  // after a failure, AbandonTask returns the cell once the streams drained
+  Mark(marks, kReturn);
+  FinishEnqueue(*op, st, start, marks);  // after a failure, AbandonTask returns the cell once the streams drained
   return st;
 }
 
 Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta, Clock::time_point start) {
+  Marks marks;
+  Mark(marks, kEntry);
   std::lock_guard<std::mutex> serial(enqueue_mu_);
   JAXVMM_RETURN_IF_ERROR(ledger_.TakeFor(stream));
+  Mark(marks, kTake);
   StagingLease lease;
   JAXVMM_RETURN_IF_ERROR(staging_.Acquire(meta.nbytes, CellUse::kReload, /*try_only=*/false, &lease));
+  Mark(marks, kStaging);
   Op* op = nullptr;
   Source src;
   {
@@ -362,6 +388,7 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
       src = SourceOf(*op->ticket);
     }
   }
+  Mark(marks, kBegin);
   const uint64_t seq = op->seq;
   Words& w = words_[seq % kRing];
   w.probe.store(0, std::memory_order_relaxed);
@@ -421,8 +448,10 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
     return EnqueueCompletion(*op, stream);
   };
   Status st = enqueue();
+  Mark(marks, kEnqueue);
   if (st.ok()) st = staging_.Return(&op->lease, stream);  // the next user waits for XLA's copy out of the cell
-  FinishEnqueue(*op, st, start);  // after a failure, AbandonTask returns the cell once the streams drained
+  Mark(marks, kReturn);
+  FinishEnqueue(*op, st, start, marks);  // after a failure, AbandonTask returns the cell once the streams drained
   return st;
 }
 
@@ -450,7 +479,7 @@ Status OpRing::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
     return EnqueueCompletion(*op, stream);
   };
   Status st = enqueue();
-  FinishEnqueue(*op, st, start);
+  FinishEnqueue(*op, st, start, Marks());
   return st;
 }
 
@@ -678,6 +707,15 @@ RingStats OpRing::Stats() {
     s.handler_median_ns = v[v.size() / 2];
     s.handler_p99_ns = v[std::min(v.size() - 1, v.size() * 99 / 100)];
   }
+  static const char* const kNames[kSections + 1] = {"entry", "take errors", "host block", "staging acquire", "event",
+                                                   "begin op", "enqueue", "staging return", "finish"};
+  for (int k = 0; k < 2; ++k)
+    for (int i = 0; i <= kSections; ++i) {
+      std::vector<int64_t> v = section_ns_[k][i];
+      if (v.empty()) continue;
+      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+      (k == 0 ? s.offload_sections : s.reload_sections).emplace_back(kNames[i], v[v.size() / 2]);
+    }
   for (auto [kind, out] : {std::pair{Op::kOffload, &s.offload_median_ns}, std::pair{Op::kReload, &s.reload_median_ns}}) {
     std::vector<int64_t> v;
     for (size_t i = 0; i < handler_ns_.size(); ++i)

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -45,6 +46,9 @@ struct RingStats {
   int64_t handler_calls = 0, handler_median_ns = 0, handler_p99_ns = 0;
   // The same median per kind of call (0 when none among the last 4096).
   int64_t offload_median_ns = 0, reload_median_ns = 0;
+  // JAXVMM_RING_PROFILE=1: the median host time of each part of an offload / a reload handler, in
+  // handler order (name, ns); empty otherwise.
+  std::vector<std::pair<std::string, int64_t>> offload_sections, reload_sections;
   // The ring copies with the engine's jaxvmm_copy kernel (false: cuMemcpyDtoDAsync and a token copy,
   // until graph mode has loaded and warmed the kernels, or for good where they did not load).
   bool copy_kernel = false;
@@ -65,6 +69,12 @@ class OpRing {
   // The handlers' host time (outside any capture; `start`: when the handler began, for its timing).
   // `stream` is XLA's stream (null on the cpu platform).
   using Clock = std::chrono::steady_clock;
+  // Where a handler's host time goes (JAXVMM_RING_PROFILE=1): the time of each mark, in order.
+  enum Section { kEntry, kTake, kHostBlock, kStaging, kEvent, kBegin, kEnqueue, kReturn, kSections };
+  struct Marks {
+    Clock::time_point at[kSections];
+    bool set[kSections] = {};
+  };
   Status Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out, Clock::time_point start);
   Status Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, const ArrayMeta& meta, Clock::time_point start);
   Status Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out, Clock::time_point start);
@@ -102,8 +112,12 @@ class OpRing {
   // The kernels' jaxvmm_copy (one launch) once warmed; else cuMemcpyDtoDAsync and a token copy.
   Status Copy(CUstream stream, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out, const Words& w,
               const char* stage);
-  // Ends a handler's enqueue: undoes a failed op, counts the handler's host time since `start`.
-  void FinishEnqueue(Op& op, const Status& st, Clock::time_point start);
+  // Ends a handler's enqueue: undoes a failed op, counts the handler's host time since `start` (and
+  // its sections since `start`, with profiling on).
+  void FinishEnqueue(Op& op, const Status& st, Clock::time_point start, const Marks& marks);
+  void Mark(Marks& m, Section s) const {
+    if (profile_) m.at[s] = Clock::now(), m.set[s] = true;
+  }
   void KeepResident(const Held& h, const std::shared_ptr<Ticket>& t, StagingLease* lease, CUstream stream);
 
   // Worker side.
@@ -143,6 +157,8 @@ class OpRing {
   std::vector<std::pair<uint64_t, uint64_t>> pending_drops_;  // (token, after seq)
   std::vector<int64_t> handler_ns_;  // ring of the last kTimings handler host times
   std::vector<uint8_t> handler_kind_;  // their Op::Kind, same positions
+  bool profile_ = false;                // JAXVMM_RING_PROFILE=1 (read at Init)
+  std::vector<int64_t> section_ns_[2][kSections + 1];  // [offload, reload][section; the last: the rest up to the end]
   int64_t handler_calls_ = 0;
 
   // Workers last: destroyed first, after Stop() has drained them.

@@ -2,6 +2,8 @@
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= JAXVMM_TRACE=1 python tools/ring_cost.py 2> trace.txt
 
+With JAXVMM_RING_PROFILE=1 it also prints each part of an offload / reload handler's host time.
+
 Runs a jitted program of N offloads then N reloads of 1 MiB arrays, R times, then prints the engine's
 handler host time (median, p99) and, from the driver-call trace on stderr (read back from the file
 given as --trace), each (stage, entry)'s calls per op and median microseconds."""
@@ -49,6 +51,10 @@ def main() -> int:
     print(f"handler calls {calls}, median {s['handler_median_ns'] / 1e3:.1f} us, p99 {s['handler_p99_ns'] / 1e3:.1f} us, "
           f"offload {s['handler_offload_median_ns'] / 1e3:.1f} us, reload {s['handler_reload_median_ns'] / 1e3:.1f} us "
           f"(graph captures {s['graph_captures']}, ring copy kernel {s['ring_copy_kernel']})")
+    for kind in ("offload", "reload"):
+        sec = s.get(f"handler_{kind}_sections_ns")
+        if sec:  # JAXVMM_RING_PROFILE=1
+            print(f"{kind} sections (median us): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in sec.items()))
     return 0
 
 
