@@ -16,8 +16,13 @@ namespace {
 // JAXVMM_HOST_POOL_LIMIT is parsed in Python (jaxvmm/_config.py, with size suffixes and errors for bad
 // values) and arrives through SetLimit; the core reads no environment variable for it.
 size_t DefaultLimit() {
-  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 2 : size_t{16} << 30;
+  // Half the machine's memory, read once: sysconf(_SC_PHYS_PAGES) is a sysinfo() system call, and
+  // every offload handler checks the limit (twice).
+  static const size_t limit = [] {
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 2 : size_t{16} << 30;
+  }();
+  return limit;
 }
 std::atomic<size_t> g_limit{0};
 std::atomic<size_t> g_chunk{size_t{256} << 20};

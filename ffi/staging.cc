@@ -29,7 +29,7 @@ StagingArea::~StagingArea() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  janitor_cv_.notify_all();
   if (janitor_.joinable()) janitor_.join();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -39,9 +39,10 @@ StagingArea::~StagingArea() {
   Bury();
 }
 
-bool StagingArea::Finished(const Cell& c) const {
-  if (!c.recorded) return true;
-  return Driver(backend_).EventQuery(c.free) == CUDA_SUCCESS;
+bool StagingArea::Finished(Cell& c) const {
+  if (!c.recorded || c.done) return true;
+  c.done = Driver(backend_).EventQuery(c.free) == CUDA_SUCCESS;
+  return c.done;
 }
 
 void StagingArea::Drop(Cell& c) {
@@ -50,7 +51,8 @@ void StagingArea::Drop(Cell& c) {
   mapped_ -= c.size;
   ++stats_.pages_returned;
   c = Cell();
-  cv_.notify_all();  // the janitor buries what nobody else will
+  janitor_cv_.notify_all();  // the janitor buries what nobody else will
+  NotifyWaiters();             // the budget has room
 }
 
 void StagingArea::Bury() {
@@ -72,7 +74,7 @@ void StagingArea::Bury() {
   }
   std::lock_guard<std::mutex> lock(mu_);
   --burying_;
-  cv_.notify_all();
+  NotifyWaiters();
 }
 
 bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
@@ -99,17 +101,21 @@ bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
     if (!wait || !running) return false;
     if (!counted) ++stats_.host_waits;
     counted = true;
+    ++waiting_;
     cv_.wait_for(*wait, std::chrono::microseconds(100));  // the cells may change meanwhile: scan again
+    --waiting_;
   }
 }
 
 Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLease* out) {
   *out = StagingLease();
   Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
-  size_t g = 0;
-  JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
+  size_t g = granularity_.load(std::memory_order_relaxed);
+  if (g == 0) {
+    JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
+    granularity_.store(g, std::memory_order_relaxed);
+  }
   const size_t size = (nbytes + g - 1) / g * g;
-  ScopedContext ctx(backend_, device_);
   std::unique_lock<std::mutex> lock(mu_);
   if (size > Budget())
     return Status(Code::kOutOfMemory, "a staging cell of " + std::to_string(size) + " bytes does not fit the staging budget of " +
@@ -139,6 +145,7 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
     Cell* pick = finished;
     if (!pick && count < Depth() && other_finished) pick = other_finished;
     if (!pick && count < Depth() && MakeRoom(size, oldest != nullptr || try_only ? nullptr : &lock)) {
+      ScopedContext ctx(backend_, device_);  // the cell's slot and event
       SlotSpec spec;
       spec.backend = backend_;
       spec.device = device_;
@@ -192,7 +199,9 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
                                             "raise staging_budget or lower keep_resident");
     // Every cell of this size is held by a handler on another thread, or (budget full) by the other
     // pool's copies still running: wait for one to be returned.
+    ++waiting_;
     cv_.wait(lock);
+    --waiting_;
   }
 }
 
@@ -203,6 +212,7 @@ Status StagingArea::Record(StagingLease* lease, CUstream s) {
   Status st = Call(c.slot_id, "staging", Entry::kEventRecord, [&] { return Driver(backend_).EventRecord(c.free, s); });
   if (st.ok()) {
     c.recorded = true;
+    c.done = false;
     lease->wait = c.free;
   }
   return st;
@@ -217,7 +227,7 @@ Status StagingArea::Return(StagingLease* lease, CUstream after) {
   c.in_use = false;
   c.pinned = false;
   *lease = StagingLease();
-  cv_.notify_all();
+  NotifyWaiters();
   return st;
 }
 
@@ -238,7 +248,7 @@ bool StagingArea::Charge(size_t bytes) {
 void StagingArea::Uncharge(size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   mapped_ -= bytes;
-  cv_.notify_all();
+  NotifyWaiters();
 }
 
 size_t StagingArea::Trim() {
@@ -253,7 +263,9 @@ size_t StagingArea::Trim() {
   }
   Bury();  // this one's and any other's: given back when Trim returns, also those the janitor is
   std::unique_lock<std::mutex> lock(mu_);  // giving back right now
+  ++waiting_;
   cv_.wait(lock, [&] { return burying_ == 0; });
+  --waiting_;
   return returned;
 }
 
@@ -261,7 +273,7 @@ void StagingArea::Janitor() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     const auto idle = std::chrono::milliseconds(IdleMillis());
-    cv_.wait_for(lock, idle, [&] { return stop_ || !graveyard_.empty(); });
+    janitor_cv_.wait_for(lock, idle, [&] { return stop_ || !graveyard_.empty(); });
     if (stop_) break;
     if (!graveyard_.empty()) {
       lock.unlock();

@@ -12,6 +12,7 @@
 // return pages run with mu_ held (they are rare: the first use of a cell, eviction, trim).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -102,12 +103,13 @@ class StagingArea {
     size_t size = 0;
     CUevent free = nullptr;
     bool recorded = false;  // `free` has been recorded at least once since the cell was created
+    bool done = false;      // `free`'s latest record is known complete (no need to query it again)
     bool in_use = false;
     bool pinned = false;
     CellUse use = CellUse::kOffload;
     uint64_t last_use = 0;
   };
-  bool Finished(const Cell& c) const;                // caller holds mu_
+  bool Finished(Cell& c) const;  // caller holds mu_; queries `free` until it completes once per record
   // Drop takes a finished cell out (its bytes leave mapped_ at once) into graveyard_; Bury returns the
   // pages and destroys the event with no lock held. On the H200 the janitor's cuEventDestroy waited
   // for the driver lock a spinning cuGraphLaunch held, inside mu_, and the graph poller waited for mu_
@@ -121,7 +123,14 @@ class StagingArea {
   const Backend backend_;
   const int device_;
   mutable std::mutex mu_;  // guards everything below
-  std::condition_variable cv_;
+  // cv_: a cell, budget or burial some thread waits for (notified only while `waiting_` > 0, so that a
+  // handler's Return makes no futex call); janitor_cv_: the graveyard or stop_.
+  std::condition_variable cv_, janitor_cv_;
+  int waiting_ = 0;
+  void NotifyWaiters() {  // caller holds mu_
+    if (waiting_ > 0) cv_.notify_all();
+  }
+  std::atomic<size_t> granularity_{0};  // the device's page granularity, once known
   std::vector<Cell> cells_;
   struct Detached {
     int64_t slot_id;
