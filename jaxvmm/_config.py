@@ -4,7 +4,8 @@ The native core used to read some of these itself, with ``strtoull``/``atoi`` (`
 ``abc`` was silently ignored). Now this module is the single parser: a bad value raises
 ``jaxvmm.InvalidArgumentError`` naming the variable and the value at ``import jaxvmm``, and the values
 are pushed into the core through ``lib.configure`` (sizes, depths) or ``lib.set_trace``. Variables the
-core still reads lazily by itself (``JAXVMM_PREDICT``, read by the engine) are validated here and
+core still reads lazily by itself (``JAXVMM_PREDICT``, ``JAXVMM_WORKER_SPIN_US``, ``JAXVMM_RING_PROFILE``,
+read by the engine) are validated here and
 rewritten in the environment in the one spelling the core understands.
 """
 
@@ -138,6 +139,10 @@ VARIABLES = {
         EnvVar("JAXVMM_GRAPH_FUSED", "bool",
                doc="graph mode with grant kernels and several cells: each round is one fused take + copy kernel (on) or a take, a copy and a publish kernel (off, the default)"),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
+        EnvVar("JAXVMM_WORKER_SPIN_US", "int", 0, 100_000,
+               "how long the engine's workers spin (yielding) on an op's event or word before they nap (50)"),
+        EnvVar("JAXVMM_RING_PROFILE", "bool",
+               doc="time each part of the uncaptured offload/reload handlers (engine_stats: handler_*_sections_ns) (off)"),
         EnvVar("JAXVMM_POSIX_ASYNC", "int", 0, 10_000_000,
                "tests, cpu platform: each driver stream runs its operations on a thread of its own, as a GPU stream "
                "does; N > 1 also delays each by a random 0..N us (0: off)"),
@@ -193,9 +198,13 @@ def apply(lib, values: dict) -> None:
         lib.copy_chunk(values["JAXVMM_COPY_CHUNK"])
     if "JAXVMM_HOST_STORE" in values:
         lib.set_host_store(values["JAXVMM_HOST_STORE"])
-    if "JAXVMM_PREDICT" in values:
-        # The engine reads this one itself, on its first prediction, and knows only "0" for off.
-        os.environ["JAXVMM_PREDICT"] = "1" if values["JAXVMM_PREDICT"] else "0"
+    # The engine reads these itself (a prediction, a worker's first wait, an engine's start), in the
+    # canonical form written back here: "0" / "1", a plain integer.
+    for name in ("JAXVMM_PREDICT", "JAXVMM_RING_PROFILE"):
+        if name in values:
+            os.environ[name] = "1" if values[name] else "0"
+    if "JAXVMM_WORKER_SPIN_US" in values:
+        os.environ["JAXVMM_WORKER_SPIN_US"] = str(values["JAXVMM_WORKER_SPIN_US"])
 
 
 def load(lib) -> dict:

@@ -825,7 +825,7 @@ def trim() -> int:
 def engine_stats() -> dict:
     """Per device (``"cuda:0"``, ``"cpu:0"``): offloads, reloads, prefetch hits/misses, live tickets and
     their host bytes, pinned pool bytes and driver allocations, async errors, handler host time per
-    call (``handler_median_ns``, ``handler_p99_ns``; ``ring_copy_kernel``: 1 when uncaptured calls copy with
+    call (``handler_median_ns``, ``handler_p99_ns``, per kind ``handler_offload_median_ns``, ``handler_reload_median_ns``; ``ring_copy_kernel``: 1 when uncaptured calls copy with
     jaxvmm's kernel, 0 with driver copies), where the pipeline stands (``seq_issued``, ``seq_completed``: what to look at when a program
     seems stuck), and the staging area: ``staging_budget_bytes``, ``staging_mapped_bytes`` (now),
     ``staging_peak_bytes``, ``staging_cells``, ``staging_acquires``, ``staging_device_waits`` (acquires

@@ -55,6 +55,7 @@ def test_host_pool_limit_1M_is_one_mebibyte_subprocess():
     ("JAXVMM_PREDICT", "2"), ("JAXVMM_REQUIRE_GPU", "yes please"), ("JAXVMM_HOST_STORE", "numa"),
     ("JAXVMM_COPY_CHUNK", "-1"), ("JAXVMM_COPY_CHUNK", "lots"),
     ("JAXVMM_GRAPH_CELLS", "0"), ("JAXVMM_GRAPH_CELLS", "5"), ("JAXVMM_GRAPH_CELLS", "two"),
+    ("JAXVMM_WORKER_SPIN_US", "-1"), ("JAXVMM_WORKER_SPIN_US", "1ms"), ("JAXVMM_RING_PROFILE", "sometimes"),
 ])
 def test_bad_environment_value_fails_at_import_naming_it_subprocess(name, value):
     code = textwrap.dedent("""
@@ -88,6 +89,34 @@ def test_valid_environment_values_reach_the_core_subprocess():
                    "host_store": "host_numa", "copy_chunk": 8 * MiB, "graph_cells": 3,
                    "graph_spares": 5}.items())
     assert str(want) in r.stdout, r.stdout
+
+
+def test_ring_profile_and_worker_spin_reach_the_engine_subprocess():
+    # Read by the engine itself (getenv), in the canonical spelling _config writes back: "on" is on,
+    # a spin of 0 naps at once and still delivers every op's bookkeeping.
+    code = textwrap.dedent("""
+        import os, jax, jax.numpy as jnp, numpy as np, jaxvmm
+        assert os.environ["JAXVMM_RING_PROFILE"] == "1" and os.environ["JAXVMM_WORKER_SPIN_US"] == "0"
+        x = jnp.arange(4096, dtype=jnp.float32)
+        f = jax.jit(lambda x: jaxvmm.reload(jaxvmm.offload(x)))
+        for _ in range(5):
+            assert np.array_equal(np.asarray(f(x)), np.asarray(x))
+        jaxvmm.synchronize()
+        s = jaxvmm.engine_stats()["cpu:0"]
+        assert s["handler_offload_median_ns"] > 0 and s["handler_reload_median_ns"] > 0, s
+        off, rel = s["handler_offload_sections_ns"], s["handler_reload_sections_ns"]
+        assert {"staging acquire", "enqueue", "staging return"} <= set(off) and "host block" in off, off
+        assert "host block" not in rel and "enqueue" in rel, rel
+        assert sum(off.values()) > 0, off
+        assert s["tickets_live"] == 0, s
+        print("OK")
+    """)
+    r = run_in_subprocess(code, env={**ENV, "JAXVMM_RING_PROFILE": "on", "JAXVMM_WORKER_SPIN_US": "00"})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr[-3000:]
+    r = run_in_subprocess("import jax, jax.numpy as jnp, jaxvmm\njaxvmm.reload(jaxvmm.offload(jnp.ones(8)))\n"
+                          "jaxvmm.synchronize()\nprint(sorted(k for k in jaxvmm.engine_stats()['cpu:0'] if 'sections' in k))",
+                          env=ENV)
+    assert r.returncode == 0 and "[]" in r.stdout, r.stdout + r.stderr[-3000:]  # off by default
 
 
 def test_unknown_jaxvmm_variable_warns_subprocess():
