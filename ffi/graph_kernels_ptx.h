@@ -1433,7 +1433,7 @@ $L__BB5_57:
 	.param .u64 jaxvmm_ring_reload_param_8
 )
 {
-	.reg .pred 	%p<54>;
+	.reg .pred 	%p<55>;
 	.reg .b16 	%rs<20>;
 	.reg .b32 	%r<86>;
 	.reg .b64 	%rd<328>;
@@ -1449,16 +1449,20 @@ $L__BB5_57:
 	ld.param.u64 	%rd146, [jaxvmm_ring_reload_param_8];
 	cvta.to.global.u64 	%rd1, %rd146;
 	mov.u32 	%r1, %tid.x;
-	setp.ne.s32 	%p1, %r1, 0;
-	@%p1 bra 	$L__BB6_8;
+	setp.ne.s32 	%p2, %r1, 0;
+	@%p2 bra 	$L__BB6_8;
 
 	cvta.to.global.u64 	%rd147, %rd141;
 	ld.global.u32 	%rd148, [%rd147];
 	ld.global.u32 	%rd149, [%rd147+4];
 	bfi.b64 	%rd2, %rd149, %rd148, 32, 32;
+	setp.eq.s64 	%p3, %rd2, %rd142;
+	setp.ne.s64 	%p4, %rd142, 0;
+	and.pred  	%p1, %p4, %p3;
 	mov.u32 	%r4, %ctaid.x;
-	setp.ne.s32 	%p2, %r4, 0;
-	@%p2 bra 	$L__BB6_3;
+	setp.ne.s32 	%p5, %r4, 0;
+	and.pred  	%p6, %p5, %p1;
+	@%p6 bra 	$L__BB6_3;
 
 	cvta.to.global.u64 	%rd150, %rd143;
 	st.volatile.global.u64 	[%rd150], %rd2;
@@ -1468,14 +1472,11 @@ $L__BB5_57:
 	membar.sys;
 
 $L__BB6_3:
-	setp.ne.s64 	%p3, %rd142, 0;
-	setp.eq.s64 	%p4, %rd2, %rd142;
-	and.pred  	%p5, %p3, %p4;
-	@%p5 bra 	$L__BB6_8;
+	@%p1 bra 	$L__BB6_8;
 
 	ld.volatile.global.u64 	%rd152, [%rd1];
-	setp.ge.u64 	%p6, %rd152, %rd145;
-	@%p6 bra 	$L__BB6_7;
+	setp.ge.u64 	%p7, %rd152, %rd145;
+	@%p7 bra 	$L__BB6_7;
 
 	mov.u32 	%r85, 32;
 
@@ -1483,12 +1484,12 @@ $L__BB6_6:
 	// begin inline asm
 	nanosleep.u32 %r85;
 	// end inline asm
-	setp.lt.u32 	%p7, %r85, 2048;
-	selp.u32 	%r7, 1, 0, %p7;
+	setp.lt.u32 	%p8, %r85, 2048;
+	selp.u32 	%r7, 1, 0, %p8;
 	shl.b32 	%r85, %r85, %r7;
 	ld.volatile.global.u64 	%rd153, [%rd1];
-	setp.lt.u64 	%p8, %rd153, %rd145;
-	@%p8 bra 	$L__BB6_6;
+	setp.lt.u64 	%p9, %rd153, %rd145;
+	@%p9 bra 	$L__BB6_6;
 
 $L__BB6_7:
 	membar.sys;
@@ -1499,22 +1500,22 @@ $L__BB6_8:
 	cvta.to.global.u64 	%rd4, %rd138;
 	xor.b64  	%rd5, %rd139, %rd138;
 	and.b64  	%rd154, %rd5, 15;
-	setp.eq.s64 	%p9, %rd154, 0;
-	@%p9 bra 	$L__BB6_52;
+	setp.eq.s64 	%p10, %rd154, 0;
+	@%p10 bra 	$L__BB6_52;
 
 	and.b64  	%rd155, %rd5, 7;
-	setp.eq.s64 	%p10, %rd155, 0;
-	@%p10 bra 	$L__BB6_41;
+	setp.eq.s64 	%p11, %rd155, 0;
+	@%p11 bra 	$L__BB6_41;
 
 	and.b64  	%rd156, %rd5, 3;
-	setp.eq.s64 	%p11, %rd156, 0;
-	@%p11 bra 	$L__BB6_30;
+	setp.eq.s64 	%p12, %rd156, 0;
+	@%p12 bra 	$L__BB6_30;
 
 	and.b64  	%rd157, %rd5, 1;
-	setp.eq.b64 	%p12, %rd157, 1;
-	mov.pred 	%p13, 0;
-	xor.pred  	%p14, %p12, %p13;
-	not.pred 	%p15, %p14;
+	setp.eq.b64 	%p13, %rd157, 1;
+	mov.pred 	%p14, 0;
+	xor.pred  	%p15, %p13, %p14;
+	not.pred 	%p16, %p15;
 	mov.u32 	%r8, %ctaid.x;
 	cvt.u64.u32 	%rd6, %r8;
 	mov.u32 	%r9, %ntid.x;
@@ -1525,14 +1526,14 @@ $L__BB6_8:
 	mov.u32 	%r10, %nctaid.x;
 	cvt.u64.u32 	%rd10, %r10;
 	mul.wide.u32 	%rd11, %r10, %r9;
-	@%p15 bra 	$L__BB6_19;
+	@%p16 bra 	$L__BB6_19;
 	bra.uni 	$L__BB6_12;
 
 $L__BB6_19:
 	and.b64  	%rd28, %rd138, 1;
 	min.u64 	%rd29, %rd28, %rd140;
-	setp.ge.u64 	%p22, %rd9, %rd29;
-	@%p22 bra 	$L__BB6_22;
+	setp.ge.u64 	%p23, %rd9, %rd29;
+	@%p23 bra 	$L__BB6_22;
 
 	mov.u64 	%rd302, %rd9;
 
@@ -1542,17 +1543,17 @@ $L__BB6_21:
 	add.s64 	%rd173, %rd4, %rd302;
 	st.global.u8 	[%rd173], %rs7;
 	add.s64 	%rd302, %rd302, %rd11;
-	setp.lt.u64 	%p23, %rd302, %rd29;
-	@%p23 bra 	$L__BB6_21;
+	setp.lt.u64 	%p24, %rd302, %rd29;
+	@%p24 bra 	$L__BB6_21;
 
 $L__BB6_22:
 	sub.s64 	%rd32, %rd140, %rd29;
 	shr.u64 	%rd33, %rd32, 1;
 	mul.lo.s64 	%rd34, %rd11, 3;
 	add.s64 	%rd174, %rd9, %rd34;
-	setp.ge.u64 	%p24, %rd174, %rd33;
+	setp.ge.u64 	%p25, %rd174, %rd33;
 	mov.u64 	%rd306, %rd9;
-	@%p24 bra 	$L__BB6_25;
+	@%p25 bra 	$L__BB6_25;
 
 	mul.lo.s64 	%rd175, %rd6, %rd7;
 	shl.b64 	%rd176, %rd175, 1;
@@ -1589,12 +1590,12 @@ $L__BB6_24:
 	add.s64 	%rd191, %rd306, %rd11;
 	add.s64 	%rd306, %rd34, %rd191;
 	add.s64 	%rd192, %rd306, %rd34;
-	setp.lt.u64 	%p25, %rd192, %rd33;
-	@%p25 bra 	$L__BB6_24;
+	setp.lt.u64 	%p26, %rd192, %rd33;
+	@%p26 bra 	$L__BB6_24;
 
 $L__BB6_25:
-	setp.ge.u64 	%p26, %rd306, %rd33;
-	@%p26 bra 	$L__BB6_28;
+	setp.ge.u64 	%p27, %rd306, %rd33;
+	@%p27 bra 	$L__BB6_28;
 
 	add.s64 	%rd45, %rd4, %rd29;
 	add.s64 	%rd46, %rd3, %rd29;
@@ -1606,15 +1607,15 @@ $L__BB6_27:
 	add.s64 	%rd195, %rd45, %rd193;
 	st.global.u16 	[%rd195], %rs12;
 	add.s64 	%rd306, %rd306, %rd11;
-	setp.lt.u64 	%p27, %rd306, %rd33;
-	@%p27 bra 	$L__BB6_27;
+	setp.lt.u64 	%p28, %rd306, %rd33;
+	@%p28 bra 	$L__BB6_27;
 
 $L__BB6_28:
 	and.b64  	%rd196, %rd32, -2;
 	add.s64 	%rd197, %rd29, %rd9;
 	add.s64 	%rd308, %rd197, %rd196;
-	setp.ge.u64 	%p28, %rd308, %rd140;
-	@%p28 bra 	$L__BB6_63;
+	setp.ge.u64 	%p29, %rd308, %rd140;
+	@%p29 bra 	$L__BB6_63;
 
 $L__BB6_29:
 	add.s64 	%rd198, %rd3, %rd308;
@@ -1622,8 +1623,8 @@ $L__BB6_29:
 	add.s64 	%rd199, %rd4, %rd308;
 	st.global.u8 	[%rd199], %rs13;
 	add.s64 	%rd308, %rd308, %rd11;
-	setp.lt.u64 	%p29, %rd308, %rd140;
-	@%p29 bra 	$L__BB6_29;
+	setp.lt.u64 	%p30, %rd308, %rd140;
+	@%p30 bra 	$L__BB6_29;
 	bra.uni 	$L__BB6_63;
 
 $L__BB6_52:
@@ -1640,8 +1641,8 @@ $L__BB6_52:
 	neg.s64 	%rd263, %rd138;
 	and.b64  	%rd116, %rd263, 15;
 	min.u64 	%rd117, %rd116, %rd140;
-	setp.ge.u64 	%p46, %rd113, %rd117;
-	@%p46 bra 	$L__BB6_55;
+	setp.ge.u64 	%p47, %rd113, %rd117;
+	@%p47 bra 	$L__BB6_55;
 
 	mov.u64 	%rd322, %rd113;
 
@@ -1651,8 +1652,8 @@ $L__BB6_54:
 	add.s64 	%rd265, %rd4, %rd322;
 	st.global.u8 	[%rd265], %rs18;
 	add.s64 	%rd322, %rd322, %rd115;
-	setp.lt.u64 	%p47, %rd322, %rd117;
-	@%p47 bra 	$L__BB6_54;
+	setp.lt.u64 	%p48, %rd322, %rd117;
+	@%p48 bra 	$L__BB6_54;
 
 $L__BB6_55:
 	sub.s64 	%rd120, %rd140, %rd117;
@@ -1660,9 +1661,9 @@ $L__BB6_55:
 	add.s64 	%rd122, %rd3, %rd117;
 	mul.lo.s64 	%rd123, %rd115, 3;
 	add.s64 	%rd266, %rd113, %rd123;
-	setp.ge.u64 	%p48, %rd266, %rd121;
+	setp.ge.u64 	%p49, %rd266, %rd121;
 	mov.u64 	%rd325, %rd113;
-	@%p48 bra 	$L__BB6_58;
+	@%p49 bra 	$L__BB6_58;
 
 	mul.lo.s64 	%rd267, %rd114, %rd111;
 	shl.b64 	%rd124, %rd267, 4;
@@ -1702,12 +1703,12 @@ $L__BB6_57:
 	st.global.v4.u32 	[%rd287], {%r61, %r62, %r63, %r64};
 	add.s64 	%rd325, %rd279, %rd325;
 	add.s64 	%rd288, %rd325, %rd123;
-	setp.lt.u64 	%p49, %rd288, %rd121;
-	@%p49 bra 	$L__BB6_57;
+	setp.lt.u64 	%p50, %rd288, %rd121;
+	@%p50 bra 	$L__BB6_57;
 
 $L__BB6_58:
-	setp.ge.u64 	%p50, %rd325, %rd121;
-	@%p50 bra 	$L__BB6_61;
+	setp.ge.u64 	%p51, %rd325, %rd121;
+	@%p51 bra 	$L__BB6_61;
 
 	add.s64 	%rd132, %rd4, %rd117;
 
@@ -1718,15 +1719,15 @@ $L__BB6_60:
 	ld.global.v4.u32 	{%r77, %r78, %r79, %r80}, [%rd291];
 	st.global.v4.u32 	[%rd290], {%r77, %r78, %r79, %r80};
 	add.s64 	%rd325, %rd325, %rd115;
-	setp.lt.u64 	%p51, %rd325, %rd121;
-	@%p51 bra 	$L__BB6_60;
+	setp.lt.u64 	%p52, %rd325, %rd121;
+	@%p52 bra 	$L__BB6_60;
 
 $L__BB6_61:
 	and.b64  	%rd292, %rd120, -16;
 	add.s64 	%rd293, %rd117, %rd113;
 	add.s64 	%rd327, %rd293, %rd292;
-	setp.ge.u64 	%p52, %rd327, %rd140;
-	@%p52 bra 	$L__BB6_63;
+	setp.ge.u64 	%p53, %rd327, %rd140;
+	@%p53 bra 	$L__BB6_63;
 
 $L__BB6_62:
 	add.s64 	%rd294, %rd3, %rd327;
@@ -1734,8 +1735,8 @@ $L__BB6_62:
 	add.s64 	%rd295, %rd4, %rd327;
 	st.global.u8 	[%rd295], %rs19;
 	add.s64 	%rd327, %rd327, %rd115;
-	setp.lt.u64 	%p53, %rd327, %rd140;
-	@%p53 bra 	$L__BB6_62;
+	setp.lt.u64 	%p54, %rd327, %rd140;
+	@%p54 bra 	$L__BB6_62;
 	bra.uni 	$L__BB6_63;
 
 $L__BB6_41:
@@ -1752,8 +1753,8 @@ $L__BB6_41:
 	neg.s64 	%rd231, %rd138;
 	and.b64  	%rd88, %rd231, 7;
 	min.u64 	%rd89, %rd88, %rd140;
-	setp.ge.u64 	%p38, %rd85, %rd89;
-	@%p38 bra 	$L__BB6_44;
+	setp.ge.u64 	%p39, %rd85, %rd89;
+	@%p39 bra 	$L__BB6_44;
 
 	mov.u64 	%rd316, %rd85;
 
@@ -1763,8 +1764,8 @@ $L__BB6_43:
 	add.s64 	%rd233, %rd4, %rd316;
 	st.global.u8 	[%rd233], %rs16;
 	add.s64 	%rd316, %rd316, %rd87;
-	setp.lt.u64 	%p39, %rd316, %rd89;
-	@%p39 bra 	$L__BB6_43;
+	setp.lt.u64 	%p40, %rd316, %rd89;
+	@%p40 bra 	$L__BB6_43;
 
 $L__BB6_44:
 	sub.s64 	%rd92, %rd140, %rd89;
@@ -1772,9 +1773,9 @@ $L__BB6_44:
 	add.s64 	%rd94, %rd3, %rd89;
 	mul.lo.s64 	%rd95, %rd87, 3;
 	add.s64 	%rd234, %rd85, %rd95;
-	setp.ge.u64 	%p40, %rd234, %rd93;
+	setp.ge.u64 	%p41, %rd234, %rd93;
 	mov.u64 	%rd319, %rd85;
-	@%p40 bra 	$L__BB6_47;
+	@%p41 bra 	$L__BB6_47;
 
 	mul.lo.s64 	%rd235, %rd86, %rd83;
 	shl.b64 	%rd96, %rd235, 3;
@@ -1812,12 +1813,12 @@ $L__BB6_46:
 	st.global.v2.u32 	[%rd253], {%r30, %r31};
 	add.s64 	%rd319, %rd95, %rd245;
 	add.s64 	%rd254, %rd319, %rd95;
-	setp.lt.u64 	%p41, %rd254, %rd93;
-	@%p41 bra 	$L__BB6_46;
+	setp.lt.u64 	%p42, %rd254, %rd93;
+	@%p42 bra 	$L__BB6_46;
 
 $L__BB6_47:
-	setp.ge.u64 	%p42, %rd319, %rd93;
-	@%p42 bra 	$L__BB6_50;
+	setp.ge.u64 	%p43, %rd319, %rd93;
+	@%p43 bra 	$L__BB6_50;
 
 	add.s64 	%rd104, %rd4, %rd89;
 
@@ -1828,15 +1829,15 @@ $L__BB6_49:
 	add.s64 	%rd257, %rd104, %rd255;
 	st.global.v2.u32 	[%rd257], {%r38, %r39};
 	add.s64 	%rd319, %rd319, %rd87;
-	setp.lt.u64 	%p43, %rd319, %rd93;
-	@%p43 bra 	$L__BB6_49;
+	setp.lt.u64 	%p44, %rd319, %rd93;
+	@%p44 bra 	$L__BB6_49;
 
 $L__BB6_50:
 	and.b64  	%rd258, %rd92, -8;
 	add.s64 	%rd259, %rd89, %rd85;
 	add.s64 	%rd321, %rd259, %rd258;
-	setp.ge.u64 	%p44, %rd321, %rd140;
-	@%p44 bra 	$L__BB6_63;
+	setp.ge.u64 	%p45, %rd321, %rd140;
+	@%p45 bra 	$L__BB6_63;
 
 $L__BB6_51:
 	add.s64 	%rd260, %rd3, %rd321;
@@ -1844,8 +1845,8 @@ $L__BB6_51:
 	add.s64 	%rd261, %rd4, %rd321;
 	st.global.u8 	[%rd261], %rs17;
 	add.s64 	%rd321, %rd321, %rd87;
-	setp.lt.u64 	%p45, %rd321, %rd140;
-	@%p45 bra 	$L__BB6_51;
+	setp.lt.u64 	%p46, %rd321, %rd140;
+	@%p46 bra 	$L__BB6_51;
 	bra.uni 	$L__BB6_63;
 
 $L__BB6_30:
@@ -1862,8 +1863,8 @@ $L__BB6_30:
 	neg.s64 	%rd201, %rd138;
 	and.b64  	%rd58, %rd201, 3;
 	min.u64 	%rd59, %rd58, %rd140;
-	setp.ge.u64 	%p30, %rd55, %rd59;
-	@%p30 bra 	$L__BB6_33;
+	setp.ge.u64 	%p31, %rd55, %rd59;
+	@%p31 bra 	$L__BB6_33;
 
 	mov.u64 	%rd309, %rd55;
 
@@ -1873,17 +1874,17 @@ $L__BB6_32:
 	add.s64 	%rd203, %rd4, %rd309;
 	st.global.u8 	[%rd203], %rs14;
 	add.s64 	%rd309, %rd309, %rd57;
-	setp.lt.u64 	%p31, %rd309, %rd59;
-	@%p31 bra 	$L__BB6_32;
+	setp.lt.u64 	%p32, %rd309, %rd59;
+	@%p32 bra 	$L__BB6_32;
 
 $L__BB6_33:
 	sub.s64 	%rd62, %rd140, %rd59;
 	shr.u64 	%rd63, %rd62, 2;
 	mul.lo.s64 	%rd64, %rd57, 3;
 	add.s64 	%rd204, %rd55, %rd64;
-	setp.ge.u64 	%p32, %rd204, %rd63;
+	setp.ge.u64 	%p33, %rd204, %rd63;
 	mov.u64 	%rd313, %rd55;
-	@%p32 bra 	$L__BB6_36;
+	@%p33 bra 	$L__BB6_36;
 
 	mul.lo.s64 	%rd205, %rd52, %rd53;
 	shl.b64 	%rd206, %rd205, 2;
@@ -1920,12 +1921,12 @@ $L__BB6_35:
 	add.s64 	%rd221, %rd313, %rd57;
 	add.s64 	%rd313, %rd64, %rd221;
 	add.s64 	%rd222, %rd313, %rd64;
-	setp.lt.u64 	%p33, %rd222, %rd63;
-	@%p33 bra 	$L__BB6_35;
+	setp.lt.u64 	%p34, %rd222, %rd63;
+	@%p34 bra 	$L__BB6_35;
 
 $L__BB6_36:
-	setp.ge.u64 	%p34, %rd313, %rd63;
-	@%p34 bra 	$L__BB6_39;
+	setp.ge.u64 	%p35, %rd313, %rd63;
+	@%p35 bra 	$L__BB6_39;
 
 	add.s64 	%rd75, %rd4, %rd59;
 	add.s64 	%rd76, %rd3, %rd59;
@@ -1937,15 +1938,15 @@ $L__BB6_38:
 	add.s64 	%rd225, %rd75, %rd223;
 	st.global.u32 	[%rd225], %r18;
 	add.s64 	%rd313, %rd313, %rd57;
-	setp.lt.u64 	%p35, %rd313, %rd63;
-	@%p35 bra 	$L__BB6_38;
+	setp.lt.u64 	%p36, %rd313, %rd63;
+	@%p36 bra 	$L__BB6_38;
 
 $L__BB6_39:
 	and.b64  	%rd226, %rd62, -4;
 	add.s64 	%rd227, %rd59, %rd55;
 	add.s64 	%rd315, %rd227, %rd226;
-	setp.ge.u64 	%p36, %rd315, %rd140;
-	@%p36 bra 	$L__BB6_63;
+	setp.ge.u64 	%p37, %rd315, %rd140;
+	@%p37 bra 	$L__BB6_63;
 
 $L__BB6_40:
 	add.s64 	%rd228, %rd3, %rd315;
@@ -1953,16 +1954,16 @@ $L__BB6_40:
 	add.s64 	%rd229, %rd4, %rd315;
 	st.global.u8 	[%rd229], %rs15;
 	add.s64 	%rd315, %rd315, %rd57;
-	setp.lt.u64 	%p37, %rd315, %rd140;
-	@%p37 bra 	$L__BB6_40;
+	setp.lt.u64 	%p38, %rd315, %rd140;
+	@%p38 bra 	$L__BB6_40;
 	bra.uni 	$L__BB6_63;
 
 $L__BB6_12:
 	mul.lo.s64 	%rd12, %rd11, 3;
 	add.s64 	%rd159, %rd9, %rd12;
-	setp.ge.u64 	%p16, %rd159, %rd140;
+	setp.ge.u64 	%p17, %rd159, %rd140;
 	mov.u64 	%rd299, %rd9;
-	@%p16 bra 	$L__BB6_15;
+	@%p17 bra 	$L__BB6_15;
 
 	add.s64 	%rd297, %rd3, %rd9;
 	mul.lo.s64 	%rd14, %rd10, %rd7;
@@ -1989,12 +1990,12 @@ $L__BB6_14:
 	add.s64 	%rd166, %rd299, %rd11;
 	add.s64 	%rd299, %rd12, %rd166;
 	add.s64 	%rd167, %rd299, %rd12;
-	setp.lt.u64 	%p17, %rd167, %rd140;
-	@%p17 bra 	$L__BB6_14;
+	setp.lt.u64 	%p18, %rd167, %rd140;
+	@%p18 bra 	$L__BB6_14;
 
 $L__BB6_15:
-	setp.ge.u64 	%p18, %rd299, %rd140;
-	@%p18 bra 	$L__BB6_17;
+	setp.ge.u64 	%p19, %rd299, %rd140;
+	@%p19 bra 	$L__BB6_17;
 
 $L__BB6_16:
 	add.s64 	%rd168, %rd3, %rd299;
@@ -2002,13 +2003,13 @@ $L__BB6_16:
 	add.s64 	%rd169, %rd4, %rd299;
 	st.global.u8 	[%rd169], %rs5;
 	add.s64 	%rd299, %rd299, %rd11;
-	setp.lt.u64 	%p19, %rd299, %rd140;
-	@%p19 bra 	$L__BB6_16;
+	setp.lt.u64 	%p20, %rd299, %rd140;
+	@%p20 bra 	$L__BB6_16;
 
 $L__BB6_17:
 	add.s64 	%rd301, %rd9, %rd140;
-	setp.ge.u64 	%p20, %rd301, %rd9;
-	@%p20 bra 	$L__BB6_63;
+	setp.ge.u64 	%p21, %rd301, %rd9;
+	@%p21 bra 	$L__BB6_63;
 
 $L__BB6_18:
 	add.s64 	%rd170, %rd3, %rd301;
@@ -2016,8 +2017,8 @@ $L__BB6_18:
 	add.s64 	%rd171, %rd4, %rd301;
 	st.global.u8 	[%rd171], %rs6;
 	add.s64 	%rd301, %rd301, %rd11;
-	setp.lt.u64 	%p21, %rd301, %rd140;
-	@%p21 bra 	$L__BB6_18;
+	setp.lt.u64 	%p22, %rd301, %rd140;
+	@%p22 bra 	$L__BB6_18;
 
 $L__BB6_63:
 	ret;

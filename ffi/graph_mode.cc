@@ -268,18 +268,24 @@ Status GraphMode::WarmKernels(Channel& c) {
   // `arm` (not used by kernel grants).
   constexpr uint64_t kWarmToken = 0x0000000900000007ull;
   if (st.ok()) st = kernels_.Copy(gd2h_, Addr(w.unused), Addr(w.filled[0]), sizeof(uint64_t), Addr(w.arm), kWarmToken, stage);
-  // The op ring's reload, a hit (the token in `arm` is the tag): `unused` into `go`, the token into
-  // `probe`, seq 5 into done[0]; `result` stands for the ready word it must not wait on.
+  // The op ring's reload, both ways, `unused` into `go` and the token (in `arm`) into `probe`: a hit
+  // (the tag is that token) publishing seq 5 in done[0], then a miss (tag 1) publishing seq 6 in
+  // done[1], whose wait for ready >= 6 passes at once (`arm` stands for the ready word: it holds the
+  // token, far above 6), so a kernel that waits where it must not cannot hang the warm-up.
   constexpr uint64_t kWarmSeq = 5;
   if (st.ok())
     st = kernels_.RingReload(gd2h_, Addr(w.go), Addr(w.unused), sizeof(uint64_t), Addr(w.arm), kWarmToken, Addr(w.probe),
-                             Addr(w.done[0]), kWarmSeq, Addr(w.result));
+                             Addr(w.done[0]), kWarmSeq, Addr(w.arm));
+  if (st.ok())
+    st = kernels_.RingReload(gd2h_, Addr(w.go), Addr(w.unused), sizeof(uint64_t), Addr(w.arm), 1, Addr(w.probe),
+                             Addr(w.done[1]), kWarmSeq + 1, Addr(w.arm));
   Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
   if (st.ok()) st = sync;
   if (st.ok() && (w.knock.load() || w.request.load() || w.result.load() || w.filled[0].load() != 1 || w.unused.load() != 1 ||
-                  w.arm.load() != kWarmToken || w.go.load() != 1 || w.probe.load() != kWarmToken || w.done[0].load() != kWarmSeq))
+                  w.arm.load() != kWarmToken || w.go.load() != 1 || w.probe.load() != kWarmToken || w.done[0].load() != kWarmSeq ||
+                  w.done[1].load() != kWarmSeq + 1))
     st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set, or a copy did not land)");
-  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0], &w.done[0], &w.unused, &w.arm})
+  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0], &w.done[0], &w.done[1], &w.unused, &w.arm})
     word->store(0, std::memory_order_relaxed);
   // Leave the device words as a new channel's (SetUpCells writes the constants).
   for (CUdeviceptr word : {g0, ncells, cell0, flag0, c.Word(offsetof(DeviceWords, next)), c.Word(offsetof(DeviceWords, ptr)),

@@ -129,7 +129,12 @@ void OpRing::Release(Held& h, Op& op) {
   cv_.notify_all();
 }
 
-OpRing::Op& OpRing::BeginOp(Held& h) {
+bool OpRing::OneStreamInFlight(const Held& h) const {
+  (void)h;
+  return completed_seq_ + 1 >= stream_since_;
+}
+
+OpRing::Op& OpRing::BeginOp(Held& h, CUstream stream) {
   // Backpressure: the host may run at most kRing ops ahead of the GPU.
   cv_.wait(h, [&] { return ops_[(ledger_.issued(h) + 1) % kRing].pending == 0; });
   const uint64_t seq = ledger_.IssueSeq(h);
@@ -138,7 +143,8 @@ OpRing::Op& OpRing::BeginOp(Held& h) {
   op.pending = 1;  // the host's reference, dropped by FinishEnqueue
   op.completion_posted = op.offloaded_posted = false;
   op.abandoned = false;
-  op.stream = nullptr;
+  op.stream = stream;
+  if (stream != last_stream_ || stream_since_ == 0) last_stream_ = stream, stream_since_ = seq;
   op.staging = 0;
   op.lease = StagingLease();
   op.meta = ArrayMeta();
@@ -219,14 +225,19 @@ void OpRing::FinishEnqueue(Op& op, const Status& st, Clock::time_point start, co
     }
     ++handler_calls_;
     if (profile_ && st.ok() && (op.kind == Op::kOffload || op.kind == Op::kReload)) {
-      auto& into = section_ns_[op.kind == Op::kOffload ? 0 : 1];
+      const int k = op.kind == Op::kOffload ? 0 : 1;
+      const size_t at = static_cast<size_t>(section_calls_[k]++ % static_cast<int64_t>(kTimings));
+      auto put = [&](int i, int64_t ns) {
+        if (section_ns_[k][i].size() <= at) section_ns_[k][i].resize(at + 1, -1);
+        section_ns_[k][i][at] = ns;
+      };
       Clock::time_point last = start;
       for (int i = 0; i < kSections; ++i) {
         if (!marks.set[i]) continue;
-        into[i].push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(marks.at[i] - last).count());
+        put(i, std::chrono::duration_cast<std::chrono::nanoseconds>(marks.at[i] - last).count());
         last = marks.at[i];
       }
-      into[kSections].push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - last).count());
+      put(kSections, std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - last).count());
     }
     Release(h, op);  // the host's own reference
   }
@@ -314,7 +325,7 @@ Status OpRing::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
   std::shared_ptr<Ticket> t;
   {
     Held h = ledger_.Lock();
-    op = &BeginOp(h);
+    op = &BeginOp(h, stream);
     op->lease = lease;
     t = ledger_.tickets(h).Create(meta);
     t->offload_seq = op->seq;
@@ -324,7 +335,6 @@ Status OpRing::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
     op->kind = Op::kOffload;
     op->meta = meta;
     op->ticket = t;
-    op->stream = stream;
     op->staging = lease.address;
     words_[op->seq % kRing].token = t->token;
   }
@@ -372,14 +382,13 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
   Source src;
   {
     Held h = ledger_.Lock();
-    op = &BeginOp(h);
+    op = &BeginOp(h, stream);
     op->lease = lease;
     ++ledger_.counts(h).reloads;
     op->kind = Op::kReload;
     op->meta = meta;
-    op->stream = stream;
     op->staging = lease.address;
-    op->kernel = kernels_.warmed() && kernels_.RingReloadFullGrid(meta.nbytes);
+    op->kernel = kernels_.warmed() && kernels_.RingReloadFullGrid(meta.nbytes) && OneStreamInFlight(h);
     op->ticket = ledger_.tickets(h).Predict(meta, [](const Ticket& t) { return !t.host.pageable; });
     if (op->ticket) {
       op->ticket->claimed_by = op->seq;
@@ -461,10 +470,9 @@ Status OpRing::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
   Op* op = nullptr;
   {
     Held h = ledger_.Lock();
-    op = &BeginOp(h);
+    op = &BeginOp(h, stream);
     ++ledger_.counts(h).prefetches;
     op->kind = Op::kPrefetch;
-    op->stream = stream;
   }
   Words& w = words_[op->seq % kRing];
   const DriverTable& d = Driver(backend_);
@@ -565,6 +573,9 @@ void OpRing::ResolveTask(uint64_t seq) {
   }
 
   const bool hit = a && op.ticket == a;
+  // XLA's stream took the prediction by its token's value (the memop wait or the kernel saw token ==
+  // tag) and went on: the cell has been read, or is being read, and may belong to a later op by now.
+  const bool device_passed = op.tag != 0 && token == op.tag;
   if (op.ticket && op.ticket->claimed_by == seq) op.ticket->claimed_by = 0;
   if (a) {
     MarkReloaded(*a);
@@ -574,6 +585,16 @@ void OpRing::ResolveTask(uint64_t seq) {
   }
   if (hit) {
     ++ledger_.counts(h).prefetch_hits;
+    Release(h, op);
+    return;
+  }
+  if (device_passed) {
+    // The ledger refuses what the device accepted (a ticket that an earlier op, still in flight when
+    // this one predicted it, has reloaded since): report it, and write nothing, since a fill or a
+    // correction now would land in a cell XLA's stream may have handed to a later op.
+    h.unlock();
+    Report(op, Status(Code::kInvalidArgument, "reload: " + why + "; the output holds that ticket's bytes (read before this was known)"));
+    h.lock();
     Release(h, op);
     return;
   }
@@ -707,11 +728,13 @@ RingStats OpRing::Stats() {
     s.handler_median_ns = v[v.size() / 2];
     s.handler_p99_ns = v[std::min(v.size() - 1, v.size() * 99 / 100)];
   }
-  static const char* const kNames[kSections + 1] = {"entry", "take errors", "host block", "staging acquire", "event",
+  static const char* const kNames[kSections + 1] = {"entry", "lock and errors", "host block", "staging acquire", "event",
                                                    "begin op", "enqueue", "staging return", "finish"};
   for (int k = 0; k < 2; ++k)
     for (int i = 0; i <= kSections; ++i) {
-      std::vector<int64_t> v = section_ns_[k][i];
+      std::vector<int64_t> v;
+      for (int64_t ns : section_ns_[k][i])
+        if (ns >= 0) v.push_back(ns);
       if (v.empty()) continue;
       std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
       (k == 0 ? s.offload_sections : s.reload_sections).emplace_back(kNames[i], v[v.size() / 2]);

@@ -100,7 +100,11 @@ class OpRing {
   using Held = Ledger::Held;
 
   // Host side (handlers hold enqueue_mu_).
-  Op& BeginOp(Held& h);  // waits for a free record (kRing ops ahead of the GPU at most)
+  Op& BeginOp(Held& h, CUstream stream);  // waits for a free record (kRing ops ahead of the GPU at most)
+  // Every op not completed yet (those before this one included) runs on `stream`: a reload may then
+  // wait on the device for the resolver with its kernel (its waiting blocks hold SMs; an op on another
+  // stream that the resolver must see first might need them).
+  bool OneStreamInFlight(const Held& h) const;
   void MarkCompleted(const Held& h, uint64_t seq);
   void Completed(const Held& h, uint64_t seq);  // MarkCompleted, then the drops it allows
   Status EnqueueCompletion(Op& op, CUstream stream);
@@ -157,8 +161,12 @@ class OpRing {
   std::vector<std::pair<uint64_t, uint64_t>> pending_drops_;  // (token, after seq)
   std::vector<int64_t> handler_ns_;  // ring of the last kTimings handler host times
   std::vector<uint8_t> handler_kind_;  // their Op::Kind, same positions
-  bool profile_ = false;                // JAXVMM_RING_PROFILE=1 (read at Init)
-  std::vector<int64_t> section_ns_[2][kSections + 1];  // [offload, reload][section; the last: the rest up to the end]
+  CUstream last_stream_ = nullptr;     // the stream of the newest op
+  uint64_t stream_since_ = 0;          // the first op of the newest run of ops on last_stream_
+  bool profile_ = false;               // JAXVMM_RING_PROFILE=1 (read at Init)
+  // [offload, reload][section; the last: the rest up to the end]: rings of the last kTimings calls
+  std::vector<int64_t> section_ns_[2][kSections + 1];
+  int64_t section_calls_[2] = {};
   int64_t handler_calls_ = 0;
 
   // Workers last: destroyed first, after Stop() has drained them.

@@ -273,6 +273,44 @@ def test_gpu_idle_engine_returns_staging_pages_to_the_driver():
 
 
 @pytest.mark.gpu
+def test_gpu_a_reload_the_device_took_by_value_is_never_written_after():
+    # Review finding (both ring protocols, the memop wait and the reload kernel): reload(a) twice in one
+    # program, with an older and a newer ticket of that shape around. The first reload predicts another
+    # ticket and misses; its correction consumes a. The second had predicted a (not claimed yet when its
+    # handler ran, ahead of the device), so XLA's stream took it by its token's value and copied a's
+    # bytes; its resolver then found a already reloaded and filled the cell with 0xFF on the fix stream,
+    # ordered neither with XLA's copy out of the cell nor with the next op given the cell. Now it reports
+    # the error and writes nothing. Only a GPU runs handlers ahead of the device (the cpu backend's
+    # stream runs inline, so the second reload never predicts a there).
+    ok(run_in_subprocess(PRELUDE + textwrap.dedent("""
+        xa, xb, xc = (jnp.full((1 << 18,), v, jnp.float32) for v in (1.0, 2.0, 3.0))
+        twice = jax.jit(lambda t, u: (jaxvmm.reload(t), jaxvmm.reload(u)))
+        passed = 0
+        for i in range(10):
+            c = jaxvmm.offload(xc); a = jaxvmm.offload(xa); b = jaxvmm.offload(xb)
+            a2 = jaxvmm.Ticket(a.token, a.shape, a.dtype)
+            jaxvmm.synchronize()
+            fills0 = jt.driver_counters()["calls"]["cuMemsetD8Async"]
+            y0, y1 = (np.asarray(y) for y in twice(a, a2))
+            jaxvmm.synchronize()
+            fills = jt.driver_counters()["calls"]["cuMemsetD8Async"] - fills0
+            e = swallow(jaxvmm.check)
+            assert isinstance(e, jaxvmm.InvalidArgumentError) and "already reloaded" in str(e), e
+            assert np.array_equal(y0, np.asarray(xa)), i
+            if np.array_equal(y1, np.asarray(xa)):  # the device went on by value
+                passed += 1
+                assert fills == 0, (i, fills, str(e))
+            else:
+                assert np.all(y1.view(np.uint32) == 0xFFFFFFFF), (i, y1[:4])
+            for t, x in ((b, xb), (c, xc)):
+                assert np.array_equal(np.asarray(jaxvmm.reload(t)), np.asarray(x)), i
+            jaxvmm.check()
+        assert passed > 0, "the second reload never went on by value: the case was not exercised"
+        print("OK", passed)
+    """), env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": "--xla_gpu_enable_command_buffer="}, timeout=300))
+
+
+@pytest.mark.gpu
 def test_gpu_offload_storm_stays_within_depth_cells():
     # Activations produced faster than PCIe drains them: XLA's stream waits on the device for a cell,
     # so staging never grows with the number of offloads in flight. Both programs enqueued without a

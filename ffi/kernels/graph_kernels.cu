@@ -223,23 +223,26 @@ extern "C" __global__ void jaxvmm_copy(u64 dst, u64 src, u64 n, unsigned* word, 
 // The op ring's reload (ffi/DESIGN.md, "Offload and reload"): the copy out of the staging cell `src`
 // into XLA's buffer `dst`, and the wait that makes it the right ticket's bytes, in one launch instead
 // of a probe copy, a stream memop wait and a copy. Each block's thread 0 reads the token XLA's stream
-// holds; block 0 also publishes it to the resolver (probe, then seen = seq: the resolver polls seen,
-// a plain load of pinned memory). A token equal to the predicted `tag` (!= 0) is a hit: the prefetch
-// is in the cell (XLA's stream waited for its event before this launch) and the copy goes on at once.
-// Anything else waits until the resolver has put the right bytes (or 0xFF) in the cell and written
-// ready >= seq on its stream, behind that copy. Launched with at most one block per SM (as the fused
-// rounds): while its blocks wait, every SM keeps room for a kernel the release may depend on.
+// holds and publishes it to the resolver (probe, then seen = seq: the resolver polls seen, a plain
+// load of pinned memory): block 0 always, every block that is about to wait (the stores are the same,
+// so the resolver never depends on a block that may not be resident while others wait). A token equal
+// to the predicted `tag` (!= 0) is a hit: the prefetch is in the cell (XLA's stream waited for its
+// event before this launch) and the copy goes on at once. Anything else waits until the resolver has
+// put the right bytes (or 0xFF) in the cell and written ready >= seq on its stream, behind that copy.
+// Launched with at most one block per SM (as the fused rounds): while its blocks wait, every SM keeps
+// room for a kernel the release may depend on.
 extern "C" __global__ void jaxvmm_ring_reload(u64 dst, u64 src, u64 n, const unsigned* token_in, u64 tag,
                                               volatile u64* probe, volatile u64* seen, u64 seq, volatile u64* ready) {
   if (threadIdx.x == 0) {
     const u64 t = (u64)token_in[0] | ((u64)token_in[1] << 32);
-    if (blockIdx.x == 0) {
+    const bool hit = tag != 0 && t == tag;
+    if (blockIdx.x == 0 || !hit) {
       *probe = t;
       __threadfence_system();
       *seen = seq;
       __threadfence_system();
     }
-    if (tag == 0 || t != tag) {
+    if (!hit) {
       unsigned ns = 32;
       while (*ready < seq) backoff(&ns);
       __threadfence_system();
