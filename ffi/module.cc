@@ -564,6 +564,7 @@ NB_MODULE(_jaxvmm, m) {
     d["staging_host_waits"] = s.staging.host_waits;
     d["staging_pages_mapped"] = s.staging.pages_mapped;
     d["staging_pages_returned"] = s.staging.pages_returned;
+    d["staging_shared_pages"] = s.staging.shared_pages;
     d["ops_in_flight"] = s.ring.ops_in_flight;
     d["pinned_bytes"] = s.host.chunk_bytes;
     d["pinned_in_use_bytes"] = s.host.in_use_bytes;

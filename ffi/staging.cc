@@ -47,9 +47,14 @@ bool StagingArea::Finished(Cell& c) const {
 
 void StagingArea::Drop(Cell& c) {
   // Caller holds mu_, the cell is not in use and its last user finished (or the owner synchronized).
-  graveyard_.push_back(Detached{c.slot_id, c.free});
-  mapped_ -= c.size;
-  ++stats_.pages_returned;
+  if (c.page >= 0) {
+    graveyard_.push_back(Detached{-1, c.free});  // its event; the page goes with its last cell
+    FreeSmall(c.page, c.offset, c.size);
+  } else {
+    graveyard_.push_back(Detached{c.slot_id, c.free});
+    mapped_ -= c.size;
+    ++stats_.pages_returned;
+  }
   c = Cell();
   janitor_cv_.notify_all();  // the janitor buries what nobody else will
   NotifyWaiters();             // the budget has room
@@ -68,12 +73,60 @@ void StagingArea::Bury() {
     const DriverTable& d = Driver(backend_);
     for (const Detached& x : dead) {
       if (x.free) d.EventDestroy(x.free);
+      if (x.slot_id < 0) continue;
       Status st = Registry::Get().Close(x.slot_id);  // a failed teardown goes to the registry's quarantine
       (void)st;
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
   --burying_;
+  NotifyWaiters();
+}
+
+bool StagingArea::CarveIn(int page, size_t size, size_t* offset) {
+  Page& pg = pages_[page];
+  for (auto it = pg.holes.begin(); it != pg.holes.end(); ++it) {
+    if (it->second < size) continue;
+    const size_t off = it->first, len = it->second;
+    pg.holes.erase(it);
+    if (len > size) pg.holes[off + size] = len - size;
+    ++pg.cells;
+    *offset = off;
+    return true;
+  }
+  return false;
+}
+
+bool StagingArea::CarveSmall(size_t size, int* page, size_t* offset) {
+  for (size_t p = 0; p < pages_.size(); ++p) {
+    if (pages_[p].slot_id < 0 || !CarveIn(static_cast<int>(p), size, offset)) continue;
+    *page = static_cast<int>(p);
+    return true;
+  }
+  return false;
+}
+
+void StagingArea::FreeSmall(int page, size_t offset, size_t size) {
+  Page& pg = pages_[page];
+  auto it = pg.holes.emplace(offset, size).first;
+  auto next = std::next(it);
+  if (next != pg.holes.end() && it->first + it->second == next->first) {
+    it->second += next->second;
+    pg.holes.erase(next);
+  }
+  if (it != pg.holes.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second == it->first) {
+      prev->second += it->second;
+      pg.holes.erase(it);
+    }
+  }
+  if (--pg.cells > 0) return;
+  graveyard_.push_back(Detached{pg.slot_id, nullptr});
+  mapped_ -= pg.size;
+  ++stats_.pages_returned;
+  pg = Page();
+  janitor_cv_.notify_all();
   NotifyWaiters();
 }
 
@@ -115,9 +168,13 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
     JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
     granularity_.store(g, std::memory_order_relaxed);
   }
-  const size_t size = (nbytes + g - 1) / g * g;
+  // A cell of at most half a page shares a page slot with other small cells (its size a multiple of
+  // kSmallAlign); a larger one has a slot of its own, whole pages.
+  const bool small = nbytes <= g / 2;
+  const size_t size = small ? (std::max<size_t>(nbytes, 1) + kSmallAlign - 1) / kSmallAlign * kSmallAlign : (nbytes + g - 1) / g * g;
+  const size_t need = small ? g : size;  // what a new cell may have to map
   std::unique_lock<std::mutex> lock(mu_);
-  if (size > Budget())
+  if (need > Budget())
     return Status(Code::kOutOfMemory, "a staging cell of " + std::to_string(size) + " bytes does not fit the staging budget of " +
                                           std::to_string(Budget()) + " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
   last_acquire_ = std::chrono::steady_clock::now();
@@ -144,34 +201,68 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
     }
     Cell* pick = finished;
     if (!pick && count < Depth() && other_finished) pick = other_finished;
-    if (!pick && count < Depth() && MakeRoom(size, oldest != nullptr || try_only ? nullptr : &lock)) {
-      ScopedContext ctx(backend_, device_);  // the cell's slot and event
-      SlotSpec spec;
-      spec.backend = backend_;
-      spec.device = device_;
-      spec.location = loc;
-      spec.nbytes = size;
-      spec.internal = true;
+    int page = -1;
+    size_t offset = 0;
+    const bool carved = !pick && count < Depth() && small && CarveSmall(size, &page, &offset);
+    if (carved || (!pick && count < Depth() && MakeRoom(need, oldest != nullptr || try_only ? nullptr : &lock))) {
+      ScopedContext ctx(backend_, device_);  // the cell's (or its page's) slot and its event
+      Status st;
       int64_t id = -1;
-      Status st = Registry::Get().Create(spec, &id);
-      std::shared_ptr<Slot> slot;
-      if (st.ok()) st = Registry::Get().Lookup(id, &slot);
+      CUdeviceptr address = 0;
+      bool mapped = false;  // a slot was mapped for this cell (its own, or a new shared page)
+      if (!carved) {
+        SlotSpec spec;
+        spec.backend = backend_;
+        spec.device = device_;
+        spec.location = loc;
+        spec.nbytes = need;
+        spec.internal = true;
+        st = Registry::Get().Create(spec, &id);
+        std::shared_ptr<Slot> slot;
+        if (st.ok()) st = Registry::Get().Lookup(id, &slot);
+        if (st.ok()) {
+          address = slot->address();
+          mapped = true;
+          mapped_ += need;
+          NotePeak();
+          ++stats_.pages_mapped;
+        } else if (id >= 0) {
+          (void)Registry::Get().Close(id);
+          id = -1;
+        }
+        if (mapped && small) {  // a new shared page: this cell is its first range
+          auto empty = std::find_if(pages_.begin(), pages_.end(), [](const Page& p) { return p.slot_id < 0; });
+          if (empty == pages_.end()) empty = pages_.insert(pages_.end(), Page());
+          empty->slot_id = id;
+          empty->base = address;
+          empty->size = need;
+          empty->holes[0] = need;
+          page = static_cast<int>(empty - pages_.begin());
+          (void)CarveIn(page, size, &offset);  // offset 0
+        }
+      }
+      if (small && page >= 0) id = pages_[page].slot_id, address = pages_[page].base + offset;
       CUevent ev = nullptr;
       if (st.ok())
         st = Call(id, "staging", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&ev, CU_EVENT_DISABLE_TIMING); });
       if (!st.ok()) {
-        if (id >= 0) (void)Registry::Get().Close(id);
+        if (small && page >= 0) {
+          FreeSmall(page, offset, size);  // a page only this cell used goes to the graveyard
+        } else if (mapped) {
+          mapped_ -= need;
+          ++stats_.pages_returned;
+          (void)Registry::Get().Close(id);
+        }
         if (!oldest) return st;
       } else {
         auto empty = std::find_if(cells_.begin(), cells_.end(), [](const Cell& c) { return c.slot_id < 0; });
         if (empty == cells_.end()) empty = cells_.insert(cells_.end(), Cell());
         empty->slot_id = id;
-        empty->address = slot->address();
+        empty->page = small ? page : -1;
+        empty->offset = offset;
+        empty->address = address;
         empty->size = size;
         empty->free = ev;
-        mapped_ += size;
-        NotePeak();
-        ++stats_.pages_mapped;
         pick = &*empty;
       }
     }
@@ -302,6 +393,7 @@ StagingStats StagingArea::Stats() const {
   StagingStats s = stats_;
   s.budget_bytes = static_cast<int64_t>(Budget());
   s.mapped_bytes = static_cast<int64_t>(mapped_);
+  for (const Page& p : pages_) s.shared_pages += p.slot_id >= 0;
   for (const Cell& c : cells_) {
     if (c.slot_id < 0) continue;
     ++s.cells;

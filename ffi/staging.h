@@ -1,6 +1,7 @@
-// Staging area: device memory that offloads and reloads pass through, as *cells* (one staging slot each,
-// a fixed VA with pages) that stay mapped while ops flow and go back to the driver when the engine is
-// idle, when the budget needs room for another size, or on Trim().
+// Staging area: device memory that offloads and reloads pass through, as *cells* (a fixed VA with pages:
+// a staging slot of its own, or, for a cell of at most half a page of the device's granularity, a
+// range of a shared page slot, so small tensors share pages) that stay mapped while ops flow and go
+// back to the driver when the engine is idle, when the budget needs room for another size, or on Trim().
 //
 // Reuse is ordered on the device, not on the host: every cell has a `free` event recorded after the
 // last device access of its previous user, and whoever acquires the cell makes its stream wait for that
@@ -16,6 +17,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -41,8 +43,9 @@ struct StagingStats {
   int64_t acquires = 0;
   int64_t device_waits = 0;   // acquires that made the stream wait for the cell's previous user
   int64_t host_waits = 0;     // acquires that had to wait on the host (budget full, other sizes)
-  int64_t pages_mapped = 0;   // cells created (pages taken from the driver)
-  int64_t pages_returned = 0; // cells whose pages went back to the driver (idle, budget, trim)
+  int64_t pages_mapped = 0;   // slots mapped (a large cell's, or a page small cells share): pages taken from the driver
+  int64_t pages_returned = 0; // such slots whose pages went back to the driver (idle, budget, trim)
+  int64_t shared_pages = 0;   // page slots small cells share, now
 };
 
 // A cell handed out: its address and the event its user must make a stream wait for before the first
@@ -98,7 +101,9 @@ class StagingArea {
  private:
   void NotePeak();  // caller holds mu_: the peaks after mapped_ grew
   struct Cell {
-    int64_t slot_id = -1;  // -1: this entry is empty (its pages went back)
+    int64_t slot_id = -1;  // -1: this entry is empty (its pages went back); a small cell: its page's slot
+    int page = -1;         // a small cell: its index in pages_ (-1: a slot of its own)
+    size_t offset = 0;     // a small cell: where it starts in its page
     CUdeviceptr address = 0;
     size_t size = 0;
     CUevent free = nullptr;
@@ -110,6 +115,19 @@ class StagingArea {
     uint64_t last_use = 0;
   };
   bool Finished(Cell& c) const;  // caller holds mu_; queries `free` until it completes once per record
+  // A page slot (granularity bytes) that small cells are carved from, first fit; it goes back to the
+  // driver when its last cell is dropped.
+  struct Page {
+    int64_t slot_id = -1;  // -1: this entry is empty
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    std::map<size_t, size_t> holes;  // offset -> length of each free range
+    int cells = 0;
+  };
+  static constexpr size_t kSmallAlign = 256;  // a small cell's size and offset are multiples of this
+  bool CarveSmall(size_t size, int* page, size_t* offset);  // caller holds mu_; from an existing page
+  bool CarveIn(int page, size_t size, size_t* offset);      // caller holds mu_; from that page
+  void FreeSmall(int page, size_t offset, size_t size);      // caller holds mu_; the last frees the page
   // Drop takes a finished cell out (its bytes leave mapped_ at once) into graveyard_; Bury returns the
   // pages and destroys the event with no lock held. On the H200 the janitor's cuEventDestroy waited
   // for the driver lock a spinning cuGraphLaunch held, inside mu_, and the graph poller waited for mu_
@@ -132,6 +150,7 @@ class StagingArea {
   }
   std::atomic<size_t> granularity_{0};  // the device's page granularity, once known
   std::vector<Cell> cells_;
+  std::vector<Page> pages_;
   struct Detached {
     int64_t slot_id;
     CUevent free;

@@ -831,7 +831,8 @@ def engine_stats() -> dict:
     ``staging_peak_bytes``, ``staging_cells``, ``staging_acquires``, ``staging_device_waits`` (acquires
     whose stream waited for the cell's previous user: back-pressure on the device), ``staging_host_waits``
     (the rare acquires that waited on the host), ``staging_pages_mapped`` / ``staging_pages_returned``
-    (driver page operations: constant in steady state), ``staging_offload_cells`` /
+    (driver page operations: constant in steady state), ``staging_shared_pages`` (page slots that cells
+    of at most half a page share now), ``staging_offload_cells`` /
     ``staging_reload_cells`` (cells in each direction's pool), and the host store: ``host_store`` (the
     store new offloads draw from), ``host_store_bytes`` (what it holds), ``pinned_*`` and ``host_numa_*``
     (bytes held, in use, peak in use, chunks taken and returned, host time spent taking them)."""

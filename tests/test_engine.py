@@ -126,6 +126,44 @@ def test_zero_token_without_prediction_fills_0xff_never_stale_data(copy_entry):
     """))
 
 
+# ---- small tensors share staging pages (issue 8: the staging area) ----
+@pytest.mark.parametrize("posix_async", ["0", "1000"])
+def test_small_tensors_share_staging_pages(posix_async):
+    # A cell of at most half a page is a 256-byte-aligned range of a page slot shared with other small
+    # cells, not a page of its own. On the cpu backend a page is 4 KiB. With the device behind the host
+    # (1000: asynchronous streams), eight 1200-byte arrays in flight fill both pools of prefetch_depth=2
+    # cells: four cells of 1280 bytes, two pages at most, where a page per cell took four. Then three
+    # sizes at once and a large array (its own slot), reloaded in reverse: every byte comes back, and
+    # trim gives every page back.
+    ok(sub("""
+        from jaxvmm._devices import target_of
+        from jaxvmm._native import lib
+        tgt = target_of(jax.devices("cpu")[0])
+        g = lib.granularity(tgt.backend, tgt.ordinal, "device", tgt.ordinal)
+        jaxvmm.configure(prefetch_depth=2)
+        f = jax.jit(lambda xs: [jaxvmm.reload(t) for t in reversed([jaxvmm.offload(x) for x in xs])])
+        def roundtrips(xs):
+            for _ in range(5):
+                ys = f(xs)
+                for x, y in zip(reversed(xs), ys):
+                    assert np.array_equal(np.asarray(x), np.asarray(y)), (x.shape, np.asarray(y)[:4])
+            jaxvmm.synchronize()
+        roundtrips([jnp.arange(300, dtype=jnp.float32) + i for i in range(8)])
+        s = jaxvmm.engine_stats()["cpu:0"]
+        assert s["staging_shared_pages"] >= 1, s
+        assert s["staging_peak_bytes"] <= 2 * g, s["staging_peak_bytes"] / g
+        mixed = [jnp.arange(n, dtype=jnp.float32) + 7 * i for i, n in enumerate((40, 100, 300) * 4)]
+        roundtrips(mixed + [jnp.arange(3 * g, dtype=jnp.float32)])
+        jaxvmm.trim()
+        s = jaxvmm.engine_stats()["cpu:0"]
+        assert s["staging_mapped_bytes"] == 0 and s["staging_shared_pages"] == 0, s
+        assert s["staging_pages_mapped"] == s["staging_pages_returned"], s
+        assert s["tickets_live"] == 0, s
+        jaxvmm.check()
+        print("OK")
+    """, JAXVMM_POSIX_ASYNC=posix_async))
+
+
 # ---- bug 4: staging is bounded (by the budget and by D2H progress), shown on the cpu backend ----
 def test_staging_budget_bounds_mapped_bytes_and_reports_it():
     ok(sub("""

@@ -624,12 +624,14 @@ assert peak() == 0
 # Every op of one size passes through at most DEPTH staging cells: an offload whose cell is still
 # copying out makes XLA's stream wait for it (on the device), a reload's prefetch waits the same way.
 # A cell that was never reused, or staging that grows with the number of ops in flight, pushes the
-# peak past the bound. Graph mode (CUDA) adds graph_cells cells (2 by default) per call site an
-# initialize stage prepared: a scan body captured into a command buffer runs its rounds through them
-# (its warm-up execution runs on the ring path).
+# peak past the bound. The bound is per direction: offloads and reloads draw from pools of their own,
+# and where the device runs behind the host (a GPU, or JAXVMM_POSIX_ASYNC) the reloads start while the
+# offload cells are still copying out, so both pools hold DEPTH cells. Graph mode (CUDA) adds
+# graph_cells cells (2 by default) per call site an initialize stage prepared: a scan body captured
+# into a command buffer runs its rounds through them (its warm-up execution runs on the ring path).
 def bound():
     channels = jaxvmm.engine_stats().get(tgt.name, {{}}).get("graph_channels", 0)
-    return (DEPTH + channels * jaxvmm.configure()["graph_cells"]) * slot
+    return (2 * DEPTH + channels * jaxvmm.configure()["graph_cells"]) * slot
 for i in range(3):
     _, ts = jax.jit(fwd)(h0)             # offload and reload in separate executables...
     ys = jax.jit(bwd)(ts)
