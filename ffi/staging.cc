@@ -130,6 +130,11 @@ void StagingArea::FreeSmall(int page, size_t offset, size_t size) {
   NotifyWaiters();
 }
 
+void StagingArea::DropIdleSmall() {
+  for (Cell& c : cells_)
+    if (c.slot_id >= 0 && c.page >= 0 && !c.in_use && Finished(c)) Drop(c);
+}
+
 bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
   // Caller holds mu_ (through `wait` when given). Cells whose last user finished go first (oldest
   // first). With `wait`, cells whose last user is still running are then waited for on the host (the
@@ -144,6 +149,23 @@ bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
     bool running = false;
     for (Cell* c : idle) {
       if (mapped_ + need <= Budget()) break;
+      if (c->slot_id < 0) continue;  // dropped with its page below
+      if (c->page >= 0) {
+        // A shared page is returned as a unit: dropping one of its cells frees no bytes while another
+        // is in use or still running, and would only cost that cell's event again later.
+        bool busy = false, unfinished = false;
+        for (Cell& o : cells_)
+          if (o.slot_id >= 0 && o.page == c->page) busy |= o.in_use, unfinished |= !o.in_use && !Finished(o);
+        if (busy) continue;
+        if (unfinished) {
+          running = true;
+          continue;
+        }
+        const int page = c->page;
+        for (Cell& o : cells_)
+          if (o.slot_id >= 0 && o.page == page) Drop(o);  // the last one returns the page
+        continue;
+      }
       if (!Finished(*c)) {
         running = true;
         continue;
@@ -175,7 +197,8 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
   const size_t need = small ? g : size;  // what a new cell may have to map
   std::unique_lock<std::mutex> lock(mu_);
   if (need > Budget())
-    return Status(Code::kOutOfMemory, "a staging cell of " + std::to_string(size) + " bytes does not fit the staging budget of " +
+    return Status(Code::kOutOfMemory, "a staging cell of " + std::to_string(size) + " bytes (" + std::to_string(need) +
+                                          " bytes of pages) does not fit the staging budget of " +
                                           std::to_string(Budget()) + " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
   last_acquire_ = std::chrono::steady_clock::now();
   for (;;) {
@@ -203,8 +226,22 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
     if (!pick && count < Depth() && other_finished) pick = other_finished;
     int page = -1;
     size_t offset = 0;
-    const bool carved = !pick && count < Depth() && small && CarveSmall(size, &page, &offset);
-    if (carved || (!pick && count < Depth() && MakeRoom(need, oldest != nullptr || try_only ? nullptr : &lock))) {
+    bool carved = !pick && count < Depth() && small && CarveSmall(size, &page, &offset);
+    bool room = false;
+    if (!pick && !carved && count < Depth()) {
+      room = MakeRoom(need, oldest != nullptr || try_only ? nullptr : &lock);
+      // MakeRoom may have dropped small cells (mu_ may have been dropped while it waited): a hole may
+      // fit now. With no room for a page, idle small cells of other sizes make one.
+      if (small) {
+        carved = CarveSmall(size, &page, &offset);
+        if (!carved && !room) {
+          DropIdleSmall();
+          carved = CarveSmall(size, &page, &offset);
+          room = !carved && mapped_ + need <= Budget();  // it may have returned whole pages
+        }
+      }
+    }
+    if (carved || room) {
       ScopedContext ctx(backend_, device_);  // the cell's (or its page's) slot and its event
       Status st;
       int64_t id = -1;

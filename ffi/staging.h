@@ -127,6 +127,9 @@ class StagingArea {
   static constexpr size_t kSmallAlign = 256;  // a small cell's size and offset are multiples of this
   bool CarveSmall(size_t size, int* page, size_t* offset);  // caller holds mu_; from an existing page
   bool CarveIn(int page, size_t size, size_t* offset);      // caller holds mu_; from that page
+  // Caller holds mu_: drops every idle, finished small cell (a page stays while other cells use it:
+  // holes for a small cell when the budget has no room for another page).
+  void DropIdleSmall();
   void FreeSmall(int page, size_t offset, size_t size);      // caller holds mu_; the last frees the page
   // Drop takes a finished cell out (its bytes leave mapped_ at once) into graveyard_; Bury returns the
   // pages and destroys the event with no lock held. On the H200 the janitor's cuEventDestroy waited

@@ -164,6 +164,34 @@ def test_small_tensors_share_staging_pages(posix_async):
     """, JAXVMM_POSIX_ASYNC=posix_async))
 
 
+def test_a_small_cell_takes_the_place_of_idle_ones_in_a_full_shared_page():
+    # Review finding: a budget of one page, held by a page of small cells, one kept as a device copy
+    # (keep_resident) and two idle. A fourth small cell found no hole; making room returned nothing (the
+    # kept cell holds the page), and the offload failed as out of memory while dropping the idle cells
+    # would have made the hole. Now it takes their place, and every ticket still reloads its bytes.
+    ok(sub("""
+        from jaxvmm._devices import target_of
+        from jaxvmm._native import lib
+        tgt = target_of(jax.devices("cpu")[0])
+        g = lib.granularity(tgt.backend, tgt.ordinal, "device", tgt.ordinal)
+        assert g == 4096, g  # the sizes below fill most of one page
+        jaxvmm.configure(staging_budget=g, keep_resident=1, prefetch_depth=1)
+        off = jax.jit(jaxvmm.offload)
+        xs = [jnp.arange(n, dtype=jnp.float32) + n for n in (300, 375, 250, 100)]  # cells of 1280, 1536, 1024, 512
+        ts = []
+        for x in xs:
+            ts.append(off(x))
+            jaxvmm.synchronize()
+        s = jaxvmm.engine_stats()["cpu:0"]
+        assert s["staging_mapped_bytes"] == g and s["staging_shared_pages"] == 1, s
+        for t, x in zip(reversed(ts), reversed(xs)):
+            assert np.array_equal(np.asarray(jaxvmm.reload(t)), np.asarray(x)), x.shape
+        jaxvmm.synchronize()
+        jaxvmm.check()
+        print("OK")
+    """))
+
+
 # ---- bug 4: staging is bounded (by the budget and by D2H progress), shown on the cpu backend ----
 def test_staging_budget_bounds_mapped_bytes_and_reports_it():
     ok(sub("""
