@@ -123,12 +123,12 @@ def _is_host(aval) -> bool:
 
 
 def _retype_param(p):
-    if isinstance(p, _core.ClosedJaxpr):
+    if isinstance(p, jax.extend.core.ClosedJaxpr):
         j = _retype(p.jaxpr)
-        return p if j is p.jaxpr else _core.ClosedJaxpr(j, p.consts)
+        return p if j is p.jaxpr else jax.extend.core.ClosedJaxpr(j, p.consts)
     if isinstance(p, _core.Jaxpr):
         return _retype(p)
-    if isinstance(p, (tuple, list)) and any(isinstance(q, (_core.Jaxpr, _core.ClosedJaxpr)) for q in p):
+    if isinstance(p, (tuple, list)) and any(isinstance(q, (_core.Jaxpr, jax.extend.core.ClosedJaxpr)) for q in p):
         new = [_retype_param(q) for q in p]
         return p if all(a is b for a, b in zip(new, p)) else type(p)(new)
     return p
@@ -507,7 +507,7 @@ _jax_linearize = getattr(_ad.linearize, "__wrapped_by_jaxvmm__", _ad.linearize)
 def _sub_jaxprs(params):
     for p in params.values():
         for q in (p if isinstance(p, (tuple, list)) else (p,)):
-            if isinstance(q, _core.ClosedJaxpr):
+            if isinstance(q, jax.extend.core.ClosedJaxpr):
                 yield q.jaxpr
             elif isinstance(q, _core.Jaxpr):
                 yield q
