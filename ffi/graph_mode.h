@@ -1,8 +1,8 @@
 // Graph mode: offload/reload call sites that XLA captured into command buffers (CUDA graphs), and the
 // poller thread that serves their rounds on every replay. DESIGN.md, "Graph mode".
 //
-// Owns: the channels (per call site: pinned words, K cells at fixed VAs, spares), the poller thread, streams gd2h (D2H out of offload cells, the grants behind them, the graph D2H
-// clock), gh2d (prefetches into reload cells), garm (grants of cells that took a spare) and gfix
+// Owns: the channels (per call site: pinned words, K cells at fixed VAs, spares), the poller thread,
+// streams gd2h (D2H out of offload cells, the grants behind them, the graph D2H clock), gh2d (prefetches into reload cells), garm (grants of cells that took a spare) and gfix
 // (corrections and 0xFF fills), and the supply of round tickets' host blocks (RoundHostSupply: the
 // pool, else pageable memory, its bounce buffers and the grower that pins more). Handed: the ledger
 // (tickets, errors, armed tokens), the host store, the staging area (its budget charges every cell's

@@ -13,7 +13,19 @@ namespace {
 constexpr uint64_t kRing = 1024;   // ops in flight per engine before the host waits for the GPU
 constexpr size_t kTimings = 4096;  // handler host times kept for the median
 
+int64_t Median(std::vector<int64_t> v) {  // v not empty
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
 }  // namespace
+
+size_t OpRing::Timings::Add(int64_t v) {
+  const size_t at = static_cast<size_t>(added++ % static_cast<int64_t>(kTimings));
+  if (ns.size() <= at) ns.push_back(v);  // filling: at == ns.size()
+  else ns[at] = v;
+  return at;
+}
 
 struct OpRing::Op {
   enum Kind { kOffload, kReload, kPrefetch };
@@ -216,28 +228,18 @@ void OpRing::FinishEnqueue(Op& op, const Status& st, Clock::time_point start, co
       ++op.pending;  // AbandonTask's reference
     }
     const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-    if (handler_ns_.size() < kTimings) {
-      handler_ns_.push_back(ns);
-      handler_kind_.push_back(static_cast<uint8_t>(op.kind));
-    } else {
-      handler_ns_[handler_calls_ % kTimings] = ns;
-      handler_kind_[handler_calls_ % kTimings] = static_cast<uint8_t>(op.kind);
-    }
-    ++handler_calls_;
+    const size_t at = handler_ns_.Add(ns);
+    if (handler_kind_.size() <= at) handler_kind_.resize(at + 1);
+    handler_kind_[at] = static_cast<uint8_t>(op.kind);
     if (profile_ && st.ok() && (op.kind == Op::kOffload || op.kind == Op::kReload)) {
-      const int k = op.kind == Op::kOffload ? 0 : 1;
-      const size_t at = static_cast<size_t>(section_calls_[k]++ % static_cast<int64_t>(kTimings));
-      auto put = [&](int i, int64_t ns) {
-        if (section_ns_[k][i].size() <= at) section_ns_[k][i].resize(at + 1, -1);
-        section_ns_[k][i][at] = ns;
-      };
+      auto& into = section_ns_[op.kind == Op::kOffload ? 0 : 1];
       Clock::time_point last = start;
       for (int i = 0; i < kSections; ++i) {
         if (!marks.set[i]) continue;
-        put(i, std::chrono::duration_cast<std::chrono::nanoseconds>(marks.at[i] - last).count());
+        into[i].Add(std::chrono::duration_cast<std::chrono::nanoseconds>(marks.at[i] - last).count());
         last = marks.at[i];
       }
-      put(kSections, std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - last).count());
+      into[kSections].Add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - last).count());
     }
     Release(h, op);  // the host's own reference
   }
@@ -720,10 +722,10 @@ RingStats OpRing::Stats() {
   s.ops_in_flight = static_cast<int64_t>(issued - completed_seq_);
   s.seq_issued = static_cast<int64_t>(issued);
   s.seq_completed = static_cast<int64_t>(completed_seq_);
-  s.handler_calls = handler_calls_;
+  s.handler_calls = handler_ns_.added;
   s.copy_kernel = kernels_.warmed();
-  if (!handler_ns_.empty()) {
-    std::vector<int64_t> v = handler_ns_;
+  if (!handler_ns_.ns.empty()) {
+    std::vector<int64_t> v = handler_ns_.ns;
     std::sort(v.begin(), v.end());
     s.handler_median_ns = v[v.size() / 2];
     s.handler_p99_ns = v[std::min(v.size() - 1, v.size() * 99 / 100)];
@@ -731,21 +733,14 @@ RingStats OpRing::Stats() {
   static const char* const kNames[kSections + 1] = {"entry", "lock and errors", "host block", "staging acquire", "event",
                                                    "begin op", "enqueue", "staging return", "finish"};
   for (int k = 0; k < 2; ++k)
-    for (int i = 0; i <= kSections; ++i) {
-      std::vector<int64_t> v;
-      for (int64_t ns : section_ns_[k][i])
-        if (ns >= 0) v.push_back(ns);
-      if (v.empty()) continue;
-      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-      (k == 0 ? s.offload_sections : s.reload_sections).emplace_back(kNames[i], v[v.size() / 2]);
-    }
+    for (int i = 0; i <= kSections; ++i)
+      if (!section_ns_[k][i].ns.empty())
+        (k == 0 ? s.offload_sections : s.reload_sections).emplace_back(kNames[i], Median(section_ns_[k][i].ns));
   for (auto [kind, out] : {std::pair{Op::kOffload, &s.offload_median_ns}, std::pair{Op::kReload, &s.reload_median_ns}}) {
     std::vector<int64_t> v;
-    for (size_t i = 0; i < handler_ns_.size(); ++i)
-      if (handler_kind_[i] == kind) v.push_back(handler_ns_[i]);
-    if (v.empty()) continue;
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    *out = v[v.size() / 2];
+    for (size_t i = 0; i < handler_ns_.ns.size(); ++i)
+      if (handler_kind_[i] == kind) v.push_back(handler_ns_.ns[i]);
+    if (!v.empty()) *out = Median(std::move(v));
   }
   return s;
 }

@@ -159,15 +159,18 @@ class OpRing {
   std::set<uint64_t> finished_;  // finished ops above completed_seq_ (out of order)
   std::vector<std::shared_ptr<Ticket>> kept_;  // newest offloads keeping their staging cell
   std::vector<std::pair<uint64_t, uint64_t>> pending_drops_;  // (token, after seq)
-  std::vector<int64_t> handler_ns_;  // ring of the last kTimings handler host times
+  // The last kTimings values of one timing (a ring once full); `added` counts every value.
+  struct Timings {
+    std::vector<int64_t> ns;
+    int64_t added = 0;
+    size_t Add(int64_t v);  // returns the position written
+  };
+  Timings handler_ns_;                 // every handler call's host time
   std::vector<uint8_t> handler_kind_;  // their Op::Kind, same positions
   CUstream last_stream_ = nullptr;     // the stream of the newest op
   uint64_t stream_since_ = 0;          // the first op of the newest run of ops on last_stream_
   bool profile_ = false;               // JAXVMM_RING_PROFILE=1 (read at Init)
-  // [offload, reload][section; the last: the rest up to the end]: rings of the last kTimings calls
-  std::vector<int64_t> section_ns_[2][kSections + 1];
-  int64_t section_calls_[2] = {};
-  int64_t handler_calls_ = 0;
+  Timings section_ns_[2][kSections + 1];  // [offload, reload][section; the last: the rest up to the end]
 
   // Workers last: destroyed first, after Stop() has drained them.
   std::unique_ptr<Worker> resolver_, releaser_;

@@ -182,6 +182,71 @@ bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
   }
 }
 
+Status StagingArea::NewCell(size_t size, size_t need, bool small, int page, size_t offset, Cell** out) {
+  // Caller holds mu_. `page` >= 0: the range [offset, offset + size) already carved from that shared
+  // page; else map `need` bytes: a slot of the cell's own, or (small) a new shared page whose first
+  // range the cell takes. Then the cell's event and an entry in cells_; on failure nothing is kept.
+  ScopedContext ctx(backend_, device_);  // the cell's (or its page's) slot and its event
+  Status st;
+  int64_t id = -1;
+  CUdeviceptr address = 0;
+  bool mapped = false;  // a slot was mapped for this cell (its own, or a new shared page)
+  if (page < 0) {
+    SlotSpec spec;
+    spec.backend = backend_;
+    spec.device = device_;
+    spec.location = Location{CU_MEM_LOCATION_TYPE_DEVICE, device_};
+    spec.nbytes = need;
+    spec.internal = true;
+    st = Registry::Get().Create(spec, &id);
+    std::shared_ptr<Slot> slot;
+    if (st.ok()) st = Registry::Get().Lookup(id, &slot);
+    if (st.ok()) {
+      address = slot->address();
+      mapped = true;
+      mapped_ += need;
+      NotePeak();
+      ++stats_.pages_mapped;
+    } else if (id >= 0) {
+      (void)Registry::Get().Close(id);
+      id = -1;
+    }
+    if (mapped && small) {  // a new shared page: this cell is its first range
+      auto empty = std::find_if(pages_.begin(), pages_.end(), [](const Page& p) { return p.slot_id < 0; });
+      if (empty == pages_.end()) empty = pages_.insert(pages_.end(), Page());
+      empty->slot_id = id;
+      empty->base = address;
+      empty->size = need;
+      empty->holes[0] = need;
+      page = static_cast<int>(empty - pages_.begin());
+      (void)CarveIn(page, size, &offset);  // offset 0
+    }
+  }
+  if (small && page >= 0) id = pages_[page].slot_id, address = pages_[page].base + offset;
+  CUevent ev = nullptr;
+  if (st.ok()) st = Call(id, "staging", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&ev, CU_EVENT_DISABLE_TIMING); });
+  if (!st.ok()) {
+    if (small && page >= 0) {
+      FreeSmall(page, offset, size);  // a page only this cell used goes to the graveyard
+    } else if (mapped) {
+      mapped_ -= need;
+      ++stats_.pages_returned;
+      (void)Registry::Get().Close(id);
+    }
+    return st;
+  }
+  auto empty = std::find_if(cells_.begin(), cells_.end(), [](const Cell& c) { return c.slot_id < 0; });
+  if (empty == cells_.end()) empty = cells_.insert(cells_.end(), Cell());
+  empty->slot_id = id;
+  empty->page = small ? page : -1;
+  empty->offset = offset;
+  empty->address = address;
+  empty->size = size;
+  empty->free = ev;
+  *out = &*empty;
+  return Status();
+}
+
 Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLease* out) {
   *out = StagingLease();
   Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
@@ -242,66 +307,8 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
       }
     }
     if (carved || room) {
-      ScopedContext ctx(backend_, device_);  // the cell's (or its page's) slot and its event
-      Status st;
-      int64_t id = -1;
-      CUdeviceptr address = 0;
-      bool mapped = false;  // a slot was mapped for this cell (its own, or a new shared page)
-      if (!carved) {
-        SlotSpec spec;
-        spec.backend = backend_;
-        spec.device = device_;
-        spec.location = loc;
-        spec.nbytes = need;
-        spec.internal = true;
-        st = Registry::Get().Create(spec, &id);
-        std::shared_ptr<Slot> slot;
-        if (st.ok()) st = Registry::Get().Lookup(id, &slot);
-        if (st.ok()) {
-          address = slot->address();
-          mapped = true;
-          mapped_ += need;
-          NotePeak();
-          ++stats_.pages_mapped;
-        } else if (id >= 0) {
-          (void)Registry::Get().Close(id);
-          id = -1;
-        }
-        if (mapped && small) {  // a new shared page: this cell is its first range
-          auto empty = std::find_if(pages_.begin(), pages_.end(), [](const Page& p) { return p.slot_id < 0; });
-          if (empty == pages_.end()) empty = pages_.insert(pages_.end(), Page());
-          empty->slot_id = id;
-          empty->base = address;
-          empty->size = need;
-          empty->holes[0] = need;
-          page = static_cast<int>(empty - pages_.begin());
-          (void)CarveIn(page, size, &offset);  // offset 0
-        }
-      }
-      if (small && page >= 0) id = pages_[page].slot_id, address = pages_[page].base + offset;
-      CUevent ev = nullptr;
-      if (st.ok())
-        st = Call(id, "staging", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&ev, CU_EVENT_DISABLE_TIMING); });
-      if (!st.ok()) {
-        if (small && page >= 0) {
-          FreeSmall(page, offset, size);  // a page only this cell used goes to the graveyard
-        } else if (mapped) {
-          mapped_ -= need;
-          ++stats_.pages_returned;
-          (void)Registry::Get().Close(id);
-        }
-        if (!oldest) return st;
-      } else {
-        auto empty = std::find_if(cells_.begin(), cells_.end(), [](const Cell& c) { return c.slot_id < 0; });
-        if (empty == cells_.end()) empty = cells_.insert(cells_.end(), Cell());
-        empty->slot_id = id;
-        empty->page = small ? page : -1;
-        empty->offset = offset;
-        empty->address = address;
-        empty->size = size;
-        empty->free = ev;
-        pick = &*empty;
-      }
+      Status st = NewCell(size, need, small, page, offset, &pick);
+      if (!st.ok() && !oldest) return st;
     }
     if (!pick && oldest && !try_only) {
       // With `try_only` (a prefetch hint on the fix stream) never: a wait for a later user of XLA's

@@ -127,6 +127,9 @@ class StagingArea {
   static constexpr size_t kSmallAlign = 256;  // a small cell's size and offset are multiples of this
   bool CarveSmall(size_t size, int* page, size_t* offset);  // caller holds mu_; from an existing page
   bool CarveIn(int page, size_t size, size_t* offset);      // caller holds mu_; from that page
+  // Caller holds mu_: a new cell in cells_ (mapping its slot or a new shared page unless `page` >= 0
+  // names the page a range was carved from), its event created; on failure nothing is kept.
+  Status NewCell(size_t size, size_t need, bool small, int page, size_t offset, Cell** out);
   // Caller holds mu_: drops every idle, finished small cell (a page stays while other cells use it:
   // holes for a small cell when the budget has no room for another page).
   void DropIdleSmall();
