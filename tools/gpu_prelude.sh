@@ -17,6 +17,23 @@ gpu_tests() {
   grep -E "^(FAILED|ERROR)" "$OUT/$name.txt" | cut -c1-250 | head -8; grep -E "^E  " "$OUT/$name.txt" | cut -c1-300 | head -6
 }
 
+# ring_tests [graph]: the ring-path gpu tests (offload + engine) with command buffers off, and with
+# `graph` the graph gpu tests (graph + graph_xla, default mode) too.
+ring_tests() {
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= gpu_tests ring_off 330 tests/test_offload.py tests/test_engine.py
+  [[ ${1:-} == graph ]] && gpu_tests graph 300 tests/test_graph.py tests/test_graph_xla.py
+  return 0
+}
+
+# ring_breakdown [LINES]: tools/ring_cost.py under JAXVMM_TRACE=1 (command buffers off, 20 runs), then
+# its per (stage, driver call) summary into $OUT/ring_breakdown.txt; prints the first LINES (24) rows.
+ring_breakdown() {
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= JAXVMM_TRACE=1 timeout 120 python3 tools/ring_cost.py --reps 20 \
+    > "$OUT/ring_traced.txt" 2> "$OUT/ring_trace.txt"
+  timeout 60 python3 tools/ring_cost.py --reps 20 --trace "$OUT/ring_trace.txt" > "$OUT/ring_breakdown.txt" 2>&1
+  echo "=== breakdown ($((SECONDS - ${T0:-0})) s)"; head -"${1:-24}" "$OUT/ring_breakdown.txt"
+}
+
 # capacity_trial NAME POLICY LAYERS [capacity.py args...]: one bench/capacity.py trial (24 GiB budget,
 # XLA's platform allocator unless XLA_PYTHON_CLIENT_ALLOCATOR says otherwise) under the watchdog into
 # $OUT/trial_NAME.txt, then its result line.

@@ -8,7 +8,6 @@ set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
-OFF=--xla_gpu_enable_command_buffer=
 if [[ ${PART:-1} == 2 ]]; then
   for mode in default while; do
     flags=""; [[ $mode == while ]] && flags="--xla_gpu_enable_command_buffer=+WHILE"
@@ -23,6 +22,5 @@ ab_build
 old bash -c "python3 -P -m pytest -q -rfs --tb=line -p no:cacheprovider -m gpu $AB_ROOT/tests/test_engine.py -k took_by_value" > "$OUT/byvalue_old.txt" 2>&1
 echo "=== by-value test, old tree: $(tail -1 "$OUT/byvalue_old.txt") ($((SECONDS - T0)) s)"; grep -E "assert|Error" "$OUT/byvalue_old.txt" | cut -c1-300 | head -4
 gpu_tests byvalue_new 120 tests/test_engine.py -k took_by_value
-XLA_FLAGS=$OFF gpu_tests ring_off 200 tests/test_offload.py tests/test_engine.py
-gpu_tests graph 300 tests/test_graph.py tests/test_graph_xla.py
+ring_tests graph
 gpu_tests rest 200 tests/test_engine.py tests/test_dtypes.py tests/test_host_store.py tests/test_memory.py tests/test_semantics.py tests/test_share.py tests/test_slots.py

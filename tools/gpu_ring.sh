@@ -9,17 +9,14 @@ T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 OFF=--xla_gpu_enable_command_buffer=
 if [[ -n ${TESTS:-} ]]; then
-  XLA_FLAGS=$OFF gpu_tests ring_off 330 tests/test_offload.py tests/test_engine.py
-  gpu_tests graph 300 tests/test_graph.py tests/test_graph_xla.py
+  ring_tests graph
   exit 0
 fi
 for v in 1 0 1 0; do
   XLA_FLAGS=$OFF JAXVMM_GRAPH_KERNELS=$v timeout 90 python3 tools/ring_cost.py > "$OUT/ring_cost_k$v.txt" 2>&1
   echo "=== ring_cost kernels=$v: $(tail -1 "$OUT/ring_cost_k$v.txt") ($((SECONDS - T0)) s)"
 done
-XLA_FLAGS=$OFF JAXVMM_TRACE=1 timeout 120 python3 tools/ring_cost.py --reps 20 > "$OUT/ring_traced.txt" 2> "$OUT/ring_trace.txt"
-timeout 60 python3 tools/ring_cost.py --reps 20 --trace "$OUT/ring_trace.txt" > "$OUT/ring_breakdown.txt" 2>&1
-echo "=== breakdown ($((SECONDS - T0)) s)"; head -24 "$OUT/ring_breakdown.txt"
+ring_breakdown
 : > "$OUT/rows.txt"
 mlp_row off 256,512,64 XLA_FLAGS=$OFF
 mlp_row default 256,512,64

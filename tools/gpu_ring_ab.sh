@@ -5,9 +5,12 @@
 #   SPIN0=1    two more rounds with JAXVMM_WORKER_SPIN_US=0 (workers nap at once);
 #   PROFILE=1  one run of this tree with JAXVMM_RING_PROFILE=1 (each part of a handler's host time);
 #   ROWS=1     the 1 MiB row with command buffers off, old and new, twice;
+#   TRACE=1    a traced driver-call breakdown of this tree (ring_breakdown);
+#   HANG=N     the graph-mode XLA test of 1 to 3 cells per site (it hung with workers blocking in
+#              cuEventSynchronize) N times;
 #   TESTS=engine (default): this tree's engine gpu tests, default mode and command buffers off;
-#   TESTS=ring: the ring-path gpu tests (offload + engine) with command buffers off and the graph gpu
-#   tests (default mode); TESTS=none: no tests.
+#   TESTS=ring_off: the ring-path gpu tests (offload + engine) with command buffers off; TESTS=ring:
+#   those and the graph gpu tests (default mode); TESTS=none: no tests.
 # Logs under $OUT.
 set -uo pipefail
 T0=$SECONDS
@@ -31,11 +34,14 @@ fi
     --mlp-shape 256,512,64 --variants save,jaxvmm --steps 20 --warmup 3 --timeout 65' >> "$OUT/rows.txt" 2>&1
   echo "=== row off $v ($((SECONDS - T0)) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -1 | cut -c1-200
 done
+[[ -n ${TRACE:-} ]] && ring_breakdown
+for i in $(seq "${HANG:-0}"); do
+  gpu_tests hangk$i 150 tests/test_graph_xla.py -k one_to_three
+done
 case ${TESTS:-engine} in
   engine)
     gpu_tests engine_default 200 tests/test_engine.py
     XLA_FLAGS=$OFF gpu_tests engine_off 200 tests/test_engine.py ;;
-  ring)
-    XLA_FLAGS=$OFF gpu_tests ring_off 200 tests/test_offload.py tests/test_engine.py
-    gpu_tests graph 300 tests/test_graph.py tests/test_graph_xla.py ;;
+  ring_off) ring_tests ;;
+  ring) ring_tests graph ;;
 esac

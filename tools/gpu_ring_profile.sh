@@ -11,6 +11,4 @@ for i in $(seq "${N:-2}") s0; do
   XLA_FLAGS=$OFF JAXVMM_RING_PROFILE=1 JAXVMM_WORKER_SPIN_US=$spin timeout 90 python3 tools/ring_cost.py > "$OUT/prof_$i.txt" 2>&1
   echo "=== ring_cost profile $i (spin $spin us) ($((SECONDS - T0)) s)"; tail -3 "$OUT/prof_$i.txt"
 done
-XLA_FLAGS=$OFF JAXVMM_TRACE=1 timeout 120 python3 tools/ring_cost.py --reps 20 > "$OUT/ring_traced.txt" 2> "$OUT/ring_trace.txt"
-timeout 60 python3 tools/ring_cost.py --reps 20 --trace "$OUT/ring_trace.txt" > "$OUT/ring_breakdown.txt" 2>&1
-echo "=== breakdown ($((SECONDS - T0)) s)"; grep -E "offload|reload|prefetch|staging|capture|enqueue" "$OUT/ring_breakdown.txt" | head -24
+ring_breakdown 30
