@@ -361,6 +361,7 @@ def run_child(args) -> dict:
         # reloads copied device to device from such a lent cell.
         res["graph_lends_per_step"] = d.get("graph_lends", 0) / args.steps
         res["graph_lent_reads_per_step"] = d.get("graph_lent_reads", 0) / args.steps
+        res["graph_kept_reads_per_step"] = d.get("graph_kept_reads", 0) / args.steps
         res["pinned_bytes"] = after["pinned_bytes"]
         res["pinned_peak_in_use_bytes"] = after["pinned_peak_in_use_bytes"]
         res["tickets_live"] = after["tickets_live"]
@@ -513,7 +514,7 @@ def evaluate(results: dict, model: str, target: str, variant: str) -> tuple[list
                 hits += f" ({r['graph_device_grants_per_step']:.0f} granted on the device)"
             if r.get("graph_lends_per_step"):
                 hits += (f", {r['graph_lends_per_step']:.0f} lends/{r['graph_lent_reads_per_step']:.0f} "
-                         f"lent reads per step")
+                         f"lent reads ({r.get('graph_kept_reads_per_step', 0):.0f} after their D2H) per step")
             if not r.get("handler_calls_per_step"):
                 hits += " (no handler call)"
     peak = human(r["device_bytes"]) if r.get("device_bytes") is not None else "n/a"

@@ -66,6 +66,10 @@ struct Cell : CellPages {
     // Kernel grants only: offload: grant[i] holds grant_token (the device may have taken it: only a
     // revoke tells); reload: grant[i] names `loaded`, whose bytes are in the cell.
     kArmed = 2,
+    // Offload, spares: the cell's D2H is queued behind others and no spare was free to take its bytes,
+    // so it is not armed behind that D2H; until the poller arms it (D2H done and no reader, or a spare
+    // free to lend) no grant is out and its bytes stay readable device to device (Ticket::lent_cell).
+    kHeld = 3,
   };
   Round round = Round::kIdle;
   uint64_t grant_token = 0;        // offload, kArmed: the token in grant[i] (its ticket is made at filled[i])
@@ -79,10 +83,14 @@ struct Cell : CellPages {
 };
 
 // A spare cell of an offload channel (graph_spares): VA reserved with the channel's cells, pages mapped
-// on demand. Free, or lent: it holds the bytes of `lent`, a round ticket whose D2H out of it may still
-// run (the cell it was swapped out of took the spare's pages and VA in exchange).
+// on demand. Lent: it holds the bytes of `lent`, a round ticket whose D2H out of it may still run (the
+// cell it was swapped out of took the spare's pages and VA in exchange). Free: it may still hold the
+// bytes of `kept`, the ticket it was last lent to (D2H done, Ticket::lent_cell still names it), until a
+// lend reuses it (oldest `returned` first) or its pages go back.
 struct Spare : CellPages {
   std::shared_ptr<Ticket> lent;
+  std::weak_ptr<Ticket> kept;
+  uint64_t returned = 0;  // when it was last freed (GraphMode's return clock): the order of reuse
 };
 
 struct Channel {

@@ -21,8 +21,8 @@ struct EngineConfig {
   static int GraphCells();
   // Graph mode with grant kernels: spare cells per offload channel (0..kMaxSpares, default 0). An
   // offload cell whose D2H is still queued is re-armed with a free spare at once, so a scan's forward
-  // runs ahead of PCIe; the queued bytes stay in the lent cell, and a reload of them before their D2H
-  // ends copies device to device. Read when a channel is first prepared.
+  // runs ahead of PCIe; the queued bytes stay in the lent cell, and a reload of them copies device to
+  // device until a later lend reuses the spare. Read when a channel is first prepared.
   static void SetGraphSpares(int n);
   static int GraphSpares();
   // Graph mode with grant kernels and K > 1 cells: record each round as one fused take + copy kernel

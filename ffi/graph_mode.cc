@@ -531,6 +531,10 @@ size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
     // waits may need exactly the room (or the device pages) its free spares hold.
     for (Spare& sp : c.spares) {
       if (!sp.mapped || sp.lent || (device_only && sp.host_pages)) continue;
+      {
+        Held h = ledger_.Lock();
+        if (!Forget(h, sp)) continue;  // a reload still copies the bytes it keeps
+      }
       UnmapSpare(c, sp);
       if (!sp.mapped) released += c.cell_size;
     }
@@ -539,6 +543,10 @@ size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
       Cell& cell = c.cells[i];
       if (!cell.mapped || cell.round == Channel::Round::kGranted || (device_only && cell.host_pages)) continue;
       if (cell.round == Channel::Round::kArmed && !Revoke(c, i)) continue;  // the device took the grant: its round is live
+      {
+        Held h = ledger_.Lock();
+        if (!Unhold(h, cell)) continue;  // a reload still copies its bytes
+      }
       if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy still uses it
       {
         Held h = ledger_.Lock();
@@ -885,7 +893,7 @@ Status GraphMode::WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, cons
   return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(s, word, value, 0); });
 }
 
-bool GraphMode::Arm(Channel& c, int i, bool host) {
+bool GraphMode::Arm(Channel& c, int i, bool host, bool settled) {
   // Every copy out of an offload cell runs on gd2h_, so a write on gd2h_ is ordered after the last one.
   // gd2h_/gh2d_ never wait on XLA's streams (unlike the op ring's d2h/h2d): a grant written there
   // cannot queue behind work that waits for the very round the grant releases.
@@ -893,10 +901,22 @@ bool GraphMode::Arm(Channel& c, int i, bool host) {
   // PCIe is behind the device: as many graph D2Hs are queued as the channel has cells, so the next round
   // of this cell would wait for its D2H. Swap in a free spare instead (its pages hold no copy, so garm_
   // has none to follow). A shorter queue is what K cells absorb: no spare is taken for it.
+  // With every spare lent, the cell is held instead (Round::kHeld): armed behind its D2H, at the end of
+  // the queue, its bytes would be out of reach of the reloads that come first (the backward's first
+  // layers) until the whole queue has drained.
   const bool behind = gd2h_issued_ - transfers_.graph_clock()->load(std::memory_order_acquire) >= static_cast<uint64_t>(c.ncells);
-  const bool lent = cell.draining && !c.spares.empty() && behind && !transfers_.D2hDone(*cell.draining) && Lend(c, i);
+  bool lent = false;
+  if (cell.draining && !c.spares.empty() && behind && !transfers_.D2hDone(*cell.draining)) {
+    lent = Lend(c, i);
+    if (!lent) {
+      Hold(c, i, host);
+      return false;
+    }
+  }
   cell.draining.reset();
-  CUstream s = lent ? garm_ : gd2h_;
+  // gd2h_ orders the grant after the cell's D2H; new pages (a lend) or a settled cell have no copy
+  // pending, and garm_ does not queue the grant behind other cells' D2Hs.
+  CUstream s = lent || settled ? garm_ : gd2h_;
   const uint64_t token = ledger_.ArmToken();  // armed before the device can take it (WaitUntilServed)
   Status st = WriteDevice(s, c.Grant(i), token, "offload grant (graph)");
   if (!st.ok()) {
@@ -916,20 +936,81 @@ bool GraphMode::Arm(Channel& c, int i, bool host) {
   return true;
 }
 
+void GraphMode::Hold(Channel& c, int i, bool host) {
+  // Caller holds mu_. Cell i keeps its draining ticket's bytes, readable device to device, until
+  // ServeHeld arms it.
+  Cell& cell = c.cells[i];
+  {
+    Held h = ledger_.Lock();
+    cell.draining->lent_cell = cell.addr;
+  }
+  cell.host_grant = host;
+  cell.round = Channel::Round::kHeld;
+  ++stats_.holds;
+}
+
+bool GraphMode::Unhold(const Held& h, Cell& cell) {
+  // Caller holds mu_ and the ledger's lock (h). A held cell's bytes are no longer readable once no
+  // reader pins its ticket; false: one still may.
+  (void)h;
+  if (cell.round != Channel::Round::kHeld) return true;
+  if (cell.draining->pins > 0) return false;
+  if (cell.draining->lent_cell == cell.addr) cell.draining->lent_cell = 0;
+  cell.round = Channel::Round::kIdle;
+  return true;
+}
+
+bool GraphMode::ServeHeld(Channel& c) {
+  // Caller holds mu_. A held cell is armed once its D2H is done and no reload reads it (on garm_: no
+  // copy of its is pending), or earlier once a spare is free to take its bytes (Lend moves the
+  // ticket's lent_cell with them).
+  bool busy = false;
+  for (int i = 0; i < c.ncells; ++i) {
+    Cell& cell = c.cells[i];
+    if (cell.round != Channel::Round::kHeld) continue;
+    bool settled = false;
+    {
+      Held h = ledger_.Lock();
+      settled = transfers_.D2hDone(*cell.draining) && Unhold(h, cell);
+    }
+    if (settled) {
+      cell.draining.reset();
+    } else {
+      if (!Lend(c, i)) continue;
+      cell.round = Channel::Round::kIdle;
+    }
+    busy = true;
+    (void)Arm(c, i, cell.host_grant, /*settled=*/true);
+  }
+  return busy;
+}
+
 bool GraphMode::Lend(Channel& c, int i) {
   // Caller holds mu_. Cell i's pages (with the bytes its D2H still reads) go to a free spare, lent
   // to the ticket until that D2H is done; the cell takes the spare's pages and VA, and the device word
   // naming cell i's address changes on garm_, where the grant that follows is written.
   Cell& cell = c.cells[i];
+  // A free spare, in this order: a mapped one that keeps no ticket's bytes; the mapped one freed longest
+  // ago (the backward reads the newest offloads first), never one a reload still reads; a new mapping.
+  // So the spares mapped are as many as were lent at once (the D2H backlog), not graph_spares.
   Spare* sp = nullptr;
-  for (Spare& x : c.spares)
-    if (!x.lent && x.mapped) {
-      sp = &x;
-      break;
+  {
+    Held h = ledger_.Lock();
+    for (Spare& x : c.spares) {
+      if (x.lent || !x.mapped) continue;
+      const std::shared_ptr<Ticket> k = x.kept.lock();
+      if (!k) {
+        x.kept.reset();
+        sp = &x;
+        break;
+      }
+      if (k->pins == 0 && (!sp || x.returned < sp->returned)) sp = &x;
     }
+    if (sp && !Forget(h, *sp)) sp = nullptr;
+  }
   if (!sp)
     for (Spare& x : c.spares)
-      if (!x.lent) {
+      if (!x.lent && !x.mapped) {
         if (MapSpare(c, x)) sp = &x;
         break;  // one mapping attempt per lend: the budget (or the device) has no room for more
       }
@@ -965,20 +1046,32 @@ bool GraphMode::MapSpare(Channel& c, Spare& sp) {
 void GraphMode::UnmapSpare(Channel& c, Spare& sp) { UnmapPages(c, &sp, "graph-mode spare cell kept"); }
 
 bool GraphMode::ReturnSpares() {
-  // Caller holds mu_. A lent spare is free again once its ticket's D2H is done and no reader
-  // (a reload copy, which pins the ticket until that copy has ended) can still read it.
+  // Caller holds mu_. A lent spare is free again once its ticket's D2H is done. It keeps the bytes
+  // (the ticket's lent_cell still names it, so a reload reads them device to device) until a lend
+  // reuses it or its pages go back; both skip it while a reader (a reload copy, which pins the
+  // ticket until that copy has ended) may still read it.
   bool busy = false;
   channels_.ForEach([&](Channel& c) {
     for (Spare& sp : c.spares) {
       if (!sp.lent || !transfers_.D2hDone(*sp.lent)) continue;
       Held h = ledger_.Lock();
-      if (sp.lent->pins > 0) continue;
-      sp.lent->lent_cell = 0;
+      sp.kept = std::move(sp.lent);
       sp.lent.reset();
+      sp.returned = ++return_clock_;
       busy = true;
     }
   });
   return busy;
+}
+
+bool GraphMode::Forget(const Held& h, Spare& sp) {
+  // Caller holds mu_ and the ledger's lock (h).
+  (void)h;
+  const std::shared_ptr<Ticket> k = sp.kept.lock();
+  if (k && k->pins > 0) return false;
+  if (k && k->lent_cell == sp.addr) k->lent_cell = 0;
+  sp.kept.reset();
+  return true;
 }
 
 void GraphMode::ArmIdleCells(Channel& c) {
@@ -1029,7 +1122,7 @@ bool GraphMode::Revoke(Channel& c, int i) {
 
 bool GraphMode::ServiceOffloadK(Channel& c) {
   ChannelWords& w = *c.w;
-  bool busy = false;
+  bool busy = ServeHeld(c);
   for (int i = 0; i < c.ncells; ++i) {
     if (w.filled[i].load(std::memory_order_acquire) != 1) continue;
     // The device took cell i's grant_token, copied x into the cell and handed the token out: make its
@@ -1313,6 +1406,7 @@ void GraphMode::Stop() {
           ledger_.Retire(h, cell.ticket);
           cell.ticket.reset();
         }
+        if (cell.draining && cell.draining->lent_cell == cell.addr) cell.draining->lent_cell = 0;  // held
       }
       UnmapCell(c, i);
       if (cell.slot_id >= 0) (void)Registry::Get().Close(cell.slot_id);
@@ -1322,10 +1416,13 @@ void GraphMode::Stop() {
       cell.draining.reset();
     }
     for (Spare& sp : c.spares) {
-      if (sp.lent) {
+      {
         Held h = ledger_.Lock();
-        sp.lent->lent_cell = 0;
+        if (sp.lent) sp.lent->lent_cell = 0;
         sp.lent.reset();
+        const std::shared_ptr<Ticket> k = sp.kept.lock();  // every stream was synchronized: no reader is left
+        if (k && k->lent_cell == sp.addr) k->lent_cell = 0;
+        sp.kept.reset();
       }
       UnmapSpare(c, sp);
       if (sp.slot_id >= 0) (void)Registry::Get().Close(sp.slot_id);
@@ -1345,6 +1442,7 @@ Source GraphMode::RoundSourceOf(const Ticket& t) {
   if (!src.resident && t.lent_cell) {
     src.resident = t.lent_cell;  // complete: the round finished before its cell was lent
     ++stats_.lent_reads;
+    if (transfers_.D2hDone(t)) ++stats_.kept_reads;
   }
   return src;
 }

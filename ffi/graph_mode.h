@@ -58,8 +58,10 @@ struct GraphStats {
   int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
   // Spare cells (graph_spares): offload rounds whose cell was re-armed with a spare while its D2H was
   // still queued (the cell's bytes lent to its ticket), and reload copies served from such a lent cell
-  // (device to device, without waiting for PCIe).
-  int64_t spares = 0, lends = 0, lent_reads = 0;
+  // (device to device, without waiting for PCIe); kept_reads: those among them whose D2H had already
+  // finished (the spare kept the bytes after it was free again).
+  // holds: offload cells held unarmed, their bytes readable, because every spare was lent (Round::kHeld).
+  int64_t spares = 0, lends = 0, lent_reads = 0, kept_reads = 0, holds = 0;
 };
 
 class GraphMode {
@@ -144,11 +146,15 @@ class GraphMode {
   void Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value = 1);
   // Offload: a reserved token into grant[i], on gd2h_ after the cell's D2H; or, when a spare is free and
   // that D2H is still queued, on garm_ after the cell took the spare's pages (Lend).
-  bool Arm(Channel& c, int i, bool host);
+  bool Arm(Channel& c, int i, bool host, bool settled = false);  // settled: no copy into or out of the cell is pending
   bool Lend(Channel& c, int i);     // swaps cell i with a free spare; true: the cell is free now
+  void Hold(Channel& c, int i, bool host);        // no spare to lend: cell i keeps its bytes readable, unarmed
+  bool Unhold(const Held& h, Cell& cell);         // a held cell's bytes unreadable again; false: a reader pins them
+  bool ServeHeld(Channel& c);                     // arms held cells that settled or found a spare
   bool MapSpare(Channel& c, Spare& s);
   void UnmapSpare(Channel& c, Spare& s);
-  bool ReturnSpares();              // lent spares whose ticket's D2H is done and no reader holds it
+  bool ReturnSpares();              // lent spares whose ticket's D2H is done are free (they keep its bytes)
+  bool Forget(const Held& h, Spare& sp);  // drops the bytes a free spare keeps; false: a reader pins them
   void ArmIdleCells(Channel& c);    // offload: arms every idle cell it can map within the budget
   bool Revoke(Channel& c, int i);   // takes cell i's armed grant back; true: none is outstanding any more
   Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
@@ -171,6 +177,7 @@ class GraphMode {
 
   std::mutex mu_;  // guards everything below
   ChannelTable channels_;
+  uint64_t return_clock_ = 0;  // counts spares freed (Spare::returned)
   uint64_t gd2h_issued_ = 0;  // the last graph D2H sequence number enqueued on gd2h_ (the clock's)
   std::vector<std::shared_ptr<Ticket>> round_d2h_;  // offload rounds whose D2H may still run
   GraphStats stats_;

@@ -56,7 +56,7 @@ struct Ticket {
   // readers wait for the cell's free event (recorded after the copy that filled it).
   StagingLease resident;
   // Graph mode: the round's bytes in a lent spare cell of its offload channel (complete: its round
-  // finished before the poller lent it), until its D2H is done and nothing reads it (GraphMode::ReturnSpares).
+  // finished before the poller lent it), until a lend reuses that spare or its pages go back (GraphMode::Forget).
   // The channel owns the cell; this is a view, set and cleared under Ledger::mu_.
   CUdeviceptr lent_cell = 0;
 };

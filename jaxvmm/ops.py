@@ -742,9 +742,12 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
       0 to 64 (default 0; env ``JAXVMM_GRAPH_SPARES``). When a scan's iterations produce activations
       faster than PCIe carries them to the host, an offload cell whose copy to the host is still queued
       is swapped for a free spare and the next iteration goes on at once; the queued bytes stay on the
-      device until their copy ends, and a reload that comes first (the backward pass's first layers)
-      copies them device to device. Spares get pages only when lent (within the staging budget, never
-      waited for) and return them when idle; ``engine_stats()``: ``graph_lends``, ``graph_lent_reads``.
+      device, and reloads of them (the backward pass's first layers) copy them device to device, also
+      after their copy to the host has ended, until a later lend reuses the spare (oldest first). Spares
+      get pages only when lent (within the staging budget, never waited for; as many as were lent at
+      once) and return them when idle. Each mapped spare is one activation of device memory the offload
+      does not free: a trade of memory for time where PCIe is the limit; ``engine_stats()``:
+      ``graph_lends``, ``graph_lent_reads``, ``graph_kept_reads``, ``graph_holds``.
       Applies to call sites prepared from now on."""
     where = "configure: "
     if host_pool_limit is not None:

@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--shape", default="256,512,64")
     ap.add_argument("--dir", required=True)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--bin-us", type=float, default=200.0, help="timeline: microseconds per character")
     args = ap.parse_args()
     import jax
 
@@ -43,7 +44,7 @@ def main() -> int:
             loss, params = step(params, x)
         jax.block_until_ready((loss, params))
     path = sorted(glob.glob(os.path.join(args.dir, "**", "*perfetto_trace.json.gz"), recursive=True))[-1]
-    report(path, args.variant)
+    report(path, args.variant, args.bin_us)
     return 0
 
 
@@ -52,7 +53,30 @@ def percentiles(v: list) -> str:
     return f"p50={q[len(q) // 2]:.1f} p90={q[len(q) * 9 // 10]:.1f} max={q[-1]:.1f}"
 
 
-def report(path: str, variant: str) -> None:
+def timeline(ks: list, streams: collections.Counter, t0: float, t1: float, bin_us: float) -> None:
+    """One line per stream (the 8 busiest): how busy it is in each bin_us slice of the traced span
+    (' ' idle, '.' under a third, ':' under two thirds, '#' more), with what it ran most."""
+    nb = int((t1 - t0) / bin_us) + 1
+    print(f"  timeline, {bin_us:.0f} us per character:")
+    for row, _ in streams.most_common(8):
+        busy = [0.0] * nb
+        names = collections.Counter()
+        for e in ks:
+            if (e["pid"], e["tid"]) != row:
+                continue
+            names[e["name"][:24]] += e["dur"]
+            a, b = e["ts"] - t0, e["ts"] - t0 + e["dur"]
+            while a < b:
+                i = int(a // bin_us)
+                edge = min(b, (i + 1) * bin_us)
+                busy[i] += edge - a
+                a = edge
+        line = "".join(" " if v <= 0 else "." if v < bin_us / 3 else ":" if v < 2 * bin_us / 3 else "#" for v in busy)
+        top = ", ".join(n for n, _ in names.most_common(2))
+        print(f"    |{line}| {top}")
+
+
+def report(path: str, variant: str, bin_us: float = 200.0) -> None:
     with gzip.open(path, "rt") as f:
         tr = json.load(f)
     ev = tr["traceEvents"] if isinstance(tr, dict) else tr
@@ -82,6 +106,7 @@ def report(path: str, variant: str) -> None:
         if name.startswith("jaxvmm"):  # the longest, with their place among this kernel's events
             top = sorted(range(len(d)), key=lambda i: -d[i])[:6]
             print("      longest: " + ", ".join(f"#{i} {d[i]:.1f} us" for i in sorted(top)))
+    timeline(ks, streams, t0, t1, bin_us)
     # XLA's compute stream (the row with the most events): its idle gaps between consecutive events,
     # summed by the name of the event that ends each gap (what the stream was about to run).
     main_row = streams.most_common(1)[0][0]
