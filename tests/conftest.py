@@ -241,6 +241,29 @@ def engine_hygiene():
     drain_errors()
 
 
+def assert_trees_ulp_close(got, want, ulps: int = 2) -> None:
+    """Like assert_trees_bit_equal, but float leaves may differ by up to `ulps` units in the last place
+    (same sign, both finite). For programs whose arithmetic XLA may fuse differently around a custom
+    call than around the plain value it replaces (FMA contraction on some hosts); a wrong or shifted
+    reload still shows as a difference of many ulps."""
+    import numpy as np
+    import jax
+
+    g, gd = jax.tree.flatten(got)
+    w, wd = jax.tree.flatten(want)
+    assert gd == wd, (gd, wd)
+    for i, (a, b) in enumerate(zip(g, w)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, a.dtype, b.shape, b.dtype)
+        if not np.issubdtype(a.dtype, np.floating) or a.tobytes() == b.tobytes():
+            assert a.tobytes() == b.tobytes(), (i, a.ravel()[:8], b.ravel()[:8])
+            continue
+        assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)) and np.all(np.signbit(a) == np.signbit(b)), (i, a, b)
+        ints = {2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]
+        diff = np.abs(a.view(ints).astype(np.int64) - b.view(ints).astype(np.int64))
+        assert diff.max() <= ulps, f"leaf {i} {a.dtype}{list(a.shape)}: {int(diff.max())} ulps apart: {a.ravel()[:8]} vs {b.ravel()[:8]}"
+
+
 def assert_trees_bit_equal(got, want) -> None:
     """Two pytrees with the same structure whose leaves have the same shape, dtype and bytes (nan
     payloads and -0.0 included): what "bit-exact" means in these tests."""

@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxvmm
 from jaxvmm.remat import _rules
 
-from conftest import assert_trees_bit_equal, counter_delta as delta, engine_counters as estats, jdev
+from conftest import assert_trees_bit_equal, assert_trees_ulp_close, counter_delta as delta, engine_counters as estats, jdev
 
 P = jaxvmm.policies
 CP = jax.checkpoint_policies
@@ -104,7 +104,10 @@ def test_scan_of_checkpoint_forward_and_reverse():
     for f in (lambda ck: jax.jit(jax.grad(functools.partial(loss, ck), argnums=(0, 1))),
               lambda ck: jax.jit(lambda x, ws: jax.jvp(functools.partial(loss, ck), (x, ws), (x, ws)))):
         before = estats()
-        assert_trees_bit_equal(f(VMM)(x, ws), f(REF)(x, ws))
+        # Not bit for bit: on an AVX-512 host (an AMD EPYC CI machine, jax 0.10.2) XLA compiles the
+        # reverse scan's arithmetic around the reload differently from around the saved residual, and
+        # one element of d/dws differs by 1 ulp (8.6913053e-11 vs 8.6913046e-11); elsewhere it is exact.
+        assert_trees_ulp_close(f(VMM)(x, ws), f(REF)(x, ws), ulps=2)
         d = delta(estats(), before)
         assert d["offloads"] == d["reloads"] and d["tickets_live"] == 0, d
 
