@@ -427,6 +427,7 @@ void GraphMode::Poll() {
       if (c.kind == ChannelKind::kReload) busy |= use_kernels_ ? ServiceReloadK(c) : ServiceReload(c);
     });
     busy |= ReapOffloads();
+    busy |= ReleaseLentReads();
     busy |= ReturnSpares();
     DropStaleGuesses();
     ReleaseUnpins(/*all=*/false);
@@ -545,7 +546,7 @@ size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
       if (cell.round == Channel::Round::kArmed && !Revoke(c, i)) continue;  // the device took the grant: its round is live
       {
         Held h = ledger_.Lock();
-        if (!Unhold(h, cell)) continue;  // a reload still copies its bytes
+        if (!Unhold(h, cell)) continue;  // a reload's copy still reads its bytes
       }
       if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy still uses it
       {
@@ -733,6 +734,7 @@ void GraphMode::PrefetchInto(Channel& c) {
     }
     if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gh2d_); });
     cell.stream = gh2d_;
+    WatchLentRead(src, cell.loaded, cell.event);
     if (armed) {
       cell.round = Channel::Round::kArmed;
       cell.host_grant = false;
@@ -871,6 +873,7 @@ bool GraphMode::ServiceReload(Channel& c) {
     if (st.ok()) st = transfers_.CopyTicket(gfix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload (graph)");
     if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
     cell.stream = gfix_;
+    WatchLentRead(src, a, cell.event);
     if (!st.ok()) {
       ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
       FillInvalid(c, 0);
@@ -950,11 +953,11 @@ void GraphMode::Hold(Channel& c, int i, bool host) {
 }
 
 bool GraphMode::Unhold(const Held& h, Cell& cell) {
-  // Caller holds mu_ and the ledger's lock (h). A held cell's bytes are no longer readable once no
-  // reader pins its ticket; false: one still may.
+  // Caller holds mu_ and the ledger's lock (h). A held cell's bytes stop being readable, unless a copy
+  // out of the cell still runs (false).
   (void)h;
   if (cell.round != Channel::Round::kHeld) return true;
-  if (cell.draining->pins > 0) return false;
+  if (cell.draining->lent_readers > 0) return false;
   if (cell.draining->lent_cell == cell.addr) cell.draining->lent_cell = 0;
   cell.round = Channel::Round::kIdle;
   return true;
@@ -1004,7 +1007,7 @@ bool GraphMode::Lend(Channel& c, int i) {
         sp = &x;
         break;
       }
-      if (k->pins == 0 && (!sp || x.returned < sp->returned)) sp = &x;
+      if (k->lent_readers == 0 && (!sp || x.returned < sp->returned)) sp = &x;
     }
     if (sp && !Forget(h, *sp)) sp = nullptr;
   }
@@ -1048,8 +1051,7 @@ void GraphMode::UnmapSpare(Channel& c, Spare& sp) { UnmapPages(c, &sp, "graph-mo
 bool GraphMode::ReturnSpares() {
   // Caller holds mu_. A lent spare is free again once its ticket's D2H is done. It keeps the bytes
   // (the ticket's lent_cell still names it, so a reload reads them device to device) until a lend
-  // reuses it or its pages go back; both skip it while a reader (a reload copy, which pins the
-  // ticket until that copy has ended) may still read it.
+  // reuses it or its pages go back; both skip it while a copy out of it still runs (lent_readers).
   bool busy = false;
   channels_.ForEach([&](Channel& c) {
     for (Spare& sp : c.spares) {
@@ -1064,11 +1066,36 @@ bool GraphMode::ReturnSpares() {
   return busy;
 }
 
+void GraphMode::WatchLentRead(const Source& src, const std::shared_ptr<Ticket>& t, CUevent ev) {
+  // Caller holds mu_. RoundSourceOf counted the reader; ev (recorded behind its copy, or on a stream
+  // synchronized since) tells when it has ended. A reload cell's event is only recorded again behind
+  // later copies into that cell, each ordered after the one before, so a later record is later still.
+  if (src.lent) lent_reading_.emplace_back(ev, t);
+}
+
+bool GraphMode::ReleaseLentReads() {
+  // Caller holds mu_.
+  if (lent_reading_.empty()) return false;
+  const DriverTable& d = Driver(backend_);
+  bool busy = false;
+  Held h = ledger_.Lock();
+  for (auto it = lent_reading_.begin(); it != lent_reading_.end();) {
+    if (d.EventQuery(it->first) == CUDA_ERROR_NOT_READY) {
+      ++it;
+      continue;
+    }
+    it->second->lent_readers -= 1;
+    it = lent_reading_.erase(it);
+    busy = true;
+  }
+  return busy;
+}
+
 bool GraphMode::Forget(const Held& h, Spare& sp) {
   // Caller holds mu_ and the ledger's lock (h).
   (void)h;
   const std::shared_ptr<Ticket> k = sp.kept.lock();
-  if (k && k->pins > 0) return false;
+  if (k && k->lent_readers > 0) return false;
   if (k && k->lent_cell == sp.addr) k->lent_cell = 0;
   sp.kept.reset();
   return true;
@@ -1289,6 +1316,7 @@ bool GraphMode::ServiceReloadK(Channel& c) {
     st = transfers_.CopyTicket(gfix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload (graph)");
     if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
     cell.stream = gfix_;
+    WatchLentRead(src, a, cell.event);
     if (!st.ok()) {
       ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
       FillInvalid(c, j);
@@ -1430,6 +1458,11 @@ void GraphMode::Stop() {
     }
   });
   ReleaseUnpins(/*all=*/true);  // every stream was synchronized above
+  {
+    Held h = ledger_.Lock();
+    for (auto& [ev, t] : lent_reading_) t->lent_readers -= 1;
+    lent_reading_.clear();
+  }
 }
 
 Status GraphMode::CapturedPrefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out) {
@@ -1437,10 +1470,12 @@ Status GraphMode::CapturedPrefetch(CUstream stream, CUdeviceptr token_in, CUdevi
               [&] { return Driver(backend_).MemcpyAsync(token_out, token_in, sizeof(uint64_t), stream); });
 }
 
-Source GraphMode::RoundSourceOf(const Ticket& t) {
+Source GraphMode::RoundSourceOf(Ticket& t) {
   Source src = SourceOf(t);
   if (!src.resident && t.lent_cell) {
     src.resident = t.lent_cell;  // complete: the round finished before its cell was lent
+    src.lent = true;
+    ++t.lent_readers;  // the caller watches the copy (WatchLentRead)
     ++stats_.lent_reads;
     if (transfers_.D2hDone(t)) ++stats_.kept_reads;
   }
@@ -1466,7 +1501,8 @@ Status GraphMode::Synchronize() {
 size_t GraphMode::Trim() {
   ScopedContext ctx(backend_, device_);  // a user thread: the cells' event queries and revocations
   std::lock_guard<std::mutex> lock(mu_);
-  (void)ReturnSpares();  // spares whose last reader finished since the poller's last pass
+  (void)ReleaseLentReads();  // copies out of lent cells that ended since the poller's last pass
+  (void)ReturnSpares();
   return ReleaseIdleCells(/*now=*/true);
 }
 

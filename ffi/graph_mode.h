@@ -126,7 +126,11 @@ class GraphMode {
   bool TakeForRound(const Held& h, Channel& c, int i, const std::shared_ptr<Ticket>& a, Source* src);
   // Caller holds the ledger lock too: SourceOf, or the round's lent cell while it still holds the
   // bytes (ReturnSpares keeps the cell while a reader's pin is on the ticket).
-  Source RoundSourceOf(const Ticket& t);
+  Source RoundSourceOf(Ticket& t);
+  // After the copy from `src` and the record of `ev` behind it: a copy out of a lent or held cell is
+  // watched until `ev` completes (Ticket::lent_readers), not until the ticket's pins go.
+  void WatchLentRead(const Source& src, const std::shared_ptr<Ticket>& t, CUevent ev);
+  bool ReleaseLentReads();  // watched copies that have ended
   void PrefetchInto(Channel& c);    // the next predictions into the channel's idle reload cells
   void FillInvalid(Channel& c, int i);  // 0xFF into cell i, ordered after every copy into it
   bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
@@ -190,6 +194,8 @@ class GraphMode {
   // Unloaded guesses whose cell's copy (the prefetch that reads them) may still run, with that cell's
   // event at the time: unpinned by ReleaseUnpins once it has completed.
   std::vector<std::pair<CUevent, std::shared_ptr<Ticket>>> unpin_after_;
+  // Copies out of lent or held cells, with the reload cell's event recorded behind each.
+  std::vector<std::pair<CUevent, std::shared_ptr<Ticket>>> lent_reading_;
   GraphKernels& kernels_;  // the engine's; loaded and warmed here, by the first initialize stage (kernel grants)
   bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage

@@ -59,6 +59,7 @@ struct Ticket {
   // finished before the poller lent it), until a lend reuses that spare or its pages go back (GraphMode::Forget).
   // The channel owns the cell; this is a view, set and cleared under Ledger::mu_.
   CUdeviceptr lent_cell = 0;
+  int lent_readers = 0;  // copies out of lent_cell still running: the cell keeps the bytes until they end
 };
 
 // A reload resolved to `t`: it is consumed (freed once nothing reads it), unless it is kept.

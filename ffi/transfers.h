@@ -29,6 +29,7 @@ struct Source {
   const void* host = nullptr;
   bool unified = false;   // the host block is a host_numa mapping: copy by unified address
   bool pageable = false;  // the host block is pageable memory: copy through a PageableBounce
+  bool lent = false;      // graph mode: `resident` is a lent or held cell (GraphMode watches the copy)
 };
 
 // Caller holds the ledger lock. The ticket's own copy or host block (a lent cell is graph mode's).

@@ -1247,6 +1247,60 @@ def test_the_newest_offloads_are_read_on_the_device_after_every_spare_is_lent():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+def test_an_offload_round_between_prefetches_of_held_cells_and_their_reloads():
+    """Held cells and kept spares with prefetches reading them, then an offload round before the reloads
+    those prefetches are for (forward and backward interleaved, as in pipeline schedules). A lent or held
+    cell keeps its bytes while a copy out of it runs (Ticket::lent_readers), not while a prefetch pins
+    its ticket: that pin lasts until the reload round consumes it, which here comes after an offload
+    round that may need the very cell. (This sequence went through before that change too, since a
+    free spare took a held cell's bytes; it checks that the interleaving stays bit-exact.) Seven
+    offloads with 2 cells and 1 spare (lends, then held cells), two reload call sites that each
+    reload an old ticket, so that their ends prefetch the newest ones from held cells and the spare,
+    then an offload round before those reloads: it must finish, and every reload after it is bit-exact."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        import threading, time
+        jaxvmm.configure(staging_idle_ms=600000)
+        st = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            r.prepare((1 << 41) + 2, r.RELOAD, N)
+            with r.capture() as bwd2:
+                r.reload((1 << 41) + 2, tok.address, y.address, N)
+            toks = []
+            for i in range(7):
+                x.write(np.full(N, 20 + i, np.uint8)); r.launch(fwd[0]); r.synchronize()
+                toks.append(bytes(tok.read()))
+            def reload(g, i, v):
+                tok.write(np.frombuffer(toks[i], np.uint8)); r.launch(g[0]); r.synchronize()
+                got = np.frombuffer(bytes(y.read()), np.uint8)
+                assert np.all(got == v), (i, v, np.unique(got))
+            reload(bwd, 0, 20)
+            reload(bwd2, 1, 21)
+            time.sleep(0.5)  # every D2H is done; the two call sites prefetched their next guesses
+            s0 = st()
+            x.write(np.full(N, 99, np.uint8))
+            done = threading.Event()
+            def go():
+                r.launch(fwd[0]); r.synchronize(); done.set()
+            threading.Thread(target=go, daemon=True).start()
+            if not done.wait(20):
+                print("HUNG", s0, flush=True)
+                os._exit(3)
+            toks.append(bytes(tok.read()))
+            for g, i, v in ((bwd, 7, 99), (bwd, 6, 26), (bwd, 5, 25), (bwd2, 4, 24), (bwd2, 3, 23), (bwd, 2, 22)):
+                reload(g, i, v)
+            s = st()
+            assert s["errors"] == 0, s
+            assert s0["graph_holds"] >= 1 and s0["graph_lends"] >= 1 and s0["graph_lent_reads"] >= 1, s0
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "2",
+                                        "JAXVMM_GRAPH_SPARES": "1", "JAXVMM_POSIX_ASYNC": "1",
+                                        "JAXVMM_POSIX_LINK_US": "30000"}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
     """A lent spare holds a round's bytes until that round's D2H is done *and* no reader pins its ticket
     (GraphMode::ReturnSpares). The rule had no test that failed without it: readers of a lent cell (a
