@@ -1121,6 +1121,16 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+def _run_with_spares(code: str, cells: int, spares: int, link_us: int, **env) -> None:
+    """Runs `code` (it prints OK) with kernel grants, `cells` cells and `spares` spares per call site,
+    asynchronous posix streams and a link of `link_us` per pinned D2H or H2D."""
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(cells),
+                                        "JAXVMM_GRAPH_SPARES": str(spares), "JAXVMM_POSIX_ASYNC": "1",
+                                        "JAXVMM_POSIX_LINK_US": str(link_us), **{k: str(v) for k, v in env.items()}},
+                             timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("cells,spares", [(2, 0), (2, 6), (1, 3)])
 def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
     """A link slower than the device (the cpu backend's streams run on threads, each D2H and H2D takes 3 ms):
@@ -1188,10 +1198,7 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
         assert s["graph_mapped_bytes"] == 0 and s["tickets_live"] == 0, s
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(cells),
-                                        "JAXVMM_GRAPH_SPARES": str(spares), "JAXVMM_POSIX_ASYNC": "1",
-                                        "JAXVMM_POSIX_LINK_US": "3000"}, timeout=120)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    _run_with_spares(code, cells=cells, spares=spares, link_us=3000)
 
 
 def test_the_newest_offloads_are_read_on_the_device_after_every_spare_is_lent():
@@ -1241,10 +1248,7 @@ def test_the_newest_offloads_are_read_on_the_device_after_every_spare_is_lent():
         jaxvmm.collect()
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "2",
-                                        "JAXVMM_GRAPH_SPARES": "2", "JAXVMM_POSIX_ASYNC": "1",
-                                        "JAXVMM_POSIX_LINK_US": "40000"}, timeout=120)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    _run_with_spares(code, cells=2, spares=2, link_us=40000)
 
 
 def test_an_offload_round_between_prefetches_of_held_cells_and_their_reloads():
@@ -1295,20 +1299,18 @@ def test_an_offload_round_between_prefetches_of_held_cells_and_their_reloads():
         jaxvmm.collect()
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "2",
-                                        "JAXVMM_GRAPH_SPARES": "1", "JAXVMM_POSIX_ASYNC": "1",
-                                        "JAXVMM_POSIX_LINK_US": "30000"}, timeout=120)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_with_spares(code, cells=2, spares=1, link_us=30000)
 
 
 def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
-    """A lent spare holds a round's bytes until that round's D2H is done *and* no reader pins its ticket
-    (GraphMode::ReturnSpares). The rule had no test that failed without it: readers of a lent cell (a
-    reload's device-to-device correction, a prefetch) used to finish long before the D2H they race. Here
+    """A lent spare holds a round's bytes until that round's D2H is done (GraphMode::ReturnSpares), and
+    keeps them after that until no copy out of it still runs (Ticket::lent_readers). The rule had no test
+    that failed without it: readers of a lent cell (a reload's device-to-device correction, a prefetch)
+    used to finish long before the D2H they race. Here
     every side-stream D2D waits 300 ms (JAXVMM_POSIX_DTOD_US) and every D2H 20 ms: forward rounds A..D
     on one stream lend two spares (A's and B's bytes); a reload of B on a second stream copies from B's
     lent cell, slowly; B's D2H ends meanwhile; more forward rounds on the first stream lend spares
-    again. Without the pin rule B's spare is lent to one of them and overwritten before the reload's copy
+    again. Without the rule B's spare is lent to one of them and overwritten before the reload's copy
     reads it (the reload returned 105, a later round's bytes)."""
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         import time
@@ -1338,10 +1340,7 @@ def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
             assert np.all(got == 11), np.unique(got)
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "2",
-                                        "JAXVMM_GRAPH_SPARES": "2", "JAXVMM_POSIX_ASYNC": "1",
-                                        "JAXVMM_POSIX_LINK_US": "20000", "JAXVMM_POSIX_DTOD_US": "300000"}, timeout=120)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    _run_with_spares(code, cells=2, spares=2, link_us=20000, JAXVMM_POSIX_DTOD_US=300000)
 
 
 def test_a_waiting_round_gets_the_device_pages_of_its_own_free_spare():
@@ -1381,10 +1380,7 @@ def test_a_waiting_round_gets_the_device_pages_of_its_own_free_spare():
             assert s["errors"] == 0 and s["graph_cells_host"] == 0 and s["tickets_live"] == 0, s
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "1",
-                                        "JAXVMM_GRAPH_SPARES": "1", "JAXVMM_POSIX_ASYNC": "1",
-                                        "JAXVMM_POSIX_LINK_US": "300000"}, timeout=120)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    _run_with_spares(code, cells=1, spares=1, link_us=300000)
 
 
 @pytest.mark.parametrize("k,rounds", [(1, 2), (2, 2), (3, 3)])

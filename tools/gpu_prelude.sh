@@ -56,6 +56,18 @@ mlp_row() {
   echo "=== row $label $shape $* ($((SECONDS - ${T0:-0})) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-400
 }
 
+# spare_rows "CELLS:SPARES:SHAPE[:while] ...": mlp_row for each (graph_cells, graph_spares, --mlp-shape;
+# `while`: XLA's +WHILE command buffers, else its default), 60 s each, into $OUT/rows.txt.
+spare_rows() {
+  local spec c n shape mode flags
+  : > "$OUT/rows.txt"
+  for spec in $1; do
+    IFS=: read -r c n shape mode <<< "$spec"
+    flags=""; [[ $mode == while ]] && flags="--xla_gpu_enable_command_buffer=+WHILE"
+    ROW_TIMEOUT=60 mlp_row "cells=$c,spares=$n${mode:+,$mode}" "$shape" JAXVMM_GRAPH_CELLS="$c" JAXVMM_GRAPH_SPARES="$n" XLA_FLAGS="$flags"
+  done
+}
+
 # round_prof LABEL VARIANT [VAR=value ...]: tools/round_profile.py of the 1 MiB MLP-scan row (VARIANT:
 # save or jaxvmm) with those environment variables into $OUT/prof_LABEL.txt, then its summary: the GPU
 # span, jaxvmm's kernels with their longest rounds, the copies, the compute stream's gaps.
