@@ -544,13 +544,10 @@ size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
       Cell& cell = c.cells[i];
       if (!cell.mapped || cell.round == Channel::Round::kGranted || (device_only && cell.host_pages)) continue;
       if (cell.round == Channel::Round::kArmed && !Revoke(c, i)) continue;  // the device took the grant: its round is live
+      if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy still uses it (a held cell's D2H)
       {
         Held h = ledger_.Lock();
         if (!Unhold(h, cell)) continue;  // a reload's copy still reads its bytes
-      }
-      if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy still uses it
-      {
-        Held h = ledger_.Lock();
         Unload(h, c, i);
       }
       UnmapCell(c, i);
@@ -916,9 +913,12 @@ bool GraphMode::Arm(Channel& c, int i, bool host, bool settled) {
       return false;
     }
   }
+  // gd2h_ orders the grant after the cell's D2H; new pages (a lend) or a settled cell (no copy out of
+  // it pending: its D2H done, its event complete) need no order, and garm_ does not queue the grant
+  // behind other cells' D2Hs.
+  if (!lent && !settled && (!cell.draining || transfers_.D2hDone(*cell.draining)))
+    settled = !cell.stream || Driver(backend_).EventQuery(cell.event) == CUDA_SUCCESS;
   cell.draining.reset();
-  // gd2h_ orders the grant after the cell's D2H; new pages (a lend) or a settled cell have no copy
-  // pending, and garm_ does not queue the grant behind other cells' D2Hs.
   CUstream s = lent || settled ? garm_ : gd2h_;
   const uint64_t token = ledger_.ArmToken();  // armed before the device can take it (WaitUntilServed)
   Status st = WriteDevice(s, c.Grant(i), token, "offload grant (graph)");
@@ -964,23 +964,25 @@ bool GraphMode::Unhold(const Held& h, Cell& cell) {
 }
 
 bool GraphMode::ServeHeld(Channel& c) {
-  // Caller holds mu_. A held cell is armed once its D2H is done and no reload reads it (on garm_: no
-  // copy of its is pending), or earlier once a spare is free to take its bytes (Lend moves the
-  // ticket's lent_cell with them).
+  // Caller holds mu_. A held cell is armed once a mapped spare is free to take its bytes (Lend moves
+  // them, and the ticket's lent_cell, into the spare: the newest bytes stay readable, in place of the
+  // oldest a spare kept), or else once its D2H is done and no copy reads it (on garm_: no copy of its
+  // is pending). No new spare is mapped here: that is tried once, when the cell is armed after its
+  // round, not on every pass.
   bool busy = false;
   for (int i = 0; i < c.ncells; ++i) {
     Cell& cell = c.cells[i];
     if (cell.round != Channel::Round::kHeld) continue;
-    bool settled = false;
-    {
-      Held h = ledger_.Lock();
-      settled = transfers_.D2hDone(*cell.draining) && Unhold(h, cell);
-    }
-    if (settled) {
-      cell.draining.reset();
-    } else {
-      if (!Lend(c, i)) continue;
+    if (Lend(c, i, /*may_map=*/false)) {
       cell.round = Channel::Round::kIdle;
+    } else {
+      bool settled = false;
+      {
+        Held h = ledger_.Lock();
+        settled = transfers_.D2hDone(*cell.draining) && Unhold(h, cell);
+      }
+      if (!settled) continue;
+      cell.draining.reset();
     }
     busy = true;
     (void)Arm(c, i, cell.host_grant, /*settled=*/true);
@@ -988,7 +990,7 @@ bool GraphMode::ServeHeld(Channel& c) {
   return busy;
 }
 
-bool GraphMode::Lend(Channel& c, int i) {
+bool GraphMode::Lend(Channel& c, int i, bool may_map) {
   // Caller holds mu_. Cell i's pages (with the bytes its D2H still reads) go to a free spare, lent
   // to the ticket until that D2H is done; the cell takes the spare's pages and VA, and the device word
   // naming cell i's address changes on garm_, where the grant that follows is written.
@@ -1011,7 +1013,7 @@ bool GraphMode::Lend(Channel& c, int i) {
     }
     if (sp && !Forget(h, *sp)) sp = nullptr;
   }
-  if (!sp)
+  if (!sp && may_map)
     for (Spare& x : c.spares)
       if (!x.lent && !x.mapped) {
         if (MapSpare(c, x)) sp = &x;
@@ -1185,7 +1187,7 @@ bool GraphMode::ServiceOffloadK(Channel& c) {
       if (c.cells[i].round != Channel::Round::kIdle) continue;
       if (pick < 0 || (c.cells[i].mapped && !c.cells[pick].mapped)) pick = i;
     }
-    if (pick < 0) return busy;  // every cell is under a live round: its filled comes first
+    if (pick < 0) return busy;  // every cell is under a live round (its filled comes first) or held (ServeHeld arms it)
     if (!MapCell(c, pick)) return busy;  // no room in the staging budget yet: the next pass retries
     if (Arm(c, pick, /*host=*/true)) {
       c.waiting = false;

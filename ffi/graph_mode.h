@@ -59,7 +59,8 @@ struct GraphStats {
   // Spare cells (graph_spares): offload rounds whose cell was re-armed with a spare while its D2H was
   // still queued (the cell's bytes lent to its ticket), and reload copies served from such a lent cell
   // (device to device, without waiting for PCIe); kept_reads: those among them whose D2H had already
-  // finished (the spare kept the bytes after it was free again).
+  // finished (a spare that kept the bytes after it was free again, or a lent or held cell whose D2H
+  // ended while its bytes were still there).
   // holds: offload cells held unarmed, their bytes readable, because every spare was lent (Round::kHeld).
   int64_t spares = 0, lends = 0, lent_reads = 0, kept_reads = 0, holds = 0;
 };
@@ -124,8 +125,8 @@ class GraphMode {
   // reload it; the round consumes `a` in cell i (true: a hit, the cell holds it already).
   std::shared_ptr<Ticket> FindForRound(const Held& h, const Channel& c, uint64_t token, std::string* why);
   bool TakeForRound(const Held& h, Channel& c, int i, const std::shared_ptr<Ticket>& a, Source* src);
-  // Caller holds the ledger lock too: SourceOf, or the round's lent cell while it still holds the
-  // bytes (ReturnSpares keeps the cell while a reader's pin is on the ticket).
+  // Caller holds the ledger lock too: SourceOf, or the lent, held or kept cell that still holds the
+  // ticket's bytes (counted in Ticket::lent_readers: the caller then calls WatchLentRead).
   Source RoundSourceOf(Ticket& t);
   // After the copy from `src` and the record of `ev` behind it: a copy out of a lent or held cell is
   // watched until `ev` completes (Ticket::lent_readers), not until the ticket's pins go.
@@ -148,10 +149,12 @@ class GraphMode {
   void ReleaseUnpins(bool all);  // unloaded guesses' pins whose cell copy has ended (all: streams synced)
   // Writes `value` into `word`, ordered after cell i's last side-stream copy.
   void Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value = 1);
-  // Offload: a reserved token into grant[i], on gd2h_ after the cell's D2H; or, when a spare is free and
-  // that D2H is still queued, on garm_ after the cell took the spare's pages (Lend).
-  bool Arm(Channel& c, int i, bool host, bool settled = false);  // settled: no copy into or out of the cell is pending
-  bool Lend(Channel& c, int i);     // swaps cell i with a free spare; true: the cell is free now
+  // Offload: a reserved token into grant[i], on gd2h_ after the cell's D2H; or on garm_ when no copy out
+  // of the cell is pending (`settled`, or found so) or, when PCIe is behind and that D2H is still
+  // queued, after the cell took a free spare's pages (Lend). With no spare to lend, holds the cell
+  // instead (Hold; returns false).
+  bool Arm(Channel& c, int i, bool host, bool settled = false);
+  bool Lend(Channel& c, int i, bool may_map = true);  // swaps cell i with a free spare; true: the cell is free now
   void Hold(Channel& c, int i, bool host);        // no spare to lend: cell i keeps its bytes readable, unarmed
   bool Unhold(const Held& h, Cell& cell);         // a held cell's bytes unreadable again; false: a reader pins them
   bool ServeHeld(Channel& c);                     // arms held cells that settled or found a spare

@@ -55,8 +55,9 @@ struct Ticket {
   // A device copy (a prefetch hint's, or the offload's own staging cell kept by keep_resident):
   // readers wait for the cell's free event (recorded after the copy that filled it).
   StagingLease resident;
-  // Graph mode: the round's bytes in a lent spare cell of its offload channel (complete: its round
-  // finished before the poller lent it), until a lend reuses that spare or its pages go back (GraphMode::Forget).
+  // Graph mode: the round's bytes in a lent or kept spare, or a held cell, of its offload channel
+  // (complete: its round finished before the poller lent or held it), until a lend reuses that spare or
+  // its pages go back (GraphMode::Forget), or the held cell is armed (GraphMode::Unhold).
   // The channel owns the cell; this is a view, set and cleared under Ledger::mu_.
   CUdeviceptr lent_cell = 0;
   int lent_readers = 0;  // copies out of lent_cell still running: the cell keeps the bytes until they end
