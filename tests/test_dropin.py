@@ -573,7 +573,9 @@ def test_hessian_of_a_jitted_scan_and_cond_of_checkpoints_equals_jax():
     for loss in (scanned, conded):
         before = estats()
         got = jax.hessian(jax.jit(functools.partial(loss, VMM)))(x)
-        assert_trees_bit_equal(got, jax.hessian(jax.jit(functools.partial(loss, REF)))(x))
+        # Within 2 ulps, not bit for bit: with jax 0.12 one element of the scan case's hessian differs by
+        # 1 ulp (XLA compiles the arithmetic around the reload differently); jax 0.10 and 0.11 are exact.
+        assert_trees_ulp_close(got, jax.hessian(jax.jit(functools.partial(loss, REF)))(x), ulps=2)
         jaxvmm.check()
         d = delta(estats(), before)
         assert d["offloads"] == d["reloads"] > 1 and d["tickets_live"] == 0, d

@@ -1116,8 +1116,9 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
         jaxvmm.collect()
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(k)},
-                             timeout=120)
+    # Synchronous streams whatever the environment says: the exact grant counts assume them.
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(k),
+                                        "JAXVMM_POSIX_ASYNC": "0"}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
