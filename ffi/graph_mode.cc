@@ -1005,7 +1005,6 @@ bool GraphMode::Lend(Channel& c, int i, bool may_map) {
       if (x.lent || !x.mapped) continue;
       const std::shared_ptr<Ticket> k = x.kept.lock();
       if (!k) {
-        x.kept.reset();
         sp = &x;
         break;
       }
@@ -1424,11 +1423,17 @@ void GraphMode::Stop() {
   for (CUstream s : {gd2h_, gh2d_, garm_, gfix_})  // every copy into or out of a cell has finished
     if (s) d.StreamSynchronize(s);
   std::lock_guard<std::mutex> lock(mu_);
+  {
+    Held h = ledger_.Lock();
+    for (auto& [ev, t] : lent_reading_) t->lent_readers -= 1;  // every copy has ended (streams synchronized)
+    lent_reading_.clear();
+  }
   channels_.ForEach([&](Channel& c) {
     for (int i = 0; i < kMaxCells; ++i) {
       Cell& cell = c.cells[i];
       {
         Held h = ledger_.Lock();
+        (void)Unhold(h, cell);
         Unload(h, c, i);
         if (cell.ticket) {
           if (c.kind == ChannelKind::kReload) cell.ticket->pins -= 1;
@@ -1436,7 +1441,6 @@ void GraphMode::Stop() {
           ledger_.Retire(h, cell.ticket);
           cell.ticket.reset();
         }
-        if (cell.draining && cell.draining->lent_cell == cell.addr) cell.draining->lent_cell = 0;  // held
       }
       UnmapCell(c, i);
       if (cell.slot_id >= 0) (void)Registry::Get().Close(cell.slot_id);
@@ -1450,9 +1454,7 @@ void GraphMode::Stop() {
         Held h = ledger_.Lock();
         if (sp.lent) sp.lent->lent_cell = 0;
         sp.lent.reset();
-        const std::shared_ptr<Ticket> k = sp.kept.lock();  // every stream was synchronized: no reader is left
-        if (k && k->lent_cell == sp.addr) k->lent_cell = 0;
-        sp.kept.reset();
+        (void)Forget(h, sp);  // no copy out of it is left
       }
       UnmapSpare(c, sp);
       if (sp.slot_id >= 0) (void)Registry::Get().Close(sp.slot_id);
@@ -1460,11 +1462,6 @@ void GraphMode::Stop() {
     }
   });
   ReleaseUnpins(/*all=*/true);  // every stream was synchronized above
-  {
-    Held h = ledger_.Lock();
-    for (auto& [ev, t] : lent_reading_) t->lent_readers -= 1;
-    lent_reading_.clear();
-  }
 }
 
 Status GraphMode::CapturedPrefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out) {

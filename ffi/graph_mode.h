@@ -156,12 +156,12 @@ class GraphMode {
   bool Arm(Channel& c, int i, bool host, bool settled = false);
   bool Lend(Channel& c, int i, bool may_map = true);  // swaps cell i with a free spare; true: the cell is free now
   void Hold(Channel& c, int i, bool host);        // no spare to lend: cell i keeps its bytes readable, unarmed
-  bool Unhold(const Held& h, Cell& cell);         // a held cell's bytes unreadable again; false: a reader pins them
+  bool Unhold(const Held& h, Cell& cell);         // a held cell's bytes unreadable again; false: a copy out of it runs
   bool ServeHeld(Channel& c);                     // arms held cells that settled or found a spare
   bool MapSpare(Channel& c, Spare& s);
   void UnmapSpare(Channel& c, Spare& s);
   bool ReturnSpares();              // lent spares whose ticket's D2H is done are free (they keep its bytes)
-  bool Forget(const Held& h, Spare& sp);  // drops the bytes a free spare keeps; false: a reader pins them
+  bool Forget(const Held& h, Spare& sp);  // drops the bytes a free spare keeps; false: a copy out of it runs
   void ArmIdleCells(Channel& c);    // offload: arms every idle cell it can map within the budget
   bool Revoke(Channel& c, int i);   // takes cell i's armed grant back; true: none is outstanding any more
   Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);

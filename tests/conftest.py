@@ -241,11 +241,9 @@ def engine_hygiene():
     drain_errors()
 
 
-def assert_trees_ulp_close(got, want, ulps: int = 2) -> None:
-    """Like assert_trees_bit_equal, but float leaves may differ by up to `ulps` units in the last place
-    (same sign, both finite). For programs whose arithmetic XLA may fuse differently around a custom
-    call than around the plain value it replaces (FMA contraction on some hosts); a wrong or shifted
-    reload still shows as a difference of many ulps."""
+def _leaf_pairs(got, want):
+    """(i, a, b) for each pair of leaves of two pytrees of the same structure, as contiguous numpy arrays
+    of the same shape and dtype."""
     import numpy as np
     import jax
 
@@ -253,8 +251,19 @@ def assert_trees_ulp_close(got, want, ulps: int = 2) -> None:
     w, wd = jax.tree.flatten(want)
     assert gd == wd, (gd, wd)
     for i, (a, b) in enumerate(zip(g, w)):
-        a, b = np.asarray(a), np.asarray(b)
+        a, b = np.ascontiguousarray(np.asarray(a)), np.ascontiguousarray(np.asarray(b))
         assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, a.dtype, b.shape, b.dtype)
+        yield i, a, b
+
+
+def assert_trees_ulp_close(got, want, ulps: int = 2) -> None:
+    """Like assert_trees_bit_equal, but float leaves may differ by up to `ulps` units in the last place
+    (same sign, both finite). For programs whose arithmetic XLA may fuse differently around a custom
+    call than around the plain value it replaces (FMA contraction on some hosts); a wrong or shifted
+    reload still shows as a difference of many ulps."""
+    import numpy as np
+
+    for i, a, b in _leaf_pairs(got, want):
         if not np.issubdtype(a.dtype, np.floating) or a.tobytes() == b.tobytes():
             assert a.tobytes() == b.tobytes(), (i, a.ravel()[:8], b.ravel()[:8])
             continue
@@ -267,14 +276,6 @@ def assert_trees_ulp_close(got, want, ulps: int = 2) -> None:
 def assert_trees_bit_equal(got, want) -> None:
     """Two pytrees with the same structure whose leaves have the same shape, dtype and bytes (nan
     payloads and -0.0 included): what "bit-exact" means in these tests."""
-    import numpy as np
-    import jax
-
-    g, gd = jax.tree.flatten(got)
-    w, wd = jax.tree.flatten(want)
-    assert gd == wd, (gd, wd)
-    for i, (a, b) in enumerate(zip(g, w)):
-        a, b = np.ascontiguousarray(np.asarray(a)), np.ascontiguousarray(np.asarray(b))
-        assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, a.dtype, b.shape, b.dtype)
+    for i, a, b in _leaf_pairs(got, want):
         if a.tobytes() != b.tobytes():
             raise AssertionError(f"leaf {i} {a.dtype}{list(a.shape)}: bits differ: {a.ravel()[:8]} vs {b.ravel()[:8]}")
