@@ -357,9 +357,10 @@ def run_child(args) -> dict:
         res["graph_rounds_per_step"] = (d.get("graph_offload_rounds", 0) + d.get("graph_reload_rounds", 0)) / args.steps
         # Rounds that took their grant on the device (no poller round trip on the device's path).
         res["graph_device_grants_per_step"] = d.get("graph_grants_device", 0) / args.steps
-        # Spare cells (graph_spares): offload cells swapped for a spare while their D2H was queued, and
-        # reloads copied device to device from such a lent cell.
+        # Spare cells (graph_spares): offload cells swapped for a spare while their D2H was queued; held
+        # cells (kept unarmed until their D2H is done); reloads copied device to device from either.
         res["graph_lends_per_step"] = d.get("graph_lends", 0) / args.steps
+        res["graph_holds_per_step"] = d.get("graph_holds", 0) / args.steps
         res["graph_lent_reads_per_step"] = d.get("graph_lent_reads", 0) / args.steps
         res["graph_kept_reads_per_step"] = d.get("graph_kept_reads", 0) / args.steps
         res["pinned_bytes"] = after["pinned_bytes"]
@@ -512,9 +513,10 @@ def evaluate(results: dict, model: str, target: str, variant: str) -> tuple[list
             hits += f", {r['graph_rounds_per_step']:.0f} graph rounds/step"
             if r.get("graph_device_grants_per_step"):
                 hits += f" ({r['graph_device_grants_per_step']:.0f} granted on the device)"
-            if r.get("graph_lends_per_step"):
-                hits += (f", {r['graph_lends_per_step']:.0f} lends/{r['graph_lent_reads_per_step']:.0f} "
-                         f"lent reads ({r.get('graph_kept_reads_per_step', 0):.0f} after their D2H) per step")
+            if r.get("graph_lends_per_step") or r.get("graph_holds_per_step") or r.get("graph_lent_reads_per_step"):
+                hits += (f", {r['graph_lends_per_step']:.0f} lends/{r.get('graph_holds_per_step', 0):.0f} holds/"
+                         f"{r['graph_lent_reads_per_step']:.0f} lent reads ({r.get('graph_kept_reads_per_step', 0):.0f} "
+                         f"after their D2H) per step")
             if not r.get("handler_calls_per_step"):
                 hits += " (no handler call)"
     peak = human(r["device_bytes"]) if r.get("device_bytes") is not None else "n/a"

@@ -66,9 +66,10 @@ struct Cell : CellPages {
     // Kernel grants only: offload: grant[i] holds grant_token (the device may have taken it: only a
     // revoke tells); reload: grant[i] names `loaded`, whose bytes are in the cell.
     kArmed = 2,
-    // Offload, spares: the cell's D2H is queued behind others and no spare was free to take its bytes,
-    // so it is not armed behind that D2H; until the poller arms it (D2H done and no reader, or a spare
-    // free to lend) no grant is out and its bytes stay readable device to device (Ticket::lent_cell).
+    // Offload: spares: the cell's D2H is queued behind others and no spare was free to take its bytes,
+    // so it is not armed behind that D2H; or the one cell of a large call site, until its next round
+    // knocks (until_knock). Until the poller arms it (D2H done and no reader, or a spare free to lend)
+    // no grant is out and its bytes stay readable device to device (Ticket::lent_cell).
     kHeld = 3,
   };
   Round round = Round::kIdle;
@@ -80,6 +81,7 @@ struct Cell : CellPages {
   CUstream stream = nullptr;       // the stream that copy ran on (grants are ordered after it)
   CUstream grant_stream = nullptr; // offload, kArmed: the stream that wrote grant[i] (a revoke runs there)
   std::shared_ptr<Ticket> draining;  // offload: the ticket whose D2H out of this cell may still run
+  bool until_knock = false;          // offload, kHeld: armed only once a round knocks (GraphHold::kLarge)
 };
 
 // A spare cell of an offload channel (graph_spares): VA reserved with the channel's cells, pages mapped

@@ -31,6 +31,15 @@ struct EngineConfig {
   // may be recorded either way: each round leaves the channel's words as it found them).
   static void SetGraphFused(bool on);
   static bool GraphFused();
+  // Graph mode with grant kernels: which offload cells are *held* after their round (no grant out, their
+  // bytes readable device to device) instead of armed behind their D2H. kSpares: only when every spare
+  // of the channel is lent (channels with graph_spares), until a spare is free or the D2H is done.
+  // kLarge (the default): also the one cell of a call site whose arrays are above 32 MiB, until its
+  // next round knocks, so the backward's first reload, of the forward's last offload, copies it device
+  // to device instead of waiting for its D2H and an H2D. Read at each offload round.
+  enum class GraphHold { kSpares = 0, kLarge = 1 };
+  static void SetGraphHold(GraphHold h);
+  static GraphHold GraphHoldPolicy();
   // D2H and H2D copies between a staging cell and a host block are issued in pieces of at most this
   // many bytes (0: one copy), so that other copies on the copy engines (the other direction, XLA's
   // D2D snapshots) interleave with a large one instead of queueing behind all of it. Default 64 MiB.

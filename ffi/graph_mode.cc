@@ -909,9 +909,17 @@ bool GraphMode::Arm(Channel& c, int i, bool host, bool settled) {
   if (cell.draining && !c.spares.empty() && behind && !transfers_.D2hDone(*cell.draining)) {
     lent = Lend(c, i);
     if (!lent) {
-      Hold(c, i, host);
+      Hold(c, i, host, /*until_knock=*/false);
       return false;
     }
+  }
+  // The one cell of a large call site is held until its next round knocks (GraphHold::kLarge): after
+  // the forward's last round no round comes, and the backward's first reload, of exactly these bytes,
+  // copies them device to device instead of waiting for the D2H and an H2D of a large array. A knock
+  // costs the next round a poller round trip, small beside the compute that makes such an array.
+  if (!lent && cell.draining && HoldsUntilKnock(c)) {
+    Hold(c, i, host, /*until_knock=*/true);
+    return false;
   }
   // gd2h_ orders the grant after the cell's D2H; new pages (a lend) or a settled cell (no copy out of
   // it pending: its D2H done, its event complete) need no order, and garm_ does not queue the grant
@@ -939,10 +947,15 @@ bool GraphMode::Arm(Channel& c, int i, bool host, bool settled) {
   return true;
 }
 
-void GraphMode::Hold(Channel& c, int i, bool host) {
+bool GraphMode::HoldsUntilKnock(const Channel& c) {
+  return EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge && c.ncells == 1 && c.meta.nbytes > kMultiCellBytes;
+}
+
+void GraphMode::Hold(Channel& c, int i, bool host, bool until_knock) {
   // Caller holds mu_. Cell i keeps its draining ticket's bytes, readable device to device, until
   // ServeHeld arms it.
   Cell& cell = c.cells[i];
+  cell.until_knock = until_knock;
   {
     Held h = ledger_.Lock();
     cell.draining->lent_cell = cell.addr;
@@ -968,11 +981,13 @@ bool GraphMode::ServeHeld(Channel& c) {
   // them, and the ticket's lent_cell, into the spare: the newest bytes stay readable, in place of the
   // oldest a spare kept), or else once its D2H is done and no copy reads it (on garm_: no copy of its
   // is pending). No new spare is mapped here: that is tried once, when the cell is armed after its
-  // round, not on every pass.
+  // round, not on every pass. A cell held until a knock waits for one first (the device holds `knock`
+  // while its round waits; c.waiting once a pass saw it).
   bool busy = false;
+  const bool knocked = c.waiting || c.w->knock.load(std::memory_order_acquire) == 1;
   for (int i = 0; i < c.ncells; ++i) {
     Cell& cell = c.cells[i];
-    if (cell.round != Channel::Round::kHeld) continue;
+    if (cell.round != Channel::Round::kHeld || (cell.until_knock && !knocked)) continue;
     if (Lend(c, i, /*may_map=*/false)) {
       cell.round = Channel::Round::kIdle;
     } else {
@@ -985,7 +1000,8 @@ bool GraphMode::ServeHeld(Channel& c) {
       cell.draining.reset();
     }
     busy = true;
-    (void)Arm(c, i, cell.host_grant, /*settled=*/true);
+    // A grant that answers a knock is the host's (graph_grants_host), as the knock path's own.
+    (void)Arm(c, i, cell.host_grant || cell.until_knock, /*settled=*/true);
   }
   return busy;
 }

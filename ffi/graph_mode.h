@@ -155,7 +155,8 @@ class GraphMode {
   // instead (Hold; returns false).
   bool Arm(Channel& c, int i, bool host, bool settled = false);
   bool Lend(Channel& c, int i, bool may_map = true);  // swaps cell i with a free spare; true: the cell is free now
-  void Hold(Channel& c, int i, bool host);        // no spare to lend: cell i keeps its bytes readable, unarmed
+  void Hold(Channel& c, int i, bool host, bool until_knock);  // cell i keeps its bytes readable, unarmed
+  static bool HoldsUntilKnock(const Channel& c);  // GraphHold::kLarge: the one cell of a large call site
   bool Unhold(const Held& h, Cell& cell);         // a held cell's bytes unreadable again; false: a copy out of it runs
   bool ServeHeld(Channel& c);                     // arms held cells that settled or found a spare
   bool MapSpare(Channel& c, Spare& s);

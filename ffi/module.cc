@@ -784,6 +784,14 @@ NB_MODULE(_jaxvmm, m) {
     if (on >= 0) EngineConfig::SetGraphFused(on != 0);
     return static_cast<int>(EngineConfig::GraphFused());
   });
+  // Which graph-mode offload cells are held after their round: "spares" or "large" (validated in
+  // Python first); "" leaves it. Returns the value in force.
+  m.def("graph_hold", [](const std::string& h) {
+    static const char* const kNames[] = {"spares", "large"};
+    for (int i = 0; i < 2; ++i)
+      if (h == kNames[i]) EngineConfig::SetGraphHold(static_cast<EngineConfig::GraphHold>(i));
+    return std::string(kNames[static_cast<int>(EngineConfig::GraphHoldPolicy())]);
+  });
   // Spare cells per offload channel for channels prepared from now on (validated in Python first); -1
   // leaves it. Returns the value in force.
   m.def("graph_spares", [](int n) {

@@ -104,6 +104,7 @@ class EnvVar:
 
 
 HOST_STORES = ("pinned", "host_numa")
+GRAPH_HOLDS = ("spares", "large")
 
 
 def parse_choice(value, where: str, choices) -> str:
@@ -138,6 +139,11 @@ VARIABLES = {
                "graph mode with grant kernels: spare cells per offload call site, lent while PCIe is behind (0)"),
         EnvVar("JAXVMM_GRAPH_FUSED", "bool",
                doc="graph mode with grant kernels and several cells: each round is one fused take + copy kernel (on) or a take, a copy and a publish kernel (off, the default)"),
+        EnvVar("JAXVMM_GRAPH_HOLD", "choice",
+               doc="graph mode with grant kernels: which offload cells are held after their round, their bytes readable "
+                   "on the device, instead of armed behind their D2H: spares (only while every spare is lent) or large "
+                   "(also the one cell of a call site whose arrays are above 32 MiB, until its next round; the default)",
+               choices=GRAPH_HOLDS),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
         EnvVar("JAXVMM_WORKER_SPIN_US", "int", 0, 100_000,
                "how long the engine's workers spin (yielding) on an op's event or word before they nap (50)"),
@@ -190,6 +196,8 @@ def apply(lib, values: dict) -> None:
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
     lib.set_graph_kernels(bool(values.get("JAXVMM_GRAPH_KERNELS", True)))
     lib.graph_fused(int(bool(values.get("JAXVMM_GRAPH_FUSED", False))))
+    if "JAXVMM_GRAPH_HOLD" in values:
+        lib.graph_hold(values["JAXVMM_GRAPH_HOLD"])
     if "JAXVMM_GRAPH_CELLS" in values:
         lib.graph_cells(values["JAXVMM_GRAPH_CELLS"])
     if "JAXVMM_GRAPH_SPARES" in values:

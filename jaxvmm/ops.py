@@ -698,7 +698,8 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
               prefetch_depth: int | None = None, keep_resident: int | None = None,
               staging_budget: int | str | None = None, staging_idle_ms: int | None = None,
               host_store: str | None = None, copy_chunk: int | str | None = None,
-              graph_cells: int | None = None, graph_spares: int | None = None) -> dict:
+              graph_cells: int | None = None, graph_spares: int | None = None,
+              graph_hold: str | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
@@ -748,7 +749,16 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
       once) and return them when idle. Each mapped spare is one activation of device memory the offload
       does not free: a trade of memory for time where PCIe is the limit; ``engine_stats()``:
       ``graph_lends``, ``graph_lent_reads``, ``graph_kept_reads``, ``graph_holds``.
-      Applies to call sites prepared from now on."""
+      Applies to call sites prepared from now on.
+    graph_hold: graph mode with grant kernels: which offload cells are *held* after their round (no
+      grant out, their bytes readable on the device) instead of armed behind their copy to the host
+      (env ``JAXVMM_GRAPH_HOLD``). ``"large"`` (the default): the one cell of a call site whose arrays
+      are above 32 MiB is held until that call site's next round, so the backward pass's first reload,
+      of the forward's last offload, copies it device to device instead of waiting for its copy to the
+      host and back (on the H200 ~5 ms for a 256 MiB activation); each later round of the call site
+      then waits for a poller round trip, small beside the compute that makes such an array.
+      ``"spares"``: only cells of call sites whose spares are all lent (see ``graph_spares``). Applies
+      from the next offload round on."""
     where = "configure: "
     if host_pool_limit is not None:
         host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
@@ -768,6 +778,11 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
             raise _type_error(f"jaxvmm: configure: host_store={host_store!r} is invalid: expected one of "
                               f"{', '.join(repr(c) for c in _config.HOST_STORES)}")
         host_store = _config.parse_choice(host_store, where + "host_store", _config.HOST_STORES)
+    if graph_hold is not None:
+        if not isinstance(graph_hold, str):
+            raise _type_error(f"jaxvmm: configure: graph_hold={graph_hold!r} is invalid: expected one of "
+                              f"{', '.join(repr(c) for c in _config.GRAPH_HOLDS)}")
+        graph_hold = _config.parse_choice(graph_hold, where + "graph_hold", _config.GRAPH_HOLDS)
     if prefetch_depth is not None:
         prefetch_depth = _config.parse_int(prefetch_depth, where + "prefetch_depth", lo=1,
                                            hi=_config.MAX_PREFETCH_DEPTH)
@@ -795,6 +810,7 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
     out["copy_chunk"] = chunk
     out["graph_cells"] = int(lib.graph_cells(0 if graph_cells is None else graph_cells))
     out["graph_spares"] = int(lib.graph_spares(-1 if graph_spares is None else graph_spares))
+    out["graph_hold"] = str(lib.graph_hold("" if graph_hold is None else graph_hold))
     return out
 
 

@@ -81,13 +81,14 @@ def test_valid_environment_values_reach_the_core_subprocess():
     env = {**ENV, "JAXVMM_HOST_POOL_LIMIT": "3GiB", "JAXVMM_HOST_POOL_CHUNK": "64m", "JAXVMM_PREFETCH_DEPTH": "3",
            "JAXVMM_KEEP_RESIDENT": "1", "JAXVMM_TRACE": "0", "JAXVMM_PREDICT": "true",
            "JAXVMM_STAGING_BUDGET": "96MiB", "JAXVMM_STAGING_IDLE_MS": "75", "JAXVMM_HOST_STORE": "host_numa",
-           "JAXVMM_COPY_CHUNK": "8M", "JAXVMM_GRAPH_CELLS": "3", "JAXVMM_GRAPH_SPARES": "5"}
+           "JAXVMM_COPY_CHUNK": "8M", "JAXVMM_GRAPH_CELLS": "3", "JAXVMM_GRAPH_SPARES": "5",
+           "JAXVMM_GRAPH_HOLD": "Spares"}
     r = run_in_subprocess(code, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     want = sorted({"host_pool_limit": 3 * GiB, "host_pool_chunk": 64 * MiB, "prefetch_depth": 3,
                    "keep_resident": 1, "staging_budget": 96 * MiB, "staging_idle_ms": 75,
                    "host_store": "host_numa", "copy_chunk": 8 * MiB, "graph_cells": 3,
-                   "graph_spares": 5}.items())
+                   "graph_spares": 5, "graph_hold": "spares"}.items())
     assert str(want) in r.stdout, r.stdout
 
 
@@ -147,7 +148,7 @@ def test_configure_accepts_size_strings():
     {"prefetch_depth": 1 << 40}, {"keep_resident": 1 << 31}, {"keep_resident": 1 << 64}, {"host_pool_limit": "1Q"},
     {"prefetch_depth": 0}, {"keep_resident": -1}, {"prefetch_depth": True}, {"prefetch_depth": 2.0},
     {"graph_cells": 0}, {"graph_cells": 5}, {"graph_cells": "2"}, {"graph_cells": True}, {"graph_cells": 2.0},
-    {"graph_spares": -1}, {"graph_spares": 65}, {"graph_spares": "8"},
+    {"graph_spares": -1}, {"graph_spares": 65}, {"graph_spares": "8"}, {"graph_hold": "all"}, {"graph_hold": 1},
 ])
 def test_configure_refuses_values_the_core_cannot_hold(kwargs):
     before = jaxvmm.configure()

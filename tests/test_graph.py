@@ -1252,6 +1252,54 @@ def test_the_newest_offloads_are_read_on_the_device_after_every_spare_is_lent():
     _run_with_spares(code, cells=2, spares=2, link_us=40000)
 
 
+@pytest.mark.parametrize("mib,hold,held", [(40, None, True), (40, "spares", False), (1, None, False)])
+def test_the_forward_s_last_large_offload_is_reloaded_device_to_device(mib, hold, held):
+    """A call site of arrays above 32 MiB has one cell, and armed it behind the D2H out of it, so the
+    backward's first reload, of the forward's last offload, waited for that D2H (if still running) and
+    then for an H2D of the same bytes: on the H200, ~5 ms each for a 256 MiB activation. Now that cell is
+    held after its round until the next round knocks (JAXVMM_GRAPH_HOLD=large, the default; `spares`
+    holds only when a channel's spares are all lent, as before), and a reload meanwhile copies its bytes
+    device to device. Here each D2H takes 150 ms: the newest offload is reloaded on the device, every
+    byte is checked, and each round after a hold knocks and gets its cell once its D2H is done. Small
+    call sites (K cells, or one cell with graph_cells=1 as here) keep arming behind the D2H."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
+        HELD = {held}
+        N = {mib} << 20
+        x, y = mk(N), mk(N)
+        jaxvmm.configure(staging_idle_ms=600000)
+        st = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            def forward(base, n):
+                toks = []
+                for i in range(n):
+                    x.write(np.full(N, base + i, np.uint8)); r.launch(fwd[0]); r.synchronize()
+                    toks.append(bytes(tok.read()))
+                return toks
+            def reload(t, v):
+                tok.write(np.frombuffer(t, np.uint8)); r.launch(bwd[0]); r.synchronize()
+                got = np.frombuffer(bytes(y.read()), np.uint8)
+                assert np.all(got == v), (v, np.unique(got))
+            for step in range(2):
+                toks = forward(10 * step, 3)
+                s0 = st()
+                for i in (2, 1, 0):
+                    reload(toks[i], 10 * step + i)
+                s1 = st()
+                if HELD:
+                    assert s1["graph_lent_reads"] - s0["graph_lent_reads"] >= 1, (s0, s1)
+                    assert s0["graph_holds"] >= 3 * (step + 1), s0
+                else:
+                    assert s1["graph_lent_reads"] == 0 and s1["graph_holds"] == 0, s1
+            jaxvmm.synchronize()
+            assert st()["errors"] == 0, st()
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    env = {"JAXVMM_GRAPH_HOLD": hold} if hold else {}
+    _run_with_spares(code, cells=1, spares=0, link_us=150000, **env)
+
+
 def test_an_offload_round_between_prefetches_of_held_cells_and_their_reloads():
     """Held cells and kept spares with prefetches reading them, then an offload round before the reloads
     those prefetches are for (forward and backward interleaved, as in pipeline schedules). A lent or held

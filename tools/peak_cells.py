@@ -1,0 +1,66 @@
+"""What jaxvmm has mapped over a training step and at its device peak (GPU): bench/train_step.py's
+MLP-scan (or GPT) row traced with jaxvmm.memory_timeline, run with the platform allocator. Prints the
+peak sample, jaxvmm's mapped bytes over the step (1 ms bins: used, jaxvmm internal), and the engine's
+graph-mode and staging counters.
+
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform python tools/peak_cells.py --model mlp --target mlp_hidden
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mlp")
+    ap.add_argument("--target", default="mlp_hidden")
+    ap.add_argument("--variant", default="jaxvmm")
+    ap.add_argument("--shape", default=None)
+    ap.add_argument("--bin-ms", type=float, default=4.0)
+    args = ap.parse_args()
+    import jax
+    import numpy as np
+
+    import jaxvmm
+    import train_step as ts
+
+    s = ts.shapes_for(args.model, False, None, args.shape)
+    step = ts.build_step(args.model, args.target, args.variant, s, "auto")
+    params, x = ts.init_arrays(args.model, s)
+    for _ in range(3):
+        loss, params = step(params, x)
+    jax.block_until_ready((loss, params))
+    jaxvmm.synchronize()
+    with jaxvmm.memory_timeline(jax.devices()[0]) as tl:
+        loss, params = step(params, x)
+        jax.block_until_ready((loss, params))
+        jaxvmm.synchronize()
+    a = tl.series()
+    t0 = a[0, 0]
+    mib = 2 ** 20
+    pk = tl.peak
+    print(f"peak: {(pk.used_bytes - a[0, 1]) / mib:.0f} MiB above the first sample at {pk.t_s * 1e3:.1f} ms, "
+          f"jaxvmm internal {pk.internal_bytes / mib:.0f} MiB, mapped {pk.mapped_bytes / mib:.0f} MiB; samples {len(a)}")
+    print(f"{'ms':>7} {'used-first MiB (max)':>20} {'internal MiB (min..max)':>24}")
+    edges = np.arange(0, (a[-1, 0] - t0) / 1e6 + args.bin_ms, args.bin_ms)
+    tms = (a[:, 0] - t0) / 1e6
+    for lo in edges:
+        m = (tms >= lo) & (tms < lo + args.bin_ms)
+        if not m.any():
+            continue
+        u = (a[m, 1].max() - a[0, 1]) / mib
+        print(f"{lo:7.1f} {u:20.0f} {a[m, 3].min() / mib:11.0f}..{a[m, 3].max() / mib:<11.0f}")
+    d = jaxvmm.engine_stats()
+    for k in sorted(d):
+        if k.startswith(("graph_", "staging_")) and not isinstance(d[k], (list, dict)):
+            print(f"  {k} = {d[k]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
