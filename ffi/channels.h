@@ -114,6 +114,14 @@ struct Channel {
   CUstream stream = nullptr;  // XLA's stream at the last Prepare: async errors are reported on it
   std::chrono::steady_clock::time_point last_use;
   int64_t rounds = 0;
+  // The one cell of a large call site (GraphHold::kLarge): its pages may pass to and from a call site
+  // of the other direction with cells of the same size (GraphMode::TradePages), so its address is
+  // read from the device words, as a lend changes it with spares.
+  bool trades = false;
+
+  // Rounds recorded as copies that name cell 0 (its address never changes) instead of kernels that
+  // read the cell's address from the device words.
+  bool FixedCell() const { return ncells == 1 && spares.empty() && !trades; }
 
   // Addresses of the device words.
   CUdeviceptr Grant(int i) const { return dw + offsetof(DeviceWords, grant) + sizeof(uint64_t) * i; }

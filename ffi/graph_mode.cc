@@ -178,6 +178,8 @@ Status GraphMode::ReserveCells(Channel& c, const ArrayMeta& meta, ChannelKind ki
       st = Call(cell.slot_id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&cell.event, CU_EVENT_DISABLE_TIMING); });
   }
   c.cell_size = spec.nbytes;
+  c.trades = use_kernels_ && k == 1 && spec.nbytes > kMultiCellBytes &&
+             EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge;
   if (st.ok()) {
     c.ncells = k;
     if (use_kernels_) st = SetUpCells(c);
@@ -308,7 +310,7 @@ Status GraphMode::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta
                                        " is being captured into a command buffer but its initialize stage never ran");
   // Host grants and one cell record copies that name cell 0. K > 1 cells record no cell address: the
   // device finds a cell through its grant, and the poller maps a cell before it grants it.
-  if ((!use_kernels_ || c->ncells == 1) && !c->cells[0].mapped && !MapCell(*c, 0))
+  if ((!use_kernels_ || c->FixedCell()) && !c->cells[0].mapped && !MapCell(*c, 0))
     return Status(Code::kOutOfMemory, "graph-mode cell of call site " + std::to_string(site) +
                                           " could not be mapped for capture within the staging budget");
   *out = c;
@@ -324,9 +326,9 @@ void GraphMode::Recorded(Channel& c) {
 
 Status GraphMode::RecordCopyAndPublish(CUstream stream, Channel& c, CUdeviceptr other, size_t nbytes, bool out,
                                        const char* stage) {
-  if (c.ncells == 1 && c.spares.empty()) {
-    // One cell whose address never changes (JAXVMM_GRAPH_CELLS=1, no spares; reload channels have
-    // none): a memcpy that names it, as before K cells, then a write of its flag.
+  if (c.FixedCell()) {
+    // One cell whose address never changes (JAXVMM_GRAPH_CELLS=1, no spares, no trades): a memcpy
+    // that names it, as before K cells, then a write of its flag.
     const DriverTable& d = Driver(backend_);
     const CUdeviceptr cell = c.cells[0].addr;
     const CUdeviceptr to = out ? other : cell, from = out ? cell : other;
@@ -346,8 +348,7 @@ Status GraphMode::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src
   ChannelWords& w = *c->w;
   const char* stage = "offload (capture)";
   if (use_kernels_) {
-    const bool fixed_cell = c->ncells == 1 && c->spares.empty();  // the cell's address never changes
-    if (!fixed_cell && EngineConfig::GraphFused()) {
+    if (!c->FixedCell() && EngineConfig::GraphFused()) {
       // One node: the fused kernel takes a cell's grant and copies x into it (its last block publishes
       // the cell's filled word).
       JAXVMM_RETURN_IF_ERROR(kernels_.FusedOffload(stream, c->dw, src, meta.nbytes, token_out, Addr(w.knock)));
@@ -447,6 +448,7 @@ void GraphMode::Poll() {
 bool GraphMode::MapCell(Channel& c, int i, bool evict) {
   Cell& cell = c.cells[i];
   if (cell.mapped) return true;
+  if (c.trades && TakeIdlePages(c, i)) return true;  // the other direction's idle pages: no new ones
   if (!staging_.Charge(c.cell_size)) {
     if (!evict) return false;
     ReleaseIdleCells(/*now=*/true);  // other channels' idle cells first
@@ -1051,6 +1053,94 @@ bool GraphMode::Lend(Channel& c, int i, bool may_map) {
   return true;
 }
 
+bool GraphMode::TradePages(Channel& c, int i, Channel& p, int k) {
+  // Caller holds mu_. No grant is out on either cell, so the device reads neither address word until
+  // the poller grants again, after this (the words are written and garm_ synchronized first). The VA
+  // goes with the pages, so nothing is unmapped and the budget's charge stays as it is.
+  Cell& a = c.cells[i];
+  Cell& b = p.cells[k];
+  const DriverTable& d = Driver(backend_);
+  auto words = [&] {
+    Status st = WriteDevice(garm_, c.Word(offsetof(DeviceWords, cell) + sizeof(uint64_t) * i), a.addr, "graph page trade");
+    if (st.ok()) st = WriteDevice(garm_, p.Word(offsetof(DeviceWords, cell) + sizeof(uint64_t) * k), b.addr, "graph page trade");
+    Status sync = Call(-1, "graph page trade", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(garm_); });
+    return st.ok() ? sync : st;
+  };
+  std::swap(static_cast<CellPages&>(a), static_cast<CellPages&>(b));
+  Status st = words();
+  if (!st.ok()) {
+    std::swap(static_cast<CellPages&>(a), static_cast<CellPages&>(b));
+    Status back = words();
+    ledger_.Report(c.stream, Status(st.code(), st.ToString() + (back.ok() ? " (graph-mode cells keep their pages)" : " (graph-mode cell addresses may be stale)")));
+    return false;
+  }
+  a.stream = b.stream = nullptr;  // neither has a copy pending (the callers checked)
+  ++stats_.trades;
+  return true;
+}
+
+bool GraphMode::TakeIdlePages(Channel& c, int i) {
+  // Caller holds mu_. A forward's first round takes the pages the previous backward's reloads used,
+  // and the other way around, so a pair of large call sites keeps one cell of device memory between
+  // them, not one each.
+  const DriverTable& d = Driver(backend_);
+  Channel* from = nullptr;
+  int k = -1;
+  channels_.ForEach([&](Channel& p) {
+    if (from || &p == &c || !p.trades || p.kind == c.kind || p.cell_size != c.cell_size) return;
+    for (int j = 0; j < p.ncells; ++j) {
+      const Cell& cell = p.cells[j];
+      if (!cell.mapped || cell.round != Channel::Round::kIdle || cell.loaded || cell.ticket || cell.draining) continue;
+      if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy into or out of it still runs
+      from = &p;
+      k = j;
+      return;
+    }
+  });
+  return from && TradePages(c, i, *from, k);
+}
+
+bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& a) {
+  // Caller holds mu_. Reload cell j (no round on it, nothing loaded, no copy pending) and the offload
+  // cell that holds `a` (the forward's last round of a large call site) exchange their pages: the
+  // bytes stay where the offload left them, and the reload copies nothing before its round.
+  const DriverTable& d = Driver(backend_);
+  Cell& mine = c.cells[j];
+  if (mine.loaded || mine.ticket || mine.round == Channel::Round::kGranted) return false;
+  if (mine.stream && d.EventQuery(mine.event) != CUDA_SUCCESS) return false;
+  Channel* from = nullptr;
+  int k = -1;
+  {
+    Held h = ledger_.Lock();
+    if (!a->lent_cell || a->lent_readers > 0 || !transfers_.D2hDone(*a)) return false;
+    channels_.ForEach([&](Channel& p) {
+      if (from || !p.trades || p.kind != ChannelKind::kOffload || p.cell_size != c.cell_size) return;
+      for (int i = 0; i < p.ncells; ++i)
+        if (p.cells[i].round == Channel::Round::kHeld && p.cells[i].draining == a && p.cells[i].addr == a->lent_cell) {
+          from = &p;
+          k = i;
+          return;
+        }
+    });
+  }
+  if (!from) return false;
+  Cell& held = from->cells[k];
+  if (held.stream && d.EventQuery(held.event) != CUDA_SUCCESS) return false;  // its D2H's event (done by the clock)
+  if (!TradePages(c, j, *from, k)) return false;
+  {
+    Held h = ledger_.Lock();
+    a->lent_cell = 0;  // the bytes are this cell's now; the offload cell has others
+    // As if prefetched: the request finds its ticket loaded (a hit, no copy), its pin passes to the round.
+    a->claimed_by = c.Claim();
+    a->pins += 1;
+    mine.loaded = a;
+  }
+  held.draining.reset();
+  held.until_knock = false;
+  held.round = Channel::Round::kIdle;
+  return true;
+}
+
 bool GraphMode::MapSpare(Channel& c, Spare& sp) {
   // Device pages within the staging budget, or none: a spare is an optimization, never waited for.
   if (sp.mapped) return true;
@@ -1286,7 +1376,7 @@ bool GraphMode::ServiceReloadK(Channel& c) {
         if (pass == 0 ? (cell.mapped && !cell.loaded) : pass == 1 ? cell.mapped : true) j = i;
       }
     if (j < 0) return busy;
-    if (!MapCell(c, j)) return busy;
+    if (!(a && c.trades && TakeHeldPages(c, j, a)) && !MapCell(c, j)) return busy;
     Cell& cell = c.cells[j];
     Source src;
     bool hit = false;

@@ -61,8 +61,10 @@ struct GraphStats {
   // (device to device, without waiting for PCIe); kept_reads: those among them whose D2H had already
   // finished (a spare that kept the bytes after it was free again, or a lent or held cell whose D2H
   // ended while its bytes were still there).
-  // holds: offload cells held unarmed, their bytes readable, because every spare was lent (Round::kHeld).
-  int64_t spares = 0, lends = 0, lent_reads = 0, kept_reads = 0, holds = 0;
+  // holds: offload cells held unarmed, their bytes readable (Round::kHeld): every spare was lent, or
+  // the one cell of a large call site until its next round.
+  // trades: pages passed between the cells of large call sites of opposite directions (TradePages).
+  int64_t spares = 0, lends = 0, lent_reads = 0, kept_reads = 0, holds = 0, trades = 0;
 };
 
 class GraphMode {
@@ -159,6 +161,16 @@ class GraphMode {
   static bool HoldsUntilKnock(const Channel& c);  // GraphHold::kLarge: the one cell of a large call site
   bool Unhold(const Held& h, Cell& cell);         // a held cell's bytes unreadable again; false: a copy out of it runs
   bool ServeHeld(Channel& c);                     // arms held cells that settled or found a spare
+  // Large call sites (Channel::trades): cell i of `c` and cell k of `p` exchange their pages and VAs,
+  // the device words naming them rewritten before any grant can follow. Neither has a grant out or a
+  // copy pending.
+  bool TradePages(Channel& c, int i, Channel& p, int k);
+  // Cell i of `c` (unmapped) takes the pages of an idle, empty cell of a call site of the other
+  // direction with cells of its size, instead of new ones.
+  bool TakeIdlePages(Channel& c, int i);
+  // Reload cell j of `c` takes the pages of the offload cell holding ticket `a` (held, its D2H done, no
+  // copy reading it): the round reads the bytes where the offload left them.
+  bool TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& a);
   bool MapSpare(Channel& c, Spare& s);
   void UnmapSpare(Channel& c, Spare& s);
   bool ReturnSpares();              // lent spares whose ticket's D2H is done are free (they keep its bytes)
