@@ -974,6 +974,10 @@ bool GraphMode::Unhold(const Held& h, Cell& cell) {
   if (cell.round != Channel::Round::kHeld) return true;
   if (cell.draining->lent_readers > 0) return false;
   if (cell.draining->lent_cell == cell.addr) cell.draining->lent_cell = 0;
+  // The cell no longer stands for that ticket: a later Arm must not hold it again for the ticket (its
+  // pages may be returned and the cell mapped anew, with other bytes).
+  cell.draining.reset();
+  cell.until_knock = false;
   cell.round = Channel::Round::kIdle;
   return true;
 }
@@ -990,20 +994,16 @@ bool GraphMode::ServeHeld(Channel& c) {
   for (int i = 0; i < c.ncells; ++i) {
     Cell& cell = c.cells[i];
     if (cell.round != Channel::Round::kHeld || (cell.until_knock && !knocked)) continue;
+    const bool host = cell.host_grant || cell.until_knock;  // a grant that answers a knock is the host's
     if (Lend(c, i, /*may_map=*/false)) {
       cell.round = Channel::Round::kIdle;
+      cell.until_knock = false;
     } else {
-      bool settled = false;
-      {
-        Held h = ledger_.Lock();
-        settled = transfers_.D2hDone(*cell.draining) && Unhold(h, cell);
-      }
-      if (!settled) continue;
-      cell.draining.reset();
+      Held h = ledger_.Lock();
+      if (!transfers_.D2hDone(*cell.draining) || !Unhold(h, cell)) continue;
     }
     busy = true;
-    // A grant that answers a knock is the host's (graph_grants_host), as the knock path's own.
-    (void)Arm(c, i, cell.host_grant || cell.until_knock, /*settled=*/true);
+    (void)Arm(c, i, host, /*settled=*/true);
   }
   return busy;
 }
@@ -1090,7 +1090,9 @@ bool GraphMode::TakeIdlePages(Channel& c, int i) {
     if (from || &p == &c || !p.trades || p.kind == c.kind || p.cell_size != c.cell_size) return;
     for (int j = 0; j < p.ncells; ++j) {
       const Cell& cell = p.cells[j];
-      if (!cell.mapped || cell.round != Channel::Round::kIdle || cell.loaded || cell.ticket || cell.draining) continue;
+      // Host pages (the device had no memory) go back when idle, so that the next mapping tries the
+      // device again: passing them on would keep them in use for good.
+      if (!cell.mapped || cell.host_pages || cell.round != Channel::Round::kIdle || cell.loaded || cell.ticket || cell.draining) continue;
       if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy into or out of it still runs
       from = &p;
       k = j;
@@ -1125,12 +1127,15 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
   }
   if (!from) return false;
   Cell& held = from->cells[k];
+  if (held.host_pages) return false;  // copied into the reload's own cell instead (see TakeIdlePages)
   if (held.stream && d.EventQuery(held.event) != CUDA_SUCCESS) return false;  // its D2H's event (done by the clock)
   if (!TradePages(c, j, *from, k)) return false;
   {
     Held h = ledger_.Lock();
     a->lent_cell = 0;  // the bytes are this cell's now; the offload cell has others
     // As if prefetched: the request finds its ticket loaded (a hit, no copy), its pin passes to the round.
+    // Another cell that guessed it (its prefetch copied from the held cell) holds a stale guess now.
+    if (a->claimed_by != 0 && a->claimed_by != c.Claim()) ledger_.MarkStale(h);
     a->claimed_by = c.Claim();
     a->pins += 1;
     mine.loaded = a;

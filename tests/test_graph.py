@@ -596,6 +596,18 @@ _ROUND_TRIP_PRELUDE = textwrap.dedent('''
         with r.capture() as bwd:
             r.reload(rs, tok.address, y.address, N)
         return fwd, bwd
+    def offload_replays(r, g, base, n, after=None):  # n replays of an offload-only graph: their tokens
+        toks = []
+        for i in range(n):
+            x.write(np.full(N, base + i, np.uint8)); r.launch(g[0]); r.synchronize()
+            toks.append(bytes(tok.read()))
+            if after: after()
+        return toks
+    def reload_replay(r, g, t, v, after=None):  # one replay of a reload-only graph: every byte must be v
+        tok.write(np.frombuffer(t, np.uint8)); r.launch(g[0]); r.synchronize()
+        got = np.frombuffer(bytes(y.read()), np.uint8)
+        assert np.all(got == v), (v, np.unique(got))
+        if after: after()
     FUSED = os.environ.get("JAXVMM_GRAPH_FUSED", "0") != "0"  # the round_kernels fixture's choice
     def replay_rounds(r, g, n):  # n replays, each bit-exact
         for i in range(n):
@@ -1218,16 +1230,8 @@ def test_the_newest_offloads_are_read_on_the_device_after_every_spare_is_lent():
         st = lambda: lib.engine_stats("posix", 0)
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
-            def forward(base, n):
-                toks = []
-                for i in range(n):
-                    x.write(np.full(N, base + i, np.uint8)); r.launch(fwd[0]); r.synchronize()
-                    toks.append(bytes(tok.read()))
-                return toks
-            def reload(t, v):
-                tok.write(np.frombuffer(t, np.uint8)); r.launch(bwd[0]); r.synchronize()
-                got = np.frombuffer(bytes(y.read()), np.uint8)
-                assert np.all(got == v), (v, np.unique(got))
+            forward = lambda base, n: offload_replays(r, fwd, base, n)
+            reload = lambda t, v: reload_replay(r, bwd, t, v)
             toks = forward(10, 6)
             s0 = st()
             for i in (5, 4, 3, 2):  # newest first, D2Hs still queued (6 x 40 ms)
@@ -1270,16 +1274,8 @@ def test_the_forward_s_last_large_offload_is_reloaded_device_to_device(mib, hold
         st = lambda: lib.engine_stats("posix", 0)
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
-            def forward(base, n):
-                toks = []
-                for i in range(n):
-                    x.write(np.full(N, base + i, np.uint8)); r.launch(fwd[0]); r.synchronize()
-                    toks.append(bytes(tok.read()))
-                return toks
-            def reload(t, v):
-                tok.write(np.frombuffer(t, np.uint8)); r.launch(bwd[0]); r.synchronize()
-                got = np.frombuffer(bytes(y.read()), np.uint8)
-                assert np.all(got == v), (v, np.unique(got))
+            forward = lambda base, n: offload_replays(r, fwd, base, n)
+            reload = lambda t, v: reload_replay(r, bwd, t, v)
             for step in range(2):
                 toks = forward(10 * step, 3)
                 s0 = st()
@@ -1320,21 +1316,10 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold):
         st = lambda: lib.engine_stats("posix", 0)
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
-            most = 0
-            def forward(base, n):
-                global most
-                toks = []
-                for i in range(n):
-                    x.write(np.full(N, base + i, np.uint8)); r.launch(fwd[0]); r.synchronize()
-                    toks.append(bytes(tok.read()))
-                    most = max(most, st()["graph_mapped_bytes"])
-                return toks
-            def reload(t, v):
-                global most
-                tok.write(np.frombuffer(t, np.uint8)); r.launch(bwd[0]); r.synchronize()
-                got = np.frombuffer(bytes(y.read()), np.uint8)
-                assert np.all(got == v), (v, np.unique(got))
-                most = max(most, st()["graph_mapped_bytes"])
+            mapped = [0]  # graph_mapped_bytes after every round
+            note = lambda: mapped.append(st()["graph_mapped_bytes"])
+            forward = lambda base, n: offload_replays(r, fwd, base, n, note)
+            reload = lambda t, v: reload_replay(r, bwd, t, v, note)
             for step in range(3):
                 toks = forward(10 * step, 3)
                 jaxvmm.synchronize()  # every D2H done (the link takes 20 ms each); the cell stays held
@@ -1347,10 +1332,10 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold):
                     assert s1["graph_hits"] - s0["graph_hits"] == 3, (s0, s1)  # the first without a copy
             s = st()
             if TRADES:
-                assert most <= CELL and s["graph_pages_mapped"] <= 2, (most, s)
+                assert max(mapped) <= CELL and s["graph_pages_mapped"] <= 2, (mapped, s)
                 assert s["graph_trades"] >= 5, s
             else:
-                assert most == 2 * CELL and s["graph_trades"] == 0, (most, s)
+                assert max(mapped) == 2 * CELL and s["graph_trades"] == 0, (mapped, s)
             jaxvmm.synchronize()
             assert st()["errors"] == 0, st()
         jaxvmm.collect()
@@ -1358,6 +1343,107 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold):
     ''')
     env = {"JAXVMM_GRAPH_HOLD": hold} if hold else {}
     _run_with_spares(code, cells=1, spares=0, link_us=20000, **env)
+
+
+def test_a_held_cell_given_back_is_not_held_again_for_its_old_ticket():
+    """Review finding: idle release and trim() gave a held cell's pages back but left the cell naming
+    the ticket it held, so the next round's knock mapped new pages and held the cell again for that old
+    ticket, pointing the ticket's device copy at pages that did not hold its bytes (a reload in that
+    window, or a spare the cell was then lent to, would have read another round's bytes), and counted a
+    hold no round made. Now giving a held cell back forgets the ticket: one hold per round, and every
+    byte as offloaded."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        N = 40 << 20
+        x, y = mk(N), mk(N)
+        jaxvmm.configure(staging_idle_ms=600000)
+        st = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            toks = offload_replays(r, fwd, 10, 1)
+            jaxvmm.synchronize()
+            jaxvmm.trim()  # the held cell's D2H is done: its pages go back
+            s0 = st()
+            assert s0["graph_mapped_bytes"] == 0 and s0["graph_holds"] == 1, s0
+            toks += offload_replays(r, fwd, 20, 2)
+            jaxvmm.synchronize()
+            s1 = st()
+            assert s1["graph_holds"] == 3 and s1["graph_offload_rounds"] == 3, s1
+            for t, v in ((toks[2], 21), (toks[1], 20), (toks[0], 10)):
+                reload_replay(r, bwd, t, v)
+            jaxvmm.synchronize()
+            assert st()["errors"] == 0, st()
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    _run_with_spares(code, cells=1, spares=0, link_us=1000)
+
+
+def test_a_guess_of_a_ticket_whose_held_pages_another_reload_took_is_dropped():
+    """Review finding: a reload call site that takes a held offload cell's pages (page trades) made the
+    ticket its own guess without checking whether another call site had guessed it, so that other
+    site's guess (a prefetch copied from the held cell) was never dropped: the consumed ticket stayed
+    pinned and live for good. Two reload call sites of one shape here: the second guesses the held
+    ticket, the first reloads it; every ticket is freed afterwards."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        N = 40 << 20
+        x, y = mk(N), mk(N)
+        jaxvmm.configure(staging_idle_ms=600000)
+        st = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            fwd, bwd1 = forward_backward(r)
+            _, bwd2 = forward_backward(r, 1 << 42, (1 << 42) + 1)
+            toks = offload_replays(r, fwd, 10, 2)  # the second stays held in the offload cell
+            jaxvmm.synchronize()
+            reload_replay(r, bwd2, toks[0], 10)  # its end: the second site guesses toks[1] (held)
+            jaxvmm.synchronize()
+            s0 = st()
+            reload_replay(r, bwd1, toks[1], 11)  # takes the held pages
+            jaxvmm.synchronize()
+            s1 = st()
+            assert s1["graph_trades"] > s0["graph_trades"], (s0, s1)
+            assert s1["errors"] == 0, s1
+        jaxvmm.collect()
+        jaxvmm.synchronize()
+        s = st()
+        assert s["tickets_live"] == 0, s
+        print("OK")
+    ''')
+    _run_with_spares(code, cells=1, spares=0, link_us=1000)
+
+
+def test_host_pages_of_a_large_call_site_are_not_passed_to_the_other_direction():
+    """Review finding: page trades took any idle or held cell's pages, host pages included (a cell the
+    device had no memory for), so a pair of large call sites could pass those pages back and forth as
+    long as rounds flow, never idle long enough to give them back, and every copy of that activation
+    would cross PCIe for good. Now host pages are never traded: once the device has room, the reload
+    takes new device pages (and copies the held bytes), and the offload's host pages go back when idle."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        N = 40 << 20
+        x, y = mk(N), mk(N)
+        jaxvmm.configure(staging_idle_ms=600000)
+        st = lambda: lib.engine_stats("posix", 0)
+        lib.testing_posix_device_limit(0)  # no device page: the offload cell gets host pages
+        try:
+            with Replay("cpu") as r:
+                fwd, bwd = forward_backward(r)
+                toks = offload_replays(r, fwd, 10, 2)
+                jaxvmm.synchronize()
+                lib.testing_posix_device_limit(-1)
+                s0 = st()
+                assert s0["graph_cells_host"] == 1, s0
+                reload_replay(r, bwd, toks[1], 11)
+                s1 = st()
+                assert s1["graph_trades"] == s0["graph_trades"], (s0, s1)
+                assert s1["graph_pages_mapped"] == s0["graph_pages_mapped"] + 1, (s0, s1)  # device pages
+                reload_replay(r, bwd, toks[0], 10)
+                jaxvmm.synchronize()
+                assert st()["errors"] == 0, st()
+        finally:
+            lib.testing_posix_device_limit(-1)
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    _run_with_spares(code, cells=1, spares=0, link_us=1000)
 
 
 def test_an_offload_round_between_prefetches_of_held_cells_and_their_reloads():
