@@ -11,8 +11,10 @@
 // publish kernel writes the cell's filled/done word. JAXVMM_GRAPH_FUSED=1 records one fused kernel
 // instead, whose first block to arrive takes and hands the cell to the other blocks, all of which then
 // copy; its last block publishes.
-// The poller arms each offload cell behind its own D2H and prefetches the next predictions into the
-// idle reload cells. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host
+// The poller arms each offload cell behind its own D2H (or holds it, its bytes readable on the device:
+// spares all lent, or the one cell of a large call site until its next round; large call sites of the
+// two directions trade their cells' pages) and prefetches the next predictions into the idle reload
+// cells. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host
 // grants every round:
 //
 //   offload round (XLA's stream)          poller
@@ -1128,7 +1130,9 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
   if (!from) return false;
   Cell& held = from->cells[k];
   if (held.host_pages) return false;  // copied into the reload's own cell instead (see TakeIdlePages)
-  if (held.stream && d.EventQuery(held.event) != CUDA_SUCCESS) return false;  // its D2H's event (done by the clock)
+  // Its last copy is the D2H (done by the clock above; the event recorded behind it may lag); anything
+  // else still running on it keeps it.
+  if (held.stream && held.stream != gd2h_ && d.EventQuery(held.event) != CUDA_SUCCESS) return false;
   if (!TradePages(c, j, *from, k)) return false;
   {
     Held h = ledger_.Lock();
