@@ -1345,6 +1345,42 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold):
     _run_with_spares(code, cells=1, spares=0, link_us=20000, **env)
 
 
+@pytest.mark.parametrize("link_us", [0, 60000])
+def test_large_call_sites_with_spares_hold_lend_and_trade_bit_exactly(link_us):
+    """Spares, held cells and page trades together on large call sites (one cell each, two spares): a
+    forward of five rounds lends spares while the link is behind, else holds the cell, the backward
+    reloads newest first (device to device from lent, kept or held pages, or traded pages, else from
+    the host), then forward and backward rounds interleave. Every byte is checked."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        N = 40 << 20
+        x, y = mk(N), mk(N)
+        jaxvmm.configure(staging_idle_ms=600000)
+        st = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            for step in range(2):
+                toks = offload_replays(r, fwd, 10 * step, 5)
+                for i in reversed(range(5)):
+                    reload_replay(r, bwd, toks[i], 10 * step + i)
+            stack = [(100 + i, t) for i, t in enumerate(offload_replays(r, fwd, 100, 3))]
+            for k in range(6):
+                v, t = stack.pop()
+                reload_replay(r, bwd, t, v)
+                stack += [(150 + k, t) for t in offload_replays(r, fwd, 150 + k, 1)]
+            while stack:
+                v, t = stack.pop()
+                reload_replay(r, bwd, t, v)
+            jaxvmm.synchronize()
+            s = st()
+            assert s["errors"] == 0 and s["graph_holds"] + s["graph_lends"] > 0, s
+        jaxvmm.collect()
+        jaxvmm.synchronize()
+        assert st()["tickets_live"] == 0, st()
+        print("OK")
+    ''')
+    _run_with_spares(code, cells=1, spares=2, link_us=link_us)
+
+
 def test_a_held_cell_given_back_is_not_held_again_for_its_old_ticket():
     """Review finding: idle release and trim() gave a held cell's pages back but left the cell naming
     the ticket it held, so the next round's knock mapped new pages and held the cell again for that old
