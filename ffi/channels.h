@@ -125,6 +125,7 @@ struct Channel {
 
   // Addresses of the device words.
   CUdeviceptr Grant(int i) const { return dw + offsetof(DeviceWords, grant) + sizeof(uint64_t) * i; }
+  CUdeviceptr CellWord(int i) const { return dw + offsetof(DeviceWords, cell) + sizeof(uint64_t) * i; }
   CUdeviceptr Word(size_t offset) const { return dw + offset; }
   // The claim a channel puts on a ticket it prefetched (never a sequence number of the op ring).
   uint64_t Claim() const { return (uint64_t{1} << 63) | static_cast<uint64_t>(index); }

@@ -231,7 +231,7 @@ Status GraphMode::SetUpCells(Channel& c) {
   const char* stage = "graph channel";
   Status st = WriteDevice(gd2h_, c.Word(offsetof(DeviceWords, ncells)), static_cast<uint64_t>(c.ncells), stage);
   for (int i = 0; i < c.ncells && st.ok(); ++i) {
-    st = WriteDevice(gd2h_, c.Word(offsetof(DeviceWords, cell) + sizeof(uint64_t) * i), c.cells[i].addr, stage);
+    st = WriteDevice(gd2h_, c.CellWord(i), c.cells[i].addr, stage);
     if (st.ok())
       st = WriteDevice(gd2h_, c.Word(offsetof(DeviceWords, flag) + sizeof(uint64_t) * i),
                        Addr(c.kind == ChannelKind::kOffload ? c.w->filled[i] : c.w->done[i]), stage);
@@ -447,6 +447,10 @@ void GraphMode::Poll() {
   }
 }
 
+bool GraphMode::CopyPending(const Cell& cell, CUstream except) const {
+  return cell.stream && cell.stream != except && Driver(backend_).EventQuery(cell.event) != CUDA_SUCCESS;
+}
+
 bool GraphMode::MapCell(Channel& c, int i, bool evict) {
   Cell& cell = c.cells[i];
   if (cell.mapped) return true;
@@ -528,7 +532,6 @@ void GraphMode::Unload(const Held& h, Channel& c, int i) {
 size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
   const auto t = std::chrono::steady_clock::now();
   const auto idle = std::chrono::milliseconds(StagingArea::IdleMillis());
-  const DriverTable& d = Driver(backend_);
   size_t released = 0;
   channels_.ForEach([&](Channel& c) {
     if (!now && t - c.last_use < idle) return;
@@ -548,7 +551,7 @@ size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
       Cell& cell = c.cells[i];
       if (!cell.mapped || cell.round == Channel::Round::kGranted || (device_only && cell.host_pages)) continue;
       if (cell.round == Channel::Round::kArmed && !Revoke(c, i)) continue;  // the device took the grant: its round is live
-      if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy still uses it (a held cell's D2H)
+      if (CopyPending(cell)) continue;  // a copy still uses it (a held cell's D2H)
       {
         Held h = ledger_.Lock();
         if (!Unhold(h, cell)) continue;  // a reload's copy still reads its bytes
@@ -566,7 +569,7 @@ void GraphMode::Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t v
   // one already has, else by a write ordered after it on its stream.
   const DriverTable& d = Driver(backend_);
   Cell& cell = c.cells[i];
-  if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) {
+  if (CopyPending(cell)) {
     Status st = Call(-1, "graph grant", Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(cell.stream, Addr(*word), value, 0); });
     if (st.ok()) return;
     d.StreamSynchronize(cell.stream);
@@ -707,7 +710,7 @@ void GraphMode::PrefetchInto(Channel& c) {
   for (int i = 0; i < c.ncells; ++i) {
     Cell& cell = c.cells[i];
     if (cell.round != Channel::Round::kIdle || cell.loaded) continue;
-    if (cell.stream && cell.stream != gh2d_ && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a correction/0xFF still runs
+    if (CopyPending(cell, gh2d_)) continue;  // a correction/0xFF still runs
     if (!cell.mapped) {
       {
         Held h = ledger_.Lock();
@@ -929,7 +932,7 @@ bool GraphMode::Arm(Channel& c, int i, bool host, bool settled) {
   // it pending: its D2H done, its event complete) need no order, and garm_ does not queue the grant
   // behind other cells' D2Hs.
   if (!lent && !settled && (!cell.draining || transfers_.D2hDone(*cell.draining)))
-    settled = !cell.stream || Driver(backend_).EventQuery(cell.event) == CUDA_SUCCESS;
+    settled = !CopyPending(cell);
   cell.draining.reset();
   CUstream s = lent || settled ? garm_ : gd2h_;
   const uint64_t token = ledger_.ArmToken();  // armed before the device can take it (WaitUntilServed)
@@ -1039,7 +1042,7 @@ bool GraphMode::Lend(Channel& c, int i, bool may_map) {
         break;  // one mapping attempt per lend: the budget (or the device) has no room for more
       }
   if (!sp) return false;
-  Status st = WriteDevice(garm_, c.Word(offsetof(DeviceWords, cell) + sizeof(uint64_t) * i), sp->addr, "offload grant (graph)");
+  Status st = WriteDevice(garm_, c.CellWord(i), sp->addr, "offload grant (graph)");
   if (!st.ok()) {
     Driver(backend_).StreamSynchronize(garm_);
     return false;
@@ -1063,8 +1066,8 @@ bool GraphMode::TradePages(Channel& c, int i, Channel& p, int k) {
   Cell& b = p.cells[k];
   const DriverTable& d = Driver(backend_);
   auto words = [&] {
-    Status st = WriteDevice(garm_, c.Word(offsetof(DeviceWords, cell) + sizeof(uint64_t) * i), a.addr, "graph page trade");
-    if (st.ok()) st = WriteDevice(garm_, p.Word(offsetof(DeviceWords, cell) + sizeof(uint64_t) * k), b.addr, "graph page trade");
+    Status st = WriteDevice(garm_, c.CellWord(i), a.addr, "graph page trade");
+    if (st.ok()) st = WriteDevice(garm_, p.CellWord(k), b.addr, "graph page trade");
     Status sync = Call(-1, "graph page trade", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(garm_); });
     return st.ok() ? sync : st;
   };
@@ -1081,21 +1084,24 @@ bool GraphMode::TradePages(Channel& c, int i, Channel& p, int k) {
   return true;
 }
 
+bool GraphMode::Partners(const Channel& a, const Channel& b) {
+  return a.trades && b.trades && a.kind != b.kind && a.cell_size == b.cell_size;
+}
+
 bool GraphMode::TakeIdlePages(Channel& c, int i) {
   // Caller holds mu_. A forward's first round takes the pages the previous backward's reloads used,
   // and the other way around, so a pair of large call sites keeps one cell of device memory between
   // them, not one each.
-  const DriverTable& d = Driver(backend_);
   Channel* from = nullptr;
   int k = -1;
   channels_.ForEach([&](Channel& p) {
-    if (from || &p == &c || !p.trades || p.kind == c.kind || p.cell_size != c.cell_size) return;
+    if (from || !Partners(c, p)) return;
     for (int j = 0; j < p.ncells; ++j) {
       const Cell& cell = p.cells[j];
       // Host pages (the device had no memory) go back when idle, so that the next mapping tries the
       // device again: passing them on would keep them in use for good.
       if (!cell.mapped || cell.host_pages || cell.round != Channel::Round::kIdle || cell.loaded || cell.ticket || cell.draining) continue;
-      if (cell.stream && d.EventQuery(cell.event) != CUDA_SUCCESS) continue;  // a copy into or out of it still runs
+      if (CopyPending(cell)) continue;  // a copy into or out of it still runs
       from = &p;
       k = j;
       return;
@@ -1108,17 +1114,16 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
   // Caller holds mu_. Reload cell j (no round on it, nothing loaded, no copy pending) and the offload
   // cell that holds `a` (the forward's last round of a large call site) exchange their pages: the
   // bytes stay where the offload left them, and the reload copies nothing before its round.
-  const DriverTable& d = Driver(backend_);
   Cell& mine = c.cells[j];
   if (mine.loaded || mine.ticket || mine.round == Channel::Round::kGranted) return false;
-  if (mine.stream && d.EventQuery(mine.event) != CUDA_SUCCESS) return false;
+  if (CopyPending(mine)) return false;
   Channel* from = nullptr;
   int k = -1;
   {
     Held h = ledger_.Lock();
     if (!a->lent_cell || a->lent_readers > 0 || !transfers_.D2hDone(*a)) return false;
     channels_.ForEach([&](Channel& p) {
-      if (from || !p.trades || p.kind != ChannelKind::kOffload || p.cell_size != c.cell_size) return;
+      if (from || !Partners(c, p)) return;
       for (int i = 0; i < p.ncells; ++i)
         if (p.cells[i].round == Channel::Round::kHeld && p.cells[i].draining == a && p.cells[i].addr == a->lent_cell) {
           from = &p;
@@ -1132,7 +1137,7 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
   if (held.host_pages) return false;  // copied into the reload's own cell instead (see TakeIdlePages)
   // Its last copy is the D2H (done by the clock above; the event recorded behind it may lag); anything
   // else still running on it keeps it.
-  if (held.stream && held.stream != gd2h_ && d.EventQuery(held.event) != CUDA_SUCCESS) return false;
+  if (CopyPending(held, gd2h_)) return false;
   if (!TradePages(c, j, *from, k)) return false;
   {
     Held h = ledger_.Lock();

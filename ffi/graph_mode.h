@@ -139,6 +139,8 @@ class GraphMode {
   bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
   // Pages for cell i within the staging budget; false: not now. `evict` when a round (or a capture)
   // needs the cell: other channels' idle cells go to make room, and a full device gives host pages.
+  // The last copy into or out of `cell` (on cell.stream, unless that is `except`) may still run.
+  bool CopyPending(const Cell& cell, CUstream except = nullptr) const;
   bool MapCell(Channel& c, int i, bool evict = true);
   void UnmapCell(Channel& c, int i);
   void UnmapPages(Channel& c, CellPages* p, const char* kept);
@@ -165,6 +167,7 @@ class GraphMode {
   // the device words naming them rewritten before any grant can follow. Neither has a grant out or a
   // copy pending.
   bool TradePages(Channel& c, int i, Channel& p, int k);
+  static bool Partners(const Channel& a, const Channel& b);  // both trade, opposite directions, same cell size
   // Cell i of `c` (unmapped) takes the pages of an idle, empty cell of a call site of the other
   // direction with cells of its size, instead of new ones.
   bool TakeIdlePages(Channel& c, int i);

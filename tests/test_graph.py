@@ -1144,6 +1144,22 @@ def _run_with_spares(code: str, cells: int, spares: int, link_us: int, **env) ->
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+# Call sites of arrays above 32 MiB (one cell each, held and trading pages unless JAXVMM_GRAPH_HOLD
+# says otherwise), with no idle release during the test; `st()` reads the cpu engine's counters.
+_LARGE_PRELUDE = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+    N = 40 << 20
+    x, y = mk(N), mk(N)
+    jaxvmm.configure(staging_idle_ms=600000)
+    st = lambda: lib.engine_stats("posix", 0)
+''')
+
+
+def _run_large(code: str, link_us: int, hold: str | None = None, spares: int = 0) -> None:
+    """Runs `code` (it prints OK) after _LARGE_PRELUDE, JAXVMM_GRAPH_HOLD=hold unless None."""
+    env = {"JAXVMM_GRAPH_HOLD": hold} if hold else {}
+    _run_with_spares(_LARGE_PRELUDE + textwrap.dedent(code), cells=1, spares=spares, link_us=link_us, **env)
+
+
 @pytest.mark.parametrize("cells,spares", [(2, 0), (2, 6), (1, 3)])
 def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
     """A link slower than the device (the cpu backend's streams run on threads, each D2H and H2D takes 3 ms):
@@ -1266,12 +1282,10 @@ def test_the_forward_s_last_large_offload_is_reloaded_device_to_device(mib, hold
     device to device. Here each D2H takes 150 ms: the newest offload is reloaded on the device, every
     byte is checked, and each round after a hold knocks and gets its cell once its D2H is done. Small
     call sites (K cells, or one cell with graph_cells=1 as here) keep arming behind the D2H."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
+    code = f'''
         HELD = {held}
-        N = {mib} << 20
+        N = {mib} << 20  # in place of the prelude's 40 MiB
         x, y = mk(N), mk(N)
-        jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             forward = lambda base, n: offload_replays(r, fwd, base, n)
@@ -1292,9 +1306,8 @@ def test_the_forward_s_last_large_offload_is_reloaded_device_to_device(mib, hold
             assert st()["errors"] == 0, st()
         jaxvmm.collect()
         print("OK")
-    ''')
-    env = {"JAXVMM_GRAPH_HOLD": hold} if hold else {}
-    _run_with_spares(code, cells=1, spares=0, link_us=150000, **env)
+    '''
+    _run_large(code, link_us=150000, hold=hold)
 
 
 @pytest.mark.parametrize("hold", [None, "spares"])
@@ -1307,13 +1320,9 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold):
     first round takes the idle reload cell's. Each step here maps no new pages and never has more than
     one cell mapped; every byte is checked. With JAXVMM_GRAPH_HOLD=spares (no holds, no trades) both
     cells stay mapped."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
+    code = f'''
         TRADES = {hold is None}
-        N = 40 << 20
         CELL = N  # a multiple of the 2 MiB granularity
-        x, y = mk(N), mk(N)
-        jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             mapped = [0]  # graph_mapped_bytes after every round
@@ -1340,9 +1349,8 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold):
             assert st()["errors"] == 0, st()
         jaxvmm.collect()
         print("OK")
-    ''')
-    env = {"JAXVMM_GRAPH_HOLD": hold} if hold else {}
-    _run_with_spares(code, cells=1, spares=0, link_us=20000, **env)
+    '''
+    _run_large(code, link_us=20000, hold=hold)
 
 
 @pytest.mark.parametrize("link_us", [0, 60000])
@@ -1351,11 +1359,7 @@ def test_large_call_sites_with_spares_hold_lend_and_trade_bit_exactly(link_us):
     forward of five rounds lends spares while the link is behind, else holds the cell, the backward
     reloads newest first (device to device from lent, kept or held pages, or traded pages, else from
     the host), then forward and backward rounds interleave. Every byte is checked."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
-        N = 40 << 20
-        x, y = mk(N), mk(N)
-        jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
+    code = '''
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             for step in range(2):
@@ -1377,8 +1381,8 @@ def test_large_call_sites_with_spares_hold_lend_and_trade_bit_exactly(link_us):
         jaxvmm.synchronize()
         assert st()["tickets_live"] == 0, st()
         print("OK")
-    ''')
-    _run_with_spares(code, cells=1, spares=2, link_us=link_us)
+    '''
+    _run_large(code, link_us=link_us, spares=2)
 
 
 def test_a_held_cell_given_back_is_not_held_again_for_its_old_ticket():
@@ -1388,11 +1392,7 @@ def test_a_held_cell_given_back_is_not_held_again_for_its_old_ticket():
     window, or a spare the cell was then lent to, would have read another round's bytes), and counted a
     hold no round made. Now giving a held cell back forgets the ticket: one hold per round, and every
     byte as offloaded."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
-        N = 40 << 20
-        x, y = mk(N), mk(N)
-        jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
+    code = '''
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             toks = offload_replays(r, fwd, 10, 1)
@@ -1410,8 +1410,8 @@ def test_a_held_cell_given_back_is_not_held_again_for_its_old_ticket():
             assert st()["errors"] == 0, st()
         jaxvmm.collect()
         print("OK")
-    ''')
-    _run_with_spares(code, cells=1, spares=0, link_us=1000)
+    '''
+    _run_large(code, link_us=1000)
 
 
 def test_a_guess_of_a_ticket_whose_held_pages_another_reload_took_is_dropped():
@@ -1420,11 +1420,7 @@ def test_a_guess_of_a_ticket_whose_held_pages_another_reload_took_is_dropped():
     site's guess (a prefetch copied from the held cell) was never dropped: the consumed ticket stayed
     pinned and live for good. Two reload call sites of one shape here: the second guesses the held
     ticket, the first reloads it; every ticket is freed afterwards."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
-        N = 40 << 20
-        x, y = mk(N), mk(N)
-        jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
+    code = '''
         with Replay("cpu") as r:
             fwd, bwd1 = forward_backward(r)
             _, bwd2 = forward_backward(r, 1 << 42, (1 << 42) + 1)
@@ -1443,8 +1439,8 @@ def test_a_guess_of_a_ticket_whose_held_pages_another_reload_took_is_dropped():
         s = st()
         assert s["tickets_live"] == 0, s
         print("OK")
-    ''')
-    _run_with_spares(code, cells=1, spares=0, link_us=1000)
+    '''
+    _run_large(code, link_us=1000)
 
 
 def test_host_pages_of_a_large_call_site_are_not_passed_to_the_other_direction():
@@ -1453,11 +1449,7 @@ def test_host_pages_of_a_large_call_site_are_not_passed_to_the_other_direction()
     long as rounds flow, never idle long enough to give them back, and every copy of that activation
     would cross PCIe for good. Now host pages are never traded: once the device has room, the reload
     takes new device pages (and copies the held bytes), and the offload's host pages go back when idle."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
-        N = 40 << 20
-        x, y = mk(N), mk(N)
-        jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
+    code = '''
         lib.testing_posix_device_limit(0)  # no device page: the offload cell gets host pages
         try:
             with Replay("cpu") as r:
@@ -1478,8 +1470,8 @@ def test_host_pages_of_a_large_call_site_are_not_passed_to_the_other_direction()
             lib.testing_posix_device_limit(-1)
         jaxvmm.collect()
         print("OK")
-    ''')
-    _run_with_spares(code, cells=1, spares=0, link_us=1000)
+    '''
+    _run_large(code, link_us=1000)
 
 
 def test_an_offload_round_between_prefetches_of_held_cells_and_their_reloads():
