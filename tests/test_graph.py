@@ -675,7 +675,8 @@ def test_gpu_cells_get_host_pages_when_the_device_is_full():
         assert s["graph_cells_host"] > 0 and s["graph_offload_rounds"] > s0["graph_offload_rounds"], s
         print("OK", s["graph_cells_host"])
     ''')
-    proc = run_in_subprocess(code, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, timeout=120)
+    # XLA's default command buffers whatever the suite runs under: with them off nothing is recorded.
+    proc = run_in_subprocess(code, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": ""}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
