@@ -82,6 +82,9 @@ struct Cell : CellPages {
   CUstream grant_stream = nullptr; // offload, kArmed: the stream that wrote grant[i] (a revoke runs there)
   std::shared_ptr<Ticket> draining;  // offload: the ticket whose D2H out of this cell may still run
   bool until_knock = false;          // offload, kHeld: armed only once a round knocks (GraphHold::kLarge)
+  // Reload: the pages came from a held offload cell whose D2H may still read them (GraphMode::
+  // TakeHeldPages): they stay mapped here until the graph D2H clock reaches this (0: nothing reads them).
+  uint64_t d2h_reads = 0;
 };
 
 // A spare cell of an offload channel (graph_spares): VA reserved with the channel's cells, pages mapped

@@ -451,6 +451,11 @@ bool GraphMode::CopyPending(const Cell& cell, CUstream except) const {
   return cell.stream && cell.stream != except && Driver(backend_).EventQuery(cell.event) != CUDA_SUCCESS;
 }
 
+bool GraphMode::ReadByD2h(Cell& cell) {
+  if (cell.d2h_reads && transfers_.ClockReached(cell.d2h_reads)) cell.d2h_reads = 0;
+  return cell.d2h_reads != 0;
+}
+
 bool GraphMode::MapCell(Channel& c, int i, bool evict) {
   Cell& cell = c.cells[i];
   if (cell.mapped) return true;
@@ -551,7 +556,7 @@ size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
       Cell& cell = c.cells[i];
       if (!cell.mapped || cell.round == Channel::Round::kGranted || (device_only && cell.host_pages)) continue;
       if (cell.round == Channel::Round::kArmed && !Revoke(c, i)) continue;  // the device took the grant: its round is live
-      if (CopyPending(cell)) continue;  // a copy still uses it (a held cell's D2H)
+      if (CopyPending(cell) || ReadByD2h(cell)) continue;  // a copy still uses it (a held cell's D2H)
       {
         Held h = ledger_.Lock();
         if (!Unhold(h, cell)) continue;  // a reload's copy still reads its bytes
@@ -1097,11 +1102,11 @@ bool GraphMode::TakeIdlePages(Channel& c, int i) {
   channels_.ForEach([&](Channel& p) {
     if (from || !Partners(c, p)) return;
     for (int j = 0; j < p.ncells; ++j) {
-      const Cell& cell = p.cells[j];
+      Cell& cell = p.cells[j];
       // Host pages (the device had no memory) go back when idle, so that the next mapping tries the
       // device again: passing them on would keep them in use for good.
       if (!cell.mapped || cell.host_pages || cell.round != Channel::Round::kIdle || cell.loaded || cell.ticket || cell.draining) continue;
-      if (CopyPending(cell)) continue;  // a copy into or out of it still runs
+      if (CopyPending(cell) || ReadByD2h(cell)) continue;  // a copy into or out of it still runs
       from = &p;
       k = j;
       return;
@@ -1114,14 +1119,24 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
   // Caller holds mu_. Reload cell j (no round on it, nothing loaded, no copy pending) and the offload
   // cell that holds `a` (the forward's last round of a large call site) exchange their pages: the
   // bytes stay where the offload left them, and the reload copies nothing before its round.
+  // a's D2H may still run (the forward's last D2H, when the backward's head is short): the round only
+  // reads the pages too, and writing them later is harmless (the round consumes `a`, so nothing reads
+  // its host copy), but they must not be unmapped under the copy: the cell keeps them until the D2H
+  // clock passes a's D2H (Cell::d2h_reads). Before, such a reload mapped a cell of new pages and
+  // copied device to device, and that second cell stayed mapped through the step.
   Cell& mine = c.cells[j];
   if (mine.loaded || mine.ticket || mine.round == Channel::Round::kGranted) return false;
-  if (CopyPending(mine)) return false;
+  if (CopyPending(mine) || ReadByD2h(mine)) return false;
   Channel* from = nullptr;
   int k = -1;
+  uint64_t d2h_reads = 0;
   {
     Held h = ledger_.Lock();
-    if (!a->lent_cell || a->lent_readers > 0 || !transfers_.D2hDone(*a)) return false;
+    if (!a->lent_cell || a->lent_readers > 0) return false;
+    if (!transfers_.D2hDone(*a)) {
+      if (!a->d2h_seq) return false;  // only the graph clock tells when the copy is done
+      d2h_reads = a->d2h_seq;
+    }
     channels_.ForEach([&](Channel& p) {
       if (from || !Partners(c, p)) return;
       for (int i = 0; i < p.ncells; ++i)
@@ -1135,10 +1150,11 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
   if (!from) return false;
   Cell& held = from->cells[k];
   if (held.host_pages) return false;  // copied into the reload's own cell instead (see TakeIdlePages)
-  // Its last copy is the D2H (done by the clock above; the event recorded behind it may lag); anything
-  // else still running on it keeps it.
+  // Its last copy is the D2H (done by the clock, or followed by d2h_reads; the event recorded behind it
+  // may lag); anything else still running on it keeps it.
   if (CopyPending(held, gd2h_)) return false;
   if (!TradePages(c, j, *from, k)) return false;
+  mine.d2h_reads = d2h_reads;
   {
     Held h = ledger_.Lock();
     a->lent_cell = 0;  // the bytes are this cell's now; the offload cell has others
@@ -1568,6 +1584,7 @@ void GraphMode::Stop() {
       if (cell.event) d.EventDestroy(cell.event);
       cell.event = nullptr;
       cell.draining.reset();
+      cell.d2h_reads = 0;
     }
     for (Spare& sp : c.spares) {
       {

@@ -141,6 +141,9 @@ class GraphMode {
   // needs the cell: other channels' idle cells go to make room, and a full device gives host pages.
   // The last copy into or out of `cell` (on cell.stream, unless that is `except`) may still run.
   bool CopyPending(const Cell& cell, CUstream except = nullptr) const;
+  // A reload cell's pages may still be read by the D2H of the held cell they came from (Cell::
+  // d2h_reads, cleared here once the clock passed it): they are neither given back nor passed on.
+  bool ReadByD2h(Cell& cell);
   bool MapCell(Channel& c, int i, bool evict = true);
   void UnmapCell(Channel& c, int i);
   void UnmapPages(Channel& c, CellPages* p, const char* kept);

@@ -49,7 +49,7 @@ Status Transfers::Init() {
 }
 
 bool Transfers::D2hDone(const Ticket& t) const {
-  if (t.d2h_seq) return clock_->load(std::memory_order_acquire) >= t.d2h_seq;
+  if (t.d2h_seq) return ClockReached(t.d2h_seq);
   return t.d2h_done && Driver(backend_).EventQuery(t.d2h_done) == CUDA_SUCCESS;
 }
 

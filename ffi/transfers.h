@@ -49,6 +49,8 @@ class Transfers {
   CUdeviceptr graph_clock_address() const { return reinterpret_cast<CUdeviceptr>(clock_); }
   // Whether t's D2H has finished (its event, or the graph clock).
   bool D2hDone(const Ticket& t) const;
+  // Whether every graph-mode D2H up to sequence number `seq` has finished (0: none is waited for).
+  bool ClockReached(uint64_t seq) const { return clock_->load(std::memory_order_acquire) >= seq; }
 
   // Enqueues on `s`: wait until `src` holds the bytes, then copy them to `dst` (D2D or H2D; a pageable
   // host block through `bounce`).

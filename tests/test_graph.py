@@ -1354,6 +1354,46 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold):
     _run_large(code, link_us=20000, hold=hold)
 
 
+@pytest.mark.parametrize("rounds,trim", [(3, False), (1, True)])
+def test_the_first_reload_takes_held_pages_while_their_d2h_still_runs(rounds, trim):
+    """On the H200 the MLP hidden row peaked at 512 MiB of jaxvmm pages over ten steps, where one traced
+    step kept 256 MiB: when the forward's last D2H was still running at the backward's first reload,
+    that reload mapped a cell of new pages and copied the bytes device to device, instead of taking the
+    held cell's pages, and both cells stayed mapped. Now it takes them while the D2H runs (the copy
+    only reads them, as the round does): never more than one cell mapped, every byte as offloaded.
+    Until that D2H is done the pages stay mapped, whoever holds them: trim() right after the reload
+    (of a one-round forward: no guess of an older ticket is copied into the cell) gives nothing back
+    under the copy (the cpu backend's D2H would read released pages and fault)."""
+    code = f'''
+        R, TRIM = {rounds}, {trim}
+        CELL = N
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            mapped = []
+            note = lambda: mapped.append(st()["graph_mapped_bytes"])
+            for step in range(3):
+                toks = offload_replays(r, fwd, 10 * step, R, note)  # no synchronize: the last D2H runs
+                s0 = st()
+                reload_replay(r, bwd, toks[-1], 10 * step + R - 1, note)
+                s1 = st()
+                assert s1["graph_trades"] - s0["graph_trades"] == 1, (s0, s1)
+                if TRIM:
+                    assert lib.engine_trim("posix", 0) == 0 and st()["graph_mapped_bytes"] == CELL, st()
+                for i in reversed(range(R - 1)):
+                    reload_replay(r, bwd, toks[i], 10 * step + i, note)
+                jaxvmm.synchronize()  # the last D2H is done: the next forward takes the pages again
+            assert max(mapped) <= CELL, mapped
+            jaxvmm.synchronize()
+            s = st()
+            assert s["errors"] == 0 and s["graph_pages_mapped"] == 1, s
+        jaxvmm.collect()
+        jaxvmm.synchronize()
+        assert st()["tickets_live"] == 0, st()
+        print("OK")
+    '''
+    _run_large(code, link_us=300000)
+
+
 @pytest.mark.parametrize("link_us", [0, 60000])
 def test_large_call_sites_with_spares_hold_lend_and_trade_bit_exactly(link_us):
     """Spares, held cells and page trades together on large call sites (one cell each, two spares): a
