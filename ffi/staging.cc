@@ -135,12 +135,13 @@ void StagingArea::DropIdleSmall() {
     if (c.slot_id >= 0 && c.page >= 0 && !c.in_use && Finished(c)) Drop(c);
 }
 
-bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
+bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait, size_t limit) {
   // Caller holds mu_ (through `wait` when given). Cells whose last user finished go first (oldest
   // first). With `wait`, cells whose last user is still running are then waited for on the host (the
   // rare case: the budget is full of other sizes' copies in flight), with mu_ dropped while waiting:
   // a graph-mode round the device is blocked in may need the poller, whose Charge() takes mu_.
   bool counted = false;
+  const auto fits = [&] { return mapped_ + need <= (limit ? limit : Budget()); };
   for (;;) {
     std::vector<Cell*> idle;
     for (Cell& c : cells_)
@@ -148,7 +149,7 @@ bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
     std::sort(idle.begin(), idle.end(), [](const Cell* a, const Cell* b) { return a->last_use < b->last_use; });
     bool running = false;
     for (Cell* c : idle) {
-      if (mapped_ + need <= Budget()) break;
+      if (fits()) break;
       if (c->slot_id < 0) continue;  // dropped with its page below
       if (c->page >= 0) {
         // A shared page is returned as a unit: dropping one of its cells frees no bytes while another
@@ -172,7 +173,7 @@ bool StagingArea::MakeRoom(size_t need, std::unique_lock<std::mutex>* wait) {
       }
       Drop(*c);
     }
-    if (mapped_ + need <= Budget()) return true;
+    if (fits()) return true;
     if (!wait || !running) return false;
     if (!counted) ++stats_.host_waits;
     counted = true;
@@ -374,6 +375,7 @@ void StagingArea::Pin(const StagingLease& lease) {
 bool StagingArea::Charge(size_t bytes) {
   ScopedContext ctx(backend_, device_);
   std::lock_guard<std::mutex> lock(mu_);
+  if (mapped_ > 0) (void)MakeRoom(bytes, /*wait=*/nullptr, /*limit=*/mapped_);  // idle cells make way
   if (!MakeRoom(bytes, /*wait=*/nullptr)) return false;
   mapped_ += bytes;
   NotePeak();

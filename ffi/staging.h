@@ -91,6 +91,9 @@ class StagingArea {
   void Pin(const StagingLease& lease);
   // Graph-mode channel cells (their own slots) share the budget: Charge makes room by returning idle
   // cells (never waiting) and counts `bytes` as mapped, or returns false; Uncharge gives them back.
+  // A graph cell also displaces idle cells of as many bytes, budget or not: once a program's call
+  // sites are recorded, its ops no longer use these cells, which would otherwise stay mapped next to
+  // the graph cells until IdleMillis() (a large program's whole first-execution staging, at its second).
   bool Charge(size_t bytes);
   void Uncharge(size_t bytes);
   // Returns the pages of every cell not in use and whose last user finished. Returns bytes returned.
@@ -141,7 +144,8 @@ class StagingArea {
   // gives something back runs under mu_, and the poller (Charge) never buries: the janitor does.
   void Drop(Cell& c);  // caller holds mu_
   void Bury();         // caller holds no lock
-  bool MakeRoom(size_t need, std::unique_lock<std::mutex>* wait);  // evicts other cells; caller holds mu_
+  // Evicts other cells until mapped_ + need <= limit (Budget() if 0); caller holds mu_.
+  bool MakeRoom(size_t need, std::unique_lock<std::mutex>* wait, size_t limit = 0);
   void Janitor();                                    // trims after IdleMillis() without an acquire
 
   const Backend backend_;

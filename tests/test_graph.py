@@ -1394,6 +1394,40 @@ def test_the_first_reload_takes_held_pages_while_their_d2h_still_runs(rounds, tr
     _run_large(code, link_us=300000)
 
 
+def test_a_graph_cell_displaces_idle_ring_cells():
+    """On the H200 the MLP hidden row's device peak held 512 MiB of jaxvmm pages where a step needs one
+    256 MiB cell: a program's first execution runs its ops on the op ring, whose staging cells stayed
+    mapped (idle, until staging_idle_ms) while the second execution's graph-mode cells were mapped next
+    to them. Now a graph cell, when it is mapped, returns idle ring cells of as many bytes first: here
+    a ring round trip of 40 MiB leaves its cells idle, and preparing a graph call site of the same size
+    keeps jaxvmm's mapped bytes where they were (before: one more cell)."""
+    code = _LARGE_PRELUDE + textwrap.dedent('''
+        import jax, jax.numpy as jnp
+        v = jnp.arange(N // 4, dtype=jnp.float32)
+        back = jax.jit(lambda v: jaxvmm.reload(jaxvmm.offload(v)))(v)
+        assert bool(jnp.all(back == v))
+        jaxvmm.synchronize()
+        s0 = st()
+        ring = s0["staging_mapped_bytes"] - s0["graph_mapped_bytes"]
+        assert ring >= N and s0["graph_mapped_bytes"] == 0, s0  # idle ring cells (no idle release)
+        with Replay("cpu") as r:
+            r.prepare(1 << 41, r.OFFLOAD, N)
+            s1 = st()
+            assert s1["graph_mapped_bytes"] == N, s1
+            assert s1["staging_mapped_bytes"] == s0["staging_mapped_bytes"], (s0, s1)
+            fwd = r.capture()
+            with fwd as g:
+                r.offload(1 << 41, x.address, N, tok.address)
+            for i in range(2):  # the graph cell serves rounds as before
+                x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
+        jaxvmm.collect()
+        jaxvmm.synchronize()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("link_us", [0, 60000])
 def test_large_call_sites_with_spares_hold_lend_and_trade_bit_exactly(link_us):
     """Spares, held cells and page trades together on large call sites (one cell each, two spares): a
