@@ -147,7 +147,7 @@ class MemoryTimeline:
 
     def series(self):
         """The kept samples, oldest first: a numpy ``int64`` array of shape ``(n, 4)`` with columns
-        ``t_ns, used_bytes, mapped_bytes, internal_bytes``."""
+        ``t_ns, used_bytes, mapped_bytes, internal_bytes`` (``t_ns``: nanoseconds since :meth:`start`)."""
         import numpy as np
 
         raw = self._series if self._final is not None else bytes(lib.sampler_series(self._id))

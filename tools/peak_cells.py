@@ -4,6 +4,10 @@ peak sample, jaxvmm's mapped bytes over the step (1 ms bins: used, jaxvmm intern
 graph-mode and staging counters.
 
     XLA_PYTHON_CLIENT_ALLOCATOR=platform python tools/peak_cells.py --model mlp --target mlp_hidden
+
+With --from-start N: one timeline over the first N steps (the first execution included) and a line per
+step: the most device memory used in it, jaxvmm's own pages over it (min..max, and at that step's
+used peak), and the engine's staging and graph-mode mapped bytes after it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ def main() -> int:
     ap.add_argument("--variant", default="jaxvmm")
     ap.add_argument("--shape", default=None)
     ap.add_argument("--bin-ms", type=float, default=4.0)
+    ap.add_argument("--from-start", type=int, default=0, metavar="N")
     args = ap.parse_args()
     import jax
     import numpy as np
@@ -32,6 +37,8 @@ def main() -> int:
     s = ts.shapes_for(args.model, False, None, args.shape)
     step = ts.build_step(args.model, args.target, args.variant, s, "auto")
     params, x = ts.init_arrays(args.model, s)
+    if args.from_start:
+        return from_start(args.from_start, step, params, x)
     for _ in range(3):
         loss, params = step(params, x)
     jax.block_until_ready((loss, params))
@@ -59,6 +66,39 @@ def main() -> int:
     for k in sorted(d):
         if k.startswith(("graph_", "staging_")) and not isinstance(d[k], (list, dict)):
             print(f"  {k} = {d[k]}")
+    return 0
+
+
+def from_start(n: int, step, params, x) -> int:
+    import time
+
+    import jax
+
+    import jaxvmm
+
+    mib = 2 ** 20
+    bounds = []
+    base = time.monotonic_ns()  # the timeline's times count from (about) here
+    with jaxvmm.memory_timeline(jax.devices()[0]) as tl:
+        for i in range(n):
+            t0 = time.monotonic_ns() - base
+            loss, params = step(params, x)
+            jax.block_until_ready((loss, params))
+            d = jaxvmm.engine_stats()
+            d = d[next(iter(d))]
+            bounds.append((t0, time.monotonic_ns() - base, d["staging_mapped_bytes"], d["graph_mapped_bytes"]))
+    a = tl.series()
+    first = tl.first_used_bytes
+    print(f"{'step':>4} {'ms':>8} {'used-first MiB':>14} {'jaxvmm MiB min..max':>20} {'at used peak':>12} "
+          f"{'staging after':>13} {'graph after':>11}")
+    for i, (t0, t1, staging, graph) in enumerate(bounds):
+        m = a[(a[:, 0] >= t0) & (a[:, 0] < t1)]
+        if not len(m):
+            continue
+        k = int(m[:, 1].argmax())
+        print(f"{i:4d} {(t1 - t0) / 1e6:8.1f} {(m[k, 1] - first) / mib:14.0f} "
+              f"{m[:, 3].min() / mib:9.0f}..{m[:, 3].max() / mib:<9.0f} {m[k, 3] / mib:12.0f} "
+              f"{staging / mib:13.0f} {graph / mib:11.0f}")
     return 0
 
 
