@@ -124,7 +124,11 @@ Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const
   // needs no mapping). Later the poller maps on demand.
   // (Within the budget's free room and on the device only: no round waits for it yet, so a full device
   // is left to the capture, which must have pages and takes host pages if it has to.)
-  if (!c->captured && ++c->prepares <= 2) (void)MapCell(*c, 0, /*evict=*/false);
+  // Not for call sites that trade pages (large arrays, one cell): their capture names no cell, and
+  // pages mapped here would sit idle through the first execution (whose ops run on the op ring, with
+  // staging cells of their own): on the H200 that first execution was the run's device peak, one
+  // activation above every later step. Their first round maps (or takes) its pages when it comes.
+  if (!c->captured && ++c->prepares <= 2 && !c->trades) (void)MapCell(*c, 0, /*evict=*/false);
   c->last_use = std::chrono::steady_clock::now();  // idle from now on until a round or a capture
   WakePoller();
   return Status();
