@@ -327,6 +327,7 @@ void GraphMode::Recorded(Channel& c) {
   // Caller holds mu_: the channel's device work is in a graph now; its rounds need the poller.
   c.captured = any_captured_ = true;
   ++stats_.captures;
+  staging_.RetireSize(c.cell_size);  // the op ring's cells of this size served its uncaptured runs
   WakePoller();
 }
 

@@ -406,12 +406,42 @@ size_t StagingArea::Trim() {
   return returned;
 }
 
+void StagingArea::RetireSize(size_t nbytes) {
+  const size_t g = granularity_.load(std::memory_order_relaxed);
+  if (g == 0 || nbytes <= g / 2) return;  // no cell made yet, or small cells (shared pages)
+  std::lock_guard<std::mutex> lock(mu_);
+  retiring_.push_back(Retiring{(nbytes + g - 1) / g * g, clock_});
+  retire_new_ = true;
+  janitor_cv_.notify_all();
+}
+
+void StagingArea::DropRetired() {
+  for (auto it = retiring_.begin(); it != retiring_.end();) {
+    bool left = false;
+    for (Cell& c : cells_) {
+      if (c.slot_id < 0 || c.page >= 0 || c.size != it->size || c.pinned || c.last_use > it->before) continue;
+      if (c.in_use || !Finished(c)) {
+        left = true;  // its last user still runs: next time
+        continue;
+      }
+      Drop(c);
+    }
+    it = left ? std::next(it) : retiring_.erase(it);
+  }
+}
+
 void StagingArea::Janitor() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     const auto idle = std::chrono::milliseconds(IdleMillis());
-    janitor_cv_.wait_for(lock, idle, [&] { return stop_ || !graveyard_.empty(); });
+    const auto wait = retiring_.empty() ? idle : std::chrono::milliseconds(1);
+    janitor_cv_.wait_for(lock, wait, [&] { return stop_ || retire_new_ || !graveyard_.empty(); });
     if (stop_) break;
+    retire_new_ = false;
+    if (!retiring_.empty()) {
+      ScopedContext ctx(backend_, device_);  // Finished() queries the cells' events
+      DropRetired();
+    }
     if (!graveyard_.empty()) {
       lock.unlock();
       Bury();

@@ -96,6 +96,12 @@ class StagingArea {
   // the graph cells until IdleMillis() (a large program's whole first-execution staging, at its second).
   bool Charge(size_t bytes);
   void Uncharge(size_t bytes);
+  // A graph-mode call site of `nbytes` was recorded: its ops no longer come through here, so the cells
+  // of that size that exist now (not small ones: they share pages) go back as soon as their last user
+  // finishes and none acquired them since, by the janitor, not after IdleMillis(). (A scan's first
+  // iteration runs uncaptured, on these cells; the next ones replay graph-mode cells, and the two
+  // stayed mapped side by side: one more activation at a large program's first execution.)
+  void RetireSize(size_t nbytes);
   // Returns the pages of every cell not in use and whose last user finished. Returns bytes returned.
   size_t Trim();
   StagingStats Stats() const;
@@ -146,6 +152,7 @@ class StagingArea {
   void Bury();         // caller holds no lock
   // Evicts other cells until mapped_ + need <= limit (Budget() if 0); caller holds mu_.
   bool MakeRoom(size_t need, std::unique_lock<std::mutex>* wait, size_t limit = 0);
+  void DropRetired();  // caller holds mu_: the retired cells whose last user finished
   void Janitor();                                    // trims after IdleMillis() without an acquire
 
   const Backend backend_;
@@ -170,6 +177,12 @@ class StagingArea {
   size_t mapped_ = 0;
   uint64_t clock_ = 0;
   std::chrono::steady_clock::time_point last_acquire_;
+  struct Retiring {
+    size_t size;      // cells of this size
+    uint64_t before;  // last acquired at or before this clock_ value (a later acquire keeps the cell)
+  };
+  std::vector<Retiring> retiring_;  // RetireSize; the janitor polls every millisecond while non-empty
+  bool retire_new_ = false;         // wakes the janitor
   bool stop_ = false;
   StagingStats stats_;
   std::thread janitor_;  // last: started once the state above exists
