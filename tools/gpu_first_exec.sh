@@ -7,17 +7,11 @@ set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 : > "$OUT/rows.txt"
-for m in mlp gpt; do
-  timeout 120 python3 bench/train_step.py --models $m --targets mlp_hidden --variants save,jaxvmm --steps 10 \
-    --warmup 3 --timeline --timeout 110 >> "$OUT/rows.txt" 2>&1
-  echo "=== $m mlp_hidden ($((SECONDS - T0)) s)"; grep -E "^\| $m" "$OUT/rows.txt" | tail -2 | cut -c1-560
-done
+hidden_rows mlp gpt
 XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 90 python3 tools/peak_cells.py --model mlp --from-start 6 > "$OUT/fs_mlp.txt" 2>&1
 echo "=== from start ($((SECONDS - T0)) s)"; tail -7 "$OUT/fs_mlp.txt"
 export JAXVMM_REQUIRE_GPU=1
 gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
 gpu_tests offload 120 tests/test_offload.py
-timeout 100 python3 -P -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_remat.py > "$OUT/remat.txt" 2>&1
-echo "=== remat rc=$? $(grep -E '(passed|failed|error).* in ' "$OUT/remat.txt" | tail -1) ($((SECONDS - T0)) s)"
-grep -E "^(FAILED|ERROR)" "$OUT/remat.txt" | cut -c1-250 | head -6
+remat_suite
 exit 0

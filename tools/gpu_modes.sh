@@ -13,8 +13,6 @@ for mode in while off; do
   esac
   gpu_tests "graph_$mode" 170 tests/test_graph.py
   gpu_tests "offload_$mode" 120 tests/test_offload.py
-  timeout 100 python3 -P -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_remat.py > "$OUT/remat_$mode.txt" 2>&1
-  echo "=== remat_$mode rc=$? $(grep -E '(passed|failed|error).* in ' "$OUT/remat_$mode.txt" | tail -1) ($((SECONDS - T0)) s)"
-  grep -E "^(FAILED|ERROR)" "$OUT/remat_$mode.txt" | cut -c1-250 | head -6
+  remat_suite "remat_$mode"
 done
 exit 0

@@ -98,3 +98,24 @@ ab_ring_cost() {
     done
   done
 }
+
+# hidden_rows MODELS...: bench/train_step.py's MLP-hidden row of each model (save on device and jaxvmm
+# in one run, 10 steps after 3 warm-up steps, driver-level timeline over the run and over the timed
+# steps) appended to $OUT/rows.txt; then its two table lines.
+hidden_rows() {
+  local m
+  for m in "$@"; do
+    timeout 120 python3 bench/train_step.py --models "$m" --targets mlp_hidden --variants save,jaxvmm --steps 10 \
+      --warmup 3 --timeline --timeout 110 >> "$OUT/rows.txt" 2>&1
+    echo "=== $m mlp_hidden ($((SECONDS - ${T0:-0})) s)"; grep -E "^\| $m" "$OUT/rows.txt" | tail -2 | cut -c1-560
+  done
+}
+
+# remat_suite [NAME]: tests/test_remat.py (all of it: its gpu-marked tests and the rest) into
+# $OUT/NAME.txt (remat), then a summary line and the failures.
+remat_suite() {
+  local name=${1:-remat}
+  timeout 100 python3 -P -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_remat.py > "$OUT/$name.txt" 2>&1
+  echo "=== $name rc=$? $(grep -E '(passed|failed|error).* in ' "$OUT/$name.txt" | tail -1) ($((SECONDS - ${T0:-0})) s)"
+  grep -E "^(FAILED|ERROR)" "$OUT/$name.txt" | cut -c1-250 | head -6
+}

@@ -7,18 +7,12 @@ set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 : > "$OUT/rows.txt"
-for m in mlp gpt; do
-  timeout 120 python3 bench/train_step.py --models $m --targets mlp_hidden --variants save,jaxvmm --steps 10 \
-    --warmup 3 --timeline --timeout 110 >> "$OUT/rows.txt" 2>&1
-  echo "=== $m mlp_hidden ($((SECONDS - T0)) s)"; grep -E "^\| $m" "$OUT/rows.txt" | tail -2 | cut -c1-480
-done
+hidden_rows mlp gpt
 XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 90 python3 tools/peak_cells.py --model mlp --bin-ms 8 > "$OUT/peak_mlp.txt" 2>&1
 echo "=== peak_cells mlp ($((SECONDS - T0)) s)"; head -1 "$OUT/peak_mlp.txt"; awk 'NR>2 {print $3}' "$OUT/peak_mlp.txt" | sort | uniq -c
 export JAXVMM_REQUIRE_GPU=1
 gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
 gpu_tests rest 150 tests/test_engine.py tests/test_dtypes.py tests/test_host_store.py tests/test_memory.py tests/test_semantics.py tests/test_share.py tests/test_slots.py
 gpu_tests offload 120 tests/test_offload.py
-timeout 120 python3 -P -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_remat.py > "$OUT/remat.txt" 2>&1
-echo "=== remat rc=$? $(grep -E '(passed|failed|error).* in ' "$OUT/remat.txt" | tail -1) ($((SECONDS - T0)) s)"
-grep -E "^(FAILED|ERROR)" "$OUT/remat.txt" | cut -c1-250 | head -6
+remat_suite
 exit 0
