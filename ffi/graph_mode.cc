@@ -560,8 +560,9 @@ size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
     for (int i = 0; i < c.ncells; ++i) {
       Cell& cell = c.cells[i];
       if (!cell.mapped || cell.round == Channel::Round::kGranted || (device_only && cell.host_pages)) continue;
+      if (ReadByD2h(cell)) continue;  // a D2H still reads its pages (their guess stays armed)
       if (cell.round == Channel::Round::kArmed && !Revoke(c, i)) continue;  // the device took the grant: its round is live
-      if (CopyPending(cell) || ReadByD2h(cell)) continue;  // a copy still uses it (a held cell's D2H)
+      if (CopyPending(cell)) continue;  // a copy still uses it (a held cell's D2H)
       {
         Held h = ledger_.Lock();
         if (!Unhold(h, cell)) continue;  // a reload's copy still reads its bytes
@@ -1125,9 +1126,11 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
   // cell that holds `a` (the forward's last round of a large call site) exchange their pages: the
   // bytes stay where the offload left them, and the reload copies nothing before its round.
   // a's D2H may still run (the forward's last D2H, when the backward's head is short): the round only
-  // reads the pages too, and writing them later is harmless (the round consumes `a`, so nothing reads
-  // its host copy), but they must not be unmapped under the copy: the cell keeps them until the D2H
-  // clock passes a's D2H (Cell::d2h_reads). Before, such a reload mapped a cell of new pages and
+  // reads the pages too, and writing them later is harmless when the round consumes `a` (nothing reads
+  // its host copy then), but they must not be unmapped under the copy: the cell keeps them until the
+  // D2H clock passes a's D2H (Cell::d2h_reads). A kept ticket (a jax.vjp or jax.linearize function's,
+  // which Python may call again) is not consumed: the next prefetch or correction into the pages
+  // would end up in its host copy, so it trades only once its D2H is done. Before, such a reload mapped a cell of new pages and
   // copied device to device, and that second cell stayed mapped through the step.
   Cell& mine = c.cells[j];
   if (mine.loaded || mine.ticket || mine.round == Channel::Round::kGranted) return false;
@@ -1139,7 +1142,7 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
     Held h = ledger_.Lock();
     if (!a->lent_cell || a->lent_readers > 0) return false;
     if (!transfers_.D2hDone(*a)) {
-      if (!a->d2h_seq) return false;  // only the graph clock tells when the copy is done
+      if (!a->d2h_seq || a->kept) return false;  // only the graph clock tells when the copy is done
       d2h_reads = a->d2h_seq;
     }
     channels_.ForEach([&](Channel& p) {

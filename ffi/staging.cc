@@ -375,8 +375,9 @@ void StagingArea::Pin(const StagingLease& lease) {
 bool StagingArea::Charge(size_t bytes) {
   ScopedContext ctx(backend_, device_);
   std::lock_guard<std::mutex> lock(mu_);
-  if (mapped_ > 0) (void)MakeRoom(bytes, /*wait=*/nullptr, /*limit=*/mapped_);  // idle cells make way
+  const size_t before = mapped_;
   if (!MakeRoom(bytes, /*wait=*/nullptr)) return false;
+  if (before > 0) (void)MakeRoom(bytes, /*wait=*/nullptr, /*limit=*/before);  // idle cells make way
   mapped_ += bytes;
   NotePeak();
   return true;
@@ -410,7 +411,15 @@ void StagingArea::RetireSize(size_t nbytes) {
   const size_t g = granularity_.load(std::memory_order_relaxed);
   if (g == 0 || nbytes <= g / 2) return;  // no cell made yet, or small cells (shared pages)
   std::lock_guard<std::mutex> lock(mu_);
-  retiring_.push_back(Retiring{(nbytes + g - 1) / g * g, clock_});
+  const size_t size = (nbytes + g - 1) / g * g;
+  for (Retiring& r : retiring_)
+    if (r.size == size) {  // a re-recording: one entry per size, covering the cells made since too
+      r.before = clock_;
+      retire_new_ = true;
+      janitor_cv_.notify_all();
+      return;
+    }
+  retiring_.push_back(Retiring{size, clock_});
   retire_new_ = true;
   janitor_cv_.notify_all();
 }
