@@ -174,8 +174,8 @@ class GraphMode {
   // Cell i of `c` (unmapped) takes the pages of an idle, empty cell of a call site of the other
   // direction with cells of its size, instead of new ones.
   bool TakeIdlePages(Channel& c, int i);
-  // Reload cell j of `c` takes the pages of the offload cell holding ticket `a` (held, its D2H done, no
-  // copy reading it): the round reads the bytes where the offload left them.
+  // Reload cell j of `c` takes the pages of the offload cell holding ticket `a` (held, no copy but its
+  // D2H reading it; a kept ticket's D2H done): the round reads the bytes where the offload left them.
   bool TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& a);
   bool MapSpare(Channel& c, Spare& s);
   void UnmapSpare(Channel& c, Spare& s);

@@ -412,14 +412,10 @@ void StagingArea::RetireSize(size_t nbytes) {
   if (g == 0 || nbytes <= g / 2) return;  // no cell made yet, or small cells (shared pages)
   std::lock_guard<std::mutex> lock(mu_);
   const size_t size = (nbytes + g - 1) / g * g;
-  for (Retiring& r : retiring_)
-    if (r.size == size) {  // a re-recording: one entry per size, covering the cells made since too
-      r.before = clock_;
-      retire_new_ = true;
-      janitor_cv_.notify_all();
-      return;
-    }
-  retiring_.push_back(Retiring{size, clock_});
+  // One entry per size: a re-recording moves it on, to the cells made since too.
+  auto it = std::find_if(retiring_.begin(), retiring_.end(), [&](const Retiring& r) { return r.size == size; });
+  if (it != retiring_.end()) it->before = clock_;
+  else retiring_.push_back(Retiring{size, clock_});
   retire_new_ = true;
   janitor_cv_.notify_all();
 }

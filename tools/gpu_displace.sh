@@ -9,7 +9,7 @@ source "$(dirname "$0")/gpu_prelude.sh"
 hidden_rows mlp gpt
 export JAXVMM_REQUIRE_GPU=1
 gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
-gpu_tests rest 150 tests/test_engine.py tests/test_dtypes.py tests/test_host_store.py tests/test_memory.py tests/test_semantics.py tests/test_share.py tests/test_slots.py
+gpu_tests rest 150 $REST_TESTS
 gpu_tests offload 120 tests/test_offload.py
 remat_suite
 exit 0

@@ -8,8 +8,7 @@ T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 : > "$OUT/rows.txt"
 hidden_rows mlp gpt
-XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 90 python3 tools/peak_cells.py --model mlp --bin-ms 8 > "$OUT/peak_mlp.txt" 2>&1
-echo "=== peak_cells mlp ($((SECONDS - T0)) s)"; head -1 "$OUT/peak_mlp.txt"; awk 'NR>2 {print $3}' "$OUT/peak_mlp.txt" | sort | uniq -c
+peak_step
 ROW_TIMEOUT=60 mlp_row "1MiB,default" 256,512,64
 ROW_TIMEOUT=60 mlp_row "1MiB,+WHILE" 256,512,64 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE
 export JAXVMM_REQUIRE_GPU=1

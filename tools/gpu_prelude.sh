@@ -17,6 +17,9 @@ gpu_tests() {
   grep -E "^(FAILED|ERROR)" "$OUT/$name.txt" | cut -c1-250 | head -8; grep -E "^E  " "$OUT/$name.txt" | cut -c1-300 | head -6
 }
 
+# The gpu-marked test files outside graph mode, offload and remat (`gpu_tests rest TIMEOUT $REST_TESTS`).
+REST_TESTS="tests/test_engine.py tests/test_dtypes.py tests/test_host_store.py tests/test_memory.py tests/test_semantics.py tests/test_share.py tests/test_slots.py"
+
 # ring_tests [graph]: the ring-path gpu tests (offload + engine) with command buffers off, and with
 # `graph` the graph gpu tests (graph + graph_xla, default mode) too.
 ring_tests() {
@@ -118,4 +121,11 @@ remat_suite() {
   timeout 100 python3 -P -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_remat.py > "$OUT/$name.txt" 2>&1
   echo "=== $name rc=$? $(grep -E '(passed|failed|error).* in ' "$OUT/$name.txt" | tail -1) ($((SECONDS - ${T0:-0})) s)"
   grep -E "^(FAILED|ERROR)" "$OUT/$name.txt" | cut -c1-250 | head -6
+}
+
+# peak_step: tools/peak_cells.py over one traced MLP step (platform allocator) into $OUT/peak_mlp.txt,
+# then its peak line and how many 8 ms bins had each range of jaxvmm's pages.
+peak_step() {
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 90 python3 tools/peak_cells.py --model mlp --bin-ms 8 > "$OUT/peak_mlp.txt" 2>&1
+  echo "=== peak_cells mlp ($((SECONDS - ${T0:-0})) s)"; head -1 "$OUT/peak_mlp.txt"; awk 'NR>2 {print $3}' "$OUT/peak_mlp.txt" | sort | uniq -c
 }

@@ -23,4 +23,4 @@ old bash -c "python3 -P -m pytest -q -rfs --tb=line -p no:cacheprovider -m gpu $
 echo "=== by-value test, old tree: $(tail -1 "$OUT/byvalue_old.txt") ($((SECONDS - T0)) s)"; grep -E "assert|Error" "$OUT/byvalue_old.txt" | cut -c1-300 | head -4
 gpu_tests byvalue_new 120 tests/test_engine.py -k took_by_value
 ring_tests graph
-gpu_tests rest 200 tests/test_engine.py tests/test_dtypes.py tests/test_host_store.py tests/test_memory.py tests/test_semantics.py tests/test_share.py tests/test_slots.py
+gpu_tests rest 200 $REST_TESTS
