@@ -562,6 +562,7 @@ NB_MODULE(_jaxvmm, m) {
     d["staging_acquires"] = s.staging.acquires;
     d["staging_device_waits"] = s.staging.device_waits;
     d["staging_host_waits"] = s.staging.host_waits;
+    d["staging_direct_reloads"] = s.staging.direct_reloads;
     d["staging_pages_mapped"] = s.staging.pages_mapped;
     d["staging_pages_returned"] = s.staging.pages_returned;
     d["staging_shared_pages"] = s.staging.shared_pages;

@@ -47,7 +47,8 @@ struct OpRing::Op {
   bool kernel = false;
   CUevent tok = nullptr, done = nullptr;
   CUevent filled = nullptr;  // reload: recorded on h2d_ once the cell is free and the prefetch (if any) is in (a
-                             // predicted reload's wait on XLA's stream; a correction's on fix_)
+                             // predicted reload's wait on XLA's stream; a correction's on fix_); a reload
+                             // with no cell (copied straight into XLA's buffer): on XLA's stream, at the op
 };
 
 // ---------------------------------------------------------------- lifetime
@@ -313,7 +314,7 @@ Status OpRing::Offload(CUstream stream, CUdeviceptr src, const ArrayMeta& meta, 
   Mark(marks, kHostBlock);
   StagingLease lease;
   CUevent d2h_done = nullptr;
-  Status st = staging_.Acquire(meta.nbytes, CellUse::kOffload, /*try_only=*/false, &lease);
+  Status st = staging_.Acquire(meta.nbytes, CellUse::kOffload, Acquiring::kWait, &lease);
   Mark(marks, kStaging);
   if (st.ok()) st = ledger_.GetEvent(&d2h_done);
   Mark(marks, kEvent);
@@ -378,7 +379,7 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
   JAXVMM_RETURN_IF_ERROR(ledger_.TakeFor(stream));
   Mark(marks, kTake);
   StagingLease lease;
-  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(meta.nbytes, CellUse::kReload, /*try_only=*/false, &lease));
+  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(meta.nbytes, CellUse::kReload, Acquiring::kReload, &lease));
   Mark(marks, kStaging);
   Op* op = nullptr;
   Source src;
@@ -389,9 +390,10 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
     ++ledger_.counts(h).reloads;
     op->kind = Op::kReload;
     op->meta = meta;
-    op->staging = lease.address;
-    op->kernel = kernels_.warmed() && kernels_.RingReloadFullGrid(meta.nbytes) && OneStreamInFlight(h);
-    op->ticket = ledger_.tickets(h).Predict(meta, [](const Ticket& t) { return !t.host.pageable; });
+    // No cell (Acquiring::kReload): the resolver copies straight into XLA's buffer, with no prediction.
+    op->staging = lease ? lease.address : dst;
+    op->kernel = lease && kernels_.warmed() && kernels_.RingReloadFullGrid(meta.nbytes) && OneStreamInFlight(h);
+    if (lease) op->ticket = ledger_.tickets(h).Predict(meta, [](const Ticket& t) { return !t.host.pageable; });
     if (op->ticket) {
       op->ticket->claimed_by = op->seq;
       op->ticket->pins += 1;
@@ -407,7 +409,21 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
   const char* stage = "reload";
   auto probe = reinterpret_cast<CUdeviceptr>(&w.probe);
   auto ready = reinterpret_cast<CUdeviceptr>(&w.ready);
+  auto direct = [&]() -> Status {
+    // XLA's stream publishes the token and waits for `ready` >= seq. The resolver, woken once XLA's
+    // stream is here (so nothing of XLA's still uses `dst`), copies the ticket into `dst` on fix_, which
+    // waits for `filled` (recorded here, after XLA's earlier work), and then writes `ready`.
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(probe, token_in, sizeof(uint64_t), stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->filled, stream); }));
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(op->tok, stream); }));
+    After(*resolver_, op->tok, *op, &OpRing::ResolveTask);
+    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWaitValue64, [&] {
+      return d.StreamWaitValue64(stream, ready, seq, CU_STREAM_WAIT_VALUE_GEQ);
+    }));
+    return EnqueueCompletion(*op, stream);
+  };
   auto enqueue = [&]() -> Status {
+    if (!lease) return direct();
     // h2d_ (in handler order): once the cell's previous user is done, prefetch the predicted ticket into
     // it. `filled` marks that point for a correction, which must follow it and must not queue behind
     // later ops' prefetches.
@@ -630,7 +646,7 @@ Status OpRing::Resident(const std::shared_ptr<Ticket>& t) {
   // A prefetch hint: copy the ticket to a staging cell now (on fix_), if the budget has room without
   // waiting. Its readers wait for the cell's free event, recorded right after the copy.
   StagingLease lease;
-  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(t->meta.nbytes, CellUse::kReload, /*try_only=*/true, &lease));
+  JAXVMM_RETURN_IF_ERROR(staging_.Acquire(t->meta.nbytes, CellUse::kReload, Acquiring::kTryOnly, &lease));
   if (!lease) return Status(Code::kOutOfMemory, "prefetch: no staging cell free within the staging budget");
   const DriverTable& d = Driver(backend_);
   Source host_only;

@@ -248,7 +248,8 @@ Status StagingArea::NewCell(size_t size, size_t need, bool small, int page, size
   return Status();
 }
 
-Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLease* out) {
+Status StagingArea::Acquire(size_t nbytes, CellUse use, Acquiring how, StagingLease* out) {
+  const bool try_only = how == Acquiring::kTryOnly;
   *out = StagingLease();
   Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
   size_t g = granularity_.load(std::memory_order_relaxed);
@@ -267,6 +268,14 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
                                           " bytes of pages) does not fit the staging budget of " +
                                           std::to_string(Budget()) + " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
   last_acquire_ = std::chrono::steady_clock::now();
+  // A size whose graph-mode call site was recorded: an offload of it here means uncaptured traffic of
+  // that size, so its reloads get cells again; a reload maps no new cell (below) while the mark lasts.
+  auto direct = direct_left_.find(size);
+  if (direct != direct_left_.end() && use == CellUse::kOffload) {
+    direct_left_.erase(direct);
+    direct = direct_left_.end();
+  }
+  const bool no_new_cell = how == Acquiring::kReload && direct != direct_left_.end();
   for (;;) {
     // Cells of this size in `use`'s pool: reuse one whose last user finished; else, while the pool has
     // fewer than Depth() cells, take a finished idle cell of the other pool (no wait) or map a new one;
@@ -294,7 +303,7 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
     size_t offset = 0;
     bool carved = !pick && count < Depth() && small && CarveSmall(size, &page, &offset);
     bool room = false;
-    if (!pick && !carved && count < Depth()) {
+    if (!pick && !carved && count < Depth() && !no_new_cell) {
       room = MakeRoom(need, oldest != nullptr || try_only ? nullptr : &lock);
       // MakeRoom may have dropped small cells (mu_ may have been dropped while it waited): a hole may
       // fit now. With no room for a page, idle small cells of other sizes make one.
@@ -329,6 +338,11 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, bool try_only, StagingLe
       return Status();
     }
     if (try_only) return Status();
+    if (no_new_cell) {  // the caller copies straight into XLA's buffer
+      if (--direct->second == 0) direct_left_.erase(direct);
+      ++stats_.direct_reloads;
+      return Status();
+    }
     if (any == 0)
       return Status(Code::kOutOfMemory, "the staging budget of " + std::to_string(Budget()) +
                                             " bytes is held by device copies kept for reloads (keep_resident, prefetch); "
@@ -416,6 +430,7 @@ void StagingArea::RetireSize(size_t nbytes) {
   auto it = std::find_if(retiring_.begin(), retiring_.end(), [&](const Retiring& r) { return r.size == size; });
   if (it != retiring_.end()) it->before = clock_;
   else retiring_.push_back(Retiring{size, clock_});
+  direct_left_[size] = kDirectReloads;
   retire_new_ = true;
   janitor_cv_.notify_all();
 }

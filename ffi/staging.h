@@ -46,6 +46,19 @@ struct StagingStats {
   int64_t pages_mapped = 0;   // slots mapped (a large cell's, or a page small cells share): pages taken from the driver
   int64_t pages_returned = 0; // such slots whose pages went back to the driver (idle, budget, trim)
   int64_t shared_pages = 0;   // page slots small cells share, now
+  int64_t direct_reloads = 0; // Acquiring::kReload leases left empty: reloads copied straight into XLA's buffer
+};
+
+// How Acquire may hand a cell out.
+enum class Acquiring : int {
+  kWait,     // any cell: the stream may wait for its previous user, or (budget full) the host for one
+  kTryOnly,  // only a cell that needs no wait at all, else an empty lease (prefetch hints: their stream
+             // must never wait for later work)
+  // A reload: as kWait, except for a size RetireSize marked (a graph-mode call site of that size was
+  // recorded): no *new* cell then, an empty lease instead, and the caller copies straight into XLA's
+  // buffer. At most kDirectReloads such leases per recording, none once an offload of that size came
+  // through here since (uncaptured traffic of that size: its reloads get cells as before).
+  kReload,
 };
 
 // A cell handed out: its address and the event its user must make a stream wait for before the first
@@ -77,10 +90,10 @@ class StagingArea {
   static int Depth();
 
   // A mapped cell of at least `nbytes` from `use`'s pool. Never blocks on the device except as described
-  // above. With `try_only`, returns only a cell that needs no wait at all (finished, or new within the
-  // budget), else an empty lease (prefetch hints: their stream must never wait for later work). A device
-  // wait (lease.wait) is only ever for a cell whose previous user was of the same `use`.
-  Status Acquire(size_t nbytes, CellUse use, bool try_only, StagingLease* out);
+  // above; `how` as its enum says (an empty lease is no error). A device wait (lease.wait) is only ever
+  // for a cell whose previous user was of the same `use`.
+  Status Acquire(size_t nbytes, CellUse use, Acquiring how, StagingLease* out);
+  static constexpr int kDirectReloads = 8;
   // Gives the cell back. `after` (may be null): the stream of the last access; the cell's free event is
   // recorded on it. With null, the last recorded free event (or none) still guards the next user.
   Status Return(StagingLease* lease, CUstream after);
@@ -101,6 +114,10 @@ class StagingArea {
   // finishes and none acquired them since, by the janitor, not after IdleMillis(). (A scan's first
   // iteration runs uncaptured, on these cells; the next ones replay graph-mode cells, and the two
   // stayed mapped side by side: one more activation at a large program's first execution.)
+  // It also marks the size for Acquiring::kReload: the scan's first backward iteration, uncaptured,
+  // comes to the host long before the device gets there (XLA's host thread runs ahead through the
+  // forward's replays), and a new cell mapped then stayed mapped beside the call sites' graph-mode
+  // cells through the whole forward (H200: 512 MiB at the MLP row's first step, 256 in every later one).
   void RetireSize(size_t nbytes);
   // Returns the pages of every cell not in use and whose last user finished. Returns bytes returned.
   size_t Trim();
@@ -182,6 +199,7 @@ class StagingArea {
     uint64_t before;  // last acquired at or before this clock_ value (a later acquire keeps the cell)
   };
   std::vector<Retiring> retiring_;  // RetireSize; the janitor polls every millisecond while non-empty
+  std::map<size_t, int> direct_left_;  // RetireSize's sizes -> Acquiring::kReload leases left empty before it lapses
   bool retire_new_ = false;         // wakes the janitor
   bool stop_ = false;
   StagingStats stats_;

@@ -852,7 +852,9 @@ def engine_stats() -> dict:
     (the rare acquires that waited on the host), ``staging_pages_mapped`` / ``staging_pages_returned``
     (driver page operations: constant in steady state), ``staging_shared_pages`` (page slots that cells
     of at most half a page share now), ``staging_offload_cells`` /
-    ``staging_reload_cells`` (cells in each direction's pool), and the host store: ``host_store`` (the
+    ``staging_reload_cells`` (cells in each direction's pool), ``staging_direct_reloads`` (uncaptured
+    reloads of a size a graph-mode call site was recorded for, copied straight into XLA's buffer
+    instead of through a new staging cell), and the host store: ``host_store`` (the
     store new offloads draw from), ``host_store_bytes`` (what it holds), ``pinned_*`` and ``host_numa_*``
     (bytes held, in use, peak in use, chunks taken and returned, host time spent taking them)."""
     _collect()

@@ -1531,6 +1531,48 @@ def test_recording_a_call_site_retires_the_ring_cells_of_its_size():
     _run_large(code, link_us=200000)
 
 
+def test_a_ring_reload_of_a_recorded_size_maps_no_staging_cell():
+    """On the H200 the MLP hidden row's first step still kept 512 MiB of jaxvmm pages after ring cells
+    were retired (256 MiB in every later step): the backward scan's first iteration runs uncaptured, and
+    XLA's host thread reaches its reload while the device is still early in the forward, replaying
+    offload rounds (engine_stats sampled through that step). The reload mapped a new staging cell
+    then, which stayed mapped beside the offload call site's cell through the whole forward. Now a
+    reload of a size a call site was recorded for maps no new cell: the resolver copies the ticket
+    straight into XLA's buffer once XLA's stream is there. Here the ticket's D2H is still running when
+    the reload comes (200 ms), so the copy must also wait for it; every byte is checked. An uncaptured
+    offload of that size ends the mark: the next reload gets a cell as before."""
+    code = '''
+        import time, jax, jax.numpy as jnp
+        ring = lambda: st()["staging_mapped_bytes"] - st()["graph_mapped_bytes"]
+        v = jnp.arange(N // 4, dtype=jnp.float32)
+        off, rel = jax.jit(jaxvmm.offload), jax.jit(jaxvmm.reload)
+        with Replay("cpu") as r:
+            r.prepare(1 << 41, r.OFFLOAD, N)
+            with r.capture() as g:
+                r.offload(1 << 41, x.address, N, tok.address)
+            t = off(v)  # an uncaptured offload, its D2H running for 200 ms
+            deadline = time.monotonic() + 5
+            while ring() and time.monotonic() < deadline:  # its cell is of a retired size: it goes back
+                time.sleep(0.01)
+            r.prepare(1 << 41 | 1, r.RELOAD, N)
+            with r.capture() as g2:  # the reload call site of that size is recorded too
+                r.reload(1 << 41 | 1, tok.address, y.address, N)
+            before = st()["staging_direct_reloads"]
+            back = rel(t)
+            assert bool(jnp.all(back == v))
+            assert ring() == 0 and st()["staging_direct_reloads"] == before + 1, st()
+            t2 = off(v + 1)  # uncaptured traffic of that size: its reloads get cells again
+            back = rel(t2)
+            assert bool(jnp.all(back == v + 1))
+            assert ring() >= N and st()["staging_direct_reloads"] == before + 1, st()
+        jaxvmm.collect()
+        jaxvmm.synchronize()
+        assert st()["errors"] == 0, st()
+        print("OK")
+    '''
+    _run_large(code, link_us=200000)
+
+
 @pytest.mark.parametrize("link_us", [0, 60000])
 def test_large_call_sites_with_spares_hold_lend_and_trade_bit_exactly(link_us):
     """Spares, held cells and page trades together on large call sites (one cell each, two spares): a

@@ -27,6 +27,9 @@ def main() -> int:
     ap.add_argument("--shape", default=None)
     ap.add_argument("--bin-ms", type=float, default=4.0)
     ap.add_argument("--from-start", type=int, default=0, metavar="N")
+    ap.add_argument("--watch-first", action="store_true",
+                    help="with --from-start: also sample engine_stats() every ~1 ms through the first step and "
+                         "print each change of the staging area's and graph mode's mapped bytes")
     args = ap.parse_args()
     import jax
     import numpy as np
@@ -38,7 +41,7 @@ def main() -> int:
     step = ts.build_step(args.model, args.target, args.variant, s, "auto")
     params, x = ts.init_arrays(args.model, s)
     if args.from_start:
-        return from_start(args.from_start, step, params, x)
+        return from_start(args.from_start, step, params, x, args.watch_first)
     for _ in range(3):
         loss, params = step(params, x)
     jax.block_until_ready((loss, params))
@@ -69,7 +72,31 @@ def main() -> int:
     return 0
 
 
-def from_start(n: int, step, params, x) -> int:
+WATCHED = ("staging_mapped_bytes", "graph_mapped_bytes", "staging_offload_cells", "staging_reload_cells",
+           "graph_captures", "graph_offload_rounds", "graph_reload_rounds", "graph_trades", "offloads", "reloads",
+           "staging_direct_reloads")
+
+
+def watch(stop, changes) -> None:
+    """engine_stats() every ~1 ms until `stop` is set: (ms, {key: value}) whenever a WATCHED value changes."""
+    import time
+
+    import jaxvmm
+
+    last = None
+    t0 = time.monotonic_ns()
+    while not stop.is_set():
+        d = jaxvmm.engine_stats()
+        d = d[next(iter(d))] if d else {}
+        cur = {k: d.get(k) for k in WATCHED if k in d}
+        if cur != last:
+            changes.append(((time.monotonic_ns() - t0) / 1e6, cur))
+            last = cur
+        time.sleep(0.001)
+
+
+def from_start(n: int, step, params, x, watch_first: bool = False) -> int:
+    import threading
     import time
 
     import jax
@@ -78,12 +105,21 @@ def from_start(n: int, step, params, x) -> int:
 
     mib = 2 ** 20
     bounds = []
+    changes: list = []
     base = time.monotonic_ns()  # the timeline's times count from (about) here
     with jaxvmm.memory_timeline(jax.devices()[0]) as tl:
         for i in range(n):
             t0 = time.monotonic_ns() - base
+            stop = threading.Event()
+            th = None
+            if watch_first and i == 0:
+                th = threading.Thread(target=watch, args=(stop, changes), daemon=True)
+                th.start()
             loss, params = step(params, x)
             jax.block_until_ready((loss, params))
+            if th is not None:
+                stop.set()
+                th.join()
             d = jaxvmm.engine_stats()
             d = d[next(iter(d))]
             bounds.append((t0, time.monotonic_ns() - base, d["staging_mapped_bytes"], d["graph_mapped_bytes"]))
@@ -99,6 +135,11 @@ def from_start(n: int, step, params, x) -> int:
         print(f"{i:4d} {(t1 - t0) / 1e6:8.1f} {(m[k, 1] - first) / mib:14.0f} "
               f"{m[:, 3].min() / mib:9.0f}..{m[:, 3].max() / mib:<9.0f} {m[k, 3] / mib:12.0f} "
               f"{staging / mib:13.0f} {graph / mib:11.0f}")
+    if changes:
+        print("first step, engine_stats() changes (ms from the step's start; bytes in MiB):")
+        for ms, cur in changes:
+            print(f"  {ms:9.1f} " + " ".join(
+                f"{k}={v / mib:.0f}" if k.endswith("_bytes") else f"{k}={v}" for k, v in cur.items()))
     return 0
 
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The checks owed to the last session's review fixes (kept tickets, guard order, one retiring entry per
+# size, displacement after the budget check): the graph, rest, offload and remat gpu suites with
+# JAXVMM_REQUIRE_GPU=1 (default XLA flags); the MLP and GPT hidden rows with their timelines; the 1 MiB
+# row; and tools/peak_cells.py --from-start 4 --watch-first on the MLP row (what is mapped through the
+# first step). Logs under $OUT.
+set -uo pipefail
+T0=$SECONDS
+source "$(dirname "$0")/gpu_prelude.sh"
+export JAXVMM_REQUIRE_GPU=1
+gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
+gpu_tests rest 120 $REST_TESTS
+gpu_tests offload 110 tests/test_offload.py
+remat_suite
+unset JAXVMM_REQUIRE_GPU
+: > "$OUT/rows.txt"
+hidden_rows mlp gpt
+XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 80 python3 tools/peak_cells.py --model mlp --from-start 4 --watch-first > "$OUT/fs_mlp.txt" 2>&1
+echo "=== from start mlp ($((SECONDS - T0)) s)"; head -6 "$OUT/fs_mlp.txt"; grep -c "" "$OUT/fs_mlp.txt"
+ROW_TIMEOUT=50 mlp_row 1MiB 256,512,64
+exit 0
