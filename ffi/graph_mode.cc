@@ -1009,7 +1009,19 @@ bool GraphMode::ServeHeld(Channel& c) {
   const bool knocked = c.waiting || c.w->knock.load(std::memory_order_acquire) == 1;
   for (int i = 0; i < c.ncells; ++i) {
     Cell& cell = c.cells[i];
-    if (cell.round != Channel::Round::kHeld || (cell.until_knock && !knocked)) continue;
+    if (cell.round != Channel::Round::kHeld) continue;
+    if (cell.until_knock && !knocked) {
+      // Nothing reads its bytes any more (the ticket was reloaded elsewhere and is not kept, or it was
+      // dropped) once its D2H is done: the cell goes idle, unarmed (no busy: nothing arms it before a
+      // knock), so that the partner call site's next round takes its pages (TakeIdlePages) instead of
+      // mapping its own. (A scan's first backward iteration runs uncaptured and reloads the forward's
+      // last offload through the op ring: that cell stayed held, and the reload call site's first
+      // round mapped a second cell beside it.)
+      Held h = ledger_.Lock();
+      const Ticket& t = *cell.draining;
+      if ((t.consumed || t.dropped) && transfers_.D2hDone(t)) (void)Unhold(h, cell);
+      continue;
+    }
     const bool host = cell.host_grant || cell.until_knock;  // a grant that answers a knock is the host's
     if (Lend(c, i, /*may_map=*/false)) {
       cell.round = Channel::Round::kIdle;
