@@ -7,10 +7,7 @@
 set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
-for m in mlp gpt; do
-  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 80 python3 tools/peak_cells.py --model $m --from-start 4 --watch-first > "$OUT/fs_$m.txt" 2>&1
-  echo "=== from start $m ($((SECONDS - T0)) s)"; head -5 "$OUT/fs_$m.txt"; grep -E "direct|Error" "$OUT/fs_$m.txt" | head -3
-done
+from_start mlp gpt
 export JAXVMM_REQUIRE_GPU=1
 ring_tests graph
 gpu_tests offload 110 tests/test_offload.py

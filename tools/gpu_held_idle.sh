@@ -6,10 +6,7 @@
 set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
-for m in gpt mlp; do
-  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 80 python3 tools/peak_cells.py --model $m --from-start 4 --watch-first > "$OUT/fs_$m.txt" 2>&1
-  echo "=== from start $m ($((SECONDS - T0)) s)"; head -5 "$OUT/fs_$m.txt"; grep -E "Error" "$OUT/fs_$m.txt" | head -3
-done
+from_start gpt mlp
 export JAXVMM_REQUIRE_GPU=1
 gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
 remat_suite

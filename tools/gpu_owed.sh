@@ -15,7 +15,6 @@ remat_suite
 unset JAXVMM_REQUIRE_GPU
 : > "$OUT/rows.txt"
 hidden_rows mlp gpt
-XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 80 python3 tools/peak_cells.py --model mlp --from-start 4 --watch-first > "$OUT/fs_mlp.txt" 2>&1
-echo "=== from start mlp ($((SECONDS - T0)) s)"; head -6 "$OUT/fs_mlp.txt"; grep -c "" "$OUT/fs_mlp.txt"
+from_start mlp
 ROW_TIMEOUT=50 mlp_row 1MiB 256,512,64
 exit 0

@@ -129,3 +129,14 @@ peak_step() {
   XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 90 python3 tools/peak_cells.py --model mlp --bin-ms 8 > "$OUT/peak_mlp.txt" 2>&1
   echo "=== peak_cells mlp ($((SECONDS - ${T0:-0})) s)"; head -1 "$OUT/peak_mlp.txt"; awk 'NR>2 {print $3}' "$OUT/peak_mlp.txt" | sort | uniq -c
 }
+
+# from_start MODELS...: tools/peak_cells.py --from-start 4 --watch-first on each model's MLP-hidden row
+# (platform allocator) into $OUT/fs_MODEL.txt: a line per step, and engine_stats() changes through the
+# first step; prints the step lines and any error.
+from_start() {
+  local m
+  for m in "$@"; do
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 80 python3 tools/peak_cells.py --model "$m" --from-start 4 --watch-first > "$OUT/fs_$m.txt" 2>&1
+    echo "=== from start $m ($((SECONDS - ${T0:-0})) s)"; head -5 "$OUT/fs_$m.txt"; grep -E "Error" "$OUT/fs_$m.txt" | head -3
+  done
+}
