@@ -68,8 +68,9 @@ struct Cell : CellPages {
     kArmed = 2,
     // Offload: spares: the cell's D2H is queued behind others and no spare was free to take its bytes,
     // so it is not armed behind that D2H; or the one cell of a large call site, until its next round
-    // knocks (until_knock). Until the poller arms it (D2H done and no reader, or a spare free to lend)
-    // no grant is out and its bytes stay readable device to device (Ticket::lent_cell).
+    // knocks (until_knock). Until the poller arms it (D2H done and no reader, or a spare free to lend),
+    // or lets it go idle (its ticket consumed or dropped), no grant is out and its bytes stay readable
+    // device to device (Ticket::lent_cell).
     kHeld = 3,
   };
   Round round = Round::kIdle;

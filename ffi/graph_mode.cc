@@ -325,9 +325,13 @@ Status GraphMode::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta
 
 void GraphMode::Recorded(Channel& c) {
   // Caller holds mu_: the channel's device work is in a graph now; its rounds need the poller.
+  const bool first = !c.captured;
   c.captured = any_captured_ = true;
   ++stats_.captures;
-  staging_.RetireSize(c.cell_size);  // the op ring's cells of this size served its uncaptured runs
+  // The op ring's cells of this size served its uncaptured runs. Only a first recording marks the size
+  // for reloads: XLA re-records a command buffer whose buffers moved, and a mark set again at every
+  // step would send a program's uncaptured reloads of that size past their prefetch every step.
+  staging_.RetireSize(c.cell_size, /*mark_reloads=*/first);
   WakePoller();
 }
 
@@ -971,7 +975,7 @@ bool GraphMode::HoldsUntilKnock(const Channel& c) {
 
 void GraphMode::Hold(Channel& c, int i, bool host, bool until_knock) {
   // Caller holds mu_. Cell i keeps its draining ticket's bytes, readable device to device, until
-  // ServeHeld arms it.
+  // ServeHeld arms it (or lets it go idle: the ticket consumed or dropped).
   Cell& cell = c.cells[i];
   cell.until_knock = until_knock;
   {
@@ -1004,7 +1008,8 @@ bool GraphMode::ServeHeld(Channel& c) {
   // oldest a spare kept), or else once its D2H is done and no copy reads it (on garm_: no copy of its
   // is pending). No new spare is mapped here: that is tried once, when the cell is armed after its
   // round, not on every pass. A cell held until a knock waits for one first (the device holds `knock`
-  // while its round waits; c.waiting once a pass saw it).
+  // while its round waits; c.waiting once a pass saw it), or goes idle unarmed once nothing can read its
+  // bytes (below).
   bool busy = false;
   const bool knocked = c.waiting || c.w->knock.load(std::memory_order_acquire) == 1;
   for (int i = 0; i < c.ncells; ++i) {
@@ -1017,9 +1022,9 @@ bool GraphMode::ServeHeld(Channel& c) {
       // mapping its own. (A scan's first backward iteration runs uncaptured and reloads the forward's
       // last offload through the op ring: that cell stayed held, and the reload call site's first
       // round mapped a second cell beside it.)
+      if (!transfers_.D2hDone(*cell.draining)) continue;  // (no ledger lock for that: the clock's word)
       Held h = ledger_.Lock();
-      const Ticket& t = *cell.draining;
-      if ((t.consumed || t.dropped) && transfers_.D2hDone(t)) (void)Unhold(h, cell);
+      if (cell.draining->consumed || cell.draining->dropped) (void)Unhold(h, cell);
       continue;
     }
     const bool host = cell.host_grant || cell.until_knock;  // a grant that answers a knock is the host's

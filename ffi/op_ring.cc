@@ -36,7 +36,9 @@ struct OpRing::Op {
   bool offloaded_posted = false;   // OffloadedTask is posted to the releaser (behind the D2H): it will run
   bool abandoned = false;            // its enqueue failed part way: workers release, never consume
   CUstream stream = nullptr;         // XLA's stream for the op (null on cpu)
-  CUdeviceptr staging = 0;           // the staging cell's address (reload: what XLA's stream copies out)
+  CUdeviceptr staging = 0;           // the staging cell's address (reload: what XLA's stream copies out;
+                                     // a direct reload: XLA's buffer, which the resolver copies into)
+  bool direct = false;               // reload: no staging cell, no prediction (Acquiring::kReload)
   StagingLease lease;                // held until the handler ends, or by AbandonTask after a failure
   ArrayMeta meta;
   std::shared_ptr<Ticket> ticket;  // offload: its ticket; reload: the prediction (may be null)
@@ -159,6 +161,7 @@ OpRing::Op& OpRing::BeginOp(Held& h, CUstream stream) {
   op.stream = stream;
   if (stream != last_stream_ || stream_since_ == 0) last_stream_ = stream, stream_since_ = seq;
   op.staging = 0;
+  op.direct = false;
   op.lease = StagingLease();
   op.meta = ArrayMeta();
   op.ticket.reset();
@@ -391,6 +394,7 @@ Status OpRing::Reload(CUstream stream, CUdeviceptr token_in, CUdeviceptr dst, co
     op->kind = Op::kReload;
     op->meta = meta;
     // No cell (Acquiring::kReload): the resolver copies straight into XLA's buffer, with no prediction.
+    op->direct = !lease;
     op->staging = lease ? lease.address : dst;
     op->kernel = lease && kernels_.warmed() && kernels_.RingReloadFullGrid(meta.nbytes) && OneStreamInFlight(h);
     if (lease) op->ticket = ledger_.tickets(h).Predict(meta, [](const Ticket& t) { return !t.host.pageable; });
@@ -512,8 +516,8 @@ Status OpRing::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
 // ---------------------------------------------------------------- workers
 
 void OpRing::ReleaseReload(Op& op, bool fill_ff) {
-  // Releases XLA's stream for a reload. With `fill_ff` the cell first gets 0xFF bytes, ordered after
-  // every copy into it (its prefetch on h2d_, any correction on fix_). If the device cannot do that, the
+  // Releases XLA's stream for a reload. With `fill_ff` the cell (a direct reload: XLA's buffer) first
+  // gets 0xFF bytes, ordered after every copy into it (its prefetch on h2d_, any correction on fix_). If the device cannot do that, the
   // host waits for those streams and retries on ctl_; if that fails too the stream is still released
   // (never left waiting forever) and the error has been reported.
   const DriverTable& d = Driver(backend_);
@@ -616,7 +620,7 @@ void OpRing::ResolveTask(uint64_t seq) {
     Release(h, op);
     return;
   }
-  ++ledger_.counts(h).prefetch_misses;
+  if (!op.direct) ++ledger_.counts(h).prefetch_misses;  // a direct reload predicted nothing
   if (a && op.ticket) ledger_.tickets(h).Learn(a, op.meta.signature);
   const Source src = a ? SourceOf(*a) : Source();
   h.unlock();

@@ -275,7 +275,14 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, Acquiring how, StagingLe
     direct_left_.erase(direct);
     direct = direct_left_.end();
   }
-  const bool no_new_cell = how == Acquiring::kReload && direct != direct_left_.end();
+  if (how == Acquiring::kReload && direct != direct_left_.end()) {
+    // Every cell of a marked size was made before its mark (an offload since would have ended it), so
+    // each is retiring: taking one would keep it mapped (DropRetired skips cells acquired since).
+    // The caller copies straight into XLA's buffer.
+    if (--direct->second == 0) direct_left_.erase(direct);
+    ++stats_.direct_reloads;
+    return Status();
+  }
   for (;;) {
     // Cells of this size in `use`'s pool: reuse one whose last user finished; else, while the pool has
     // fewer than Depth() cells, take a finished idle cell of the other pool (no wait) or map a new one;
@@ -303,7 +310,7 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, Acquiring how, StagingLe
     size_t offset = 0;
     bool carved = !pick && count < Depth() && small && CarveSmall(size, &page, &offset);
     bool room = false;
-    if (!pick && !carved && count < Depth() && !no_new_cell) {
+    if (!pick && !carved && count < Depth()) {
       room = MakeRoom(need, oldest != nullptr || try_only ? nullptr : &lock);
       // MakeRoom may have dropped small cells (mu_ may have been dropped while it waited): a hole may
       // fit now. With no room for a page, idle small cells of other sizes make one.
@@ -338,11 +345,6 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, Acquiring how, StagingLe
       return Status();
     }
     if (try_only) return Status();
-    if (no_new_cell) {  // the caller copies straight into XLA's buffer
-      if (--direct->second == 0) direct_left_.erase(direct);
-      ++stats_.direct_reloads;
-      return Status();
-    }
     if (any == 0)
       return Status(Code::kOutOfMemory, "the staging budget of " + std::to_string(Budget()) +
                                             " bytes is held by device copies kept for reloads (keep_resident, prefetch); "
@@ -421,7 +423,7 @@ size_t StagingArea::Trim() {
   return returned;
 }
 
-void StagingArea::RetireSize(size_t nbytes) {
+void StagingArea::RetireSize(size_t nbytes, bool mark_reloads) {
   const size_t g = granularity_.load(std::memory_order_relaxed);
   if (g == 0 || nbytes <= g / 2) return;  // no cell made yet, or small cells (shared pages)
   std::lock_guard<std::mutex> lock(mu_);
@@ -430,7 +432,7 @@ void StagingArea::RetireSize(size_t nbytes) {
   auto it = std::find_if(retiring_.begin(), retiring_.end(), [&](const Retiring& r) { return r.size == size; });
   if (it != retiring_.end()) it->before = clock_;
   else retiring_.push_back(Retiring{size, clock_});
-  direct_left_[size] = kDirectReloads;
+  if (mark_reloads) direct_left_[size] = kDirectReloads;
   retire_new_ = true;
   janitor_cv_.notify_all();
 }

@@ -55,9 +55,10 @@ enum class Acquiring : int {
   kTryOnly,  // only a cell that needs no wait at all, else an empty lease (prefetch hints: their stream
              // must never wait for later work)
   // A reload: as kWait, except for a size RetireSize marked (a graph-mode call site of that size was
-  // recorded): no *new* cell then, an empty lease instead, and the caller copies straight into XLA's
-  // buffer. At most kDirectReloads such leases per recording, none once an offload of that size came
-  // through here since (uncaptured traffic of that size: its reloads get cells as before).
+  // recorded for the first time): no cell then (those of that size are retiring), an empty lease, and
+  // the caller copies straight into XLA's buffer. At most kDirectReloads such leases per mark, none
+  // once an offload of that size came through here since (uncaptured traffic of that size: its
+  // reloads get cells as before).
   kReload,
 };
 
@@ -114,11 +115,11 @@ class StagingArea {
   // finishes and none acquired them since, by the janitor, not after IdleMillis(). (A scan's first
   // iteration runs uncaptured, on these cells; the next ones replay graph-mode cells, and the two
   // stayed mapped side by side: one more activation at a large program's first execution.)
-  // It also marks the size for Acquiring::kReload: the scan's first backward iteration, uncaptured,
+  // With `mark_reloads` (a call site's first recording) it also marks the size for Acquiring::kReload: the scan's first backward iteration, uncaptured,
   // comes to the host long before the device gets there (XLA's host thread runs ahead through the
   // forward's replays), and a new cell mapped then stayed mapped beside the call sites' graph-mode
   // cells through the whole forward (H200: 512 MiB at the MLP row's first step, 256 in every later one).
-  void RetireSize(size_t nbytes);
+  void RetireSize(size_t nbytes, bool mark_reloads);
   // Returns the pages of every cell not in use and whose last user finished. Returns bytes returned.
   size_t Trim();
   StagingStats Stats() const;
