@@ -517,9 +517,9 @@ Status OpRing::Prefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token
 
 void OpRing::ReleaseReload(Op& op, bool fill_ff) {
   // Releases XLA's stream for a reload. With `fill_ff` the cell (a direct reload: XLA's buffer) first
-  // gets 0xFF bytes, ordered after every copy into it (its prefetch on h2d_, any correction on fix_). If the device cannot do that, the
-  // host waits for those streams and retries on ctl_; if that fails too the stream is still released
-  // (never left waiting forever) and the error has been reported.
+  // gets 0xFF bytes, ordered after every copy into it (its prefetch on h2d_, any correction on fix_).
+  // If the device cannot do that, the host waits for those streams and retries on ctl_; if that fails
+  // too the stream is still released (never left waiting forever) and the error has been reported.
   const DriverTable& d = Driver(backend_);
   Words& w = words_[op.seq % kRing];
   // XLA's stream waits for probe == tag (a predicted reload's memop wait) or ready >= seq (no

@@ -269,7 +269,7 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, Acquiring how, StagingLe
                                           std::to_string(Budget()) + " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
   last_acquire_ = std::chrono::steady_clock::now();
   // A size whose graph-mode call site was recorded: an offload of it here means uncaptured traffic of
-  // that size, so its reloads get cells again; a reload maps no new cell (below) while the mark lasts.
+  // that size, so its reloads get cells again; a reload takes no cell (below) while the mark lasts.
   auto direct = direct_left_.find(size);
   if (direct != direct_left_.end() && use == CellUse::kOffload) {
     direct_left_.erase(direct);

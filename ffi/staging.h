@@ -115,10 +115,11 @@ class StagingArea {
   // finishes and none acquired them since, by the janitor, not after IdleMillis(). (A scan's first
   // iteration runs uncaptured, on these cells; the next ones replay graph-mode cells, and the two
   // stayed mapped side by side: one more activation at a large program's first execution.)
-  // With `mark_reloads` (a call site's first recording) it also marks the size for Acquiring::kReload: the scan's first backward iteration, uncaptured,
-  // comes to the host long before the device gets there (XLA's host thread runs ahead through the
-  // forward's replays), and a new cell mapped then stayed mapped beside the call sites' graph-mode
-  // cells through the whole forward (H200: 512 MiB at the MLP row's first step, 256 in every later one).
+  // With `mark_reloads` (a call site's first recording) it also marks the size for Acquiring::kReload:
+  // the scan's first backward iteration, uncaptured, comes to the host long before the device gets
+  // there (XLA's host thread runs ahead through the forward's replays), and a new cell mapped then
+  // stayed mapped beside the call sites' graph-mode cells through the whole forward (H200: 512 MiB at
+  // the MLP row's first step, 256 in every later one).
   void RetireSize(size_t nbytes, bool mark_reloads);
   // Returns the pages of every cell not in use and whose last user finished. Returns bytes returned.
   size_t Trim();
