@@ -7,9 +7,5 @@ T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 : > "$OUT/rows.txt"
 hidden_rows mlp gpt
-export JAXVMM_REQUIRE_GPU=1
-gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
-gpu_tests rest 150 $REST_TESTS
-gpu_tests offload 120 tests/test_offload.py
-remat_suite
+gpu_suites graph rest offload remat
 exit 0

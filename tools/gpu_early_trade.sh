@@ -11,8 +11,5 @@ hidden_rows mlp gpt
 peak_step
 ROW_TIMEOUT=60 mlp_row "1MiB,default" 256,512,64
 ROW_TIMEOUT=60 mlp_row "1MiB,+WHILE" 256,512,64 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE
-export JAXVMM_REQUIRE_GPU=1
-gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
-gpu_tests offload 120 tests/test_offload.py
-remat_suite
+gpu_suites graph offload remat
 exit 0

@@ -10,8 +10,5 @@ source "$(dirname "$0")/gpu_prelude.sh"
 hidden_rows mlp gpt
 XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 90 python3 tools/peak_cells.py --model mlp --from-start 6 > "$OUT/fs_mlp.txt" 2>&1
 echo "=== from start ($((SECONDS - T0)) s)"; tail -7 "$OUT/fs_mlp.txt"
-export JAXVMM_REQUIRE_GPU=1
-gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
-gpu_tests offload 120 tests/test_offload.py
-remat_suite
+gpu_suites graph offload remat
 exit 0

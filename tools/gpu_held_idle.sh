@@ -7,10 +7,7 @@ set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 from_start gpt mlp
-export JAXVMM_REQUIRE_GPU=1
-gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
-remat_suite
-unset JAXVMM_REQUIRE_GPU
+gpu_suites graph remat
 : > "$OUT/rows.txt"
 hidden_rows gpt mlp
 exit 0

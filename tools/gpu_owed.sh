@@ -7,12 +7,7 @@
 set -uo pipefail
 T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
-export JAXVMM_REQUIRE_GPU=1
-gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
-gpu_tests rest 120 $REST_TESTS
-gpu_tests offload 110 tests/test_offload.py
-remat_suite
-unset JAXVMM_REQUIRE_GPU
+gpu_suites graph rest offload remat
 : > "$OUT/rows.txt"
 hidden_rows mlp gpt
 from_start mlp

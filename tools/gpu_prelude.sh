@@ -114,6 +114,22 @@ hidden_rows() {
   done
 }
 
+# gpu_suites SUITE...: with JAXVMM_REQUIRE_GPU=1, each named suite in turn: graph (tests/test_graph.py
+# and tests/test_graph_xla.py), rest ($REST_TESTS), offload (tests/test_offload.py), remat (remat_suite).
+gpu_suites() {
+  local JAXVMM_REQUIRE_GPU=1 s
+  export JAXVMM_REQUIRE_GPU
+  for s in "$@"; do
+    case $s in
+      graph) gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py ;;
+      rest) gpu_tests rest 150 $REST_TESTS ;;
+      offload) gpu_tests offload 120 tests/test_offload.py ;;
+      remat) remat_suite ;;
+      *) echo "gpu_suites: no suite $s"; return 1 ;;
+    esac
+  done
+}
+
 # remat_suite [NAME]: tests/test_remat.py (all of it: its gpu-marked tests and the rest) into
 # $OUT/NAME.txt (remat), then a summary line and the failures.
 remat_suite() {
