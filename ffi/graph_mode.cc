@@ -1147,8 +1147,9 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
   // its host copy then), but they must not be unmapped under the copy: the cell keeps them until the
   // D2H clock passes a's D2H (Cell::d2h_reads). A kept ticket (a jax.vjp or jax.linearize function's,
   // which Python may call again) is not consumed: the next prefetch or correction into the pages
-  // would end up in its host copy, so it trades only once its D2H is done. Before, such a reload mapped a cell of new pages and
-  // copied device to device, and that second cell stayed mapped through the step.
+  // would end up in its host copy, so it trades only once its D2H is done. Before, such a reload
+  // mapped a cell of new pages and copied device to device, and that second cell stayed mapped
+  // through the step.
   Cell& mine = c.cells[j];
   if (mine.loaded || mine.ticket || mine.round == Channel::Round::kGranted) return false;
   if (CopyPending(mine) || ReadByD2h(mine)) return false;

@@ -257,10 +257,8 @@ Status StagingArea::Acquire(size_t nbytes, CellUse use, Acquiring how, StagingLe
     JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
     granularity_.store(g, std::memory_order_relaxed);
   }
-  // A cell of at most half a page shares a page slot with other small cells (its size a multiple of
-  // kSmallAlign); a larger one has a slot of its own, whole pages.
-  const bool small = nbytes <= g / 2;
-  const size_t size = small ? (std::max<size_t>(nbytes, 1) + kSmallAlign - 1) / kSmallAlign * kSmallAlign : (nbytes + g - 1) / g * g;
+  const bool small = Small(nbytes, g);
+  const size_t size = CellBytes(nbytes, g);
   const size_t need = small ? g : size;  // what a new cell may have to map
   std::unique_lock<std::mutex> lock(mu_);
   if (need > Budget())
@@ -425,9 +423,9 @@ size_t StagingArea::Trim() {
 
 void StagingArea::RetireSize(size_t nbytes, bool mark_reloads) {
   const size_t g = granularity_.load(std::memory_order_relaxed);
-  if (g == 0 || nbytes <= g / 2) return;  // no cell made yet, or small cells (shared pages)
+  if (g == 0 || Small(nbytes, g)) return;  // no cell made yet, or small cells (shared pages)
   std::lock_guard<std::mutex> lock(mu_);
-  const size_t size = (nbytes + g - 1) / g * g;
+  const size_t size = CellBytes(nbytes, g);  // the size Acquire gives cells of nbytes
   // One entry per size: a re-recording moves it on, to the cells made since too.
   auto it = std::find_if(retiring_.begin(), retiring_.end(), [&](const Retiring& r) { return r.size == size; });
   if (it != retiring_.end()) it->before = clock_;

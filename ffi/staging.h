@@ -13,6 +13,7 @@
 // return pages run with mu_ held (they are rare: the first use of a cell, eviction, trim).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -153,6 +154,12 @@ class StagingArea {
     int cells = 0;
   };
   static constexpr size_t kSmallAlign = 256;  // a small cell's size and offset are multiples of this
+  // A cell of at most half a page (granularity g) is small: it shares a page slot with other small
+  // cells, its size a multiple of kSmallAlign; a larger one has a slot of its own, whole pages.
+  static bool Small(size_t nbytes, size_t g) { return nbytes <= g / 2; }
+  static size_t CellBytes(size_t nbytes, size_t g) {
+    return Small(nbytes, g) ? (std::max<size_t>(nbytes, 1) + kSmallAlign - 1) / kSmallAlign * kSmallAlign : (nbytes + g - 1) / g * g;
+  }
   bool CarveSmall(size_t size, int* page, size_t* offset);  // caller holds mu_; from an existing page
   bool CarveIn(int page, size_t size, size_t* offset);      // caller holds mu_; from that page
   // Caller holds mu_: a new cell in cells_ (mapping its slot or a new shared page unless `page` >= 0
