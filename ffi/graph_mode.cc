@@ -47,13 +47,8 @@
 namespace jaxvmm {
 namespace {
 
-// Call sites whose arrays are larger get one cell whatever graph_cells says (Prepare).
-constexpr size_t kMultiCellBytes = 32ull << 20;
-
 // How long the poller keeps spinning after the last round or initialize before it sleeps.
 constexpr auto kSpin = std::chrono::milliseconds(50);
-
-CUdeviceptr Addr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CUdeviceptr>(&word); }
 
 }  // namespace
 
@@ -62,7 +57,7 @@ CUdeviceptr Addr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CU
 GraphMode::GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, Transfers& transfers,
                      GraphKernels& kernels)
     : backend_(b), device_(device), ledger_(ledger), host_store_(host), staging_(staging), transfers_(transfers),
-      channels_(b, device), round_host_(b, device, host), kernels_(kernels) {}
+      channels_(b, device), round_host_(b, device, host), kernels_(kernels), recorder_(b, device, kernels) {}
 
 Status GraphMode::Init() {
   const DriverTable& d = Driver(backend_);
@@ -98,14 +93,7 @@ Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const
   bool created = false;
   const bool first = !kernels_.tried() && channels_.size() == 0;
   JAXVMM_RETURN_IF_ERROR(channels_.GetOrCreate(site, kind, meta, &c, &created));
-  if (first || (use_kernels_ && !kernels_.warmed() && !any_captured_)) {
-    Status ks = LoadKernels(*c);
-    if (!ks.ok()) {
-      use_kernels_ = stats_.kernels = false;
-      stats_.kernels_error = ks.ToString();
-      std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ks.ToString().c_str());
-    }
-  }
+  recorder_.PrepareKernels(gd2h_, *c, first, any_captured_);
   // Round tickets the pinned pool has no room for go to pageable memory, copied through bounce buffers
   // made here; without them such a round fails instead.
   round_host_.Prepare(readers_can_bounce);
@@ -117,7 +105,7 @@ Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const
     round_host_.Reserve(static_cast<size_t>(EngineConfig::GraphCells() + 1) * meta.nbytes);
   }
   c->stream = stream;
-  if (c->ncells == 0) JAXVMM_RETURN_IF_ERROR(ReserveCells(*c, meta, kind));
+  if (c->ncells == 0) JAXVMM_RETURN_IF_ERROR(recorder_.ReserveCells(gd2h_, *c, meta, kind));
   if (created) ++stats_.channels;
   // XLA records a command buffer on the call site's second execution (the first is a warm-up): give
   // cell 0 pages before then (host grants: the capture names it; kernel grants: the first round's grant
@@ -134,177 +122,6 @@ Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const
   return Status();
 }
 
-Status GraphMode::LoadKernels(Channel& first) {
-  // Once per engine, outside any capture: the protocol its captures record. A driver that cannot load
-  // the PTX keeps the host-granted protocol (stats: graph_kernels = 0 and why).
-  if (!kernels_.tried()) {
-    use_kernels_ = false;
-    if (EngineConfig::GraphKernels()) {
-      JAXVMM_RETURN_IF_ERROR(kernels_.Load(device_));
-      use_kernels_ = stats_.kernels = true;
-    }
-  }
-  if (!use_kernels_ || kernels_.warmed() || any_captured_) return Status();
-  // Before any round of this engine can wait on the device: under lazy module loading (the CUDA
-  // default) a kernel's first launch may wait for the whole device to drain while holding the
-  // context's lock. Launched first under a capture (mu_ held) or by a revocation (the poller) while
-  // another channel's round waits for the poller, that wait never ends. Nothing of this engine waits
-  // on the device yet, so the loads end; if they fail, the host-granted protocol runs.
-  JAXVMM_RETURN_IF_ERROR(WarmKernels(first));
-  kernels_.MarkWarmed();  // from here on the op ring copies with jaxvmm_copy too
-  return Status();
-}
-
-Status GraphMode::ReserveCells(Channel& c, const ArrayMeta& meta, ChannelKind kind) {
-  // The cells' VAs, reserved once (host grants: the captured copies name cell 0). K is fixed from here
-  // on: kernel grants record kernels that read it from the channel's device words.
-  Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
-  size_t g = 0;
-  JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
-  SlotSpec spec;
-  spec.backend = backend_;
-  spec.device = device_;
-  spec.location = loc;
-  spec.nbytes = (meta.nbytes + g - 1) / g * g;
-  if (spec.nbytes > StagingArea::Budget())
-    return Status(Code::kOutOfMemory, "a graph-mode cell of " + std::to_string(spec.nbytes) + " bytes does not fit the staging budget of " +
-                                          std::to_string(StagingArea::Budget()) +
-                                          " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
-  spec.map_on_create = false;
-  spec.internal = true;
-  // More than one cell only for arrays up to kMultiCellBytes: a second cell of a large activation
-  // costs as much device memory as the activation (what offloading is meant to free), and a large
-  // activation comes with enough compute per iteration to hide the previous round's copy.
-  const int k = use_kernels_ && spec.nbytes <= kMultiCellBytes ? EngineConfig::GraphCells() : 1;
-  Status st;
-  for (int made = 0; made < k && st.ok(); ++made) {
-    Cell& cell = c.cells[made];
-    st = ReservePages(spec, &cell);
-    if (st.ok() && !cell.event)
-      st = Call(cell.slot_id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&cell.event, CU_EVENT_DISABLE_TIMING); });
-  }
-  c.cell_size = spec.nbytes;
-  c.trades = use_kernels_ && k == 1 && spec.nbytes > kMultiCellBytes &&
-             EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge;
-  if (st.ok()) {
-    c.ncells = k;
-    if (use_kernels_) st = SetUpCells(c);
-  }
-  if (!st.ok()) {
-    for (Cell& cell : c.cells) {
-      if (cell.slot_id >= 0) (void)Registry::Get().Close(cell.slot_id);
-      cell.slot_id = -1;
-      cell.addr = 0;
-    }
-    c.ncells = 0;
-    return st;
-  }
-  if (use_kernels_ && kind == ChannelKind::kOffload) {
-    // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares. (A
-    // channel with spares records its rounds as kernels even with one cell: the cell's address is
-    // read from the device words, where a lend changes it.)
-    for (int n = EngineConfig::GraphSpares(); n > 0; --n) {
-      Spare sp;
-      if (!ReservePages(spec, &sp).ok()) break;
-      c.spares.push_back(std::move(sp));
-    }
-    stats_.spares += static_cast<int64_t>(c.spares.size());
-  }
-  stats_.cells += k;
-  return Status();
-}
-
-Status GraphMode::ReservePages(const SlotSpec& spec, CellPages* p) {
-  // An internal slot's VA for a cell or a spare (no pages yet: spec.map_on_create is false).
-  int64_t id = -1;
-  JAXVMM_RETURN_IF_ERROR(Registry::Get().Create(spec, &id));
-  std::shared_ptr<Slot> slot;
-  Status st = Registry::Get().Lookup(id, &slot);
-  if (!st.ok()) {
-    (void)Registry::Get().Close(id);
-    return st;
-  }
-  p->slot_id = id;
-  p->addr = slot->address();
-  return Status();
-}
-
-Status GraphMode::SetUpCells(Channel& c) {
-  // Caller holds mu_, outside any capture. The constant part of the channel's device words, on
-  // gd2h_ (it never waits on XLA's streams), synchronized before any round can read them.
-  const char* stage = "graph channel";
-  Status st = WriteDevice(gd2h_, c.Word(offsetof(DeviceWords, ncells)), static_cast<uint64_t>(c.ncells), stage);
-  for (int i = 0; i < c.ncells && st.ok(); ++i) {
-    st = WriteDevice(gd2h_, c.CellWord(i), c.cells[i].addr, stage);
-    if (st.ok())
-      st = WriteDevice(gd2h_, c.Word(offsetof(DeviceWords, flag) + sizeof(uint64_t) * i),
-                       Addr(c.kind == ChannelKind::kOffload ? c.w->filled[i] : c.w->done[i]), stage);
-  }
-  Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return Driver(backend_).StreamSynchronize(gd2h_); });
-  return st.ok() ? sync : st;
-}
-
-Status GraphMode::WarmKernels(Channel& c) {
-  // Caller holds mu_; `c` is the engine's first channel, its words all 0 and no round started.
-  // Each kernel runs once on gd2h_ with arguments that make it return at once, leaving the words at 0:
-  // with one cell (its "cell" the pinned word `token`, its flag `filled[0]`) whose grant[0] = 1,
-  // take_offload takes the grant and writes the token into grant[0]; take_reload finds grant[0] naming
-  // the token it reads from grant[0] and takes it; the copy kernel copies the cell into `probe` and
-  // the publish kernel writes filled[0]; revoke finds grant[0] empty. The fused kernels first, alike (one block each):
-  // fused_offload takes grant[0] = 1, writes token 1 into grant[0] and copies `probe` into the cell;
-  // fused_reload takes grant[0] (it names token 1) and copies the cell into `probe`.
-  const DriverTable& d = Driver(backend_);
-  const char* stage = "graph kernels (warm-up)";
-  ChannelWords& w = *c.w;
-  const CUdeviceptr g0 = c.Grant(0);
-  const CUdeviceptr ncells = c.Word(offsetof(DeviceWords, ncells)), cell0 = c.Word(offsetof(DeviceWords, cell)),
-                    flag0 = c.Word(offsetof(DeviceWords, flag));
-  Status st = WriteDevice(gd2h_, ncells, 1, stage);
-  if (st.ok()) st = WriteDevice(gd2h_, cell0, Addr(w.token), stage);
-  if (st.ok()) st = WriteDevice(gd2h_, flag0, Addr(w.filled[0]), stage);
-  if (st.ok()) st = WriteDevice(gd2h_, g0, 1, stage);
-  if (st.ok()) st = kernels_.FusedOffload(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), g0, Addr(w.knock));
-  if (st.ok()) st = kernels_.FusedReload(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), g0, Addr(w.probe), Addr(w.request), Addr(w.go));
-  if (st.ok()) st = WriteDevice(gd2h_, Addr(w.filled[0]), 0, stage);  // only the publish kernel below sets it again
-  if (st.ok()) st = WriteDevice(gd2h_, g0, 1, stage);
-  if (st.ok()) st = kernels_.TakeOffload(gd2h_, c.dw, g0, Addr(w.knock));
-  if (st.ok()) st = kernels_.TakeReload(gd2h_, c.dw, g0, Addr(w.probe), Addr(w.request), Addr(w.go));
-  if (st.ok()) st = kernels_.CellCopy(gd2h_, c.dw, Addr(w.probe), sizeof(uint64_t), /*out=*/true);
-  if (st.ok()) st = kernels_.Publish(gd2h_, c.dw, stage);
-  if (st.ok()) st = kernels_.Revoke(gd2h_, g0, 0, Addr(w.result));
-  // The op ring's copy: filled[0] (1 by now) into `unused`, and a value with both 32-bit halves set into
-  // `arm` (not used by kernel grants).
-  constexpr uint64_t kWarmToken = 0x0000000900000007ull;
-  if (st.ok()) st = kernels_.Copy(gd2h_, Addr(w.unused), Addr(w.filled[0]), sizeof(uint64_t), Addr(w.arm), kWarmToken, stage);
-  // The op ring's reload, both ways, `unused` into `go` and the token (in `arm`) into `probe`: a hit
-  // (the tag is that token) publishing seq 5 in done[0], then a miss (tag 1) publishing seq 6 in
-  // done[1], whose wait for ready >= 6 passes at once (`arm` stands for the ready word: it holds the
-  // token, far above 6), so a kernel that waits where it must not cannot hang the warm-up.
-  constexpr uint64_t kWarmSeq = 5;
-  if (st.ok())
-    st = kernels_.RingReload(gd2h_, Addr(w.go), Addr(w.unused), sizeof(uint64_t), Addr(w.arm), kWarmToken, Addr(w.probe),
-                             Addr(w.done[0]), kWarmSeq, Addr(w.arm));
-  if (st.ok())
-    st = kernels_.RingReload(gd2h_, Addr(w.go), Addr(w.unused), sizeof(uint64_t), Addr(w.arm), 1, Addr(w.probe),
-                             Addr(w.done[1]), kWarmSeq + 1, Addr(w.arm));
-  Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(gd2h_); });
-  if (st.ok()) st = sync;
-  if (st.ok() && (w.knock.load() || w.request.load() || w.result.load() || w.filled[0].load() != 1 || w.unused.load() != 1 ||
-                  w.arm.load() != kWarmToken || w.go.load() != 1 || w.probe.load() != kWarmToken || w.done[0].load() != kWarmSeq ||
-                  w.done[1].load() != kWarmSeq + 1))
-    st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set, or a copy did not land)");
-  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0], &w.done[0], &w.done[1], &w.unused, &w.arm})
-    word->store(0, std::memory_order_relaxed);
-  // Leave the device words as a new channel's (SetUpCells writes the constants).
-  for (CUdeviceptr word : {g0, ncells, cell0, flag0, c.Word(offsetof(DeviceWords, next)), c.Word(offsetof(DeviceWords, ptr)),
-                           c.Word(offsetof(DeviceWords, publish)), c.Word(offsetof(DeviceWords, blocks)),
-                           c.Word(offsetof(DeviceWords, arrive)), c.Word(offsetof(DeviceWords, ready))})
-    (void)WriteDevice(gd2h_, word, 0, stage);
-  d.StreamSynchronize(gd2h_);
-  if (!st.ok()) st = Status(st.code(), st.ToString() + " (warm-up of the grant kernels at the engine's first initialize stage)");
-  return st;
-}
-
 Status GraphMode::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out) {
   // Caller holds mu_. The channel the initialize stage prepared; a re-recording (XLA saw new
   // buffer addresses) may find its cell idle and returned: map it again so the capture names mapped
@@ -316,7 +133,7 @@ Status GraphMode::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta
                                        " is being captured into a command buffer but its initialize stage never ran");
   // Host grants and one cell record copies that name cell 0. K > 1 cells record no cell address: the
   // device finds a cell through its grant, and the poller maps a cell before it grants it.
-  if ((!use_kernels_ || c->FixedCell()) && !c->cells[0].mapped && !MapCell(*c, 0))
+  if ((!recorder_.use_kernels() || c->FixedCell()) && !c->cells[0].mapped && !MapCell(*c, 0))
     return Status(Code::kOutOfMemory, "graph-mode cell of call site " + std::to_string(site) +
                                           " could not be mapped for capture within the staging budget");
   *out = c;
@@ -335,54 +152,11 @@ void GraphMode::Recorded(Channel& c) {
   WakePoller();
 }
 
-Status GraphMode::RecordCopyAndPublish(CUstream stream, Channel& c, CUdeviceptr other, size_t nbytes, bool out,
-                                       const char* stage) {
-  if (c.FixedCell()) {
-    // One cell whose address never changes (JAXVMM_GRAPH_CELLS=1, no spares, no trades): a memcpy
-    // that names it, as before K cells, then a write of its flag.
-    const DriverTable& d = Driver(backend_);
-    const CUdeviceptr cell = c.cells[0].addr;
-    const CUdeviceptr to = out ? other : cell, from = out ? cell : other;
-    JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(to, from, nbytes, stream); }));
-    const CUdeviceptr flag = Addr(out ? c.w->done[0] : c.w->filled[0]);
-    return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, flag, 1, 0); });
-  }
-  JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out));
-  return kernels_.Publish(stream, c.dw, stage);
-}
-
 Status GraphMode::CapturedOffload(CUstream stream, int64_t site, CUdeviceptr src, const ArrayMeta& meta, CUdeviceptr token_out) {
   std::lock_guard<std::mutex> lock(mu_);
   Channel* c = nullptr;
   JAXVMM_RETURN_IF_ERROR(CaptureChannel(site, ChannelKind::kOffload, meta, &c));
-  const DriverTable& d = Driver(backend_);
-  ChannelWords& w = *c->w;
-  const char* stage = "offload (capture)";
-  if (use_kernels_) {
-    if (!c->FixedCell() && EngineConfig::GraphFused()) {
-      // One node: the fused kernel takes a cell's grant and copies x into it (its last block publishes
-      // the cell's filled word).
-      JAXVMM_RETURN_IF_ERROR(kernels_.FusedOffload(stream, c->dw, src, meta.nbytes, token_out, Addr(w.knock)));
-      ++stats_.fused_captures;
-      Recorded(*c);
-      return Status();
-    }
-    // Separate nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that
-    // cell, publish the cell's filled word.
-    JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c->dw, token_out, Addr(w.knock)));
-    JAXVMM_RETURN_IF_ERROR(RecordCopyAndPublish(stream, *c, src, meta.nbytes, /*out=*/false, stage));
-    Recorded(*c);
-    return Status();
-  }
-  const CUdeviceptr cell = c->cells[0].addr;
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.knock), 1, 0); }));
-  JAXVMM_RETURN_IF_ERROR(
-      Call(-1, stage, Entry::kStreamWaitValue64, [&] { return d.StreamWaitValue64(stream, Addr(w.arm), 1, CU_STREAM_WAIT_VALUE_EQ); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.arm), 0, 0); }));
-  JAXVMM_RETURN_IF_ERROR(
-      Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(token_out, Addr(w.token), sizeof(uint64_t), stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(cell, src, meta.nbytes, stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.filled[0]), 1, 0); }));
+  JAXVMM_RETURN_IF_ERROR(recorder_.RecordOffload(stream, *c, src, meta.nbytes, token_out));
   Recorded(*c);
   return Status();
 }
@@ -391,33 +165,13 @@ Status GraphMode::CapturedReload(CUstream stream, int64_t site, CUdeviceptr toke
   std::lock_guard<std::mutex> lock(mu_);
   Channel* c = nullptr;
   JAXVMM_RETURN_IF_ERROR(CaptureChannel(site, ChannelKind::kReload, meta, &c));
-  const DriverTable& d = Driver(backend_);
-  ChannelWords& w = *c->w;
-  const char* stage = "reload (capture)";
-  if (use_kernels_) {
-    if (c->ncells > 1 && EngineConfig::GraphFused()) {
-      JAXVMM_RETURN_IF_ERROR(
-          kernels_.FusedReload(stream, c->dw, dst, meta.nbytes, token_in, Addr(w.probe), Addr(w.request), Addr(w.go)));
-      ++stats_.fused_captures;
-      Recorded(*c);
-      return Status();
-    }
-    JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, c->dw, token_in, Addr(w.probe), Addr(w.request), Addr(w.go)));
-    JAXVMM_RETURN_IF_ERROR(RecordCopyAndPublish(stream, *c, dst, meta.nbytes, /*out=*/true, stage));
-    Recorded(*c);
-    return Status();
-  }
-  const CUdeviceptr cell = c->cells[0].addr;
-  JAXVMM_RETURN_IF_ERROR(
-      Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(Addr(w.probe), token_in, sizeof(uint64_t), stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.request), 1, 0); }));
-  JAXVMM_RETURN_IF_ERROR(
-      Call(-1, stage, Entry::kStreamWaitValue64, [&] { return d.StreamWaitValue64(stream, Addr(w.go), 1, CU_STREAM_WAIT_VALUE_EQ); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.go), 0, 0); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, cell, meta.nbytes, stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, Addr(w.done[0]), 1, 0); }));
+  JAXVMM_RETURN_IF_ERROR(recorder_.RecordReload(stream, *c, token_in, dst, meta.nbytes));
   Recorded(*c);
   return Status();
+}
+
+Status GraphMode::CapturedPrefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out) {
+  return recorder_.RecordPrefetch(stream, token_in, token_out);  // no channel state: no lock
 }
 
 // ---------------------------------------------------------------- the poller
@@ -433,10 +187,10 @@ void GraphMode::Poll() {
     bool busy = false;
     // Offloads first: a reload's token may name a ticket whose `filled` arrived in the same pass.
     channels_.ForEach([&](Channel& c) {
-      if (c.kind == ChannelKind::kOffload) busy |= use_kernels_ ? ServiceOffloadK(c) : ServiceOffload(c);
+      if (c.kind == ChannelKind::kOffload) busy |= recorder_.use_kernels() ? ServiceOffloadK(c) : ServiceOffload(c);
     });
     channels_.ForEach([&](Channel& c) {
-      if (c.kind == ChannelKind::kReload) busy |= use_kernels_ ? ServiceReloadK(c) : ServiceReload(c);
+      if (c.kind == ChannelKind::kReload) busy |= recorder_.use_kernels() ? ServiceReloadK(c) : ServiceReload(c);
     });
     busy |= ReapOffloads();
     busy |= ReleaseLentReads();
@@ -585,7 +339,7 @@ void GraphMode::Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t v
   const DriverTable& d = Driver(backend_);
   Cell& cell = c.cells[i];
   if (CopyPending(cell)) {
-    Status st = Call(-1, "graph grant", Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(cell.stream, Addr(*word), value, 0); });
+    Status st = Call(-1, "graph grant", Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(cell.stream, WordAddr(*word), value, 0); });
     if (st.ok()) return;
     d.StreamSynchronize(cell.stream);
   }
@@ -626,7 +380,7 @@ Status GraphMode::CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>
   Status st = t->host.pageable ? round_host_.bounce().ToHost(gd2h_, t->host.ptr, cell.addr, c.meta.nbytes, stage)
                                : transfers_.CopyToHost(gd2h_, t->host, cell.addr, c.meta.nbytes, stage);
   const uint64_t seq = gd2h_issued_ + 1;  // gd2h_ runs in order: its word passing seq means this D2H is done
-  if (st.ok()) st = WriteDevice(gd2h_, transfers_.graph_clock_address(), seq, stage);
+  if (st.ok()) st = WriteDeviceWord(backend_, gd2h_, transfers_.graph_clock_address(), seq, stage);
   if (st.ok()) {
     gd2h_issued_ = seq;
     t->d2h_seq = seq;
@@ -731,7 +485,7 @@ void GraphMode::PrefetchInto(Channel& c) {
         Held h = ledger_.Lock();
         if (!ledger_.tickets(h).Predict(c.meta, usable)) return;  // nothing to guess: no pages for it
       }
-      if (!use_kernels_ || !MapCell(c, i, /*evict=*/false)) continue;
+      if (!recorder_.use_kernels() || !MapCell(c, i, /*evict=*/false)) continue;
     }
     Source src;
     {
@@ -745,10 +499,10 @@ void GraphMode::PrefetchInto(Channel& c) {
     }
     Status st = transfers_.CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload prefetch (graph)");
     bool armed = false;
-    if (st.ok() && use_kernels_) {
+    if (st.ok() && recorder_.use_kernels()) {
       // The device's grant: grant[i] names the token only once its bytes are in the cell (stream
       // order, and the write's default memory barrier makes the copy visible first).
-      st = WriteDevice(gh2d_, c.Grant(i), cell.loaded->token, "reload prefetch (graph)");
+      st = WriteDeviceWord(backend_, gh2d_, c.Grant(i), cell.loaded->token, "reload prefetch (graph)");
       armed = st.ok();
     }
     if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gh2d_); });
@@ -910,11 +664,6 @@ bool GraphMode::ServiceReload(Channel& c) {
 // grant (first round, after a revocation, a mispredicted reload): then the device knocks / requests and
 // waits, as in the host-granted protocol.
 
-Status GraphMode::WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage) {
-  const DriverTable& d = Driver(backend_);
-  return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(s, word, value, 0); });
-}
-
 bool GraphMode::Arm(Channel& c, int i, bool host, bool settled) {
   // Every copy out of an offload cell runs on gd2h_, so a write on gd2h_ is ordered after the last one.
   // gd2h_/gh2d_ never wait on XLA's streams (unlike the op ring's d2h/h2d): a grant written there
@@ -951,7 +700,7 @@ bool GraphMode::Arm(Channel& c, int i, bool host, bool settled) {
   cell.draining.reset();
   CUstream s = lent || settled ? garm_ : gd2h_;
   const uint64_t token = ledger_.ArmToken();  // armed before the device can take it (WaitUntilServed)
-  Status st = WriteDevice(s, c.Grant(i), token, "offload grant (graph)");
+  Status st = WriteDeviceWord(backend_, s, c.Grant(i), token, "offload grant (graph)");
   if (!st.ok()) {
     // A retry may write its grant on gd2h_: the new address (on garm_) must be in place before it.
     if (lent) Driver(backend_).StreamSynchronize(garm_);
@@ -1070,7 +819,7 @@ bool GraphMode::Lend(Channel& c, int i, bool may_map) {
         break;  // one mapping attempt per lend: the budget (or the device) has no room for more
       }
   if (!sp) return false;
-  Status st = WriteDevice(garm_, c.CellWord(i), sp->addr, "offload grant (graph)");
+  Status st = WriteDeviceWord(backend_, garm_, c.CellWord(i), sp->addr, "offload grant (graph)");
   if (!st.ok()) {
     Driver(backend_).StreamSynchronize(garm_);
     return false;
@@ -1094,8 +843,8 @@ bool GraphMode::TradePages(Channel& c, int i, Channel& p, int k) {
   Cell& b = p.cells[k];
   const DriverTable& d = Driver(backend_);
   auto words = [&] {
-    Status st = WriteDevice(garm_, c.CellWord(i), a.addr, "graph page trade");
-    if (st.ok()) st = WriteDevice(garm_, p.CellWord(k), b.addr, "graph page trade");
+    Status st = WriteDeviceWord(backend_, garm_, c.CellWord(i), a.addr, "graph page trade");
+    if (st.ok()) st = WriteDeviceWord(backend_, garm_, p.CellWord(k), b.addr, "graph page trade");
     Status sync = Call(-1, "graph page trade", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(garm_); });
     return st.ok() ? sync : st;
   };
@@ -1287,7 +1036,7 @@ bool GraphMode::Revoke(Channel& c, int i) {
   CUstream s = offload ? (cell.grant_stream ? cell.grant_stream : gd2h_) : gh2d_;
   const uint64_t expect = offload ? 0 : (cell.loaded ? cell.loaded->token : 0);
   c.w->result.store(0, std::memory_order_relaxed);
-  Status st = kernels_.Revoke(s, c.Grant(i), expect, Addr(c.w->result));
+  Status st = kernels_.Revoke(s, c.Grant(i), expect, WordAddr(c.w->result));
   if (st.ok()) st = Call(-1, "graph revoke", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(s); });
   if (!st.ok()) {
     std::fprintf(stderr, "%s (graph-mode grant kept)\n", st.ToString().c_str());
@@ -1451,14 +1200,14 @@ bool GraphMode::ServiceReloadK(Channel& c) {
     Status st;
     if (cell.stream && cell.stream != gfix_)
       st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(gfix_, cell.event, 0); });
-    if (st.ok()) st = WriteDevice(gfix_, c.Grant(j), 0, "reload (graph)");
+    if (st.ok()) st = WriteDeviceWord(backend_, gfix_, c.Grant(j), 0, "reload (graph)");
     if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
     if (st.ok()) cell.stream = gfix_;
     if (!st.ok()) {
       // grant[j] may still name a prefetched token: wait for every copy, then clear it in order.
       d.StreamSynchronize(gh2d_);
       d.StreamSynchronize(gfix_);
-      st = WriteDevice(gfix_, c.Grant(j), 0, "reload (graph)");
+      st = WriteDeviceWord(backend_, gfix_, c.Grant(j), 0, "reload (graph)");
       if (st.ok()) d.StreamSynchronize(gfix_);
       cell.stream = nullptr;
       if (!st.ok()) ledger_.Report(c.stream, st);
@@ -1627,11 +1376,6 @@ void GraphMode::Stop() {
   ReleaseUnpins(/*all=*/true);  // every stream was synchronized above
 }
 
-Status GraphMode::CapturedPrefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out) {
-  return Call(-1, "prefetch (capture)", Entry::kMemcpyAsync,
-              [&] { return Driver(backend_).MemcpyAsync(token_out, token_in, sizeof(uint64_t), stream); });
-}
-
 Source GraphMode::RoundSourceOf(Ticket& t) {
   Source src = SourceOf(t);
   if (!src.resident && t.lent_cell) {
@@ -1671,6 +1415,12 @@ size_t GraphMode::Trim() {
 GraphStats GraphMode::Stats() {
   std::lock_guard<std::mutex> lock(mu_);
   GraphStats s = stats_;
+  const RecordStats& r = recorder_.stats();
+  s.kernels = r.kernels;
+  s.kernels_error = r.kernels_error;
+  s.cells = r.cells;
+  s.spares = r.spares;
+  s.fused_captures = r.fused_captures;
   s.bounce_copies = round_host_.copies();
   s.host_fallbacks = round_host_.fallbacks();
   return s;

@@ -3,11 +3,13 @@
 //
 // Owns: the channels (per call site: pinned words, K cells at fixed VAs, spares), the poller thread,
 // streams gd2h (D2H out of offload cells, the grants behind them, the graph D2H clock), gh2d (prefetches into reload cells), garm (grants of cells that took a spare) and gfix
-// (corrections and 0xFF fills), and the supply of round tickets' host blocks (RoundHostSupply: the
-// pool, else pageable memory, its bounce buffers and the grower that pins more). Handed: the ledger
+// (corrections and 0xFF fills), the supply of round tickets' host blocks (RoundHostSupply: the
+// pool, else pageable memory, its bounce buffers and the grower that pins more), and a GraphRecorder
+// (graph_record.h: a channel's one-time setup, the kernels' loading, the rounds' recorded work; it
+// maps no pages, and GraphMode gives a capture that names a cell its pages first). Handed: the ledger
 // (tickets, errors, armed tokens), the host store, the staging area (its budget charges every cell's
-// pages), the transfers (copies, the clock) and the engine's kernels (loaded and warmed here, at the
-// first initialize stage). Knows nothing of the op ring.
+// pages), the transfers (copies, the clock) and the engine's kernels (the recorder loads and warms
+// them at the first initialize stage; the poller's revocations launch one). Knows nothing of the op ring.
 //
 // Lock order: GraphMode::mu_ -> Ledger::mu_ -> HostPool / StagingArea -> Registry -> Slot. The poller
 // holds mu_ while it serves a pass (dropping it between passes); the op ring never takes it.
@@ -26,6 +28,7 @@
 
 #include "channels.h"
 #include "graph_kernels.h"
+#include "graph_record.h"
 #include "host_pool.h"
 #include "ledger.h"
 #include "round_host.h"
@@ -109,9 +112,6 @@ class GraphMode {
   // Caller holds mu_ (as do all the helpers below unless they say otherwise).
   Status CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta& meta, Channel** out);
   void Recorded(Channel& c);  // counts the recording, wakes the poller
-  // A kernel-granted round's nodes after its take: the copy between XLA's buffer `other` and the cell
-  // (out: cell -> other, a reload), then the publish of the cell's filled/done word.
-  Status RecordCopyAndPublish(CUstream stream, Channel& c, CUdeviceptr other, size_t nbytes, bool out, const char* stage);
   void WakePoller();
   void Poll();  // the poller thread
   bool ServiceOffload(Channel& c);  // host grants
@@ -148,8 +148,6 @@ class GraphMode {
   void UnmapCell(Channel& c, int i);
   void UnmapPages(Channel& c, CellPages* p, const char* kept);
   void Mapped(const Channel& c, CellPages* p);  // p's pages were just mapped: counts them
-  Status ReservePages(const SlotSpec& spec, CellPages* p);  // a VA (internal slot, no pages) for a cell or spare
-  Status ReserveCells(Channel& c, const ArrayMeta& meta, ChannelKind kind);  // a new channel's cells and spares
   // Cells of idle channels (after IdleMillis unless `now`; only those with device pages if `device_only`).
   size_t ReleaseIdleCells(bool now, bool device_only = false);
   void DropStaleGuesses();  // reload cells whose guess another reload consumed: revoke and unload
@@ -183,10 +181,6 @@ class GraphMode {
   bool Forget(const Held& h, Spare& sp);  // drops the bytes a free spare keeps; false: a copy out of it runs
   void ArmIdleCells(Channel& c);    // offload: arms every idle cell it can map within the budget
   bool Revoke(Channel& c, int i);   // takes cell i's armed grant back; true: none is outstanding any more
-  Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
-  Status LoadKernels(Channel& first);  // at the first initialize stage: the protocol captures record
-  Status WarmKernels(Channel& c);   // each kernel launched once (loaded), at the first initialize
-  Status SetUpCells(Channel& c);    // the channel's constant device words (K, cells, flags)
   void Unload(const Held& h, Channel& c, int i);  // drops the prediction reload cell i holds
   bool Idle();                      // no round in progress, no D2H outstanding
 
@@ -218,8 +212,8 @@ class GraphMode {
   std::vector<std::pair<CUevent, std::shared_ptr<Ticket>>> unpin_after_;
   // Copies out of lent or held cells, with the reload cell's event recorded behind each.
   std::vector<std::pair<CUevent, std::shared_ptr<Ticket>>> lent_reading_;
-  GraphKernels& kernels_;  // the engine's; loaded and warmed here, by the first initialize stage (kernel grants)
-  bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
+  GraphKernels& kernels_;  // the engine's (revocations); loaded and warmed by recorder_
+  GraphRecorder recorder_;  // the initialize stage's setup and the rounds' recorded work (guarded by mu_)
   std::thread poller_;  // started by the first capture or the first cell mapped by an initialize stage
 };
 

@@ -94,8 +94,14 @@ LAYERS: dict[str, Group] = {
                                      "host_pool.h",
                                      "staging.h", "registry.h", "slot.h", "config.h", "vmm.h", "status.h",
                                      "driver.h"})),
+    # graph-mode recording: a channel's one-time setup and its rounds' recorded work (no poller, no pages)
+    "graph_record": Group(8, ("graph_record.h", "graph_record.cc"),
+                          only=frozenset({"channels.h", "graph_kernels.h", "graph_words.h", "tickets.h", "host_pool.h",
+                                          "staging.h", "registry.h", "slot.h", "config.h", "vmm.h", "status.h",
+                                          "driver.h"})),
     "graph_mode": Group(8, ("graph_mode.h", "graph_mode.cc"),
-                        only=frozenset({"ledger.h", "transfers.h", "channels.h", "graph_kernels.h", "graph_words.h",
+                        only=frozenset({"graph_record.h", "ledger.h", "transfers.h", "channels.h", "graph_kernels.h",
+                                        "graph_words.h",
                                         "round_host.h", "tickets.h", "host_pool.h", "staging.h",
                                         "registry.h", "slot.h", "config.h", "vmm.h", "status.h", "driver.h"})),
     # the offload engine: owns the parts and hands each call to the part that serves it

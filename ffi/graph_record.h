@@ -1,0 +1,85 @@
+// Graph-mode recording: what a call site's initialize stage sets up once (the grant kernels, its
+// channel's cells and constant device words) and the fixed device work its execute stage records into
+// XLA's command buffer. DESIGN.md, "Graph mode".
+//
+// Owns: the choice of protocol (kernel grants or host grants), fixed at the engine's first initialize
+// stage, and its own counters. Handed: the engine's grant kernels (loaded and warmed here), the
+// channels it sets up or records (GraphMode's), and the stream that carries the setup writes (GraphMode's
+// gd2h_, which never waits on XLA's streams). Never maps pages: a capture that must name a mapped cell
+// is given one by GraphMode first.
+//
+// No lock of its own: every call is made with GraphMode::mu_ held (it sits inside GraphMode's lock order).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "channels.h"
+#include "graph_kernels.h"
+#include "slot.h"
+#include "status.h"
+
+namespace jaxvmm {
+
+// Call sites whose arrays are larger get one cell whatever graph_cells says (ReserveCells).
+constexpr size_t kMultiCellBytes = 32ull << 20;
+
+// A pinned word's address as the device sees it (host memory mapped for the device, unified addressing).
+inline CUdeviceptr WordAddr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CUdeviceptr>(&word); }
+
+// `value` into the 64-bit device word `word`, ordered on `s` (a memory barrier before it: copies
+// enqueued earlier on `s` are visible first).
+Status WriteDeviceWord(Backend b, CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
+
+struct RecordStats {
+  bool kernels = false;        // captures record the grant kernels
+  std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
+  int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
+  int64_t spares = 0;          // spare cells reserved (VAs only)
+  int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
+};
+
+class GraphRecorder {
+ public:
+  GraphRecorder(Backend b, int device, GraphKernels& kernels) : backend_(b), device_(device), kernels_(kernels) {}
+  GraphRecorder(const GraphRecorder&) = delete;
+  GraphRecorder& operator=(const GraphRecorder&) = delete;
+
+  // The initialize stage, once per execution of call site `c`: loads and warms the grant kernels at the
+  // engine's first channel (`first`), or later while their warm-up is still owed and nothing was
+  // captured yet. A driver that cannot load them keeps the host-granted protocol (logged on stderr).
+  void PrepareKernels(CUstream setup, Channel& c, bool first, bool any_captured);
+  // A new channel's cells (VAs, no pages; K of them, or 1), its spares and its constant device words.
+  Status ReserveCells(CUstream setup, Channel& c, const ArrayMeta& meta, ChannelKind kind);
+
+  // The fixed device work of one round, enqueued on XLA's capturing stream (no allocation here).
+  Status RecordOffload(CUstream stream, Channel& c, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out);
+  Status RecordReload(CUstream stream, Channel& c, CUdeviceptr token_in, CUdeviceptr dst, size_t nbytes);
+  // A prefetch hint cannot be decided at replay: the recorded work only passes the token on.
+  Status RecordPrefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out);
+
+  bool use_kernels() const { return use_kernels_; }
+  const RecordStats& stats() const { return stats_; }
+
+ private:
+  Status LoadKernels(CUstream setup, Channel& first, bool any_captured);
+  Status WarmKernels(CUstream setup, Channel& c);  // each kernel launched once (loaded), at the first initialize
+  Status SetUpCells(CUstream setup, Channel& c);   // the channel's constant device words (K, cells, flags)
+  Status ReservePages(const SlotSpec& spec, CellPages* p);  // a VA (internal slot, no pages) for a cell or spare
+  // A kernel-granted round's nodes after its take: the copy between XLA's buffer `other` and the cell
+  // (out: cell -> other, a reload), then the publish of the cell's filled/done word.
+  Status RecordCopyAndPublish(CUstream stream, Channel& c, CUdeviceptr other, size_t nbytes, bool out, const char* stage);
+  Status WriteDevice(CUstream s, CUdeviceptr word, uint64_t value, const char* stage) {
+    return WriteDeviceWord(backend_, s, word, value, stage);
+  }
+
+  const Backend backend_;
+  const int device_;
+  GraphKernels& kernels_;
+  bool use_kernels_ = false;  // decided at the first initialize stage, fixed for the engine's life
+  RecordStats stats_;
+};
+
+}  // namespace jaxvmm
