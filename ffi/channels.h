@@ -80,12 +80,20 @@ struct Cell : CellPages {
   std::shared_ptr<Ticket> loaded;  // reload: the predicted ticket copied into the cell ahead of time
   CUevent event = nullptr;         // after the last side-stream copy into/out of the cell
   CUstream stream = nullptr;       // the stream that copy ran on (grants are ordered after it)
-  CUstream grant_stream = nullptr; // offload, kArmed: the stream that wrote grant[i] (a revoke runs there)
+  CUstream grant_stream = nullptr; // kArmed: the stream that wrote grant[i] (a revoke runs there)
   std::shared_ptr<Ticket> draining;  // offload: the ticket whose D2H out of this cell may still run
   bool until_knock = false;          // offload, kHeld: armed only once a round knocks (GraphHold::kLarge)
   // Reload: the pages came from a held offload cell whose D2H may still read them (GraphMode::
   // TakeHeldPages): they stay mapped here until the graph D2H clock reaches this (0: nothing reads them).
   uint64_t d2h_reads = 0;
+  // Offload: the round ticket whose bytes the cell holds (its last round served), until its next round
+  // or until its pages go. A reload round that waits for the poller may copy them device to device
+  // (GraphMode::CellHolding): its go follows that copy, so no later round of XLA's stream can refill the
+  // cell first.
+  std::weak_ptr<Ticket> holds;
+  // Offload: the reload cell such a copy went into (on gfix_, its event recorded behind it): the pages
+  // stay mapped until that cell has no copy pending.
+  const Cell* read_into = nullptr;
 };
 
 // A spare cell of an offload channel (graph_spares): VA reserved with the channel's cells, pages mapped

@@ -264,7 +264,10 @@ void GraphMode::Mapped(const Channel& c, CellPages* p) {
   ++stats_.pages_mapped;
 }
 
-void GraphMode::UnmapCell(Channel& c, int i) { UnmapPages(c, &c.cells[i], "graph-mode cell kept"); }
+void GraphMode::UnmapCell(Channel& c, int i) {
+  c.cells[i].holds.reset();  // new pages hold nobody's bytes
+  UnmapPages(c, &c.cells[i], "graph-mode cell kept");
+}
 
 void GraphMode::UnmapPages(Channel& c, CellPages* p, const char* kept) {
   // A cell's or a spare's pages back to the driver, uncharged from the budget.
@@ -319,6 +322,8 @@ size_t GraphMode::ReleaseIdleCells(bool now, bool device_only) {
       Cell& cell = c.cells[i];
       if (!cell.mapped || cell.round == Channel::Round::kGranted || (device_only && cell.host_pages)) continue;
       if (ReadByD2h(cell)) continue;  // a D2H still reads its pages (their guess stays armed)
+      if (cell.read_into && CopyPending(*cell.read_into)) continue;  // a reload's copy still reads them
+      cell.read_into = nullptr;
       if (cell.round == Channel::Round::kArmed && !Revoke(c, i)) continue;  // the device took the grant: its round is live
       if (CopyPending(cell)) continue;  // a copy still uses it (a held cell's D2H)
       {
@@ -511,6 +516,7 @@ void GraphMode::PrefetchInto(Channel& c) {
     if (armed) {
       cell.round = Channel::Round::kArmed;
       cell.host_grant = false;
+      cell.grant_stream = gh2d_;
     }
     if (!st.ok()) {
       d.StreamSynchronize(gh2d_);
@@ -518,6 +524,77 @@ void GraphMode::PrefetchInto(Channel& c) {
       if (!armed) {
         Held h = ledger_.Lock();
         Unload(h, c, i);  // a hint: the request copies what it needs
+      }
+      return;
+    }
+  }
+}
+
+Cell* GraphMode::CellHolding(const std::shared_ptr<Ticket>& t, size_t cell_size) {
+  // Caller holds mu_. Small call sites only (no spares, no page trades): their cells' bytes change only
+  // when a round fills them or their pages go, both of which clear or replace `holds`.
+  Cell* found = nullptr;
+  channels_.ForEach([&](Channel& o) {
+    if (found || o.kind != ChannelKind::kOffload || o.cell_size != cell_size || !o.spares.empty() || o.trades) return;
+    for (int i = 0; i < o.ncells && !found; ++i) {
+      Cell& cell = o.cells[i];
+      // filled[i] set: a later round refilled the cell and is not served yet (`holds` is behind).
+      if (cell.mapped && cell.holds.lock() == t && o.w->filled[i].load(std::memory_order_acquire) == 0) found = &cell;
+    }
+  });
+  return found;
+}
+
+void GraphMode::StageHeldGuesses(Channel& c, int busy) {
+  // Caller holds mu_. Like PrefetchInto, but only for guesses an offload cell still holds, and on gfix_
+  // ahead of the waiting round's go (the backward's second reload then finds its bytes at once instead
+  // of waiting for the prefetch its first reload's end starts). A guess that is not on the device is
+  // left to PrefetchInto.
+  const DriverTable& d = Driver(backend_);
+  const char* stage = "reload guess (graph)";
+  for (int k = 0; k < c.ncells; ++k) {
+    Cell& cell = c.cells[k];
+    if (k == busy || cell.round != Channel::Round::kIdle || cell.loaded) continue;
+    if (CopyPending(cell, gfix_)) continue;  // a prefetch on gh2d_ still runs
+    auto next = [&](const Held& h, Cell** from) {
+      std::shared_ptr<Ticket> t = ledger_.tickets(h).Predict(c.meta, [](const Ticket& x) { return x.graph_round; });
+      return t && (*from = CellHolding(t, c.cell_size)) ? t : nullptr;
+    };
+    std::shared_ptr<Ticket> t;
+    Cell* from = nullptr;
+    if (!cell.mapped) {  // pages for a guess there is (within the budget as it is)
+      {
+        Held h = ledger_.Lock();
+        if (!next(h, &from)) return;
+      }
+      if (!MapCell(c, k, /*evict=*/false)) continue;
+    }
+    {
+      Held h = ledger_.Lock();
+      if (!(t = next(h, &from))) return;
+      t->claimed_by = c.Claim();
+      t->pins += 1;
+      cell.loaded = t;
+    }
+    Source src;
+    src.resident = from->addr;
+    Status st = transfers_.CopyTicket(gfix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), stage);
+    const bool armed = st.ok() && (st = WriteDeviceWord(backend_, gfix_, c.Grant(k), t->token, stage)).ok();
+    if (armed) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
+    cell.stream = gfix_;
+    from->read_into = &cell;
+    ++stats_.cell_reads;
+    if (armed) {
+      cell.round = Channel::Round::kArmed;
+      cell.host_grant = false;
+      cell.grant_stream = gfix_;  // a revoke runs behind the grant's write
+    }
+    if (!st.ok()) {
+      d.StreamSynchronize(gfix_);
+      cell.stream = nullptr;  // nothing runs on the cell any more
+      if (!armed) {
+        Held h = ledger_.Lock();
+        Unload(h, c, k);
       }
       return;
     }
@@ -1033,7 +1110,7 @@ bool GraphMode::Revoke(Channel& c, int i) {
   ScopedContext ctx(backend_, device_);  // trim() calls this from a user thread
   const DriverTable& d = Driver(backend_);
   const bool offload = c.kind == ChannelKind::kOffload;
-  CUstream s = offload ? (cell.grant_stream ? cell.grant_stream : gd2h_) : gh2d_;
+  CUstream s = cell.grant_stream ? cell.grant_stream : offload ? gd2h_ : gh2d_;
   const uint64_t expect = offload ? 0 : (cell.loaded ? cell.loaded->token : 0);
   c.w->result.store(0, std::memory_order_relaxed);
   Status st = kernels_.Revoke(s, c.Grant(i), expect, WordAddr(c.w->result));
@@ -1078,6 +1155,7 @@ bool GraphMode::ServiceOffloadK(Channel& c) {
     ++(cell.host_grant ? stats_.grants_host : stats_.grants_device);
     Status st;
     std::shared_ptr<Ticket> t = MakeRoundTicket(c, token, &st);
+    cell.holds = t;  // the round's bytes (none to name when its ticket could not be made)
     if (t) st = CopyOutOfCell(c, i, t);
     if (t && st.ok()) cell.draining = t;  // Arm may lend the cell to it (spares)
     // Failed: the token the device handed out names no ticket; its reload fills 0xFF and reports too.
@@ -1225,13 +1303,28 @@ bool GraphMode::ServiceReloadK(Channel& c) {
       Grant(&w.go, c, j, go);
       return busy;
     }
+    // The bytes may still be in the offload cell the round left them in (the backward's first reloads
+    // name the forward's last offloads): a device-to-device copy then, not a wait for their D2H and an
+    // H2D. XLA's stream waits in this round until go, written on gfix_ behind the copy, so no round
+    // refills that cell before the copy has read it.
+    Cell* from = src.resident ? nullptr : CellHolding(a, c.cell_size);
+    if (from) {
+      src = Source();
+      src.resident = from->addr;  // complete: XLA's stream ran the round that filled it
+    }
     st = transfers_.CopyTicket(gfix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload (graph)");
     if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
     cell.stream = gfix_;
     WatchLentRead(src, a, cell.event);
+    if (from) {
+      from->read_into = &cell;  // its pages stay until cell j's copy has ended
+      ++stats_.cell_reads;
+    }
     if (!st.ok()) {
       ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
       FillInvalid(c, j);
+    } else {
+      StageHeldGuesses(c, j);
     }
     Grant(&w.go, c, j, go);
   }

@@ -68,6 +68,9 @@ struct GraphStats {
   // the one cell of a large call site until its next round.
   // trades: pages passed between the cells of large call sites of opposite directions (TradePages).
   int64_t spares = 0, lends = 0, lent_reads = 0, kept_reads = 0, holds = 0, trades = 0;
+  // Reload rounds that waited for the poller (and the guesses staged with them) whose ticket's bytes
+  // were copied device to device out of the offload cell that still held them, not from the host.
+  int64_t cell_reads = 0;
 };
 
 class GraphMode {
@@ -135,6 +138,12 @@ class GraphMode {
   void WatchLentRead(const Source& src, const std::shared_ptr<Ticket>& t, CUevent ev);
   bool ReleaseLentReads();  // watched copies that have ended
   void PrefetchInto(Channel& c);    // the next predictions into the channel's idle reload cells
+  // A small offload call site's cell that still holds t's bytes (Cell::holds: no later round refilled it,
+  // its pages stayed), if any. Only while XLA's stream waits for a reload's go may it be read.
+  Cell* CellHolding(const std::shared_ptr<Ticket>& t, size_t cell_size);
+  // Reload channel c, whose round in cell `busy` waits for go: its other idle, empty cells take the next
+  // guesses whose bytes are still in offload cells, copied device to device on gfix_ before that go.
+  void StageHeldGuesses(Channel& c, int busy);
   void FillInvalid(Channel& c, int i);  // 0xFF into cell i, ordered after every copy into it
   bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
   // Pages for cell i within the staging budget; false: not now. `evict` when a round (or a capture)

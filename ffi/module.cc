@@ -612,6 +612,7 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_kept_reads"] = s.graph.kept_reads;
     d["graph_holds"] = s.graph.holds;
     d["graph_trades"] = s.graph.trades;
+    d["graph_offload_cell_reads"] = s.graph.cell_reads;
     return d;
   });
   // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in

@@ -1609,6 +1609,52 @@ def test_a_held_cell_whose_ticket_was_reloaded_elsewhere_passes_its_pages_on():
     _run_large(code, link_us=0)
 
 
+def test_the_backward_s_first_reloads_read_small_offload_cells_device_to_device():
+    """On the H200's 1 MiB row (tools/step_counters.py) one round a step waited for the poller: the
+    backward's first reload, whose ticket (the forward's last offload) no reload cell had guessed (the
+    reload call site's guesses are made when its own rounds end, before the forward made any), so its
+    round waited for that ticket's D2H and then an H2D, and the second reload for the prefetch the
+    first one's end started. Both tickets' bytes were still in the offload call site's cells. Now such
+    a round copies them device to device, and stages the next guess the same way before its go: with a
+    link of 0.4 s per copy, the two reloads end before one copy could. A trim() between revokes the
+    guess staged on the correction stream, and an offload round between overwrites an offload cell a
+    guess was staged from; every byte is checked."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        import time
+        jaxvmm.configure(staging_idle_ms=600000)
+        st = lambda: lib.engine_stats("posix", 0)
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            toks = offload_replays(r, fwd, 10, 4)
+            t0 = time.monotonic()
+            reload_replay(r, bwd, toks[3], 13)
+            reload_replay(r, bwd, toks[2], 12)
+            took = time.monotonic() - t0
+            s = st()
+            assert s["graph_offload_cell_reads"] == 2 and took < 0.3, (took, s)
+            for i in (1, 0):
+                reload_replay(r, bwd, toks[i], 10 + i)
+            toks = offload_replays(r, fwd, 20, 4)
+            reload_replay(r, bwd, toks[3], 23)  # and 22 staged in the other reload cell, armed on gfix_
+            jaxvmm.trim()  # revokes that guess behind its grant's write
+            for i in (2, 1, 0):
+                reload_replay(r, bwd, toks[i], 20 + i)
+            toks = offload_replays(r, fwd, 30, 3)
+            reload_replay(r, bwd, toks[2], 32)  # 31 staged from the other offload cell
+            toks += offload_replays(r, fwd, 40, 1)  # a round refills an offload cell
+            for t, v in ((toks[1], 31), (toks[3], 40), (toks[0], 30)):
+                reload_replay(r, bwd, t, v)
+            jaxvmm.synchronize()
+            s = st()
+            assert s["errors"] == 0 and s["graph_revokes"] >= 1 and s["graph_offload_cell_reads"] >= 5, s
+        jaxvmm.collect()
+        jaxvmm.synchronize()
+        assert st()["tickets_live"] == 0, st()
+        print("OK")
+    ''')
+    _run_with_spares(code, cells=2, spares=0, link_us=400000)
+
+
 @pytest.mark.parametrize("link_us", [0, 60000])
 def test_large_call_sites_with_spares_hold_lend_and_trade_bit_exactly(link_us):
     """Spares, held cells and page trades together on large call sites (one cell each, two spares): a
