@@ -463,7 +463,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min", type=int, default=None, help="smallest n tried (default 4 layers / 1 batch unit)")
     ap.add_argument("--max", type=int, default=64, help="largest n tried (default 64)")
     ap.add_argument("--start", type=int, default=None, help="first n tried (default 16 layers / 4 batch units)")
-    ap.add_argument("--precision", type=int, default=None, help="stop bisecting at this gap (default 2; --quick 8)")
+    ap.add_argument("--precision", type=int, default=None, help="stop bisecting at this gap (default 1: the exact largest size; --quick 8)")
     ap.add_argument("--no-guide", dest="guide", action="store_false",
                     help="plain doubling and bisection (default: the measured peaks guide the next size)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per trial (default 3; --quick 2)")
@@ -503,7 +503,7 @@ def main(argv=None) -> int:
         args.precision = args.precision or 8
         args.steps = args.steps or 2
         args.time_limit = args.time_limit or 130.0
-    args.precision = max(1, args.precision or 2)
+    args.precision = max(1, args.precision or 1)
     args.steps = args.steps or 3
     args.time_limit = args.time_limit or 320.0
     layers = args.search == "layers"
