@@ -530,12 +530,15 @@ void GraphMode::PrefetchInto(Channel& c) {
   }
 }
 
-Cell* GraphMode::CellHolding(const std::shared_ptr<Ticket>& t, size_t cell_size) {
+Cell* GraphMode::CellHolding(const std::shared_ptr<Ticket>& t, size_t cell_size, CUstream stream) {
   // Caller holds mu_. Small call sites only (no spares, no page trades): their cells' bytes change only
-  // when a round fills them or their pages go, both of which clear or replace `holds`.
+  // when a round fills them or their pages go, both of which clear or replace `holds`. And only call
+  // sites whose rounds run on `stream` (XLA's, where the waiting round is): their next round cannot
+  // start before that round's go.
   Cell* found = nullptr;
   channels_.ForEach([&](Channel& o) {
     if (found || o.kind != ChannelKind::kOffload || o.cell_size != cell_size || !o.spares.empty() || o.trades) return;
+    if (o.stream != stream) return;  // another stream's rounds could run beside the waiting one
     for (int i = 0; i < o.ncells && !found; ++i) {
       Cell& cell = o.cells[i];
       // filled[i] set: a later round refilled the cell and is not served yet (`holds` is behind).
@@ -545,33 +548,34 @@ Cell* GraphMode::CellHolding(const std::shared_ptr<Ticket>& t, size_t cell_size)
   return found;
 }
 
-void GraphMode::StageHeldGuesses(Channel& c, int busy) {
+bool GraphMode::StageHeldGuesses(Channel& c, int busy) {
   // Caller holds mu_. Like PrefetchInto, but only for guesses an offload cell still holds, and on gfix_
   // ahead of the waiting round's go (the backward's second reload then finds its bytes at once instead
   // of waiting for the prefetch its first reload's end starts). A guess that is not on the device is
   // left to PrefetchInto.
   const DriverTable& d = Driver(backend_);
   const char* stage = "reload guess (graph)";
+  bool staged = false;
   for (int k = 0; k < c.ncells; ++k) {
     Cell& cell = c.cells[k];
     if (k == busy || cell.round != Channel::Round::kIdle || cell.loaded) continue;
     if (CopyPending(cell, gfix_)) continue;  // a prefetch on gh2d_ still runs
     auto next = [&](const Held& h, Cell** from) {
       std::shared_ptr<Ticket> t = ledger_.tickets(h).Predict(c.meta, [](const Ticket& x) { return x.graph_round; });
-      return t && (*from = CellHolding(t, c.cell_size)) ? t : nullptr;
+      return t && (*from = CellHolding(t, c.cell_size, c.stream)) ? t : nullptr;
     };
     std::shared_ptr<Ticket> t;
     Cell* from = nullptr;
     if (!cell.mapped) {  // pages for a guess there is (within the budget as it is)
       {
         Held h = ledger_.Lock();
-        if (!next(h, &from)) return;
+        if (!next(h, &from)) return staged;
       }
       if (!MapCell(c, k, /*evict=*/false)) continue;
     }
     {
       Held h = ledger_.Lock();
-      if (!(t = next(h, &from))) return;
+      if (!(t = next(h, &from))) return staged;
       t->claimed_by = c.Claim();
       t->pins += 1;
       cell.loaded = t;
@@ -579,11 +583,12 @@ void GraphMode::StageHeldGuesses(Channel& c, int busy) {
     Source src;
     src.resident = from->addr;
     Status st = transfers_.CopyTicket(gfix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), stage);
+    staged = true;  // (a copy may have been enqueued even when st says otherwise)
+    if (st.ok()) ++stats_.cell_reads;
     const bool armed = st.ok() && (st = WriteDeviceWord(backend_, gfix_, c.Grant(k), t->token, stage)).ok();
     if (armed) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
     cell.stream = gfix_;
     from->read_into = &cell;
-    ++stats_.cell_reads;
     if (armed) {
       cell.round = Channel::Round::kArmed;
       cell.host_grant = false;
@@ -596,9 +601,10 @@ void GraphMode::StageHeldGuesses(Channel& c, int busy) {
         Held h = ledger_.Lock();
         Unload(h, c, k);
       }
-      return;
+      return staged;
     }
   }
+  return staged;
 }
 
 void GraphMode::FillInvalid(Channel& c, int i) {
@@ -1307,7 +1313,7 @@ bool GraphMode::ServiceReloadK(Channel& c) {
     // name the forward's last offloads): a device-to-device copy then, not a wait for their D2H and an
     // H2D. XLA's stream waits in this round until go, written on gfix_ behind the copy, so no round
     // refills that cell before the copy has read it.
-    Cell* from = src.resident ? nullptr : CellHolding(a, c.cell_size);
+    Cell* from = src.resident ? nullptr : CellHolding(a, c.cell_size, c.stream);
     if (from) {
       src = Source();
       src.resident = from->addr;  // complete: XLA's stream ran the round that filled it
@@ -1318,13 +1324,16 @@ bool GraphMode::ServiceReloadK(Channel& c) {
     WatchLentRead(src, a, cell.event);
     if (from) {
       from->read_into = &cell;  // its pages stay until cell j's copy has ended
-      ++stats_.cell_reads;
+      if (st.ok()) ++stats_.cell_reads;
     }
     if (!st.ok()) {
       ledger_.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
       FillInvalid(c, j);
-    } else {
-      StageHeldGuesses(c, j);
+    } else if (StageHeldGuesses(c, j)) {
+      // go must follow the staged copies too (they read offload cells that XLA's stream may refill once
+      // it goes on): cell j's event again, behind them, so that Grant writes go on gfix_.
+      st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
+      if (!st.ok()) d.StreamSynchronize(gfix_);  // then go may be written at once
     }
     Grant(&w.go, c, j, go);
   }

@@ -138,12 +138,14 @@ class GraphMode {
   void WatchLentRead(const Source& src, const std::shared_ptr<Ticket>& t, CUevent ev);
   bool ReleaseLentReads();  // watched copies that have ended
   void PrefetchInto(Channel& c);    // the next predictions into the channel's idle reload cells
-  // A small offload call site's cell that still holds t's bytes (Cell::holds: no later round refilled it,
-  // its pages stayed), if any. Only while XLA's stream waits for a reload's go may it be read.
-  Cell* CellHolding(const std::shared_ptr<Ticket>& t, size_t cell_size);
+  // A small offload call site's cell, of a site whose rounds run on `stream`, that still holds t's bytes
+  // (Cell::holds: no later round refilled it, its pages stayed), if any. Only while XLA's stream waits
+  // for a reload's go may it be read.
+  Cell* CellHolding(const std::shared_ptr<Ticket>& t, size_t cell_size, CUstream stream);
   // Reload channel c, whose round in cell `busy` waits for go: its other idle, empty cells take the next
-  // guesses whose bytes are still in offload cells, copied device to device on gfix_ before that go.
-  void StageHeldGuesses(Channel& c, int busy);
+  // guesses whose bytes are still in offload cells, copied device to device on gfix_; true when a copy
+  // was enqueued (go must then follow it on gfix_).
+  bool StageHeldGuesses(Channel& c, int busy);
   void FillInvalid(Channel& c, int i);  // 0xFF into cell i, ordered after every copy into it
   bool ReapOffloads();              // graph-mode D2H copies that finished: their tickets are on the host
   // Pages for cell i within the staging budget; false: not now. `evict` when a round (or a capture)
