@@ -472,7 +472,6 @@ void GraphMode::PrefetchInto(Channel& c) {
   // (the next predictions, each claimed by the channel so the next cell gets the one after), so their
   // grants need no copy on the device's path. Cells other than the one just freed are mapped only
   // within the budget as it is (no other channel's cell is returned for a guess).
-  const DriverTable& d = Driver(backend_);
   // Only a ticket whose bytes can be copied without waiting on XLA's streams: a graph round's (its D2H
   // on gd2h_ only follows its own round), or a ring-path one whose D2H already finished. A ring-path
   // D2H waits for an event of XLA's stream; a ticket offloaded *after* this channel's next round (the
@@ -502,32 +501,38 @@ void GraphMode::PrefetchInto(Channel& c) {
       cell.loaded = t;
       src = RoundSourceOf(*t);
     }
-    Status st = transfers_.CopyTicket(gh2d_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), "reload prefetch (graph)");
-    bool armed = false;
-    if (st.ok() && recorder_.use_kernels()) {
-      // The device's grant: grant[i] names the token only once its bytes are in the cell (stream
-      // order, and the write's default memory barrier makes the copy visible first).
-      st = WriteDeviceWord(backend_, gh2d_, c.Grant(i), cell.loaded->token, "reload prefetch (graph)");
-      armed = st.ok();
-    }
-    if (st.ok()) st = Call(-1, "reload prefetch (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gh2d_); });
-    cell.stream = gh2d_;
-    WatchLentRead(src, cell.loaded, cell.event);
-    if (armed) {
-      cell.round = Channel::Round::kArmed;
-      cell.host_grant = false;
-      cell.grant_stream = gh2d_;
-    }
-    if (!st.ok()) {
-      d.StreamSynchronize(gh2d_);
-      cell.stream = nullptr;  // nothing runs on the cell any more
-      if (!armed) {
-        Held h = ledger_.Lock();
-        Unload(h, c, i);  // a hint: the request copies what it needs
-      }
-      return;
-    }
+    if (!LoadGuess(c, i, src, gh2d_, "reload prefetch (graph)")) return;
   }
+}
+
+bool GraphMode::LoadGuess(Channel& c, int i, const Source& src, CUstream s, const char* stage, bool* copied) {
+  const DriverTable& d = Driver(backend_);
+  Cell& cell = c.cells[i];
+  Status st = transfers_.CopyTicket(s, src, cell.addr, c.meta.nbytes, round_host_.bounce(), stage);
+  if (copied) *copied = st.ok();
+  bool armed = false;
+  if (st.ok() && recorder_.use_kernels()) {
+    // The device's grant: grant[i] names the token only once its bytes are in the cell (stream
+    // order, and the write's default memory barrier makes the copy visible first).
+    st = WriteDeviceWord(backend_, s, c.Grant(i), cell.loaded->token, stage);
+    armed = st.ok();
+  }
+  if (st.ok()) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(cell.event, s); });
+  cell.stream = s;
+  WatchLentRead(src, cell.loaded, cell.event);
+  if (armed) {
+    cell.round = Channel::Round::kArmed;
+    cell.host_grant = false;
+    cell.grant_stream = s;  // a revoke runs behind the grant's write
+  }
+  if (st.ok()) return true;
+  d.StreamSynchronize(s);
+  cell.stream = nullptr;  // nothing runs on the cell any more
+  if (!armed) {
+    Held h = ledger_.Lock();
+    Unload(h, c, i);  // a hint: the request copies what it needs
+  }
+  return false;
 }
 
 Cell* GraphMode::CellHolding(const std::shared_ptr<Ticket>& t, size_t cell_size, CUstream stream) {
@@ -553,8 +558,6 @@ bool GraphMode::StageHeldGuesses(Channel& c, int busy) {
   // ahead of the waiting round's go (the backward's second reload then finds its bytes at once instead
   // of waiting for the prefetch its first reload's end starts). A guess that is not on the device is
   // left to PrefetchInto.
-  const DriverTable& d = Driver(backend_);
-  const char* stage = "reload guess (graph)";
   bool staged = false;
   for (int k = 0; k < c.ncells; ++k) {
     Cell& cell = c.cells[k];
@@ -582,27 +585,12 @@ bool GraphMode::StageHeldGuesses(Channel& c, int busy) {
     }
     Source src;
     src.resident = from->addr;
-    Status st = transfers_.CopyTicket(gfix_, src, cell.addr, c.meta.nbytes, round_host_.bounce(), stage);
-    staged = true;  // (a copy may have been enqueued even when st says otherwise)
-    if (st.ok()) ++stats_.cell_reads;
-    const bool armed = st.ok() && (st = WriteDeviceWord(backend_, gfix_, c.Grant(k), t->token, stage)).ok();
-    if (armed) st = Call(-1, stage, Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
-    cell.stream = gfix_;
+    staged = true;  // (a copy may have been enqueued even when it failed)
     from->read_into = &cell;
-    if (armed) {
-      cell.round = Channel::Round::kArmed;
-      cell.host_grant = false;
-      cell.grant_stream = gfix_;  // a revoke runs behind the grant's write
-    }
-    if (!st.ok()) {
-      d.StreamSynchronize(gfix_);
-      cell.stream = nullptr;  // nothing runs on the cell any more
-      if (!armed) {
-        Held h = ledger_.Lock();
-        Unload(h, c, k);
-      }
-      return staged;
-    }
+    bool copied = false;
+    const bool ok = LoadGuess(c, k, src, gfix_, "reload guess (graph)", &copied);
+    if (copied) ++stats_.cell_reads;
+    if (!ok) return staged;
   }
   return staged;
 }

@@ -138,6 +138,10 @@ class GraphMode {
   void WatchLentRead(const Source& src, const std::shared_ptr<Ticket>& t, CUevent ev);
   bool ReleaseLentReads();  // watched copies that have ended
   void PrefetchInto(Channel& c);    // the next predictions into the channel's idle reload cells
+  // Reload cell i's guess (cell.loaded, claimed and pinned) from `src` on `s`: the copy, its grant
+  // (kernel grants) and the cell's event behind them. False on failure: `s` synchronized, the guess
+  // unloaded unless its grant is out. *copied: the copy was enqueued.
+  bool LoadGuess(Channel& c, int i, const Source& src, CUstream s, const char* stage, bool* copied = nullptr);
   // A small offload call site's cell, of a site whose rounds run on `stream`, that still holds t's bytes
   // (Cell::holds: no later round refilled it, its pages stayed), if any. Only while XLA's stream waits
   // for a reload's go may it be read.
