@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cstdlib>
+#include <string>
 
 #include "graph_words.h"
 
@@ -32,5 +35,21 @@ void EngineConfig::SetGraphHold(GraphHold h) { g_graph_hold.store(static_cast<in
 EngineConfig::GraphHold EngineConfig::GraphHoldPolicy() { return static_cast<GraphHold>(g_graph_hold.load()); }
 void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
 size_t EngineConfig::CopyChunk() { return g_copy_chunk.load(); }
+
+bool EngineConfig::XlaKeepsCommandOrder() {
+  const char* env = std::getenv("XLA_FLAGS");
+  if (!env) return true;
+  std::string flags(env);
+  for (char& ch : flags) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  // The last setting wins, as in XLA's parser (-- or -, `=` and the value, possibly quoted).
+  const std::string key = "xla_gpu_command_buffer_scheduling_mode=";
+  bool in_order = true;
+  for (size_t at = flags.find(key); at != std::string::npos; at = flags.find(key, at + key.size())) {
+    size_t v = at + key.size();
+    while (v < flags.size() && (flags[v] == '"' || flags[v] == '\'')) ++v;
+    in_order = flags.compare(v, 10, "concurrent") != 0;
+  }
+  return in_order;
+}
 
 }  // namespace jaxvmm

@@ -45,6 +45,11 @@ struct EngineConfig {
   // D2D snapshots) interleave with a large one instead of queueing behind all of it. Default 64 MiB.
   static void SetCopyChunk(size_t bytes);
   static size_t CopyChunk();
+  // Whether XLA runs the commands of a command buffer in the order it recorded them: not when XLA_FLAGS
+  // sets --xla_gpu_command_buffer_scheduling_mode=CONCURRENT (commands with no data between them are
+  // then parallel branches of one graph; LHS, the default, and SERIALIZE keep the order). Reads the
+  // environment, as XLA does when its backend starts; the engine asks once, when it is made.
+  static bool XlaKeepsCommandOrder();
 };
 
 }  // namespace jaxvmm

@@ -56,8 +56,9 @@ constexpr auto kSpin = std::chrono::milliseconds(50);
 
 GraphMode::GraphMode(Backend b, int device, Ledger& ledger, HostStore& host, StagingArea& staging, Transfers& transfers,
                      GraphKernels& kernels)
-    : backend_(b), device_(device), ledger_(ledger), host_store_(host), staging_(staging), transfers_(transfers),
-      channels_(b, device), round_host_(b, device, host), kernels_(kernels), recorder_(b, device, kernels) {}
+    : backend_(b), xla_in_order_(EngineConfig::XlaKeepsCommandOrder()), device_(device), ledger_(ledger),
+      host_store_(host), staging_(staging), transfers_(transfers), channels_(b, device), round_host_(b, device, host),
+      kernels_(kernels), recorder_(b, device, kernels) {}
 
 Status GraphMode::Init() {
   const DriverTable& d = Driver(backend_);
@@ -539,7 +540,10 @@ Cell* GraphMode::CellHolding(const std::shared_ptr<Ticket>& t, size_t cell_size,
   // Caller holds mu_. Small call sites only (no spares, no page trades): their cells' bytes change only
   // when a round fills them or their pages go, both of which clear or replace `holds`. And only call
   // sites whose rounds run on `stream` (XLA's, where the waiting round is): their next round cannot
-  // start before that round's go.
+  // start before that round's go. That is stream order, which XLA does not keep under CONCURRENT
+  // command-buffer scheduling (an offload round with no data from the waiting reload may run beside
+  // it and refill the cell): then no offload cell is read.
+  if (!xla_in_order_) return nullptr;
   Cell* found = nullptr;
   channels_.ForEach([&](Channel& o) {
     if (found || o.kind != ChannelKind::kOffload || o.cell_size != cell_size || !o.spares.empty() || o.trades) return;

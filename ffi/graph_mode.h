@@ -200,6 +200,9 @@ class GraphMode {
   bool Idle();                      // no round in progress, no D2H outstanding
 
   const Backend backend_;
+  // XLA keeps the order of recorded commands (EngineConfig::XlaKeepsCommandOrder, when the engine was
+  // made): only then may a waiting reload read another call site's offload cell (CellHolding).
+  const bool xla_in_order_;
   const int device_;
   Ledger& ledger_;
   HostStore& host_store_;

@@ -781,6 +781,9 @@ NB_MODULE(_jaxvmm, m) {
     if (k > 0) EngineConfig::SetGraphCells(k);
     return EngineConfig::GraphCells();
   });
+  // Whether XLA keeps the order of recorded commands, as XLA_FLAGS says now (an engine asks once, when
+  // it is made: graph mode reads another call site's offload cell only then).
+  m.def("xla_keeps_command_order", [] { return EngineConfig::XlaKeepsCommandOrder(); });
   // Graph-mode rounds recorded from now on as one fused kernel (1), separate nodes (0); -1 leaves it.
   // Returns the value in force.
   m.def("graph_fused", [](int on) {

@@ -9,6 +9,7 @@ import pytest
 
 import jaxvmm
 from jaxvmm import _config
+from jaxvmm._native import lib
 
 from conftest import run_in_subprocess
 
@@ -195,3 +196,25 @@ def test_configure_graph_cells_round_trips():
             assert jaxvmm.configure()["graph_cells"] == k
     finally:
         jaxvmm.configure(graph_cells=before)
+
+
+@pytest.mark.parametrize("flags, in_order", [
+    (None, True),
+    ("", True),
+    ("--xla_gpu_enable_command_buffer=+WHILE", True),
+    ("--xla_gpu_command_buffer_scheduling_mode=LHS", True),
+    ("--xla_gpu_command_buffer_scheduling_mode=SERIALIZE", True),
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", False),
+    ("--xla_gpu_graph_min_graph_size=1 -xla_gpu_command_buffer_scheduling_mode='concurrent'", False),
+    ('--xla_gpu_command_buffer_scheduling_mode="CONCURRENT" --xla_gpu_command_buffer_scheduling_mode=LHS', True),
+    ("--xla_gpu_command_buffer_scheduling_mode=LHS --xla_gpu_command_buffer_scheduling_mode=CONCURRENT", False),
+])
+def test_the_engine_reads_xla_s_command_buffer_scheduling_mode_from_xla_flags(monkeypatch, flags, in_order):
+    """Graph mode reads another call site's offload cell only where XLA runs recorded commands in order
+    (tests/test_graph.py, test_an_offload_round_beside_a_waiting_reload_...): XLA_FLAGS as XLA parses it,
+    the last setting winning."""
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    assert lib.xla_keeps_command_order() is in_order

@@ -1687,6 +1687,89 @@ def test_a_reload_s_go_follows_the_guesses_staged_from_offload_cells():
     _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_POSIX_DTOD_US=50000)
 
 
+def test_an_offload_round_beside_a_waiting_reload_never_refills_the_cell_it_reads():
+    """A reload round that waits for the poller reads the offload cell that still holds its ticket device
+    to device. That relied on stream order (the offload call site's next round could not start before
+    the waiting round's go), which XLA does not keep under
+    `--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`: an offload and a reload with no data between
+    them are parallel branches of one graph. Here the same offload call site runs on a second stream
+    while the reload waits, 10 ms into a 50 ms device-to-device copy: it took the cell's armed grant
+    and refilled it, and the reload returned the new round's bytes with no error (every iteration).
+    The engine now reads XLA_FLAGS as XLA does: under CONCURRENT scheduling no offload cell is read (the
+    reload's bytes come from the host), and every reload is bit-exact. (Revoking the cell's grant before
+    the read, tried first, made the poller wait for a kernel while a round waited for it: under
+    CONCURRENT on the H200 that wait hung in 3 of about 50 runs.)"""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+        import time
+        jaxvmm.configure(staging_idle_ms=600000)
+        st = lambda: lib.engine_stats("posix", 0)
+        x2, tok2 = mk(N), mk(8)
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            with r.capture() as fwd2:  # the same call site, another branch's buffers
+                r.offload(1 << 41, x2.address, N, tok2.address)
+            s2 = lib.replay_stream_create("posix", 0)
+            for it in range(3):
+                b = it * 10
+                toks = offload_replays(r, fwd, b, 2)
+                time.sleep(0.05)  # their D2Hs are done, both cells armed again
+                tok.write(np.frombuffer(toks[0], np.uint8)); r.launch(bwd[0])  # a miss: waits for go
+                time.sleep(0.01)
+                x2.write(np.full(N, 99, np.uint8)); lib.replay_launch("posix", 0, fwd2[0], s2)
+                lib.replay_stream_sync("posix", 0, s2); r.synchronize()
+                got = np.unique(np.frombuffer(bytes(y.read()), np.uint8))
+                assert list(got) == [b], (it, b, got)
+                for t, v in ((bytes(tok2.read()), 99), (toks[1], b + 1)):
+                    reload_replay(r, bwd, t, v)
+            jaxvmm.synchronize()
+            s = st()
+            assert s["errors"] == 0 and s["graph_offload_cell_reads"] == 0, s
+            lib.replay_stream_destroy("posix", 0, s2)
+        jaxvmm.collect()
+        jaxvmm.synchronize()
+        assert st()["tickets_live"] == 0, st()
+        print("OK")
+    ''')
+    _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_POSIX_DTOD_US=50000,
+                     XLA_FLAGS="--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
+
+
+@pytest.mark.parametrize("cells,spares", [(1, 0), (1, 2), (2, 1)])
+def test_an_offload_round_beside_a_waiting_reload_of_a_large_call_site_is_bit_exact(cells, spares):
+    """The interleaving above on call sites of 40 MiB arrays (held cells, page trades, lent spares),
+    without XLA_FLAGS: their cells' readers are counted and a held cell is not armed until its next
+    round knocks, so the offload replay on a second stream while the reload waits for go (a 50 ms
+    device-to-device copy, a link of 30 ms per copy) leaves every reload bit-exact."""
+    code = _LARGE_PRELUDE + textwrap.dedent('''
+        import time
+        x2, tok2 = mk(N), mk(8)
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            with r.capture() as fwd2:
+                r.offload(1 << 41, x2.address, N, tok2.address)
+            s2 = lib.replay_stream_create("posix", 0)
+            for it in range(3):
+                b = it * 10
+                toks = offload_replays(r, fwd, b, 2)
+                time.sleep(0.05)
+                tok.write(np.frombuffer(toks[1], np.uint8)); r.launch(bwd[0])
+                time.sleep(0.01)
+                x2.write(np.full(N, 99, np.uint8)); lib.replay_launch("posix", 0, fwd2[0], s2)
+                lib.replay_stream_sync("posix", 0, s2); r.synchronize()
+                got = np.unique(np.frombuffer(bytes(y.read()), np.uint8))
+                assert list(got) == [b + 1], (it, b + 1, got)
+                for t, v in ((bytes(tok2.read()), 99), (toks[0], b)):
+                    reload_replay(r, bwd, t, v)
+            jaxvmm.synchronize()
+            s = st()
+            assert s["errors"] == 0 and s["graph_lent_reads"] + s["graph_trades"] > 0, s  # read on the device
+            lib.replay_stream_destroy("posix", 0, s2)
+        jaxvmm.collect()
+        print("OK")
+    ''')
+    _run_with_spares(code, cells=cells, spares=spares, link_us=30000, JAXVMM_POSIX_DTOD_US=50000)
+
+
 @pytest.mark.parametrize("link_us", [0, 60000])
 def test_large_call_sites_with_spares_hold_lend_and_trade_bit_exactly(link_us):
     """Spares, held cells and page trades together on large call sites (one cell each, two spares): a

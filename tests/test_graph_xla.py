@@ -98,6 +98,11 @@ MODES = {
     "while_unrolled": "--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true "
                       "--xla_gpu_graph_min_graph_size=1",
     "skip_temp": "--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_update_mode=SKIP_TEMP",
+    # Commands with no data between them become parallel branches of one graph (XLA's default, LHS,
+    # keeps the execution order): jaxvmm's rounds must not rely on stream order.
+    "concurrent": "--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
+    "while_concurrent": "--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_graph_min_graph_size=1 "
+                        "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
 }
 
 
@@ -131,6 +136,62 @@ def test_train_steps_bit_exact_in_every_command_buffer_mode(mode):
         # XLA captured the calls and replayed them: far more rounds than recordings.
         assert s["graph_captures"] > 0, s
         assert s["graph_offload_rounds"] + s["graph_reload_rounds"] > 2 * s["graph_captures"], s
+
+
+# A pipelined scan: each iteration reloads the array the previous one offloaded and offloads a new one,
+# with no data between the two calls, so XLA may run them side by side (CONCURRENT scheduling makes
+# them parallel branches of the iteration's graph). A reload whose ticket no reload cell guessed reads
+# the offload cell that still holds it where XLA keeps the recorded order (the offload call site's next
+# round cannot refill that cell meanwhile), and not under CONCURRENT scheduling. The outputs must equal
+# the same program with the identity for offload and reload.
+PIPELINE = textwrap.dedent("""
+    import json, jax, jax.numpy as jnp, numpy as np, jaxvmm
+    L, B, D, STEPS = 32, 256, 512, 4
+
+    def run(vmm):
+        off = jaxvmm.offload if vmm else (lambda a: a)
+        rel = jaxvmm.reload if vmm else (lambda t: t)
+
+        @jax.jit
+        def f(xs):
+            def body(c, x):
+                t_prev, acc = c
+                y = rel(t_prev)
+                t = off(x * 2.0 + acc)
+                return (t, acc + y), None
+            (t, acc), _ = jax.lax.scan(body, (off(xs[0] * 2.0), jnp.zeros_like(xs[0])), xs[1:])
+            return acc + rel(t)
+
+        return [np.asarray(f(jax.random.normal(jax.random.key(s), (L, B, D), jnp.float32))) for s in range(STEPS)]
+
+    ref = run(False)
+    before = jaxvmm.engine_stats().get("cuda:0", {})
+    got = run(True)
+    jaxvmm.synchronize()
+    jaxvmm.check()
+    s = jaxvmm.engine_stats()["cuda:0"]
+    print("RESULT", json.dumps(dict(
+        equal=[bool(np.array_equal(a, b)) for a, b in zip(ref, got)],
+        stats={k: v - before.get(k, 0) for k, v in s.items() if isinstance(v, int)}, tickets_live=s["tickets_live"])))
+""")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_pipelined_scan_of_reloads_beside_offloads_is_bit_exact(mode):
+    r = _result(PIPELINE, mode, 180)
+    s = r["stats"]
+    print(mode, {k: s[k] for k in ("graph_captures", "graph_offload_rounds", "graph_reload_rounds", "graph_misses",
+                                   "graph_offload_cell_reads")})
+    assert all(r["equal"]), r
+    assert r["tickets_live"] == 0, r
+    if mode not in ("off", "default"):
+        assert s["graph_captures"] > 0 and s["graph_offload_rounds"] >= 31, s
+        # Misses read the offload cell device to device where XLA keeps the recorded order, and never
+        # under CONCURRENT scheduling (the engine reads XLA_FLAGS).
+        if "concurrent" in mode:
+            assert s["graph_offload_cell_reads"] == 0, s
+        else:
+            assert s["graph_offload_cell_reads"] > 0, s
 
 
 # A 32-iteration layer scan trained under jaxvmm.checkpoint with K = 2 cells per channel: bit-exact

@@ -17,7 +17,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
-KEYS = ("graph_grants_host", "graph_misses", "graph_offload_rounds", "graph_reload_rounds", "graph_revokes")
+KEYS = ("graph_grants_host", "graph_misses", "graph_offload_rounds", "graph_reload_rounds", "graph_revokes",
+        "graph_offload_cell_reads")
 
 
 def device_stats(jaxvmm) -> dict:
