@@ -4,7 +4,12 @@
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "graph_words.h"
 
@@ -36,18 +41,68 @@ EngineConfig::GraphHold EngineConfig::GraphHoldPolicy() { return static_cast<Gra
 void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
 size_t EngineConfig::CopyChunk() { return g_copy_chunk.load(); }
 
-bool EngineConfig::XlaKeepsCommandOrder() {
+namespace {
+
+// XLA_FLAGS as XLA reads it: the value itself when it starts with '-' (after blanks), else the file it
+// names. Flags are blank-separated `--name` or `--name=value`, a value possibly in double quotes
+// (backslash escapes) or single quotes; parsing stops at the first token that is not a flag.
+std::vector<std::pair<std::string, std::optional<std::string>>> XlaFlags() {
+  std::vector<std::pair<std::string, std::optional<std::string>>> out;
   const char* env = std::getenv("XLA_FLAGS");
-  if (!env) return true;
-  std::string flags(env);
-  for (char& ch : flags) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  // The last setting wins, as in XLA's parser (-- or -, `=` and the value, possibly quoted).
-  const std::string key = "xla_gpu_command_buffer_scheduling_mode=";
+  if (!env) return out;
+  std::string text(env);
+  constexpr const char* kBlank = " \t\r\n";
+  const size_t first = text.find_first_not_of(kBlank);
+  if (first == std::string::npos) return out;
+  if (text[first] != '-') {
+    std::ifstream file(text);
+    if (!file) return out;  // XLA stops the process over it
+    text.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  }
+  size_t i = text.find_first_not_of(kBlank);
+  while (i != std::string::npos && text[i] == '-') {
+    size_t e = i;
+    while (e < text.size() && (text[e] == '-' || text[e] == '_' || std::isalnum(static_cast<unsigned char>(text[e])))) ++e;
+    std::string name = text.substr(i, e - i);
+    std::optional<std::string> value;
+    if (e < text.size() && text[e] == '=') {
+      ++e;
+      if (e < text.size() && (text[e] == '"' || text[e] == '\'')) {
+        const char quote = text[e++];
+        value.emplace();
+        for (; e < text.size() && text[e] != quote; ++e) {
+          if (quote == '"' && text[e] == '\\' && e + 1 < text.size()) ++e;
+          value->push_back(text[e]);
+        }
+        if (e < text.size()) ++e;  // the closing quote
+      } else {
+        const size_t end = std::min(text.find_first_of(kBlank, e), text.size());
+        value = text.substr(e, end - e);
+        e = end;
+      }
+    } else {
+      e = std::min(text.find_first_of(kBlank, e), text.size());
+    }
+    if (name.rfind("--", 0) == 0) out.emplace_back(name.substr(2), std::move(value));
+    i = text.find_first_not_of(kBlank, e);
+  }
+  return out;
+}
+
+}  // namespace
+
+bool EngineConfig::XlaKeepsCommandOrder() {
+  // The last setting that XLA takes wins: the mode's names (case as XLA spells them; XLA ignores any
+  // other value), and the deprecated boolean that sets CONCURRENT (true) or SERIALIZE (false).
   bool in_order = true;
-  for (size_t at = flags.find(key); at != std::string::npos; at = flags.find(key, at + key.size())) {
-    size_t v = at + key.size();
-    while (v < flags.size() && (flags[v] == '"' || flags[v] == '\'')) ++v;
-    in_order = flags.compare(v, 10, "concurrent") != 0;
+  for (const auto& [name, value] : XlaFlags()) {
+    if (name == "xla_gpu_command_buffer_scheduling_mode" && value) {
+      if (*value == "CONCURRENT") in_order = false;
+      else if (*value == "LHS" || *value == "SERIALIZE") in_order = true;
+    } else if (name == "xla_gpu_graph_enable_concurrent_region") {
+      if (!value || *value == "true" || *value == "1") in_order = false;
+      else if (*value == "false" || *value == "0") in_order = true;
+    }
   }
   return in_order;
 }

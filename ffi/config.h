@@ -46,9 +46,11 @@ struct EngineConfig {
   static void SetCopyChunk(size_t bytes);
   static size_t CopyChunk();
   // Whether XLA runs the commands of a command buffer in the order it recorded them: not when XLA_FLAGS
-  // sets --xla_gpu_command_buffer_scheduling_mode=CONCURRENT (commands with no data between them are
-  // then parallel branches of one graph; LHS, the default, and SERIALIZE keep the order). Reads the
-  // environment, as XLA does when its backend starts; the engine asks once, when it is made.
+  // sets --xla_gpu_command_buffer_scheduling_mode=CONCURRENT, or the deprecated
+  // --xla_gpu_graph_enable_concurrent_region (commands with no data between them are then parallel
+  // branches of one graph; LHS, the default, and SERIALIZE keep the order). Parses XLA_FLAGS (or the
+  // file it names) as XLA does when its backend starts, the last setting winning; the engine asks once,
+  // when it is made. A mode set per program through compiler options is not seen.
   static bool XlaKeepsCommandOrder();
 };
 

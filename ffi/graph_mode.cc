@@ -1304,7 +1304,7 @@ bool GraphMode::ServiceReloadK(Channel& c) {
     // The bytes may still be in the offload cell the round left them in (the backward's first reloads
     // name the forward's last offloads): a device-to-device copy then, not a wait for their D2H and an
     // H2D. XLA's stream waits in this round until go, written on gfix_ behind the copy, so no round
-    // refills that cell before the copy has read it.
+    // refills that cell before the copy has read it (where XLA keeps the recorded order: CellHolding).
     Cell* from = src.resident ? nullptr : CellHolding(a, c.cell_size, c.stream);
     if (from) {
       src = Source();
@@ -1323,7 +1323,8 @@ bool GraphMode::ServiceReloadK(Channel& c) {
       FillInvalid(c, j);
     } else if (StageHeldGuesses(c, j)) {
       // go must follow the staged copies too (they read offload cells that XLA's stream may refill once
-      // it goes on): cell j's event again, behind them, so that Grant writes go on gfix_.
+      // it goes on; CellHolding found them only where XLA keeps the recorded order): cell j's event
+      // again, behind them, so that Grant writes go on gfix_.
       st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, gfix_); });
       if (!st.ok()) d.StreamSynchronize(gfix_);  // then go may be written at once
     }

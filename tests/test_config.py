@@ -205,16 +205,31 @@ def test_configure_graph_cells_round_trips():
     ("--xla_gpu_command_buffer_scheduling_mode=LHS", True),
     ("--xla_gpu_command_buffer_scheduling_mode=SERIALIZE", True),
     ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", False),
-    ("--xla_gpu_graph_min_graph_size=1 -xla_gpu_command_buffer_scheduling_mode='concurrent'", False),
+    ("  --xla_gpu_graph_min_graph_size=1\t--xla_gpu_command_buffer_scheduling_mode='CONCURRENT'", False),
+    ('--xla_gpu_command_buffer_scheduling_mode="CONC\\URRENT"', False),  # a backslash escape in double quotes
     ('--xla_gpu_command_buffer_scheduling_mode="CONCURRENT" --xla_gpu_command_buffer_scheduling_mode=LHS', True),
     ("--xla_gpu_command_buffer_scheduling_mode=LHS --xla_gpu_command_buffer_scheduling_mode=CONCURRENT", False),
+    # XLA spells its values in capitals and ignores others: the CONCURRENT before stands.
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT --xla_gpu_command_buffer_scheduling_mode=lhs", False),
+    ("--xla_gpu_command_buffer_scheduling_mode=concurrent", True),
+    # The deprecated boolean sets CONCURRENT (true) or SERIALIZE (false).
+    ("--xla_gpu_graph_enable_concurrent_region", False),
+    ("--xla_gpu_graph_enable_concurrent_region=true", False),
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT --xla_gpu_graph_enable_concurrent_region=false", True),
+    # XLA stops at the first token that is not a flag.
+    ("--xla_gpu_graph_min_graph_size=1 stop --xla_gpu_command_buffer_scheduling_mode=CONCURRENT", True),
+    ("FILE", False),  # a value that does not start with '-' names a file of flags
 ])
-def test_the_engine_reads_xla_s_command_buffer_scheduling_mode_from_xla_flags(monkeypatch, flags, in_order):
+def test_the_engine_reads_xla_s_command_buffer_scheduling_mode_from_xla_flags(monkeypatch, tmp_path, flags, in_order):
     """Graph mode reads another call site's offload cell only where XLA runs recorded commands in order
-    (tests/test_graph.py, test_an_offload_round_beside_a_waiting_reload_...): XLA_FLAGS as XLA parses it,
-    the last setting winning."""
+    (tests/test_graph.py, test_an_offload_round_beside_a_waiting_reload_...): XLA_FLAGS parsed as XLA
+    parses it (ffi/config.cc), the last setting that XLA takes winning."""
     if flags is None:
         monkeypatch.delenv("XLA_FLAGS", raising=False)
+    elif flags == "FILE":
+        path = tmp_path / "xla_flags"
+        path.write_text("--xla_gpu_graph_min_graph_size=1\n--xla_gpu_command_buffer_scheduling_mode=CONCURRENT\n")
+        monkeypatch.setenv("XLA_FLAGS", str(path))
     else:
         monkeypatch.setenv("XLA_FLAGS", flags)
     assert lib.xla_keeps_command_order() is in_order

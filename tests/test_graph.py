@@ -1137,8 +1137,9 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
 
 def _run_with_spares(code: str, cells: int, spares: int, link_us: int, **env) -> None:
     """Runs `code` (it prints OK) with kernel grants, `cells` cells and `spares` spares per call site,
-    asynchronous posix streams and a link of `link_us` per pinned D2H or H2D."""
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(cells),
+    asynchronous posix streams and a link of `link_us` per pinned D2H or H2D (and no XLA_FLAGS of the
+    caller's: CONCURRENT scheduling there would turn off reads some of these tests count)."""
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(cells),
                                         "JAXVMM_GRAPH_SPARES": str(spares), "JAXVMM_POSIX_ASYNC": "1",
                                         "JAXVMM_POSIX_LINK_US": str(link_us), **{k: str(v) for k, v in env.items()}},
                              timeout=120)

@@ -103,6 +103,9 @@ MODES = {
     "concurrent": "--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
     "while_concurrent": "--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_graph_min_graph_size=1 "
                         "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
+    # Unrolled iterations in one graph: two rounds of one call site ordered only by XLA's buffer uses.
+    "while_unrolled_concurrent": "--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true "
+                                 "--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
 }
 
 
