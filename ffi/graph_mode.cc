@@ -1518,6 +1518,7 @@ GraphStats GraphMode::Stats() {
   s.fused_captures = r.fused_captures;
   s.bounce_copies = round_host_.copies();
   s.host_fallbacks = round_host_.fallbacks();
+  s.xla_in_order = xla_in_order_ ? 1 : 0;
   return s;
 }
 

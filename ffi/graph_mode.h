@@ -71,6 +71,9 @@ struct GraphStats {
   // Reload rounds that waited for the poller (and the guesses staged with them) whose ticket's bytes
   // were copied device to device out of the offload cell that still held them, not from the host.
   int64_t cell_reads = 0;
+  // 1 when XLA keeps the order of recorded commands (XLA_FLAGS, read when the engine was made), which
+  // those reads rely on; 0 under CONCURRENT scheduling: no offload cell is read.
+  int64_t xla_in_order = 1;
 };
 
 class GraphMode {

@@ -613,6 +613,7 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_holds"] = s.graph.holds;
     d["graph_trades"] = s.graph.trades;
     d["graph_offload_cell_reads"] = s.graph.cell_reads;
+    d["graph_xla_in_order"] = s.graph.xla_in_order;
     return d;
   });
   // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in

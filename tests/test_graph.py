@@ -1632,7 +1632,7 @@ def test_the_backward_s_first_reloads_read_small_offload_cells_device_to_device(
             reload_replay(r, bwd, toks[2], 12)
             took = time.monotonic() - t0
             s = st()
-            assert s["graph_offload_cell_reads"] == 2 and took < 0.45, (took, s)
+            assert s["graph_offload_cell_reads"] == 2 and took < 0.45 and s["graph_xla_in_order"] == 1, (took, s)
             for i in (1, 0):
                 reload_replay(r, bwd, toks[i], 10 + i)
             toks = offload_replays(r, fwd, 20, 4)
@@ -1724,7 +1724,7 @@ def test_an_offload_round_beside_a_waiting_reload_never_refills_the_cell_it_read
                     reload_replay(r, bwd, t, v)
             jaxvmm.synchronize()
             s = st()
-            assert s["errors"] == 0 and s["graph_offload_cell_reads"] == 0, s
+            assert s["errors"] == 0 and s["graph_offload_cell_reads"] == 0 and s["graph_xla_in_order"] == 0, s
             lib.replay_stream_destroy("posix", 0, s2)
         jaxvmm.collect()
         jaxvmm.synchronize()
