@@ -61,8 +61,9 @@ std::vector<std::pair<std::string, std::optional<std::string>>> XlaFlags() {
   }
   size_t i = text.find_first_not_of(kBlank);
   while (i != std::string::npos && text[i] == '-') {
+    auto name_char = [](char ch) { return ch == '-' || ch == '_' || std::isalnum(static_cast<unsigned char>(ch)); };
     size_t e = i;
-    while (e < text.size() && (text[e] == '-' || text[e] == '_' || std::isalnum(static_cast<unsigned char>(text[e])))) ++e;
+    while (e < text.size() && name_char(text[e])) ++e;
     std::string name = text.substr(i, e - i);
     std::optional<std::string> value;
     if (e < text.size() && text[e] == '=') {
