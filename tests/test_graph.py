@@ -1688,6 +1688,34 @@ def test_a_reload_s_go_follows_the_guesses_staged_from_offload_cells():
     _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_POSIX_DTOD_US=50000)
 
 
+# For the two tests below: three times, two offload replays, then a reload of the `miss`th of their
+# tickets that waits for the poller's go while the same offload call site runs on a second stream (an
+# offload with no data from that reload, as XLA's CONCURRENT scheduling may run it), 10 ms into a 50 ms
+# device-to-device copy; every reload after must be bit-exact.
+_BESIDE_A_WAITING_RELOAD = textwrap.dedent('''
+    import time
+    def beside_a_waiting_reload(r, fwd, bwd, miss):
+        x2, tok2 = mk(N), mk(8)
+        with r.capture() as fwd2:  # the same call site, another branch's buffers
+            r.offload(1 << 41, x2.address, N, tok2.address)
+        s2 = lib.replay_stream_create("posix", 0)
+        for it in range(3):
+            b = it * 10
+            toks = offload_replays(r, fwd, b, 2)
+            time.sleep(0.05)  # their D2Hs are done, the cells armed again (or held)
+            tok.write(np.frombuffer(toks[miss], np.uint8)); r.launch(bwd[0])  # a miss: waits for go
+            time.sleep(0.01)
+            x2.write(np.full(N, 99, np.uint8)); lib.replay_launch("posix", 0, fwd2[0], s2)
+            lib.replay_stream_sync("posix", 0, s2); r.synchronize()
+            got = np.unique(np.frombuffer(bytes(y.read()), np.uint8))
+            assert list(got) == [b + miss], (it, b + miss, got)
+            for t, v in ((bytes(tok2.read()), 99), (toks[1 - miss], b + 1 - miss)):
+                reload_replay(r, bwd, t, v)
+        jaxvmm.synchronize()
+        lib.replay_stream_destroy("posix", 0, s2)
+''')
+
+
 def test_an_offload_round_beside_a_waiting_reload_never_refills_the_cell_it_reads():
     """A reload round that waits for the poller reads the offload cell that still holds its ticket device
     to device. That relied on stream order (the offload call site's next round could not start before
@@ -1700,32 +1728,14 @@ def test_an_offload_round_beside_a_waiting_reload_never_refills_the_cell_it_read
     reload's bytes come from the host), and every reload is bit-exact. (Revoking the cell's grant before
     the read, tried first, made the poller wait for a kernel while a round waited for it: under
     CONCURRENT on the H200 that wait hung in 3 of about 50 runs.)"""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
-        import time
+    code = _ROUND_TRIP_PRELUDE + _BESIDE_A_WAITING_RELOAD + textwrap.dedent('''
         jaxvmm.configure(staging_idle_ms=600000)
         st = lambda: lib.engine_stats("posix", 0)
-        x2, tok2 = mk(N), mk(8)
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
-            with r.capture() as fwd2:  # the same call site, another branch's buffers
-                r.offload(1 << 41, x2.address, N, tok2.address)
-            s2 = lib.replay_stream_create("posix", 0)
-            for it in range(3):
-                b = it * 10
-                toks = offload_replays(r, fwd, b, 2)
-                time.sleep(0.05)  # their D2Hs are done, both cells armed again
-                tok.write(np.frombuffer(toks[0], np.uint8)); r.launch(bwd[0])  # a miss: waits for go
-                time.sleep(0.01)
-                x2.write(np.full(N, 99, np.uint8)); lib.replay_launch("posix", 0, fwd2[0], s2)
-                lib.replay_stream_sync("posix", 0, s2); r.synchronize()
-                got = np.unique(np.frombuffer(bytes(y.read()), np.uint8))
-                assert list(got) == [b], (it, b, got)
-                for t, v in ((bytes(tok2.read()), 99), (toks[1], b + 1)):
-                    reload_replay(r, bwd, t, v)
-            jaxvmm.synchronize()
+            beside_a_waiting_reload(r, fwd, bwd, miss=0)
             s = st()
             assert s["errors"] == 0 and s["graph_offload_cell_reads"] == 0 and s["graph_xla_in_order"] == 0, s
-            lib.replay_stream_destroy("posix", 0, s2)
         jaxvmm.collect()
         jaxvmm.synchronize()
         assert st()["tickets_live"] == 0, st()
@@ -1741,30 +1751,12 @@ def test_an_offload_round_beside_a_waiting_reload_of_a_large_call_site_is_bit_ex
     without XLA_FLAGS: their cells' readers are counted and a held cell is not armed until its next
     round knocks, so the offload replay on a second stream while the reload waits for go (a 50 ms
     device-to-device copy, a link of 30 ms per copy) leaves every reload bit-exact."""
-    code = _LARGE_PRELUDE + textwrap.dedent('''
-        import time
-        x2, tok2 = mk(N), mk(8)
+    code = _LARGE_PRELUDE + _BESIDE_A_WAITING_RELOAD + textwrap.dedent('''
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
-            with r.capture() as fwd2:
-                r.offload(1 << 41, x2.address, N, tok2.address)
-            s2 = lib.replay_stream_create("posix", 0)
-            for it in range(3):
-                b = it * 10
-                toks = offload_replays(r, fwd, b, 2)
-                time.sleep(0.05)
-                tok.write(np.frombuffer(toks[1], np.uint8)); r.launch(bwd[0])
-                time.sleep(0.01)
-                x2.write(np.full(N, 99, np.uint8)); lib.replay_launch("posix", 0, fwd2[0], s2)
-                lib.replay_stream_sync("posix", 0, s2); r.synchronize()
-                got = np.unique(np.frombuffer(bytes(y.read()), np.uint8))
-                assert list(got) == [b + 1], (it, b + 1, got)
-                for t, v in ((bytes(tok2.read()), 99), (toks[0], b)):
-                    reload_replay(r, bwd, t, v)
-            jaxvmm.synchronize()
+            beside_a_waiting_reload(r, fwd, bwd, miss=1)
             s = st()
             assert s["errors"] == 0 and s["graph_lent_reads"] + s["graph_trades"] > 0, s  # read on the device
-            lib.replay_stream_destroy("posix", 0, s2)
         jaxvmm.collect()
         print("OK")
     ''')
