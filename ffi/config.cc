@@ -59,9 +59,9 @@ std::vector<std::pair<std::string, std::optional<std::string>>> XlaFlags() {
     if (!file) return out;  // XLA stops the process over it
     text.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
   }
+  auto name_char = [](char ch) { return ch == '-' || ch == '_' || std::isalnum(static_cast<unsigned char>(ch)); };
   size_t i = text.find_first_not_of(kBlank);
   while (i != std::string::npos && text[i] == '-') {
-    auto name_char = [](char ch) { return ch == '-' || ch == '_' || std::isalnum(static_cast<unsigned char>(ch)); };
     size_t e = i;
     while (e < text.size() && name_char(text[e])) ++e;
     std::string name = text.substr(i, e - i);
