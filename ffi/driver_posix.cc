@@ -943,10 +943,26 @@ CUresult SpinUntil(F done) {
 // A channel's device words (graph_words.h, DeviceWords: the layout of `Cells` in graph_kernels.cu).
 Word* Grant(const uint64_t* a, uint64_t i) { return W(a[0] + offsetof(DeviceWords, grant) + sizeof(uint64_t) * i); }
 DeviceWords* Cells(const uint64_t* a) { return reinterpret_cast<DeviceWords*>(a[0]); }
-void Choose(DeviceWords* c, uint64_t i) {
-  // cell[i] changes when the poller lends an offload cell (a release store on garm_, before the grant
-  // this round took): read it as the atomic it is.
-  c->ptr = reinterpret_cast<std::atomic<uint64_t>*>(&c->cell[i])->load(std::memory_order_acquire);
+uint64_t CellAddress(DeviceWords* c, uint64_t i) {
+  // cell[i] changes when the poller lends an offload cell or trades a large call site's pages (a
+  // release store on garm_, before the grant that follows): read it as the atomic it is.
+  return reinterpret_cast<std::atomic<uint64_t>*>(&c->cell[i])->load(std::memory_order_acquire);
+}
+
+// The cells' addresses as the kernels load them before taking a grant (graph_kernels.cu, CellWords);
+// they use them only on a `stable` channel and read the address again after the take otherwise. Here
+// too, so that a channel marked stable whose address does change (a lend or a trade while its take
+// waits) copies into the old cell, as the device would.
+struct EarlyCells {
+  bool stable;
+  uint64_t cell[kMaxCells];
+  explicit EarlyCells(DeviceWords* c) : stable(c->stable != 0) {
+    for (uint64_t j = 0; j < kMaxCells; ++j) cell[j] = CellAddress(c, j);
+  }
+};
+
+void Choose(DeviceWords* c, uint64_t i, const EarlyCells& early) {
+  c->ptr = early.stable ? early.cell[i] : CellAddress(c, i);
   c->publish = c->flag[i];
 }
 
@@ -961,6 +977,7 @@ CUresult KTakeOffload(const uint64_t* a) {  // (Cells* cells, u32* token_out, u6
   DeviceWords* c = Cells(a);
   const uint64_t k = c->ncells, start = c->next;
   if (k == 0 || k > kMaxCells) return CUDA_ERROR_ILLEGAL_ADDRESS;  // the device would spin forever
+  const EarlyCells early(c);
   uint64_t t = 0, i = 0;
   auto scan = [&] {
     for (uint64_t j = 0; j < k && t == 0; ++j) {
@@ -976,7 +993,7 @@ CUresult KTakeOffload(const uint64_t* a) {  // (Cells* cells, u32* token_out, u6
     W(a[2])->store(0, std::memory_order_release);
   }
   c->next = (i + 1) % k;
-  Choose(c, i);
+  Choose(c, i, early);
   StoreToken(a[1], t);
   void (*hook)(void*) = nullptr;
   void* arg = nullptr;
@@ -995,11 +1012,12 @@ CUresult KTakeReload(const uint64_t* a) {  // (Cells* cells, u32* token_in, u64*
   const uint64_t t = uint64_t{in[0]} | (uint64_t{in[1]} << 32);
   const uint64_t k = c->ncells;
   if (k == 0 || k > kMaxCells) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  const EarlyCells early(c);
   if (t != 0)
     for (uint64_t i = 0; i < k; ++i) {
       uint64_t expect = t;
       if (Grant(a, i)->compare_exchange_strong(expect, 0)) {
-        Choose(c, i);
+        Choose(c, i, early);
         return CUDA_SUCCESS;
       }
     }
@@ -1010,7 +1028,7 @@ CUresult KTakeReload(const uint64_t* a) {  // (Cells* cells, u32* token_in, u64*
   if (r != CUDA_SUCCESS) return r;
   W(a[4])->store(0, std::memory_order_release);
   if (g > k) return CUDA_ERROR_ILLEGAL_ADDRESS;
-  Choose(c, g - 1);
+  Choose(c, g - 1, early);
   return CUDA_SUCCESS;
 }
 

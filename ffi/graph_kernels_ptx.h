@@ -17,158 +17,185 @@ inline constexpr const char kGraphKernelsPtx[] = R"ptx(
 	.param .u64 jaxvmm_take_offload_param_2
 )
 {
-	.reg .pred 	%p<24>;
+	.reg .pred 	%p<31>;
 	.reg .b32 	%r<16>;
-	.reg .b64 	%rd<78>;
+	.reg .b64 	%rd<93>;
 
-	ld.param.u64 	%rd37, [jaxvmm_take_offload_param_0];
-	ld.param.u64 	%rd36, [jaxvmm_take_offload_param_1];
-	ld.param.u64 	%rd38, [jaxvmm_take_offload_param_2];
-	cvta.to.global.u64 	%rd1, %rd38;
-	cvta.to.global.u64 	%rd2, %rd37;
-	add.s64 	%rd3, %rd2, 96;
-	ld.global.u64 	%rd4, [%rd2+96];
-	ld.global.u64 	%rd5, [%rd2+104];
-	shl.b64 	%rd39, %rd5, 3;
-	add.s64 	%rd40, %rd2, %rd39;
-	atom.global.exch.b64 	%rd68, [%rd40], 0;
-	setp.lt.u64 	%p6, %rd4, 2;
-	setp.eq.s64 	%p22, %rd68, 0;
-	setp.ne.s64 	%p7, %rd68, 0;
+	ld.param.u64 	%rd48, [jaxvmm_take_offload_param_0];
+	ld.param.u64 	%rd47, [jaxvmm_take_offload_param_1];
+	ld.param.u64 	%rd49, [jaxvmm_take_offload_param_2];
+	cvta.to.global.u64 	%rd1, %rd48;
+	ld.volatile.global.u64 	%rd2, [%rd1+96];
+	ld.volatile.global.u64 	%rd3, [%rd1+152];
+	ld.volatile.global.u64 	%rd4, [%rd1+32];
+	ld.volatile.global.u64 	%rd5, [%rd1+64];
+	ld.volatile.global.u64 	%rd6, [%rd1+40];
+	ld.volatile.global.u64 	%rd7, [%rd1+72];
+	ld.volatile.global.u64 	%rd8, [%rd1+48];
+	ld.volatile.global.u64 	%rd9, [%rd1+80];
+	ld.volatile.global.u64 	%rd10, [%rd1+56];
+	ld.volatile.global.u64 	%rd11, [%rd1+88];
+	cvta.to.global.u64 	%rd12, %rd49;
+	ld.volatile.global.u64 	%rd13, [%rd1+104];
+	shl.b64 	%rd50, %rd13, 3;
+	add.s64 	%rd51, %rd1, %rd50;
+	atom.global.exch.b64 	%rd82, [%rd51], 0;
+	setp.lt.u64 	%p6, %rd2, 2;
+	setp.eq.s64 	%p29, %rd82, 0;
+	setp.ne.s64 	%p7, %rd82, 0;
 	or.pred  	%p8, %p7, %p6;
-	mov.u64 	%rd73, %rd5;
+	mov.u64 	%rd87, %rd13;
 	@%p8 bra 	$L__BB0_8;
 
-	mov.u64 	%rd64, 1;
-	cvt.u32.u64 	%r3, %rd4;
+	mov.u64 	%rd78, 1;
+	cvt.u32.u64 	%r3, %rd2;
 
 $L__BB0_2:
-	add.s64 	%rd8, %rd64, %rd5;
-	or.b64  	%rd42, %rd8, %rd4;
-	and.b64  	%rd43, %rd42, -4294967296;
-	setp.eq.s64 	%p9, %rd43, 0;
+	add.s64 	%rd16, %rd78, %rd13;
+	or.b64  	%rd53, %rd16, %rd2;
+	and.b64  	%rd54, %rd53, -4294967296;
+	setp.eq.s64 	%p9, %rd54, 0;
 	@%p9 bra 	$L__BB0_4;
 
-	rem.u64 	%rd73, %rd8, %rd4;
+	rem.u64 	%rd87, %rd16, %rd2;
 	bra.uni 	$L__BB0_5;
 
 $L__BB0_4:
-	cvt.u32.u64 	%r4, %rd8;
+	cvt.u32.u64 	%r4, %rd16;
 	rem.u32 	%r5, %r4, %r3;
-	cvt.u64.u32 	%rd73, %r5;
+	cvt.u64.u32 	%rd87, %r5;
 
 $L__BB0_5:
-	shl.b64 	%rd45, %rd73, 3;
-	add.s64 	%rd12, %rd2, %rd45;
-	mov.u64 	%rd68, 0;
-	ld.volatile.global.u64 	%rd46, [%rd12];
-	setp.eq.s64 	%p10, %rd46, 0;
+	shl.b64 	%rd56, %rd87, 3;
+	add.s64 	%rd20, %rd1, %rd56;
+	mov.u64 	%rd82, 0;
+	ld.volatile.global.u64 	%rd57, [%rd20];
+	setp.eq.s64 	%p10, %rd57, 0;
 	@%p10 bra 	$L__BB0_7;
 
-	atom.global.exch.b64 	%rd68, [%rd12], 0;
+	atom.global.exch.b64 	%rd82, [%rd20], 0;
 
 $L__BB0_7:
-	add.s64 	%rd64, %rd64, 1;
-	setp.lt.u64 	%p11, %rd64, %rd4;
-	setp.eq.s64 	%p22, %rd68, 0;
-	and.pred  	%p12, %p22, %p11;
+	add.s64 	%rd78, %rd78, 1;
+	setp.lt.u64 	%p11, %rd78, %rd2;
+	setp.eq.s64 	%p29, %rd82, 0;
+	and.pred  	%p12, %p29, %p11;
 	@%p12 bra 	$L__BB0_2;
 
 $L__BB0_8:
-	not.pred 	%p13, %p22;
+	not.pred 	%p13, %p29;
 	@%p13 bra 	$L__BB0_20;
 
-	mov.u64 	%rd47, 1;
-	st.volatile.global.u64 	[%rd1], %rd47;
+	mov.u64 	%rd58, 1;
+	st.volatile.global.u64 	[%rd12], %rd58;
 	membar.sys;
 	mov.u32 	%r15, 32;
-	cvt.u32.u64 	%r7, %rd4;
+	cvt.u32.u64 	%r7, %rd2;
 	bra.uni 	$L__BB0_10;
 
-$L__BB0_24:
+$L__BB0_27:
 	// begin inline asm
 	nanosleep.u32 %r15;
 	// end inline asm
-	setp.lt.u32 	%p21, %r15, 2048;
-	selp.u32 	%r14, 1, 0, %p21;
+	setp.lt.u32 	%p28, %r15, 2048;
+	selp.u32 	%r14, 1, 0, %p28;
 	shl.b32 	%r15, %r15, %r14;
 
 $L__BB0_10:
-	setp.eq.s64 	%p15, %rd4, 0;
-	mov.pred 	%p23, -1;
-	mov.u64 	%rd68, 0;
+	setp.eq.s64 	%p15, %rd2, 0;
+	mov.pred 	%p30, -1;
+	mov.u64 	%rd82, 0;
 	@%p15 bra 	$L__BB0_18;
 
-	mov.u64 	%rd70, 0;
+	mov.u64 	%rd84, 0;
 
 $L__BB0_12:
-	add.s64 	%rd20, %rd70, %rd5;
-	or.b64  	%rd50, %rd20, %rd4;
-	and.b64  	%rd51, %rd50, -4294967296;
-	setp.eq.s64 	%p16, %rd51, 0;
+	add.s64 	%rd28, %rd84, %rd13;
+	or.b64  	%rd61, %rd28, %rd2;
+	and.b64  	%rd62, %rd61, -4294967296;
+	setp.eq.s64 	%p16, %rd62, 0;
 	@%p16 bra 	$L__BB0_14;
 
-	rem.u64 	%rd73, %rd20, %rd4;
+	rem.u64 	%rd87, %rd28, %rd2;
 	bra.uni 	$L__BB0_15;
 
 $L__BB0_14:
-	cvt.u32.u64 	%r8, %rd20;
+	cvt.u32.u64 	%r8, %rd28;
 	rem.u32 	%r9, %r8, %r7;
-	cvt.u64.u32 	%rd73, %r9;
+	cvt.u64.u32 	%rd87, %r9;
 
 $L__BB0_15:
-	shl.b64 	%rd53, %rd73, 3;
-	add.s64 	%rd24, %rd2, %rd53;
-	mov.u64 	%rd68, 0;
-	ld.volatile.global.u64 	%rd54, [%rd24];
-	setp.eq.s64 	%p17, %rd54, 0;
+	shl.b64 	%rd64, %rd87, 3;
+	add.s64 	%rd32, %rd1, %rd64;
+	mov.u64 	%rd82, 0;
+	ld.volatile.global.u64 	%rd65, [%rd32];
+	setp.eq.s64 	%p17, %rd65, 0;
 	@%p17 bra 	$L__BB0_17;
 
-	atom.global.exch.b64 	%rd68, [%rd24], 0;
+	atom.global.exch.b64 	%rd82, [%rd32], 0;
 
 $L__BB0_17:
-	add.s64 	%rd70, %rd70, 1;
-	setp.lt.u64 	%p18, %rd70, %rd4;
-	setp.eq.s64 	%p23, %rd68, 0;
-	and.pred  	%p19, %p23, %p18;
+	add.s64 	%rd84, %rd84, 1;
+	setp.lt.u64 	%p18, %rd84, %rd2;
+	setp.eq.s64 	%p30, %rd82, 0;
+	and.pred  	%p19, %p30, %p18;
 	@%p19 bra 	$L__BB0_12;
 
 $L__BB0_18:
-	@%p23 bra 	$L__BB0_24;
+	@%p30 bra 	$L__BB0_27;
 
-	mov.u64 	%rd55, 0;
-	st.volatile.global.u64 	[%rd1], %rd55;
+	mov.u64 	%rd66, 0;
+	st.volatile.global.u64 	[%rd12], %rd66;
 	membar.sys;
 
 $L__BB0_20:
 	membar.gl;
-	add.s64 	%rd32, %rd73, 1;
-	or.b64  	%rd56, %rd32, %rd4;
-	and.b64  	%rd57, %rd56, -4294967296;
-	setp.eq.s64 	%p20, %rd57, 0;
+	add.s64 	%rd40, %rd87, 1;
+	or.b64  	%rd67, %rd40, %rd2;
+	and.b64  	%rd68, %rd67, -4294967296;
+	setp.eq.s64 	%p20, %rd68, 0;
 	@%p20 bra 	$L__BB0_22;
 
-	rem.u64 	%rd77, %rd32, %rd4;
+	rem.u64 	%rd91, %rd40, %rd2;
 	bra.uni 	$L__BB0_23;
 
 $L__BB0_22:
-	cvt.u32.u64 	%r10, %rd4;
-	cvt.u32.u64 	%r11, %rd32;
+	cvt.u32.u64 	%r10, %rd2;
+	cvt.u32.u64 	%r11, %rd40;
 	rem.u32 	%r12, %r11, %r10;
-	cvt.u64.u32 	%rd77, %r12;
+	cvt.u64.u32 	%rd91, %r12;
 
 $L__BB0_23:
-	cvta.to.global.u64 	%rd58, %rd36;
-	st.global.u64 	[%rd3+8], %rd77;
-	st.global.u32 	[%rd58], %rd68;
-	shr.u64 	%rd59, %rd68, 32;
-	st.global.u32 	[%rd58+4], %rd59;
-	shl.b64 	%rd60, %rd73, 3;
-	add.s64 	%rd61, %rd2, %rd60;
-	ld.volatile.global.u64 	%rd62, [%rd61+32];
-	st.global.u64 	[%rd3+16], %rd62;
-	ld.global.u64 	%rd63, [%rd61+64];
-	st.global.u64 	[%rd3+24], %rd63;
+	cvta.to.global.u64 	%rd69, %rd47;
+	st.global.u64 	[%rd1+104], %rd91;
+	st.global.u32 	[%rd69], %rd82;
+	shr.u64 	%rd70, %rd82, 32;
+	st.global.u32 	[%rd69+4], %rd70;
+	setp.eq.s64 	%p21, %rd3, 0;
+	@%p21 bra 	$L__BB0_25;
+
+	setp.eq.s64 	%p22, %rd87, 1;
+	selp.b64 	%rd71, %rd6, %rd4, %p22;
+	setp.eq.s64 	%p23, %rd87, 2;
+	selp.b64 	%rd72, %rd8, %rd71, %p23;
+	setp.eq.s64 	%p24, %rd87, 3;
+	selp.b64 	%rd92, %rd10, %rd72, %p24;
+	bra.uni 	$L__BB0_26;
+
+$L__BB0_25:
+	shl.b64 	%rd73, %rd87, 3;
+	add.s64 	%rd74, %rd1, %rd73;
+	ld.volatile.global.u64 	%rd92, [%rd74+32];
+
+$L__BB0_26:
+	st.global.u64 	[%rd1+112], %rd92;
+	setp.eq.s64 	%p25, %rd87, 1;
+	selp.b64 	%rd75, %rd7, %rd5, %p25;
+	setp.eq.s64 	%p26, %rd87, 2;
+	selp.b64 	%rd76, %rd9, %rd75, %p26;
+	setp.eq.s64 	%p27, %rd87, 3;
+	selp.b64 	%rd77, %rd11, %rd76, %p27;
+	st.global.u64 	[%rd1+120], %rd77;
 	ret;
 
 }
@@ -181,85 +208,223 @@ $L__BB0_23:
 	.param .u64 jaxvmm_take_reload_param_4
 )
 {
-	.reg .pred 	%p<9>;
-	.reg .b32 	%r<7>;
-	.reg .b64 	%rd<37>;
+	.reg .pred 	%p<45>;
+	.reg .b32 	%r<13>;
+	.reg .b64 	%rd<93>;
 
-	ld.param.u64 	%rd15, [jaxvmm_take_reload_param_0];
-	ld.param.u64 	%rd16, [jaxvmm_take_reload_param_1];
-	ld.param.u64 	%rd13, [jaxvmm_take_reload_param_2];
-	ld.param.u64 	%rd14, [jaxvmm_take_reload_param_3];
-	ld.param.u64 	%rd17, [jaxvmm_take_reload_param_4];
-	cvta.to.global.u64 	%rd1, %rd17;
-	cvta.to.global.u64 	%rd18, %rd16;
-	ld.global.u32 	%rd19, [%rd18];
-	ld.global.u32 	%rd20, [%rd18+4];
-	bfi.b64 	%rd2, %rd20, %rd19, 32, 32;
-	cvta.to.global.u64 	%rd3, %rd15;
-	add.s64 	%rd4, %rd3, 96;
-	setp.eq.s64 	%p1, %rd2, 0;
-	ld.global.u64 	%rd5, [%rd3+96];
-	setp.eq.s64 	%p2, %rd5, 0;
-	or.pred  	%p3, %p1, %p2;
-	@%p3 bra 	$L__BB1_4;
+	ld.param.u64 	%rd37, [jaxvmm_take_reload_param_0];
+	ld.param.u64 	%rd38, [jaxvmm_take_reload_param_1];
+	ld.param.u64 	%rd34, [jaxvmm_take_reload_param_2];
+	ld.param.u64 	%rd35, [jaxvmm_take_reload_param_3];
+	ld.param.u64 	%rd36, [jaxvmm_take_reload_param_4];
+	cvta.to.global.u64 	%rd1, %rd37;
+	cvta.to.global.u64 	%rd39, %rd38;
+	ld.volatile.global.u64 	%rd2, [%rd1+96];
+	ld.global.u32 	%rd40, [%rd39+4];
+	ld.global.u32 	%rd41, [%rd39];
+	ld.volatile.global.u64 	%rd3, [%rd1];
+	ld.volatile.global.u64 	%rd4, [%rd1+8];
+	ld.volatile.global.u64 	%rd5, [%rd1+16];
+	ld.volatile.global.u64 	%rd6, [%rd1+24];
+	bfi.b64 	%rd7, %rd40, %rd41, 32, 32;
+	ld.volatile.global.u64 	%rd8, [%rd1+152];
+	ld.volatile.global.u64 	%rd9, [%rd1+32];
+	ld.volatile.global.u64 	%rd10, [%rd1+64];
+	ld.volatile.global.u64 	%rd11, [%rd1+40];
+	ld.volatile.global.u64 	%rd12, [%rd1+72];
+	ld.volatile.global.u64 	%rd13, [%rd1+48];
+	ld.volatile.global.u64 	%rd14, [%rd1+80];
+	ld.volatile.global.u64 	%rd15, [%rd1+56];
+	ld.volatile.global.u64 	%rd16, [%rd1+88];
+	setp.eq.s64 	%p1, %rd7, 0;
+	@%p1 bra 	$L__BB1_13;
 
-	mov.u64 	%rd21, 0;
-	mov.u64 	%rd34, %rd21;
+	setp.eq.s64 	%p2, %rd2, 0;
+	setp.ne.s64 	%p3, %rd3, %rd7;
+	or.pred  	%p4, %p3, %p2;
+	@%p4 bra 	$L__BB1_3;
 
-$L__BB1_2:
-	shl.b64 	%rd22, %rd34, 3;
-	add.s64 	%rd23, %rd3, %rd22;
-	atom.global.cas.b64 	%rd25, [%rd23], %rd2, %rd21;
-	setp.eq.s64 	%p4, %rd25, %rd2;
-	@%p4 bra 	$L__BB1_9;
+	mov.u64 	%rd89, 0;
+	atom.global.cas.b64 	%rd43, [%rd1], %rd3, %rd89;
+	setp.eq.s64 	%p5, %rd43, %rd3;
+	mov.u32 	%r11, 0;
+	@%p5 bra 	$L__BB1_22;
 
-	add.s64 	%rd34, %rd34, 1;
-	setp.lt.u64 	%p5, %rd34, %rd5;
-	@%p5 bra 	$L__BB1_2;
+$L__BB1_3:
+	setp.lt.u64 	%p6, %rd2, 2;
+	setp.ne.s64 	%p7, %rd4, %rd7;
+	or.pred  	%p8, %p6, %p7;
+	@%p8 bra 	$L__BB1_5;
 
-$L__BB1_4:
-	cvta.to.global.u64 	%rd26, %rd13;
-	st.volatile.global.u64 	[%rd26], %rd2;
-	membar.sys;
-	cvta.to.global.u64 	%rd27, %rd14;
-	mov.u64 	%rd28, 1;
-	st.volatile.global.u64 	[%rd27], %rd28;
-	membar.sys;
-	ld.volatile.global.u64 	%rd35, [%rd1];
-	setp.ne.s64 	%p6, %rd35, 0;
-	@%p6 bra 	$L__BB1_7;
+	add.s64 	%rd45, %rd1, 8;
+	mov.u64 	%rd46, 0;
+	atom.global.cas.b64 	%rd47, [%rd45], %rd4, %rd46;
+	setp.eq.s64 	%p9, %rd47, %rd4;
+	mov.u64 	%rd89, 1;
+	mov.u32 	%r11, 1;
+	@%p9 bra 	$L__BB1_22;
 
-	mov.u32 	%r6, 32;
+$L__BB1_5:
+	setp.lt.u64 	%p10, %rd2, 3;
+	setp.ne.s64 	%p11, %rd5, %rd7;
+	or.pred  	%p12, %p10, %p11;
+	@%p12 bra 	$L__BB1_7;
 
-$L__BB1_6:
-	// begin inline asm
-	nanosleep.u32 %r6;
-	// end inline asm
-	setp.lt.u32 	%p7, %r6, 2048;
-	selp.u32 	%r5, 1, 0, %p7;
-	shl.b32 	%r6, %r6, %r5;
-	ld.volatile.global.u64 	%rd35, [%rd1];
-	setp.eq.s64 	%p8, %rd35, 0;
-	@%p8 bra 	$L__BB1_6;
+	add.s64 	%rd49, %rd1, 16;
+	mov.u64 	%rd50, 0;
+	atom.global.cas.b64 	%rd51, [%rd49], %rd5, %rd50;
+	setp.eq.s64 	%p13, %rd51, %rd5;
+	mov.u64 	%rd89, 2;
+	mov.u32 	%r11, 2;
+	@%p13 bra 	$L__BB1_22;
 
 $L__BB1_7:
-	mov.u64 	%rd29, 0;
-	st.volatile.global.u64 	[%rd1], %rd29;
-	membar.sys;
-	add.s64 	%rd34, %rd35, -1;
-	bra.uni 	$L__BB1_8;
+	setp.lt.u64 	%p14, %rd2, 4;
+	setp.ne.s64 	%p15, %rd6, %rd7;
+	or.pred  	%p16, %p14, %p15;
+	@%p16 bra 	$L__BB1_9;
+
+	add.s64 	%rd53, %rd1, 24;
+	mov.u64 	%rd54, 0;
+	atom.global.cas.b64 	%rd55, [%rd53], %rd6, %rd54;
+	setp.eq.s64 	%p17, %rd55, %rd6;
+	mov.u64 	%rd89, 3;
+	mov.u32 	%r11, 3;
+	@%p17 bra 	$L__BB1_22;
+	bra.uni 	$L__BB1_9;
+
+$L__BB1_22:
+	membar.gl;
+	setp.eq.s64 	%p28, %rd8, 0;
+	@%p28 bra 	$L__BB1_24;
+
+	setp.eq.s32 	%p29, %r11, 1;
+	selp.b64 	%rd68, %rd11, %rd9, %p29;
+	setp.eq.s32 	%p30, %r11, 2;
+	selp.b64 	%rd69, %rd13, %rd68, %p30;
+	setp.eq.s32 	%p31, %r11, 3;
+	selp.b64 	%rd90, %rd15, %rd69, %p31;
+	bra.uni 	$L__BB1_25;
 
 $L__BB1_9:
-	membar.gl;
+	@%p2 bra 	$L__BB1_13;
 
-$L__BB1_8:
-	shl.b64 	%rd30, %rd34, 3;
-	add.s64 	%rd31, %rd3, %rd30;
-	ld.volatile.global.u64 	%rd32, [%rd31+32];
-	st.global.u64 	[%rd4+16], %rd32;
-	ld.global.u64 	%rd33, [%rd31+64];
-	st.global.u64 	[%rd4+24], %rd33;
+	mov.u64 	%rd56, 0;
+	mov.u64 	%rd87, %rd56;
+
+$L__BB1_11:
+	shl.b64 	%rd57, %rd87, 3;
+	add.s64 	%rd58, %rd1, %rd57;
+	atom.global.cas.b64 	%rd60, [%rd58], %rd7, %rd56;
+	setp.eq.s64 	%p19, %rd60, %rd7;
+	@%p19 bra 	$L__BB1_18;
+
+	add.s64 	%rd87, %rd87, 1;
+	setp.lt.u64 	%p20, %rd87, %rd2;
+	@%p20 bra 	$L__BB1_11;
+
+$L__BB1_13:
+	cvta.to.global.u64 	%rd75, %rd34;
+	st.volatile.global.u64 	[%rd75], %rd7;
+	membar.sys;
+	cvta.to.global.u64 	%rd76, %rd35;
+	mov.u64 	%rd77, 1;
+	st.volatile.global.u64 	[%rd76], %rd77;
+	membar.sys;
+	cvta.to.global.u64 	%rd26, %rd36;
+	ld.volatile.global.u64 	%rd91, [%rd26];
+	setp.ne.s64 	%p35, %rd91, 0;
+	@%p35 bra 	$L__BB1_16;
+
+	mov.u32 	%r12, 32;
+
+$L__BB1_15:
+	// begin inline asm
+	nanosleep.u32 %r12;
+	// end inline asm
+	setp.lt.u32 	%p36, %r12, 2048;
+	selp.u32 	%r10, 1, 0, %p36;
+	shl.b32 	%r12, %r12, %r10;
+	ld.volatile.global.u64 	%rd91, [%rd26];
+	setp.eq.s64 	%p37, %rd91, 0;
+	@%p37 bra 	$L__BB1_15;
+
+$L__BB1_16:
+	mov.u64 	%rd79, 0;
+	st.volatile.global.u64 	[%rd26], %rd79;
+	membar.sys;
+	add.s64 	%rd30, %rd91, -1;
+	setp.eq.s64 	%p38, %rd8, 0;
+	@%p38 bra 	$L__BB1_26;
+
+	setp.eq.s64 	%p39, %rd30, 1;
+	selp.b64 	%rd80, %rd11, %rd9, %p39;
+	setp.eq.s64 	%p40, %rd30, 2;
+	selp.b64 	%rd81, %rd13, %rd80, %p40;
+	setp.eq.s64 	%p41, %rd30, 3;
+	selp.b64 	%rd92, %rd15, %rd81, %p41;
+	bra.uni 	$L__BB1_27;
+
+$L__BB1_26:
+	shl.b64 	%rd82, %rd91, 3;
+	add.s64 	%rd83, %rd1, %rd82;
+	ld.volatile.global.u64 	%rd92, [%rd83+24];
+
+$L__BB1_27:
+	st.global.u64 	[%rd1+112], %rd92;
+	setp.eq.s64 	%p42, %rd30, 1;
+	selp.b64 	%rd84, %rd12, %rd10, %p42;
+	setp.eq.s64 	%p43, %rd30, 2;
+	selp.b64 	%rd85, %rd14, %rd84, %p43;
+	setp.eq.s64 	%p44, %rd30, 3;
+	selp.b64 	%rd86, %rd16, %rd85, %p44;
+	st.global.u64 	[%rd1+120], %rd86;
+	bra.uni 	$L__BB1_28;
+
+$L__BB1_24:
+	shl.b64 	%rd70, %rd89, 3;
+	add.s64 	%rd71, %rd1, %rd70;
+	ld.volatile.global.u64 	%rd90, [%rd71+32];
+
+$L__BB1_25:
+	st.global.u64 	[%rd1+112], %rd90;
+	setp.eq.s32 	%p32, %r11, 1;
+	selp.b64 	%rd72, %rd12, %rd10, %p32;
+	setp.eq.s32 	%p33, %r11, 2;
+	selp.b64 	%rd73, %rd14, %rd72, %p33;
+	setp.eq.s32 	%p34, %r11, 3;
+	selp.b64 	%rd74, %rd16, %rd73, %p34;
+	st.global.u64 	[%rd1+120], %rd74;
+
+$L__BB1_28:
 	ret;
+
+$L__BB1_18:
+	membar.gl;
+	setp.eq.s64 	%p21, %rd8, 0;
+	@%p21 bra 	$L__BB1_20;
+
+	setp.eq.s64 	%p22, %rd87, 1;
+	selp.b64 	%rd61, %rd11, %rd9, %p22;
+	setp.eq.s64 	%p23, %rd87, 2;
+	selp.b64 	%rd62, %rd13, %rd61, %p23;
+	setp.eq.s64 	%p24, %rd87, 3;
+	selp.b64 	%rd88, %rd15, %rd62, %p24;
+	bra.uni 	$L__BB1_21;
+
+$L__BB1_20:
+	ld.volatile.global.u64 	%rd88, [%rd58+32];
+
+$L__BB1_21:
+	st.global.u64 	[%rd1+112], %rd88;
+	setp.eq.s64 	%p25, %rd87, 1;
+	selp.b64 	%rd65, %rd12, %rd10, %p25;
+	setp.eq.s64 	%p26, %rd87, 2;
+	selp.b64 	%rd66, %rd14, %rd65, %p26;
+	setp.eq.s64 	%p27, %rd87, 3;
+	selp.b64 	%rd67, %rd16, %rd66, %p27;
+	st.global.u64 	[%rd1+120], %rd67;
+	bra.uni 	$L__BB1_28;
 
 }
 	// .globl	jaxvmm_revoke
@@ -2033,38 +2198,35 @@ $L__BB6_63:
 	.param .u64 jaxvmm_fused_offload_param_4
 )
 {
-	.reg .pred 	%p<461>;
+	.reg .pred 	%p<509>;
 	.reg .b16 	%rs<143>;
-	.reg .b32 	%r<667>;
-	.reg .b64 	%rd<2169>;
+	.reg .b32 	%r<665>;
+	.reg .b64 	%rd<2298>;
 	// demoted variable
 	.shared .align 8 .u64 _ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell;
 
-	ld.param.u64 	%rd837, [jaxvmm_fused_offload_param_0];
-	ld.param.u64 	%rd835, [jaxvmm_fused_offload_param_1];
-	ld.param.u64 	%rd836, [jaxvmm_fused_offload_param_2];
-	ld.param.u64 	%rd839, [jaxvmm_fused_offload_param_4];
-	cvta.to.global.u64 	%rd2, %rd839;
-	cvta.to.global.u64 	%rd3, %rd835;
-	and.b64  	%rd840, %rd835, 15;
-	setp.eq.s64 	%p26, %rd840, 0;
-	cvta.to.global.u64 	%rd4, %rd837;
+	ld.param.u64 	%rd892, [jaxvmm_fused_offload_param_0];
+	ld.param.u64 	%rd890, [jaxvmm_fused_offload_param_1];
+	ld.param.u64 	%rd891, [jaxvmm_fused_offload_param_2];
+	cvta.to.global.u64 	%rd3, %rd890;
+	and.b64  	%rd895, %rd890, 15;
+	setp.eq.s64 	%p26, %rd895, 0;
+	cvta.to.global.u64 	%rd4, %rd892;
 	add.s64 	%rd5, %rd4, 144;
-	@%p26 bra 	$L__BB7_456;
+	@%p26 bra 	$L__BB7_468;
 
-	ld.param.u64 	%rd1891, [jaxvmm_fused_offload_param_1];
-	and.b64  	%rd841, %rd1891, 7;
-	setp.eq.s64 	%p27, %rd841, 0;
-	@%p27 bra 	$L__BB7_343;
+	and.b64  	%rd896, %rd890, 7;
+	setp.eq.s64 	%p27, %rd896, 0;
+	@%p27 bra 	$L__BB7_352;
 
-	ld.param.u64 	%rd1892, [jaxvmm_fused_offload_param_1];
-	and.b64  	%rd842, %rd1892, 3;
-	setp.eq.s64 	%p28, %rd842, 0;
-	@%p28 bra 	$L__BB7_230;
+	ld.param.u64 	%rd2023, [jaxvmm_fused_offload_param_1];
+	and.b64  	%rd897, %rd2023, 3;
+	setp.eq.s64 	%p28, %rd897, 0;
+	@%p28 bra 	$L__BB7_236;
 
-	ld.param.u64 	%rd1893, [jaxvmm_fused_offload_param_1];
-	and.b64  	%rd843, %rd1893, 1;
-	setp.eq.b64 	%p29, %rd843, 1;
+	ld.param.u64 	%rd2024, [jaxvmm_fused_offload_param_1];
+	and.b64  	%rd898, %rd2024, 1;
+	setp.eq.b64 	%p29, %rd898, 1;
 	mov.pred 	%p30, 0;
 	xor.pred  	%p31, %p29, %p30;
 	not.pred 	%p32, %p31;
@@ -2072,4112 +2234,4312 @@ $L__BB6_63:
 	cvt.u64.u32 	%rd6, %r96;
 	mov.u32 	%r97, %ntid.x;
 	cvt.u64.u32 	%rd7, %r97;
-	mul.wide.u32 	%rd844, %r96, %r97;
+	mul.wide.u32 	%rd899, %r96, %r97;
 	mov.u32 	%r1, %tid.x;
 	cvt.u64.u32 	%rd8, %r1;
-	add.s64 	%rd9, %rd844, %rd8;
+	add.s64 	%rd9, %rd899, %rd8;
 	mov.u32 	%r98, %nctaid.x;
 	cvt.u64.u32 	%rd10, %r98;
 	mul.wide.u32 	%rd11, %r98, %r97;
-	@%p32 bra 	$L__BB7_117;
+	@%p32 bra 	$L__BB7_120;
 	bra.uni 	$L__BB7_4;
 
-$L__BB7_117:
-	shr.u64 	%rd173, %rd836, 1;
-	setp.ge.u64 	%p115, %rd9, %rd173;
-	@%p115 bra 	$L__BB7_119;
+$L__BB7_120:
+	shr.u64 	%rd184, %rd891, 1;
+	setp.ge.u64 	%p122, %rd9, %rd184;
+	@%p122 bra 	$L__BB7_122;
 
-	shl.b64 	%rd1030, %rd9, 1;
-	add.s64 	%rd1031, %rd3, %rd1030;
-	ld.global.u16 	%rs10, [%rd1031];
+	shl.b64 	%rd1090, %rd9, 1;
+	add.s64 	%rd1091, %rd3, %rd1090;
+	ld.global.u16 	%rs10, [%rd1091];
 
-$L__BB7_119:
-	add.s64 	%rd174, %rd11, %rd9;
-	setp.ge.u64 	%p116, %rd174, %rd173;
-	@%p116 bra 	$L__BB7_121;
+$L__BB7_122:
+	add.s64 	%rd185, %rd11, %rd9;
+	setp.ge.u64 	%p123, %rd185, %rd184;
+	@%p123 bra 	$L__BB7_124;
 
-	shl.b64 	%rd1032, %rd174, 1;
-	add.s64 	%rd1033, %rd3, %rd1032;
-	ld.global.u16 	%rs12, [%rd1033];
+	shl.b64 	%rd1092, %rd185, 1;
+	add.s64 	%rd1093, %rd3, %rd1092;
+	ld.global.u16 	%rs12, [%rd1093];
 
-$L__BB7_121:
-	add.s64 	%rd175, %rd174, %rd11;
-	setp.ge.u64 	%p117, %rd175, %rd173;
-	@%p117 bra 	$L__BB7_123;
+$L__BB7_124:
+	add.s64 	%rd186, %rd185, %rd11;
+	setp.ge.u64 	%p124, %rd186, %rd184;
+	@%p124 bra 	$L__BB7_126;
 
-	shl.b64 	%rd1034, %rd175, 1;
-	add.s64 	%rd1035, %rd3, %rd1034;
-	ld.global.u16 	%rs14, [%rd1035];
+	shl.b64 	%rd1094, %rd186, 1;
+	add.s64 	%rd1095, %rd3, %rd1094;
+	ld.global.u16 	%rs14, [%rd1095];
 
-$L__BB7_123:
-	mul.lo.s64 	%rd176, %rd11, 3;
-	add.s64 	%rd177, %rd175, %rd11;
-	setp.ge.u64 	%p118, %rd177, %rd173;
-	@%p118 bra 	$L__BB7_125;
+$L__BB7_126:
+	mul.lo.s64 	%rd187, %rd11, 3;
+	add.s64 	%rd188, %rd186, %rd11;
+	setp.ge.u64 	%p125, %rd188, %rd184;
+	@%p125 bra 	$L__BB7_128;
 
-	shl.b64 	%rd1036, %rd177, 1;
-	add.s64 	%rd1037, %rd3, %rd1036;
-	ld.global.u16 	%rs16, [%rd1037];
+	shl.b64 	%rd1096, %rd188, 1;
+	add.s64 	%rd1097, %rd3, %rd1096;
+	ld.global.u16 	%rs16, [%rd1097];
 
-$L__BB7_125:
-	setp.ne.s32 	%p119, %r1, 0;
-	@%p119 bra 	$L__BB7_158;
+$L__BB7_128:
+	setp.ne.s32 	%p126, %r1, 0;
+	@%p126 bra 	$L__BB7_164;
 
-	add.s64 	%rd1038, %rd4, 136;
-	atom.global.add.u64 	%rd1039, [%rd1038], 1;
-	setp.eq.s64 	%p120, %rd1039, 0;
-	@%p120 bra 	$L__BB7_133;
+	add.s64 	%rd1098, %rd4, 136;
+	atom.global.add.u64 	%rd1099, [%rd1098], 1;
+	setp.eq.s64 	%p127, %rd1099, 0;
+	@%p127 bra 	$L__BB7_136;
 
-	ld.volatile.global.u64 	%rd1970, [%rd5];
-	setp.ne.s64 	%p121, %rd1970, 0;
-	@%p121 bra 	$L__BB7_132;
+	ld.volatile.global.u64 	%rd2096, [%rd5];
+	setp.ne.s64 	%p128, %rd2096, 0;
+	@%p128 bra 	$L__BB7_135;
 
-	mov.u32 	%r624, 0;
-	mov.u32 	%r625, 32;
-
-$L__BB7_129:
-	add.s32 	%r624, %r624, 1;
-	setp.lt.u32 	%p122, %r624, 64;
-	@%p122 bra 	$L__BB7_131;
-
-	// begin inline asm
-	nanosleep.u32 %r625;
-	// end inline asm
-	setp.lt.u32 	%p123, %r625, 256;
-	selp.u32 	%r183, 1, 0, %p123;
-	shl.b32 	%r625, %r625, %r183;
-
-$L__BB7_131:
-	ld.volatile.global.u64 	%rd1970, [%rd5];
-	setp.eq.s64 	%p124, %rd1970, 0;
-	@%p124 bra 	$L__BB7_129;
+	mov.u32 	%r622, 0;
+	mov.u32 	%r623, 32;
 
 $L__BB7_132:
+	add.s32 	%r622, %r622, 1;
+	setp.lt.u32 	%p129, %r622, 64;
+	@%p129 bra 	$L__BB7_134;
+
+	// begin inline asm
+	nanosleep.u32 %r623;
+	// end inline asm
+	setp.lt.u32 	%p130, %r623, 256;
+	selp.u32 	%r183, 1, 0, %p130;
+	shl.b32 	%r623, %r623, %r183;
+
+$L__BB7_134:
+	ld.volatile.global.u64 	%rd2096, [%rd5];
+	setp.eq.s64 	%p131, %rd2096, 0;
+	@%p131 bra 	$L__BB7_132;
+
+$L__BB7_135:
 	membar.gl;
-	bra.uni 	$L__BB7_157;
-
-$L__BB7_456:
-	mov.u32 	%r471, %ctaid.x;
-	cvt.u64.u32 	%rd669, %r471;
-	mov.u32 	%r472, %ntid.x;
-	cvt.u64.u32 	%rd670, %r472;
-	mul.wide.u32 	%rd1643, %r471, %r472;
-	mov.u32 	%r56, %tid.x;
-	cvt.u64.u32 	%rd671, %r56;
-	add.s64 	%rd672, %rd1643, %rd671;
-	mov.u32 	%r473, %nctaid.x;
-	cvt.u64.u32 	%rd673, %r473;
-	mul.wide.u32 	%rd674, %r473, %r472;
-	shr.u64 	%rd675, %rd836, 4;
-	setp.ge.u64 	%p361, %rd672, %rd675;
-	@%p361 bra 	$L__BB7_458;
-
-	shl.b64 	%rd1644, %rd672, 4;
-	add.s64 	%rd1645, %rd3, %rd1644;
-	ld.global.v4.u32 	{%r64, %r63, %r62, %r61}, [%rd1645];
-
-$L__BB7_458:
-	add.s64 	%rd676, %rd674, %rd672;
-	setp.ge.u64 	%p362, %rd676, %rd675;
-	@%p362 bra 	$L__BB7_460;
-
-	shl.b64 	%rd1646, %rd676, 4;
-	add.s64 	%rd1647, %rd3, %rd1646;
-	ld.global.v4.u32 	{%r72, %r71, %r70, %r69}, [%rd1647];
-
-$L__BB7_460:
-	add.s64 	%rd677, %rd676, %rd674;
-	setp.ge.u64 	%p363, %rd677, %rd675;
-	@%p363 bra 	$L__BB7_462;
-
-	shl.b64 	%rd1648, %rd677, 4;
-	add.s64 	%rd1649, %rd3, %rd1648;
-	ld.global.v4.u32 	{%r80, %r79, %r78, %r77}, [%rd1649];
-
-$L__BB7_462:
-	mul.lo.s64 	%rd678, %rd674, 3;
-	add.s64 	%rd679, %rd677, %rd674;
-	setp.ge.u64 	%p364, %rd679, %rd675;
-	@%p364 bra 	$L__BB7_464;
-
-	shl.b64 	%rd1650, %rd679, 4;
-	add.s64 	%rd1651, %rd3, %rd1650;
-	ld.global.v4.u32 	{%r88, %r87, %r86, %r85}, [%rd1651];
-
-$L__BB7_464:
-	mov.u32 	%r618, %tid.x;
-	setp.ne.s32 	%p365, %r618, 0;
-	@%p365 bra 	$L__BB7_497;
-
-	add.s64 	%rd1652, %rd4, 136;
-	atom.global.add.u64 	%rd1653, [%rd1652], 1;
-	setp.eq.s64 	%p366, %rd1653, 0;
-	@%p366 bra 	$L__BB7_472;
-
-	ld.volatile.global.u64 	%rd2131, [%rd5];
-	setp.ne.s64 	%p367, %rd2131, 0;
-	@%p367 bra 	$L__BB7_471;
-
-	mov.u32 	%r664, 0;
-	mov.u32 	%r665, 32;
+	bra.uni 	$L__BB7_163;
 
 $L__BB7_468:
-	add.s32 	%r664, %r664, 1;
-	setp.lt.u32 	%p368, %r664, 64;
-	@%p368 bra 	$L__BB7_470;
+	mov.u32 	%r471, %ctaid.x;
+	cvt.u64.u32 	%rd713, %r471;
+	mov.u32 	%r472, %ntid.x;
+	cvt.u64.u32 	%rd714, %r472;
+	mul.wide.u32 	%rd1716, %r471, %r472;
+	mov.u32 	%r56, %tid.x;
+	cvt.u64.u32 	%rd715, %r56;
+	add.s64 	%rd716, %rd1716, %rd715;
+	mov.u32 	%r473, %nctaid.x;
+	cvt.u64.u32 	%rd717, %r473;
+	mul.wide.u32 	%rd718, %r473, %r472;
+	shr.u64 	%rd719, %rd891, 4;
+	setp.ge.u64 	%p389, %rd716, %rd719;
+	@%p389 bra 	$L__BB7_470;
 
-	// begin inline asm
-	nanosleep.u32 %r665;
-	// end inline asm
-	setp.lt.u32 	%p369, %r665, 256;
-	selp.u32 	%r496, 1, 0, %p369;
-	shl.b32 	%r665, %r665, %r496;
+	shl.b64 	%rd1717, %rd716, 4;
+	add.s64 	%rd1718, %rd3, %rd1717;
+	ld.global.v4.u32 	{%r64, %r63, %r62, %r61}, [%rd1718];
 
 $L__BB7_470:
-	ld.volatile.global.u64 	%rd2131, [%rd5];
-	setp.eq.s64 	%p370, %rd2131, 0;
-	@%p370 bra 	$L__BB7_468;
+	add.s64 	%rd720, %rd718, %rd716;
+	setp.ge.u64 	%p390, %rd720, %rd719;
+	@%p390 bra 	$L__BB7_472;
 
-$L__BB7_471:
-	membar.gl;
-	bra.uni 	$L__BB7_496;
+	shl.b64 	%rd1719, %rd720, 4;
+	add.s64 	%rd1720, %rd3, %rd1719;
+	ld.global.v4.u32 	{%r72, %r71, %r70, %r69}, [%rd1720];
 
-$L__BB7_343:
-	mov.u32 	%r355, %ctaid.x;
-	cvt.u64.u32 	%rd503, %r355;
-	mov.u32 	%r356, %ntid.x;
-	cvt.u64.u32 	%rd504, %r356;
-	mul.wide.u32 	%rd1437, %r355, %r356;
-	mov.u32 	%r32, %tid.x;
-	cvt.u64.u32 	%rd505, %r32;
-	add.s64 	%rd506, %rd1437, %rd505;
-	mov.u32 	%r357, %nctaid.x;
-	cvt.u64.u32 	%rd507, %r357;
-	mul.wide.u32 	%rd508, %r357, %r356;
-	shr.u64 	%rd509, %rd836, 3;
-	setp.ge.u64 	%p279, %rd506, %rd509;
-	@%p279 bra 	$L__BB7_345;
+$L__BB7_472:
+	add.s64 	%rd721, %rd720, %rd718;
+	setp.ge.u64 	%p391, %rd721, %rd719;
+	@%p391 bra 	$L__BB7_474;
 
-	shl.b64 	%rd1438, %rd506, 3;
-	add.s64 	%rd1439, %rd3, %rd1438;
-	ld.global.v2.u32 	{%r36, %r35}, [%rd1439];
+	shl.b64 	%rd1721, %rd721, 4;
+	add.s64 	%rd1722, %rd3, %rd1721;
+	ld.global.v4.u32 	{%r80, %r79, %r78, %r77}, [%rd1722];
 
-$L__BB7_345:
-	add.s64 	%rd510, %rd508, %rd506;
-	setp.ge.u64 	%p280, %rd510, %rd509;
-	@%p280 bra 	$L__BB7_347;
+$L__BB7_474:
+	mul.lo.s64 	%rd722, %rd718, 3;
+	add.s64 	%rd723, %rd721, %rd718;
+	setp.ge.u64 	%p392, %rd723, %rd719;
+	@%p392 bra 	$L__BB7_476;
 
-	shl.b64 	%rd1440, %rd510, 3;
-	add.s64 	%rd1441, %rd3, %rd1440;
-	ld.global.v2.u32 	{%r40, %r39}, [%rd1441];
+	shl.b64 	%rd1723, %rd723, 4;
+	add.s64 	%rd1724, %rd3, %rd1723;
+	ld.global.v4.u32 	{%r88, %r87, %r86, %r85}, [%rd1724];
 
-$L__BB7_347:
-	add.s64 	%rd511, %rd510, %rd508;
-	setp.ge.u64 	%p281, %rd511, %rd509;
-	@%p281 bra 	$L__BB7_349;
+$L__BB7_476:
+	setp.ne.s32 	%p393, %r56, 0;
+	@%p393 bra 	$L__BB7_512;
 
-	shl.b64 	%rd1442, %rd511, 3;
-	add.s64 	%rd1443, %rd3, %rd1442;
-	ld.global.v2.u32 	{%r44, %r43}, [%rd1443];
+	add.s64 	%rd1725, %rd4, 136;
+	atom.global.add.u64 	%rd1726, [%rd1725], 1;
+	setp.eq.s64 	%p394, %rd1726, 0;
+	@%p394 bra 	$L__BB7_484;
 
-$L__BB7_349:
-	mul.lo.s64 	%rd512, %rd508, 3;
-	add.s64 	%rd513, %rd511, %rd508;
-	setp.ge.u64 	%p282, %rd513, %rd509;
-	@%p282 bra 	$L__BB7_351;
+	ld.volatile.global.u64 	%rd2260, [%rd5];
+	setp.ne.s64 	%p395, %rd2260, 0;
+	@%p395 bra 	$L__BB7_483;
 
-	shl.b64 	%rd1444, %rd513, 3;
-	add.s64 	%rd1445, %rd3, %rd1444;
-	ld.global.v2.u32 	{%r48, %r47}, [%rd1445];
+	mov.u32 	%r662, 0;
+	mov.u32 	%r663, 32;
 
-$L__BB7_351:
-	mov.u32 	%r617, %tid.x;
-	setp.ne.s32 	%p283, %r617, 0;
-	@%p283 bra 	$L__BB7_384;
-
-	add.s64 	%rd1446, %rd4, 136;
-	atom.global.add.u64 	%rd1447, [%rd1446], 1;
-	setp.eq.s64 	%p284, %rd1447, 0;
-	@%p284 bra 	$L__BB7_359;
-
-	ld.volatile.global.u64 	%rd2078, [%rd5];
-	setp.ne.s64 	%p285, %rd2078, 0;
-	@%p285 bra 	$L__BB7_358;
-
-	mov.u32 	%r644, 0;
-	mov.u32 	%r645, 32;
-
-$L__BB7_355:
-	add.s32 	%r644, %r644, 1;
-	setp.lt.u32 	%p286, %r644, 64;
-	@%p286 bra 	$L__BB7_357;
+$L__BB7_480:
+	add.s32 	%r662, %r662, 1;
+	setp.lt.u32 	%p396, %r662, 64;
+	@%p396 bra 	$L__BB7_482;
 
 	// begin inline asm
-	nanosleep.u32 %r645;
+	nanosleep.u32 %r663;
 	// end inline asm
-	setp.lt.u32 	%p287, %r645, 256;
-	selp.u32 	%r372, 1, 0, %p287;
-	shl.b32 	%r645, %r645, %r372;
+	setp.lt.u32 	%p397, %r663, 256;
+	selp.u32 	%r496, 1, 0, %p397;
+	shl.b32 	%r663, %r663, %r496;
 
-$L__BB7_357:
-	ld.volatile.global.u64 	%rd2078, [%rd5];
-	setp.eq.s64 	%p288, %rd2078, 0;
-	@%p288 bra 	$L__BB7_355;
+$L__BB7_482:
+	ld.volatile.global.u64 	%rd2260, [%rd5];
+	setp.eq.s64 	%p398, %rd2260, 0;
+	@%p398 bra 	$L__BB7_480;
+
+$L__BB7_483:
+	membar.gl;
+	bra.uni 	$L__BB7_511;
+
+$L__BB7_352:
+	mov.u32 	%r355, %ctaid.x;
+	cvt.u64.u32 	%rd536, %r355;
+	mov.u32 	%r356, %ntid.x;
+	cvt.u64.u32 	%rd537, %r356;
+	mul.wide.u32 	%rd1505, %r355, %r356;
+	mov.u32 	%r32, %tid.x;
+	cvt.u64.u32 	%rd538, %r32;
+	add.s64 	%rd539, %rd1505, %rd538;
+	mov.u32 	%r357, %nctaid.x;
+	cvt.u64.u32 	%rd540, %r357;
+	mul.wide.u32 	%rd541, %r357, %r356;
+	shr.u64 	%rd542, %rd891, 3;
+	setp.ge.u64 	%p300, %rd539, %rd542;
+	@%p300 bra 	$L__BB7_354;
+
+	shl.b64 	%rd1506, %rd539, 3;
+	add.s64 	%rd1507, %rd3, %rd1506;
+	ld.global.v2.u32 	{%r36, %r35}, [%rd1507];
+
+$L__BB7_354:
+	add.s64 	%rd543, %rd541, %rd539;
+	setp.ge.u64 	%p301, %rd543, %rd542;
+	@%p301 bra 	$L__BB7_356;
+
+	shl.b64 	%rd1508, %rd543, 3;
+	add.s64 	%rd1509, %rd3, %rd1508;
+	ld.global.v2.u32 	{%r40, %r39}, [%rd1509];
+
+$L__BB7_356:
+	add.s64 	%rd544, %rd543, %rd541;
+	setp.ge.u64 	%p302, %rd544, %rd542;
+	@%p302 bra 	$L__BB7_358;
+
+	shl.b64 	%rd1510, %rd544, 3;
+	add.s64 	%rd1511, %rd3, %rd1510;
+	ld.global.v2.u32 	{%r44, %r43}, [%rd1511];
 
 $L__BB7_358:
-	membar.gl;
-	bra.uni 	$L__BB7_383;
+	mul.lo.s64 	%rd545, %rd541, 3;
+	add.s64 	%rd546, %rd544, %rd541;
+	setp.ge.u64 	%p303, %rd546, %rd542;
+	@%p303 bra 	$L__BB7_360;
 
-$L__BB7_230:
-	mov.u32 	%r262, %ctaid.x;
-	cvt.u64.u32 	%rd335, %r262;
-	mov.u32 	%r263, %ntid.x;
-	cvt.u64.u32 	%rd336, %r263;
-	mul.wide.u32 	%rd1232, %r262, %r263;
-	mov.u32 	%r16, %tid.x;
-	cvt.u64.u32 	%rd337, %r16;
-	add.s64 	%rd338, %rd1232, %rd337;
-	mov.u32 	%r264, %nctaid.x;
-	cvt.u64.u32 	%rd339, %r264;
-	mul.wide.u32 	%rd340, %r264, %r263;
-	shr.u64 	%rd341, %rd836, 2;
-	setp.ge.u64 	%p197, %rd338, %rd341;
-	@%p197 bra 	$L__BB7_232;
+	shl.b64 	%rd1512, %rd546, 3;
+	add.s64 	%rd1513, %rd3, %rd1512;
+	ld.global.v2.u32 	{%r48, %r47}, [%rd1513];
 
-	shl.b64 	%rd1233, %rd338, 2;
-	add.s64 	%rd1234, %rd3, %rd1233;
-	ld.global.u32 	%r18, [%rd1234];
+$L__BB7_360:
+	setp.ne.s32 	%p304, %r32, 0;
+	@%p304 bra 	$L__BB7_396;
 
-$L__BB7_232:
-	add.s64 	%rd342, %rd340, %rd338;
-	setp.ge.u64 	%p198, %rd342, %rd341;
-	@%p198 bra 	$L__BB7_234;
+	add.s64 	%rd1514, %rd4, 136;
+	atom.global.add.u64 	%rd1515, [%rd1514], 1;
+	setp.eq.s64 	%p305, %rd1515, 0;
+	@%p305 bra 	$L__BB7_368;
 
-	shl.b64 	%rd1235, %rd342, 2;
-	add.s64 	%rd1236, %rd3, %rd1235;
-	ld.global.u32 	%r20, [%rd1236];
+	ld.volatile.global.u64 	%rd2206, [%rd5];
+	setp.ne.s64 	%p306, %rd2206, 0;
+	@%p306 bra 	$L__BB7_367;
 
-$L__BB7_234:
-	add.s64 	%rd343, %rd342, %rd340;
-	setp.ge.u64 	%p199, %rd343, %rd341;
-	@%p199 bra 	$L__BB7_236;
+	mov.u32 	%r642, 0;
+	mov.u32 	%r643, 32;
 
-	shl.b64 	%rd1237, %rd343, 2;
-	add.s64 	%rd1238, %rd3, %rd1237;
-	ld.global.u32 	%r22, [%rd1238];
-
-$L__BB7_236:
-	mul.lo.s64 	%rd344, %rd340, 3;
-	add.s64 	%rd345, %rd343, %rd340;
-	setp.ge.u64 	%p200, %rd345, %rd341;
-	@%p200 bra 	$L__BB7_238;
-
-	shl.b64 	%rd1239, %rd345, 2;
-	add.s64 	%rd1240, %rd3, %rd1239;
-	ld.global.u32 	%r24, [%rd1240];
-
-$L__BB7_238:
-	setp.ne.s32 	%p201, %r16, 0;
-	@%p201 bra 	$L__BB7_271;
-
-	add.s64 	%rd1241, %rd4, 136;
-	atom.global.add.u64 	%rd1242, [%rd1241], 1;
-	setp.eq.s64 	%p202, %rd1242, 0;
-	@%p202 bra 	$L__BB7_246;
-
-	ld.volatile.global.u64 	%rd2024, [%rd5];
-	setp.ne.s64 	%p203, %rd2024, 0;
-	@%p203 bra 	$L__BB7_245;
-
-	mov.u32 	%r632, 0;
-	mov.u32 	%r633, 32;
-
-$L__BB7_242:
-	add.s32 	%r632, %r632, 1;
-	setp.lt.u32 	%p204, %r632, 64;
-	@%p204 bra 	$L__BB7_244;
+$L__BB7_364:
+	add.s32 	%r642, %r642, 1;
+	setp.lt.u32 	%p307, %r642, 64;
+	@%p307 bra 	$L__BB7_366;
 
 	// begin inline asm
-	nanosleep.u32 %r633;
+	nanosleep.u32 %r643;
 	// end inline asm
-	setp.lt.u32 	%p205, %r633, 256;
-	selp.u32 	%r271, 1, 0, %p205;
-	shl.b32 	%r633, %r633, %r271;
+	setp.lt.u32 	%p308, %r643, 256;
+	selp.u32 	%r372, 1, 0, %p308;
+	shl.b32 	%r643, %r643, %r372;
+
+$L__BB7_366:
+	ld.volatile.global.u64 	%rd2206, [%rd5];
+	setp.eq.s64 	%p309, %rd2206, 0;
+	@%p309 bra 	$L__BB7_364;
+
+$L__BB7_367:
+	membar.gl;
+	bra.uni 	$L__BB7_395;
+
+$L__BB7_236:
+	mov.u32 	%r262, %ctaid.x;
+	cvt.u64.u32 	%rd357, %r262;
+	mov.u32 	%r263, %ntid.x;
+	cvt.u64.u32 	%rd358, %r263;
+	mul.wide.u32 	%rd1297, %r262, %r263;
+	mov.u32 	%r16, %tid.x;
+	cvt.u64.u32 	%rd359, %r16;
+	add.s64 	%rd360, %rd1297, %rd359;
+	mov.u32 	%r264, %nctaid.x;
+	cvt.u64.u32 	%rd361, %r264;
+	mul.wide.u32 	%rd362, %r264, %r263;
+	shr.u64 	%rd363, %rd891, 2;
+	setp.ge.u64 	%p211, %rd360, %rd363;
+	@%p211 bra 	$L__BB7_238;
+
+	shl.b64 	%rd1298, %rd360, 2;
+	add.s64 	%rd1299, %rd3, %rd1298;
+	ld.global.u32 	%r18, [%rd1299];
+
+$L__BB7_238:
+	add.s64 	%rd364, %rd362, %rd360;
+	setp.ge.u64 	%p212, %rd364, %rd363;
+	@%p212 bra 	$L__BB7_240;
+
+	shl.b64 	%rd1300, %rd364, 2;
+	add.s64 	%rd1301, %rd3, %rd1300;
+	ld.global.u32 	%r20, [%rd1301];
+
+$L__BB7_240:
+	add.s64 	%rd365, %rd364, %rd362;
+	setp.ge.u64 	%p213, %rd365, %rd363;
+	@%p213 bra 	$L__BB7_242;
+
+	shl.b64 	%rd1302, %rd365, 2;
+	add.s64 	%rd1303, %rd3, %rd1302;
+	ld.global.u32 	%r22, [%rd1303];
+
+$L__BB7_242:
+	mul.lo.s64 	%rd366, %rd362, 3;
+	add.s64 	%rd367, %rd365, %rd362;
+	setp.ge.u64 	%p214, %rd367, %rd363;
+	@%p214 bra 	$L__BB7_244;
+
+	shl.b64 	%rd1304, %rd367, 2;
+	add.s64 	%rd1305, %rd3, %rd1304;
+	ld.global.u32 	%r24, [%rd1305];
 
 $L__BB7_244:
-	ld.volatile.global.u64 	%rd2024, [%rd5];
-	setp.eq.s64 	%p206, %rd2024, 0;
-	@%p206 bra 	$L__BB7_242;
+	setp.ne.s32 	%p215, %r16, 0;
+	@%p215 bra 	$L__BB7_280;
 
-$L__BB7_245:
+	add.s64 	%rd1306, %rd4, 136;
+	atom.global.add.u64 	%rd1307, [%rd1306], 1;
+	setp.eq.s64 	%p216, %rd1307, 0;
+	@%p216 bra 	$L__BB7_252;
+
+	ld.volatile.global.u64 	%rd2151, [%rd5];
+	setp.ne.s64 	%p217, %rd2151, 0;
+	@%p217 bra 	$L__BB7_251;
+
+	mov.u32 	%r630, 0;
+	mov.u32 	%r631, 32;
+
+$L__BB7_248:
+	add.s32 	%r630, %r630, 1;
+	setp.lt.u32 	%p218, %r630, 64;
+	@%p218 bra 	$L__BB7_250;
+
+	// begin inline asm
+	nanosleep.u32 %r631;
+	// end inline asm
+	setp.lt.u32 	%p219, %r631, 256;
+	selp.u32 	%r271, 1, 0, %p219;
+	shl.b32 	%r631, %r631, %r271;
+
+$L__BB7_250:
+	ld.volatile.global.u64 	%rd2151, [%rd5];
+	setp.eq.s64 	%p220, %rd2151, 0;
+	@%p220 bra 	$L__BB7_248;
+
+$L__BB7_251:
 	membar.gl;
-	bra.uni 	$L__BB7_270;
+	bra.uni 	$L__BB7_279;
 
 $L__BB7_4:
-	setp.ge.u64 	%p33, %rd9, %rd836;
+	setp.ge.u64 	%p33, %rd9, %rd891;
 	@%p33 bra 	$L__BB7_6;
 
-	add.s64 	%rd845, %rd3, %rd9;
-	ld.global.u8 	%rs2, [%rd845];
+	add.s64 	%rd900, %rd3, %rd9;
+	ld.global.u8 	%rs2, [%rd900];
 
 $L__BB7_6:
 	add.s64 	%rd12, %rd11, %rd9;
-	setp.ge.u64 	%p34, %rd12, %rd836;
+	setp.ge.u64 	%p34, %rd12, %rd891;
 	@%p34 bra 	$L__BB7_8;
 
-	add.s64 	%rd846, %rd3, %rd12;
-	ld.global.u8 	%rs4, [%rd846];
+	add.s64 	%rd901, %rd3, %rd12;
+	ld.global.u8 	%rs4, [%rd901];
 
 $L__BB7_8:
 	add.s64 	%rd13, %rd12, %rd11;
-	setp.ge.u64 	%p35, %rd13, %rd836;
+	setp.ge.u64 	%p35, %rd13, %rd891;
 	@%p35 bra 	$L__BB7_10;
 
-	add.s64 	%rd847, %rd3, %rd13;
-	ld.global.u8 	%rs6, [%rd847];
+	add.s64 	%rd902, %rd3, %rd13;
+	ld.global.u8 	%rs6, [%rd902];
 
 $L__BB7_10:
 	mul.lo.s64 	%rd14, %rd11, 3;
 	add.s64 	%rd15, %rd13, %rd11;
-	setp.ge.u64 	%p36, %rd15, %rd836;
+	setp.ge.u64 	%p36, %rd15, %rd891;
 	@%p36 bra 	$L__BB7_12;
 
-	add.s64 	%rd848, %rd3, %rd15;
-	ld.global.u8 	%rs8, [%rd848];
+	add.s64 	%rd903, %rd3, %rd15;
+	ld.global.u8 	%rs8, [%rd903];
 
 $L__BB7_12:
 	setp.ne.s32 	%p37, %r1, 0;
-	@%p37 bra 	$L__BB7_45;
+	@%p37 bra 	$L__BB7_48;
 
-	add.s64 	%rd849, %rd4, 136;
-	atom.global.add.u64 	%rd850, [%rd849], 1;
-	setp.eq.s64 	%p38, %rd850, 0;
+	add.s64 	%rd904, %rd4, 136;
+	atom.global.add.u64 	%rd905, [%rd904], 1;
+	setp.eq.s64 	%p38, %rd905, 0;
 	@%p38 bra 	$L__BB7_20;
 
-	ld.volatile.global.u64 	%rd1916, [%rd5];
-	setp.ne.s64 	%p39, %rd1916, 0;
+	ld.volatile.global.u64 	%rd2041, [%rd5];
+	setp.ne.s64 	%p39, %rd2041, 0;
 	@%p39 bra 	$L__BB7_19;
 
-	mov.u32 	%r620, 0;
-	mov.u32 	%r621, 32;
+	mov.u32 	%r618, 0;
+	mov.u32 	%r619, 32;
 
 $L__BB7_16:
-	add.s32 	%r620, %r620, 1;
-	setp.lt.u32 	%p40, %r620, 64;
+	add.s32 	%r618, %r618, 1;
+	setp.lt.u32 	%p40, %r618, 64;
 	@%p40 bra 	$L__BB7_18;
 
 	// begin inline asm
-	nanosleep.u32 %r621;
+	nanosleep.u32 %r619;
 	// end inline asm
-	setp.lt.u32 	%p41, %r621, 256;
+	setp.lt.u32 	%p41, %r619, 256;
 	selp.u32 	%r102, 1, 0, %p41;
-	shl.b32 	%r621, %r621, %r102;
+	shl.b32 	%r619, %r619, %r102;
 
 $L__BB7_18:
-	ld.volatile.global.u64 	%rd1916, [%rd5];
-	setp.eq.s64 	%p42, %rd1916, 0;
+	ld.volatile.global.u64 	%rd2041, [%rd5];
+	setp.eq.s64 	%p42, %rd2041, 0;
 	@%p42 bra 	$L__BB7_16;
 
 $L__BB7_19:
 	membar.gl;
-	bra.uni 	$L__BB7_44;
-
-$L__BB7_472:
-	ld.global.u64 	%rd683, [%rd5+-48];
-	ld.global.u64 	%rd684, [%rd5+-40];
-	shl.b64 	%rd1654, %rd684, 3;
-	add.s64 	%rd1655, %rd4, %rd1654;
-	atom.global.exch.b64 	%rd2121, [%rd1655], 0;
-	setp.lt.u64 	%p371, %rd683, 2;
-	setp.eq.s64 	%p459, %rd2121, 0;
-	setp.ne.s64 	%p372, %rd2121, 0;
-	or.pred  	%p373, %p372, %p371;
-	mov.u64 	%rd2126, %rd684;
-	@%p373 bra 	$L__BB7_480;
-
-	mov.u64 	%rd2117, 1;
-	cvt.u32.u64 	%r497, %rd683;
-
-$L__BB7_474:
-	add.s64 	%rd687, %rd2117, %rd684;
-	or.b64  	%rd1657, %rd687, %rd683;
-	and.b64  	%rd1658, %rd1657, -4294967296;
-	setp.eq.s64 	%p374, %rd1658, 0;
-	@%p374 bra 	$L__BB7_476;
-
-	rem.u64 	%rd2126, %rd687, %rd683;
-	bra.uni 	$L__BB7_477;
-
-$L__BB7_476:
-	cvt.u32.u64 	%r498, %rd687;
-	rem.u32 	%r499, %r498, %r497;
-	cvt.u64.u32 	%rd2126, %r499;
-
-$L__BB7_477:
-	shl.b64 	%rd1660, %rd2126, 3;
-	add.s64 	%rd691, %rd4, %rd1660;
-	mov.u64 	%rd2121, 0;
-	ld.volatile.global.u64 	%rd1661, [%rd691];
-	setp.eq.s64 	%p375, %rd1661, 0;
-	@%p375 bra 	$L__BB7_479;
-
-	atom.global.exch.b64 	%rd2121, [%rd691], 0;
-
-$L__BB7_479:
-	add.s64 	%rd2117, %rd2117, 1;
-	setp.lt.u64 	%p376, %rd2117, %rd683;
-	setp.eq.s64 	%p459, %rd2121, 0;
-	and.pred  	%p377, %p459, %p376;
-	@%p377 bra 	$L__BB7_474;
-
-$L__BB7_480:
-	not.pred 	%p378, %p459;
-	@%p378 bra 	$L__BB7_492;
-
-	ld.param.u64 	%rd1869, [jaxvmm_fused_offload_param_4];
-	cvta.to.global.u64 	%rd1868, %rd1869;
-	mov.u64 	%rd1662, 1;
-	st.volatile.global.u64 	[%rd1868], %rd1662;
-	membar.sys;
-	mov.u32 	%r666, 32;
-	cvt.u32.u64 	%r501, %rd683;
-	bra.uni 	$L__BB7_482;
-
-$L__BB7_572:
-	// begin inline asm
-	nanosleep.u32 %r666;
-	// end inline asm
-	setp.lt.u32 	%p444, %r666, 2048;
-	selp.u32 	%r616, 1, 0, %p444;
-	shl.b32 	%r666, %r666, %r616;
-
-$L__BB7_482:
-	setp.eq.s64 	%p380, %rd683, 0;
-	mov.pred 	%p460, -1;
-	mov.u64 	%rd2121, 0;
-	@%p380 bra 	$L__BB7_490;
-
-	mov.u64 	%rd2123, 0;
+	bra.uni 	$L__BB7_47;
 
 $L__BB7_484:
-	add.s64 	%rd699, %rd2123, %rd684;
-	or.b64  	%rd1665, %rd699, %rd683;
-	and.b64  	%rd1666, %rd1665, -4294967296;
-	setp.eq.s64 	%p381, %rd1666, 0;
-	@%p381 bra 	$L__BB7_486;
+	ld.volatile.global.u64 	%rd727, [%rd5+-48];
+	ld.volatile.global.u64 	%rd728, [%rd5+8];
+	ld.volatile.global.u64 	%rd729, [%rd5+-112];
+	ld.volatile.global.u64 	%rd730, [%rd5+-80];
+	ld.volatile.global.u64 	%rd731, [%rd5+-104];
+	ld.volatile.global.u64 	%rd732, [%rd5+-72];
+	ld.volatile.global.u64 	%rd733, [%rd5+-96];
+	ld.volatile.global.u64 	%rd734, [%rd5+-64];
+	ld.volatile.global.u64 	%rd735, [%rd5+-88];
+	ld.volatile.global.u64 	%rd736, [%rd5+-56];
+	ld.volatile.global.u64 	%rd737, [%rd5+-40];
+	shl.b64 	%rd1727, %rd737, 3;
+	add.s64 	%rd1728, %rd4, %rd1727;
+	atom.global.exch.b64 	%rd2249, [%rd1728], 0;
+	setp.lt.u64 	%p399, %rd727, 2;
+	setp.eq.s64 	%p507, %rd2249, 0;
+	setp.ne.s64 	%p400, %rd2249, 0;
+	or.pred  	%p401, %p400, %p399;
+	mov.u64 	%rd2254, %rd737;
+	@%p401 bra 	$L__BB7_492;
 
-	rem.u64 	%rd2126, %rd699, %rd683;
-	bra.uni 	$L__BB7_487;
+	mov.u64 	%rd2245, 1;
+	cvt.u32.u64 	%r497, %rd727;
 
 $L__BB7_486:
-	cvt.u32.u64 	%r502, %rd699;
-	rem.u32 	%r503, %r502, %r501;
-	cvt.u64.u32 	%rd2126, %r503;
+	add.s64 	%rd740, %rd2245, %rd737;
+	or.b64  	%rd1730, %rd740, %rd727;
+	and.b64  	%rd1731, %rd1730, -4294967296;
+	setp.eq.s64 	%p402, %rd1731, 0;
+	@%p402 bra 	$L__BB7_488;
 
-$L__BB7_487:
-	shl.b64 	%rd1668, %rd2126, 3;
-	add.s64 	%rd703, %rd4, %rd1668;
-	mov.u64 	%rd2121, 0;
-	ld.volatile.global.u64 	%rd1669, [%rd703];
-	setp.eq.s64 	%p382, %rd1669, 0;
-	@%p382 bra 	$L__BB7_489;
+	rem.u64 	%rd2254, %rd740, %rd727;
+	bra.uni 	$L__BB7_489;
 
-	atom.global.exch.b64 	%rd2121, [%rd703], 0;
+$L__BB7_488:
+	cvt.u32.u64 	%r498, %rd740;
+	rem.u32 	%r499, %r498, %r497;
+	cvt.u64.u32 	%rd2254, %r499;
 
 $L__BB7_489:
-	add.s64 	%rd2123, %rd2123, 1;
-	setp.lt.u64 	%p383, %rd2123, %rd683;
-	setp.eq.s64 	%p460, %rd2121, 0;
-	and.pred  	%p384, %p460, %p383;
-	@%p384 bra 	$L__BB7_484;
+	shl.b64 	%rd1733, %rd2254, 3;
+	add.s64 	%rd744, %rd4, %rd1733;
+	mov.u64 	%rd2249, 0;
+	ld.volatile.global.u64 	%rd1734, [%rd744];
+	setp.eq.s64 	%p403, %rd1734, 0;
+	@%p403 bra 	$L__BB7_491;
 
-$L__BB7_490:
-	@%p460 bra 	$L__BB7_572;
+	atom.global.exch.b64 	%rd2249, [%rd744], 0;
 
-	ld.param.u64 	%rd1871, [jaxvmm_fused_offload_param_4];
-	cvta.to.global.u64 	%rd1870, %rd1871;
-	mov.u64 	%rd1670, 0;
-	st.volatile.global.u64 	[%rd1870], %rd1670;
-	membar.sys;
+$L__BB7_491:
+	add.s64 	%rd2245, %rd2245, 1;
+	setp.lt.u64 	%p404, %rd2245, %rd727;
+	setp.eq.s64 	%p507, %rd2249, 0;
+	and.pred  	%p405, %p507, %p404;
+	@%p405 bra 	$L__BB7_486;
 
 $L__BB7_492:
-	membar.gl;
-	add.s64 	%rd1671, %rd2126, 1;
-	or.b64  	%rd1672, %rd1671, %rd683;
-	and.b64  	%rd1673, %rd1672, -4294967296;
-	setp.eq.s64 	%p385, %rd1673, 0;
-	@%p385 bra 	$L__BB7_494;
+	not.pred 	%p406, %p507;
+	@%p406 bra 	$L__BB7_504;
 
-	rem.u64 	%rd2130, %rd1671, %rd683;
-	bra.uni 	$L__BB7_495;
-
-$L__BB7_359:
-	ld.global.u64 	%rd517, [%rd5+-48];
-	ld.global.u64 	%rd518, [%rd5+-40];
-	shl.b64 	%rd1448, %rd518, 3;
-	add.s64 	%rd1449, %rd4, %rd1448;
-	atom.global.exch.b64 	%rd2068, [%rd1449], 0;
-	setp.lt.u64 	%p289, %rd517, 2;
-	setp.eq.s64 	%p457, %rd2068, 0;
-	setp.ne.s64 	%p290, %rd2068, 0;
-	or.pred  	%p291, %p290, %p289;
-	mov.u64 	%rd2073, %rd518;
-	@%p291 bra 	$L__BB7_367;
-
-	mov.u64 	%rd2064, 1;
-	cvt.u32.u64 	%r373, %rd517;
-
-$L__BB7_361:
-	add.s64 	%rd521, %rd2064, %rd518;
-	or.b64  	%rd1451, %rd521, %rd517;
-	and.b64  	%rd1452, %rd1451, -4294967296;
-	setp.eq.s64 	%p292, %rd1452, 0;
-	@%p292 bra 	$L__BB7_363;
-
-	rem.u64 	%rd2073, %rd521, %rd517;
-	bra.uni 	$L__BB7_364;
-
-$L__BB7_363:
-	cvt.u32.u64 	%r374, %rd521;
-	rem.u32 	%r375, %r374, %r373;
-	cvt.u64.u32 	%rd2073, %r375;
-
-$L__BB7_364:
-	shl.b64 	%rd1454, %rd2073, 3;
-	add.s64 	%rd525, %rd4, %rd1454;
-	mov.u64 	%rd2068, 0;
-	ld.volatile.global.u64 	%rd1455, [%rd525];
-	setp.eq.s64 	%p293, %rd1455, 0;
-	@%p293 bra 	$L__BB7_366;
-
-	atom.global.exch.b64 	%rd2068, [%rd525], 0;
-
-$L__BB7_366:
-	add.s64 	%rd2064, %rd2064, 1;
-	setp.lt.u64 	%p294, %rd2064, %rd517;
-	setp.eq.s64 	%p457, %rd2068, 0;
-	and.pred  	%p295, %p457, %p294;
-	@%p295 bra 	$L__BB7_361;
-
-$L__BB7_367:
-	not.pred 	%p296, %p457;
-	@%p296 bra 	$L__BB7_379;
-
-	mov.u64 	%rd1456, 1;
-	st.volatile.global.u64 	[%rd2], %rd1456;
+	ld.param.u64 	%rd1948, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1947, %rd1948;
+	mov.u64 	%rd1735, 1;
+	st.volatile.global.u64 	[%rd1947], %rd1735;
 	membar.sys;
-	mov.u32 	%r646, 32;
-	cvt.u32.u64 	%r377, %rd517;
-	bra.uni 	$L__BB7_369;
+	mov.u32 	%r664, 32;
+	cvt.u32.u64 	%r501, %rd727;
+	bra.uni 	$L__BB7_494;
 
-$L__BB7_455:
+$L__BB7_587:
 	// begin inline asm
-	nanosleep.u32 %r646;
+	nanosleep.u32 %r664;
 	// end inline asm
-	setp.lt.u32 	%p360, %r646, 2048;
-	selp.u32 	%r469, 1, 0, %p360;
-	shl.b32 	%r646, %r646, %r469;
-
-$L__BB7_369:
-	setp.eq.s64 	%p298, %rd517, 0;
-	mov.pred 	%p458, -1;
-	mov.u64 	%rd2068, 0;
-	@%p298 bra 	$L__BB7_377;
-
-	mov.u64 	%rd2070, 0;
-
-$L__BB7_371:
-	add.s64 	%rd533, %rd2070, %rd518;
-	or.b64  	%rd1459, %rd533, %rd517;
-	and.b64  	%rd1460, %rd1459, -4294967296;
-	setp.eq.s64 	%p299, %rd1460, 0;
-	@%p299 bra 	$L__BB7_373;
-
-	rem.u64 	%rd2073, %rd533, %rd517;
-	bra.uni 	$L__BB7_374;
-
-$L__BB7_373:
-	cvt.u32.u64 	%r378, %rd533;
-	rem.u32 	%r379, %r378, %r377;
-	cvt.u64.u32 	%rd2073, %r379;
-
-$L__BB7_374:
-	shl.b64 	%rd1462, %rd2073, 3;
-	add.s64 	%rd537, %rd4, %rd1462;
-	mov.u64 	%rd2068, 0;
-	ld.volatile.global.u64 	%rd1463, [%rd537];
-	setp.eq.s64 	%p300, %rd1463, 0;
-	@%p300 bra 	$L__BB7_376;
-
-	atom.global.exch.b64 	%rd2068, [%rd537], 0;
-
-$L__BB7_376:
-	add.s64 	%rd2070, %rd2070, 1;
-	setp.lt.u64 	%p301, %rd2070, %rd517;
-	setp.eq.s64 	%p458, %rd2068, 0;
-	and.pred  	%p302, %p458, %p301;
-	@%p302 bra 	$L__BB7_371;
-
-$L__BB7_377:
-	@%p458 bra 	$L__BB7_455;
-
-	mov.u64 	%rd1464, 0;
-	st.volatile.global.u64 	[%rd2], %rd1464;
-	membar.sys;
-
-$L__BB7_379:
-	membar.gl;
-	add.s64 	%rd1465, %rd2073, 1;
-	or.b64  	%rd1466, %rd1465, %rd517;
-	and.b64  	%rd1467, %rd1466, -4294967296;
-	setp.eq.s64 	%p303, %rd1467, 0;
-	@%p303 bra 	$L__BB7_381;
-
-	rem.u64 	%rd2077, %rd1465, %rd517;
-	bra.uni 	$L__BB7_382;
-
-$L__BB7_246:
-	ld.global.u64 	%rd349, [%rd5+-48];
-	ld.global.u64 	%rd350, [%rd5+-40];
-	shl.b64 	%rd1243, %rd350, 3;
-	add.s64 	%rd1244, %rd4, %rd1243;
-	atom.global.exch.b64 	%rd2014, [%rd1244], 0;
-	setp.lt.u64 	%p207, %rd349, 2;
-	setp.eq.s64 	%p455, %rd2014, 0;
-	setp.ne.s64 	%p208, %rd2014, 0;
-	or.pred  	%p209, %p208, %p207;
-	mov.u64 	%rd2019, %rd350;
-	@%p209 bra 	$L__BB7_254;
-
-	mov.u64 	%rd2010, 1;
-	cvt.u32.u64 	%r272, %rd349;
-
-$L__BB7_248:
-	add.s64 	%rd353, %rd2010, %rd350;
-	or.b64  	%rd1246, %rd353, %rd349;
-	and.b64  	%rd1247, %rd1246, -4294967296;
-	setp.eq.s64 	%p210, %rd1247, 0;
-	@%p210 bra 	$L__BB7_250;
-
-	rem.u64 	%rd2019, %rd353, %rd349;
-	bra.uni 	$L__BB7_251;
-
-$L__BB7_250:
-	cvt.u32.u64 	%r273, %rd353;
-	rem.u32 	%r274, %r273, %r272;
-	cvt.u64.u32 	%rd2019, %r274;
-
-$L__BB7_251:
-	shl.b64 	%rd1249, %rd2019, 3;
-	add.s64 	%rd357, %rd4, %rd1249;
-	mov.u64 	%rd2014, 0;
-	ld.volatile.global.u64 	%rd1250, [%rd357];
-	setp.eq.s64 	%p211, %rd1250, 0;
-	@%p211 bra 	$L__BB7_253;
-
-	atom.global.exch.b64 	%rd2014, [%rd357], 0;
-
-$L__BB7_253:
-	add.s64 	%rd2010, %rd2010, 1;
-	setp.lt.u64 	%p212, %rd2010, %rd349;
-	setp.eq.s64 	%p455, %rd2014, 0;
-	and.pred  	%p213, %p455, %p212;
-	@%p213 bra 	$L__BB7_248;
-
-$L__BB7_254:
-	not.pred 	%p214, %p455;
-	@%p214 bra 	$L__BB7_266;
-
-	mov.u64 	%rd1251, 1;
-	st.volatile.global.u64 	[%rd2], %rd1251;
-	membar.sys;
-	mov.u32 	%r634, 32;
-	cvt.u32.u64 	%r276, %rd349;
-	bra.uni 	$L__BB7_256;
-
-$L__BB7_342:
-	// begin inline asm
-	nanosleep.u32 %r634;
-	// end inline asm
-	setp.lt.u32 	%p278, %r634, 2048;
-	selp.u32 	%r353, 1, 0, %p278;
-	shl.b32 	%r634, %r634, %r353;
-
-$L__BB7_256:
-	setp.eq.s64 	%p216, %rd349, 0;
-	mov.pred 	%p456, -1;
-	mov.u64 	%rd2014, 0;
-	@%p216 bra 	$L__BB7_264;
-
-	mov.u64 	%rd2016, 0;
-
-$L__BB7_258:
-	add.s64 	%rd365, %rd2016, %rd350;
-	or.b64  	%rd1254, %rd365, %rd349;
-	and.b64  	%rd1255, %rd1254, -4294967296;
-	setp.eq.s64 	%p217, %rd1255, 0;
-	@%p217 bra 	$L__BB7_260;
-
-	rem.u64 	%rd2019, %rd365, %rd349;
-	bra.uni 	$L__BB7_261;
-
-$L__BB7_260:
-	cvt.u32.u64 	%r277, %rd365;
-	rem.u32 	%r278, %r277, %r276;
-	cvt.u64.u32 	%rd2019, %r278;
-
-$L__BB7_261:
-	shl.b64 	%rd1257, %rd2019, 3;
-	add.s64 	%rd369, %rd4, %rd1257;
-	mov.u64 	%rd2014, 0;
-	ld.volatile.global.u64 	%rd1258, [%rd369];
-	setp.eq.s64 	%p218, %rd1258, 0;
-	@%p218 bra 	$L__BB7_263;
-
-	atom.global.exch.b64 	%rd2014, [%rd369], 0;
-
-$L__BB7_263:
-	add.s64 	%rd2016, %rd2016, 1;
-	setp.lt.u64 	%p219, %rd2016, %rd349;
-	setp.eq.s64 	%p456, %rd2014, 0;
-	and.pred  	%p220, %p456, %p219;
-	@%p220 bra 	$L__BB7_258;
-
-$L__BB7_264:
-	@%p456 bra 	$L__BB7_342;
-
-	mov.u64 	%rd1259, 0;
-	st.volatile.global.u64 	[%rd2], %rd1259;
-	membar.sys;
-
-$L__BB7_266:
-	membar.gl;
-	add.s64 	%rd1260, %rd2019, 1;
-	or.b64  	%rd1261, %rd1260, %rd349;
-	and.b64  	%rd1262, %rd1261, -4294967296;
-	setp.eq.s64 	%p221, %rd1262, 0;
-	@%p221 bra 	$L__BB7_268;
-
-	rem.u64 	%rd2023, %rd1260, %rd349;
-	bra.uni 	$L__BB7_269;
+	setp.lt.u32 	%p479, %r664, 2048;
+	selp.u32 	%r616, 1, 0, %p479;
+	shl.b32 	%r664, %r664, %r616;
 
 $L__BB7_494:
-	cvt.u32.u64 	%r504, %rd683;
-	cvt.u32.u64 	%r505, %rd1671;
-	rem.u32 	%r506, %r505, %r504;
-	cvt.u64.u32 	%rd2130, %r506;
+	setp.eq.s64 	%p408, %rd727, 0;
+	mov.pred 	%p508, -1;
+	mov.u64 	%rd2249, 0;
+	@%p408 bra 	$L__BB7_502;
 
-$L__BB7_495:
-	ld.param.u64 	%rd1859, [jaxvmm_fused_offload_param_3];
-	cvta.to.global.u64 	%rd1858, %rd1859;
-	add.s64 	%rd1857, %rd4, 144;
-	st.global.u64 	[%rd1857+-40], %rd2130;
-	st.global.u32 	[%rd1858], %rd2121;
-	shr.u64 	%rd1676, %rd2121, 32;
-	st.global.u32 	[%rd1858+4], %rd1676;
-	shl.b64 	%rd1677, %rd2126, 3;
-	add.s64 	%rd1678, %rd4, %rd1677;
-	ld.volatile.global.u64 	%rd2131, [%rd1678+32];
-	st.global.u64 	[%rd1857+-32], %rd2131;
-	ld.global.u64 	%rd1679, [%rd1678+64];
-	st.global.u64 	[%rd1857+-24], %rd1679;
-	membar.gl;
-	atom.global.exch.b64 	%rd1681, [%rd1857], %rd2131;
+	mov.u64 	%rd2251, 0;
 
 $L__BB7_496:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2131;
-
-$L__BB7_497:
-	bar.sync 	0;
-	ld.shared.u64 	%rd716, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
-	and.b64  	%rd1682, %rd716, 15;
-	setp.eq.s64 	%p386, %rd1682, 0;
-	@%p386 bra 	$L__BB7_553;
-
-	ld.param.u64 	%rd1860, [jaxvmm_fused_offload_param_1];
-	xor.b64  	%rd717, %rd716, %rd1860;
-	and.b64  	%rd1683, %rd717, 15;
-	setp.eq.s64 	%p387, %rd1683, 0;
-	@%p387 bra 	$L__BB7_542;
-
-	and.b64  	%rd1684, %rd717, 7;
-	setp.eq.s64 	%p388, %rd1684, 0;
-	@%p388 bra 	$L__BB7_531;
-
-	and.b64  	%rd1685, %rd717, 3;
-	setp.eq.s64 	%p389, %rd1685, 0;
-	@%p389 bra 	$L__BB7_520;
-
-	and.b64  	%rd1686, %rd717, 1;
-	setp.eq.b64 	%p390, %rd1686, 1;
-	mov.pred 	%p391, 0;
-	xor.pred  	%p392, %p390, %p391;
-	not.pred 	%p393, %p392;
-	@%p393 bra 	$L__BB7_509;
-	bra.uni 	$L__BB7_502;
-
-$L__BB7_509:
-	and.b64  	%rd733, %rd716, 1;
-	min.u64 	%rd734, %rd733, %rd836;
-	setp.ge.u64 	%p400, %rd672, %rd734;
-	@%p400 bra 	$L__BB7_512;
-
-	mov.u64 	%rd2138, %rd672;
-
-$L__BB7_511:
-	add.s64 	%rd1699, %rd3, %rd2138;
-	ld.global.u8 	%rs121, [%rd1699];
-	add.s64 	%rd1700, %rd716, %rd2138;
-	st.u8 	[%rd1700], %rs121;
-	add.s64 	%rd2138, %rd2138, %rd674;
-	setp.lt.u64 	%p401, %rd2138, %rd734;
-	@%p401 bra 	$L__BB7_511;
-
-$L__BB7_512:
-	sub.s64 	%rd737, %rd836, %rd734;
-	shr.u64 	%rd738, %rd737, 1;
-	setp.ge.u64 	%p402, %rd679, %rd738;
-	mov.u64 	%rd2142, %rd672;
-	@%p402 bra 	$L__BB7_515;
-
-	mul.lo.s64 	%rd1701, %rd669, %rd670;
-	shl.b64 	%rd1702, %rd1701, 1;
-	shl.b64 	%rd1703, %rd671, 1;
-	add.s64 	%rd1704, %rd1702, %rd1703;
-	add.s64 	%rd1705, %rd1704, -1;
-	not.b64 	%rd1706, %rd836;
-	not.b64 	%rd1707, %rd733;
-	max.u64 	%rd1708, %rd1707, %rd1706;
-	sub.s64 	%rd1709, %rd1705, %rd1708;
-	add.s64 	%rd2140, %rd3, %rd1709;
-	mul.lo.s64 	%rd1710, %rd673, %rd670;
-	shl.b64 	%rd740, %rd1710, 1;
-	add.s64 	%rd2141, %rd716, %rd1709;
-	mov.u64 	%rd2142, %rd672;
-
-$L__BB7_514:
-	ld.global.u16 	%rs122, [%rd2140];
-	add.s64 	%rd1711, %rd2140, %rd740;
-	ld.global.u16 	%rs123, [%rd1711];
-	add.s64 	%rd1712, %rd1711, %rd740;
-	ld.global.u16 	%rs124, [%rd1712];
-	add.s64 	%rd1713, %rd1712, %rd740;
-	add.s64 	%rd2140, %rd1713, %rd740;
-	ld.global.u16 	%rs125, [%rd1713];
-	st.u16 	[%rd2141], %rs122;
-	add.s64 	%rd1714, %rd2141, %rd740;
-	st.u16 	[%rd1714], %rs123;
-	add.s64 	%rd1715, %rd1714, %rd740;
-	st.u16 	[%rd1715], %rs124;
-	add.s64 	%rd1716, %rd1715, %rd740;
-	add.s64 	%rd2141, %rd1716, %rd740;
-	st.u16 	[%rd1716], %rs125;
-	add.s64 	%rd1717, %rd2142, %rd674;
-	add.s64 	%rd2142, %rd678, %rd1717;
-	add.s64 	%rd1718, %rd2142, %rd678;
-	setp.lt.u64 	%p403, %rd1718, %rd738;
-	@%p403 bra 	$L__BB7_514;
-
-$L__BB7_515:
-	setp.ge.u64 	%p404, %rd2142, %rd738;
-	@%p404 bra 	$L__BB7_518;
-
-	add.s64 	%rd749, %rd716, %rd734;
-	add.s64 	%rd750, %rd3, %rd734;
-
-$L__BB7_517:
-	shl.b64 	%rd1719, %rd2142, 1;
-	add.s64 	%rd1720, %rd750, %rd1719;
-	ld.global.u16 	%rs126, [%rd1720];
-	add.s64 	%rd1721, %rd749, %rd1719;
-	st.u16 	[%rd1721], %rs126;
-	add.s64 	%rd2142, %rd2142, %rd674;
-	setp.lt.u64 	%p405, %rd2142, %rd738;
-	@%p405 bra 	$L__BB7_517;
-
-$L__BB7_518:
-	and.b64  	%rd1722, %rd737, -2;
-	add.s64 	%rd1723, %rd734, %rd672;
-	add.s64 	%rd2144, %rd1723, %rd1722;
-	setp.ge.u64 	%p406, %rd2144, %rd836;
-	@%p406 bra 	$L__BB7_568;
-
-$L__BB7_519:
-	add.s64 	%rd1724, %rd3, %rd2144;
-	ld.global.u8 	%rs127, [%rd1724];
-	add.s64 	%rd1725, %rd716, %rd2144;
-	st.u8 	[%rd1725], %rs127;
-	add.s64 	%rd2144, %rd2144, %rd674;
-	setp.lt.u64 	%p407, %rd2144, %rd836;
-	@%p407 bra 	$L__BB7_519;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_553:
-	setp.ge.u64 	%p445, %rd672, %rd675;
-	@%p445 bra 	$L__BB7_555;
-
-	shl.b64 	%rd1817, %rd672, 4;
-	add.s64 	%rd1818, %rd716, %rd1817;
-	st.v4.u32 	[%rd1818], {%r64, %r63, %r62, %r61};
-
-$L__BB7_555:
-	add.s64 	%rd1862, %rd674, %rd672;
-	setp.ge.u64 	%p446, %rd1862, %rd675;
-	@%p446 bra 	$L__BB7_557;
-
-	add.s64 	%rd1867, %rd674, %rd672;
-	shl.b64 	%rd1819, %rd1867, 4;
-	add.s64 	%rd1820, %rd716, %rd1819;
-	st.v4.u32 	[%rd1820], {%r72, %r71, %r70, %r69};
-
-$L__BB7_557:
-	add.s64 	%rd1864, %rd674, %rd672;
-	add.s64 	%rd1863, %rd1864, %rd674;
-	setp.ge.u64 	%p447, %rd1863, %rd675;
-	@%p447 bra 	$L__BB7_559;
-
-	add.s64 	%rd1866, %rd674, %rd672;
-	add.s64 	%rd1865, %rd1866, %rd674;
-	shl.b64 	%rd1821, %rd1865, 4;
-	add.s64 	%rd1822, %rd716, %rd1821;
-	st.v4.u32 	[%rd1822], {%r80, %r79, %r78, %r77};
-
-$L__BB7_559:
-	add.s64 	%rd1890, %rd674, %rd672;
-	add.s64 	%rd1889, %rd1890, %rd674;
-	add.s64 	%rd1888, %rd1889, %rd674;
-	setp.ge.u64 	%p450, %rd1888, %rd675;
-	@%p450 bra 	$L__BB7_561;
-
-	shl.b64 	%rd1823, %rd679, 4;
-	add.s64 	%rd1824, %rd716, %rd1823;
-	st.v4.u32 	[%rd1824], {%r88, %r87, %r86, %r85};
-
-$L__BB7_561:
-	add.s64 	%rd2166, %rd679, %rd674;
-	add.s64 	%rd1825, %rd2166, %rd678;
-	setp.ge.u64 	%p436, %rd1825, %rd675;
-	@%p436 bra 	$L__BB7_564;
-
-	mul.lo.s64 	%rd1826, %rd673, %rd670;
-	shl.b64 	%rd822, %rd1826, 4;
-	shl.b64 	%rd1827, %rd673, 2;
-	add.s64 	%rd1828, %rd1827, %rd669;
-	mul.lo.s64 	%rd1829, %rd1828, %rd670;
-	shl.b64 	%rd1830, %rd1829, 4;
-	shl.b64 	%rd1831, %rd671, 4;
-	add.s64 	%rd1832, %rd1830, %rd1831;
-	add.s64 	%rd2165, %rd716, %rd1832;
-	mul.lo.s64 	%rd824, %rd1826, -48;
-
-$L__BB7_563:
-	shl.b64 	%rd1833, %rd2166, 4;
-	add.s64 	%rd1834, %rd3, %rd1833;
-	shl.b64 	%rd1835, %rd674, 2;
-	shl.b64 	%rd1836, %rd674, 4;
-	add.s64 	%rd1837, %rd1834, %rd1836;
-	ld.global.v4.u32 	{%r572, %r573, %r574, %r575}, [%rd1837];
-	add.s64 	%rd1838, %rd1837, %rd822;
-	ld.global.v4.u32 	{%r580, %r581, %r582, %r583}, [%rd1838];
-	add.s64 	%rd1839, %rd1838, %rd822;
-	ld.global.v4.u32 	{%r588, %r589, %r590, %r591}, [%rd1839];
-	add.s64 	%rd1840, %rd1839, %rd824;
-	ld.global.v4.u32 	{%r596, %r597, %r598, %r599}, [%rd1840];
-	st.v4.u32 	[%rd2165], {%r596, %r597, %r598, %r599};
-	add.s64 	%rd1841, %rd2165, %rd822;
-	st.v4.u32 	[%rd1841], {%r572, %r573, %r574, %r575};
-	add.s64 	%rd1842, %rd1841, %rd822;
-	st.v4.u32 	[%rd1842], {%r580, %r581, %r582, %r583};
-	add.s64 	%rd1843, %rd1842, %rd822;
-	add.s64 	%rd2165, %rd1843, %rd822;
-	st.v4.u32 	[%rd1843], {%r588, %r589, %r590, %r591};
-	add.s64 	%rd2166, %rd1835, %rd2166;
-	add.s64 	%rd1844, %rd2166, %rd678;
-	setp.lt.u64 	%p437, %rd1844, %rd675;
-	@%p437 bra 	$L__BB7_563;
-
-$L__BB7_564:
-	setp.ge.u64 	%p438, %rd2166, %rd675;
-	@%p438 bra 	$L__BB7_566;
-
-$L__BB7_565:
-	shl.b64 	%rd1845, %rd2166, 4;
-	add.s64 	%rd1846, %rd716, %rd1845;
-	add.s64 	%rd1847, %rd3, %rd1845;
-	ld.global.v4.u32 	{%r604, %r605, %r606, %r607}, [%rd1847];
-	st.v4.u32 	[%rd1846], {%r604, %r605, %r606, %r607};
-	add.s64 	%rd2166, %rd2166, %rd674;
-	setp.lt.u64 	%p439, %rd2166, %rd675;
-	@%p439 bra 	$L__BB7_565;
-
-$L__BB7_566:
-	and.b64  	%rd1848, %rd836, -16;
-	add.s64 	%rd2168, %rd1848, %rd672;
-	setp.ge.u64 	%p440, %rd2168, %rd836;
-	@%p440 bra 	$L__BB7_568;
-
-$L__BB7_567:
-	add.s64 	%rd1849, %rd3, %rd2168;
-	ld.global.u8 	%rs134, [%rd1849];
-	add.s64 	%rd1850, %rd716, %rd2168;
-	st.u8 	[%rd1850], %rs134;
-	add.s64 	%rd2168, %rd2168, %rd674;
-	setp.lt.u64 	%p441, %rd2168, %rd836;
-	@%p441 bra 	$L__BB7_567;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_542:
-	neg.s64 	%rd1785, %rd716;
-	and.b64  	%rd800, %rd1785, 15;
-	min.u64 	%rd801, %rd800, %rd836;
-	setp.ge.u64 	%p424, %rd672, %rd801;
-	@%p424 bra 	$L__BB7_545;
-
-	mov.u64 	%rd2158, %rd672;
-
-$L__BB7_544:
-	add.s64 	%rd1786, %rd3, %rd2158;
-	ld.global.u8 	%rs132, [%rd1786];
-	add.s64 	%rd1787, %rd716, %rd2158;
-	st.u8 	[%rd1787], %rs132;
-	add.s64 	%rd2158, %rd2158, %rd674;
-	setp.lt.u64 	%p425, %rd2158, %rd801;
-	@%p425 bra 	$L__BB7_544;
-
-$L__BB7_545:
-	sub.s64 	%rd804, %rd836, %rd801;
-	shr.u64 	%rd805, %rd804, 4;
-	add.s64 	%rd806, %rd3, %rd801;
-	setp.ge.u64 	%p426, %rd679, %rd805;
-	mov.u64 	%rd2161, %rd672;
-	@%p426 bra 	$L__BB7_548;
-
-	mul.lo.s64 	%rd1788, %rd673, %rd670;
-	shl.b64 	%rd807, %rd1788, 4;
-	mul.lo.s64 	%rd1789, %rd669, %rd670;
-	shl.b64 	%rd1790, %rd1789, 4;
-	shl.b64 	%rd1791, %rd671, 4;
-	add.s64 	%rd1792, %rd1790, %rd1791;
-	add.s64 	%rd1793, %rd1792, -1;
-	not.b64 	%rd1794, %rd836;
-	not.b64 	%rd1795, %rd800;
-	max.u64 	%rd1796, %rd1795, %rd1794;
-	sub.s64 	%rd1797, %rd1793, %rd1796;
-	add.s64 	%rd2160, %rd716, %rd1797;
-	mul.lo.s64 	%rd809, %rd1788, -48;
-	mov.u64 	%rd2161, %rd672;
-
-$L__BB7_547:
-	shl.b64 	%rd1798, %rd2161, 4;
-	add.s64 	%rd1799, %rd806, %rd1798;
-	shl.b64 	%rd1800, %rd674, 2;
-	shl.b64 	%rd1801, %rd674, 4;
-	add.s64 	%rd1802, %rd1799, %rd1801;
-	ld.global.v4.u32 	{%r532, %r533, %r534, %r535}, [%rd1802];
-	add.s64 	%rd1803, %rd1802, %rd807;
-	ld.global.v4.u32 	{%r540, %r541, %r542, %r543}, [%rd1803];
-	add.s64 	%rd1804, %rd1803, %rd807;
-	ld.global.v4.u32 	{%r548, %r549, %r550, %r551}, [%rd1804];
-	add.s64 	%rd1805, %rd1804, %rd809;
-	ld.global.v4.u32 	{%r556, %r557, %r558, %r559}, [%rd1805];
-	st.v4.u32 	[%rd2160], {%r556, %r557, %r558, %r559};
-	add.s64 	%rd1806, %rd2160, %rd807;
-	st.v4.u32 	[%rd1806], {%r532, %r533, %r534, %r535};
-	add.s64 	%rd1807, %rd1806, %rd807;
-	st.v4.u32 	[%rd1807], {%r540, %r541, %r542, %r543};
-	add.s64 	%rd1808, %rd1807, %rd807;
-	add.s64 	%rd2160, %rd1808, %rd807;
-	st.v4.u32 	[%rd1808], {%r548, %r549, %r550, %r551};
-	add.s64 	%rd2161, %rd1800, %rd2161;
-	add.s64 	%rd1809, %rd2161, %rd678;
-	setp.lt.u64 	%p427, %rd1809, %rd805;
-	@%p427 bra 	$L__BB7_547;
-
-$L__BB7_548:
-	setp.ge.u64 	%p428, %rd2161, %rd805;
-	@%p428 bra 	$L__BB7_551;
-
-	add.s64 	%rd815, %rd716, %rd801;
-
-$L__BB7_550:
-	shl.b64 	%rd1810, %rd2161, 4;
-	add.s64 	%rd1811, %rd815, %rd1810;
-	add.s64 	%rd1812, %rd806, %rd1810;
-	ld.global.v4.u32 	{%r564, %r565, %r566, %r567}, [%rd1812];
-	st.v4.u32 	[%rd1811], {%r564, %r565, %r566, %r567};
-	add.s64 	%rd2161, %rd2161, %rd674;
-	setp.lt.u64 	%p429, %rd2161, %rd805;
-	@%p429 bra 	$L__BB7_550;
-
-$L__BB7_551:
-	and.b64  	%rd1813, %rd804, -16;
-	add.s64 	%rd1814, %rd801, %rd672;
-	add.s64 	%rd2163, %rd1814, %rd1813;
-	setp.ge.u64 	%p430, %rd2163, %rd836;
-	@%p430 bra 	$L__BB7_568;
-
-$L__BB7_552:
-	add.s64 	%rd1815, %rd3, %rd2163;
-	ld.global.u8 	%rs133, [%rd1815];
-	add.s64 	%rd1816, %rd716, %rd2163;
-	st.u8 	[%rd1816], %rs133;
-	add.s64 	%rd2163, %rd2163, %rd674;
-	setp.lt.u64 	%p431, %rd2163, %rd836;
-	@%p431 bra 	$L__BB7_552;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_531:
-	neg.s64 	%rd1754, %rd716;
-	and.b64  	%rd779, %rd1754, 7;
-	min.u64 	%rd780, %rd779, %rd836;
-	setp.ge.u64 	%p416, %rd672, %rd780;
-	@%p416 bra 	$L__BB7_534;
-
-	mov.u64 	%rd2152, %rd672;
-
-$L__BB7_533:
-	add.s64 	%rd1755, %rd3, %rd2152;
-	ld.global.u8 	%rs130, [%rd1755];
-	add.s64 	%rd1756, %rd716, %rd2152;
-	st.u8 	[%rd1756], %rs130;
-	add.s64 	%rd2152, %rd2152, %rd674;
-	setp.lt.u64 	%p417, %rd2152, %rd780;
-	@%p417 bra 	$L__BB7_533;
-
-$L__BB7_534:
-	sub.s64 	%rd783, %rd836, %rd780;
-	shr.u64 	%rd784, %rd783, 3;
-	add.s64 	%rd785, %rd3, %rd780;
-	setp.ge.u64 	%p418, %rd679, %rd784;
-	mov.u64 	%rd2155, %rd672;
-	@%p418 bra 	$L__BB7_537;
-
-	mul.lo.s64 	%rd1757, %rd673, %rd670;
-	shl.b64 	%rd786, %rd1757, 3;
-	mul.lo.s64 	%rd1758, %rd669, %rd670;
-	shl.b64 	%rd1759, %rd1758, 3;
-	shl.b64 	%rd1760, %rd671, 3;
-	add.s64 	%rd1761, %rd1759, %rd1760;
-	add.s64 	%rd1762, %rd1761, -1;
-	not.b64 	%rd1763, %rd836;
-	not.b64 	%rd1764, %rd779;
-	max.u64 	%rd1765, %rd1764, %rd1763;
-	sub.s64 	%rd1766, %rd1762, %rd1765;
-	add.s64 	%rd2154, %rd716, %rd1766;
-	neg.s64 	%rd788, %rd1757;
-	shl.b64 	%rd1772, %rd788, 3;
-	mov.u64 	%rd2155, %rd672;
-
-$L__BB7_536:
-	add.s64 	%rd1767, %rd2155, %rd674;
-	shl.b64 	%rd1768, %rd1767, 3;
-	add.s64 	%rd1769, %rd785, %rd1768;
-	ld.global.v2.u32 	{%r512, %r513}, [%rd1769];
-	add.s64 	%rd1770, %rd1769, %rd786;
-	ld.global.v2.u32 	{%r516, %r517}, [%rd1770];
-	add.s64 	%rd1771, %rd1770, %rd786;
-	ld.global.v2.u32 	{%r520, %r521}, [%rd1771];
-	add.s64 	%rd1773, %rd1769, %rd1772;
-	ld.global.v2.u32 	{%r524, %r525}, [%rd1773];
-	st.v2.u32 	[%rd2154], {%r524, %r525};
-	add.s64 	%rd1774, %rd2154, %rd786;
-	st.v2.u32 	[%rd1774], {%r512, %r513};
-	add.s64 	%rd1775, %rd1774, %rd786;
-	st.v2.u32 	[%rd1775], {%r516, %r517};
-	add.s64 	%rd1776, %rd1775, %rd786;
-	add.s64 	%rd2154, %rd1776, %rd786;
-	st.v2.u32 	[%rd1776], {%r520, %r521};
-	add.s64 	%rd2155, %rd678, %rd1767;
-	add.s64 	%rd1777, %rd2155, %rd678;
-	setp.lt.u64 	%p419, %rd1777, %rd784;
-	@%p419 bra 	$L__BB7_536;
-
-$L__BB7_537:
-	setp.ge.u64 	%p420, %rd2155, %rd784;
-	@%p420 bra 	$L__BB7_540;
-
-	add.s64 	%rd794, %rd716, %rd780;
-
-$L__BB7_539:
-	shl.b64 	%rd1778, %rd2155, 3;
-	add.s64 	%rd1779, %rd785, %rd1778;
-	ld.global.v2.u32 	{%r528, %r529}, [%rd1779];
-	add.s64 	%rd1780, %rd794, %rd1778;
-	st.v2.u32 	[%rd1780], {%r528, %r529};
-	add.s64 	%rd2155, %rd2155, %rd674;
-	setp.lt.u64 	%p421, %rd2155, %rd784;
-	@%p421 bra 	$L__BB7_539;
-
-$L__BB7_540:
-	and.b64  	%rd1781, %rd783, -8;
-	add.s64 	%rd1782, %rd780, %rd672;
-	add.s64 	%rd2157, %rd1782, %rd1781;
-	setp.ge.u64 	%p422, %rd2157, %rd836;
-	@%p422 bra 	$L__BB7_568;
-
-$L__BB7_541:
-	add.s64 	%rd1783, %rd3, %rd2157;
-	ld.global.u8 	%rs131, [%rd1783];
-	add.s64 	%rd1784, %rd716, %rd2157;
-	st.u8 	[%rd1784], %rs131;
-	add.s64 	%rd2157, %rd2157, %rd674;
-	setp.lt.u64 	%p423, %rd2157, %rd836;
-	@%p423 bra 	$L__BB7_541;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_520:
-	neg.s64 	%rd1726, %rd716;
-	and.b64  	%rd756, %rd1726, 3;
-	min.u64 	%rd757, %rd756, %rd836;
-	setp.ge.u64 	%p408, %rd672, %rd757;
-	@%p408 bra 	$L__BB7_523;
-
-	mov.u64 	%rd2145, %rd672;
-
-$L__BB7_522:
-	add.s64 	%rd1727, %rd3, %rd2145;
-	ld.global.u8 	%rs128, [%rd1727];
-	add.s64 	%rd1728, %rd716, %rd2145;
-	st.u8 	[%rd1728], %rs128;
-	add.s64 	%rd2145, %rd2145, %rd674;
-	setp.lt.u64 	%p409, %rd2145, %rd757;
-	@%p409 bra 	$L__BB7_522;
-
-$L__BB7_523:
-	sub.s64 	%rd760, %rd836, %rd757;
-	shr.u64 	%rd761, %rd760, 2;
-	setp.ge.u64 	%p410, %rd679, %rd761;
-	mov.u64 	%rd2149, %rd672;
-	@%p410 bra 	$L__BB7_526;
-
-	mul.lo.s64 	%rd1729, %rd669, %rd670;
-	shl.b64 	%rd1730, %rd1729, 2;
-	shl.b64 	%rd1731, %rd671, 2;
-	add.s64 	%rd1732, %rd1730, %rd1731;
-	add.s64 	%rd1733, %rd1732, -1;
-	not.b64 	%rd1734, %rd836;
-	not.b64 	%rd1735, %rd756;
-	max.u64 	%rd1736, %rd1735, %rd1734;
-	sub.s64 	%rd1737, %rd1733, %rd1736;
-	add.s64 	%rd2147, %rd3, %rd1737;
-	mul.lo.s64 	%rd1738, %rd673, %rd670;
-	shl.b64 	%rd763, %rd1738, 2;
-	add.s64 	%rd2148, %rd716, %rd1737;
-	mov.u64 	%rd2149, %rd672;
-
-$L__BB7_525:
-	ld.global.u32 	%r507, [%rd2147];
-	add.s64 	%rd1739, %rd2147, %rd763;
-	ld.global.u32 	%r508, [%rd1739];
-	add.s64 	%rd1740, %rd1739, %rd763;
-	ld.global.u32 	%r509, [%rd1740];
-	add.s64 	%rd1741, %rd1740, %rd763;
-	add.s64 	%rd2147, %rd1741, %rd763;
-	ld.global.u32 	%r510, [%rd1741];
-	st.u32 	[%rd2148], %r507;
-	add.s64 	%rd1742, %rd2148, %rd763;
-	st.u32 	[%rd1742], %r508;
-	add.s64 	%rd1743, %rd1742, %rd763;
-	st.u32 	[%rd1743], %r509;
-	add.s64 	%rd1744, %rd1743, %rd763;
-	add.s64 	%rd2148, %rd1744, %rd763;
-	st.u32 	[%rd1744], %r510;
-	add.s64 	%rd1745, %rd2149, %rd674;
-	add.s64 	%rd2149, %rd678, %rd1745;
-	add.s64 	%rd1746, %rd2149, %rd678;
-	setp.lt.u64 	%p411, %rd1746, %rd761;
-	@%p411 bra 	$L__BB7_525;
-
-$L__BB7_526:
-	setp.ge.u64 	%p412, %rd2149, %rd761;
-	@%p412 bra 	$L__BB7_529;
-
-	add.s64 	%rd772, %rd716, %rd757;
-	add.s64 	%rd773, %rd3, %rd757;
-
-$L__BB7_528:
-	shl.b64 	%rd1747, %rd2149, 2;
-	add.s64 	%rd1748, %rd773, %rd1747;
-	ld.global.u32 	%r511, [%rd1748];
-	add.s64 	%rd1749, %rd772, %rd1747;
-	st.u32 	[%rd1749], %r511;
-	add.s64 	%rd2149, %rd2149, %rd674;
-	setp.lt.u64 	%p413, %rd2149, %rd761;
-	@%p413 bra 	$L__BB7_528;
-
-$L__BB7_529:
-	and.b64  	%rd1750, %rd760, -4;
-	add.s64 	%rd1751, %rd757, %rd672;
-	add.s64 	%rd2151, %rd1751, %rd1750;
-	setp.ge.u64 	%p414, %rd2151, %rd836;
-	@%p414 bra 	$L__BB7_568;
-
-$L__BB7_530:
-	add.s64 	%rd1752, %rd3, %rd2151;
-	ld.global.u8 	%rs129, [%rd1752];
-	add.s64 	%rd1753, %rd716, %rd2151;
-	st.u8 	[%rd1753], %rs129;
-	add.s64 	%rd2151, %rd2151, %rd674;
-	setp.lt.u64 	%p415, %rd2151, %rd836;
-	@%p415 bra 	$L__BB7_530;
-	bra.uni 	$L__BB7_568;
+	add.s64 	%rd752, %rd2251, %rd737;
+	or.b64  	%rd1738, %rd752, %rd727;
+	and.b64  	%rd1739, %rd1738, -4294967296;
+	setp.eq.s64 	%p409, %rd1739, 0;
+	@%p409 bra 	$L__BB7_498;
+
+	rem.u64 	%rd2254, %rd752, %rd727;
+	bra.uni 	$L__BB7_499;
+
+$L__BB7_498:
+	cvt.u32.u64 	%r502, %rd752;
+	rem.u32 	%r503, %r502, %r501;
+	cvt.u64.u32 	%rd2254, %r503;
+
+$L__BB7_499:
+	shl.b64 	%rd1741, %rd2254, 3;
+	add.s64 	%rd756, %rd4, %rd1741;
+	mov.u64 	%rd2249, 0;
+	ld.volatile.global.u64 	%rd1742, [%rd756];
+	setp.eq.s64 	%p410, %rd1742, 0;
+	@%p410 bra 	$L__BB7_501;
+
+	atom.global.exch.b64 	%rd2249, [%rd756], 0;
+
+$L__BB7_501:
+	add.s64 	%rd2251, %rd2251, 1;
+	setp.lt.u64 	%p411, %rd2251, %rd727;
+	setp.eq.s64 	%p508, %rd2249, 0;
+	and.pred  	%p412, %p508, %p411;
+	@%p412 bra 	$L__BB7_496;
 
 $L__BB7_502:
-	setp.ge.u64 	%p394, %rd679, %rd836;
-	mov.u64 	%rd2135, %rd672;
-	@%p394 bra 	$L__BB7_505;
+	@%p508 bra 	$L__BB7_587;
 
-	add.s64 	%rd2133, %rd3, %rd672;
-	mul.lo.s64 	%rd719, %rd673, %rd670;
-	add.s64 	%rd2134, %rd716, %rd672;
-	mov.u64 	%rd2135, %rd672;
+	ld.param.u64 	%rd1950, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1949, %rd1950;
+	mov.u64 	%rd1743, 0;
+	st.volatile.global.u64 	[%rd1949], %rd1743;
+	membar.sys;
 
 $L__BB7_504:
-	ld.global.u8 	%rs115, [%rd2133];
-	add.s64 	%rd1687, %rd2133, %rd719;
-	ld.global.u8 	%rs116, [%rd1687];
-	add.s64 	%rd1688, %rd1687, %rd719;
-	ld.global.u8 	%rs117, [%rd1688];
-	add.s64 	%rd1689, %rd1688, %rd719;
-	add.s64 	%rd2133, %rd1689, %rd719;
-	ld.global.u8 	%rs118, [%rd1689];
-	st.u8 	[%rd2134], %rs115;
-	add.s64 	%rd1690, %rd2134, %rd719;
-	st.u8 	[%rd1690], %rs116;
-	add.s64 	%rd1691, %rd1690, %rd719;
-	st.u8 	[%rd1691], %rs117;
-	add.s64 	%rd1692, %rd1691, %rd719;
-	add.s64 	%rd2134, %rd1692, %rd719;
-	st.u8 	[%rd1692], %rs118;
-	add.s64 	%rd1693, %rd2135, %rd674;
-	add.s64 	%rd2135, %rd678, %rd1693;
-	add.s64 	%rd1694, %rd2135, %rd678;
-	setp.lt.u64 	%p395, %rd1694, %rd836;
-	@%p395 bra 	$L__BB7_504;
+	membar.gl;
+	add.s64 	%rd1744, %rd2254, 1;
+	or.b64  	%rd1745, %rd1744, %rd727;
+	and.b64  	%rd1746, %rd1745, -4294967296;
+	setp.eq.s64 	%p413, %rd1746, 0;
+	@%p413 bra 	$L__BB7_506;
 
-$L__BB7_505:
-	setp.ge.u64 	%p396, %rd2135, %rd836;
-	@%p396 bra 	$L__BB7_507;
+	rem.u64 	%rd2258, %rd1744, %rd727;
+	bra.uni 	$L__BB7_507;
+
+$L__BB7_368:
+	ld.volatile.global.u64 	%rd550, [%rd5+-48];
+	ld.volatile.global.u64 	%rd551, [%rd5+8];
+	ld.volatile.global.u64 	%rd552, [%rd5+-112];
+	ld.volatile.global.u64 	%rd553, [%rd5+-80];
+	ld.volatile.global.u64 	%rd554, [%rd5+-104];
+	ld.volatile.global.u64 	%rd555, [%rd5+-72];
+	ld.volatile.global.u64 	%rd556, [%rd5+-96];
+	ld.volatile.global.u64 	%rd557, [%rd5+-64];
+	ld.volatile.global.u64 	%rd558, [%rd5+-88];
+	ld.volatile.global.u64 	%rd559, [%rd5+-56];
+	ld.volatile.global.u64 	%rd560, [%rd5+-40];
+	shl.b64 	%rd1516, %rd560, 3;
+	add.s64 	%rd1517, %rd4, %rd1516;
+	atom.global.exch.b64 	%rd2195, [%rd1517], 0;
+	setp.lt.u64 	%p310, %rd550, 2;
+	setp.eq.s64 	%p505, %rd2195, 0;
+	setp.ne.s64 	%p311, %rd2195, 0;
+	or.pred  	%p312, %p311, %p310;
+	mov.u64 	%rd2200, %rd560;
+	@%p312 bra 	$L__BB7_376;
+
+	mov.u64 	%rd2191, 1;
+	cvt.u32.u64 	%r373, %rd550;
+
+$L__BB7_370:
+	add.s64 	%rd563, %rd2191, %rd560;
+	or.b64  	%rd1519, %rd563, %rd550;
+	and.b64  	%rd1520, %rd1519, -4294967296;
+	setp.eq.s64 	%p313, %rd1520, 0;
+	@%p313 bra 	$L__BB7_372;
+
+	rem.u64 	%rd2200, %rd563, %rd550;
+	bra.uni 	$L__BB7_373;
+
+$L__BB7_372:
+	cvt.u32.u64 	%r374, %rd563;
+	rem.u32 	%r375, %r374, %r373;
+	cvt.u64.u32 	%rd2200, %r375;
+
+$L__BB7_373:
+	shl.b64 	%rd1522, %rd2200, 3;
+	add.s64 	%rd567, %rd4, %rd1522;
+	mov.u64 	%rd2195, 0;
+	ld.volatile.global.u64 	%rd1523, [%rd567];
+	setp.eq.s64 	%p314, %rd1523, 0;
+	@%p314 bra 	$L__BB7_375;
+
+	atom.global.exch.b64 	%rd2195, [%rd567], 0;
+
+$L__BB7_375:
+	add.s64 	%rd2191, %rd2191, 1;
+	setp.lt.u64 	%p315, %rd2191, %rd550;
+	setp.eq.s64 	%p505, %rd2195, 0;
+	and.pred  	%p316, %p505, %p315;
+	@%p316 bra 	$L__BB7_370;
+
+$L__BB7_376:
+	not.pred 	%p317, %p505;
+	@%p317 bra 	$L__BB7_388;
+
+	ld.param.u64 	%rd2014, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd2013, %rd2014;
+	mov.u64 	%rd1524, 1;
+	st.volatile.global.u64 	[%rd2013], %rd1524;
+	membar.sys;
+	mov.u32 	%r644, 32;
+	cvt.u32.u64 	%r377, %rd550;
+	bra.uni 	$L__BB7_378;
+
+$L__BB7_467:
+	// begin inline asm
+	nanosleep.u32 %r644;
+	// end inline asm
+	setp.lt.u32 	%p388, %r644, 2048;
+	selp.u32 	%r469, 1, 0, %p388;
+	shl.b32 	%r644, %r644, %r469;
+
+$L__BB7_378:
+	setp.eq.s64 	%p319, %rd550, 0;
+	mov.pred 	%p506, -1;
+	mov.u64 	%rd2195, 0;
+	@%p319 bra 	$L__BB7_386;
+
+	mov.u64 	%rd2197, 0;
+
+$L__BB7_380:
+	add.s64 	%rd575, %rd2197, %rd560;
+	or.b64  	%rd1527, %rd575, %rd550;
+	and.b64  	%rd1528, %rd1527, -4294967296;
+	setp.eq.s64 	%p320, %rd1528, 0;
+	@%p320 bra 	$L__BB7_382;
+
+	rem.u64 	%rd2200, %rd575, %rd550;
+	bra.uni 	$L__BB7_383;
+
+$L__BB7_382:
+	cvt.u32.u64 	%r378, %rd575;
+	rem.u32 	%r379, %r378, %r377;
+	cvt.u64.u32 	%rd2200, %r379;
+
+$L__BB7_383:
+	shl.b64 	%rd1530, %rd2200, 3;
+	add.s64 	%rd579, %rd4, %rd1530;
+	mov.u64 	%rd2195, 0;
+	ld.volatile.global.u64 	%rd1531, [%rd579];
+	setp.eq.s64 	%p321, %rd1531, 0;
+	@%p321 bra 	$L__BB7_385;
+
+	atom.global.exch.b64 	%rd2195, [%rd579], 0;
+
+$L__BB7_385:
+	add.s64 	%rd2197, %rd2197, 1;
+	setp.lt.u64 	%p322, %rd2197, %rd550;
+	setp.eq.s64 	%p506, %rd2195, 0;
+	and.pred  	%p323, %p506, %p322;
+	@%p323 bra 	$L__BB7_380;
+
+$L__BB7_386:
+	@%p506 bra 	$L__BB7_467;
+
+	ld.param.u64 	%rd2016, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd2015, %rd2016;
+	mov.u64 	%rd1532, 0;
+	st.volatile.global.u64 	[%rd2015], %rd1532;
+	membar.sys;
+
+$L__BB7_388:
+	membar.gl;
+	add.s64 	%rd1533, %rd2200, 1;
+	or.b64  	%rd1534, %rd1533, %rd550;
+	and.b64  	%rd1535, %rd1534, -4294967296;
+	setp.eq.s64 	%p324, %rd1535, 0;
+	@%p324 bra 	$L__BB7_390;
+
+	rem.u64 	%rd2204, %rd1533, %rd550;
+	bra.uni 	$L__BB7_391;
+
+$L__BB7_252:
+	ld.volatile.global.u64 	%rd371, [%rd5+-48];
+	ld.volatile.global.u64 	%rd372, [%rd5+8];
+	ld.volatile.global.u64 	%rd373, [%rd5+-112];
+	ld.volatile.global.u64 	%rd374, [%rd5+-80];
+	ld.volatile.global.u64 	%rd375, [%rd5+-104];
+	ld.volatile.global.u64 	%rd376, [%rd5+-72];
+	ld.volatile.global.u64 	%rd377, [%rd5+-96];
+	ld.volatile.global.u64 	%rd378, [%rd5+-64];
+	ld.volatile.global.u64 	%rd379, [%rd5+-88];
+	ld.volatile.global.u64 	%rd380, [%rd5+-56];
+	ld.volatile.global.u64 	%rd381, [%rd5+-40];
+	shl.b64 	%rd1308, %rd381, 3;
+	add.s64 	%rd1309, %rd4, %rd1308;
+	atom.global.exch.b64 	%rd2140, [%rd1309], 0;
+	setp.lt.u64 	%p221, %rd371, 2;
+	setp.eq.s64 	%p503, %rd2140, 0;
+	setp.ne.s64 	%p222, %rd2140, 0;
+	or.pred  	%p223, %p222, %p221;
+	mov.u64 	%rd2145, %rd381;
+	@%p223 bra 	$L__BB7_260;
+
+	mov.u64 	%rd2136, 1;
+	cvt.u32.u64 	%r272, %rd371;
+
+$L__BB7_254:
+	add.s64 	%rd384, %rd2136, %rd381;
+	or.b64  	%rd1311, %rd384, %rd371;
+	and.b64  	%rd1312, %rd1311, -4294967296;
+	setp.eq.s64 	%p224, %rd1312, 0;
+	@%p224 bra 	$L__BB7_256;
+
+	rem.u64 	%rd2145, %rd384, %rd371;
+	bra.uni 	$L__BB7_257;
+
+$L__BB7_256:
+	cvt.u32.u64 	%r273, %rd384;
+	rem.u32 	%r274, %r273, %r272;
+	cvt.u64.u32 	%rd2145, %r274;
+
+$L__BB7_257:
+	shl.b64 	%rd1314, %rd2145, 3;
+	add.s64 	%rd388, %rd4, %rd1314;
+	mov.u64 	%rd2140, 0;
+	ld.volatile.global.u64 	%rd1315, [%rd388];
+	setp.eq.s64 	%p225, %rd1315, 0;
+	@%p225 bra 	$L__BB7_259;
+
+	atom.global.exch.b64 	%rd2140, [%rd388], 0;
+
+$L__BB7_259:
+	add.s64 	%rd2136, %rd2136, 1;
+	setp.lt.u64 	%p226, %rd2136, %rd371;
+	setp.eq.s64 	%p503, %rd2140, 0;
+	and.pred  	%p227, %p503, %p226;
+	@%p227 bra 	$L__BB7_254;
+
+$L__BB7_260:
+	not.pred 	%p228, %p503;
+	@%p228 bra 	$L__BB7_272;
+
+	ld.param.u64 	%rd1996, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1995, %rd1996;
+	mov.u64 	%rd1316, 1;
+	st.volatile.global.u64 	[%rd1995], %rd1316;
+	membar.sys;
+	mov.u32 	%r632, 32;
+	cvt.u32.u64 	%r276, %rd371;
+	bra.uni 	$L__BB7_262;
+
+$L__BB7_351:
+	// begin inline asm
+	nanosleep.u32 %r632;
+	// end inline asm
+	setp.lt.u32 	%p299, %r632, 2048;
+	selp.u32 	%r353, 1, 0, %p299;
+	shl.b32 	%r632, %r632, %r353;
+
+$L__BB7_262:
+	setp.eq.s64 	%p230, %rd371, 0;
+	mov.pred 	%p504, -1;
+	mov.u64 	%rd2140, 0;
+	@%p230 bra 	$L__BB7_270;
+
+	mov.u64 	%rd2142, 0;
+
+$L__BB7_264:
+	add.s64 	%rd396, %rd2142, %rd381;
+	or.b64  	%rd1319, %rd396, %rd371;
+	and.b64  	%rd1320, %rd1319, -4294967296;
+	setp.eq.s64 	%p231, %rd1320, 0;
+	@%p231 bra 	$L__BB7_266;
+
+	rem.u64 	%rd2145, %rd396, %rd371;
+	bra.uni 	$L__BB7_267;
+
+$L__BB7_266:
+	cvt.u32.u64 	%r277, %rd396;
+	rem.u32 	%r278, %r277, %r276;
+	cvt.u64.u32 	%rd2145, %r278;
+
+$L__BB7_267:
+	shl.b64 	%rd1322, %rd2145, 3;
+	add.s64 	%rd400, %rd4, %rd1322;
+	mov.u64 	%rd2140, 0;
+	ld.volatile.global.u64 	%rd1323, [%rd400];
+	setp.eq.s64 	%p232, %rd1323, 0;
+	@%p232 bra 	$L__BB7_269;
+
+	atom.global.exch.b64 	%rd2140, [%rd400], 0;
+
+$L__BB7_269:
+	add.s64 	%rd2142, %rd2142, 1;
+	setp.lt.u64 	%p233, %rd2142, %rd371;
+	setp.eq.s64 	%p504, %rd2140, 0;
+	and.pred  	%p234, %p504, %p233;
+	@%p234 bra 	$L__BB7_264;
+
+$L__BB7_270:
+	@%p504 bra 	$L__BB7_351;
+
+	ld.param.u64 	%rd1998, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1997, %rd1998;
+	mov.u64 	%rd1324, 0;
+	st.volatile.global.u64 	[%rd1997], %rd1324;
+	membar.sys;
+
+$L__BB7_272:
+	membar.gl;
+	add.s64 	%rd1325, %rd2145, 1;
+	or.b64  	%rd1326, %rd1325, %rd371;
+	and.b64  	%rd1327, %rd1326, -4294967296;
+	setp.eq.s64 	%p235, %rd1327, 0;
+	@%p235 bra 	$L__BB7_274;
+
+	rem.u64 	%rd2149, %rd1325, %rd371;
+	bra.uni 	$L__BB7_275;
 
 $L__BB7_506:
-	add.s64 	%rd1695, %rd3, %rd2135;
-	ld.global.u8 	%rs119, [%rd1695];
-	add.s64 	%rd1696, %rd716, %rd2135;
-	st.u8 	[%rd1696], %rs119;
-	add.s64 	%rd2135, %rd2135, %rd674;
-	setp.lt.u64 	%p397, %rd2135, %rd836;
-	@%p397 bra 	$L__BB7_506;
+	cvt.u32.u64 	%r504, %rd727;
+	cvt.u32.u64 	%r505, %rd1744;
+	rem.u32 	%r506, %r505, %r504;
+	cvt.u64.u32 	%rd2258, %r506;
 
 $L__BB7_507:
-	add.s64 	%rd2137, %rd672, %rd836;
-	setp.ge.u64 	%p398, %rd2137, %rd672;
-	@%p398 bra 	$L__BB7_568;
+	ld.param.u64 	%rd1937, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1936, %rd1937;
+	add.s64 	%rd1935, %rd4, 144;
+	st.global.u64 	[%rd1935+-40], %rd2258;
+	st.global.u32 	[%rd1936], %rd2249;
+	shr.u64 	%rd1749, %rd2249, 32;
+	st.global.u32 	[%rd1936+4], %rd1749;
+	setp.eq.s64 	%p414, %rd728, 0;
+	@%p414 bra 	$L__BB7_509;
 
-$L__BB7_508:
-	add.s64 	%rd1697, %rd3, %rd2137;
-	ld.global.u8 	%rs120, [%rd1697];
-	add.s64 	%rd1698, %rd716, %rd2137;
-	st.u8 	[%rd1698], %rs120;
-	add.s64 	%rd2137, %rd2137, %rd674;
-	setp.lt.u64 	%p399, %rd2137, %rd836;
-	@%p399 bra 	$L__BB7_508;
-	bra.uni 	$L__BB7_568;
+	setp.eq.s64 	%p415, %rd2254, 1;
+	selp.b64 	%rd1750, %rd731, %rd729, %p415;
+	setp.eq.s64 	%p416, %rd2254, 2;
+	selp.b64 	%rd1751, %rd733, %rd1750, %p416;
+	setp.eq.s64 	%p417, %rd2254, 3;
+	selp.b64 	%rd2260, %rd735, %rd1751, %p417;
+	bra.uni 	$L__BB7_510;
 
-$L__BB7_133:
-	ld.global.u64 	%rd181, [%rd5+-48];
-	ld.global.u64 	%rd182, [%rd5+-40];
-	shl.b64 	%rd1040, %rd182, 3;
-	add.s64 	%rd1041, %rd4, %rd1040;
-	atom.global.exch.b64 	%rd1960, [%rd1041], 0;
-	setp.lt.u64 	%p125, %rd181, 2;
-	setp.eq.s64 	%p453, %rd1960, 0;
-	setp.ne.s64 	%p126, %rd1960, 0;
-	or.pred  	%p127, %p126, %p125;
-	mov.u64 	%rd1965, %rd182;
-	@%p127 bra 	$L__BB7_141;
+$L__BB7_509:
+	shl.b64 	%rd1752, %rd2254, 3;
+	add.s64 	%rd1753, %rd4, %rd1752;
+	ld.volatile.global.u64 	%rd2260, [%rd1753+32];
 
-	mov.u64 	%rd1956, 1;
-	cvt.u32.u64 	%r184, %rd181;
+$L__BB7_510:
+	add.s64 	%rd1938, %rd4, 144;
+	st.global.u64 	[%rd1938+-32], %rd2260;
+	setp.eq.s64 	%p418, %rd2254, 1;
+	selp.b64 	%rd1754, %rd732, %rd730, %p418;
+	setp.eq.s64 	%p419, %rd2254, 2;
+	selp.b64 	%rd1755, %rd734, %rd1754, %p419;
+	setp.eq.s64 	%p420, %rd2254, 3;
+	selp.b64 	%rd1756, %rd736, %rd1755, %p420;
+	st.global.u64 	[%rd1938+-24], %rd1756;
+	membar.gl;
+	atom.global.exch.b64 	%rd1758, [%rd1938], %rd2260;
 
-$L__BB7_135:
-	add.s64 	%rd185, %rd1956, %rd182;
-	or.b64  	%rd1043, %rd185, %rd181;
-	and.b64  	%rd1044, %rd1043, -4294967296;
-	setp.eq.s64 	%p128, %rd1044, 0;
-	@%p128 bra 	$L__BB7_137;
+$L__BB7_511:
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2260;
 
-	rem.u64 	%rd1965, %rd185, %rd181;
-	bra.uni 	$L__BB7_138;
+$L__BB7_512:
+	bar.sync 	0;
+	ld.shared.u64 	%rd771, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1759, %rd771, 15;
+	setp.eq.s64 	%p421, %rd1759, 0;
+	@%p421 bra 	$L__BB7_568;
 
-$L__BB7_137:
-	cvt.u32.u64 	%r185, %rd185;
-	rem.u32 	%r186, %r185, %r184;
-	cvt.u64.u32 	%rd1965, %r186;
+	ld.param.u64 	%rd1939, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd772, %rd771, %rd1939;
+	and.b64  	%rd1760, %rd772, 15;
+	setp.eq.s64 	%p422, %rd1760, 0;
+	@%p422 bra 	$L__BB7_557;
+
+	and.b64  	%rd1761, %rd772, 7;
+	setp.eq.s64 	%p423, %rd1761, 0;
+	@%p423 bra 	$L__BB7_546;
+
+	and.b64  	%rd1762, %rd772, 3;
+	setp.eq.s64 	%p424, %rd1762, 0;
+	@%p424 bra 	$L__BB7_535;
+
+	and.b64  	%rd1763, %rd772, 1;
+	setp.eq.b64 	%p425, %rd1763, 1;
+	mov.pred 	%p426, 0;
+	xor.pred  	%p427, %p425, %p426;
+	not.pred 	%p428, %p427;
+	@%p428 bra 	$L__BB7_524;
+	bra.uni 	$L__BB7_517;
+
+$L__BB7_524:
+	and.b64  	%rd788, %rd771, 1;
+	min.u64 	%rd789, %rd788, %rd891;
+	setp.ge.u64 	%p435, %rd716, %rd789;
+	@%p435 bra 	$L__BB7_527;
+
+	mov.u64 	%rd2267, %rd716;
+
+$L__BB7_526:
+	add.s64 	%rd1776, %rd3, %rd2267;
+	ld.global.u8 	%rs121, [%rd1776];
+	add.s64 	%rd1777, %rd771, %rd2267;
+	st.u8 	[%rd1777], %rs121;
+	add.s64 	%rd2267, %rd2267, %rd718;
+	setp.lt.u64 	%p436, %rd2267, %rd789;
+	@%p436 bra 	$L__BB7_526;
+
+$L__BB7_527:
+	sub.s64 	%rd792, %rd891, %rd789;
+	shr.u64 	%rd793, %rd792, 1;
+	setp.ge.u64 	%p437, %rd723, %rd793;
+	mov.u64 	%rd2271, %rd716;
+	@%p437 bra 	$L__BB7_530;
+
+	mul.lo.s64 	%rd1778, %rd713, %rd714;
+	shl.b64 	%rd1779, %rd1778, 1;
+	shl.b64 	%rd1780, %rd715, 1;
+	add.s64 	%rd1781, %rd1779, %rd1780;
+	add.s64 	%rd1782, %rd1781, -1;
+	not.b64 	%rd1783, %rd891;
+	not.b64 	%rd1784, %rd788;
+	max.u64 	%rd1785, %rd1784, %rd1783;
+	sub.s64 	%rd1786, %rd1782, %rd1785;
+	add.s64 	%rd2269, %rd3, %rd1786;
+	mul.lo.s64 	%rd1787, %rd717, %rd714;
+	shl.b64 	%rd795, %rd1787, 1;
+	add.s64 	%rd2270, %rd771, %rd1786;
+	mov.u64 	%rd2271, %rd716;
+
+$L__BB7_529:
+	ld.global.u16 	%rs122, [%rd2269];
+	add.s64 	%rd1788, %rd2269, %rd795;
+	ld.global.u16 	%rs123, [%rd1788];
+	add.s64 	%rd1789, %rd1788, %rd795;
+	ld.global.u16 	%rs124, [%rd1789];
+	add.s64 	%rd1790, %rd1789, %rd795;
+	add.s64 	%rd2269, %rd1790, %rd795;
+	ld.global.u16 	%rs125, [%rd1790];
+	st.u16 	[%rd2270], %rs122;
+	add.s64 	%rd1791, %rd2270, %rd795;
+	st.u16 	[%rd1791], %rs123;
+	add.s64 	%rd1792, %rd1791, %rd795;
+	st.u16 	[%rd1792], %rs124;
+	add.s64 	%rd1793, %rd1792, %rd795;
+	add.s64 	%rd2270, %rd1793, %rd795;
+	st.u16 	[%rd1793], %rs125;
+	add.s64 	%rd1794, %rd2271, %rd718;
+	add.s64 	%rd2271, %rd722, %rd1794;
+	add.s64 	%rd1795, %rd2271, %rd722;
+	setp.lt.u64 	%p438, %rd1795, %rd793;
+	@%p438 bra 	$L__BB7_529;
+
+$L__BB7_530:
+	setp.ge.u64 	%p439, %rd2271, %rd793;
+	@%p439 bra 	$L__BB7_533;
+
+	add.s64 	%rd804, %rd771, %rd789;
+	add.s64 	%rd805, %rd3, %rd789;
+
+$L__BB7_532:
+	shl.b64 	%rd1796, %rd2271, 1;
+	add.s64 	%rd1797, %rd805, %rd1796;
+	ld.global.u16 	%rs126, [%rd1797];
+	add.s64 	%rd1798, %rd804, %rd1796;
+	st.u16 	[%rd1798], %rs126;
+	add.s64 	%rd2271, %rd2271, %rd718;
+	setp.lt.u64 	%p440, %rd2271, %rd793;
+	@%p440 bra 	$L__BB7_532;
+
+$L__BB7_533:
+	and.b64  	%rd1799, %rd792, -2;
+	add.s64 	%rd1800, %rd789, %rd716;
+	add.s64 	%rd2273, %rd1800, %rd1799;
+	setp.ge.u64 	%p441, %rd2273, %rd891;
+	@%p441 bra 	$L__BB7_583;
+
+$L__BB7_534:
+	add.s64 	%rd1801, %rd3, %rd2273;
+	ld.global.u8 	%rs127, [%rd1801];
+	add.s64 	%rd1802, %rd771, %rd2273;
+	st.u8 	[%rd1802], %rs127;
+	add.s64 	%rd2273, %rd2273, %rd718;
+	setp.lt.u64 	%p442, %rd2273, %rd891;
+	@%p442 bra 	$L__BB7_534;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_568:
+	setp.ge.u64 	%p480, %rd716, %rd719;
+	@%p480 bra 	$L__BB7_570;
+
+	shl.b64 	%rd1894, %rd716, 4;
+	add.s64 	%rd1895, %rd771, %rd1894;
+	st.v4.u32 	[%rd1895], {%r64, %r63, %r62, %r61};
+
+$L__BB7_570:
+	add.s64 	%rd1941, %rd718, %rd716;
+	setp.ge.u64 	%p481, %rd1941, %rd719;
+	@%p481 bra 	$L__BB7_572;
+
+	add.s64 	%rd1946, %rd718, %rd716;
+	shl.b64 	%rd1896, %rd1946, 4;
+	add.s64 	%rd1897, %rd771, %rd1896;
+	st.v4.u32 	[%rd1897], {%r72, %r71, %r70, %r69};
+
+$L__BB7_572:
+	add.s64 	%rd1943, %rd718, %rd716;
+	add.s64 	%rd1942, %rd1943, %rd718;
+	setp.ge.u64 	%p482, %rd1942, %rd719;
+	@%p482 bra 	$L__BB7_574;
+
+	add.s64 	%rd1945, %rd718, %rd716;
+	add.s64 	%rd1944, %rd1945, %rd718;
+	shl.b64 	%rd1898, %rd1944, 4;
+	add.s64 	%rd1899, %rd771, %rd1898;
+	st.v4.u32 	[%rd1899], {%r80, %r79, %r78, %r77};
+
+$L__BB7_574:
+	add.s64 	%rd2022, %rd718, %rd716;
+	add.s64 	%rd2021, %rd2022, %rd718;
+	add.s64 	%rd2020, %rd2021, %rd718;
+	setp.ge.u64 	%p498, %rd2020, %rd719;
+	@%p498 bra 	$L__BB7_576;
+
+	shl.b64 	%rd1900, %rd723, 4;
+	add.s64 	%rd1901, %rd771, %rd1900;
+	st.v4.u32 	[%rd1901], {%r88, %r87, %r86, %r85};
+
+$L__BB7_576:
+	shl.b64 	%rd1902, %rd718, 2;
+	add.s64 	%rd2295, %rd716, %rd1902;
+	add.s64 	%rd1903, %rd2295, %rd722;
+	setp.ge.u64 	%p471, %rd1903, %rd719;
+	@%p471 bra 	$L__BB7_579;
+
+	mul.lo.s64 	%rd1904, %rd717, %rd714;
+	shl.b64 	%rd877, %rd1904, 4;
+	shl.b64 	%rd1905, %rd717, 2;
+	add.s64 	%rd1906, %rd1905, %rd713;
+	mul.lo.s64 	%rd1907, %rd1906, %rd714;
+	shl.b64 	%rd1908, %rd1907, 4;
+	shl.b64 	%rd1909, %rd715, 4;
+	add.s64 	%rd1910, %rd1908, %rd1909;
+	add.s64 	%rd2294, %rd771, %rd1910;
+	mul.lo.s64 	%rd879, %rd1904, -48;
+
+$L__BB7_578:
+	shl.b64 	%rd1911, %rd2295, 4;
+	add.s64 	%rd1912, %rd3, %rd1911;
+	shl.b64 	%rd1914, %rd718, 4;
+	add.s64 	%rd1915, %rd1912, %rd1914;
+	ld.global.v4.u32 	{%r572, %r573, %r574, %r575}, [%rd1915];
+	add.s64 	%rd1916, %rd1915, %rd877;
+	ld.global.v4.u32 	{%r580, %r581, %r582, %r583}, [%rd1916];
+	add.s64 	%rd1917, %rd1916, %rd877;
+	ld.global.v4.u32 	{%r588, %r589, %r590, %r591}, [%rd1917];
+	add.s64 	%rd1918, %rd1917, %rd879;
+	ld.global.v4.u32 	{%r596, %r597, %r598, %r599}, [%rd1918];
+	st.v4.u32 	[%rd2294], {%r596, %r597, %r598, %r599};
+	add.s64 	%rd1919, %rd2294, %rd877;
+	st.v4.u32 	[%rd1919], {%r572, %r573, %r574, %r575};
+	add.s64 	%rd1920, %rd1919, %rd877;
+	st.v4.u32 	[%rd1920], {%r580, %r581, %r582, %r583};
+	add.s64 	%rd1921, %rd1920, %rd877;
+	add.s64 	%rd2294, %rd1921, %rd877;
+	st.v4.u32 	[%rd1921], {%r588, %r589, %r590, %r591};
+	add.s64 	%rd2295, %rd1902, %rd2295;
+	add.s64 	%rd1922, %rd2295, %rd722;
+	setp.lt.u64 	%p472, %rd1922, %rd719;
+	@%p472 bra 	$L__BB7_578;
+
+$L__BB7_579:
+	setp.ge.u64 	%p473, %rd2295, %rd719;
+	@%p473 bra 	$L__BB7_581;
+
+$L__BB7_580:
+	shl.b64 	%rd1923, %rd2295, 4;
+	add.s64 	%rd1924, %rd771, %rd1923;
+	add.s64 	%rd1925, %rd3, %rd1923;
+	ld.global.v4.u32 	{%r604, %r605, %r606, %r607}, [%rd1925];
+	st.v4.u32 	[%rd1924], {%r604, %r605, %r606, %r607};
+	add.s64 	%rd2295, %rd2295, %rd718;
+	setp.lt.u64 	%p474, %rd2295, %rd719;
+	@%p474 bra 	$L__BB7_580;
+
+$L__BB7_581:
+	and.b64  	%rd1926, %rd891, -16;
+	add.s64 	%rd2297, %rd1926, %rd716;
+	setp.ge.u64 	%p475, %rd2297, %rd891;
+	@%p475 bra 	$L__BB7_583;
+
+$L__BB7_582:
+	add.s64 	%rd1927, %rd3, %rd2297;
+	ld.global.u8 	%rs134, [%rd1927];
+	add.s64 	%rd1928, %rd771, %rd2297;
+	st.u8 	[%rd1928], %rs134;
+	add.s64 	%rd2297, %rd2297, %rd718;
+	setp.lt.u64 	%p476, %rd2297, %rd891;
+	@%p476 bra 	$L__BB7_582;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_557:
+	neg.s64 	%rd1862, %rd771;
+	and.b64  	%rd855, %rd1862, 15;
+	min.u64 	%rd856, %rd855, %rd891;
+	setp.ge.u64 	%p459, %rd716, %rd856;
+	@%p459 bra 	$L__BB7_560;
+
+	mov.u64 	%rd2287, %rd716;
+
+$L__BB7_559:
+	add.s64 	%rd1863, %rd3, %rd2287;
+	ld.global.u8 	%rs132, [%rd1863];
+	add.s64 	%rd1864, %rd771, %rd2287;
+	st.u8 	[%rd1864], %rs132;
+	add.s64 	%rd2287, %rd2287, %rd718;
+	setp.lt.u64 	%p460, %rd2287, %rd856;
+	@%p460 bra 	$L__BB7_559;
+
+$L__BB7_560:
+	sub.s64 	%rd859, %rd891, %rd856;
+	shr.u64 	%rd860, %rd859, 4;
+	add.s64 	%rd861, %rd3, %rd856;
+	setp.ge.u64 	%p461, %rd723, %rd860;
+	mov.u64 	%rd2290, %rd716;
+	@%p461 bra 	$L__BB7_563;
+
+	mul.lo.s64 	%rd1865, %rd717, %rd714;
+	shl.b64 	%rd862, %rd1865, 4;
+	mul.lo.s64 	%rd1866, %rd713, %rd714;
+	shl.b64 	%rd1867, %rd1866, 4;
+	shl.b64 	%rd1868, %rd715, 4;
+	add.s64 	%rd1869, %rd1867, %rd1868;
+	add.s64 	%rd1870, %rd1869, -1;
+	not.b64 	%rd1871, %rd891;
+	not.b64 	%rd1872, %rd855;
+	max.u64 	%rd1873, %rd1872, %rd1871;
+	sub.s64 	%rd1874, %rd1870, %rd1873;
+	add.s64 	%rd2289, %rd771, %rd1874;
+	mul.lo.s64 	%rd864, %rd1865, -48;
+	mov.u64 	%rd2290, %rd716;
+
+$L__BB7_562:
+	shl.b64 	%rd1875, %rd2290, 4;
+	add.s64 	%rd1876, %rd861, %rd1875;
+	shl.b64 	%rd1877, %rd718, 2;
+	shl.b64 	%rd1878, %rd718, 4;
+	add.s64 	%rd1879, %rd1876, %rd1878;
+	ld.global.v4.u32 	{%r532, %r533, %r534, %r535}, [%rd1879];
+	add.s64 	%rd1880, %rd1879, %rd862;
+	ld.global.v4.u32 	{%r540, %r541, %r542, %r543}, [%rd1880];
+	add.s64 	%rd1881, %rd1880, %rd862;
+	ld.global.v4.u32 	{%r548, %r549, %r550, %r551}, [%rd1881];
+	add.s64 	%rd1882, %rd1881, %rd864;
+	ld.global.v4.u32 	{%r556, %r557, %r558, %r559}, [%rd1882];
+	st.v4.u32 	[%rd2289], {%r556, %r557, %r558, %r559};
+	add.s64 	%rd1883, %rd2289, %rd862;
+	st.v4.u32 	[%rd1883], {%r532, %r533, %r534, %r535};
+	add.s64 	%rd1884, %rd1883, %rd862;
+	st.v4.u32 	[%rd1884], {%r540, %r541, %r542, %r543};
+	add.s64 	%rd1885, %rd1884, %rd862;
+	add.s64 	%rd2289, %rd1885, %rd862;
+	st.v4.u32 	[%rd1885], {%r548, %r549, %r550, %r551};
+	add.s64 	%rd2290, %rd1877, %rd2290;
+	add.s64 	%rd1886, %rd2290, %rd722;
+	setp.lt.u64 	%p462, %rd1886, %rd860;
+	@%p462 bra 	$L__BB7_562;
+
+$L__BB7_563:
+	setp.ge.u64 	%p463, %rd2290, %rd860;
+	@%p463 bra 	$L__BB7_566;
+
+	add.s64 	%rd870, %rd771, %rd856;
+
+$L__BB7_565:
+	shl.b64 	%rd1887, %rd2290, 4;
+	add.s64 	%rd1888, %rd870, %rd1887;
+	add.s64 	%rd1889, %rd861, %rd1887;
+	ld.global.v4.u32 	{%r564, %r565, %r566, %r567}, [%rd1889];
+	st.v4.u32 	[%rd1888], {%r564, %r565, %r566, %r567};
+	add.s64 	%rd2290, %rd2290, %rd718;
+	setp.lt.u64 	%p464, %rd2290, %rd860;
+	@%p464 bra 	$L__BB7_565;
+
+$L__BB7_566:
+	and.b64  	%rd1890, %rd859, -16;
+	add.s64 	%rd1891, %rd856, %rd716;
+	add.s64 	%rd2292, %rd1891, %rd1890;
+	setp.ge.u64 	%p465, %rd2292, %rd891;
+	@%p465 bra 	$L__BB7_583;
+
+$L__BB7_567:
+	add.s64 	%rd1892, %rd3, %rd2292;
+	ld.global.u8 	%rs133, [%rd1892];
+	add.s64 	%rd1893, %rd771, %rd2292;
+	st.u8 	[%rd1893], %rs133;
+	add.s64 	%rd2292, %rd2292, %rd718;
+	setp.lt.u64 	%p466, %rd2292, %rd891;
+	@%p466 bra 	$L__BB7_567;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_546:
+	neg.s64 	%rd1831, %rd771;
+	and.b64  	%rd834, %rd1831, 7;
+	min.u64 	%rd835, %rd834, %rd891;
+	setp.ge.u64 	%p451, %rd716, %rd835;
+	@%p451 bra 	$L__BB7_549;
+
+	mov.u64 	%rd2281, %rd716;
+
+$L__BB7_548:
+	add.s64 	%rd1832, %rd3, %rd2281;
+	ld.global.u8 	%rs130, [%rd1832];
+	add.s64 	%rd1833, %rd771, %rd2281;
+	st.u8 	[%rd1833], %rs130;
+	add.s64 	%rd2281, %rd2281, %rd718;
+	setp.lt.u64 	%p452, %rd2281, %rd835;
+	@%p452 bra 	$L__BB7_548;
+
+$L__BB7_549:
+	sub.s64 	%rd838, %rd891, %rd835;
+	shr.u64 	%rd839, %rd838, 3;
+	add.s64 	%rd840, %rd3, %rd835;
+	setp.ge.u64 	%p453, %rd723, %rd839;
+	mov.u64 	%rd2284, %rd716;
+	@%p453 bra 	$L__BB7_552;
+
+	mul.lo.s64 	%rd1834, %rd717, %rd714;
+	shl.b64 	%rd841, %rd1834, 3;
+	mul.lo.s64 	%rd1835, %rd713, %rd714;
+	shl.b64 	%rd1836, %rd1835, 3;
+	shl.b64 	%rd1837, %rd715, 3;
+	add.s64 	%rd1838, %rd1836, %rd1837;
+	add.s64 	%rd1839, %rd1838, -1;
+	not.b64 	%rd1840, %rd891;
+	not.b64 	%rd1841, %rd834;
+	max.u64 	%rd1842, %rd1841, %rd1840;
+	sub.s64 	%rd1843, %rd1839, %rd1842;
+	add.s64 	%rd2283, %rd771, %rd1843;
+	neg.s64 	%rd843, %rd1834;
+	shl.b64 	%rd1849, %rd843, 3;
+	mov.u64 	%rd2284, %rd716;
+
+$L__BB7_551:
+	add.s64 	%rd1844, %rd2284, %rd718;
+	shl.b64 	%rd1845, %rd1844, 3;
+	add.s64 	%rd1846, %rd840, %rd1845;
+	ld.global.v2.u32 	{%r512, %r513}, [%rd1846];
+	add.s64 	%rd1847, %rd1846, %rd841;
+	ld.global.v2.u32 	{%r516, %r517}, [%rd1847];
+	add.s64 	%rd1848, %rd1847, %rd841;
+	ld.global.v2.u32 	{%r520, %r521}, [%rd1848];
+	add.s64 	%rd1850, %rd1846, %rd1849;
+	ld.global.v2.u32 	{%r524, %r525}, [%rd1850];
+	st.v2.u32 	[%rd2283], {%r524, %r525};
+	add.s64 	%rd1851, %rd2283, %rd841;
+	st.v2.u32 	[%rd1851], {%r512, %r513};
+	add.s64 	%rd1852, %rd1851, %rd841;
+	st.v2.u32 	[%rd1852], {%r516, %r517};
+	add.s64 	%rd1853, %rd1852, %rd841;
+	add.s64 	%rd2283, %rd1853, %rd841;
+	st.v2.u32 	[%rd1853], {%r520, %r521};
+	add.s64 	%rd2284, %rd722, %rd1844;
+	add.s64 	%rd1854, %rd2284, %rd722;
+	setp.lt.u64 	%p454, %rd1854, %rd839;
+	@%p454 bra 	$L__BB7_551;
+
+$L__BB7_552:
+	setp.ge.u64 	%p455, %rd2284, %rd839;
+	@%p455 bra 	$L__BB7_555;
+
+	add.s64 	%rd849, %rd771, %rd835;
+
+$L__BB7_554:
+	shl.b64 	%rd1855, %rd2284, 3;
+	add.s64 	%rd1856, %rd840, %rd1855;
+	ld.global.v2.u32 	{%r528, %r529}, [%rd1856];
+	add.s64 	%rd1857, %rd849, %rd1855;
+	st.v2.u32 	[%rd1857], {%r528, %r529};
+	add.s64 	%rd2284, %rd2284, %rd718;
+	setp.lt.u64 	%p456, %rd2284, %rd839;
+	@%p456 bra 	$L__BB7_554;
+
+$L__BB7_555:
+	and.b64  	%rd1858, %rd838, -8;
+	add.s64 	%rd1859, %rd835, %rd716;
+	add.s64 	%rd2286, %rd1859, %rd1858;
+	setp.ge.u64 	%p457, %rd2286, %rd891;
+	@%p457 bra 	$L__BB7_583;
+
+$L__BB7_556:
+	add.s64 	%rd1860, %rd3, %rd2286;
+	ld.global.u8 	%rs131, [%rd1860];
+	add.s64 	%rd1861, %rd771, %rd2286;
+	st.u8 	[%rd1861], %rs131;
+	add.s64 	%rd2286, %rd2286, %rd718;
+	setp.lt.u64 	%p458, %rd2286, %rd891;
+	@%p458 bra 	$L__BB7_556;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_535:
+	neg.s64 	%rd1803, %rd771;
+	and.b64  	%rd811, %rd1803, 3;
+	min.u64 	%rd812, %rd811, %rd891;
+	setp.ge.u64 	%p443, %rd716, %rd812;
+	@%p443 bra 	$L__BB7_538;
+
+	mov.u64 	%rd2274, %rd716;
+
+$L__BB7_537:
+	add.s64 	%rd1804, %rd3, %rd2274;
+	ld.global.u8 	%rs128, [%rd1804];
+	add.s64 	%rd1805, %rd771, %rd2274;
+	st.u8 	[%rd1805], %rs128;
+	add.s64 	%rd2274, %rd2274, %rd718;
+	setp.lt.u64 	%p444, %rd2274, %rd812;
+	@%p444 bra 	$L__BB7_537;
+
+$L__BB7_538:
+	sub.s64 	%rd815, %rd891, %rd812;
+	shr.u64 	%rd816, %rd815, 2;
+	setp.ge.u64 	%p445, %rd723, %rd816;
+	mov.u64 	%rd2278, %rd716;
+	@%p445 bra 	$L__BB7_541;
+
+	mul.lo.s64 	%rd1806, %rd713, %rd714;
+	shl.b64 	%rd1807, %rd1806, 2;
+	shl.b64 	%rd1808, %rd715, 2;
+	add.s64 	%rd1809, %rd1807, %rd1808;
+	add.s64 	%rd1810, %rd1809, -1;
+	not.b64 	%rd1811, %rd891;
+	not.b64 	%rd1812, %rd811;
+	max.u64 	%rd1813, %rd1812, %rd1811;
+	sub.s64 	%rd1814, %rd1810, %rd1813;
+	add.s64 	%rd2276, %rd3, %rd1814;
+	mul.lo.s64 	%rd1815, %rd717, %rd714;
+	shl.b64 	%rd818, %rd1815, 2;
+	add.s64 	%rd2277, %rd771, %rd1814;
+	mov.u64 	%rd2278, %rd716;
+
+$L__BB7_540:
+	ld.global.u32 	%r507, [%rd2276];
+	add.s64 	%rd1816, %rd2276, %rd818;
+	ld.global.u32 	%r508, [%rd1816];
+	add.s64 	%rd1817, %rd1816, %rd818;
+	ld.global.u32 	%r509, [%rd1817];
+	add.s64 	%rd1818, %rd1817, %rd818;
+	add.s64 	%rd2276, %rd1818, %rd818;
+	ld.global.u32 	%r510, [%rd1818];
+	st.u32 	[%rd2277], %r507;
+	add.s64 	%rd1819, %rd2277, %rd818;
+	st.u32 	[%rd1819], %r508;
+	add.s64 	%rd1820, %rd1819, %rd818;
+	st.u32 	[%rd1820], %r509;
+	add.s64 	%rd1821, %rd1820, %rd818;
+	add.s64 	%rd2277, %rd1821, %rd818;
+	st.u32 	[%rd1821], %r510;
+	add.s64 	%rd1822, %rd2278, %rd718;
+	add.s64 	%rd2278, %rd722, %rd1822;
+	add.s64 	%rd1823, %rd2278, %rd722;
+	setp.lt.u64 	%p446, %rd1823, %rd816;
+	@%p446 bra 	$L__BB7_540;
+
+$L__BB7_541:
+	setp.ge.u64 	%p447, %rd2278, %rd816;
+	@%p447 bra 	$L__BB7_544;
+
+	add.s64 	%rd827, %rd771, %rd812;
+	add.s64 	%rd828, %rd3, %rd812;
+
+$L__BB7_543:
+	shl.b64 	%rd1824, %rd2278, 2;
+	add.s64 	%rd1825, %rd828, %rd1824;
+	ld.global.u32 	%r511, [%rd1825];
+	add.s64 	%rd1826, %rd827, %rd1824;
+	st.u32 	[%rd1826], %r511;
+	add.s64 	%rd2278, %rd2278, %rd718;
+	setp.lt.u64 	%p448, %rd2278, %rd816;
+	@%p448 bra 	$L__BB7_543;
+
+$L__BB7_544:
+	and.b64  	%rd1827, %rd815, -4;
+	add.s64 	%rd1828, %rd812, %rd716;
+	add.s64 	%rd2280, %rd1828, %rd1827;
+	setp.ge.u64 	%p449, %rd2280, %rd891;
+	@%p449 bra 	$L__BB7_583;
+
+$L__BB7_545:
+	add.s64 	%rd1829, %rd3, %rd2280;
+	ld.global.u8 	%rs129, [%rd1829];
+	add.s64 	%rd1830, %rd771, %rd2280;
+	st.u8 	[%rd1830], %rs129;
+	add.s64 	%rd2280, %rd2280, %rd718;
+	setp.lt.u64 	%p450, %rd2280, %rd891;
+	@%p450 bra 	$L__BB7_545;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_517:
+	setp.ge.u64 	%p429, %rd723, %rd891;
+	mov.u64 	%rd2264, %rd716;
+	@%p429 bra 	$L__BB7_520;
+
+	add.s64 	%rd2262, %rd3, %rd716;
+	mul.lo.s64 	%rd774, %rd717, %rd714;
+	add.s64 	%rd2263, %rd771, %rd716;
+	mov.u64 	%rd2264, %rd716;
+
+$L__BB7_519:
+	ld.global.u8 	%rs115, [%rd2262];
+	add.s64 	%rd1764, %rd2262, %rd774;
+	ld.global.u8 	%rs116, [%rd1764];
+	add.s64 	%rd1765, %rd1764, %rd774;
+	ld.global.u8 	%rs117, [%rd1765];
+	add.s64 	%rd1766, %rd1765, %rd774;
+	add.s64 	%rd2262, %rd1766, %rd774;
+	ld.global.u8 	%rs118, [%rd1766];
+	st.u8 	[%rd2263], %rs115;
+	add.s64 	%rd1767, %rd2263, %rd774;
+	st.u8 	[%rd1767], %rs116;
+	add.s64 	%rd1768, %rd1767, %rd774;
+	st.u8 	[%rd1768], %rs117;
+	add.s64 	%rd1769, %rd1768, %rd774;
+	add.s64 	%rd2263, %rd1769, %rd774;
+	st.u8 	[%rd1769], %rs118;
+	add.s64 	%rd1770, %rd2264, %rd718;
+	add.s64 	%rd2264, %rd722, %rd1770;
+	add.s64 	%rd1771, %rd2264, %rd722;
+	setp.lt.u64 	%p430, %rd1771, %rd891;
+	@%p430 bra 	$L__BB7_519;
+
+$L__BB7_520:
+	setp.ge.u64 	%p431, %rd2264, %rd891;
+	@%p431 bra 	$L__BB7_522;
+
+$L__BB7_521:
+	add.s64 	%rd1772, %rd3, %rd2264;
+	ld.global.u8 	%rs119, [%rd1772];
+	add.s64 	%rd1773, %rd771, %rd2264;
+	st.u8 	[%rd1773], %rs119;
+	add.s64 	%rd2264, %rd2264, %rd718;
+	setp.lt.u64 	%p432, %rd2264, %rd891;
+	@%p432 bra 	$L__BB7_521;
+
+$L__BB7_522:
+	add.s64 	%rd2266, %rd716, %rd891;
+	setp.ge.u64 	%p433, %rd2266, %rd716;
+	@%p433 bra 	$L__BB7_583;
+
+$L__BB7_523:
+	add.s64 	%rd1774, %rd3, %rd2266;
+	ld.global.u8 	%rs120, [%rd1774];
+	add.s64 	%rd1775, %rd771, %rd2266;
+	st.u8 	[%rd1775], %rs120;
+	add.s64 	%rd2266, %rd2266, %rd718;
+	setp.lt.u64 	%p434, %rd2266, %rd891;
+	@%p434 bra 	$L__BB7_523;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_136:
+	ld.volatile.global.u64 	%rd192, [%rd5+-48];
+	ld.volatile.global.u64 	%rd193, [%rd5+8];
+	ld.volatile.global.u64 	%rd194, [%rd5+-112];
+	ld.volatile.global.u64 	%rd195, [%rd5+-80];
+	ld.volatile.global.u64 	%rd196, [%rd5+-104];
+	ld.volatile.global.u64 	%rd197, [%rd5+-72];
+	ld.volatile.global.u64 	%rd198, [%rd5+-96];
+	ld.volatile.global.u64 	%rd199, [%rd5+-64];
+	ld.volatile.global.u64 	%rd200, [%rd5+-88];
+	ld.volatile.global.u64 	%rd201, [%rd5+-56];
+	ld.volatile.global.u64 	%rd202, [%rd5+-40];
+	shl.b64 	%rd1100, %rd202, 3;
+	add.s64 	%rd1101, %rd4, %rd1100;
+	atom.global.exch.b64 	%rd2085, [%rd1101], 0;
+	setp.lt.u64 	%p132, %rd192, 2;
+	setp.eq.s64 	%p501, %rd2085, 0;
+	setp.ne.s64 	%p133, %rd2085, 0;
+	or.pred  	%p134, %p133, %p132;
+	mov.u64 	%rd2090, %rd202;
+	@%p134 bra 	$L__BB7_144;
+
+	mov.u64 	%rd2081, 1;
+	cvt.u32.u64 	%r184, %rd192;
 
 $L__BB7_138:
-	shl.b64 	%rd1046, %rd1965, 3;
-	add.s64 	%rd189, %rd4, %rd1046;
-	mov.u64 	%rd1960, 0;
-	ld.volatile.global.u64 	%rd1047, [%rd189];
-	setp.eq.s64 	%p129, %rd1047, 0;
-	@%p129 bra 	$L__BB7_140;
+	add.s64 	%rd205, %rd2081, %rd202;
+	or.b64  	%rd1103, %rd205, %rd192;
+	and.b64  	%rd1104, %rd1103, -4294967296;
+	setp.eq.s64 	%p135, %rd1104, 0;
+	@%p135 bra 	$L__BB7_140;
 
-	atom.global.exch.b64 	%rd1960, [%rd189], 0;
+	rem.u64 	%rd2090, %rd205, %rd192;
+	bra.uni 	$L__BB7_141;
 
 $L__BB7_140:
-	add.s64 	%rd1956, %rd1956, 1;
-	setp.lt.u64 	%p130, %rd1956, %rd181;
-	setp.eq.s64 	%p453, %rd1960, 0;
-	and.pred  	%p131, %p453, %p130;
-	@%p131 bra 	$L__BB7_135;
+	cvt.u32.u64 	%r185, %rd205;
+	rem.u32 	%r186, %r185, %r184;
+	cvt.u64.u32 	%rd2090, %r186;
 
 $L__BB7_141:
-	not.pred 	%p132, %p453;
-	@%p132 bra 	$L__BB7_153;
+	shl.b64 	%rd1106, %rd2090, 3;
+	add.s64 	%rd209, %rd4, %rd1106;
+	mov.u64 	%rd2085, 0;
+	ld.volatile.global.u64 	%rd1107, [%rd209];
+	setp.eq.s64 	%p136, %rd1107, 0;
+	@%p136 bra 	$L__BB7_143;
 
-	mov.u64 	%rd1048, 1;
-	st.volatile.global.u64 	[%rd2], %rd1048;
-	membar.sys;
-	mov.u32 	%r626, 32;
-	cvt.u32.u64 	%r188, %rd181;
-	bra.uni 	$L__BB7_143;
-
-$L__BB7_229:
-	// begin inline asm
-	nanosleep.u32 %r626;
-	// end inline asm
-	setp.lt.u32 	%p196, %r626, 2048;
-	selp.u32 	%r260, 1, 0, %p196;
-	shl.b32 	%r626, %r626, %r260;
+	atom.global.exch.b64 	%rd2085, [%rd209], 0;
 
 $L__BB7_143:
-	setp.eq.s64 	%p134, %rd181, 0;
-	mov.pred 	%p454, -1;
-	mov.u64 	%rd1960, 0;
-	@%p134 bra 	$L__BB7_151;
+	add.s64 	%rd2081, %rd2081, 1;
+	setp.lt.u64 	%p137, %rd2081, %rd192;
+	setp.eq.s64 	%p501, %rd2085, 0;
+	and.pred  	%p138, %p501, %p137;
+	@%p138 bra 	$L__BB7_138;
 
-	mov.u64 	%rd1962, 0;
+$L__BB7_144:
+	not.pred 	%p139, %p501;
+	@%p139 bra 	$L__BB7_156;
 
-$L__BB7_145:
-	add.s64 	%rd197, %rd1962, %rd182;
-	or.b64  	%rd1051, %rd197, %rd181;
-	and.b64  	%rd1052, %rd1051, -4294967296;
-	setp.eq.s64 	%p135, %rd1052, 0;
-	@%p135 bra 	$L__BB7_147;
+	ld.param.u64 	%rd1978, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1977, %rd1978;
+	mov.u64 	%rd1108, 1;
+	st.volatile.global.u64 	[%rd1977], %rd1108;
+	membar.sys;
+	mov.u32 	%r624, 32;
+	cvt.u32.u64 	%r188, %rd192;
+	bra.uni 	$L__BB7_146;
 
-	rem.u64 	%rd1965, %rd197, %rd181;
-	bra.uni 	$L__BB7_148;
+$L__BB7_235:
+	// begin inline asm
+	nanosleep.u32 %r624;
+	// end inline asm
+	setp.lt.u32 	%p210, %r624, 2048;
+	selp.u32 	%r260, 1, 0, %p210;
+	shl.b32 	%r624, %r624, %r260;
 
-$L__BB7_147:
-	cvt.u32.u64 	%r189, %rd197;
-	rem.u32 	%r190, %r189, %r188;
-	cvt.u64.u32 	%rd1965, %r190;
+$L__BB7_146:
+	setp.eq.s64 	%p141, %rd192, 0;
+	mov.pred 	%p502, -1;
+	mov.u64 	%rd2085, 0;
+	@%p141 bra 	$L__BB7_154;
+
+	mov.u64 	%rd2087, 0;
 
 $L__BB7_148:
-	shl.b64 	%rd1054, %rd1965, 3;
-	add.s64 	%rd201, %rd4, %rd1054;
-	mov.u64 	%rd1960, 0;
-	ld.volatile.global.u64 	%rd1055, [%rd201];
-	setp.eq.s64 	%p136, %rd1055, 0;
-	@%p136 bra 	$L__BB7_150;
+	add.s64 	%rd217, %rd2087, %rd202;
+	or.b64  	%rd1111, %rd217, %rd192;
+	and.b64  	%rd1112, %rd1111, -4294967296;
+	setp.eq.s64 	%p142, %rd1112, 0;
+	@%p142 bra 	$L__BB7_150;
 
-	atom.global.exch.b64 	%rd1960, [%rd201], 0;
+	rem.u64 	%rd2090, %rd217, %rd192;
+	bra.uni 	$L__BB7_151;
 
 $L__BB7_150:
-	add.s64 	%rd1962, %rd1962, 1;
-	setp.lt.u64 	%p137, %rd1962, %rd181;
-	setp.eq.s64 	%p454, %rd1960, 0;
-	and.pred  	%p138, %p454, %p137;
-	@%p138 bra 	$L__BB7_145;
+	cvt.u32.u64 	%r189, %rd217;
+	rem.u32 	%r190, %r189, %r188;
+	cvt.u64.u32 	%rd2090, %r190;
 
 $L__BB7_151:
-	@%p454 bra 	$L__BB7_229;
+	shl.b64 	%rd1114, %rd2090, 3;
+	add.s64 	%rd221, %rd4, %rd1114;
+	mov.u64 	%rd2085, 0;
+	ld.volatile.global.u64 	%rd1115, [%rd221];
+	setp.eq.s64 	%p143, %rd1115, 0;
+	@%p143 bra 	$L__BB7_153;
 
-	mov.u64 	%rd1056, 0;
-	st.volatile.global.u64 	[%rd2], %rd1056;
-	membar.sys;
+	atom.global.exch.b64 	%rd2085, [%rd221], 0;
 
 $L__BB7_153:
-	membar.gl;
-	add.s64 	%rd1057, %rd1965, 1;
-	or.b64  	%rd1058, %rd1057, %rd181;
-	and.b64  	%rd1059, %rd1058, -4294967296;
-	setp.eq.s64 	%p139, %rd1059, 0;
-	@%p139 bra 	$L__BB7_155;
+	add.s64 	%rd2087, %rd2087, 1;
+	setp.lt.u64 	%p144, %rd2087, %rd192;
+	setp.eq.s64 	%p502, %rd2085, 0;
+	and.pred  	%p145, %p502, %p144;
+	@%p145 bra 	$L__BB7_148;
 
-	rem.u64 	%rd1969, %rd1057, %rd181;
-	bra.uni 	$L__BB7_156;
+$L__BB7_154:
+	@%p502 bra 	$L__BB7_235;
+
+	ld.param.u64 	%rd1980, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1979, %rd1980;
+	mov.u64 	%rd1116, 0;
+	st.volatile.global.u64 	[%rd1979], %rd1116;
+	membar.sys;
+
+$L__BB7_156:
+	membar.gl;
+	add.s64 	%rd1117, %rd2090, 1;
+	or.b64  	%rd1118, %rd1117, %rd192;
+	and.b64  	%rd1119, %rd1118, -4294967296;
+	setp.eq.s64 	%p146, %rd1119, 0;
+	@%p146 bra 	$L__BB7_158;
+
+	rem.u64 	%rd2094, %rd1117, %rd192;
+	bra.uni 	$L__BB7_159;
 
 $L__BB7_20:
-	ld.global.u64 	%rd19, [%rd5+-48];
-	ld.global.u64 	%rd20, [%rd5+-40];
-	shl.b64 	%rd851, %rd20, 3;
-	add.s64 	%rd852, %rd4, %rd851;
-	atom.global.exch.b64 	%rd1906, [%rd852], 0;
+	ld.volatile.global.u64 	%rd19, [%rd5+-48];
+	ld.volatile.global.u64 	%rd20, [%rd5+8];
+	ld.volatile.global.u64 	%rd21, [%rd5+-112];
+	ld.volatile.global.u64 	%rd22, [%rd5+-80];
+	ld.volatile.global.u64 	%rd23, [%rd5+-104];
+	ld.volatile.global.u64 	%rd24, [%rd5+-72];
+	ld.volatile.global.u64 	%rd25, [%rd5+-96];
+	ld.volatile.global.u64 	%rd26, [%rd5+-64];
+	ld.volatile.global.u64 	%rd27, [%rd5+-88];
+	ld.volatile.global.u64 	%rd28, [%rd5+-56];
+	ld.volatile.global.u64 	%rd29, [%rd5+-40];
+	shl.b64 	%rd906, %rd29, 3;
+	add.s64 	%rd907, %rd4, %rd906;
+	atom.global.exch.b64 	%rd2030, [%rd907], 0;
 	setp.lt.u64 	%p43, %rd19, 2;
-	setp.eq.s64 	%p451, %rd1906, 0;
-	setp.ne.s64 	%p44, %rd1906, 0;
+	setp.eq.s64 	%p499, %rd2030, 0;
+	setp.ne.s64 	%p44, %rd2030, 0;
 	or.pred  	%p45, %p44, %p43;
-	mov.u64 	%rd1911, %rd20;
+	mov.u64 	%rd2035, %rd29;
 	@%p45 bra 	$L__BB7_28;
 
-	mov.u64 	%rd1902, 1;
+	mov.u64 	%rd2026, 1;
 	cvt.u32.u64 	%r103, %rd19;
 
 $L__BB7_22:
-	add.s64 	%rd23, %rd1902, %rd20;
-	or.b64  	%rd854, %rd23, %rd19;
-	and.b64  	%rd855, %rd854, -4294967296;
-	setp.eq.s64 	%p46, %rd855, 0;
+	add.s64 	%rd32, %rd2026, %rd29;
+	or.b64  	%rd909, %rd32, %rd19;
+	and.b64  	%rd910, %rd909, -4294967296;
+	setp.eq.s64 	%p46, %rd910, 0;
 	@%p46 bra 	$L__BB7_24;
 
-	rem.u64 	%rd1911, %rd23, %rd19;
+	rem.u64 	%rd2035, %rd32, %rd19;
 	bra.uni 	$L__BB7_25;
 
 $L__BB7_24:
-	cvt.u32.u64 	%r104, %rd23;
+	cvt.u32.u64 	%r104, %rd32;
 	rem.u32 	%r105, %r104, %r103;
-	cvt.u64.u32 	%rd1911, %r105;
+	cvt.u64.u32 	%rd2035, %r105;
 
 $L__BB7_25:
-	shl.b64 	%rd857, %rd1911, 3;
-	add.s64 	%rd27, %rd4, %rd857;
-	mov.u64 	%rd1906, 0;
-	ld.volatile.global.u64 	%rd858, [%rd27];
-	setp.eq.s64 	%p47, %rd858, 0;
+	shl.b64 	%rd912, %rd2035, 3;
+	add.s64 	%rd36, %rd4, %rd912;
+	mov.u64 	%rd2030, 0;
+	ld.volatile.global.u64 	%rd913, [%rd36];
+	setp.eq.s64 	%p47, %rd913, 0;
 	@%p47 bra 	$L__BB7_27;
 
-	atom.global.exch.b64 	%rd1906, [%rd27], 0;
+	atom.global.exch.b64 	%rd2030, [%rd36], 0;
 
 $L__BB7_27:
-	add.s64 	%rd1902, %rd1902, 1;
-	setp.lt.u64 	%p48, %rd1902, %rd19;
-	setp.eq.s64 	%p451, %rd1906, 0;
-	and.pred  	%p49, %p451, %p48;
+	add.s64 	%rd2026, %rd2026, 1;
+	setp.lt.u64 	%p48, %rd2026, %rd19;
+	setp.eq.s64 	%p499, %rd2030, 0;
+	and.pred  	%p49, %p499, %p48;
 	@%p49 bra 	$L__BB7_22;
 
 $L__BB7_28:
-	not.pred 	%p50, %p451;
+	not.pred 	%p50, %p499;
 	@%p50 bra 	$L__BB7_40;
 
-	mov.u64 	%rd859, 1;
-	st.volatile.global.u64 	[%rd2], %rd859;
+	ld.param.u64 	%rd1963, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1962, %rd1963;
+	mov.u64 	%rd914, 1;
+	st.volatile.global.u64 	[%rd1962], %rd914;
 	membar.sys;
-	mov.u32 	%r622, 32;
+	mov.u32 	%r620, 32;
 	cvt.u32.u64 	%r107, %rd19;
 	bra.uni 	$L__BB7_30;
 
-$L__BB7_116:
+$L__BB7_119:
 	// begin inline asm
-	nanosleep.u32 %r622;
+	nanosleep.u32 %r620;
 	// end inline asm
-	setp.lt.u32 	%p114, %r622, 2048;
-	selp.u32 	%r179, 1, 0, %p114;
-	shl.b32 	%r622, %r622, %r179;
+	setp.lt.u32 	%p121, %r620, 2048;
+	selp.u32 	%r179, 1, 0, %p121;
+	shl.b32 	%r620, %r620, %r179;
 
 $L__BB7_30:
 	setp.eq.s64 	%p52, %rd19, 0;
-	mov.pred 	%p452, -1;
-	mov.u64 	%rd1906, 0;
+	mov.pred 	%p500, -1;
+	mov.u64 	%rd2030, 0;
 	@%p52 bra 	$L__BB7_38;
 
-	mov.u64 	%rd1908, 0;
+	mov.u64 	%rd2032, 0;
 
 $L__BB7_32:
-	add.s64 	%rd35, %rd1908, %rd20;
-	or.b64  	%rd862, %rd35, %rd19;
-	and.b64  	%rd863, %rd862, -4294967296;
-	setp.eq.s64 	%p53, %rd863, 0;
+	add.s64 	%rd44, %rd2032, %rd29;
+	or.b64  	%rd917, %rd44, %rd19;
+	and.b64  	%rd918, %rd917, -4294967296;
+	setp.eq.s64 	%p53, %rd918, 0;
 	@%p53 bra 	$L__BB7_34;
 
-	rem.u64 	%rd1911, %rd35, %rd19;
+	rem.u64 	%rd2035, %rd44, %rd19;
 	bra.uni 	$L__BB7_35;
 
 $L__BB7_34:
-	cvt.u32.u64 	%r108, %rd35;
+	cvt.u32.u64 	%r108, %rd44;
 	rem.u32 	%r109, %r108, %r107;
-	cvt.u64.u32 	%rd1911, %r109;
+	cvt.u64.u32 	%rd2035, %r109;
 
 $L__BB7_35:
-	shl.b64 	%rd865, %rd1911, 3;
-	add.s64 	%rd39, %rd4, %rd865;
-	mov.u64 	%rd1906, 0;
-	ld.volatile.global.u64 	%rd866, [%rd39];
-	setp.eq.s64 	%p54, %rd866, 0;
+	shl.b64 	%rd920, %rd2035, 3;
+	add.s64 	%rd48, %rd4, %rd920;
+	mov.u64 	%rd2030, 0;
+	ld.volatile.global.u64 	%rd921, [%rd48];
+	setp.eq.s64 	%p54, %rd921, 0;
 	@%p54 bra 	$L__BB7_37;
 
-	atom.global.exch.b64 	%rd1906, [%rd39], 0;
+	atom.global.exch.b64 	%rd2030, [%rd48], 0;
 
 $L__BB7_37:
-	add.s64 	%rd1908, %rd1908, 1;
-	setp.lt.u64 	%p55, %rd1908, %rd19;
-	setp.eq.s64 	%p452, %rd1906, 0;
-	and.pred  	%p56, %p452, %p55;
+	add.s64 	%rd2032, %rd2032, 1;
+	setp.lt.u64 	%p55, %rd2032, %rd19;
+	setp.eq.s64 	%p500, %rd2030, 0;
+	and.pred  	%p56, %p500, %p55;
 	@%p56 bra 	$L__BB7_32;
 
 $L__BB7_38:
-	@%p452 bra 	$L__BB7_116;
+	@%p500 bra 	$L__BB7_119;
 
-	mov.u64 	%rd867, 0;
-	st.volatile.global.u64 	[%rd2], %rd867;
+	ld.param.u64 	%rd1965, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1964, %rd1965;
+	mov.u64 	%rd922, 0;
+	st.volatile.global.u64 	[%rd1964], %rd922;
 	membar.sys;
 
 $L__BB7_40:
 	membar.gl;
-	add.s64 	%rd868, %rd1911, 1;
-	or.b64  	%rd869, %rd868, %rd19;
-	and.b64  	%rd870, %rd869, -4294967296;
-	setp.eq.s64 	%p57, %rd870, 0;
+	add.s64 	%rd923, %rd2035, 1;
+	or.b64  	%rd924, %rd923, %rd19;
+	and.b64  	%rd925, %rd924, -4294967296;
+	setp.eq.s64 	%p57, %rd925, 0;
 	@%p57 bra 	$L__BB7_42;
 
-	rem.u64 	%rd1915, %rd868, %rd19;
+	rem.u64 	%rd2039, %rd923, %rd19;
 	bra.uni 	$L__BB7_43;
 
-$L__BB7_381:
-	cvt.u32.u64 	%r380, %rd517;
-	cvt.u32.u64 	%r381, %rd1465;
+$L__BB7_390:
+	cvt.u32.u64 	%r380, %rd550;
+	cvt.u32.u64 	%r381, %rd1533;
 	rem.u32 	%r382, %r381, %r380;
-	cvt.u64.u32 	%rd2077, %r382;
-
-$L__BB7_382:
-	ld.param.u64 	%rd1884, [jaxvmm_fused_offload_param_3];
-	cvta.to.global.u64 	%rd1883, %rd1884;
-	add.s64 	%rd1882, %rd4, 144;
-	st.global.u64 	[%rd1882+-40], %rd2077;
-	st.global.u32 	[%rd1883], %rd2068;
-	shr.u64 	%rd1470, %rd2068, 32;
-	st.global.u32 	[%rd1883+4], %rd1470;
-	shl.b64 	%rd1471, %rd2073, 3;
-	add.s64 	%rd1472, %rd4, %rd1471;
-	ld.volatile.global.u64 	%rd2078, [%rd1472+32];
-	st.global.u64 	[%rd1882+-32], %rd2078;
-	ld.global.u64 	%rd1473, [%rd1472+64];
-	st.global.u64 	[%rd1882+-24], %rd1473;
-	membar.gl;
-	atom.global.exch.b64 	%rd1475, [%rd1882], %rd2078;
-
-$L__BB7_383:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2078;
-
-$L__BB7_384:
-	bar.sync 	0;
-	ld.shared.u64 	%rd550, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
-	and.b64  	%rd1476, %rd550, 15;
-	setp.eq.s64 	%p304, %rd1476, 0;
-	@%p304 bra 	$L__BB7_440;
-
-	ld.param.u64 	%rd1880, [jaxvmm_fused_offload_param_1];
-	xor.b64  	%rd551, %rd550, %rd1880;
-	and.b64  	%rd1477, %rd551, 15;
-	setp.eq.s64 	%p305, %rd1477, 0;
-	@%p305 bra 	$L__BB7_429;
-
-	and.b64  	%rd1478, %rd551, 7;
-	setp.eq.s64 	%p306, %rd1478, 0;
-	@%p306 bra 	$L__BB7_418;
-
-	and.b64  	%rd1479, %rd551, 3;
-	setp.eq.s64 	%p307, %rd1479, 0;
-	@%p307 bra 	$L__BB7_407;
-
-	and.b64  	%rd1480, %rd551, 1;
-	setp.eq.b64 	%p308, %rd1480, 1;
-	mov.pred 	%p309, 0;
-	xor.pred  	%p310, %p308, %p309;
-	not.pred 	%p311, %p310;
-	@%p311 bra 	$L__BB7_396;
-	bra.uni 	$L__BB7_389;
-
-$L__BB7_396:
-	and.b64  	%rd567, %rd550, 1;
-	min.u64 	%rd568, %rd567, %rd836;
-	setp.ge.u64 	%p318, %rd506, %rd568;
-	@%p318 bra 	$L__BB7_399;
-
-	mov.u64 	%rd2085, %rd506;
-
-$L__BB7_398:
-	add.s64 	%rd1493, %rd3, %rd2085;
-	ld.global.u8 	%rs101, [%rd1493];
-	add.s64 	%rd1494, %rd550, %rd2085;
-	st.u8 	[%rd1494], %rs101;
-	add.s64 	%rd2085, %rd2085, %rd508;
-	setp.lt.u64 	%p319, %rd2085, %rd568;
-	@%p319 bra 	$L__BB7_398;
-
-$L__BB7_399:
-	sub.s64 	%rd571, %rd836, %rd568;
-	shr.u64 	%rd572, %rd571, 1;
-	setp.ge.u64 	%p320, %rd513, %rd572;
-	mov.u64 	%rd2089, %rd506;
-	@%p320 bra 	$L__BB7_402;
-
-	mul.lo.s64 	%rd1495, %rd503, %rd504;
-	shl.b64 	%rd1496, %rd1495, 1;
-	shl.b64 	%rd1497, %rd505, 1;
-	add.s64 	%rd1498, %rd1496, %rd1497;
-	add.s64 	%rd1499, %rd1498, -1;
-	not.b64 	%rd1500, %rd836;
-	not.b64 	%rd1501, %rd567;
-	max.u64 	%rd1502, %rd1501, %rd1500;
-	sub.s64 	%rd1503, %rd1499, %rd1502;
-	add.s64 	%rd2087, %rd3, %rd1503;
-	mul.lo.s64 	%rd1504, %rd507, %rd504;
-	shl.b64 	%rd574, %rd1504, 1;
-	add.s64 	%rd2088, %rd550, %rd1503;
-	mov.u64 	%rd2089, %rd506;
-
-$L__BB7_401:
-	ld.global.u16 	%rs102, [%rd2087];
-	add.s64 	%rd1505, %rd2087, %rd574;
-	ld.global.u16 	%rs103, [%rd1505];
-	add.s64 	%rd1506, %rd1505, %rd574;
-	ld.global.u16 	%rs104, [%rd1506];
-	add.s64 	%rd1507, %rd1506, %rd574;
-	add.s64 	%rd2087, %rd1507, %rd574;
-	ld.global.u16 	%rs105, [%rd1507];
-	st.u16 	[%rd2088], %rs102;
-	add.s64 	%rd1508, %rd2088, %rd574;
-	st.u16 	[%rd1508], %rs103;
-	add.s64 	%rd1509, %rd1508, %rd574;
-	st.u16 	[%rd1509], %rs104;
-	add.s64 	%rd1510, %rd1509, %rd574;
-	add.s64 	%rd2088, %rd1510, %rd574;
-	st.u16 	[%rd1510], %rs105;
-	add.s64 	%rd1511, %rd2089, %rd508;
-	add.s64 	%rd2089, %rd512, %rd1511;
-	add.s64 	%rd1512, %rd2089, %rd512;
-	setp.lt.u64 	%p321, %rd1512, %rd572;
-	@%p321 bra 	$L__BB7_401;
-
-$L__BB7_402:
-	setp.ge.u64 	%p322, %rd2089, %rd572;
-	@%p322 bra 	$L__BB7_405;
-
-	add.s64 	%rd583, %rd550, %rd568;
-	add.s64 	%rd584, %rd3, %rd568;
-
-$L__BB7_404:
-	shl.b64 	%rd1513, %rd2089, 1;
-	add.s64 	%rd1514, %rd584, %rd1513;
-	ld.global.u16 	%rs106, [%rd1514];
-	add.s64 	%rd1515, %rd583, %rd1513;
-	st.u16 	[%rd1515], %rs106;
-	add.s64 	%rd2089, %rd2089, %rd508;
-	setp.lt.u64 	%p323, %rd2089, %rd572;
-	@%p323 bra 	$L__BB7_404;
-
-$L__BB7_405:
-	and.b64  	%rd1516, %rd571, -2;
-	add.s64 	%rd1517, %rd568, %rd506;
-	add.s64 	%rd2091, %rd1517, %rd1516;
-	setp.ge.u64 	%p324, %rd2091, %rd836;
-	@%p324 bra 	$L__BB7_568;
-
-$L__BB7_406:
-	add.s64 	%rd1518, %rd3, %rd2091;
-	ld.global.u8 	%rs107, [%rd1518];
-	add.s64 	%rd1519, %rd550, %rd2091;
-	st.u8 	[%rd1519], %rs107;
-	add.s64 	%rd2091, %rd2091, %rd508;
-	setp.lt.u64 	%p325, %rd2091, %rd836;
-	@%p325 bra 	$L__BB7_406;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_440:
-	setp.ge.u64 	%p448, %rd506, %rd509;
-	@%p448 bra 	$L__BB7_442;
-
-	shl.b64 	%rd1611, %rd506, 3;
-	add.s64 	%rd1612, %rd550, %rd1611;
-	st.v2.u32 	[%rd1612], {%r36, %r35};
-
-$L__BB7_442:
-	add.s64 	%rd1887, %rd508, %rd506;
-	setp.ge.u64 	%p449, %rd1887, %rd509;
-	@%p449 bra 	$L__BB7_444;
-
-	add.s64 	%rd1881, %rd508, %rd506;
-	shl.b64 	%rd1613, %rd1881, 3;
-	add.s64 	%rd1614, %rd550, %rd1613;
-	st.v2.u32 	[%rd1614], {%r40, %r39};
-
-$L__BB7_444:
-	@%p281 bra 	$L__BB7_446;
-
-	add.s64 	%rd1886, %rd508, %rd506;
-	add.s64 	%rd1885, %rd1886, %rd508;
-	shl.b64 	%rd1615, %rd1885, 3;
-	add.s64 	%rd1616, %rd550, %rd1615;
-	st.v2.u32 	[%rd1616], {%r44, %r43};
-
-$L__BB7_446:
-	@%p282 bra 	$L__BB7_448;
-
-	shl.b64 	%rd1617, %rd513, 3;
-	add.s64 	%rd1618, %rd550, %rd1617;
-	st.v2.u32 	[%rd1618], {%r48, %r47};
-
-$L__BB7_448:
-	add.s64 	%rd2113, %rd513, %rd508;
-	add.s64 	%rd1619, %rd2113, %rd512;
-	setp.ge.u64 	%p354, %rd1619, %rd509;
-	@%p354 bra 	$L__BB7_451;
-
-	mul.lo.s64 	%rd1620, %rd507, %rd504;
-	shl.b64 	%rd656, %rd1620, 3;
-	shl.b64 	%rd1621, %rd507, 2;
-	add.s64 	%rd1622, %rd1621, %rd503;
-	mul.lo.s64 	%rd1623, %rd1622, %rd504;
-	shl.b64 	%rd1624, %rd1623, 3;
-	shl.b64 	%rd1625, %rd505, 3;
-	add.s64 	%rd1626, %rd1624, %rd1625;
-	add.s64 	%rd2112, %rd550, %rd1626;
-	mul.lo.s64 	%rd658, %rd1620, -24;
-
-$L__BB7_450:
-	add.s64 	%rd1627, %rd2113, %rd508;
-	shl.b64 	%rd1628, %rd1627, 3;
-	add.s64 	%rd1629, %rd3, %rd1628;
-	ld.global.v2.u32 	{%r448, %r449}, [%rd1629];
-	add.s64 	%rd1630, %rd1629, %rd656;
-	ld.global.v2.u32 	{%r452, %r453}, [%rd1630];
-	add.s64 	%rd1631, %rd1630, %rd656;
-	ld.global.v2.u32 	{%r456, %r457}, [%rd1631];
-	add.s64 	%rd1632, %rd1631, %rd658;
-	ld.global.v2.u32 	{%r460, %r461}, [%rd1632];
-	st.v2.u32 	[%rd2112], {%r460, %r461};
-	add.s64 	%rd1633, %rd2112, %rd656;
-	st.v2.u32 	[%rd1633], {%r448, %r449};
-	add.s64 	%rd1634, %rd1633, %rd656;
-	st.v2.u32 	[%rd1634], {%r452, %r453};
-	add.s64 	%rd1635, %rd1634, %rd656;
-	add.s64 	%rd2112, %rd1635, %rd656;
-	st.v2.u32 	[%rd1635], {%r456, %r457};
-	add.s64 	%rd2113, %rd512, %rd1627;
-	add.s64 	%rd1636, %rd2113, %rd512;
-	setp.lt.u64 	%p355, %rd1636, %rd509;
-	@%p355 bra 	$L__BB7_450;
-
-$L__BB7_451:
-	setp.ge.u64 	%p356, %rd2113, %rd509;
-	@%p356 bra 	$L__BB7_453;
-
-$L__BB7_452:
-	shl.b64 	%rd1637, %rd2113, 3;
-	add.s64 	%rd1638, %rd3, %rd1637;
-	ld.global.v2.u32 	{%r464, %r465}, [%rd1638];
-	add.s64 	%rd1639, %rd550, %rd1637;
-	st.v2.u32 	[%rd1639], {%r464, %r465};
-	add.s64 	%rd2113, %rd2113, %rd508;
-	setp.lt.u64 	%p357, %rd2113, %rd509;
-	@%p357 bra 	$L__BB7_452;
-
-$L__BB7_453:
-	and.b64  	%rd1640, %rd836, -8;
-	add.s64 	%rd2115, %rd1640, %rd506;
-	setp.ge.u64 	%p358, %rd2115, %rd836;
-	@%p358 bra 	$L__BB7_568;
-
-$L__BB7_454:
-	add.s64 	%rd1641, %rd3, %rd2115;
-	ld.global.u8 	%rs114, [%rd1641];
-	add.s64 	%rd1642, %rd550, %rd2115;
-	st.u8 	[%rd1642], %rs114;
-	add.s64 	%rd2115, %rd2115, %rd508;
-	setp.lt.u64 	%p359, %rd2115, %rd836;
-	@%p359 bra 	$L__BB7_454;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_429:
-	neg.s64 	%rd1578, %rd550;
-	and.b64  	%rd634, %rd1578, 15;
-	min.u64 	%rd635, %rd634, %rd836;
-	setp.ge.u64 	%p342, %rd506, %rd635;
-	@%p342 bra 	$L__BB7_432;
-
-	mov.u64 	%rd2105, %rd506;
-
-$L__BB7_431:
-	add.s64 	%rd1579, %rd3, %rd2105;
-	ld.global.u8 	%rs112, [%rd1579];
-	add.s64 	%rd1580, %rd550, %rd2105;
-	st.u8 	[%rd1580], %rs112;
-	add.s64 	%rd2105, %rd2105, %rd508;
-	setp.lt.u64 	%p343, %rd2105, %rd635;
-	@%p343 bra 	$L__BB7_431;
-
-$L__BB7_432:
-	sub.s64 	%rd638, %rd836, %rd635;
-	shr.u64 	%rd639, %rd638, 4;
-	add.s64 	%rd640, %rd3, %rd635;
-	setp.ge.u64 	%p344, %rd513, %rd639;
-	mov.u64 	%rd2108, %rd506;
-	@%p344 bra 	$L__BB7_435;
-
-	mul.lo.s64 	%rd1581, %rd507, %rd504;
-	shl.b64 	%rd641, %rd1581, 4;
-	mul.lo.s64 	%rd1582, %rd503, %rd504;
-	shl.b64 	%rd1583, %rd1582, 4;
-	shl.b64 	%rd1584, %rd505, 4;
-	add.s64 	%rd1585, %rd1583, %rd1584;
-	add.s64 	%rd1586, %rd1585, -1;
-	not.b64 	%rd1587, %rd836;
-	not.b64 	%rd1588, %rd634;
-	max.u64 	%rd1589, %rd1588, %rd1587;
-	sub.s64 	%rd1590, %rd1586, %rd1589;
-	add.s64 	%rd2107, %rd550, %rd1590;
-	shl.b64 	%rd1591, %rd1581, 5;
-	neg.s64 	%rd643, %rd1591;
-	mov.u64 	%rd2108, %rd506;
-
-$L__BB7_434:
-	shl.b64 	%rd1592, %rd2108, 4;
-	add.s64 	%rd1593, %rd640, %rd1592;
-	shl.b64 	%rd1594, %rd508, 2;
-	shl.b64 	%rd1595, %rd508, 4;
-	add.s64 	%rd1596, %rd1593, %rd1595;
-	ld.global.v4.u32 	{%r408, %r409, %r410, %r411}, [%rd1596];
-	add.s64 	%rd1597, %rd1596, %rd641;
-	ld.global.v4.u32 	{%r416, %r417, %r418, %r419}, [%rd1597];
-	add.s64 	%rd1598, %rd1597, %rd641;
-	ld.global.v4.u32 	{%r424, %r425, %r426, %r427}, [%rd1598];
-	add.s64 	%rd1599, %rd1597, %rd643;
-	ld.global.v4.u32 	{%r432, %r433, %r434, %r435}, [%rd1599];
-	st.v4.u32 	[%rd2107], {%r432, %r433, %r434, %r435};
-	add.s64 	%rd1600, %rd2107, %rd641;
-	st.v4.u32 	[%rd1600], {%r408, %r409, %r410, %r411};
-	add.s64 	%rd1601, %rd1600, %rd641;
-	st.v4.u32 	[%rd1601], {%r416, %r417, %r418, %r419};
-	add.s64 	%rd1602, %rd1601, %rd641;
-	add.s64 	%rd2107, %rd1602, %rd641;
-	st.v4.u32 	[%rd1602], {%r424, %r425, %r426, %r427};
-	add.s64 	%rd2108, %rd1594, %rd2108;
-	add.s64 	%rd1603, %rd2108, %rd512;
-	setp.lt.u64 	%p345, %rd1603, %rd639;
-	@%p345 bra 	$L__BB7_434;
-
-$L__BB7_435:
-	setp.ge.u64 	%p346, %rd2108, %rd639;
-	@%p346 bra 	$L__BB7_438;
-
-	add.s64 	%rd649, %rd550, %rd635;
-
-$L__BB7_437:
-	shl.b64 	%rd1604, %rd2108, 4;
-	add.s64 	%rd1605, %rd649, %rd1604;
-	add.s64 	%rd1606, %rd640, %rd1604;
-	ld.global.v4.u32 	{%r440, %r441, %r442, %r443}, [%rd1606];
-	st.v4.u32 	[%rd1605], {%r440, %r441, %r442, %r443};
-	add.s64 	%rd2108, %rd2108, %rd508;
-	setp.lt.u64 	%p347, %rd2108, %rd639;
-	@%p347 bra 	$L__BB7_437;
-
-$L__BB7_438:
-	and.b64  	%rd1607, %rd638, -16;
-	add.s64 	%rd1608, %rd635, %rd506;
-	add.s64 	%rd2110, %rd1608, %rd1607;
-	setp.ge.u64 	%p348, %rd2110, %rd836;
-	@%p348 bra 	$L__BB7_568;
-
-$L__BB7_439:
-	add.s64 	%rd1609, %rd3, %rd2110;
-	ld.global.u8 	%rs113, [%rd1609];
-	add.s64 	%rd1610, %rd550, %rd2110;
-	st.u8 	[%rd1610], %rs113;
-	add.s64 	%rd2110, %rd2110, %rd508;
-	setp.lt.u64 	%p349, %rd2110, %rd836;
-	@%p349 bra 	$L__BB7_439;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_418:
-	neg.s64 	%rd1548, %rd550;
-	and.b64  	%rd613, %rd1548, 7;
-	min.u64 	%rd614, %rd613, %rd836;
-	setp.ge.u64 	%p334, %rd506, %rd614;
-	@%p334 bra 	$L__BB7_421;
-
-	mov.u64 	%rd2099, %rd506;
-
-$L__BB7_420:
-	add.s64 	%rd1549, %rd3, %rd2099;
-	ld.global.u8 	%rs110, [%rd1549];
-	add.s64 	%rd1550, %rd550, %rd2099;
-	st.u8 	[%rd1550], %rs110;
-	add.s64 	%rd2099, %rd2099, %rd508;
-	setp.lt.u64 	%p335, %rd2099, %rd614;
-	@%p335 bra 	$L__BB7_420;
-
-$L__BB7_421:
-	sub.s64 	%rd617, %rd836, %rd614;
-	shr.u64 	%rd618, %rd617, 3;
-	add.s64 	%rd619, %rd3, %rd614;
-	setp.ge.u64 	%p336, %rd513, %rd618;
-	mov.u64 	%rd2102, %rd506;
-	@%p336 bra 	$L__BB7_424;
-
-	mul.lo.s64 	%rd1551, %rd507, %rd504;
-	shl.b64 	%rd620, %rd1551, 3;
-	mul.lo.s64 	%rd1552, %rd503, %rd504;
-	shl.b64 	%rd1553, %rd1552, 3;
-	shl.b64 	%rd1554, %rd505, 3;
-	add.s64 	%rd1555, %rd1553, %rd1554;
-	add.s64 	%rd1556, %rd1555, -1;
-	not.b64 	%rd1557, %rd836;
-	not.b64 	%rd1558, %rd613;
-	max.u64 	%rd1559, %rd1558, %rd1557;
-	sub.s64 	%rd1560, %rd1556, %rd1559;
-	add.s64 	%rd2101, %rd550, %rd1560;
-	mul.lo.s64 	%rd622, %rd1551, -24;
-	mov.u64 	%rd2102, %rd506;
-
-$L__BB7_423:
-	add.s64 	%rd1561, %rd2102, %rd508;
-	shl.b64 	%rd1562, %rd1561, 3;
-	add.s64 	%rd1563, %rd619, %rd1562;
-	ld.global.v2.u32 	{%r388, %r389}, [%rd1563];
-	add.s64 	%rd1564, %rd1563, %rd620;
-	ld.global.v2.u32 	{%r392, %r393}, [%rd1564];
-	add.s64 	%rd1565, %rd1564, %rd620;
-	ld.global.v2.u32 	{%r396, %r397}, [%rd1565];
-	add.s64 	%rd1566, %rd1565, %rd622;
-	ld.global.v2.u32 	{%r400, %r401}, [%rd1566];
-	st.v2.u32 	[%rd2101], {%r400, %r401};
-	add.s64 	%rd1567, %rd2101, %rd620;
-	st.v2.u32 	[%rd1567], {%r388, %r389};
-	add.s64 	%rd1568, %rd1567, %rd620;
-	st.v2.u32 	[%rd1568], {%r392, %r393};
-	add.s64 	%rd1569, %rd1568, %rd620;
-	add.s64 	%rd2101, %rd1569, %rd620;
-	st.v2.u32 	[%rd1569], {%r396, %r397};
-	add.s64 	%rd2102, %rd512, %rd1561;
-	add.s64 	%rd1570, %rd2102, %rd512;
-	setp.lt.u64 	%p337, %rd1570, %rd618;
-	@%p337 bra 	$L__BB7_423;
-
-$L__BB7_424:
-	setp.ge.u64 	%p338, %rd2102, %rd618;
-	@%p338 bra 	$L__BB7_427;
-
-	add.s64 	%rd628, %rd550, %rd614;
-
-$L__BB7_426:
-	shl.b64 	%rd1571, %rd2102, 3;
-	add.s64 	%rd1572, %rd619, %rd1571;
-	ld.global.v2.u32 	{%r404, %r405}, [%rd1572];
-	add.s64 	%rd1573, %rd628, %rd1571;
-	st.v2.u32 	[%rd1573], {%r404, %r405};
-	add.s64 	%rd2102, %rd2102, %rd508;
-	setp.lt.u64 	%p339, %rd2102, %rd618;
-	@%p339 bra 	$L__BB7_426;
-
-$L__BB7_427:
-	and.b64  	%rd1574, %rd617, -8;
-	add.s64 	%rd1575, %rd614, %rd506;
-	add.s64 	%rd2104, %rd1575, %rd1574;
-	setp.ge.u64 	%p340, %rd2104, %rd836;
-	@%p340 bra 	$L__BB7_568;
-
-$L__BB7_428:
-	add.s64 	%rd1576, %rd3, %rd2104;
-	ld.global.u8 	%rs111, [%rd1576];
-	add.s64 	%rd1577, %rd550, %rd2104;
-	st.u8 	[%rd1577], %rs111;
-	add.s64 	%rd2104, %rd2104, %rd508;
-	setp.lt.u64 	%p341, %rd2104, %rd836;
-	@%p341 bra 	$L__BB7_428;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_407:
-	neg.s64 	%rd1520, %rd550;
-	and.b64  	%rd590, %rd1520, 3;
-	min.u64 	%rd591, %rd590, %rd836;
-	setp.ge.u64 	%p326, %rd506, %rd591;
-	@%p326 bra 	$L__BB7_410;
-
-	mov.u64 	%rd2092, %rd506;
-
-$L__BB7_409:
-	add.s64 	%rd1521, %rd3, %rd2092;
-	ld.global.u8 	%rs108, [%rd1521];
-	add.s64 	%rd1522, %rd550, %rd2092;
-	st.u8 	[%rd1522], %rs108;
-	add.s64 	%rd2092, %rd2092, %rd508;
-	setp.lt.u64 	%p327, %rd2092, %rd591;
-	@%p327 bra 	$L__BB7_409;
-
-$L__BB7_410:
-	sub.s64 	%rd594, %rd836, %rd591;
-	shr.u64 	%rd595, %rd594, 2;
-	setp.ge.u64 	%p328, %rd513, %rd595;
-	mov.u64 	%rd2096, %rd506;
-	@%p328 bra 	$L__BB7_413;
-
-	mul.lo.s64 	%rd1523, %rd503, %rd504;
-	shl.b64 	%rd1524, %rd1523, 2;
-	shl.b64 	%rd1525, %rd505, 2;
-	add.s64 	%rd1526, %rd1524, %rd1525;
-	add.s64 	%rd1527, %rd1526, -1;
-	not.b64 	%rd1528, %rd836;
-	not.b64 	%rd1529, %rd590;
-	max.u64 	%rd1530, %rd1529, %rd1528;
-	sub.s64 	%rd1531, %rd1527, %rd1530;
-	add.s64 	%rd2094, %rd3, %rd1531;
-	mul.lo.s64 	%rd1532, %rd507, %rd504;
-	shl.b64 	%rd597, %rd1532, 2;
-	add.s64 	%rd2095, %rd550, %rd1531;
-	mov.u64 	%rd2096, %rd506;
-
-$L__BB7_412:
-	ld.global.u32 	%r383, [%rd2094];
-	add.s64 	%rd1533, %rd2094, %rd597;
-	ld.global.u32 	%r384, [%rd1533];
-	add.s64 	%rd1534, %rd1533, %rd597;
-	ld.global.u32 	%r385, [%rd1534];
-	add.s64 	%rd1535, %rd1534, %rd597;
-	add.s64 	%rd2094, %rd1535, %rd597;
-	ld.global.u32 	%r386, [%rd1535];
-	st.u32 	[%rd2095], %r383;
-	add.s64 	%rd1536, %rd2095, %rd597;
-	st.u32 	[%rd1536], %r384;
-	add.s64 	%rd1537, %rd1536, %rd597;
-	st.u32 	[%rd1537], %r385;
-	add.s64 	%rd1538, %rd1537, %rd597;
-	add.s64 	%rd2095, %rd1538, %rd597;
-	st.u32 	[%rd1538], %r386;
-	add.s64 	%rd1539, %rd2096, %rd508;
-	add.s64 	%rd2096, %rd512, %rd1539;
-	add.s64 	%rd1540, %rd2096, %rd512;
-	setp.lt.u64 	%p329, %rd1540, %rd595;
-	@%p329 bra 	$L__BB7_412;
-
-$L__BB7_413:
-	setp.ge.u64 	%p330, %rd2096, %rd595;
-	@%p330 bra 	$L__BB7_416;
-
-	add.s64 	%rd606, %rd550, %rd591;
-	add.s64 	%rd607, %rd3, %rd591;
-
-$L__BB7_415:
-	shl.b64 	%rd1541, %rd2096, 2;
-	add.s64 	%rd1542, %rd607, %rd1541;
-	ld.global.u32 	%r387, [%rd1542];
-	add.s64 	%rd1543, %rd606, %rd1541;
-	st.u32 	[%rd1543], %r387;
-	add.s64 	%rd2096, %rd2096, %rd508;
-	setp.lt.u64 	%p331, %rd2096, %rd595;
-	@%p331 bra 	$L__BB7_415;
-
-$L__BB7_416:
-	and.b64  	%rd1544, %rd594, -4;
-	add.s64 	%rd1545, %rd591, %rd506;
-	add.s64 	%rd2098, %rd1545, %rd1544;
-	setp.ge.u64 	%p332, %rd2098, %rd836;
-	@%p332 bra 	$L__BB7_568;
-
-$L__BB7_417:
-	add.s64 	%rd1546, %rd3, %rd2098;
-	ld.global.u8 	%rs109, [%rd1546];
-	add.s64 	%rd1547, %rd550, %rd2098;
-	st.u8 	[%rd1547], %rs109;
-	add.s64 	%rd2098, %rd2098, %rd508;
-	setp.lt.u64 	%p333, %rd2098, %rd836;
-	@%p333 bra 	$L__BB7_417;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_389:
-	setp.ge.u64 	%p312, %rd513, %rd836;
-	mov.u64 	%rd2082, %rd506;
-	@%p312 bra 	$L__BB7_392;
-
-	add.s64 	%rd2080, %rd3, %rd506;
-	mul.lo.s64 	%rd553, %rd507, %rd504;
-	add.s64 	%rd2081, %rd550, %rd506;
-	mov.u64 	%rd2082, %rd506;
+	cvt.u64.u32 	%rd2204, %r382;
 
 $L__BB7_391:
-	ld.global.u8 	%rs95, [%rd2080];
-	add.s64 	%rd1481, %rd2080, %rd553;
-	ld.global.u8 	%rs96, [%rd1481];
-	add.s64 	%rd1482, %rd1481, %rd553;
-	ld.global.u8 	%rs97, [%rd1482];
-	add.s64 	%rd1483, %rd1482, %rd553;
-	add.s64 	%rd2080, %rd1483, %rd553;
-	ld.global.u8 	%rs98, [%rd1483];
-	st.u8 	[%rd2081], %rs95;
-	add.s64 	%rd1484, %rd2081, %rd553;
-	st.u8 	[%rd1484], %rs96;
-	add.s64 	%rd1485, %rd1484, %rd553;
-	st.u8 	[%rd1485], %rs97;
-	add.s64 	%rd1486, %rd1485, %rd553;
-	add.s64 	%rd2081, %rd1486, %rd553;
-	st.u8 	[%rd1486], %rs98;
-	add.s64 	%rd1487, %rd2082, %rd508;
-	add.s64 	%rd2082, %rd512, %rd1487;
-	add.s64 	%rd1488, %rd2082, %rd512;
-	setp.lt.u64 	%p313, %rd1488, %rd836;
-	@%p313 bra 	$L__BB7_391;
+	ld.param.u64 	%rd2004, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd2003, %rd2004;
+	add.s64 	%rd2002, %rd4, 144;
+	st.global.u64 	[%rd2002+-40], %rd2204;
+	st.global.u32 	[%rd2003], %rd2195;
+	shr.u64 	%rd1538, %rd2195, 32;
+	st.global.u32 	[%rd2003+4], %rd1538;
+	setp.eq.s64 	%p325, %rd551, 0;
+	@%p325 bra 	$L__BB7_393;
 
-$L__BB7_392:
-	setp.ge.u64 	%p314, %rd2082, %rd836;
-	@%p314 bra 	$L__BB7_394;
+	setp.eq.s64 	%p326, %rd2200, 1;
+	selp.b64 	%rd1539, %rd554, %rd552, %p326;
+	setp.eq.s64 	%p327, %rd2200, 2;
+	selp.b64 	%rd1540, %rd556, %rd1539, %p327;
+	setp.eq.s64 	%p328, %rd2200, 3;
+	selp.b64 	%rd2206, %rd558, %rd1540, %p328;
+	bra.uni 	$L__BB7_394;
 
 $L__BB7_393:
-	add.s64 	%rd1489, %rd3, %rd2082;
-	ld.global.u8 	%rs99, [%rd1489];
-	add.s64 	%rd1490, %rd550, %rd2082;
-	st.u8 	[%rd1490], %rs99;
-	add.s64 	%rd2082, %rd2082, %rd508;
-	setp.lt.u64 	%p315, %rd2082, %rd836;
-	@%p315 bra 	$L__BB7_393;
+	shl.b64 	%rd1541, %rd2200, 3;
+	add.s64 	%rd1542, %rd4, %rd1541;
+	ld.volatile.global.u64 	%rd2206, [%rd1542+32];
 
 $L__BB7_394:
-	add.s64 	%rd2084, %rd506, %rd836;
-	setp.ge.u64 	%p316, %rd2084, %rd506;
-	@%p316 bra 	$L__BB7_568;
+	add.s64 	%rd2005, %rd4, 144;
+	st.global.u64 	[%rd2005+-32], %rd2206;
+	setp.eq.s64 	%p329, %rd2200, 1;
+	selp.b64 	%rd1543, %rd555, %rd553, %p329;
+	setp.eq.s64 	%p330, %rd2200, 2;
+	selp.b64 	%rd1544, %rd557, %rd1543, %p330;
+	setp.eq.s64 	%p331, %rd2200, 3;
+	selp.b64 	%rd1545, %rd559, %rd1544, %p331;
+	st.global.u64 	[%rd2005+-24], %rd1545;
+	membar.gl;
+	atom.global.exch.b64 	%rd1547, [%rd2005], %rd2206;
 
 $L__BB7_395:
-	add.s64 	%rd1491, %rd3, %rd2084;
-	ld.global.u8 	%rs100, [%rd1491];
-	add.s64 	%rd1492, %rd550, %rd2084;
-	st.u8 	[%rd1492], %rs100;
-	add.s64 	%rd2084, %rd2084, %rd508;
-	setp.lt.u64 	%p317, %rd2084, %rd836;
-	@%p317 bra 	$L__BB7_395;
-	bra.uni 	$L__BB7_568;
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2206;
 
-$L__BB7_268:
-	cvt.u32.u64 	%r279, %rd349;
-	cvt.u32.u64 	%r280, %rd1260;
-	rem.u32 	%r281, %r280, %r279;
-	cvt.u64.u32 	%rd2023, %r281;
-
-$L__BB7_269:
-	ld.param.u64 	%rd1900, [jaxvmm_fused_offload_param_3];
-	cvta.to.global.u64 	%rd1899, %rd1900;
-	add.s64 	%rd1877, %rd4, 144;
-	st.global.u64 	[%rd1877+-40], %rd2023;
-	st.global.u32 	[%rd1899], %rd2014;
-	shr.u64 	%rd1265, %rd2014, 32;
-	st.global.u32 	[%rd1899+4], %rd1265;
-	shl.b64 	%rd1266, %rd2019, 3;
-	add.s64 	%rd1267, %rd4, %rd1266;
-	ld.volatile.global.u64 	%rd2024, [%rd1267+32];
-	st.global.u64 	[%rd1877+-32], %rd2024;
-	ld.global.u64 	%rd1268, [%rd1267+64];
-	st.global.u64 	[%rd1877+-24], %rd1268;
-	membar.gl;
-	atom.global.exch.b64 	%rd1270, [%rd1877], %rd2024;
-
-$L__BB7_270:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2024;
-
-$L__BB7_271:
+$L__BB7_396:
 	bar.sync 	0;
-	ld.shared.u64 	%rd382, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
-	and.b64  	%rd1271, %rd382, 15;
-	setp.eq.s64 	%p222, %rd1271, 0;
-	@%p222 bra 	$L__BB7_327;
-
-	ld.param.u64 	%rd1878, [jaxvmm_fused_offload_param_1];
-	xor.b64  	%rd383, %rd382, %rd1878;
-	and.b64  	%rd1272, %rd383, 15;
-	setp.eq.s64 	%p223, %rd1272, 0;
-	@%p223 bra 	$L__BB7_316;
-
-	and.b64  	%rd1273, %rd383, 7;
-	setp.eq.s64 	%p224, %rd1273, 0;
-	@%p224 bra 	$L__BB7_305;
-
-	and.b64  	%rd1274, %rd383, 3;
-	setp.eq.s64 	%p225, %rd1274, 0;
-	@%p225 bra 	$L__BB7_294;
-
-	and.b64  	%rd1275, %rd383, 1;
-	setp.eq.b64 	%p226, %rd1275, 1;
-	mov.pred 	%p227, 0;
-	xor.pred  	%p228, %p226, %p227;
-	not.pred 	%p229, %p228;
-	@%p229 bra 	$L__BB7_283;
-	bra.uni 	$L__BB7_276;
-
-$L__BB7_283:
-	and.b64  	%rd399, %rd382, 1;
-	min.u64 	%rd400, %rd399, %rd836;
-	setp.ge.u64 	%p236, %rd338, %rd400;
-	@%p236 bra 	$L__BB7_286;
-
-	mov.u64 	%rd2031, %rd338;
-
-$L__BB7_285:
-	add.s64 	%rd1288, %rd3, %rd2031;
-	ld.global.u8 	%rs81, [%rd1288];
-	add.s64 	%rd1289, %rd382, %rd2031;
-	st.u8 	[%rd1289], %rs81;
-	add.s64 	%rd2031, %rd2031, %rd340;
-	setp.lt.u64 	%p237, %rd2031, %rd400;
-	@%p237 bra 	$L__BB7_285;
-
-$L__BB7_286:
-	sub.s64 	%rd403, %rd836, %rd400;
-	shr.u64 	%rd404, %rd403, 1;
-	setp.ge.u64 	%p238, %rd345, %rd404;
-	mov.u64 	%rd2035, %rd338;
-	@%p238 bra 	$L__BB7_289;
-
-	mul.lo.s64 	%rd1290, %rd335, %rd336;
-	shl.b64 	%rd1291, %rd1290, 1;
-	shl.b64 	%rd1292, %rd337, 1;
-	add.s64 	%rd1293, %rd1291, %rd1292;
-	add.s64 	%rd1294, %rd1293, -1;
-	not.b64 	%rd1295, %rd836;
-	not.b64 	%rd1296, %rd399;
-	max.u64 	%rd1297, %rd1296, %rd1295;
-	sub.s64 	%rd1298, %rd1294, %rd1297;
-	add.s64 	%rd2033, %rd3, %rd1298;
-	mul.lo.s64 	%rd1299, %rd339, %rd336;
-	shl.b64 	%rd406, %rd1299, 1;
-	add.s64 	%rd2034, %rd382, %rd1298;
-	mov.u64 	%rd2035, %rd338;
-
-$L__BB7_288:
-	ld.global.u16 	%rs82, [%rd2033];
-	add.s64 	%rd1300, %rd2033, %rd406;
-	ld.global.u16 	%rs83, [%rd1300];
-	add.s64 	%rd1301, %rd1300, %rd406;
-	ld.global.u16 	%rs84, [%rd1301];
-	add.s64 	%rd1302, %rd1301, %rd406;
-	add.s64 	%rd2033, %rd1302, %rd406;
-	ld.global.u16 	%rs85, [%rd1302];
-	st.u16 	[%rd2034], %rs82;
-	add.s64 	%rd1303, %rd2034, %rd406;
-	st.u16 	[%rd1303], %rs83;
-	add.s64 	%rd1304, %rd1303, %rd406;
-	st.u16 	[%rd1304], %rs84;
-	add.s64 	%rd1305, %rd1304, %rd406;
-	add.s64 	%rd2034, %rd1305, %rd406;
-	st.u16 	[%rd1305], %rs85;
-	add.s64 	%rd1306, %rd2035, %rd340;
-	add.s64 	%rd2035, %rd344, %rd1306;
-	add.s64 	%rd1307, %rd2035, %rd344;
-	setp.lt.u64 	%p239, %rd1307, %rd404;
-	@%p239 bra 	$L__BB7_288;
-
-$L__BB7_289:
-	setp.ge.u64 	%p240, %rd2035, %rd404;
-	@%p240 bra 	$L__BB7_292;
-
-	add.s64 	%rd415, %rd382, %rd400;
-	add.s64 	%rd416, %rd3, %rd400;
-
-$L__BB7_291:
-	shl.b64 	%rd1308, %rd2035, 1;
-	add.s64 	%rd1309, %rd416, %rd1308;
-	ld.global.u16 	%rs86, [%rd1309];
-	add.s64 	%rd1310, %rd415, %rd1308;
-	st.u16 	[%rd1310], %rs86;
-	add.s64 	%rd2035, %rd2035, %rd340;
-	setp.lt.u64 	%p241, %rd2035, %rd404;
-	@%p241 bra 	$L__BB7_291;
-
-$L__BB7_292:
-	and.b64  	%rd1311, %rd403, -2;
-	add.s64 	%rd1312, %rd400, %rd338;
-	add.s64 	%rd2037, %rd1312, %rd1311;
-	setp.ge.u64 	%p242, %rd2037, %rd836;
-	@%p242 bra 	$L__BB7_568;
-
-$L__BB7_293:
-	add.s64 	%rd1313, %rd3, %rd2037;
-	ld.global.u8 	%rs87, [%rd1313];
-	add.s64 	%rd1314, %rd382, %rd2037;
-	st.u8 	[%rd1314], %rs87;
-	add.s64 	%rd2037, %rd2037, %rd340;
-	setp.lt.u64 	%p243, %rd2037, %rd836;
-	@%p243 bra 	$L__BB7_293;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_327:
-	@%p197 bra 	$L__BB7_329;
-
-	shl.b64 	%rd1407, %rd338, 2;
-	add.s64 	%rd1408, %rd382, %rd1407;
-	st.u32 	[%rd1408], %r18;
-
-$L__BB7_329:
-	@%p198 bra 	$L__BB7_331;
-
-	add.s64 	%rd1879, %rd340, %rd338;
-	shl.b64 	%rd1409, %rd1879, 2;
-	add.s64 	%rd1410, %rd382, %rd1409;
-	st.u32 	[%rd1410], %r20;
-
-$L__BB7_331:
-	@%p199 bra 	$L__BB7_333;
-
-	shl.b64 	%rd1411, %rd343, 2;
-	add.s64 	%rd1412, %rd382, %rd1411;
-	st.u32 	[%rd1412], %r22;
-
-$L__BB7_333:
-	@%p200 bra 	$L__BB7_335;
-
-	shl.b64 	%rd1413, %rd345, 2;
-	add.s64 	%rd1414, %rd382, %rd1413;
-	st.u32 	[%rd1414], %r24;
-
-$L__BB7_335:
-	add.s64 	%rd2060, %rd345, %rd340;
-	add.s64 	%rd1415, %rd2060, %rd344;
-	setp.ge.u64 	%p272, %rd1415, %rd341;
-	@%p272 bra 	$L__BB7_338;
-
-	shl.b64 	%rd1416, %rd339, 2;
-	add.s64 	%rd1417, %rd1416, %rd335;
-	mul.lo.s64 	%rd1418, %rd1417, %rd336;
-	shl.b64 	%rd1419, %rd1418, 2;
-	shl.b64 	%rd1420, %rd337, 2;
-	add.s64 	%rd1421, %rd1419, %rd1420;
-	add.s64 	%rd2058, %rd3, %rd1421;
-	mul.lo.s64 	%rd1422, %rd339, %rd336;
-	shl.b64 	%rd489, %rd1422, 2;
-	add.s64 	%rd2059, %rd382, %rd1421;
-
-$L__BB7_337:
-	ld.global.u32 	%r347, [%rd2058];
-	add.s64 	%rd1423, %rd2058, %rd489;
-	ld.global.u32 	%r348, [%rd1423];
-	add.s64 	%rd1424, %rd1423, %rd489;
-	ld.global.u32 	%r349, [%rd1424];
-	add.s64 	%rd1425, %rd1424, %rd489;
-	add.s64 	%rd2058, %rd1425, %rd489;
-	ld.global.u32 	%r350, [%rd1425];
-	st.u32 	[%rd2059], %r347;
-	add.s64 	%rd1426, %rd2059, %rd489;
-	st.u32 	[%rd1426], %r348;
-	add.s64 	%rd1427, %rd1426, %rd489;
-	st.u32 	[%rd1427], %r349;
-	add.s64 	%rd1428, %rd1427, %rd489;
-	add.s64 	%rd2059, %rd1428, %rd489;
-	st.u32 	[%rd1428], %r350;
-	add.s64 	%rd1429, %rd2060, %rd340;
-	add.s64 	%rd2060, %rd344, %rd1429;
-	add.s64 	%rd1430, %rd2060, %rd344;
-	setp.lt.u64 	%p273, %rd1430, %rd341;
-	@%p273 bra 	$L__BB7_337;
-
-$L__BB7_338:
-	setp.ge.u64 	%p274, %rd2060, %rd341;
-	@%p274 bra 	$L__BB7_340;
-
-$L__BB7_339:
-	shl.b64 	%rd1431, %rd2060, 2;
-	add.s64 	%rd1432, %rd3, %rd1431;
-	ld.global.u32 	%r351, [%rd1432];
-	add.s64 	%rd1433, %rd382, %rd1431;
-	st.u32 	[%rd1433], %r351;
-	add.s64 	%rd2060, %rd2060, %rd340;
-	setp.lt.u64 	%p275, %rd2060, %rd341;
-	@%p275 bra 	$L__BB7_339;
-
-$L__BB7_340:
-	and.b64  	%rd1434, %rd836, -4;
-	add.s64 	%rd2062, %rd1434, %rd338;
-	setp.ge.u64 	%p276, %rd2062, %rd836;
-	@%p276 bra 	$L__BB7_568;
-
-$L__BB7_341:
-	add.s64 	%rd1435, %rd3, %rd2062;
-	ld.global.u8 	%rs94, [%rd1435];
-	add.s64 	%rd1436, %rd382, %rd2062;
-	st.u8 	[%rd1436], %rs94;
-	add.s64 	%rd2062, %rd2062, %rd340;
-	setp.lt.u64 	%p277, %rd2062, %rd836;
-	@%p277 bra 	$L__BB7_341;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_316:
-	neg.s64 	%rd1374, %rd382;
-	and.b64  	%rd466, %rd1374, 15;
-	min.u64 	%rd467, %rd466, %rd836;
-	setp.ge.u64 	%p260, %rd338, %rd467;
-	@%p260 bra 	$L__BB7_319;
-
-	mov.u64 	%rd2051, %rd338;
-
-$L__BB7_318:
-	add.s64 	%rd1375, %rd3, %rd2051;
-	ld.global.u8 	%rs92, [%rd1375];
-	add.s64 	%rd1376, %rd382, %rd2051;
-	st.u8 	[%rd1376], %rs92;
-	add.s64 	%rd2051, %rd2051, %rd340;
-	setp.lt.u64 	%p261, %rd2051, %rd467;
-	@%p261 bra 	$L__BB7_318;
-
-$L__BB7_319:
-	sub.s64 	%rd470, %rd836, %rd467;
-	shr.u64 	%rd471, %rd470, 4;
-	add.s64 	%rd472, %rd3, %rd467;
-	setp.ge.u64 	%p262, %rd345, %rd471;
-	mov.u64 	%rd2054, %rd338;
-	@%p262 bra 	$L__BB7_322;
-
-	mul.lo.s64 	%rd1377, %rd339, %rd336;
-	shl.b64 	%rd473, %rd1377, 4;
-	mul.lo.s64 	%rd1378, %rd335, %rd336;
-	shl.b64 	%rd1379, %rd1378, 4;
-	shl.b64 	%rd1380, %rd337, 4;
-	add.s64 	%rd1381, %rd1379, %rd1380;
-	add.s64 	%rd1382, %rd1381, -1;
-	not.b64 	%rd1383, %rd836;
-	not.b64 	%rd1384, %rd466;
-	max.u64 	%rd1385, %rd1384, %rd1383;
-	sub.s64 	%rd1386, %rd1382, %rd1385;
-	add.s64 	%rd2053, %rd382, %rd1386;
-	neg.s64 	%rd475, %rd1377;
-	shl.b64 	%rd1394, %rd475, 4;
-	mov.u64 	%rd2054, %rd338;
-
-$L__BB7_321:
-	shl.b64 	%rd1387, %rd2054, 4;
-	add.s64 	%rd1388, %rd472, %rd1387;
-	shl.b64 	%rd1389, %rd340, 2;
-	shl.b64 	%rd1390, %rd340, 4;
-	add.s64 	%rd1391, %rd1388, %rd1390;
-	ld.global.v4.u32 	{%r307, %r308, %r309, %r310}, [%rd1391];
-	add.s64 	%rd1392, %rd1391, %rd473;
-	ld.global.v4.u32 	{%r315, %r316, %r317, %r318}, [%rd1392];
-	add.s64 	%rd1393, %rd1392, %rd473;
-	ld.global.v4.u32 	{%r323, %r324, %r325, %r326}, [%rd1393];
-	add.s64 	%rd1395, %rd1391, %rd1394;
-	ld.global.v4.u32 	{%r331, %r332, %r333, %r334}, [%rd1395];
-	st.v4.u32 	[%rd2053], {%r331, %r332, %r333, %r334};
-	add.s64 	%rd1396, %rd2053, %rd473;
-	st.v4.u32 	[%rd1396], {%r307, %r308, %r309, %r310};
-	add.s64 	%rd1397, %rd1396, %rd473;
-	st.v4.u32 	[%rd1397], {%r315, %r316, %r317, %r318};
-	add.s64 	%rd1398, %rd1397, %rd473;
-	add.s64 	%rd2053, %rd1398, %rd473;
-	st.v4.u32 	[%rd1398], {%r323, %r324, %r325, %r326};
-	add.s64 	%rd2054, %rd1389, %rd2054;
-	add.s64 	%rd1399, %rd2054, %rd344;
-	setp.lt.u64 	%p263, %rd1399, %rd471;
-	@%p263 bra 	$L__BB7_321;
-
-$L__BB7_322:
-	setp.ge.u64 	%p264, %rd2054, %rd471;
-	@%p264 bra 	$L__BB7_325;
-
-	add.s64 	%rd481, %rd382, %rd467;
-
-$L__BB7_324:
-	shl.b64 	%rd1400, %rd2054, 4;
-	add.s64 	%rd1401, %rd481, %rd1400;
-	add.s64 	%rd1402, %rd472, %rd1400;
-	ld.global.v4.u32 	{%r339, %r340, %r341, %r342}, [%rd1402];
-	st.v4.u32 	[%rd1401], {%r339, %r340, %r341, %r342};
-	add.s64 	%rd2054, %rd2054, %rd340;
-	setp.lt.u64 	%p265, %rd2054, %rd471;
-	@%p265 bra 	$L__BB7_324;
-
-$L__BB7_325:
-	and.b64  	%rd1403, %rd470, -16;
-	add.s64 	%rd1404, %rd467, %rd338;
-	add.s64 	%rd2056, %rd1404, %rd1403;
-	setp.ge.u64 	%p266, %rd2056, %rd836;
-	@%p266 bra 	$L__BB7_568;
-
-$L__BB7_326:
-	add.s64 	%rd1405, %rd3, %rd2056;
-	ld.global.u8 	%rs93, [%rd1405];
-	add.s64 	%rd1406, %rd382, %rd2056;
-	st.u8 	[%rd1406], %rs93;
-	add.s64 	%rd2056, %rd2056, %rd340;
-	setp.lt.u64 	%p267, %rd2056, %rd836;
-	@%p267 bra 	$L__BB7_326;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_305:
-	neg.s64 	%rd1343, %rd382;
-	and.b64  	%rd445, %rd1343, 7;
-	min.u64 	%rd446, %rd445, %rd836;
-	setp.ge.u64 	%p252, %rd338, %rd446;
-	@%p252 bra 	$L__BB7_308;
-
-	mov.u64 	%rd2045, %rd338;
-
-$L__BB7_307:
-	add.s64 	%rd1344, %rd3, %rd2045;
-	ld.global.u8 	%rs90, [%rd1344];
-	add.s64 	%rd1345, %rd382, %rd2045;
-	st.u8 	[%rd1345], %rs90;
-	add.s64 	%rd2045, %rd2045, %rd340;
-	setp.lt.u64 	%p253, %rd2045, %rd446;
-	@%p253 bra 	$L__BB7_307;
-
-$L__BB7_308:
-	sub.s64 	%rd449, %rd836, %rd446;
-	shr.u64 	%rd450, %rd449, 3;
-	add.s64 	%rd451, %rd3, %rd446;
-	setp.ge.u64 	%p254, %rd345, %rd450;
-	mov.u64 	%rd2048, %rd338;
-	@%p254 bra 	$L__BB7_311;
-
-	mul.lo.s64 	%rd1346, %rd339, %rd336;
-	shl.b64 	%rd452, %rd1346, 3;
-	mul.lo.s64 	%rd1347, %rd335, %rd336;
-	shl.b64 	%rd1348, %rd1347, 3;
-	shl.b64 	%rd1349, %rd337, 3;
-	add.s64 	%rd1350, %rd1348, %rd1349;
-	add.s64 	%rd1351, %rd1350, -1;
-	not.b64 	%rd1352, %rd836;
-	not.b64 	%rd1353, %rd445;
-	max.u64 	%rd1354, %rd1353, %rd1352;
-	sub.s64 	%rd1355, %rd1351, %rd1354;
-	add.s64 	%rd2047, %rd382, %rd1355;
-	shl.b64 	%rd1356, %rd1346, 4;
-	neg.s64 	%rd454, %rd1356;
-	mov.u64 	%rd2048, %rd338;
-
-$L__BB7_310:
-	add.s64 	%rd1357, %rd2048, %rd340;
-	shl.b64 	%rd1358, %rd1357, 3;
-	add.s64 	%rd1359, %rd451, %rd1358;
-	ld.global.v2.u32 	{%r287, %r288}, [%rd1359];
-	add.s64 	%rd1360, %rd1359, %rd452;
-	ld.global.v2.u32 	{%r291, %r292}, [%rd1360];
-	add.s64 	%rd1361, %rd1360, %rd452;
-	ld.global.v2.u32 	{%r295, %r296}, [%rd1361];
-	add.s64 	%rd1362, %rd1360, %rd454;
-	ld.global.v2.u32 	{%r299, %r300}, [%rd1362];
-	st.v2.u32 	[%rd2047], {%r299, %r300};
-	add.s64 	%rd1363, %rd2047, %rd452;
-	st.v2.u32 	[%rd1363], {%r287, %r288};
-	add.s64 	%rd1364, %rd1363, %rd452;
-	st.v2.u32 	[%rd1364], {%r291, %r292};
-	add.s64 	%rd1365, %rd1364, %rd452;
-	add.s64 	%rd2047, %rd1365, %rd452;
-	st.v2.u32 	[%rd1365], {%r295, %r296};
-	add.s64 	%rd2048, %rd344, %rd1357;
-	add.s64 	%rd1366, %rd2048, %rd344;
-	setp.lt.u64 	%p255, %rd1366, %rd450;
-	@%p255 bra 	$L__BB7_310;
-
-$L__BB7_311:
-	setp.ge.u64 	%p256, %rd2048, %rd450;
-	@%p256 bra 	$L__BB7_314;
-
-	add.s64 	%rd460, %rd382, %rd446;
-
-$L__BB7_313:
-	shl.b64 	%rd1367, %rd2048, 3;
-	add.s64 	%rd1368, %rd451, %rd1367;
-	ld.global.v2.u32 	{%r303, %r304}, [%rd1368];
-	add.s64 	%rd1369, %rd460, %rd1367;
-	st.v2.u32 	[%rd1369], {%r303, %r304};
-	add.s64 	%rd2048, %rd2048, %rd340;
-	setp.lt.u64 	%p257, %rd2048, %rd450;
-	@%p257 bra 	$L__BB7_313;
-
-$L__BB7_314:
-	and.b64  	%rd1370, %rd449, -8;
-	add.s64 	%rd1371, %rd446, %rd338;
-	add.s64 	%rd2050, %rd1371, %rd1370;
-	setp.ge.u64 	%p258, %rd2050, %rd836;
-	@%p258 bra 	$L__BB7_568;
-
-$L__BB7_315:
-	add.s64 	%rd1372, %rd3, %rd2050;
-	ld.global.u8 	%rs91, [%rd1372];
-	add.s64 	%rd1373, %rd382, %rd2050;
-	st.u8 	[%rd1373], %rs91;
-	add.s64 	%rd2050, %rd2050, %rd340;
-	setp.lt.u64 	%p259, %rd2050, %rd836;
-	@%p259 bra 	$L__BB7_315;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_294:
-	neg.s64 	%rd1315, %rd382;
-	and.b64  	%rd422, %rd1315, 3;
-	min.u64 	%rd423, %rd422, %rd836;
-	setp.ge.u64 	%p244, %rd338, %rd423;
-	@%p244 bra 	$L__BB7_297;
-
-	mov.u64 	%rd2038, %rd338;
-
-$L__BB7_296:
-	add.s64 	%rd1316, %rd3, %rd2038;
-	ld.global.u8 	%rs88, [%rd1316];
-	add.s64 	%rd1317, %rd382, %rd2038;
-	st.u8 	[%rd1317], %rs88;
-	add.s64 	%rd2038, %rd2038, %rd340;
-	setp.lt.u64 	%p245, %rd2038, %rd423;
-	@%p245 bra 	$L__BB7_296;
-
-$L__BB7_297:
-	sub.s64 	%rd426, %rd836, %rd423;
-	shr.u64 	%rd427, %rd426, 2;
-	setp.ge.u64 	%p246, %rd345, %rd427;
-	mov.u64 	%rd2042, %rd338;
-	@%p246 bra 	$L__BB7_300;
-
-	mul.lo.s64 	%rd1318, %rd335, %rd336;
-	shl.b64 	%rd1319, %rd1318, 2;
-	shl.b64 	%rd1320, %rd337, 2;
-	add.s64 	%rd1321, %rd1319, %rd1320;
-	add.s64 	%rd1322, %rd1321, -1;
-	not.b64 	%rd1323, %rd836;
-	not.b64 	%rd1324, %rd422;
-	max.u64 	%rd1325, %rd1324, %rd1323;
-	sub.s64 	%rd1326, %rd1322, %rd1325;
-	add.s64 	%rd2040, %rd3, %rd1326;
-	mul.lo.s64 	%rd1327, %rd339, %rd336;
-	shl.b64 	%rd429, %rd1327, 2;
-	add.s64 	%rd2041, %rd382, %rd1326;
-	mov.u64 	%rd2042, %rd338;
-
-$L__BB7_299:
-	ld.global.u32 	%r282, [%rd2040];
-	add.s64 	%rd1328, %rd2040, %rd429;
-	ld.global.u32 	%r283, [%rd1328];
-	add.s64 	%rd1329, %rd1328, %rd429;
-	ld.global.u32 	%r284, [%rd1329];
-	add.s64 	%rd1330, %rd1329, %rd429;
-	add.s64 	%rd2040, %rd1330, %rd429;
-	ld.global.u32 	%r285, [%rd1330];
-	st.u32 	[%rd2041], %r282;
-	add.s64 	%rd1331, %rd2041, %rd429;
-	st.u32 	[%rd1331], %r283;
-	add.s64 	%rd1332, %rd1331, %rd429;
-	st.u32 	[%rd1332], %r284;
-	add.s64 	%rd1333, %rd1332, %rd429;
-	add.s64 	%rd2041, %rd1333, %rd429;
-	st.u32 	[%rd1333], %r285;
-	add.s64 	%rd1334, %rd2042, %rd340;
-	add.s64 	%rd2042, %rd344, %rd1334;
-	add.s64 	%rd1335, %rd2042, %rd344;
-	setp.lt.u64 	%p247, %rd1335, %rd427;
-	@%p247 bra 	$L__BB7_299;
-
-$L__BB7_300:
-	setp.ge.u64 	%p248, %rd2042, %rd427;
-	@%p248 bra 	$L__BB7_303;
-
-	add.s64 	%rd438, %rd382, %rd423;
-	add.s64 	%rd439, %rd3, %rd423;
-
-$L__BB7_302:
-	shl.b64 	%rd1336, %rd2042, 2;
-	add.s64 	%rd1337, %rd439, %rd1336;
-	ld.global.u32 	%r286, [%rd1337];
-	add.s64 	%rd1338, %rd438, %rd1336;
-	st.u32 	[%rd1338], %r286;
-	add.s64 	%rd2042, %rd2042, %rd340;
-	setp.lt.u64 	%p249, %rd2042, %rd427;
-	@%p249 bra 	$L__BB7_302;
-
-$L__BB7_303:
-	and.b64  	%rd1339, %rd426, -4;
-	add.s64 	%rd1340, %rd423, %rd338;
-	add.s64 	%rd2044, %rd1340, %rd1339;
-	setp.ge.u64 	%p250, %rd2044, %rd836;
-	@%p250 bra 	$L__BB7_568;
-
-$L__BB7_304:
-	add.s64 	%rd1341, %rd3, %rd2044;
-	ld.global.u8 	%rs89, [%rd1341];
-	add.s64 	%rd1342, %rd382, %rd2044;
-	st.u8 	[%rd1342], %rs89;
-	add.s64 	%rd2044, %rd2044, %rd340;
-	setp.lt.u64 	%p251, %rd2044, %rd836;
-	@%p251 bra 	$L__BB7_304;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_276:
-	setp.ge.u64 	%p230, %rd345, %rd836;
-	mov.u64 	%rd2028, %rd338;
-	@%p230 bra 	$L__BB7_279;
-
-	add.s64 	%rd2026, %rd3, %rd338;
-	mul.lo.s64 	%rd385, %rd339, %rd336;
-	add.s64 	%rd2027, %rd382, %rd338;
-	mov.u64 	%rd2028, %rd338;
+	ld.shared.u64 	%rd594, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1548, %rd594, 15;
+	setp.eq.s64 	%p332, %rd1548, 0;
+	@%p332 bra 	$L__BB7_452;
+
+	ld.param.u64 	%rd2006, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd595, %rd594, %rd2006;
+	and.b64  	%rd1549, %rd595, 15;
+	setp.eq.s64 	%p333, %rd1549, 0;
+	@%p333 bra 	$L__BB7_441;
+
+	and.b64  	%rd1550, %rd595, 7;
+	setp.eq.s64 	%p334, %rd1550, 0;
+	@%p334 bra 	$L__BB7_430;
+
+	and.b64  	%rd1551, %rd595, 3;
+	setp.eq.s64 	%p335, %rd1551, 0;
+	@%p335 bra 	$L__BB7_419;
+
+	and.b64  	%rd1552, %rd595, 1;
+	setp.eq.b64 	%p336, %rd1552, 1;
+	mov.pred 	%p337, 0;
+	xor.pred  	%p338, %p336, %p337;
+	not.pred 	%p339, %p338;
+	@%p339 bra 	$L__BB7_408;
+	bra.uni 	$L__BB7_401;
+
+$L__BB7_408:
+	and.b64  	%rd611, %rd594, 1;
+	min.u64 	%rd612, %rd611, %rd891;
+	setp.ge.u64 	%p346, %rd539, %rd612;
+	@%p346 bra 	$L__BB7_411;
+
+	mov.u64 	%rd2213, %rd539;
+
+$L__BB7_410:
+	add.s64 	%rd1565, %rd3, %rd2213;
+	ld.global.u8 	%rs101, [%rd1565];
+	add.s64 	%rd1566, %rd594, %rd2213;
+	st.u8 	[%rd1566], %rs101;
+	add.s64 	%rd2213, %rd2213, %rd541;
+	setp.lt.u64 	%p347, %rd2213, %rd612;
+	@%p347 bra 	$L__BB7_410;
+
+$L__BB7_411:
+	sub.s64 	%rd615, %rd891, %rd612;
+	shr.u64 	%rd616, %rd615, 1;
+	setp.ge.u64 	%p348, %rd546, %rd616;
+	mov.u64 	%rd2217, %rd539;
+	@%p348 bra 	$L__BB7_414;
+
+	mul.lo.s64 	%rd1567, %rd536, %rd537;
+	shl.b64 	%rd1568, %rd1567, 1;
+	shl.b64 	%rd1569, %rd538, 1;
+	add.s64 	%rd1570, %rd1568, %rd1569;
+	add.s64 	%rd1571, %rd1570, -1;
+	not.b64 	%rd1572, %rd891;
+	not.b64 	%rd1573, %rd611;
+	max.u64 	%rd1574, %rd1573, %rd1572;
+	sub.s64 	%rd1575, %rd1571, %rd1574;
+	add.s64 	%rd2215, %rd3, %rd1575;
+	mul.lo.s64 	%rd1576, %rd540, %rd537;
+	shl.b64 	%rd618, %rd1576, 1;
+	add.s64 	%rd2216, %rd594, %rd1575;
+	mov.u64 	%rd2217, %rd539;
+
+$L__BB7_413:
+	ld.global.u16 	%rs102, [%rd2215];
+	add.s64 	%rd1577, %rd2215, %rd618;
+	ld.global.u16 	%rs103, [%rd1577];
+	add.s64 	%rd1578, %rd1577, %rd618;
+	ld.global.u16 	%rs104, [%rd1578];
+	add.s64 	%rd1579, %rd1578, %rd618;
+	add.s64 	%rd2215, %rd1579, %rd618;
+	ld.global.u16 	%rs105, [%rd1579];
+	st.u16 	[%rd2216], %rs102;
+	add.s64 	%rd1580, %rd2216, %rd618;
+	st.u16 	[%rd1580], %rs103;
+	add.s64 	%rd1581, %rd1580, %rd618;
+	st.u16 	[%rd1581], %rs104;
+	add.s64 	%rd1582, %rd1581, %rd618;
+	add.s64 	%rd2216, %rd1582, %rd618;
+	st.u16 	[%rd1582], %rs105;
+	add.s64 	%rd1583, %rd2217, %rd541;
+	add.s64 	%rd2217, %rd545, %rd1583;
+	add.s64 	%rd1584, %rd2217, %rd545;
+	setp.lt.u64 	%p349, %rd1584, %rd616;
+	@%p349 bra 	$L__BB7_413;
+
+$L__BB7_414:
+	setp.ge.u64 	%p350, %rd2217, %rd616;
+	@%p350 bra 	$L__BB7_417;
+
+	add.s64 	%rd627, %rd594, %rd612;
+	add.s64 	%rd628, %rd3, %rd612;
+
+$L__BB7_416:
+	shl.b64 	%rd1585, %rd2217, 1;
+	add.s64 	%rd1586, %rd628, %rd1585;
+	ld.global.u16 	%rs106, [%rd1586];
+	add.s64 	%rd1587, %rd627, %rd1585;
+	st.u16 	[%rd1587], %rs106;
+	add.s64 	%rd2217, %rd2217, %rd541;
+	setp.lt.u64 	%p351, %rd2217, %rd616;
+	@%p351 bra 	$L__BB7_416;
+
+$L__BB7_417:
+	and.b64  	%rd1588, %rd615, -2;
+	add.s64 	%rd1589, %rd612, %rd539;
+	add.s64 	%rd2219, %rd1589, %rd1588;
+	setp.ge.u64 	%p352, %rd2219, %rd891;
+	@%p352 bra 	$L__BB7_583;
+
+$L__BB7_418:
+	add.s64 	%rd1590, %rd3, %rd2219;
+	ld.global.u8 	%rs107, [%rd1590];
+	add.s64 	%rd1591, %rd594, %rd2219;
+	st.u8 	[%rd1591], %rs107;
+	add.s64 	%rd2219, %rd2219, %rd541;
+	setp.lt.u64 	%p353, %rd2219, %rd891;
+	@%p353 bra 	$L__BB7_418;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_452:
+	setp.ge.u64 	%p494, %rd539, %rd542;
+	@%p494 bra 	$L__BB7_454;
+
+	shl.b64 	%rd1683, %rd539, 3;
+	add.s64 	%rd1684, %rd594, %rd1683;
+	st.v2.u32 	[%rd1684], {%r36, %r35};
+
+$L__BB7_454:
+	add.s64 	%rd2007, %rd541, %rd539;
+	setp.ge.u64 	%p495, %rd2007, %rd542;
+	@%p495 bra 	$L__BB7_456;
+
+	add.s64 	%rd2012, %rd541, %rd539;
+	shl.b64 	%rd1685, %rd2012, 3;
+	add.s64 	%rd1686, %rd594, %rd1685;
+	st.v2.u32 	[%rd1686], {%r40, %r39};
+
+$L__BB7_456:
+	add.s64 	%rd2009, %rd541, %rd539;
+	add.s64 	%rd2008, %rd2009, %rd541;
+	setp.ge.u64 	%p496, %rd2008, %rd542;
+	@%p496 bra 	$L__BB7_458;
+
+	add.s64 	%rd2011, %rd541, %rd539;
+	add.s64 	%rd2010, %rd2011, %rd541;
+	shl.b64 	%rd1687, %rd2010, 3;
+	add.s64 	%rd1688, %rd594, %rd1687;
+	st.v2.u32 	[%rd1688], {%r44, %r43};
+
+$L__BB7_458:
+	add.s64 	%rd2019, %rd541, %rd539;
+	add.s64 	%rd2018, %rd2019, %rd541;
+	add.s64 	%rd2017, %rd2018, %rd541;
+	setp.ge.u64 	%p497, %rd2017, %rd542;
+	@%p497 bra 	$L__BB7_460;
+
+	shl.b64 	%rd1689, %rd546, 3;
+	add.s64 	%rd1690, %rd594, %rd1689;
+	st.v2.u32 	[%rd1690], {%r48, %r47};
+
+$L__BB7_460:
+	shl.b64 	%rd1691, %rd541, 2;
+	add.s64 	%rd2241, %rd539, %rd1691;
+	add.s64 	%rd1692, %rd2241, %rd545;
+	setp.ge.u64 	%p382, %rd1692, %rd542;
+	@%p382 bra 	$L__BB7_463;
+
+	mul.lo.s64 	%rd1693, %rd540, %rd537;
+	shl.b64 	%rd700, %rd1693, 3;
+	shl.b64 	%rd1694, %rd540, 2;
+	add.s64 	%rd1695, %rd1694, %rd536;
+	mul.lo.s64 	%rd1696, %rd1695, %rd537;
+	shl.b64 	%rd1697, %rd1696, 3;
+	shl.b64 	%rd1698, %rd538, 3;
+	add.s64 	%rd1699, %rd1697, %rd1698;
+	add.s64 	%rd2240, %rd594, %rd1699;
+	mul.lo.s64 	%rd702, %rd1693, -24;
+
+$L__BB7_462:
+	add.s64 	%rd1700, %rd2241, %rd541;
+	shl.b64 	%rd1701, %rd1700, 3;
+	add.s64 	%rd1702, %rd3, %rd1701;
+	ld.global.v2.u32 	{%r448, %r449}, [%rd1702];
+	add.s64 	%rd1703, %rd1702, %rd700;
+	ld.global.v2.u32 	{%r452, %r453}, [%rd1703];
+	add.s64 	%rd1704, %rd1703, %rd700;
+	ld.global.v2.u32 	{%r456, %r457}, [%rd1704];
+	add.s64 	%rd1705, %rd1704, %rd702;
+	ld.global.v2.u32 	{%r460, %r461}, [%rd1705];
+	st.v2.u32 	[%rd2240], {%r460, %r461};
+	add.s64 	%rd1706, %rd2240, %rd700;
+	st.v2.u32 	[%rd1706], {%r448, %r449};
+	add.s64 	%rd1707, %rd1706, %rd700;
+	st.v2.u32 	[%rd1707], {%r452, %r453};
+	add.s64 	%rd1708, %rd1707, %rd700;
+	add.s64 	%rd2240, %rd1708, %rd700;
+	st.v2.u32 	[%rd1708], {%r456, %r457};
+	add.s64 	%rd2241, %rd545, %rd1700;
+	add.s64 	%rd1709, %rd2241, %rd545;
+	setp.lt.u64 	%p383, %rd1709, %rd542;
+	@%p383 bra 	$L__BB7_462;
+
+$L__BB7_463:
+	setp.ge.u64 	%p384, %rd2241, %rd542;
+	@%p384 bra 	$L__BB7_465;
+
+$L__BB7_464:
+	shl.b64 	%rd1710, %rd2241, 3;
+	add.s64 	%rd1711, %rd3, %rd1710;
+	ld.global.v2.u32 	{%r464, %r465}, [%rd1711];
+	add.s64 	%rd1712, %rd594, %rd1710;
+	st.v2.u32 	[%rd1712], {%r464, %r465};
+	add.s64 	%rd2241, %rd2241, %rd541;
+	setp.lt.u64 	%p385, %rd2241, %rd542;
+	@%p385 bra 	$L__BB7_464;
+
+$L__BB7_465:
+	and.b64  	%rd1713, %rd891, -8;
+	add.s64 	%rd2243, %rd1713, %rd539;
+	setp.ge.u64 	%p386, %rd2243, %rd891;
+	@%p386 bra 	$L__BB7_583;
+
+$L__BB7_466:
+	add.s64 	%rd1714, %rd3, %rd2243;
+	ld.global.u8 	%rs114, [%rd1714];
+	add.s64 	%rd1715, %rd594, %rd2243;
+	st.u8 	[%rd1715], %rs114;
+	add.s64 	%rd2243, %rd2243, %rd541;
+	setp.lt.u64 	%p387, %rd2243, %rd891;
+	@%p387 bra 	$L__BB7_466;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_441:
+	neg.s64 	%rd1650, %rd594;
+	and.b64  	%rd678, %rd1650, 15;
+	min.u64 	%rd679, %rd678, %rd891;
+	setp.ge.u64 	%p370, %rd539, %rd679;
+	@%p370 bra 	$L__BB7_444;
+
+	mov.u64 	%rd2233, %rd539;
+
+$L__BB7_443:
+	add.s64 	%rd1651, %rd3, %rd2233;
+	ld.global.u8 	%rs112, [%rd1651];
+	add.s64 	%rd1652, %rd594, %rd2233;
+	st.u8 	[%rd1652], %rs112;
+	add.s64 	%rd2233, %rd2233, %rd541;
+	setp.lt.u64 	%p371, %rd2233, %rd679;
+	@%p371 bra 	$L__BB7_443;
+
+$L__BB7_444:
+	sub.s64 	%rd682, %rd891, %rd679;
+	shr.u64 	%rd683, %rd682, 4;
+	add.s64 	%rd684, %rd3, %rd679;
+	setp.ge.u64 	%p372, %rd546, %rd683;
+	mov.u64 	%rd2236, %rd539;
+	@%p372 bra 	$L__BB7_447;
+
+	mul.lo.s64 	%rd1653, %rd540, %rd537;
+	shl.b64 	%rd685, %rd1653, 4;
+	mul.lo.s64 	%rd1654, %rd536, %rd537;
+	shl.b64 	%rd1655, %rd1654, 4;
+	shl.b64 	%rd1656, %rd538, 4;
+	add.s64 	%rd1657, %rd1655, %rd1656;
+	add.s64 	%rd1658, %rd1657, -1;
+	not.b64 	%rd1659, %rd891;
+	not.b64 	%rd1660, %rd678;
+	max.u64 	%rd1661, %rd1660, %rd1659;
+	sub.s64 	%rd1662, %rd1658, %rd1661;
+	add.s64 	%rd2235, %rd594, %rd1662;
+	shl.b64 	%rd1663, %rd1653, 5;
+	neg.s64 	%rd687, %rd1663;
+	mov.u64 	%rd2236, %rd539;
+
+$L__BB7_446:
+	shl.b64 	%rd1664, %rd2236, 4;
+	add.s64 	%rd1665, %rd684, %rd1664;
+	shl.b64 	%rd1666, %rd541, 2;
+	shl.b64 	%rd1667, %rd541, 4;
+	add.s64 	%rd1668, %rd1665, %rd1667;
+	ld.global.v4.u32 	{%r408, %r409, %r410, %r411}, [%rd1668];
+	add.s64 	%rd1669, %rd1668, %rd685;
+	ld.global.v4.u32 	{%r416, %r417, %r418, %r419}, [%rd1669];
+	add.s64 	%rd1670, %rd1669, %rd685;
+	ld.global.v4.u32 	{%r424, %r425, %r426, %r427}, [%rd1670];
+	add.s64 	%rd1671, %rd1669, %rd687;
+	ld.global.v4.u32 	{%r432, %r433, %r434, %r435}, [%rd1671];
+	st.v4.u32 	[%rd2235], {%r432, %r433, %r434, %r435};
+	add.s64 	%rd1672, %rd2235, %rd685;
+	st.v4.u32 	[%rd1672], {%r408, %r409, %r410, %r411};
+	add.s64 	%rd1673, %rd1672, %rd685;
+	st.v4.u32 	[%rd1673], {%r416, %r417, %r418, %r419};
+	add.s64 	%rd1674, %rd1673, %rd685;
+	add.s64 	%rd2235, %rd1674, %rd685;
+	st.v4.u32 	[%rd1674], {%r424, %r425, %r426, %r427};
+	add.s64 	%rd2236, %rd1666, %rd2236;
+	add.s64 	%rd1675, %rd2236, %rd545;
+	setp.lt.u64 	%p373, %rd1675, %rd683;
+	@%p373 bra 	$L__BB7_446;
+
+$L__BB7_447:
+	setp.ge.u64 	%p374, %rd2236, %rd683;
+	@%p374 bra 	$L__BB7_450;
+
+	add.s64 	%rd693, %rd594, %rd679;
+
+$L__BB7_449:
+	shl.b64 	%rd1676, %rd2236, 4;
+	add.s64 	%rd1677, %rd693, %rd1676;
+	add.s64 	%rd1678, %rd684, %rd1676;
+	ld.global.v4.u32 	{%r440, %r441, %r442, %r443}, [%rd1678];
+	st.v4.u32 	[%rd1677], {%r440, %r441, %r442, %r443};
+	add.s64 	%rd2236, %rd2236, %rd541;
+	setp.lt.u64 	%p375, %rd2236, %rd683;
+	@%p375 bra 	$L__BB7_449;
+
+$L__BB7_450:
+	and.b64  	%rd1679, %rd682, -16;
+	add.s64 	%rd1680, %rd679, %rd539;
+	add.s64 	%rd2238, %rd1680, %rd1679;
+	setp.ge.u64 	%p376, %rd2238, %rd891;
+	@%p376 bra 	$L__BB7_583;
+
+$L__BB7_451:
+	add.s64 	%rd1681, %rd3, %rd2238;
+	ld.global.u8 	%rs113, [%rd1681];
+	add.s64 	%rd1682, %rd594, %rd2238;
+	st.u8 	[%rd1682], %rs113;
+	add.s64 	%rd2238, %rd2238, %rd541;
+	setp.lt.u64 	%p377, %rd2238, %rd891;
+	@%p377 bra 	$L__BB7_451;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_430:
+	neg.s64 	%rd1620, %rd594;
+	and.b64  	%rd657, %rd1620, 7;
+	min.u64 	%rd658, %rd657, %rd891;
+	setp.ge.u64 	%p362, %rd539, %rd658;
+	@%p362 bra 	$L__BB7_433;
+
+	mov.u64 	%rd2227, %rd539;
+
+$L__BB7_432:
+	add.s64 	%rd1621, %rd3, %rd2227;
+	ld.global.u8 	%rs110, [%rd1621];
+	add.s64 	%rd1622, %rd594, %rd2227;
+	st.u8 	[%rd1622], %rs110;
+	add.s64 	%rd2227, %rd2227, %rd541;
+	setp.lt.u64 	%p363, %rd2227, %rd658;
+	@%p363 bra 	$L__BB7_432;
+
+$L__BB7_433:
+	sub.s64 	%rd661, %rd891, %rd658;
+	shr.u64 	%rd662, %rd661, 3;
+	add.s64 	%rd663, %rd3, %rd658;
+	setp.ge.u64 	%p364, %rd546, %rd662;
+	mov.u64 	%rd2230, %rd539;
+	@%p364 bra 	$L__BB7_436;
+
+	mul.lo.s64 	%rd1623, %rd540, %rd537;
+	shl.b64 	%rd664, %rd1623, 3;
+	mul.lo.s64 	%rd1624, %rd536, %rd537;
+	shl.b64 	%rd1625, %rd1624, 3;
+	shl.b64 	%rd1626, %rd538, 3;
+	add.s64 	%rd1627, %rd1625, %rd1626;
+	add.s64 	%rd1628, %rd1627, -1;
+	not.b64 	%rd1629, %rd891;
+	not.b64 	%rd1630, %rd657;
+	max.u64 	%rd1631, %rd1630, %rd1629;
+	sub.s64 	%rd1632, %rd1628, %rd1631;
+	add.s64 	%rd2229, %rd594, %rd1632;
+	mul.lo.s64 	%rd666, %rd1623, -24;
+	mov.u64 	%rd2230, %rd539;
+
+$L__BB7_435:
+	add.s64 	%rd1633, %rd2230, %rd541;
+	shl.b64 	%rd1634, %rd1633, 3;
+	add.s64 	%rd1635, %rd663, %rd1634;
+	ld.global.v2.u32 	{%r388, %r389}, [%rd1635];
+	add.s64 	%rd1636, %rd1635, %rd664;
+	ld.global.v2.u32 	{%r392, %r393}, [%rd1636];
+	add.s64 	%rd1637, %rd1636, %rd664;
+	ld.global.v2.u32 	{%r396, %r397}, [%rd1637];
+	add.s64 	%rd1638, %rd1637, %rd666;
+	ld.global.v2.u32 	{%r400, %r401}, [%rd1638];
+	st.v2.u32 	[%rd2229], {%r400, %r401};
+	add.s64 	%rd1639, %rd2229, %rd664;
+	st.v2.u32 	[%rd1639], {%r388, %r389};
+	add.s64 	%rd1640, %rd1639, %rd664;
+	st.v2.u32 	[%rd1640], {%r392, %r393};
+	add.s64 	%rd1641, %rd1640, %rd664;
+	add.s64 	%rd2229, %rd1641, %rd664;
+	st.v2.u32 	[%rd1641], {%r396, %r397};
+	add.s64 	%rd2230, %rd545, %rd1633;
+	add.s64 	%rd1642, %rd2230, %rd545;
+	setp.lt.u64 	%p365, %rd1642, %rd662;
+	@%p365 bra 	$L__BB7_435;
+
+$L__BB7_436:
+	setp.ge.u64 	%p366, %rd2230, %rd662;
+	@%p366 bra 	$L__BB7_439;
+
+	add.s64 	%rd672, %rd594, %rd658;
+
+$L__BB7_438:
+	shl.b64 	%rd1643, %rd2230, 3;
+	add.s64 	%rd1644, %rd663, %rd1643;
+	ld.global.v2.u32 	{%r404, %r405}, [%rd1644];
+	add.s64 	%rd1645, %rd672, %rd1643;
+	st.v2.u32 	[%rd1645], {%r404, %r405};
+	add.s64 	%rd2230, %rd2230, %rd541;
+	setp.lt.u64 	%p367, %rd2230, %rd662;
+	@%p367 bra 	$L__BB7_438;
+
+$L__BB7_439:
+	and.b64  	%rd1646, %rd661, -8;
+	add.s64 	%rd1647, %rd658, %rd539;
+	add.s64 	%rd2232, %rd1647, %rd1646;
+	setp.ge.u64 	%p368, %rd2232, %rd891;
+	@%p368 bra 	$L__BB7_583;
+
+$L__BB7_440:
+	add.s64 	%rd1648, %rd3, %rd2232;
+	ld.global.u8 	%rs111, [%rd1648];
+	add.s64 	%rd1649, %rd594, %rd2232;
+	st.u8 	[%rd1649], %rs111;
+	add.s64 	%rd2232, %rd2232, %rd541;
+	setp.lt.u64 	%p369, %rd2232, %rd891;
+	@%p369 bra 	$L__BB7_440;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_419:
+	neg.s64 	%rd1592, %rd594;
+	and.b64  	%rd634, %rd1592, 3;
+	min.u64 	%rd635, %rd634, %rd891;
+	setp.ge.u64 	%p354, %rd539, %rd635;
+	@%p354 bra 	$L__BB7_422;
+
+	mov.u64 	%rd2220, %rd539;
+
+$L__BB7_421:
+	add.s64 	%rd1593, %rd3, %rd2220;
+	ld.global.u8 	%rs108, [%rd1593];
+	add.s64 	%rd1594, %rd594, %rd2220;
+	st.u8 	[%rd1594], %rs108;
+	add.s64 	%rd2220, %rd2220, %rd541;
+	setp.lt.u64 	%p355, %rd2220, %rd635;
+	@%p355 bra 	$L__BB7_421;
+
+$L__BB7_422:
+	sub.s64 	%rd638, %rd891, %rd635;
+	shr.u64 	%rd639, %rd638, 2;
+	setp.ge.u64 	%p356, %rd546, %rd639;
+	mov.u64 	%rd2224, %rd539;
+	@%p356 bra 	$L__BB7_425;
+
+	mul.lo.s64 	%rd1595, %rd536, %rd537;
+	shl.b64 	%rd1596, %rd1595, 2;
+	shl.b64 	%rd1597, %rd538, 2;
+	add.s64 	%rd1598, %rd1596, %rd1597;
+	add.s64 	%rd1599, %rd1598, -1;
+	not.b64 	%rd1600, %rd891;
+	not.b64 	%rd1601, %rd634;
+	max.u64 	%rd1602, %rd1601, %rd1600;
+	sub.s64 	%rd1603, %rd1599, %rd1602;
+	add.s64 	%rd2222, %rd3, %rd1603;
+	mul.lo.s64 	%rd1604, %rd540, %rd537;
+	shl.b64 	%rd641, %rd1604, 2;
+	add.s64 	%rd2223, %rd594, %rd1603;
+	mov.u64 	%rd2224, %rd539;
+
+$L__BB7_424:
+	ld.global.u32 	%r383, [%rd2222];
+	add.s64 	%rd1605, %rd2222, %rd641;
+	ld.global.u32 	%r384, [%rd1605];
+	add.s64 	%rd1606, %rd1605, %rd641;
+	ld.global.u32 	%r385, [%rd1606];
+	add.s64 	%rd1607, %rd1606, %rd641;
+	add.s64 	%rd2222, %rd1607, %rd641;
+	ld.global.u32 	%r386, [%rd1607];
+	st.u32 	[%rd2223], %r383;
+	add.s64 	%rd1608, %rd2223, %rd641;
+	st.u32 	[%rd1608], %r384;
+	add.s64 	%rd1609, %rd1608, %rd641;
+	st.u32 	[%rd1609], %r385;
+	add.s64 	%rd1610, %rd1609, %rd641;
+	add.s64 	%rd2223, %rd1610, %rd641;
+	st.u32 	[%rd1610], %r386;
+	add.s64 	%rd1611, %rd2224, %rd541;
+	add.s64 	%rd2224, %rd545, %rd1611;
+	add.s64 	%rd1612, %rd2224, %rd545;
+	setp.lt.u64 	%p357, %rd1612, %rd639;
+	@%p357 bra 	$L__BB7_424;
+
+$L__BB7_425:
+	setp.ge.u64 	%p358, %rd2224, %rd639;
+	@%p358 bra 	$L__BB7_428;
+
+	add.s64 	%rd650, %rd594, %rd635;
+	add.s64 	%rd651, %rd3, %rd635;
+
+$L__BB7_427:
+	shl.b64 	%rd1613, %rd2224, 2;
+	add.s64 	%rd1614, %rd651, %rd1613;
+	ld.global.u32 	%r387, [%rd1614];
+	add.s64 	%rd1615, %rd650, %rd1613;
+	st.u32 	[%rd1615], %r387;
+	add.s64 	%rd2224, %rd2224, %rd541;
+	setp.lt.u64 	%p359, %rd2224, %rd639;
+	@%p359 bra 	$L__BB7_427;
+
+$L__BB7_428:
+	and.b64  	%rd1616, %rd638, -4;
+	add.s64 	%rd1617, %rd635, %rd539;
+	add.s64 	%rd2226, %rd1617, %rd1616;
+	setp.ge.u64 	%p360, %rd2226, %rd891;
+	@%p360 bra 	$L__BB7_583;
+
+$L__BB7_429:
+	add.s64 	%rd1618, %rd3, %rd2226;
+	ld.global.u8 	%rs109, [%rd1618];
+	add.s64 	%rd1619, %rd594, %rd2226;
+	st.u8 	[%rd1619], %rs109;
+	add.s64 	%rd2226, %rd2226, %rd541;
+	setp.lt.u64 	%p361, %rd2226, %rd891;
+	@%p361 bra 	$L__BB7_429;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_401:
+	setp.ge.u64 	%p340, %rd546, %rd891;
+	mov.u64 	%rd2210, %rd539;
+	@%p340 bra 	$L__BB7_404;
+
+	add.s64 	%rd2208, %rd3, %rd539;
+	mul.lo.s64 	%rd597, %rd540, %rd537;
+	add.s64 	%rd2209, %rd594, %rd539;
+	mov.u64 	%rd2210, %rd539;
+
+$L__BB7_403:
+	ld.global.u8 	%rs95, [%rd2208];
+	add.s64 	%rd1553, %rd2208, %rd597;
+	ld.global.u8 	%rs96, [%rd1553];
+	add.s64 	%rd1554, %rd1553, %rd597;
+	ld.global.u8 	%rs97, [%rd1554];
+	add.s64 	%rd1555, %rd1554, %rd597;
+	add.s64 	%rd2208, %rd1555, %rd597;
+	ld.global.u8 	%rs98, [%rd1555];
+	st.u8 	[%rd2209], %rs95;
+	add.s64 	%rd1556, %rd2209, %rd597;
+	st.u8 	[%rd1556], %rs96;
+	add.s64 	%rd1557, %rd1556, %rd597;
+	st.u8 	[%rd1557], %rs97;
+	add.s64 	%rd1558, %rd1557, %rd597;
+	add.s64 	%rd2209, %rd1558, %rd597;
+	st.u8 	[%rd1558], %rs98;
+	add.s64 	%rd1559, %rd2210, %rd541;
+	add.s64 	%rd2210, %rd545, %rd1559;
+	add.s64 	%rd1560, %rd2210, %rd545;
+	setp.lt.u64 	%p341, %rd1560, %rd891;
+	@%p341 bra 	$L__BB7_403;
+
+$L__BB7_404:
+	setp.ge.u64 	%p342, %rd2210, %rd891;
+	@%p342 bra 	$L__BB7_406;
+
+$L__BB7_405:
+	add.s64 	%rd1561, %rd3, %rd2210;
+	ld.global.u8 	%rs99, [%rd1561];
+	add.s64 	%rd1562, %rd594, %rd2210;
+	st.u8 	[%rd1562], %rs99;
+	add.s64 	%rd2210, %rd2210, %rd541;
+	setp.lt.u64 	%p343, %rd2210, %rd891;
+	@%p343 bra 	$L__BB7_405;
+
+$L__BB7_406:
+	add.s64 	%rd2212, %rd539, %rd891;
+	setp.ge.u64 	%p344, %rd2212, %rd539;
+	@%p344 bra 	$L__BB7_583;
+
+$L__BB7_407:
+	add.s64 	%rd1563, %rd3, %rd2212;
+	ld.global.u8 	%rs100, [%rd1563];
+	add.s64 	%rd1564, %rd594, %rd2212;
+	st.u8 	[%rd1564], %rs100;
+	add.s64 	%rd2212, %rd2212, %rd541;
+	setp.lt.u64 	%p345, %rd2212, %rd891;
+	@%p345 bra 	$L__BB7_407;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_274:
+	cvt.u32.u64 	%r279, %rd371;
+	cvt.u32.u64 	%r280, %rd1325;
+	rem.u32 	%r281, %r280, %r279;
+	cvt.u64.u32 	%rd2149, %r281;
+
+$L__BB7_275:
+	ld.param.u64 	%rd1986, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1985, %rd1986;
+	add.s64 	%rd1984, %rd4, 144;
+	st.global.u64 	[%rd1984+-40], %rd2149;
+	st.global.u32 	[%rd1985], %rd2140;
+	shr.u64 	%rd1330, %rd2140, 32;
+	st.global.u32 	[%rd1985+4], %rd1330;
+	setp.eq.s64 	%p236, %rd372, 0;
+	@%p236 bra 	$L__BB7_277;
+
+	setp.eq.s64 	%p237, %rd2145, 1;
+	selp.b64 	%rd1331, %rd375, %rd373, %p237;
+	setp.eq.s64 	%p238, %rd2145, 2;
+	selp.b64 	%rd1332, %rd377, %rd1331, %p238;
+	setp.eq.s64 	%p239, %rd2145, 3;
+	selp.b64 	%rd2151, %rd379, %rd1332, %p239;
+	bra.uni 	$L__BB7_278;
+
+$L__BB7_277:
+	shl.b64 	%rd1333, %rd2145, 3;
+	add.s64 	%rd1334, %rd4, %rd1333;
+	ld.volatile.global.u64 	%rd2151, [%rd1334+32];
 
 $L__BB7_278:
-	ld.global.u8 	%rs75, [%rd2026];
-	add.s64 	%rd1276, %rd2026, %rd385;
-	ld.global.u8 	%rs76, [%rd1276];
-	add.s64 	%rd1277, %rd1276, %rd385;
-	ld.global.u8 	%rs77, [%rd1277];
-	add.s64 	%rd1278, %rd1277, %rd385;
-	add.s64 	%rd2026, %rd1278, %rd385;
-	ld.global.u8 	%rs78, [%rd1278];
-	st.u8 	[%rd2027], %rs75;
-	add.s64 	%rd1279, %rd2027, %rd385;
-	st.u8 	[%rd1279], %rs76;
-	add.s64 	%rd1280, %rd1279, %rd385;
-	st.u8 	[%rd1280], %rs77;
-	add.s64 	%rd1281, %rd1280, %rd385;
-	add.s64 	%rd2027, %rd1281, %rd385;
-	st.u8 	[%rd1281], %rs78;
-	add.s64 	%rd1282, %rd2028, %rd340;
-	add.s64 	%rd2028, %rd344, %rd1282;
-	add.s64 	%rd1283, %rd2028, %rd344;
-	setp.lt.u64 	%p231, %rd1283, %rd836;
-	@%p231 bra 	$L__BB7_278;
+	add.s64 	%rd1987, %rd4, 144;
+	st.global.u64 	[%rd1987+-32], %rd2151;
+	setp.eq.s64 	%p240, %rd2145, 1;
+	selp.b64 	%rd1335, %rd376, %rd374, %p240;
+	setp.eq.s64 	%p241, %rd2145, 2;
+	selp.b64 	%rd1336, %rd378, %rd1335, %p241;
+	setp.eq.s64 	%p242, %rd2145, 3;
+	selp.b64 	%rd1337, %rd380, %rd1336, %p242;
+	st.global.u64 	[%rd1987+-24], %rd1337;
+	membar.gl;
+	atom.global.exch.b64 	%rd1339, [%rd1987], %rd2151;
 
 $L__BB7_279:
-	setp.ge.u64 	%p232, %rd2028, %rd836;
-	@%p232 bra 	$L__BB7_281;
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2151;
 
 $L__BB7_280:
-	add.s64 	%rd1284, %rd3, %rd2028;
-	ld.global.u8 	%rs79, [%rd1284];
-	add.s64 	%rd1285, %rd382, %rd2028;
-	st.u8 	[%rd1285], %rs79;
-	add.s64 	%rd2028, %rd2028, %rd340;
-	setp.lt.u64 	%p233, %rd2028, %rd836;
-	@%p233 bra 	$L__BB7_280;
+	bar.sync 	0;
+	ld.shared.u64 	%rd415, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1340, %rd415, 15;
+	setp.eq.s64 	%p243, %rd1340, 0;
+	@%p243 bra 	$L__BB7_336;
 
-$L__BB7_281:
-	add.s64 	%rd2030, %rd338, %rd836;
-	setp.ge.u64 	%p234, %rd2030, %rd338;
-	@%p234 bra 	$L__BB7_568;
+	ld.param.u64 	%rd1988, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd416, %rd415, %rd1988;
+	and.b64  	%rd1341, %rd416, 15;
+	setp.eq.s64 	%p244, %rd1341, 0;
+	@%p244 bra 	$L__BB7_325;
 
-$L__BB7_282:
-	add.s64 	%rd1286, %rd3, %rd2030;
-	ld.global.u8 	%rs80, [%rd1286];
-	add.s64 	%rd1287, %rd382, %rd2030;
-	st.u8 	[%rd1287], %rs80;
-	add.s64 	%rd2030, %rd2030, %rd340;
-	setp.lt.u64 	%p235, %rd2030, %rd836;
-	@%p235 bra 	$L__BB7_282;
-	bra.uni 	$L__BB7_568;
+	and.b64  	%rd1342, %rd416, 7;
+	setp.eq.s64 	%p245, %rd1342, 0;
+	@%p245 bra 	$L__BB7_314;
 
-$L__BB7_155:
-	cvt.u32.u64 	%r191, %rd181;
-	cvt.u32.u64 	%r192, %rd1057;
-	rem.u32 	%r193, %r192, %r191;
-	cvt.u64.u32 	%rd1969, %r193;
+	and.b64  	%rd1343, %rd416, 3;
+	setp.eq.s64 	%p246, %rd1343, 0;
+	@%p246 bra 	$L__BB7_303;
 
-$L__BB7_156:
-	ld.param.u64 	%rd1898, [jaxvmm_fused_offload_param_3];
-	cvta.to.global.u64 	%rd1897, %rd1898;
-	add.s64 	%rd1874, %rd4, 144;
-	st.global.u64 	[%rd1874+-40], %rd1969;
-	st.global.u32 	[%rd1897], %rd1960;
-	shr.u64 	%rd1062, %rd1960, 32;
-	st.global.u32 	[%rd1897+4], %rd1062;
-	shl.b64 	%rd1063, %rd1965, 3;
-	add.s64 	%rd1064, %rd4, %rd1063;
-	ld.volatile.global.u64 	%rd1970, [%rd1064+32];
-	st.global.u64 	[%rd1874+-32], %rd1970;
-	ld.global.u64 	%rd1065, [%rd1064+64];
-	st.global.u64 	[%rd1874+-24], %rd1065;
-	membar.gl;
-	atom.global.exch.b64 	%rd1067, [%rd1874], %rd1970;
+	and.b64  	%rd1344, %rd416, 1;
+	setp.eq.b64 	%p247, %rd1344, 1;
+	mov.pred 	%p248, 0;
+	xor.pred  	%p249, %p247, %p248;
+	not.pred 	%p250, %p249;
+	@%p250 bra 	$L__BB7_292;
+	bra.uni 	$L__BB7_285;
 
-$L__BB7_157:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd1970;
+$L__BB7_292:
+	and.b64  	%rd432, %rd415, 1;
+	min.u64 	%rd433, %rd432, %rd891;
+	setp.ge.u64 	%p257, %rd360, %rd433;
+	@%p257 bra 	$L__BB7_295;
+
+	mov.u64 	%rd2158, %rd360;
+
+$L__BB7_294:
+	add.s64 	%rd1357, %rd3, %rd2158;
+	ld.global.u8 	%rs81, [%rd1357];
+	add.s64 	%rd1358, %rd415, %rd2158;
+	st.u8 	[%rd1358], %rs81;
+	add.s64 	%rd2158, %rd2158, %rd362;
+	setp.lt.u64 	%p258, %rd2158, %rd433;
+	@%p258 bra 	$L__BB7_294;
+
+$L__BB7_295:
+	sub.s64 	%rd436, %rd891, %rd433;
+	shr.u64 	%rd437, %rd436, 1;
+	setp.ge.u64 	%p259, %rd367, %rd437;
+	mov.u64 	%rd2162, %rd360;
+	@%p259 bra 	$L__BB7_298;
+
+	mul.lo.s64 	%rd1359, %rd357, %rd358;
+	shl.b64 	%rd1360, %rd1359, 1;
+	shl.b64 	%rd1361, %rd359, 1;
+	add.s64 	%rd1362, %rd1360, %rd1361;
+	add.s64 	%rd1363, %rd1362, -1;
+	not.b64 	%rd1364, %rd891;
+	not.b64 	%rd1365, %rd432;
+	max.u64 	%rd1366, %rd1365, %rd1364;
+	sub.s64 	%rd1367, %rd1363, %rd1366;
+	add.s64 	%rd2160, %rd3, %rd1367;
+	mul.lo.s64 	%rd1368, %rd361, %rd358;
+	shl.b64 	%rd439, %rd1368, 1;
+	add.s64 	%rd2161, %rd415, %rd1367;
+	mov.u64 	%rd2162, %rd360;
+
+$L__BB7_297:
+	ld.global.u16 	%rs82, [%rd2160];
+	add.s64 	%rd1369, %rd2160, %rd439;
+	ld.global.u16 	%rs83, [%rd1369];
+	add.s64 	%rd1370, %rd1369, %rd439;
+	ld.global.u16 	%rs84, [%rd1370];
+	add.s64 	%rd1371, %rd1370, %rd439;
+	add.s64 	%rd2160, %rd1371, %rd439;
+	ld.global.u16 	%rs85, [%rd1371];
+	st.u16 	[%rd2161], %rs82;
+	add.s64 	%rd1372, %rd2161, %rd439;
+	st.u16 	[%rd1372], %rs83;
+	add.s64 	%rd1373, %rd1372, %rd439;
+	st.u16 	[%rd1373], %rs84;
+	add.s64 	%rd1374, %rd1373, %rd439;
+	add.s64 	%rd2161, %rd1374, %rd439;
+	st.u16 	[%rd1374], %rs85;
+	add.s64 	%rd1375, %rd2162, %rd362;
+	add.s64 	%rd2162, %rd366, %rd1375;
+	add.s64 	%rd1376, %rd2162, %rd366;
+	setp.lt.u64 	%p260, %rd1376, %rd437;
+	@%p260 bra 	$L__BB7_297;
+
+$L__BB7_298:
+	setp.ge.u64 	%p261, %rd2162, %rd437;
+	@%p261 bra 	$L__BB7_301;
+
+	add.s64 	%rd448, %rd415, %rd433;
+	add.s64 	%rd449, %rd3, %rd433;
+
+$L__BB7_300:
+	shl.b64 	%rd1377, %rd2162, 1;
+	add.s64 	%rd1378, %rd449, %rd1377;
+	ld.global.u16 	%rs86, [%rd1378];
+	add.s64 	%rd1379, %rd448, %rd1377;
+	st.u16 	[%rd1379], %rs86;
+	add.s64 	%rd2162, %rd2162, %rd362;
+	setp.lt.u64 	%p262, %rd2162, %rd437;
+	@%p262 bra 	$L__BB7_300;
+
+$L__BB7_301:
+	and.b64  	%rd1380, %rd436, -2;
+	add.s64 	%rd1381, %rd433, %rd360;
+	add.s64 	%rd2164, %rd1381, %rd1380;
+	setp.ge.u64 	%p263, %rd2164, %rd891;
+	@%p263 bra 	$L__BB7_583;
+
+$L__BB7_302:
+	add.s64 	%rd1382, %rd3, %rd2164;
+	ld.global.u8 	%rs87, [%rd1382];
+	add.s64 	%rd1383, %rd415, %rd2164;
+	st.u8 	[%rd1383], %rs87;
+	add.s64 	%rd2164, %rd2164, %rd362;
+	setp.lt.u64 	%p264, %rd2164, %rd891;
+	@%p264 bra 	$L__BB7_302;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_336:
+	setp.ge.u64 	%p490, %rd360, %rd363;
+	@%p490 bra 	$L__BB7_338;
+
+	shl.b64 	%rd1476, %rd360, 2;
+	add.s64 	%rd1477, %rd415, %rd1476;
+	st.u32 	[%rd1477], %r18;
+
+$L__BB7_338:
+	add.s64 	%rd1989, %rd362, %rd360;
+	setp.ge.u64 	%p491, %rd1989, %rd363;
+	@%p491 bra 	$L__BB7_340;
+
+	add.s64 	%rd1994, %rd362, %rd360;
+	shl.b64 	%rd1478, %rd1994, 2;
+	add.s64 	%rd1479, %rd415, %rd1478;
+	st.u32 	[%rd1479], %r20;
+
+$L__BB7_340:
+	add.s64 	%rd1991, %rd362, %rd360;
+	add.s64 	%rd1990, %rd1991, %rd362;
+	setp.ge.u64 	%p492, %rd1990, %rd363;
+	@%p492 bra 	$L__BB7_342;
+
+	add.s64 	%rd1993, %rd362, %rd360;
+	add.s64 	%rd1992, %rd1993, %rd362;
+	shl.b64 	%rd1480, %rd1992, 2;
+	add.s64 	%rd1481, %rd415, %rd1480;
+	st.u32 	[%rd1481], %r22;
+
+$L__BB7_342:
+	add.s64 	%rd2001, %rd362, %rd360;
+	add.s64 	%rd2000, %rd2001, %rd362;
+	add.s64 	%rd1999, %rd2000, %rd362;
+	setp.ge.u64 	%p493, %rd1999, %rd363;
+	@%p493 bra 	$L__BB7_344;
+
+	shl.b64 	%rd1482, %rd367, 2;
+	add.s64 	%rd1483, %rd415, %rd1482;
+	st.u32 	[%rd1483], %r24;
+
+$L__BB7_344:
+	shl.b64 	%rd520, %rd362, 2;
+	add.s64 	%rd2187, %rd360, %rd520;
+	add.s64 	%rd1484, %rd2187, %rd366;
+	setp.ge.u64 	%p293, %rd1484, %rd363;
+	@%p293 bra 	$L__BB7_347;
+
+	shl.b64 	%rd1485, %rd361, 2;
+	add.s64 	%rd1486, %rd1485, %rd357;
+	mul.lo.s64 	%rd1487, %rd1486, %rd358;
+	shl.b64 	%rd1488, %rd1487, 2;
+	shl.b64 	%rd1489, %rd359, 2;
+	add.s64 	%rd1490, %rd1488, %rd1489;
+	add.s64 	%rd2185, %rd3, %rd1490;
+	add.s64 	%rd2186, %rd415, %rd1490;
+
+$L__BB7_346:
+	ld.global.u32 	%r347, [%rd2185];
+	add.s64 	%rd1491, %rd2185, %rd520;
+	ld.global.u32 	%r348, [%rd1491];
+	add.s64 	%rd1492, %rd1491, %rd520;
+	ld.global.u32 	%r349, [%rd1492];
+	add.s64 	%rd1493, %rd1492, %rd520;
+	add.s64 	%rd2185, %rd1493, %rd520;
+	ld.global.u32 	%r350, [%rd1493];
+	st.u32 	[%rd2186], %r347;
+	add.s64 	%rd1494, %rd2186, %rd520;
+	st.u32 	[%rd1494], %r348;
+	add.s64 	%rd1495, %rd1494, %rd520;
+	st.u32 	[%rd1495], %r349;
+	add.s64 	%rd1496, %rd1495, %rd520;
+	add.s64 	%rd2186, %rd1496, %rd520;
+	st.u32 	[%rd1496], %r350;
+	add.s64 	%rd1497, %rd2187, %rd362;
+	add.s64 	%rd2187, %rd366, %rd1497;
+	add.s64 	%rd1498, %rd2187, %rd366;
+	setp.lt.u64 	%p294, %rd1498, %rd363;
+	@%p294 bra 	$L__BB7_346;
+
+$L__BB7_347:
+	setp.ge.u64 	%p295, %rd2187, %rd363;
+	@%p295 bra 	$L__BB7_349;
+
+$L__BB7_348:
+	shl.b64 	%rd1499, %rd2187, 2;
+	add.s64 	%rd1500, %rd3, %rd1499;
+	ld.global.u32 	%r351, [%rd1500];
+	add.s64 	%rd1501, %rd415, %rd1499;
+	st.u32 	[%rd1501], %r351;
+	add.s64 	%rd2187, %rd2187, %rd362;
+	setp.lt.u64 	%p296, %rd2187, %rd363;
+	@%p296 bra 	$L__BB7_348;
+
+$L__BB7_349:
+	and.b64  	%rd1502, %rd891, -4;
+	add.s64 	%rd2189, %rd1502, %rd360;
+	setp.ge.u64 	%p297, %rd2189, %rd891;
+	@%p297 bra 	$L__BB7_583;
+
+$L__BB7_350:
+	add.s64 	%rd1503, %rd3, %rd2189;
+	ld.global.u8 	%rs94, [%rd1503];
+	add.s64 	%rd1504, %rd415, %rd2189;
+	st.u8 	[%rd1504], %rs94;
+	add.s64 	%rd2189, %rd2189, %rd362;
+	setp.lt.u64 	%p298, %rd2189, %rd891;
+	@%p298 bra 	$L__BB7_350;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_325:
+	neg.s64 	%rd1443, %rd415;
+	and.b64  	%rd499, %rd1443, 15;
+	min.u64 	%rd500, %rd499, %rd891;
+	setp.ge.u64 	%p281, %rd360, %rd500;
+	@%p281 bra 	$L__BB7_328;
+
+	mov.u64 	%rd2178, %rd360;
+
+$L__BB7_327:
+	add.s64 	%rd1444, %rd3, %rd2178;
+	ld.global.u8 	%rs92, [%rd1444];
+	add.s64 	%rd1445, %rd415, %rd2178;
+	st.u8 	[%rd1445], %rs92;
+	add.s64 	%rd2178, %rd2178, %rd362;
+	setp.lt.u64 	%p282, %rd2178, %rd500;
+	@%p282 bra 	$L__BB7_327;
+
+$L__BB7_328:
+	sub.s64 	%rd503, %rd891, %rd500;
+	shr.u64 	%rd504, %rd503, 4;
+	add.s64 	%rd505, %rd3, %rd500;
+	setp.ge.u64 	%p283, %rd367, %rd504;
+	mov.u64 	%rd2181, %rd360;
+	@%p283 bra 	$L__BB7_331;
+
+	mul.lo.s64 	%rd1446, %rd361, %rd358;
+	shl.b64 	%rd506, %rd1446, 4;
+	mul.lo.s64 	%rd1447, %rd357, %rd358;
+	shl.b64 	%rd1448, %rd1447, 4;
+	shl.b64 	%rd1449, %rd359, 4;
+	add.s64 	%rd1450, %rd1448, %rd1449;
+	add.s64 	%rd1451, %rd1450, -1;
+	not.b64 	%rd1452, %rd891;
+	not.b64 	%rd1453, %rd499;
+	max.u64 	%rd1454, %rd1453, %rd1452;
+	sub.s64 	%rd1455, %rd1451, %rd1454;
+	add.s64 	%rd2180, %rd415, %rd1455;
+	neg.s64 	%rd508, %rd1446;
+	shl.b64 	%rd1463, %rd508, 4;
+	mov.u64 	%rd2181, %rd360;
+
+$L__BB7_330:
+	shl.b64 	%rd1456, %rd2181, 4;
+	add.s64 	%rd1457, %rd505, %rd1456;
+	shl.b64 	%rd1458, %rd362, 2;
+	shl.b64 	%rd1459, %rd362, 4;
+	add.s64 	%rd1460, %rd1457, %rd1459;
+	ld.global.v4.u32 	{%r307, %r308, %r309, %r310}, [%rd1460];
+	add.s64 	%rd1461, %rd1460, %rd506;
+	ld.global.v4.u32 	{%r315, %r316, %r317, %r318}, [%rd1461];
+	add.s64 	%rd1462, %rd1461, %rd506;
+	ld.global.v4.u32 	{%r323, %r324, %r325, %r326}, [%rd1462];
+	add.s64 	%rd1464, %rd1460, %rd1463;
+	ld.global.v4.u32 	{%r331, %r332, %r333, %r334}, [%rd1464];
+	st.v4.u32 	[%rd2180], {%r331, %r332, %r333, %r334};
+	add.s64 	%rd1465, %rd2180, %rd506;
+	st.v4.u32 	[%rd1465], {%r307, %r308, %r309, %r310};
+	add.s64 	%rd1466, %rd1465, %rd506;
+	st.v4.u32 	[%rd1466], {%r315, %r316, %r317, %r318};
+	add.s64 	%rd1467, %rd1466, %rd506;
+	add.s64 	%rd2180, %rd1467, %rd506;
+	st.v4.u32 	[%rd1467], {%r323, %r324, %r325, %r326};
+	add.s64 	%rd2181, %rd1458, %rd2181;
+	add.s64 	%rd1468, %rd2181, %rd366;
+	setp.lt.u64 	%p284, %rd1468, %rd504;
+	@%p284 bra 	$L__BB7_330;
+
+$L__BB7_331:
+	setp.ge.u64 	%p285, %rd2181, %rd504;
+	@%p285 bra 	$L__BB7_334;
+
+	add.s64 	%rd514, %rd415, %rd500;
+
+$L__BB7_333:
+	shl.b64 	%rd1469, %rd2181, 4;
+	add.s64 	%rd1470, %rd514, %rd1469;
+	add.s64 	%rd1471, %rd505, %rd1469;
+	ld.global.v4.u32 	{%r339, %r340, %r341, %r342}, [%rd1471];
+	st.v4.u32 	[%rd1470], {%r339, %r340, %r341, %r342};
+	add.s64 	%rd2181, %rd2181, %rd362;
+	setp.lt.u64 	%p286, %rd2181, %rd504;
+	@%p286 bra 	$L__BB7_333;
+
+$L__BB7_334:
+	and.b64  	%rd1472, %rd503, -16;
+	add.s64 	%rd1473, %rd500, %rd360;
+	add.s64 	%rd2183, %rd1473, %rd1472;
+	setp.ge.u64 	%p287, %rd2183, %rd891;
+	@%p287 bra 	$L__BB7_583;
+
+$L__BB7_335:
+	add.s64 	%rd1474, %rd3, %rd2183;
+	ld.global.u8 	%rs93, [%rd1474];
+	add.s64 	%rd1475, %rd415, %rd2183;
+	st.u8 	[%rd1475], %rs93;
+	add.s64 	%rd2183, %rd2183, %rd362;
+	setp.lt.u64 	%p288, %rd2183, %rd891;
+	@%p288 bra 	$L__BB7_335;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_314:
+	neg.s64 	%rd1412, %rd415;
+	and.b64  	%rd478, %rd1412, 7;
+	min.u64 	%rd479, %rd478, %rd891;
+	setp.ge.u64 	%p273, %rd360, %rd479;
+	@%p273 bra 	$L__BB7_317;
+
+	mov.u64 	%rd2172, %rd360;
+
+$L__BB7_316:
+	add.s64 	%rd1413, %rd3, %rd2172;
+	ld.global.u8 	%rs90, [%rd1413];
+	add.s64 	%rd1414, %rd415, %rd2172;
+	st.u8 	[%rd1414], %rs90;
+	add.s64 	%rd2172, %rd2172, %rd362;
+	setp.lt.u64 	%p274, %rd2172, %rd479;
+	@%p274 bra 	$L__BB7_316;
+
+$L__BB7_317:
+	sub.s64 	%rd482, %rd891, %rd479;
+	shr.u64 	%rd483, %rd482, 3;
+	add.s64 	%rd484, %rd3, %rd479;
+	setp.ge.u64 	%p275, %rd367, %rd483;
+	mov.u64 	%rd2175, %rd360;
+	@%p275 bra 	$L__BB7_320;
+
+	mul.lo.s64 	%rd1415, %rd361, %rd358;
+	shl.b64 	%rd485, %rd1415, 3;
+	mul.lo.s64 	%rd1416, %rd357, %rd358;
+	shl.b64 	%rd1417, %rd1416, 3;
+	shl.b64 	%rd1418, %rd359, 3;
+	add.s64 	%rd1419, %rd1417, %rd1418;
+	add.s64 	%rd1420, %rd1419, -1;
+	not.b64 	%rd1421, %rd891;
+	not.b64 	%rd1422, %rd478;
+	max.u64 	%rd1423, %rd1422, %rd1421;
+	sub.s64 	%rd1424, %rd1420, %rd1423;
+	add.s64 	%rd2174, %rd415, %rd1424;
+	shl.b64 	%rd1425, %rd1415, 4;
+	neg.s64 	%rd487, %rd1425;
+	mov.u64 	%rd2175, %rd360;
+
+$L__BB7_319:
+	add.s64 	%rd1426, %rd2175, %rd362;
+	shl.b64 	%rd1427, %rd1426, 3;
+	add.s64 	%rd1428, %rd484, %rd1427;
+	ld.global.v2.u32 	{%r287, %r288}, [%rd1428];
+	add.s64 	%rd1429, %rd1428, %rd485;
+	ld.global.v2.u32 	{%r291, %r292}, [%rd1429];
+	add.s64 	%rd1430, %rd1429, %rd485;
+	ld.global.v2.u32 	{%r295, %r296}, [%rd1430];
+	add.s64 	%rd1431, %rd1429, %rd487;
+	ld.global.v2.u32 	{%r299, %r300}, [%rd1431];
+	st.v2.u32 	[%rd2174], {%r299, %r300};
+	add.s64 	%rd1432, %rd2174, %rd485;
+	st.v2.u32 	[%rd1432], {%r287, %r288};
+	add.s64 	%rd1433, %rd1432, %rd485;
+	st.v2.u32 	[%rd1433], {%r291, %r292};
+	add.s64 	%rd1434, %rd1433, %rd485;
+	add.s64 	%rd2174, %rd1434, %rd485;
+	st.v2.u32 	[%rd1434], {%r295, %r296};
+	add.s64 	%rd2175, %rd366, %rd1426;
+	add.s64 	%rd1435, %rd2175, %rd366;
+	setp.lt.u64 	%p276, %rd1435, %rd483;
+	@%p276 bra 	$L__BB7_319;
+
+$L__BB7_320:
+	setp.ge.u64 	%p277, %rd2175, %rd483;
+	@%p277 bra 	$L__BB7_323;
+
+	add.s64 	%rd493, %rd415, %rd479;
+
+$L__BB7_322:
+	shl.b64 	%rd1436, %rd2175, 3;
+	add.s64 	%rd1437, %rd484, %rd1436;
+	ld.global.v2.u32 	{%r303, %r304}, [%rd1437];
+	add.s64 	%rd1438, %rd493, %rd1436;
+	st.v2.u32 	[%rd1438], {%r303, %r304};
+	add.s64 	%rd2175, %rd2175, %rd362;
+	setp.lt.u64 	%p278, %rd2175, %rd483;
+	@%p278 bra 	$L__BB7_322;
+
+$L__BB7_323:
+	and.b64  	%rd1439, %rd482, -8;
+	add.s64 	%rd1440, %rd479, %rd360;
+	add.s64 	%rd2177, %rd1440, %rd1439;
+	setp.ge.u64 	%p279, %rd2177, %rd891;
+	@%p279 bra 	$L__BB7_583;
+
+$L__BB7_324:
+	add.s64 	%rd1441, %rd3, %rd2177;
+	ld.global.u8 	%rs91, [%rd1441];
+	add.s64 	%rd1442, %rd415, %rd2177;
+	st.u8 	[%rd1442], %rs91;
+	add.s64 	%rd2177, %rd2177, %rd362;
+	setp.lt.u64 	%p280, %rd2177, %rd891;
+	@%p280 bra 	$L__BB7_324;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_303:
+	neg.s64 	%rd1384, %rd415;
+	and.b64  	%rd455, %rd1384, 3;
+	min.u64 	%rd456, %rd455, %rd891;
+	setp.ge.u64 	%p265, %rd360, %rd456;
+	@%p265 bra 	$L__BB7_306;
+
+	mov.u64 	%rd2165, %rd360;
+
+$L__BB7_305:
+	add.s64 	%rd1385, %rd3, %rd2165;
+	ld.global.u8 	%rs88, [%rd1385];
+	add.s64 	%rd1386, %rd415, %rd2165;
+	st.u8 	[%rd1386], %rs88;
+	add.s64 	%rd2165, %rd2165, %rd362;
+	setp.lt.u64 	%p266, %rd2165, %rd456;
+	@%p266 bra 	$L__BB7_305;
+
+$L__BB7_306:
+	sub.s64 	%rd459, %rd891, %rd456;
+	shr.u64 	%rd460, %rd459, 2;
+	setp.ge.u64 	%p267, %rd367, %rd460;
+	mov.u64 	%rd2169, %rd360;
+	@%p267 bra 	$L__BB7_309;
+
+	mul.lo.s64 	%rd1387, %rd357, %rd358;
+	shl.b64 	%rd1388, %rd1387, 2;
+	shl.b64 	%rd1389, %rd359, 2;
+	add.s64 	%rd1390, %rd1388, %rd1389;
+	add.s64 	%rd1391, %rd1390, -1;
+	not.b64 	%rd1392, %rd891;
+	not.b64 	%rd1393, %rd455;
+	max.u64 	%rd1394, %rd1393, %rd1392;
+	sub.s64 	%rd1395, %rd1391, %rd1394;
+	add.s64 	%rd2167, %rd3, %rd1395;
+	mul.lo.s64 	%rd1396, %rd361, %rd358;
+	shl.b64 	%rd462, %rd1396, 2;
+	add.s64 	%rd2168, %rd415, %rd1395;
+	mov.u64 	%rd2169, %rd360;
+
+$L__BB7_308:
+	ld.global.u32 	%r282, [%rd2167];
+	add.s64 	%rd1397, %rd2167, %rd462;
+	ld.global.u32 	%r283, [%rd1397];
+	add.s64 	%rd1398, %rd1397, %rd462;
+	ld.global.u32 	%r284, [%rd1398];
+	add.s64 	%rd1399, %rd1398, %rd462;
+	add.s64 	%rd2167, %rd1399, %rd462;
+	ld.global.u32 	%r285, [%rd1399];
+	st.u32 	[%rd2168], %r282;
+	add.s64 	%rd1400, %rd2168, %rd462;
+	st.u32 	[%rd1400], %r283;
+	add.s64 	%rd1401, %rd1400, %rd462;
+	st.u32 	[%rd1401], %r284;
+	add.s64 	%rd1402, %rd1401, %rd462;
+	add.s64 	%rd2168, %rd1402, %rd462;
+	st.u32 	[%rd1402], %r285;
+	add.s64 	%rd1403, %rd2169, %rd362;
+	add.s64 	%rd2169, %rd366, %rd1403;
+	add.s64 	%rd1404, %rd2169, %rd366;
+	setp.lt.u64 	%p268, %rd1404, %rd460;
+	@%p268 bra 	$L__BB7_308;
+
+$L__BB7_309:
+	setp.ge.u64 	%p269, %rd2169, %rd460;
+	@%p269 bra 	$L__BB7_312;
+
+	add.s64 	%rd471, %rd415, %rd456;
+	add.s64 	%rd472, %rd3, %rd456;
+
+$L__BB7_311:
+	shl.b64 	%rd1405, %rd2169, 2;
+	add.s64 	%rd1406, %rd472, %rd1405;
+	ld.global.u32 	%r286, [%rd1406];
+	add.s64 	%rd1407, %rd471, %rd1405;
+	st.u32 	[%rd1407], %r286;
+	add.s64 	%rd2169, %rd2169, %rd362;
+	setp.lt.u64 	%p270, %rd2169, %rd460;
+	@%p270 bra 	$L__BB7_311;
+
+$L__BB7_312:
+	and.b64  	%rd1408, %rd459, -4;
+	add.s64 	%rd1409, %rd456, %rd360;
+	add.s64 	%rd2171, %rd1409, %rd1408;
+	setp.ge.u64 	%p271, %rd2171, %rd891;
+	@%p271 bra 	$L__BB7_583;
+
+$L__BB7_313:
+	add.s64 	%rd1410, %rd3, %rd2171;
+	ld.global.u8 	%rs89, [%rd1410];
+	add.s64 	%rd1411, %rd415, %rd2171;
+	st.u8 	[%rd1411], %rs89;
+	add.s64 	%rd2171, %rd2171, %rd362;
+	setp.lt.u64 	%p272, %rd2171, %rd891;
+	@%p272 bra 	$L__BB7_313;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_285:
+	setp.ge.u64 	%p251, %rd367, %rd891;
+	mov.u64 	%rd2155, %rd360;
+	@%p251 bra 	$L__BB7_288;
+
+	add.s64 	%rd2153, %rd3, %rd360;
+	mul.lo.s64 	%rd418, %rd361, %rd358;
+	add.s64 	%rd2154, %rd415, %rd360;
+	mov.u64 	%rd2155, %rd360;
+
+$L__BB7_287:
+	ld.global.u8 	%rs75, [%rd2153];
+	add.s64 	%rd1345, %rd2153, %rd418;
+	ld.global.u8 	%rs76, [%rd1345];
+	add.s64 	%rd1346, %rd1345, %rd418;
+	ld.global.u8 	%rs77, [%rd1346];
+	add.s64 	%rd1347, %rd1346, %rd418;
+	add.s64 	%rd2153, %rd1347, %rd418;
+	ld.global.u8 	%rs78, [%rd1347];
+	st.u8 	[%rd2154], %rs75;
+	add.s64 	%rd1348, %rd2154, %rd418;
+	st.u8 	[%rd1348], %rs76;
+	add.s64 	%rd1349, %rd1348, %rd418;
+	st.u8 	[%rd1349], %rs77;
+	add.s64 	%rd1350, %rd1349, %rd418;
+	add.s64 	%rd2154, %rd1350, %rd418;
+	st.u8 	[%rd1350], %rs78;
+	add.s64 	%rd1351, %rd2155, %rd362;
+	add.s64 	%rd2155, %rd366, %rd1351;
+	add.s64 	%rd1352, %rd2155, %rd366;
+	setp.lt.u64 	%p252, %rd1352, %rd891;
+	@%p252 bra 	$L__BB7_287;
+
+$L__BB7_288:
+	setp.ge.u64 	%p253, %rd2155, %rd891;
+	@%p253 bra 	$L__BB7_290;
+
+$L__BB7_289:
+	add.s64 	%rd1353, %rd3, %rd2155;
+	ld.global.u8 	%rs79, [%rd1353];
+	add.s64 	%rd1354, %rd415, %rd2155;
+	st.u8 	[%rd1354], %rs79;
+	add.s64 	%rd2155, %rd2155, %rd362;
+	setp.lt.u64 	%p254, %rd2155, %rd891;
+	@%p254 bra 	$L__BB7_289;
+
+$L__BB7_290:
+	add.s64 	%rd2157, %rd360, %rd891;
+	setp.ge.u64 	%p255, %rd2157, %rd360;
+	@%p255 bra 	$L__BB7_583;
+
+$L__BB7_291:
+	add.s64 	%rd1355, %rd3, %rd2157;
+	ld.global.u8 	%rs80, [%rd1355];
+	add.s64 	%rd1356, %rd415, %rd2157;
+	st.u8 	[%rd1356], %rs80;
+	add.s64 	%rd2157, %rd2157, %rd362;
+	setp.lt.u64 	%p256, %rd2157, %rd891;
+	@%p256 bra 	$L__BB7_291;
+	bra.uni 	$L__BB7_583;
 
 $L__BB7_158:
-	bar.sync 	0;
-	ld.shared.u64 	%rd214, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
-	and.b64  	%rd1068, %rd214, 15;
-	setp.eq.s64 	%p140, %rd1068, 0;
-	@%p140 bra 	$L__BB7_214;
-
-	ld.param.u64 	%rd1875, [jaxvmm_fused_offload_param_1];
-	xor.b64  	%rd215, %rd214, %rd1875;
-	and.b64  	%rd1069, %rd215, 15;
-	setp.eq.s64 	%p141, %rd1069, 0;
-	@%p141 bra 	$L__BB7_203;
-
-	and.b64  	%rd1070, %rd215, 7;
-	setp.eq.s64 	%p142, %rd1070, 0;
-	@%p142 bra 	$L__BB7_192;
-
-	and.b64  	%rd1071, %rd215, 3;
-	setp.eq.s64 	%p143, %rd1071, 0;
-	@%p143 bra 	$L__BB7_181;
-
-	and.b64  	%rd1072, %rd215, 1;
-	setp.eq.b64 	%p144, %rd1072, 1;
-	mov.pred 	%p145, 0;
-	xor.pred  	%p146, %p144, %p145;
-	not.pred 	%p147, %p146;
-	@%p147 bra 	$L__BB7_170;
-	bra.uni 	$L__BB7_163;
-
-$L__BB7_170:
-	and.b64  	%rd231, %rd214, 1;
-	min.u64 	%rd232, %rd231, %rd836;
-	setp.ge.u64 	%p154, %rd9, %rd232;
-	@%p154 bra 	$L__BB7_173;
-
-	mov.u64 	%rd1977, %rd9;
-
-$L__BB7_172:
-	add.s64 	%rd1085, %rd3, %rd1977;
-	ld.global.u8 	%rs56, [%rd1085];
-	add.s64 	%rd1086, %rd214, %rd1977;
-	st.u8 	[%rd1086], %rs56;
-	add.s64 	%rd1977, %rd1977, %rd11;
-	setp.lt.u64 	%p155, %rd1977, %rd232;
-	@%p155 bra 	$L__BB7_172;
-
-$L__BB7_173:
-	sub.s64 	%rd235, %rd836, %rd232;
-	shr.u64 	%rd236, %rd235, 1;
-	setp.ge.u64 	%p156, %rd177, %rd236;
-	mov.u64 	%rd1981, %rd9;
-	@%p156 bra 	$L__BB7_176;
-
-	mul.lo.s64 	%rd1087, %rd6, %rd7;
-	shl.b64 	%rd1088, %rd1087, 1;
-	shl.b64 	%rd1089, %rd8, 1;
-	add.s64 	%rd1090, %rd1088, %rd1089;
-	add.s64 	%rd1091, %rd1090, -1;
-	not.b64 	%rd1092, %rd836;
-	not.b64 	%rd1093, %rd231;
-	max.u64 	%rd1094, %rd1093, %rd1092;
-	sub.s64 	%rd1095, %rd1091, %rd1094;
-	add.s64 	%rd1979, %rd3, %rd1095;
-	mul.lo.s64 	%rd1096, %rd10, %rd7;
-	shl.b64 	%rd238, %rd1096, 1;
-	add.s64 	%rd1980, %rd214, %rd1095;
-	mov.u64 	%rd1981, %rd9;
-
-$L__BB7_175:
-	ld.global.u16 	%rs57, [%rd1979];
-	add.s64 	%rd1097, %rd1979, %rd238;
-	ld.global.u16 	%rs58, [%rd1097];
-	add.s64 	%rd1098, %rd1097, %rd238;
-	ld.global.u16 	%rs59, [%rd1098];
-	add.s64 	%rd1099, %rd1098, %rd238;
-	add.s64 	%rd1979, %rd1099, %rd238;
-	ld.global.u16 	%rs60, [%rd1099];
-	st.u16 	[%rd1980], %rs57;
-	add.s64 	%rd1100, %rd1980, %rd238;
-	st.u16 	[%rd1100], %rs58;
-	add.s64 	%rd1101, %rd1100, %rd238;
-	st.u16 	[%rd1101], %rs59;
-	add.s64 	%rd1102, %rd1101, %rd238;
-	add.s64 	%rd1980, %rd1102, %rd238;
-	st.u16 	[%rd1102], %rs60;
-	add.s64 	%rd1103, %rd1981, %rd11;
-	add.s64 	%rd1981, %rd176, %rd1103;
-	add.s64 	%rd1104, %rd1981, %rd176;
-	setp.lt.u64 	%p157, %rd1104, %rd236;
-	@%p157 bra 	$L__BB7_175;
-
-$L__BB7_176:
-	setp.ge.u64 	%p158, %rd1981, %rd236;
-	@%p158 bra 	$L__BB7_179;
-
-	add.s64 	%rd247, %rd214, %rd232;
-	add.s64 	%rd248, %rd3, %rd232;
-
-$L__BB7_178:
-	shl.b64 	%rd1105, %rd1981, 1;
-	add.s64 	%rd1106, %rd248, %rd1105;
-	ld.global.u16 	%rs61, [%rd1106];
-	add.s64 	%rd1107, %rd247, %rd1105;
-	st.u16 	[%rd1107], %rs61;
-	add.s64 	%rd1981, %rd1981, %rd11;
-	setp.lt.u64 	%p159, %rd1981, %rd236;
-	@%p159 bra 	$L__BB7_178;
-
-$L__BB7_179:
-	and.b64  	%rd1108, %rd235, -2;
-	add.s64 	%rd1109, %rd232, %rd9;
-	add.s64 	%rd1983, %rd1109, %rd1108;
-	setp.ge.u64 	%p160, %rd1983, %rd836;
-	@%p160 bra 	$L__BB7_568;
-
-$L__BB7_180:
-	add.s64 	%rd1110, %rd3, %rd1983;
-	ld.global.u8 	%rs62, [%rd1110];
-	add.s64 	%rd1111, %rd214, %rd1983;
-	st.u8 	[%rd1111], %rs62;
-	add.s64 	%rd1983, %rd1983, %rd11;
-	setp.lt.u64 	%p161, %rd1983, %rd836;
-	@%p161 bra 	$L__BB7_180;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_214:
-	@%p115 bra 	$L__BB7_216;
-
-	shl.b64 	%rd1202, %rd9, 1;
-	add.s64 	%rd1203, %rd214, %rd1202;
-	st.u16 	[%rd1203], %rs10;
-
-$L__BB7_216:
-	@%p116 bra 	$L__BB7_218;
-
-	add.s64 	%rd1876, %rd11, %rd9;
-	shl.b64 	%rd1204, %rd1876, 1;
-	add.s64 	%rd1205, %rd214, %rd1204;
-	st.u16 	[%rd1205], %rs12;
-
-$L__BB7_218:
-	@%p117 bra 	$L__BB7_220;
-
-	shl.b64 	%rd1206, %rd175, 1;
-	add.s64 	%rd1207, %rd214, %rd1206;
-	st.u16 	[%rd1207], %rs14;
-
-$L__BB7_220:
-	@%p118 bra 	$L__BB7_222;
-
-	shl.b64 	%rd1208, %rd177, 1;
-	add.s64 	%rd1209, %rd214, %rd1208;
-	st.u16 	[%rd1209], %rs16;
-
-$L__BB7_222:
-	add.s64 	%rd2006, %rd177, %rd11;
-	add.s64 	%rd1210, %rd2006, %rd176;
-	setp.ge.u64 	%p190, %rd1210, %rd173;
-	@%p190 bra 	$L__BB7_225;
-
-	shl.b64 	%rd1211, %rd10, 2;
-	add.s64 	%rd1212, %rd1211, %rd6;
-	mul.lo.s64 	%rd1213, %rd1212, %rd7;
-	shl.b64 	%rd1214, %rd1213, 1;
-	shl.b64 	%rd1215, %rd8, 1;
-	add.s64 	%rd1216, %rd1214, %rd1215;
-	add.s64 	%rd2004, %rd3, %rd1216;
-	mul.lo.s64 	%rd1217, %rd10, %rd7;
-	shl.b64 	%rd321, %rd1217, 1;
-	add.s64 	%rd2005, %rd214, %rd1216;
-
-$L__BB7_224:
-	ld.global.u16 	%rs69, [%rd2004];
-	add.s64 	%rd1218, %rd2004, %rd321;
-	ld.global.u16 	%rs70, [%rd1218];
-	add.s64 	%rd1219, %rd1218, %rd321;
-	ld.global.u16 	%rs71, [%rd1219];
-	add.s64 	%rd1220, %rd1219, %rd321;
-	add.s64 	%rd2004, %rd1220, %rd321;
-	ld.global.u16 	%rs72, [%rd1220];
-	st.u16 	[%rd2005], %rs69;
-	add.s64 	%rd1221, %rd2005, %rd321;
-	st.u16 	[%rd1221], %rs70;
-	add.s64 	%rd1222, %rd1221, %rd321;
-	st.u16 	[%rd1222], %rs71;
-	add.s64 	%rd1223, %rd1222, %rd321;
-	add.s64 	%rd2005, %rd1223, %rd321;
-	st.u16 	[%rd1223], %rs72;
-	add.s64 	%rd1224, %rd2006, %rd11;
-	add.s64 	%rd2006, %rd176, %rd1224;
-	add.s64 	%rd1225, %rd2006, %rd176;
-	setp.lt.u64 	%p191, %rd1225, %rd173;
-	@%p191 bra 	$L__BB7_224;
-
-$L__BB7_225:
-	setp.ge.u64 	%p192, %rd2006, %rd173;
-	@%p192 bra 	$L__BB7_227;
-
-$L__BB7_226:
-	shl.b64 	%rd1226, %rd2006, 1;
-	add.s64 	%rd1227, %rd3, %rd1226;
-	ld.global.u16 	%rs73, [%rd1227];
-	add.s64 	%rd1228, %rd214, %rd1226;
-	st.u16 	[%rd1228], %rs73;
-	add.s64 	%rd2006, %rd2006, %rd11;
-	setp.lt.u64 	%p193, %rd2006, %rd173;
-	@%p193 bra 	$L__BB7_226;
-
-$L__BB7_227:
-	and.b64  	%rd1229, %rd836, -2;
-	add.s64 	%rd2008, %rd1229, %rd9;
-	setp.ge.u64 	%p194, %rd2008, %rd836;
-	@%p194 bra 	$L__BB7_568;
-
-$L__BB7_228:
-	add.s64 	%rd1230, %rd3, %rd2008;
-	ld.global.u8 	%rs74, [%rd1230];
-	add.s64 	%rd1231, %rd214, %rd2008;
-	st.u8 	[%rd1231], %rs74;
-	add.s64 	%rd2008, %rd2008, %rd11;
-	setp.lt.u64 	%p195, %rd2008, %rd836;
-	@%p195 bra 	$L__BB7_228;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_203:
-	neg.s64 	%rd1170, %rd214;
-	and.b64  	%rd298, %rd1170, 15;
-	min.u64 	%rd299, %rd298, %rd836;
-	setp.ge.u64 	%p178, %rd9, %rd299;
-	@%p178 bra 	$L__BB7_206;
-
-	mov.u64 	%rd1997, %rd9;
-
-$L__BB7_205:
-	add.s64 	%rd1171, %rd3, %rd1997;
-	ld.global.u8 	%rs67, [%rd1171];
-	add.s64 	%rd1172, %rd214, %rd1997;
-	st.u8 	[%rd1172], %rs67;
-	add.s64 	%rd1997, %rd1997, %rd11;
-	setp.lt.u64 	%p179, %rd1997, %rd299;
-	@%p179 bra 	$L__BB7_205;
-
-$L__BB7_206:
-	sub.s64 	%rd302, %rd836, %rd299;
-	shr.u64 	%rd303, %rd302, 4;
-	add.s64 	%rd304, %rd3, %rd299;
-	setp.ge.u64 	%p180, %rd177, %rd303;
-	mov.u64 	%rd2000, %rd9;
-	@%p180 bra 	$L__BB7_209;
-
-	mul.lo.s64 	%rd1173, %rd10, %rd7;
-	shl.b64 	%rd305, %rd1173, 4;
-	mul.lo.s64 	%rd1174, %rd6, %rd7;
-	shl.b64 	%rd1175, %rd1174, 4;
-	shl.b64 	%rd1176, %rd8, 4;
-	add.s64 	%rd1177, %rd1175, %rd1176;
-	add.s64 	%rd1178, %rd1177, -1;
-	not.b64 	%rd1179, %rd836;
-	not.b64 	%rd1180, %rd298;
-	max.u64 	%rd1181, %rd1180, %rd1179;
-	sub.s64 	%rd1182, %rd1178, %rd1181;
-	add.s64 	%rd1999, %rd214, %rd1182;
-	mul.lo.s64 	%rd307, %rd1173, -48;
-	mov.u64 	%rd2000, %rd9;
-
-$L__BB7_208:
-	shl.b64 	%rd1183, %rd2000, 4;
-	add.s64 	%rd1184, %rd304, %rd1183;
-	shl.b64 	%rd1185, %rd11, 2;
-	shl.b64 	%rd1186, %rd11, 4;
-	add.s64 	%rd1187, %rd1184, %rd1186;
-	ld.global.v4.u32 	{%r219, %r220, %r221, %r222}, [%rd1187];
-	add.s64 	%rd1188, %rd1187, %rd305;
-	ld.global.v4.u32 	{%r227, %r228, %r229, %r230}, [%rd1188];
-	add.s64 	%rd1189, %rd1188, %rd305;
-	ld.global.v4.u32 	{%r235, %r236, %r237, %r238}, [%rd1189];
-	add.s64 	%rd1190, %rd1189, %rd307;
-	ld.global.v4.u32 	{%r243, %r244, %r245, %r246}, [%rd1190];
-	st.v4.u32 	[%rd1999], {%r243, %r244, %r245, %r246};
-	add.s64 	%rd1191, %rd1999, %rd305;
-	st.v4.u32 	[%rd1191], {%r219, %r220, %r221, %r222};
-	add.s64 	%rd1192, %rd1191, %rd305;
-	st.v4.u32 	[%rd1192], {%r227, %r228, %r229, %r230};
-	add.s64 	%rd1193, %rd1192, %rd305;
-	add.s64 	%rd1999, %rd1193, %rd305;
-	st.v4.u32 	[%rd1193], {%r235, %r236, %r237, %r238};
-	add.s64 	%rd2000, %rd1185, %rd2000;
-	add.s64 	%rd1194, %rd2000, %rd176;
-	setp.lt.u64 	%p181, %rd1194, %rd303;
-	@%p181 bra 	$L__BB7_208;
-
-$L__BB7_209:
-	setp.ge.u64 	%p182, %rd2000, %rd303;
-	@%p182 bra 	$L__BB7_212;
-
-	add.s64 	%rd313, %rd214, %rd299;
-
-$L__BB7_211:
-	shl.b64 	%rd1195, %rd2000, 4;
-	add.s64 	%rd1196, %rd313, %rd1195;
-	add.s64 	%rd1197, %rd304, %rd1195;
-	ld.global.v4.u32 	{%r251, %r252, %r253, %r254}, [%rd1197];
-	st.v4.u32 	[%rd1196], {%r251, %r252, %r253, %r254};
-	add.s64 	%rd2000, %rd2000, %rd11;
-	setp.lt.u64 	%p183, %rd2000, %rd303;
-	@%p183 bra 	$L__BB7_211;
-
-$L__BB7_212:
-	and.b64  	%rd1198, %rd302, -16;
-	add.s64 	%rd1199, %rd299, %rd9;
-	add.s64 	%rd2002, %rd1199, %rd1198;
-	setp.ge.u64 	%p184, %rd2002, %rd836;
-	@%p184 bra 	$L__BB7_568;
-
-$L__BB7_213:
-	add.s64 	%rd1200, %rd3, %rd2002;
-	ld.global.u8 	%rs68, [%rd1200];
-	add.s64 	%rd1201, %rd214, %rd2002;
-	st.u8 	[%rd1201], %rs68;
-	add.s64 	%rd2002, %rd2002, %rd11;
-	setp.lt.u64 	%p185, %rd2002, %rd836;
-	@%p185 bra 	$L__BB7_213;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_192:
-	neg.s64 	%rd1140, %rd214;
-	and.b64  	%rd277, %rd1140, 7;
-	min.u64 	%rd278, %rd277, %rd836;
-	setp.ge.u64 	%p170, %rd9, %rd278;
-	@%p170 bra 	$L__BB7_195;
-
-	mov.u64 	%rd1991, %rd9;
-
-$L__BB7_194:
-	add.s64 	%rd1141, %rd3, %rd1991;
-	ld.global.u8 	%rs65, [%rd1141];
-	add.s64 	%rd1142, %rd214, %rd1991;
-	st.u8 	[%rd1142], %rs65;
-	add.s64 	%rd1991, %rd1991, %rd11;
-	setp.lt.u64 	%p171, %rd1991, %rd278;
-	@%p171 bra 	$L__BB7_194;
-
-$L__BB7_195:
-	sub.s64 	%rd281, %rd836, %rd278;
-	shr.u64 	%rd282, %rd281, 3;
-	add.s64 	%rd283, %rd3, %rd278;
-	setp.ge.u64 	%p172, %rd177, %rd282;
-	mov.u64 	%rd1994, %rd9;
-	@%p172 bra 	$L__BB7_198;
-
-	mul.lo.s64 	%rd1143, %rd10, %rd7;
-	shl.b64 	%rd284, %rd1143, 3;
-	mul.lo.s64 	%rd1144, %rd6, %rd7;
-	shl.b64 	%rd1145, %rd1144, 3;
-	shl.b64 	%rd1146, %rd8, 3;
-	add.s64 	%rd1147, %rd1145, %rd1146;
-	add.s64 	%rd1148, %rd1147, -1;
-	not.b64 	%rd1149, %rd836;
-	not.b64 	%rd1150, %rd277;
-	max.u64 	%rd1151, %rd1150, %rd1149;
-	sub.s64 	%rd1152, %rd1148, %rd1151;
-	add.s64 	%rd1993, %rd214, %rd1152;
-	mul.lo.s64 	%rd286, %rd1143, -24;
-	mov.u64 	%rd1994, %rd9;
-
-$L__BB7_197:
-	add.s64 	%rd1153, %rd1994, %rd11;
-	shl.b64 	%rd1154, %rd1153, 3;
-	add.s64 	%rd1155, %rd283, %rd1154;
-	ld.global.v2.u32 	{%r199, %r200}, [%rd1155];
-	add.s64 	%rd1156, %rd1155, %rd284;
-	ld.global.v2.u32 	{%r203, %r204}, [%rd1156];
-	add.s64 	%rd1157, %rd1156, %rd284;
-	ld.global.v2.u32 	{%r207, %r208}, [%rd1157];
-	add.s64 	%rd1158, %rd1157, %rd286;
-	ld.global.v2.u32 	{%r211, %r212}, [%rd1158];
-	st.v2.u32 	[%rd1993], {%r211, %r212};
-	add.s64 	%rd1159, %rd1993, %rd284;
-	st.v2.u32 	[%rd1159], {%r199, %r200};
-	add.s64 	%rd1160, %rd1159, %rd284;
-	st.v2.u32 	[%rd1160], {%r203, %r204};
-	add.s64 	%rd1161, %rd1160, %rd284;
-	add.s64 	%rd1993, %rd1161, %rd284;
-	st.v2.u32 	[%rd1161], {%r207, %r208};
-	add.s64 	%rd1994, %rd176, %rd1153;
-	add.s64 	%rd1162, %rd1994, %rd176;
-	setp.lt.u64 	%p173, %rd1162, %rd282;
-	@%p173 bra 	$L__BB7_197;
-
-$L__BB7_198:
-	setp.ge.u64 	%p174, %rd1994, %rd282;
-	@%p174 bra 	$L__BB7_201;
-
-	add.s64 	%rd292, %rd214, %rd278;
-
-$L__BB7_200:
-	shl.b64 	%rd1163, %rd1994, 3;
-	add.s64 	%rd1164, %rd283, %rd1163;
-	ld.global.v2.u32 	{%r215, %r216}, [%rd1164];
-	add.s64 	%rd1165, %rd292, %rd1163;
-	st.v2.u32 	[%rd1165], {%r215, %r216};
-	add.s64 	%rd1994, %rd1994, %rd11;
-	setp.lt.u64 	%p175, %rd1994, %rd282;
-	@%p175 bra 	$L__BB7_200;
-
-$L__BB7_201:
-	and.b64  	%rd1166, %rd281, -8;
-	add.s64 	%rd1167, %rd278, %rd9;
-	add.s64 	%rd1996, %rd1167, %rd1166;
-	setp.ge.u64 	%p176, %rd1996, %rd836;
-	@%p176 bra 	$L__BB7_568;
-
-$L__BB7_202:
-	add.s64 	%rd1168, %rd3, %rd1996;
-	ld.global.u8 	%rs66, [%rd1168];
-	add.s64 	%rd1169, %rd214, %rd1996;
-	st.u8 	[%rd1169], %rs66;
-	add.s64 	%rd1996, %rd1996, %rd11;
-	setp.lt.u64 	%p177, %rd1996, %rd836;
-	@%p177 bra 	$L__BB7_202;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_181:
-	neg.s64 	%rd1112, %rd214;
-	and.b64  	%rd254, %rd1112, 3;
-	min.u64 	%rd255, %rd254, %rd836;
-	setp.ge.u64 	%p162, %rd9, %rd255;
-	@%p162 bra 	$L__BB7_184;
-
-	mov.u64 	%rd1984, %rd9;
-
-$L__BB7_183:
-	add.s64 	%rd1113, %rd3, %rd1984;
-	ld.global.u8 	%rs63, [%rd1113];
-	add.s64 	%rd1114, %rd214, %rd1984;
-	st.u8 	[%rd1114], %rs63;
-	add.s64 	%rd1984, %rd1984, %rd11;
-	setp.lt.u64 	%p163, %rd1984, %rd255;
-	@%p163 bra 	$L__BB7_183;
-
-$L__BB7_184:
-	sub.s64 	%rd258, %rd836, %rd255;
-	shr.u64 	%rd259, %rd258, 2;
-	setp.ge.u64 	%p164, %rd177, %rd259;
-	mov.u64 	%rd1988, %rd9;
-	@%p164 bra 	$L__BB7_187;
-
-	mul.lo.s64 	%rd1115, %rd6, %rd7;
-	shl.b64 	%rd1116, %rd1115, 2;
-	shl.b64 	%rd1117, %rd8, 2;
-	add.s64 	%rd1118, %rd1116, %rd1117;
-	add.s64 	%rd1119, %rd1118, -1;
-	not.b64 	%rd1120, %rd836;
-	not.b64 	%rd1121, %rd254;
-	max.u64 	%rd1122, %rd1121, %rd1120;
-	sub.s64 	%rd1123, %rd1119, %rd1122;
-	add.s64 	%rd1986, %rd3, %rd1123;
-	mul.lo.s64 	%rd1124, %rd10, %rd7;
-	shl.b64 	%rd261, %rd1124, 2;
-	add.s64 	%rd1987, %rd214, %rd1123;
-	mov.u64 	%rd1988, %rd9;
-
-$L__BB7_186:
-	ld.global.u32 	%r194, [%rd1986];
-	add.s64 	%rd1125, %rd1986, %rd261;
-	ld.global.u32 	%r195, [%rd1125];
-	add.s64 	%rd1126, %rd1125, %rd261;
-	ld.global.u32 	%r196, [%rd1126];
-	add.s64 	%rd1127, %rd1126, %rd261;
-	add.s64 	%rd1986, %rd1127, %rd261;
-	ld.global.u32 	%r197, [%rd1127];
-	st.u32 	[%rd1987], %r194;
-	add.s64 	%rd1128, %rd1987, %rd261;
-	st.u32 	[%rd1128], %r195;
-	add.s64 	%rd1129, %rd1128, %rd261;
-	st.u32 	[%rd1129], %r196;
-	add.s64 	%rd1130, %rd1129, %rd261;
-	add.s64 	%rd1987, %rd1130, %rd261;
-	st.u32 	[%rd1130], %r197;
-	add.s64 	%rd1131, %rd1988, %rd11;
-	add.s64 	%rd1988, %rd176, %rd1131;
-	add.s64 	%rd1132, %rd1988, %rd176;
-	setp.lt.u64 	%p165, %rd1132, %rd259;
-	@%p165 bra 	$L__BB7_186;
-
-$L__BB7_187:
-	setp.ge.u64 	%p166, %rd1988, %rd259;
-	@%p166 bra 	$L__BB7_190;
-
-	add.s64 	%rd270, %rd214, %rd255;
-	add.s64 	%rd271, %rd3, %rd255;
-
-$L__BB7_189:
-	shl.b64 	%rd1133, %rd1988, 2;
-	add.s64 	%rd1134, %rd271, %rd1133;
-	ld.global.u32 	%r198, [%rd1134];
-	add.s64 	%rd1135, %rd270, %rd1133;
-	st.u32 	[%rd1135], %r198;
-	add.s64 	%rd1988, %rd1988, %rd11;
-	setp.lt.u64 	%p167, %rd1988, %rd259;
-	@%p167 bra 	$L__BB7_189;
-
-$L__BB7_190:
-	and.b64  	%rd1136, %rd258, -4;
-	add.s64 	%rd1137, %rd255, %rd9;
-	add.s64 	%rd1990, %rd1137, %rd1136;
-	setp.ge.u64 	%p168, %rd1990, %rd836;
-	@%p168 bra 	$L__BB7_568;
-
-$L__BB7_191:
-	add.s64 	%rd1138, %rd3, %rd1990;
-	ld.global.u8 	%rs64, [%rd1138];
-	add.s64 	%rd1139, %rd214, %rd1990;
-	st.u8 	[%rd1139], %rs64;
-	add.s64 	%rd1990, %rd1990, %rd11;
-	setp.lt.u64 	%p169, %rd1990, %rd836;
-	@%p169 bra 	$L__BB7_191;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_163:
-	setp.ge.u64 	%p148, %rd177, %rd836;
-	mov.u64 	%rd1974, %rd9;
-	@%p148 bra 	$L__BB7_166;
-
-	add.s64 	%rd1972, %rd3, %rd9;
-	mul.lo.s64 	%rd217, %rd10, %rd7;
-	add.s64 	%rd1973, %rd214, %rd9;
-	mov.u64 	%rd1974, %rd9;
-
-$L__BB7_165:
-	ld.global.u8 	%rs50, [%rd1972];
-	add.s64 	%rd1073, %rd1972, %rd217;
-	ld.global.u8 	%rs51, [%rd1073];
-	add.s64 	%rd1074, %rd1073, %rd217;
-	ld.global.u8 	%rs52, [%rd1074];
-	add.s64 	%rd1075, %rd1074, %rd217;
-	add.s64 	%rd1972, %rd1075, %rd217;
-	ld.global.u8 	%rs53, [%rd1075];
-	st.u8 	[%rd1973], %rs50;
-	add.s64 	%rd1076, %rd1973, %rd217;
-	st.u8 	[%rd1076], %rs51;
-	add.s64 	%rd1077, %rd1076, %rd217;
-	st.u8 	[%rd1077], %rs52;
-	add.s64 	%rd1078, %rd1077, %rd217;
-	add.s64 	%rd1973, %rd1078, %rd217;
-	st.u8 	[%rd1078], %rs53;
-	add.s64 	%rd1079, %rd1974, %rd11;
-	add.s64 	%rd1974, %rd176, %rd1079;
-	add.s64 	%rd1080, %rd1974, %rd176;
-	setp.lt.u64 	%p149, %rd1080, %rd836;
-	@%p149 bra 	$L__BB7_165;
-
-$L__BB7_166:
-	setp.ge.u64 	%p150, %rd1974, %rd836;
-	@%p150 bra 	$L__BB7_168;
-
-$L__BB7_167:
-	add.s64 	%rd1081, %rd3, %rd1974;
-	ld.global.u8 	%rs54, [%rd1081];
-	add.s64 	%rd1082, %rd214, %rd1974;
-	st.u8 	[%rd1082], %rs54;
-	add.s64 	%rd1974, %rd1974, %rd11;
-	setp.lt.u64 	%p151, %rd1974, %rd836;
-	@%p151 bra 	$L__BB7_167;
-
-$L__BB7_168:
-	add.s64 	%rd1976, %rd9, %rd836;
-	setp.ge.u64 	%p152, %rd1976, %rd9;
-	@%p152 bra 	$L__BB7_568;
-
-$L__BB7_169:
-	add.s64 	%rd1083, %rd3, %rd1976;
-	ld.global.u8 	%rs55, [%rd1083];
-	add.s64 	%rd1084, %rd214, %rd1976;
-	st.u8 	[%rd1084], %rs55;
-	add.s64 	%rd1976, %rd1976, %rd11;
-	setp.lt.u64 	%p153, %rd1976, %rd836;
-	@%p153 bra 	$L__BB7_169;
-	bra.uni 	$L__BB7_568;
+	cvt.u32.u64 	%r191, %rd192;
+	cvt.u32.u64 	%r192, %rd1117;
+	rem.u32 	%r193, %r192, %r191;
+	cvt.u64.u32 	%rd2094, %r193;
+
+$L__BB7_159:
+	ld.param.u64 	%rd1968, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1967, %rd1968;
+	add.s64 	%rd1966, %rd4, 144;
+	st.global.u64 	[%rd1966+-40], %rd2094;
+	st.global.u32 	[%rd1967], %rd2085;
+	shr.u64 	%rd1122, %rd2085, 32;
+	st.global.u32 	[%rd1967+4], %rd1122;
+	setp.eq.s64 	%p147, %rd193, 0;
+	@%p147 bra 	$L__BB7_161;
+
+	setp.eq.s64 	%p148, %rd2090, 1;
+	selp.b64 	%rd1123, %rd196, %rd194, %p148;
+	setp.eq.s64 	%p149, %rd2090, 2;
+	selp.b64 	%rd1124, %rd198, %rd1123, %p149;
+	setp.eq.s64 	%p150, %rd2090, 3;
+	selp.b64 	%rd2096, %rd200, %rd1124, %p150;
+	bra.uni 	$L__BB7_162;
 
 $L__BB7_42:
 	cvt.u32.u64 	%r110, %rd19;
-	cvt.u32.u64 	%r111, %rd868;
+	cvt.u32.u64 	%r111, %rd923;
 	rem.u32 	%r112, %r111, %r110;
-	cvt.u64.u32 	%rd1915, %r112;
+	cvt.u64.u32 	%rd2039, %r112;
 
 $L__BB7_43:
-	ld.param.u64 	%rd1896, [jaxvmm_fused_offload_param_3];
-	cvta.to.global.u64 	%rd1895, %rd1896;
-	add.s64 	%rd1872, %rd4, 144;
-	st.global.u64 	[%rd1872+-40], %rd1915;
-	st.global.u32 	[%rd1895], %rd1906;
-	shr.u64 	%rd873, %rd1906, 32;
-	st.global.u32 	[%rd1895+4], %rd873;
-	shl.b64 	%rd874, %rd1911, 3;
-	add.s64 	%rd875, %rd4, %rd874;
-	ld.volatile.global.u64 	%rd1916, [%rd875+32];
-	st.global.u64 	[%rd1872+-32], %rd1916;
-	ld.global.u64 	%rd876, [%rd875+64];
-	st.global.u64 	[%rd1872+-24], %rd876;
-	membar.gl;
-	atom.global.exch.b64 	%rd878, [%rd1872], %rd1916;
+	ld.param.u64 	%rd1953, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1952, %rd1953;
+	add.s64 	%rd1951, %rd4, 144;
+	st.global.u64 	[%rd1951+-40], %rd2039;
+	st.global.u32 	[%rd1952], %rd2030;
+	shr.u64 	%rd928, %rd2030, 32;
+	st.global.u32 	[%rd1952+4], %rd928;
+	setp.eq.s64 	%p58, %rd20, 0;
+	@%p58 bra 	$L__BB7_45;
 
-$L__BB7_44:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd1916;
+	setp.eq.s64 	%p59, %rd2035, 1;
+	selp.b64 	%rd929, %rd23, %rd21, %p59;
+	setp.eq.s64 	%p60, %rd2035, 2;
+	selp.b64 	%rd930, %rd25, %rd929, %p60;
+	setp.eq.s64 	%p61, %rd2035, 3;
+	selp.b64 	%rd2041, %rd27, %rd930, %p61;
+	bra.uni 	$L__BB7_46;
+
+$L__BB7_161:
+	shl.b64 	%rd1125, %rd2090, 3;
+	add.s64 	%rd1126, %rd4, %rd1125;
+	ld.volatile.global.u64 	%rd2096, [%rd1126+32];
+
+$L__BB7_162:
+	add.s64 	%rd1969, %rd4, 144;
+	st.global.u64 	[%rd1969+-32], %rd2096;
+	setp.eq.s64 	%p151, %rd2090, 1;
+	selp.b64 	%rd1127, %rd197, %rd195, %p151;
+	setp.eq.s64 	%p152, %rd2090, 2;
+	selp.b64 	%rd1128, %rd199, %rd1127, %p152;
+	setp.eq.s64 	%p153, %rd2090, 3;
+	selp.b64 	%rd1129, %rd201, %rd1128, %p153;
+	st.global.u64 	[%rd1969+-24], %rd1129;
+	membar.gl;
+	atom.global.exch.b64 	%rd1131, [%rd1969], %rd2096;
+
+$L__BB7_163:
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2096;
+
+$L__BB7_164:
+	bar.sync 	0;
+	ld.shared.u64 	%rd236, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1132, %rd236, 15;
+	setp.eq.s64 	%p154, %rd1132, 0;
+	@%p154 bra 	$L__BB7_220;
+
+	ld.param.u64 	%rd1970, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd237, %rd236, %rd1970;
+	and.b64  	%rd1133, %rd237, 15;
+	setp.eq.s64 	%p155, %rd1133, 0;
+	@%p155 bra 	$L__BB7_209;
+
+	and.b64  	%rd1134, %rd237, 7;
+	setp.eq.s64 	%p156, %rd1134, 0;
+	@%p156 bra 	$L__BB7_198;
+
+	and.b64  	%rd1135, %rd237, 3;
+	setp.eq.s64 	%p157, %rd1135, 0;
+	@%p157 bra 	$L__BB7_187;
+
+	and.b64  	%rd1136, %rd237, 1;
+	setp.eq.b64 	%p158, %rd1136, 1;
+	mov.pred 	%p159, 0;
+	xor.pred  	%p160, %p158, %p159;
+	not.pred 	%p161, %p160;
+	@%p161 bra 	$L__BB7_176;
+	bra.uni 	$L__BB7_169;
+
+$L__BB7_176:
+	and.b64  	%rd253, %rd236, 1;
+	min.u64 	%rd254, %rd253, %rd891;
+	setp.ge.u64 	%p168, %rd9, %rd254;
+	@%p168 bra 	$L__BB7_179;
+
+	mov.u64 	%rd2103, %rd9;
+
+$L__BB7_178:
+	add.s64 	%rd1149, %rd3, %rd2103;
+	ld.global.u8 	%rs56, [%rd1149];
+	add.s64 	%rd1150, %rd236, %rd2103;
+	st.u8 	[%rd1150], %rs56;
+	add.s64 	%rd2103, %rd2103, %rd11;
+	setp.lt.u64 	%p169, %rd2103, %rd254;
+	@%p169 bra 	$L__BB7_178;
+
+$L__BB7_179:
+	sub.s64 	%rd257, %rd891, %rd254;
+	shr.u64 	%rd258, %rd257, 1;
+	setp.ge.u64 	%p170, %rd188, %rd258;
+	mov.u64 	%rd2107, %rd9;
+	@%p170 bra 	$L__BB7_182;
+
+	mul.lo.s64 	%rd1151, %rd6, %rd7;
+	shl.b64 	%rd1152, %rd1151, 1;
+	shl.b64 	%rd1153, %rd8, 1;
+	add.s64 	%rd1154, %rd1152, %rd1153;
+	add.s64 	%rd1155, %rd1154, -1;
+	not.b64 	%rd1156, %rd891;
+	not.b64 	%rd1157, %rd253;
+	max.u64 	%rd1158, %rd1157, %rd1156;
+	sub.s64 	%rd1159, %rd1155, %rd1158;
+	add.s64 	%rd2105, %rd3, %rd1159;
+	mul.lo.s64 	%rd1160, %rd10, %rd7;
+	shl.b64 	%rd260, %rd1160, 1;
+	add.s64 	%rd2106, %rd236, %rd1159;
+	mov.u64 	%rd2107, %rd9;
+
+$L__BB7_181:
+	ld.global.u16 	%rs57, [%rd2105];
+	add.s64 	%rd1161, %rd2105, %rd260;
+	ld.global.u16 	%rs58, [%rd1161];
+	add.s64 	%rd1162, %rd1161, %rd260;
+	ld.global.u16 	%rs59, [%rd1162];
+	add.s64 	%rd1163, %rd1162, %rd260;
+	add.s64 	%rd2105, %rd1163, %rd260;
+	ld.global.u16 	%rs60, [%rd1163];
+	st.u16 	[%rd2106], %rs57;
+	add.s64 	%rd1164, %rd2106, %rd260;
+	st.u16 	[%rd1164], %rs58;
+	add.s64 	%rd1165, %rd1164, %rd260;
+	st.u16 	[%rd1165], %rs59;
+	add.s64 	%rd1166, %rd1165, %rd260;
+	add.s64 	%rd2106, %rd1166, %rd260;
+	st.u16 	[%rd1166], %rs60;
+	add.s64 	%rd1167, %rd2107, %rd11;
+	add.s64 	%rd2107, %rd187, %rd1167;
+	add.s64 	%rd1168, %rd2107, %rd187;
+	setp.lt.u64 	%p171, %rd1168, %rd258;
+	@%p171 bra 	$L__BB7_181;
+
+$L__BB7_182:
+	setp.ge.u64 	%p172, %rd2107, %rd258;
+	@%p172 bra 	$L__BB7_185;
+
+	add.s64 	%rd269, %rd236, %rd254;
+	add.s64 	%rd270, %rd3, %rd254;
+
+$L__BB7_184:
+	shl.b64 	%rd1169, %rd2107, 1;
+	add.s64 	%rd1170, %rd270, %rd1169;
+	ld.global.u16 	%rs61, [%rd1170];
+	add.s64 	%rd1171, %rd269, %rd1169;
+	st.u16 	[%rd1171], %rs61;
+	add.s64 	%rd2107, %rd2107, %rd11;
+	setp.lt.u64 	%p173, %rd2107, %rd258;
+	@%p173 bra 	$L__BB7_184;
+
+$L__BB7_185:
+	and.b64  	%rd1172, %rd257, -2;
+	add.s64 	%rd1173, %rd254, %rd9;
+	add.s64 	%rd2109, %rd1173, %rd1172;
+	setp.ge.u64 	%p174, %rd2109, %rd891;
+	@%p174 bra 	$L__BB7_583;
+
+$L__BB7_186:
+	add.s64 	%rd1174, %rd3, %rd2109;
+	ld.global.u8 	%rs62, [%rd1174];
+	add.s64 	%rd1175, %rd236, %rd2109;
+	st.u8 	[%rd1175], %rs62;
+	add.s64 	%rd2109, %rd2109, %rd11;
+	setp.lt.u64 	%p175, %rd2109, %rd891;
+	@%p175 bra 	$L__BB7_186;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_220:
+	setp.ge.u64 	%p486, %rd9, %rd184;
+	@%p486 bra 	$L__BB7_222;
+
+	shl.b64 	%rd1266, %rd9, 1;
+	add.s64 	%rd1267, %rd236, %rd1266;
+	st.u16 	[%rd1267], %rs10;
+
+$L__BB7_222:
+	add.s64 	%rd1971, %rd11, %rd9;
+	setp.ge.u64 	%p487, %rd1971, %rd184;
+	@%p487 bra 	$L__BB7_224;
+
+	add.s64 	%rd1976, %rd11, %rd9;
+	shl.b64 	%rd1268, %rd1976, 1;
+	add.s64 	%rd1269, %rd236, %rd1268;
+	st.u16 	[%rd1269], %rs12;
+
+$L__BB7_224:
+	add.s64 	%rd1973, %rd11, %rd9;
+	add.s64 	%rd1972, %rd1973, %rd11;
+	setp.ge.u64 	%p488, %rd1972, %rd184;
+	@%p488 bra 	$L__BB7_226;
+
+	add.s64 	%rd1975, %rd11, %rd9;
+	add.s64 	%rd1974, %rd1975, %rd11;
+	shl.b64 	%rd1270, %rd1974, 1;
+	add.s64 	%rd1271, %rd236, %rd1270;
+	st.u16 	[%rd1271], %rs14;
+
+$L__BB7_226:
+	add.s64 	%rd1983, %rd11, %rd9;
+	add.s64 	%rd1982, %rd1983, %rd11;
+	add.s64 	%rd1981, %rd1982, %rd11;
+	setp.ge.u64 	%p489, %rd1981, %rd184;
+	@%p489 bra 	$L__BB7_228;
+
+	shl.b64 	%rd1272, %rd188, 1;
+	add.s64 	%rd1273, %rd236, %rd1272;
+	st.u16 	[%rd1273], %rs16;
+
+$L__BB7_228:
+	shl.b64 	%rd1274, %rd11, 2;
+	add.s64 	%rd2132, %rd9, %rd1274;
+	add.s64 	%rd1275, %rd2132, %rd187;
+	setp.ge.u64 	%p204, %rd1275, %rd184;
+	@%p204 bra 	$L__BB7_231;
+
+	shl.b64 	%rd1276, %rd10, 2;
+	add.s64 	%rd1277, %rd1276, %rd6;
+	mul.lo.s64 	%rd1278, %rd1277, %rd7;
+	shl.b64 	%rd1279, %rd1278, 1;
+	shl.b64 	%rd1280, %rd8, 1;
+	add.s64 	%rd1281, %rd1279, %rd1280;
+	add.s64 	%rd2130, %rd3, %rd1281;
+	mul.lo.s64 	%rd1282, %rd10, %rd7;
+	shl.b64 	%rd343, %rd1282, 1;
+	add.s64 	%rd2131, %rd236, %rd1281;
+
+$L__BB7_230:
+	ld.global.u16 	%rs69, [%rd2130];
+	add.s64 	%rd1283, %rd2130, %rd343;
+	ld.global.u16 	%rs70, [%rd1283];
+	add.s64 	%rd1284, %rd1283, %rd343;
+	ld.global.u16 	%rs71, [%rd1284];
+	add.s64 	%rd1285, %rd1284, %rd343;
+	add.s64 	%rd2130, %rd1285, %rd343;
+	ld.global.u16 	%rs72, [%rd1285];
+	st.u16 	[%rd2131], %rs69;
+	add.s64 	%rd1286, %rd2131, %rd343;
+	st.u16 	[%rd1286], %rs70;
+	add.s64 	%rd1287, %rd1286, %rd343;
+	st.u16 	[%rd1287], %rs71;
+	add.s64 	%rd1288, %rd1287, %rd343;
+	add.s64 	%rd2131, %rd1288, %rd343;
+	st.u16 	[%rd1288], %rs72;
+	add.s64 	%rd1289, %rd2132, %rd11;
+	add.s64 	%rd2132, %rd187, %rd1289;
+	add.s64 	%rd1290, %rd2132, %rd187;
+	setp.lt.u64 	%p205, %rd1290, %rd184;
+	@%p205 bra 	$L__BB7_230;
+
+$L__BB7_231:
+	setp.ge.u64 	%p206, %rd2132, %rd184;
+	@%p206 bra 	$L__BB7_233;
+
+$L__BB7_232:
+	shl.b64 	%rd1291, %rd2132, 1;
+	add.s64 	%rd1292, %rd3, %rd1291;
+	ld.global.u16 	%rs73, [%rd1292];
+	add.s64 	%rd1293, %rd236, %rd1291;
+	st.u16 	[%rd1293], %rs73;
+	add.s64 	%rd2132, %rd2132, %rd11;
+	setp.lt.u64 	%p207, %rd2132, %rd184;
+	@%p207 bra 	$L__BB7_232;
+
+$L__BB7_233:
+	and.b64  	%rd1294, %rd891, -2;
+	add.s64 	%rd2134, %rd1294, %rd9;
+	setp.ge.u64 	%p208, %rd2134, %rd891;
+	@%p208 bra 	$L__BB7_583;
+
+$L__BB7_234:
+	add.s64 	%rd1295, %rd3, %rd2134;
+	ld.global.u8 	%rs74, [%rd1295];
+	add.s64 	%rd1296, %rd236, %rd2134;
+	st.u8 	[%rd1296], %rs74;
+	add.s64 	%rd2134, %rd2134, %rd11;
+	setp.lt.u64 	%p209, %rd2134, %rd891;
+	@%p209 bra 	$L__BB7_234;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_209:
+	neg.s64 	%rd1234, %rd236;
+	and.b64  	%rd320, %rd1234, 15;
+	min.u64 	%rd321, %rd320, %rd891;
+	setp.ge.u64 	%p192, %rd9, %rd321;
+	@%p192 bra 	$L__BB7_212;
+
+	mov.u64 	%rd2123, %rd9;
+
+$L__BB7_211:
+	add.s64 	%rd1235, %rd3, %rd2123;
+	ld.global.u8 	%rs67, [%rd1235];
+	add.s64 	%rd1236, %rd236, %rd2123;
+	st.u8 	[%rd1236], %rs67;
+	add.s64 	%rd2123, %rd2123, %rd11;
+	setp.lt.u64 	%p193, %rd2123, %rd321;
+	@%p193 bra 	$L__BB7_211;
+
+$L__BB7_212:
+	sub.s64 	%rd324, %rd891, %rd321;
+	shr.u64 	%rd325, %rd324, 4;
+	add.s64 	%rd326, %rd3, %rd321;
+	setp.ge.u64 	%p194, %rd188, %rd325;
+	mov.u64 	%rd2126, %rd9;
+	@%p194 bra 	$L__BB7_215;
+
+	mul.lo.s64 	%rd1237, %rd10, %rd7;
+	shl.b64 	%rd327, %rd1237, 4;
+	mul.lo.s64 	%rd1238, %rd6, %rd7;
+	shl.b64 	%rd1239, %rd1238, 4;
+	shl.b64 	%rd1240, %rd8, 4;
+	add.s64 	%rd1241, %rd1239, %rd1240;
+	add.s64 	%rd1242, %rd1241, -1;
+	not.b64 	%rd1243, %rd891;
+	not.b64 	%rd1244, %rd320;
+	max.u64 	%rd1245, %rd1244, %rd1243;
+	sub.s64 	%rd1246, %rd1242, %rd1245;
+	add.s64 	%rd2125, %rd236, %rd1246;
+	mul.lo.s64 	%rd329, %rd1237, -48;
+	mov.u64 	%rd2126, %rd9;
+
+$L__BB7_214:
+	shl.b64 	%rd1247, %rd2126, 4;
+	add.s64 	%rd1248, %rd326, %rd1247;
+	shl.b64 	%rd1249, %rd11, 2;
+	shl.b64 	%rd1250, %rd11, 4;
+	add.s64 	%rd1251, %rd1248, %rd1250;
+	ld.global.v4.u32 	{%r219, %r220, %r221, %r222}, [%rd1251];
+	add.s64 	%rd1252, %rd1251, %rd327;
+	ld.global.v4.u32 	{%r227, %r228, %r229, %r230}, [%rd1252];
+	add.s64 	%rd1253, %rd1252, %rd327;
+	ld.global.v4.u32 	{%r235, %r236, %r237, %r238}, [%rd1253];
+	add.s64 	%rd1254, %rd1253, %rd329;
+	ld.global.v4.u32 	{%r243, %r244, %r245, %r246}, [%rd1254];
+	st.v4.u32 	[%rd2125], {%r243, %r244, %r245, %r246};
+	add.s64 	%rd1255, %rd2125, %rd327;
+	st.v4.u32 	[%rd1255], {%r219, %r220, %r221, %r222};
+	add.s64 	%rd1256, %rd1255, %rd327;
+	st.v4.u32 	[%rd1256], {%r227, %r228, %r229, %r230};
+	add.s64 	%rd1257, %rd1256, %rd327;
+	add.s64 	%rd2125, %rd1257, %rd327;
+	st.v4.u32 	[%rd1257], {%r235, %r236, %r237, %r238};
+	add.s64 	%rd2126, %rd1249, %rd2126;
+	add.s64 	%rd1258, %rd2126, %rd187;
+	setp.lt.u64 	%p195, %rd1258, %rd325;
+	@%p195 bra 	$L__BB7_214;
+
+$L__BB7_215:
+	setp.ge.u64 	%p196, %rd2126, %rd325;
+	@%p196 bra 	$L__BB7_218;
+
+	add.s64 	%rd335, %rd236, %rd321;
+
+$L__BB7_217:
+	shl.b64 	%rd1259, %rd2126, 4;
+	add.s64 	%rd1260, %rd335, %rd1259;
+	add.s64 	%rd1261, %rd326, %rd1259;
+	ld.global.v4.u32 	{%r251, %r252, %r253, %r254}, [%rd1261];
+	st.v4.u32 	[%rd1260], {%r251, %r252, %r253, %r254};
+	add.s64 	%rd2126, %rd2126, %rd11;
+	setp.lt.u64 	%p197, %rd2126, %rd325;
+	@%p197 bra 	$L__BB7_217;
+
+$L__BB7_218:
+	and.b64  	%rd1262, %rd324, -16;
+	add.s64 	%rd1263, %rd321, %rd9;
+	add.s64 	%rd2128, %rd1263, %rd1262;
+	setp.ge.u64 	%p198, %rd2128, %rd891;
+	@%p198 bra 	$L__BB7_583;
+
+$L__BB7_219:
+	add.s64 	%rd1264, %rd3, %rd2128;
+	ld.global.u8 	%rs68, [%rd1264];
+	add.s64 	%rd1265, %rd236, %rd2128;
+	st.u8 	[%rd1265], %rs68;
+	add.s64 	%rd2128, %rd2128, %rd11;
+	setp.lt.u64 	%p199, %rd2128, %rd891;
+	@%p199 bra 	$L__BB7_219;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_198:
+	neg.s64 	%rd1204, %rd236;
+	and.b64  	%rd299, %rd1204, 7;
+	min.u64 	%rd300, %rd299, %rd891;
+	setp.ge.u64 	%p184, %rd9, %rd300;
+	@%p184 bra 	$L__BB7_201;
+
+	mov.u64 	%rd2117, %rd9;
+
+$L__BB7_200:
+	add.s64 	%rd1205, %rd3, %rd2117;
+	ld.global.u8 	%rs65, [%rd1205];
+	add.s64 	%rd1206, %rd236, %rd2117;
+	st.u8 	[%rd1206], %rs65;
+	add.s64 	%rd2117, %rd2117, %rd11;
+	setp.lt.u64 	%p185, %rd2117, %rd300;
+	@%p185 bra 	$L__BB7_200;
+
+$L__BB7_201:
+	sub.s64 	%rd303, %rd891, %rd300;
+	shr.u64 	%rd304, %rd303, 3;
+	add.s64 	%rd305, %rd3, %rd300;
+	setp.ge.u64 	%p186, %rd188, %rd304;
+	mov.u64 	%rd2120, %rd9;
+	@%p186 bra 	$L__BB7_204;
+
+	mul.lo.s64 	%rd1207, %rd10, %rd7;
+	shl.b64 	%rd306, %rd1207, 3;
+	mul.lo.s64 	%rd1208, %rd6, %rd7;
+	shl.b64 	%rd1209, %rd1208, 3;
+	shl.b64 	%rd1210, %rd8, 3;
+	add.s64 	%rd1211, %rd1209, %rd1210;
+	add.s64 	%rd1212, %rd1211, -1;
+	not.b64 	%rd1213, %rd891;
+	not.b64 	%rd1214, %rd299;
+	max.u64 	%rd1215, %rd1214, %rd1213;
+	sub.s64 	%rd1216, %rd1212, %rd1215;
+	add.s64 	%rd2119, %rd236, %rd1216;
+	mul.lo.s64 	%rd308, %rd1207, -24;
+	mov.u64 	%rd2120, %rd9;
+
+$L__BB7_203:
+	add.s64 	%rd1217, %rd2120, %rd11;
+	shl.b64 	%rd1218, %rd1217, 3;
+	add.s64 	%rd1219, %rd305, %rd1218;
+	ld.global.v2.u32 	{%r199, %r200}, [%rd1219];
+	add.s64 	%rd1220, %rd1219, %rd306;
+	ld.global.v2.u32 	{%r203, %r204}, [%rd1220];
+	add.s64 	%rd1221, %rd1220, %rd306;
+	ld.global.v2.u32 	{%r207, %r208}, [%rd1221];
+	add.s64 	%rd1222, %rd1221, %rd308;
+	ld.global.v2.u32 	{%r211, %r212}, [%rd1222];
+	st.v2.u32 	[%rd2119], {%r211, %r212};
+	add.s64 	%rd1223, %rd2119, %rd306;
+	st.v2.u32 	[%rd1223], {%r199, %r200};
+	add.s64 	%rd1224, %rd1223, %rd306;
+	st.v2.u32 	[%rd1224], {%r203, %r204};
+	add.s64 	%rd1225, %rd1224, %rd306;
+	add.s64 	%rd2119, %rd1225, %rd306;
+	st.v2.u32 	[%rd1225], {%r207, %r208};
+	add.s64 	%rd2120, %rd187, %rd1217;
+	add.s64 	%rd1226, %rd2120, %rd187;
+	setp.lt.u64 	%p187, %rd1226, %rd304;
+	@%p187 bra 	$L__BB7_203;
+
+$L__BB7_204:
+	setp.ge.u64 	%p188, %rd2120, %rd304;
+	@%p188 bra 	$L__BB7_207;
+
+	add.s64 	%rd314, %rd236, %rd300;
+
+$L__BB7_206:
+	shl.b64 	%rd1227, %rd2120, 3;
+	add.s64 	%rd1228, %rd305, %rd1227;
+	ld.global.v2.u32 	{%r215, %r216}, [%rd1228];
+	add.s64 	%rd1229, %rd314, %rd1227;
+	st.v2.u32 	[%rd1229], {%r215, %r216};
+	add.s64 	%rd2120, %rd2120, %rd11;
+	setp.lt.u64 	%p189, %rd2120, %rd304;
+	@%p189 bra 	$L__BB7_206;
+
+$L__BB7_207:
+	and.b64  	%rd1230, %rd303, -8;
+	add.s64 	%rd1231, %rd300, %rd9;
+	add.s64 	%rd2122, %rd1231, %rd1230;
+	setp.ge.u64 	%p190, %rd2122, %rd891;
+	@%p190 bra 	$L__BB7_583;
+
+$L__BB7_208:
+	add.s64 	%rd1232, %rd3, %rd2122;
+	ld.global.u8 	%rs66, [%rd1232];
+	add.s64 	%rd1233, %rd236, %rd2122;
+	st.u8 	[%rd1233], %rs66;
+	add.s64 	%rd2122, %rd2122, %rd11;
+	setp.lt.u64 	%p191, %rd2122, %rd891;
+	@%p191 bra 	$L__BB7_208;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_187:
+	neg.s64 	%rd1176, %rd236;
+	and.b64  	%rd276, %rd1176, 3;
+	min.u64 	%rd277, %rd276, %rd891;
+	setp.ge.u64 	%p176, %rd9, %rd277;
+	@%p176 bra 	$L__BB7_190;
+
+	mov.u64 	%rd2110, %rd9;
+
+$L__BB7_189:
+	add.s64 	%rd1177, %rd3, %rd2110;
+	ld.global.u8 	%rs63, [%rd1177];
+	add.s64 	%rd1178, %rd236, %rd2110;
+	st.u8 	[%rd1178], %rs63;
+	add.s64 	%rd2110, %rd2110, %rd11;
+	setp.lt.u64 	%p177, %rd2110, %rd277;
+	@%p177 bra 	$L__BB7_189;
+
+$L__BB7_190:
+	sub.s64 	%rd280, %rd891, %rd277;
+	shr.u64 	%rd281, %rd280, 2;
+	setp.ge.u64 	%p178, %rd188, %rd281;
+	mov.u64 	%rd2114, %rd9;
+	@%p178 bra 	$L__BB7_193;
+
+	mul.lo.s64 	%rd1179, %rd6, %rd7;
+	shl.b64 	%rd1180, %rd1179, 2;
+	shl.b64 	%rd1181, %rd8, 2;
+	add.s64 	%rd1182, %rd1180, %rd1181;
+	add.s64 	%rd1183, %rd1182, -1;
+	not.b64 	%rd1184, %rd891;
+	not.b64 	%rd1185, %rd276;
+	max.u64 	%rd1186, %rd1185, %rd1184;
+	sub.s64 	%rd1187, %rd1183, %rd1186;
+	add.s64 	%rd2112, %rd3, %rd1187;
+	mul.lo.s64 	%rd1188, %rd10, %rd7;
+	shl.b64 	%rd283, %rd1188, 2;
+	add.s64 	%rd2113, %rd236, %rd1187;
+	mov.u64 	%rd2114, %rd9;
+
+$L__BB7_192:
+	ld.global.u32 	%r194, [%rd2112];
+	add.s64 	%rd1189, %rd2112, %rd283;
+	ld.global.u32 	%r195, [%rd1189];
+	add.s64 	%rd1190, %rd1189, %rd283;
+	ld.global.u32 	%r196, [%rd1190];
+	add.s64 	%rd1191, %rd1190, %rd283;
+	add.s64 	%rd2112, %rd1191, %rd283;
+	ld.global.u32 	%r197, [%rd1191];
+	st.u32 	[%rd2113], %r194;
+	add.s64 	%rd1192, %rd2113, %rd283;
+	st.u32 	[%rd1192], %r195;
+	add.s64 	%rd1193, %rd1192, %rd283;
+	st.u32 	[%rd1193], %r196;
+	add.s64 	%rd1194, %rd1193, %rd283;
+	add.s64 	%rd2113, %rd1194, %rd283;
+	st.u32 	[%rd1194], %r197;
+	add.s64 	%rd1195, %rd2114, %rd11;
+	add.s64 	%rd2114, %rd187, %rd1195;
+	add.s64 	%rd1196, %rd2114, %rd187;
+	setp.lt.u64 	%p179, %rd1196, %rd281;
+	@%p179 bra 	$L__BB7_192;
+
+$L__BB7_193:
+	setp.ge.u64 	%p180, %rd2114, %rd281;
+	@%p180 bra 	$L__BB7_196;
+
+	add.s64 	%rd292, %rd236, %rd277;
+	add.s64 	%rd293, %rd3, %rd277;
+
+$L__BB7_195:
+	shl.b64 	%rd1197, %rd2114, 2;
+	add.s64 	%rd1198, %rd293, %rd1197;
+	ld.global.u32 	%r198, [%rd1198];
+	add.s64 	%rd1199, %rd292, %rd1197;
+	st.u32 	[%rd1199], %r198;
+	add.s64 	%rd2114, %rd2114, %rd11;
+	setp.lt.u64 	%p181, %rd2114, %rd281;
+	@%p181 bra 	$L__BB7_195;
+
+$L__BB7_196:
+	and.b64  	%rd1200, %rd280, -4;
+	add.s64 	%rd1201, %rd277, %rd9;
+	add.s64 	%rd2116, %rd1201, %rd1200;
+	setp.ge.u64 	%p182, %rd2116, %rd891;
+	@%p182 bra 	$L__BB7_583;
+
+$L__BB7_197:
+	add.s64 	%rd1202, %rd3, %rd2116;
+	ld.global.u8 	%rs64, [%rd1202];
+	add.s64 	%rd1203, %rd236, %rd2116;
+	st.u8 	[%rd1203], %rs64;
+	add.s64 	%rd2116, %rd2116, %rd11;
+	setp.lt.u64 	%p183, %rd2116, %rd891;
+	@%p183 bra 	$L__BB7_197;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_169:
+	setp.ge.u64 	%p162, %rd188, %rd891;
+	mov.u64 	%rd2100, %rd9;
+	@%p162 bra 	$L__BB7_172;
+
+	add.s64 	%rd2098, %rd3, %rd9;
+	mul.lo.s64 	%rd239, %rd10, %rd7;
+	add.s64 	%rd2099, %rd236, %rd9;
+	mov.u64 	%rd2100, %rd9;
+
+$L__BB7_171:
+	ld.global.u8 	%rs50, [%rd2098];
+	add.s64 	%rd1137, %rd2098, %rd239;
+	ld.global.u8 	%rs51, [%rd1137];
+	add.s64 	%rd1138, %rd1137, %rd239;
+	ld.global.u8 	%rs52, [%rd1138];
+	add.s64 	%rd1139, %rd1138, %rd239;
+	add.s64 	%rd2098, %rd1139, %rd239;
+	ld.global.u8 	%rs53, [%rd1139];
+	st.u8 	[%rd2099], %rs50;
+	add.s64 	%rd1140, %rd2099, %rd239;
+	st.u8 	[%rd1140], %rs51;
+	add.s64 	%rd1141, %rd1140, %rd239;
+	st.u8 	[%rd1141], %rs52;
+	add.s64 	%rd1142, %rd1141, %rd239;
+	add.s64 	%rd2099, %rd1142, %rd239;
+	st.u8 	[%rd1142], %rs53;
+	add.s64 	%rd1143, %rd2100, %rd11;
+	add.s64 	%rd2100, %rd187, %rd1143;
+	add.s64 	%rd1144, %rd2100, %rd187;
+	setp.lt.u64 	%p163, %rd1144, %rd891;
+	@%p163 bra 	$L__BB7_171;
+
+$L__BB7_172:
+	setp.ge.u64 	%p164, %rd2100, %rd891;
+	@%p164 bra 	$L__BB7_174;
+
+$L__BB7_173:
+	add.s64 	%rd1145, %rd3, %rd2100;
+	ld.global.u8 	%rs54, [%rd1145];
+	add.s64 	%rd1146, %rd236, %rd2100;
+	st.u8 	[%rd1146], %rs54;
+	add.s64 	%rd2100, %rd2100, %rd11;
+	setp.lt.u64 	%p165, %rd2100, %rd891;
+	@%p165 bra 	$L__BB7_173;
+
+$L__BB7_174:
+	add.s64 	%rd2102, %rd9, %rd891;
+	setp.ge.u64 	%p166, %rd2102, %rd9;
+	@%p166 bra 	$L__BB7_583;
+
+$L__BB7_175:
+	add.s64 	%rd1147, %rd3, %rd2102;
+	ld.global.u8 	%rs55, [%rd1147];
+	add.s64 	%rd1148, %rd236, %rd2102;
+	st.u8 	[%rd1148], %rs55;
+	add.s64 	%rd2102, %rd2102, %rd11;
+	setp.lt.u64 	%p167, %rd2102, %rd891;
+	@%p167 bra 	$L__BB7_175;
+	bra.uni 	$L__BB7_583;
 
 $L__BB7_45:
+	shl.b64 	%rd931, %rd2035, 3;
+	add.s64 	%rd932, %rd4, %rd931;
+	ld.volatile.global.u64 	%rd2041, [%rd932+32];
+
+$L__BB7_46:
+	add.s64 	%rd1954, %rd4, 144;
+	st.global.u64 	[%rd1954+-32], %rd2041;
+	setp.eq.s64 	%p62, %rd2035, 1;
+	selp.b64 	%rd933, %rd24, %rd22, %p62;
+	setp.eq.s64 	%p63, %rd2035, 2;
+	selp.b64 	%rd934, %rd26, %rd933, %p63;
+	setp.eq.s64 	%p64, %rd2035, 3;
+	selp.b64 	%rd935, %rd28, %rd934, %p64;
+	st.global.u64 	[%rd1954+-24], %rd935;
+	membar.gl;
+	atom.global.exch.b64 	%rd937, [%rd1954], %rd2041;
+
+$L__BB7_47:
+	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2041;
+
+$L__BB7_48:
 	bar.sync 	0;
-	ld.shared.u64 	%rd52, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
-	and.b64  	%rd879, %rd52, 15;
-	setp.eq.s64 	%p58, %rd879, 0;
-	@%p58 bra 	$L__BB7_101;
+	ld.shared.u64 	%rd63, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd938, %rd63, 15;
+	setp.eq.s64 	%p65, %rd938, 0;
+	@%p65 bra 	$L__BB7_104;
 
-	ld.param.u64 	%rd1894, [jaxvmm_fused_offload_param_1];
-	xor.b64  	%rd53, %rd52, %rd1894;
-	and.b64  	%rd880, %rd53, 15;
-	setp.eq.s64 	%p59, %rd880, 0;
-	@%p59 bra 	$L__BB7_90;
+	ld.param.u64 	%rd1955, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd64, %rd63, %rd1955;
+	and.b64  	%rd939, %rd64, 15;
+	setp.eq.s64 	%p66, %rd939, 0;
+	@%p66 bra 	$L__BB7_93;
 
-	and.b64  	%rd881, %rd53, 7;
-	setp.eq.s64 	%p60, %rd881, 0;
-	@%p60 bra 	$L__BB7_79;
+	and.b64  	%rd940, %rd64, 7;
+	setp.eq.s64 	%p67, %rd940, 0;
+	@%p67 bra 	$L__BB7_82;
 
-	and.b64  	%rd882, %rd53, 3;
-	setp.eq.s64 	%p61, %rd882, 0;
-	@%p61 bra 	$L__BB7_68;
+	and.b64  	%rd941, %rd64, 3;
+	setp.eq.s64 	%p68, %rd941, 0;
+	@%p68 bra 	$L__BB7_71;
 
-	and.b64  	%rd883, %rd53, 1;
-	setp.eq.b64 	%p62, %rd883, 1;
-	mov.pred 	%p63, 0;
-	xor.pred  	%p64, %p62, %p63;
-	not.pred 	%p65, %p64;
-	@%p65 bra 	$L__BB7_57;
-	bra.uni 	$L__BB7_50;
-
-$L__BB7_57:
-	and.b64  	%rd69, %rd52, 1;
-	min.u64 	%rd70, %rd69, %rd836;
-	setp.ge.u64 	%p72, %rd9, %rd70;
+	and.b64  	%rd942, %rd64, 1;
+	setp.eq.b64 	%p69, %rd942, 1;
+	mov.pred 	%p70, 0;
+	xor.pred  	%p71, %p69, %p70;
+	not.pred 	%p72, %p71;
 	@%p72 bra 	$L__BB7_60;
-
-	mov.u64 	%rd1923, %rd9;
-
-$L__BB7_59:
-	add.s64 	%rd896, %rd3, %rd1923;
-	ld.global.u8 	%rs27, [%rd896];
-	add.s64 	%rd897, %rd52, %rd1923;
-	st.u8 	[%rd897], %rs27;
-	add.s64 	%rd1923, %rd1923, %rd11;
-	setp.lt.u64 	%p73, %rd1923, %rd70;
-	@%p73 bra 	$L__BB7_59;
+	bra.uni 	$L__BB7_53;
 
 $L__BB7_60:
-	sub.s64 	%rd73, %rd836, %rd70;
-	shr.u64 	%rd74, %rd73, 1;
-	setp.ge.u64 	%p74, %rd15, %rd74;
-	mov.u64 	%rd1927, %rd9;
-	@%p74 bra 	$L__BB7_63;
+	and.b64  	%rd80, %rd63, 1;
+	min.u64 	%rd81, %rd80, %rd891;
+	setp.ge.u64 	%p79, %rd9, %rd81;
+	@%p79 bra 	$L__BB7_63;
 
-	mul.lo.s64 	%rd898, %rd6, %rd7;
-	shl.b64 	%rd899, %rd898, 1;
-	shl.b64 	%rd900, %rd8, 1;
-	add.s64 	%rd901, %rd899, %rd900;
-	add.s64 	%rd902, %rd901, -1;
-	not.b64 	%rd903, %rd836;
-	not.b64 	%rd904, %rd69;
-	max.u64 	%rd905, %rd904, %rd903;
-	sub.s64 	%rd906, %rd902, %rd905;
-	add.s64 	%rd1925, %rd3, %rd906;
-	mul.lo.s64 	%rd907, %rd10, %rd7;
-	shl.b64 	%rd76, %rd907, 1;
-	add.s64 	%rd1926, %rd52, %rd906;
-	mov.u64 	%rd1927, %rd9;
+	mov.u64 	%rd2048, %rd9;
 
 $L__BB7_62:
-	ld.global.u16 	%rs28, [%rd1925];
-	add.s64 	%rd908, %rd1925, %rd76;
-	ld.global.u16 	%rs29, [%rd908];
-	add.s64 	%rd909, %rd908, %rd76;
-	ld.global.u16 	%rs30, [%rd909];
-	add.s64 	%rd910, %rd909, %rd76;
-	add.s64 	%rd1925, %rd910, %rd76;
-	ld.global.u16 	%rs31, [%rd910];
-	st.u16 	[%rd1926], %rs28;
-	add.s64 	%rd911, %rd1926, %rd76;
-	st.u16 	[%rd911], %rs29;
-	add.s64 	%rd912, %rd911, %rd76;
-	st.u16 	[%rd912], %rs30;
-	add.s64 	%rd913, %rd912, %rd76;
-	add.s64 	%rd1926, %rd913, %rd76;
-	st.u16 	[%rd913], %rs31;
-	add.s64 	%rd914, %rd1927, %rd11;
-	add.s64 	%rd1927, %rd14, %rd914;
-	add.s64 	%rd915, %rd1927, %rd14;
-	setp.lt.u64 	%p75, %rd915, %rd74;
-	@%p75 bra 	$L__BB7_62;
+	add.s64 	%rd955, %rd3, %rd2048;
+	ld.global.u8 	%rs27, [%rd955];
+	add.s64 	%rd956, %rd63, %rd2048;
+	st.u8 	[%rd956], %rs27;
+	add.s64 	%rd2048, %rd2048, %rd11;
+	setp.lt.u64 	%p80, %rd2048, %rd81;
+	@%p80 bra 	$L__BB7_62;
 
 $L__BB7_63:
-	setp.ge.u64 	%p76, %rd1927, %rd74;
-	@%p76 bra 	$L__BB7_66;
+	sub.s64 	%rd84, %rd891, %rd81;
+	shr.u64 	%rd85, %rd84, 1;
+	setp.ge.u64 	%p81, %rd15, %rd85;
+	mov.u64 	%rd2052, %rd9;
+	@%p81 bra 	$L__BB7_66;
 
-	add.s64 	%rd85, %rd52, %rd70;
-	add.s64 	%rd86, %rd3, %rd70;
+	mul.lo.s64 	%rd957, %rd6, %rd7;
+	shl.b64 	%rd958, %rd957, 1;
+	shl.b64 	%rd959, %rd8, 1;
+	add.s64 	%rd960, %rd958, %rd959;
+	add.s64 	%rd961, %rd960, -1;
+	not.b64 	%rd962, %rd891;
+	not.b64 	%rd963, %rd80;
+	max.u64 	%rd964, %rd963, %rd962;
+	sub.s64 	%rd965, %rd961, %rd964;
+	add.s64 	%rd2050, %rd3, %rd965;
+	mul.lo.s64 	%rd966, %rd10, %rd7;
+	shl.b64 	%rd87, %rd966, 1;
+	add.s64 	%rd2051, %rd63, %rd965;
+	mov.u64 	%rd2052, %rd9;
 
 $L__BB7_65:
-	shl.b64 	%rd916, %rd1927, 1;
-	add.s64 	%rd917, %rd86, %rd916;
-	ld.global.u16 	%rs32, [%rd917];
-	add.s64 	%rd918, %rd85, %rd916;
-	st.u16 	[%rd918], %rs32;
-	add.s64 	%rd1927, %rd1927, %rd11;
-	setp.lt.u64 	%p77, %rd1927, %rd74;
-	@%p77 bra 	$L__BB7_65;
+	ld.global.u16 	%rs28, [%rd2050];
+	add.s64 	%rd967, %rd2050, %rd87;
+	ld.global.u16 	%rs29, [%rd967];
+	add.s64 	%rd968, %rd967, %rd87;
+	ld.global.u16 	%rs30, [%rd968];
+	add.s64 	%rd969, %rd968, %rd87;
+	add.s64 	%rd2050, %rd969, %rd87;
+	ld.global.u16 	%rs31, [%rd969];
+	st.u16 	[%rd2051], %rs28;
+	add.s64 	%rd970, %rd2051, %rd87;
+	st.u16 	[%rd970], %rs29;
+	add.s64 	%rd971, %rd970, %rd87;
+	st.u16 	[%rd971], %rs30;
+	add.s64 	%rd972, %rd971, %rd87;
+	add.s64 	%rd2051, %rd972, %rd87;
+	st.u16 	[%rd972], %rs31;
+	add.s64 	%rd973, %rd2052, %rd11;
+	add.s64 	%rd2052, %rd14, %rd973;
+	add.s64 	%rd974, %rd2052, %rd14;
+	setp.lt.u64 	%p82, %rd974, %rd85;
+	@%p82 bra 	$L__BB7_65;
 
 $L__BB7_66:
-	and.b64  	%rd919, %rd73, -2;
-	add.s64 	%rd920, %rd70, %rd9;
-	add.s64 	%rd1929, %rd920, %rd919;
-	setp.ge.u64 	%p78, %rd1929, %rd836;
-	@%p78 bra 	$L__BB7_568;
+	setp.ge.u64 	%p83, %rd2052, %rd85;
+	@%p83 bra 	$L__BB7_69;
 
-$L__BB7_67:
-	add.s64 	%rd921, %rd3, %rd1929;
-	ld.global.u8 	%rs33, [%rd921];
-	add.s64 	%rd922, %rd52, %rd1929;
-	st.u8 	[%rd922], %rs33;
-	add.s64 	%rd1929, %rd1929, %rd11;
-	setp.lt.u64 	%p79, %rd1929, %rd836;
-	@%p79 bra 	$L__BB7_67;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_101:
-	@%p33 bra 	$L__BB7_103;
-
-	add.s64 	%rd1013, %rd52, %rd9;
-	st.u8 	[%rd1013], %rs2;
-
-$L__BB7_103:
-	@%p34 bra 	$L__BB7_105;
-
-	add.s64 	%rd1873, %rd11, %rd9;
-	add.s64 	%rd1014, %rd52, %rd1873;
-	st.u8 	[%rd1014], %rs4;
-
-$L__BB7_105:
-	@%p35 bra 	$L__BB7_107;
-
-	add.s64 	%rd1015, %rd52, %rd13;
-	st.u8 	[%rd1015], %rs6;
-
-$L__BB7_107:
-	@%p36 bra 	$L__BB7_109;
-
-	add.s64 	%rd1016, %rd52, %rd15;
-	st.u8 	[%rd1016], %rs8;
-
-$L__BB7_109:
-	add.s64 	%rd1952, %rd15, %rd11;
-	add.s64 	%rd1017, %rd1952, %rd14;
-	setp.ge.u64 	%p108, %rd1017, %rd836;
-	@%p108 bra 	$L__BB7_112;
-
-	add.s64 	%rd1950, %rd3, %rd1952;
-	mul.lo.s64 	%rd159, %rd10, %rd7;
-	add.s64 	%rd1951, %rd52, %rd1952;
-
-$L__BB7_111:
-	ld.global.u8 	%rs40, [%rd1950];
-	add.s64 	%rd1018, %rd1950, %rd159;
-	ld.global.u8 	%rs41, [%rd1018];
-	add.s64 	%rd1019, %rd1018, %rd159;
-	ld.global.u8 	%rs42, [%rd1019];
-	add.s64 	%rd1020, %rd1019, %rd159;
-	add.s64 	%rd1950, %rd1020, %rd159;
-	ld.global.u8 	%rs43, [%rd1020];
-	st.u8 	[%rd1951], %rs40;
-	add.s64 	%rd1021, %rd1951, %rd159;
-	st.u8 	[%rd1021], %rs41;
-	add.s64 	%rd1022, %rd1021, %rd159;
-	st.u8 	[%rd1022], %rs42;
-	add.s64 	%rd1023, %rd1022, %rd159;
-	add.s64 	%rd1951, %rd1023, %rd159;
-	st.u8 	[%rd1023], %rs43;
-	add.s64 	%rd1024, %rd1952, %rd11;
-	add.s64 	%rd1952, %rd14, %rd1024;
-	add.s64 	%rd1025, %rd1952, %rd14;
-	setp.lt.u64 	%p109, %rd1025, %rd836;
-	@%p109 bra 	$L__BB7_111;
-
-$L__BB7_112:
-	setp.ge.u64 	%p110, %rd1952, %rd836;
-	@%p110 bra 	$L__BB7_114;
-
-$L__BB7_113:
-	add.s64 	%rd1026, %rd3, %rd1952;
-	ld.global.u8 	%rs44, [%rd1026];
-	add.s64 	%rd1027, %rd52, %rd1952;
-	st.u8 	[%rd1027], %rs44;
-	add.s64 	%rd1952, %rd1952, %rd11;
-	setp.lt.u64 	%p111, %rd1952, %rd836;
-	@%p111 bra 	$L__BB7_113;
-
-$L__BB7_114:
-	add.s64 	%rd1954, %rd9, %rd836;
-	setp.ge.u64 	%p112, %rd1954, %rd9;
-	@%p112 bra 	$L__BB7_568;
-
-$L__BB7_115:
-	add.s64 	%rd1028, %rd3, %rd1954;
-	ld.global.u8 	%rs45, [%rd1028];
-	add.s64 	%rd1029, %rd52, %rd1954;
-	st.u8 	[%rd1029], %rs45;
-	add.s64 	%rd1954, %rd1954, %rd11;
-	setp.lt.u64 	%p113, %rd1954, %rd836;
-	@%p113 bra 	$L__BB7_115;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_90:
-	neg.s64 	%rd981, %rd52;
-	and.b64  	%rd136, %rd981, 15;
-	min.u64 	%rd137, %rd136, %rd836;
-	setp.ge.u64 	%p96, %rd9, %rd137;
-	@%p96 bra 	$L__BB7_93;
-
-	mov.u64 	%rd1943, %rd9;
-
-$L__BB7_92:
-	add.s64 	%rd982, %rd3, %rd1943;
-	ld.global.u8 	%rs38, [%rd982];
-	add.s64 	%rd983, %rd52, %rd1943;
-	st.u8 	[%rd983], %rs38;
-	add.s64 	%rd1943, %rd1943, %rd11;
-	setp.lt.u64 	%p97, %rd1943, %rd137;
-	@%p97 bra 	$L__BB7_92;
-
-$L__BB7_93:
-	sub.s64 	%rd140, %rd836, %rd137;
-	shr.u64 	%rd141, %rd140, 4;
-	add.s64 	%rd142, %rd3, %rd137;
-	setp.ge.u64 	%p98, %rd15, %rd141;
-	mov.u64 	%rd1946, %rd9;
-	@%p98 bra 	$L__BB7_96;
-
-	mul.lo.s64 	%rd984, %rd10, %rd7;
-	shl.b64 	%rd143, %rd984, 4;
-	mul.lo.s64 	%rd985, %rd6, %rd7;
-	shl.b64 	%rd986, %rd985, 4;
-	shl.b64 	%rd987, %rd8, 4;
-	add.s64 	%rd988, %rd986, %rd987;
-	add.s64 	%rd989, %rd988, -1;
-	not.b64 	%rd990, %rd836;
-	not.b64 	%rd991, %rd136;
-	max.u64 	%rd992, %rd991, %rd990;
-	sub.s64 	%rd993, %rd989, %rd992;
-	add.s64 	%rd1945, %rd52, %rd993;
-	mul.lo.s64 	%rd145, %rd984, -48;
-	mov.u64 	%rd1946, %rd9;
-
-$L__BB7_95:
-	shl.b64 	%rd994, %rd1946, 4;
-	add.s64 	%rd995, %rd142, %rd994;
-	shl.b64 	%rd996, %rd11, 2;
-	shl.b64 	%rd997, %rd11, 4;
-	add.s64 	%rd998, %rd995, %rd997;
-	ld.global.v4.u32 	{%r138, %r139, %r140, %r141}, [%rd998];
-	add.s64 	%rd999, %rd998, %rd143;
-	ld.global.v4.u32 	{%r146, %r147, %r148, %r149}, [%rd999];
-	add.s64 	%rd1000, %rd999, %rd143;
-	ld.global.v4.u32 	{%r154, %r155, %r156, %r157}, [%rd1000];
-	add.s64 	%rd1001, %rd1000, %rd145;
-	ld.global.v4.u32 	{%r162, %r163, %r164, %r165}, [%rd1001];
-	st.v4.u32 	[%rd1945], {%r162, %r163, %r164, %r165};
-	add.s64 	%rd1002, %rd1945, %rd143;
-	st.v4.u32 	[%rd1002], {%r138, %r139, %r140, %r141};
-	add.s64 	%rd1003, %rd1002, %rd143;
-	st.v4.u32 	[%rd1003], {%r146, %r147, %r148, %r149};
-	add.s64 	%rd1004, %rd1003, %rd143;
-	add.s64 	%rd1945, %rd1004, %rd143;
-	st.v4.u32 	[%rd1004], {%r154, %r155, %r156, %r157};
-	add.s64 	%rd1946, %rd996, %rd1946;
-	add.s64 	%rd1005, %rd1946, %rd14;
-	setp.lt.u64 	%p99, %rd1005, %rd141;
-	@%p99 bra 	$L__BB7_95;
-
-$L__BB7_96:
-	setp.ge.u64 	%p100, %rd1946, %rd141;
-	@%p100 bra 	$L__BB7_99;
-
-	add.s64 	%rd151, %rd52, %rd137;
-
-$L__BB7_98:
-	shl.b64 	%rd1006, %rd1946, 4;
-	add.s64 	%rd1007, %rd151, %rd1006;
-	add.s64 	%rd1008, %rd142, %rd1006;
-	ld.global.v4.u32 	{%r170, %r171, %r172, %r173}, [%rd1008];
-	st.v4.u32 	[%rd1007], {%r170, %r171, %r172, %r173};
-	add.s64 	%rd1946, %rd1946, %rd11;
-	setp.lt.u64 	%p101, %rd1946, %rd141;
-	@%p101 bra 	$L__BB7_98;
-
-$L__BB7_99:
-	and.b64  	%rd1009, %rd140, -16;
-	add.s64 	%rd1010, %rd137, %rd9;
-	add.s64 	%rd1948, %rd1010, %rd1009;
-	setp.ge.u64 	%p102, %rd1948, %rd836;
-	@%p102 bra 	$L__BB7_568;
-
-$L__BB7_100:
-	add.s64 	%rd1011, %rd3, %rd1948;
-	ld.global.u8 	%rs39, [%rd1011];
-	add.s64 	%rd1012, %rd52, %rd1948;
-	st.u8 	[%rd1012], %rs39;
-	add.s64 	%rd1948, %rd1948, %rd11;
-	setp.lt.u64 	%p103, %rd1948, %rd836;
-	@%p103 bra 	$L__BB7_100;
-	bra.uni 	$L__BB7_568;
-
-$L__BB7_79:
-	neg.s64 	%rd951, %rd52;
-	and.b64  	%rd115, %rd951, 7;
-	min.u64 	%rd116, %rd115, %rd836;
-	setp.ge.u64 	%p88, %rd9, %rd116;
-	@%p88 bra 	$L__BB7_82;
-
-	mov.u64 	%rd1937, %rd9;
-
-$L__BB7_81:
-	add.s64 	%rd952, %rd3, %rd1937;
-	ld.global.u8 	%rs36, [%rd952];
-	add.s64 	%rd953, %rd52, %rd1937;
-	st.u8 	[%rd953], %rs36;
-	add.s64 	%rd1937, %rd1937, %rd11;
-	setp.lt.u64 	%p89, %rd1937, %rd116;
-	@%p89 bra 	$L__BB7_81;
-
-$L__BB7_82:
-	sub.s64 	%rd119, %rd836, %rd116;
-	shr.u64 	%rd120, %rd119, 3;
-	add.s64 	%rd121, %rd3, %rd116;
-	setp.ge.u64 	%p90, %rd15, %rd120;
-	mov.u64 	%rd1940, %rd9;
-	@%p90 bra 	$L__BB7_85;
-
-	mul.lo.s64 	%rd954, %rd10, %rd7;
-	shl.b64 	%rd122, %rd954, 3;
-	mul.lo.s64 	%rd955, %rd6, %rd7;
-	shl.b64 	%rd956, %rd955, 3;
-	shl.b64 	%rd957, %rd8, 3;
-	add.s64 	%rd958, %rd956, %rd957;
-	add.s64 	%rd959, %rd958, -1;
-	not.b64 	%rd960, %rd836;
-	not.b64 	%rd961, %rd115;
-	max.u64 	%rd962, %rd961, %rd960;
-	sub.s64 	%rd963, %rd959, %rd962;
-	add.s64 	%rd1939, %rd52, %rd963;
-	mul.lo.s64 	%rd124, %rd954, -24;
-	mov.u64 	%rd1940, %rd9;
-
-$L__BB7_84:
-	add.s64 	%rd964, %rd1940, %rd11;
-	shl.b64 	%rd965, %rd964, 3;
-	add.s64 	%rd966, %rd121, %rd965;
-	ld.global.v2.u32 	{%r118, %r119}, [%rd966];
-	add.s64 	%rd967, %rd966, %rd122;
-	ld.global.v2.u32 	{%r122, %r123}, [%rd967];
-	add.s64 	%rd968, %rd967, %rd122;
-	ld.global.v2.u32 	{%r126, %r127}, [%rd968];
-	add.s64 	%rd969, %rd968, %rd124;
-	ld.global.v2.u32 	{%r130, %r131}, [%rd969];
-	st.v2.u32 	[%rd1939], {%r130, %r131};
-	add.s64 	%rd970, %rd1939, %rd122;
-	st.v2.u32 	[%rd970], {%r118, %r119};
-	add.s64 	%rd971, %rd970, %rd122;
-	st.v2.u32 	[%rd971], {%r122, %r123};
-	add.s64 	%rd972, %rd971, %rd122;
-	add.s64 	%rd1939, %rd972, %rd122;
-	st.v2.u32 	[%rd972], {%r126, %r127};
-	add.s64 	%rd1940, %rd14, %rd964;
-	add.s64 	%rd973, %rd1940, %rd14;
-	setp.lt.u64 	%p91, %rd973, %rd120;
-	@%p91 bra 	$L__BB7_84;
-
-$L__BB7_85:
-	setp.ge.u64 	%p92, %rd1940, %rd120;
-	@%p92 bra 	$L__BB7_88;
-
-	add.s64 	%rd130, %rd52, %rd116;
-
-$L__BB7_87:
-	shl.b64 	%rd974, %rd1940, 3;
-	add.s64 	%rd975, %rd121, %rd974;
-	ld.global.v2.u32 	{%r134, %r135}, [%rd975];
-	add.s64 	%rd976, %rd130, %rd974;
-	st.v2.u32 	[%rd976], {%r134, %r135};
-	add.s64 	%rd1940, %rd1940, %rd11;
-	setp.lt.u64 	%p93, %rd1940, %rd120;
-	@%p93 bra 	$L__BB7_87;
-
-$L__BB7_88:
-	and.b64  	%rd977, %rd119, -8;
-	add.s64 	%rd978, %rd116, %rd9;
-	add.s64 	%rd1942, %rd978, %rd977;
-	setp.ge.u64 	%p94, %rd1942, %rd836;
-	@%p94 bra 	$L__BB7_568;
-
-$L__BB7_89:
-	add.s64 	%rd979, %rd3, %rd1942;
-	ld.global.u8 	%rs37, [%rd979];
-	add.s64 	%rd980, %rd52, %rd1942;
-	st.u8 	[%rd980], %rs37;
-	add.s64 	%rd1942, %rd1942, %rd11;
-	setp.lt.u64 	%p95, %rd1942, %rd836;
-	@%p95 bra 	$L__BB7_89;
-	bra.uni 	$L__BB7_568;
+	add.s64 	%rd96, %rd63, %rd81;
+	add.s64 	%rd97, %rd3, %rd81;
 
 $L__BB7_68:
-	neg.s64 	%rd923, %rd52;
-	and.b64  	%rd92, %rd923, 3;
-	min.u64 	%rd93, %rd92, %rd836;
-	setp.ge.u64 	%p80, %rd9, %rd93;
-	@%p80 bra 	$L__BB7_71;
+	shl.b64 	%rd975, %rd2052, 1;
+	add.s64 	%rd976, %rd97, %rd975;
+	ld.global.u16 	%rs32, [%rd976];
+	add.s64 	%rd977, %rd96, %rd975;
+	st.u16 	[%rd977], %rs32;
+	add.s64 	%rd2052, %rd2052, %rd11;
+	setp.lt.u64 	%p84, %rd2052, %rd85;
+	@%p84 bra 	$L__BB7_68;
 
-	mov.u64 	%rd1930, %rd9;
+$L__BB7_69:
+	and.b64  	%rd978, %rd84, -2;
+	add.s64 	%rd979, %rd81, %rd9;
+	add.s64 	%rd2054, %rd979, %rd978;
+	setp.ge.u64 	%p85, %rd2054, %rd891;
+	@%p85 bra 	$L__BB7_583;
 
 $L__BB7_70:
-	add.s64 	%rd924, %rd3, %rd1930;
-	ld.global.u8 	%rs34, [%rd924];
-	add.s64 	%rd925, %rd52, %rd1930;
-	st.u8 	[%rd925], %rs34;
-	add.s64 	%rd1930, %rd1930, %rd11;
-	setp.lt.u64 	%p81, %rd1930, %rd93;
-	@%p81 bra 	$L__BB7_70;
+	add.s64 	%rd980, %rd3, %rd2054;
+	ld.global.u8 	%rs33, [%rd980];
+	add.s64 	%rd981, %rd63, %rd2054;
+	st.u8 	[%rd981], %rs33;
+	add.s64 	%rd2054, %rd2054, %rd11;
+	setp.lt.u64 	%p86, %rd2054, %rd891;
+	@%p86 bra 	$L__BB7_70;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_104:
+	setp.ge.u64 	%p483, %rd9, %rd891;
+	@%p483 bra 	$L__BB7_106;
+
+	add.s64 	%rd1072, %rd63, %rd9;
+	st.u8 	[%rd1072], %rs2;
+
+$L__BB7_106:
+	add.s64 	%rd1956, %rd11, %rd9;
+	setp.ge.u64 	%p484, %rd1956, %rd891;
+	@%p484 bra 	$L__BB7_108;
+
+	add.s64 	%rd1961, %rd11, %rd9;
+	add.s64 	%rd1073, %rd63, %rd1961;
+	st.u8 	[%rd1073], %rs4;
+
+$L__BB7_108:
+	add.s64 	%rd1958, %rd11, %rd9;
+	add.s64 	%rd1957, %rd1958, %rd11;
+	setp.ge.u64 	%p485, %rd1957, %rd891;
+	@%p485 bra 	$L__BB7_110;
+
+	add.s64 	%rd1960, %rd11, %rd9;
+	add.s64 	%rd1959, %rd1960, %rd11;
+	add.s64 	%rd1074, %rd63, %rd1959;
+	st.u8 	[%rd1074], %rs6;
+
+$L__BB7_110:
+	@%p36 bra 	$L__BB7_112;
+
+	add.s64 	%rd1075, %rd63, %rd15;
+	st.u8 	[%rd1075], %rs8;
+
+$L__BB7_112:
+	shl.b64 	%rd1076, %rd11, 2;
+	add.s64 	%rd2077, %rd9, %rd1076;
+	add.s64 	%rd1077, %rd2077, %rd14;
+	setp.ge.u64 	%p115, %rd1077, %rd891;
+	@%p115 bra 	$L__BB7_115;
+
+	add.s64 	%rd2075, %rd3, %rd2077;
+	mul.lo.s64 	%rd170, %rd10, %rd7;
+	add.s64 	%rd2076, %rd63, %rd2077;
+
+$L__BB7_114:
+	ld.global.u8 	%rs40, [%rd2075];
+	add.s64 	%rd1078, %rd2075, %rd170;
+	ld.global.u8 	%rs41, [%rd1078];
+	add.s64 	%rd1079, %rd1078, %rd170;
+	ld.global.u8 	%rs42, [%rd1079];
+	add.s64 	%rd1080, %rd1079, %rd170;
+	add.s64 	%rd2075, %rd1080, %rd170;
+	ld.global.u8 	%rs43, [%rd1080];
+	st.u8 	[%rd2076], %rs40;
+	add.s64 	%rd1081, %rd2076, %rd170;
+	st.u8 	[%rd1081], %rs41;
+	add.s64 	%rd1082, %rd1081, %rd170;
+	st.u8 	[%rd1082], %rs42;
+	add.s64 	%rd1083, %rd1082, %rd170;
+	add.s64 	%rd2076, %rd1083, %rd170;
+	st.u8 	[%rd1083], %rs43;
+	add.s64 	%rd1084, %rd2077, %rd11;
+	add.s64 	%rd2077, %rd14, %rd1084;
+	add.s64 	%rd1085, %rd2077, %rd14;
+	setp.lt.u64 	%p116, %rd1085, %rd891;
+	@%p116 bra 	$L__BB7_114;
+
+$L__BB7_115:
+	setp.ge.u64 	%p117, %rd2077, %rd891;
+	@%p117 bra 	$L__BB7_117;
+
+$L__BB7_116:
+	add.s64 	%rd1086, %rd3, %rd2077;
+	ld.global.u8 	%rs44, [%rd1086];
+	add.s64 	%rd1087, %rd63, %rd2077;
+	st.u8 	[%rd1087], %rs44;
+	add.s64 	%rd2077, %rd2077, %rd11;
+	setp.lt.u64 	%p118, %rd2077, %rd891;
+	@%p118 bra 	$L__BB7_116;
+
+$L__BB7_117:
+	add.s64 	%rd2079, %rd9, %rd891;
+	setp.ge.u64 	%p119, %rd2079, %rd9;
+	@%p119 bra 	$L__BB7_583;
+
+$L__BB7_118:
+	add.s64 	%rd1088, %rd3, %rd2079;
+	ld.global.u8 	%rs45, [%rd1088];
+	add.s64 	%rd1089, %rd63, %rd2079;
+	st.u8 	[%rd1089], %rs45;
+	add.s64 	%rd2079, %rd2079, %rd11;
+	setp.lt.u64 	%p120, %rd2079, %rd891;
+	@%p120 bra 	$L__BB7_118;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_93:
+	neg.s64 	%rd1040, %rd63;
+	and.b64  	%rd147, %rd1040, 15;
+	min.u64 	%rd148, %rd147, %rd891;
+	setp.ge.u64 	%p103, %rd9, %rd148;
+	@%p103 bra 	$L__BB7_96;
+
+	mov.u64 	%rd2068, %rd9;
+
+$L__BB7_95:
+	add.s64 	%rd1041, %rd3, %rd2068;
+	ld.global.u8 	%rs38, [%rd1041];
+	add.s64 	%rd1042, %rd63, %rd2068;
+	st.u8 	[%rd1042], %rs38;
+	add.s64 	%rd2068, %rd2068, %rd11;
+	setp.lt.u64 	%p104, %rd2068, %rd148;
+	@%p104 bra 	$L__BB7_95;
+
+$L__BB7_96:
+	sub.s64 	%rd151, %rd891, %rd148;
+	shr.u64 	%rd152, %rd151, 4;
+	add.s64 	%rd153, %rd3, %rd148;
+	setp.ge.u64 	%p105, %rd15, %rd152;
+	mov.u64 	%rd2071, %rd9;
+	@%p105 bra 	$L__BB7_99;
+
+	mul.lo.s64 	%rd1043, %rd10, %rd7;
+	shl.b64 	%rd154, %rd1043, 4;
+	mul.lo.s64 	%rd1044, %rd6, %rd7;
+	shl.b64 	%rd1045, %rd1044, 4;
+	shl.b64 	%rd1046, %rd8, 4;
+	add.s64 	%rd1047, %rd1045, %rd1046;
+	add.s64 	%rd1048, %rd1047, -1;
+	not.b64 	%rd1049, %rd891;
+	not.b64 	%rd1050, %rd147;
+	max.u64 	%rd1051, %rd1050, %rd1049;
+	sub.s64 	%rd1052, %rd1048, %rd1051;
+	add.s64 	%rd2070, %rd63, %rd1052;
+	mul.lo.s64 	%rd156, %rd1043, -48;
+	mov.u64 	%rd2071, %rd9;
+
+$L__BB7_98:
+	shl.b64 	%rd1053, %rd2071, 4;
+	add.s64 	%rd1054, %rd153, %rd1053;
+	shl.b64 	%rd1055, %rd11, 2;
+	shl.b64 	%rd1056, %rd11, 4;
+	add.s64 	%rd1057, %rd1054, %rd1056;
+	ld.global.v4.u32 	{%r138, %r139, %r140, %r141}, [%rd1057];
+	add.s64 	%rd1058, %rd1057, %rd154;
+	ld.global.v4.u32 	{%r146, %r147, %r148, %r149}, [%rd1058];
+	add.s64 	%rd1059, %rd1058, %rd154;
+	ld.global.v4.u32 	{%r154, %r155, %r156, %r157}, [%rd1059];
+	add.s64 	%rd1060, %rd1059, %rd156;
+	ld.global.v4.u32 	{%r162, %r163, %r164, %r165}, [%rd1060];
+	st.v4.u32 	[%rd2070], {%r162, %r163, %r164, %r165};
+	add.s64 	%rd1061, %rd2070, %rd154;
+	st.v4.u32 	[%rd1061], {%r138, %r139, %r140, %r141};
+	add.s64 	%rd1062, %rd1061, %rd154;
+	st.v4.u32 	[%rd1062], {%r146, %r147, %r148, %r149};
+	add.s64 	%rd1063, %rd1062, %rd154;
+	add.s64 	%rd2070, %rd1063, %rd154;
+	st.v4.u32 	[%rd1063], {%r154, %r155, %r156, %r157};
+	add.s64 	%rd2071, %rd1055, %rd2071;
+	add.s64 	%rd1064, %rd2071, %rd14;
+	setp.lt.u64 	%p106, %rd1064, %rd152;
+	@%p106 bra 	$L__BB7_98;
+
+$L__BB7_99:
+	setp.ge.u64 	%p107, %rd2071, %rd152;
+	@%p107 bra 	$L__BB7_102;
+
+	add.s64 	%rd162, %rd63, %rd148;
+
+$L__BB7_101:
+	shl.b64 	%rd1065, %rd2071, 4;
+	add.s64 	%rd1066, %rd162, %rd1065;
+	add.s64 	%rd1067, %rd153, %rd1065;
+	ld.global.v4.u32 	{%r170, %r171, %r172, %r173}, [%rd1067];
+	st.v4.u32 	[%rd1066], {%r170, %r171, %r172, %r173};
+	add.s64 	%rd2071, %rd2071, %rd11;
+	setp.lt.u64 	%p108, %rd2071, %rd152;
+	@%p108 bra 	$L__BB7_101;
+
+$L__BB7_102:
+	and.b64  	%rd1068, %rd151, -16;
+	add.s64 	%rd1069, %rd148, %rd9;
+	add.s64 	%rd2073, %rd1069, %rd1068;
+	setp.ge.u64 	%p109, %rd2073, %rd891;
+	@%p109 bra 	$L__BB7_583;
+
+$L__BB7_103:
+	add.s64 	%rd1070, %rd3, %rd2073;
+	ld.global.u8 	%rs39, [%rd1070];
+	add.s64 	%rd1071, %rd63, %rd2073;
+	st.u8 	[%rd1071], %rs39;
+	add.s64 	%rd2073, %rd2073, %rd11;
+	setp.lt.u64 	%p110, %rd2073, %rd891;
+	@%p110 bra 	$L__BB7_103;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_82:
+	neg.s64 	%rd1010, %rd63;
+	and.b64  	%rd126, %rd1010, 7;
+	min.u64 	%rd127, %rd126, %rd891;
+	setp.ge.u64 	%p95, %rd9, %rd127;
+	@%p95 bra 	$L__BB7_85;
+
+	mov.u64 	%rd2062, %rd9;
+
+$L__BB7_84:
+	add.s64 	%rd1011, %rd3, %rd2062;
+	ld.global.u8 	%rs36, [%rd1011];
+	add.s64 	%rd1012, %rd63, %rd2062;
+	st.u8 	[%rd1012], %rs36;
+	add.s64 	%rd2062, %rd2062, %rd11;
+	setp.lt.u64 	%p96, %rd2062, %rd127;
+	@%p96 bra 	$L__BB7_84;
+
+$L__BB7_85:
+	sub.s64 	%rd130, %rd891, %rd127;
+	shr.u64 	%rd131, %rd130, 3;
+	add.s64 	%rd132, %rd3, %rd127;
+	setp.ge.u64 	%p97, %rd15, %rd131;
+	mov.u64 	%rd2065, %rd9;
+	@%p97 bra 	$L__BB7_88;
+
+	mul.lo.s64 	%rd1013, %rd10, %rd7;
+	shl.b64 	%rd133, %rd1013, 3;
+	mul.lo.s64 	%rd1014, %rd6, %rd7;
+	shl.b64 	%rd1015, %rd1014, 3;
+	shl.b64 	%rd1016, %rd8, 3;
+	add.s64 	%rd1017, %rd1015, %rd1016;
+	add.s64 	%rd1018, %rd1017, -1;
+	not.b64 	%rd1019, %rd891;
+	not.b64 	%rd1020, %rd126;
+	max.u64 	%rd1021, %rd1020, %rd1019;
+	sub.s64 	%rd1022, %rd1018, %rd1021;
+	add.s64 	%rd2064, %rd63, %rd1022;
+	mul.lo.s64 	%rd135, %rd1013, -24;
+	mov.u64 	%rd2065, %rd9;
+
+$L__BB7_87:
+	add.s64 	%rd1023, %rd2065, %rd11;
+	shl.b64 	%rd1024, %rd1023, 3;
+	add.s64 	%rd1025, %rd132, %rd1024;
+	ld.global.v2.u32 	{%r118, %r119}, [%rd1025];
+	add.s64 	%rd1026, %rd1025, %rd133;
+	ld.global.v2.u32 	{%r122, %r123}, [%rd1026];
+	add.s64 	%rd1027, %rd1026, %rd133;
+	ld.global.v2.u32 	{%r126, %r127}, [%rd1027];
+	add.s64 	%rd1028, %rd1027, %rd135;
+	ld.global.v2.u32 	{%r130, %r131}, [%rd1028];
+	st.v2.u32 	[%rd2064], {%r130, %r131};
+	add.s64 	%rd1029, %rd2064, %rd133;
+	st.v2.u32 	[%rd1029], {%r118, %r119};
+	add.s64 	%rd1030, %rd1029, %rd133;
+	st.v2.u32 	[%rd1030], {%r122, %r123};
+	add.s64 	%rd1031, %rd1030, %rd133;
+	add.s64 	%rd2064, %rd1031, %rd133;
+	st.v2.u32 	[%rd1031], {%r126, %r127};
+	add.s64 	%rd2065, %rd14, %rd1023;
+	add.s64 	%rd1032, %rd2065, %rd14;
+	setp.lt.u64 	%p98, %rd1032, %rd131;
+	@%p98 bra 	$L__BB7_87;
+
+$L__BB7_88:
+	setp.ge.u64 	%p99, %rd2065, %rd131;
+	@%p99 bra 	$L__BB7_91;
+
+	add.s64 	%rd141, %rd63, %rd127;
+
+$L__BB7_90:
+	shl.b64 	%rd1033, %rd2065, 3;
+	add.s64 	%rd1034, %rd132, %rd1033;
+	ld.global.v2.u32 	{%r134, %r135}, [%rd1034];
+	add.s64 	%rd1035, %rd141, %rd1033;
+	st.v2.u32 	[%rd1035], {%r134, %r135};
+	add.s64 	%rd2065, %rd2065, %rd11;
+	setp.lt.u64 	%p100, %rd2065, %rd131;
+	@%p100 bra 	$L__BB7_90;
+
+$L__BB7_91:
+	and.b64  	%rd1036, %rd130, -8;
+	add.s64 	%rd1037, %rd127, %rd9;
+	add.s64 	%rd2067, %rd1037, %rd1036;
+	setp.ge.u64 	%p101, %rd2067, %rd891;
+	@%p101 bra 	$L__BB7_583;
+
+$L__BB7_92:
+	add.s64 	%rd1038, %rd3, %rd2067;
+	ld.global.u8 	%rs37, [%rd1038];
+	add.s64 	%rd1039, %rd63, %rd2067;
+	st.u8 	[%rd1039], %rs37;
+	add.s64 	%rd2067, %rd2067, %rd11;
+	setp.lt.u64 	%p102, %rd2067, %rd891;
+	@%p102 bra 	$L__BB7_92;
+	bra.uni 	$L__BB7_583;
 
 $L__BB7_71:
-	sub.s64 	%rd96, %rd836, %rd93;
-	shr.u64 	%rd97, %rd96, 2;
-	setp.ge.u64 	%p82, %rd15, %rd97;
-	mov.u64 	%rd1934, %rd9;
-	@%p82 bra 	$L__BB7_74;
+	neg.s64 	%rd982, %rd63;
+	and.b64  	%rd103, %rd982, 3;
+	min.u64 	%rd104, %rd103, %rd891;
+	setp.ge.u64 	%p87, %rd9, %rd104;
+	@%p87 bra 	$L__BB7_74;
 
-	mul.lo.s64 	%rd926, %rd6, %rd7;
-	shl.b64 	%rd927, %rd926, 2;
-	shl.b64 	%rd928, %rd8, 2;
-	add.s64 	%rd929, %rd927, %rd928;
-	add.s64 	%rd930, %rd929, -1;
-	not.b64 	%rd931, %rd836;
-	not.b64 	%rd932, %rd92;
-	max.u64 	%rd933, %rd932, %rd931;
-	sub.s64 	%rd934, %rd930, %rd933;
-	add.s64 	%rd1932, %rd3, %rd934;
-	mul.lo.s64 	%rd935, %rd10, %rd7;
-	shl.b64 	%rd99, %rd935, 2;
-	add.s64 	%rd1933, %rd52, %rd934;
-	mov.u64 	%rd1934, %rd9;
+	mov.u64 	%rd2055, %rd9;
 
 $L__BB7_73:
-	ld.global.u32 	%r113, [%rd1932];
-	add.s64 	%rd936, %rd1932, %rd99;
-	ld.global.u32 	%r114, [%rd936];
-	add.s64 	%rd937, %rd936, %rd99;
-	ld.global.u32 	%r115, [%rd937];
-	add.s64 	%rd938, %rd937, %rd99;
-	add.s64 	%rd1932, %rd938, %rd99;
-	ld.global.u32 	%r116, [%rd938];
-	st.u32 	[%rd1933], %r113;
-	add.s64 	%rd939, %rd1933, %rd99;
-	st.u32 	[%rd939], %r114;
-	add.s64 	%rd940, %rd939, %rd99;
-	st.u32 	[%rd940], %r115;
-	add.s64 	%rd941, %rd940, %rd99;
-	add.s64 	%rd1933, %rd941, %rd99;
-	st.u32 	[%rd941], %r116;
-	add.s64 	%rd942, %rd1934, %rd11;
-	add.s64 	%rd1934, %rd14, %rd942;
-	add.s64 	%rd943, %rd1934, %rd14;
-	setp.lt.u64 	%p83, %rd943, %rd97;
-	@%p83 bra 	$L__BB7_73;
+	add.s64 	%rd983, %rd3, %rd2055;
+	ld.global.u8 	%rs34, [%rd983];
+	add.s64 	%rd984, %rd63, %rd2055;
+	st.u8 	[%rd984], %rs34;
+	add.s64 	%rd2055, %rd2055, %rd11;
+	setp.lt.u64 	%p88, %rd2055, %rd104;
+	@%p88 bra 	$L__BB7_73;
 
 $L__BB7_74:
-	setp.ge.u64 	%p84, %rd1934, %rd97;
-	@%p84 bra 	$L__BB7_77;
+	sub.s64 	%rd107, %rd891, %rd104;
+	shr.u64 	%rd108, %rd107, 2;
+	setp.ge.u64 	%p89, %rd15, %rd108;
+	mov.u64 	%rd2059, %rd9;
+	@%p89 bra 	$L__BB7_77;
 
-	add.s64 	%rd108, %rd52, %rd93;
-	add.s64 	%rd109, %rd3, %rd93;
+	mul.lo.s64 	%rd985, %rd6, %rd7;
+	shl.b64 	%rd986, %rd985, 2;
+	shl.b64 	%rd987, %rd8, 2;
+	add.s64 	%rd988, %rd986, %rd987;
+	add.s64 	%rd989, %rd988, -1;
+	not.b64 	%rd990, %rd891;
+	not.b64 	%rd991, %rd103;
+	max.u64 	%rd992, %rd991, %rd990;
+	sub.s64 	%rd993, %rd989, %rd992;
+	add.s64 	%rd2057, %rd3, %rd993;
+	mul.lo.s64 	%rd994, %rd10, %rd7;
+	shl.b64 	%rd110, %rd994, 2;
+	add.s64 	%rd2058, %rd63, %rd993;
+	mov.u64 	%rd2059, %rd9;
 
 $L__BB7_76:
-	shl.b64 	%rd944, %rd1934, 2;
-	add.s64 	%rd945, %rd109, %rd944;
-	ld.global.u32 	%r117, [%rd945];
-	add.s64 	%rd946, %rd108, %rd944;
-	st.u32 	[%rd946], %r117;
-	add.s64 	%rd1934, %rd1934, %rd11;
-	setp.lt.u64 	%p85, %rd1934, %rd97;
-	@%p85 bra 	$L__BB7_76;
+	ld.global.u32 	%r113, [%rd2057];
+	add.s64 	%rd995, %rd2057, %rd110;
+	ld.global.u32 	%r114, [%rd995];
+	add.s64 	%rd996, %rd995, %rd110;
+	ld.global.u32 	%r115, [%rd996];
+	add.s64 	%rd997, %rd996, %rd110;
+	add.s64 	%rd2057, %rd997, %rd110;
+	ld.global.u32 	%r116, [%rd997];
+	st.u32 	[%rd2058], %r113;
+	add.s64 	%rd998, %rd2058, %rd110;
+	st.u32 	[%rd998], %r114;
+	add.s64 	%rd999, %rd998, %rd110;
+	st.u32 	[%rd999], %r115;
+	add.s64 	%rd1000, %rd999, %rd110;
+	add.s64 	%rd2058, %rd1000, %rd110;
+	st.u32 	[%rd1000], %r116;
+	add.s64 	%rd1001, %rd2059, %rd11;
+	add.s64 	%rd2059, %rd14, %rd1001;
+	add.s64 	%rd1002, %rd2059, %rd14;
+	setp.lt.u64 	%p90, %rd1002, %rd108;
+	@%p90 bra 	$L__BB7_76;
 
 $L__BB7_77:
-	and.b64  	%rd947, %rd96, -4;
-	add.s64 	%rd948, %rd93, %rd9;
-	add.s64 	%rd1936, %rd948, %rd947;
-	setp.ge.u64 	%p86, %rd1936, %rd836;
-	@%p86 bra 	$L__BB7_568;
+	setp.ge.u64 	%p91, %rd2059, %rd108;
+	@%p91 bra 	$L__BB7_80;
 
-$L__BB7_78:
-	add.s64 	%rd949, %rd3, %rd1936;
-	ld.global.u8 	%rs35, [%rd949];
-	add.s64 	%rd950, %rd52, %rd1936;
-	st.u8 	[%rd950], %rs35;
-	add.s64 	%rd1936, %rd1936, %rd11;
-	setp.lt.u64 	%p87, %rd1936, %rd836;
-	@%p87 bra 	$L__BB7_78;
-	bra.uni 	$L__BB7_568;
+	add.s64 	%rd119, %rd63, %rd104;
+	add.s64 	%rd120, %rd3, %rd104;
 
-$L__BB7_50:
-	mov.u64 	%rd1920, %rd9;
-	@%p36 bra 	$L__BB7_53;
+$L__BB7_79:
+	shl.b64 	%rd1003, %rd2059, 2;
+	add.s64 	%rd1004, %rd120, %rd1003;
+	ld.global.u32 	%r117, [%rd1004];
+	add.s64 	%rd1005, %rd119, %rd1003;
+	st.u32 	[%rd1005], %r117;
+	add.s64 	%rd2059, %rd2059, %rd11;
+	setp.lt.u64 	%p92, %rd2059, %rd108;
+	@%p92 bra 	$L__BB7_79;
 
-	add.s64 	%rd1918, %rd3, %rd9;
-	mul.lo.s64 	%rd55, %rd10, %rd7;
-	add.s64 	%rd1919, %rd52, %rd9;
-	mov.u64 	%rd1920, %rd9;
+$L__BB7_80:
+	and.b64  	%rd1006, %rd107, -4;
+	add.s64 	%rd1007, %rd104, %rd9;
+	add.s64 	%rd2061, %rd1007, %rd1006;
+	setp.ge.u64 	%p93, %rd2061, %rd891;
+	@%p93 bra 	$L__BB7_583;
 
-$L__BB7_52:
-	ld.global.u8 	%rs21, [%rd1918];
-	add.s64 	%rd884, %rd1918, %rd55;
-	ld.global.u8 	%rs22, [%rd884];
-	add.s64 	%rd885, %rd884, %rd55;
-	ld.global.u8 	%rs23, [%rd885];
-	add.s64 	%rd886, %rd885, %rd55;
-	add.s64 	%rd1918, %rd886, %rd55;
-	ld.global.u8 	%rs24, [%rd886];
-	st.u8 	[%rd1919], %rs21;
-	add.s64 	%rd887, %rd1919, %rd55;
-	st.u8 	[%rd887], %rs22;
-	add.s64 	%rd888, %rd887, %rd55;
-	st.u8 	[%rd888], %rs23;
-	add.s64 	%rd889, %rd888, %rd55;
-	add.s64 	%rd1919, %rd889, %rd55;
-	st.u8 	[%rd889], %rs24;
-	add.s64 	%rd890, %rd1920, %rd11;
-	add.s64 	%rd1920, %rd14, %rd890;
-	add.s64 	%rd891, %rd1920, %rd14;
-	setp.lt.u64 	%p67, %rd891, %rd836;
-	@%p67 bra 	$L__BB7_52;
+$L__BB7_81:
+	add.s64 	%rd1008, %rd3, %rd2061;
+	ld.global.u8 	%rs35, [%rd1008];
+	add.s64 	%rd1009, %rd63, %rd2061;
+	st.u8 	[%rd1009], %rs35;
+	add.s64 	%rd2061, %rd2061, %rd11;
+	setp.lt.u64 	%p94, %rd2061, %rd891;
+	@%p94 bra 	$L__BB7_81;
+	bra.uni 	$L__BB7_583;
 
 $L__BB7_53:
-	setp.ge.u64 	%p68, %rd1920, %rd836;
-	@%p68 bra 	$L__BB7_55;
+	mov.u64 	%rd2045, %rd9;
+	@%p36 bra 	$L__BB7_56;
 
-$L__BB7_54:
-	add.s64 	%rd892, %rd3, %rd1920;
-	ld.global.u8 	%rs25, [%rd892];
-	add.s64 	%rd893, %rd52, %rd1920;
-	st.u8 	[%rd893], %rs25;
-	add.s64 	%rd1920, %rd1920, %rd11;
-	setp.lt.u64 	%p69, %rd1920, %rd836;
-	@%p69 bra 	$L__BB7_54;
+	add.s64 	%rd2043, %rd3, %rd9;
+	mul.lo.s64 	%rd66, %rd10, %rd7;
+	add.s64 	%rd2044, %rd63, %rd9;
+	mov.u64 	%rd2045, %rd9;
 
 $L__BB7_55:
-	add.s64 	%rd1922, %rd9, %rd836;
-	setp.ge.u64 	%p70, %rd1922, %rd9;
-	@%p70 bra 	$L__BB7_568;
+	ld.global.u8 	%rs21, [%rd2043];
+	add.s64 	%rd943, %rd2043, %rd66;
+	ld.global.u8 	%rs22, [%rd943];
+	add.s64 	%rd944, %rd943, %rd66;
+	ld.global.u8 	%rs23, [%rd944];
+	add.s64 	%rd945, %rd944, %rd66;
+	add.s64 	%rd2043, %rd945, %rd66;
+	ld.global.u8 	%rs24, [%rd945];
+	st.u8 	[%rd2044], %rs21;
+	add.s64 	%rd946, %rd2044, %rd66;
+	st.u8 	[%rd946], %rs22;
+	add.s64 	%rd947, %rd946, %rd66;
+	st.u8 	[%rd947], %rs23;
+	add.s64 	%rd948, %rd947, %rd66;
+	add.s64 	%rd2044, %rd948, %rd66;
+	st.u8 	[%rd948], %rs24;
+	add.s64 	%rd949, %rd2045, %rd11;
+	add.s64 	%rd2045, %rd14, %rd949;
+	add.s64 	%rd950, %rd2045, %rd14;
+	setp.lt.u64 	%p74, %rd950, %rd891;
+	@%p74 bra 	$L__BB7_55;
 
 $L__BB7_56:
-	add.s64 	%rd894, %rd3, %rd1922;
-	ld.global.u8 	%rs26, [%rd894];
-	add.s64 	%rd895, %rd52, %rd1922;
-	st.u8 	[%rd895], %rs26;
-	add.s64 	%rd1922, %rd1922, %rd11;
-	setp.lt.u64 	%p71, %rd1922, %rd836;
-	@%p71 bra 	$L__BB7_56;
+	setp.ge.u64 	%p75, %rd2045, %rd891;
+	@%p75 bra 	$L__BB7_58;
 
-$L__BB7_568:
+$L__BB7_57:
+	add.s64 	%rd951, %rd3, %rd2045;
+	ld.global.u8 	%rs25, [%rd951];
+	add.s64 	%rd952, %rd63, %rd2045;
+	st.u8 	[%rd952], %rs25;
+	add.s64 	%rd2045, %rd2045, %rd11;
+	setp.lt.u64 	%p76, %rd2045, %rd891;
+	@%p76 bra 	$L__BB7_57;
+
+$L__BB7_58:
+	add.s64 	%rd2047, %rd9, %rd891;
+	setp.ge.u64 	%p77, %rd2047, %rd9;
+	@%p77 bra 	$L__BB7_583;
+
+$L__BB7_59:
+	add.s64 	%rd953, %rd3, %rd2047;
+	ld.global.u8 	%rs26, [%rd953];
+	add.s64 	%rd954, %rd63, %rd2047;
+	st.u8 	[%rd954], %rs26;
+	add.s64 	%rd2047, %rd2047, %rd11;
+	setp.lt.u64 	%p78, %rd2047, %rd891;
+	@%p78 bra 	$L__BB7_59;
+
+$L__BB7_583:
 	mov.u32 	%r612, %tid.x;
 	membar.gl;
 	bar.sync 	0;
-	setp.ne.s32 	%p442, %r612, 0;
-	@%p442 bra 	$L__BB7_571;
+	setp.ne.s32 	%p477, %r612, 0;
+	@%p477 bra 	$L__BB7_586;
 
-	add.s64 	%rd1851, %rd4, 128;
-	atom.global.add.u64 	%rd1852, [%rd1851], 1;
+	add.s64 	%rd1929, %rd4, 128;
+	atom.global.add.u64 	%rd1930, [%rd1929], 1;
 	mov.u32 	%r613, %nctaid.x;
 	add.s32 	%r614, %r613, -1;
-	cvt.u64.u32 	%rd1853, %r614;
-	setp.ne.s64 	%p443, %rd1852, %rd1853;
-	@%p443 bra 	$L__BB7_571;
+	cvt.u64.u32 	%rd1931, %r614;
+	setp.ne.s64 	%p478, %rd1930, %rd1931;
+	@%p478 bra 	$L__BB7_586;
 
-	add.s64 	%rd1861, %rd4, 144;
-	mov.u64 	%rd1854, 0;
-	st.global.u64 	[%rd1861+-16], %rd1854;
-	st.global.u64 	[%rd1861+-8], %rd1854;
-	st.global.u64 	[%rd1861], %rd1854;
+	add.s64 	%rd1940, %rd4, 144;
+	mov.u64 	%rd1932, 0;
+	st.global.u64 	[%rd1940+-16], %rd1932;
+	st.global.u64 	[%rd1940+-8], %rd1932;
+	st.global.u64 	[%rd1940], %rd1932;
 	membar.sys;
-	ld.volatile.global.u64 	%rd1855, [%rd1861+-24];
-	mov.u64 	%rd1856, 1;
-	st.volatile.u64 	[%rd1855], %rd1856;
+	ld.volatile.global.u64 	%rd1933, [%rd1940+-24];
+	mov.u64 	%rd1934, 1;
+	st.volatile.u64 	[%rd1933], %rd1934;
 	membar.sys;
 
-$L__BB7_571:
+$L__BB7_586:
 	ret;
 
 }
@@ -6192,687 +6554,823 @@ $L__BB7_571:
 	.param .u64 jaxvmm_fused_reload_param_6
 )
 {
-	.reg .pred 	%p<62>;
+	.reg .pred 	%p<98>;
 	.reg .b16 	%rs<20>;
-	.reg .b32 	%r<100>;
-	.reg .b64 	%rd<369>;
+	.reg .b32 	%r<105>;
+	.reg .b64 	%rd<423>;
 	// demoted variable
 	.shared .align 8 .u64 _ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell;
 
-	ld.param.u64 	%rd153, [jaxvmm_fused_reload_param_0];
-	ld.param.u64 	%rd154, [jaxvmm_fused_reload_param_1];
-	ld.param.u64 	%rd155, [jaxvmm_fused_reload_param_2];
-	ld.param.u64 	%rd156, [jaxvmm_fused_reload_param_3];
-	ld.param.u64 	%rd157, [jaxvmm_fused_reload_param_4];
-	ld.param.u64 	%rd158, [jaxvmm_fused_reload_param_5];
-	ld.param.u64 	%rd159, [jaxvmm_fused_reload_param_6];
-	cvta.to.global.u64 	%rd1, %rd159;
+	ld.param.u64 	%rd181, [jaxvmm_fused_reload_param_0];
+	ld.param.u64 	%rd176, [jaxvmm_fused_reload_param_1];
+	ld.param.u64 	%rd177, [jaxvmm_fused_reload_param_2];
+	ld.param.u64 	%rd178, [jaxvmm_fused_reload_param_3];
+	ld.param.u64 	%rd179, [jaxvmm_fused_reload_param_4];
+	ld.param.u64 	%rd180, [jaxvmm_fused_reload_param_5];
+	ld.param.u64 	%rd182, [jaxvmm_fused_reload_param_6];
+	cvta.to.global.u64 	%rd1, %rd182;
 	mov.u32 	%r1, %tid.x;
 	setp.ne.s32 	%p1, %r1, 0;
-	cvta.to.global.u64 	%rd2, %rd153;
-	@%p1 bra 	$L__BB8_18;
+	cvta.to.global.u64 	%rd2, %rd181;
+	@%p1 bra 	$L__BB8_38;
 
-	add.s64 	%rd3, %rd2, 144;
-	add.s64 	%rd160, %rd2, 136;
-	atom.global.add.u64 	%rd161, [%rd160], 1;
-	setp.eq.s64 	%p2, %rd161, 0;
+	add.s64 	%rd183, %rd2, 136;
+	atom.global.add.u64 	%rd184, [%rd183], 1;
+	setp.eq.s64 	%p2, %rd184, 0;
 	@%p2 bra 	$L__BB8_8;
 
-	ld.volatile.global.u64 	%rd336, [%rd3];
-	setp.ne.s64 	%p3, %rd336, 0;
+	ld.volatile.global.u64 	%rd389, [%rd2+144];
+	setp.ne.s64 	%p3, %rd389, 0;
 	@%p3 bra 	$L__BB8_7;
 
-	mov.u32 	%r97, 0;
-	mov.u32 	%r98, 32;
+	mov.u32 	%r101, 0;
+	mov.u32 	%r102, 32;
 
 $L__BB8_4:
-	add.s32 	%r97, %r97, 1;
-	setp.lt.u32 	%p4, %r97, 64;
+	add.s32 	%r101, %r101, 1;
+	setp.lt.u32 	%p4, %r101, 64;
 	@%p4 bra 	$L__BB8_6;
 
 	// begin inline asm
-	nanosleep.u32 %r98;
+	nanosleep.u32 %r102;
 	// end inline asm
-	setp.lt.u32 	%p5, %r98, 256;
-	selp.u32 	%r12, 1, 0, %p5;
-	shl.b32 	%r98, %r98, %r12;
+	setp.lt.u32 	%p5, %r102, 256;
+	selp.u32 	%r13, 1, 0, %p5;
+	shl.b32 	%r102, %r102, %r13;
 
 $L__BB8_6:
-	ld.volatile.global.u64 	%rd336, [%rd3];
-	setp.eq.s64 	%p6, %rd336, 0;
+	ld.volatile.global.u64 	%rd389, [%rd2+144];
+	setp.eq.s64 	%p6, %rd389, 0;
 	@%p6 bra 	$L__BB8_4;
 
 $L__BB8_7:
 	membar.gl;
-	bra.uni 	$L__BB8_17;
+	bra.uni 	$L__BB8_37;
 
 $L__BB8_8:
-	cvta.to.global.u64 	%rd162, %rd156;
-	ld.global.u32 	%rd163, [%rd162];
-	ld.global.u32 	%rd164, [%rd162+4];
-	bfi.b64 	%rd7, %rd164, %rd163, 32, 32;
-	setp.eq.s64 	%p7, %rd7, 0;
-	ld.global.u64 	%rd8, [%rd3+-48];
+	cvta.to.global.u64 	%rd185, %rd178;
+	ld.global.u32 	%rd186, [%rd185];
+	ld.volatile.global.u64 	%rd8, [%rd2+96];
+	ld.global.u32 	%rd187, [%rd185+4];
+	ld.volatile.global.u64 	%rd9, [%rd2];
+	ld.volatile.global.u64 	%rd10, [%rd2+8];
+	ld.volatile.global.u64 	%rd11, [%rd2+16];
+	ld.volatile.global.u64 	%rd12, [%rd2+24];
+	bfi.b64 	%rd13, %rd187, %rd186, 32, 32;
+	ld.volatile.global.u64 	%rd14, [%rd2+152];
+	ld.volatile.global.u64 	%rd15, [%rd2+32];
+	ld.volatile.global.u64 	%rd16, [%rd2+64];
+	ld.volatile.global.u64 	%rd17, [%rd2+40];
+	ld.volatile.global.u64 	%rd18, [%rd2+72];
+	ld.volatile.global.u64 	%rd19, [%rd2+48];
+	ld.volatile.global.u64 	%rd20, [%rd2+80];
+	ld.volatile.global.u64 	%rd21, [%rd2+56];
+	ld.volatile.global.u64 	%rd22, [%rd2+88];
+	setp.eq.s64 	%p7, %rd13, 0;
+	@%p7 bra 	$L__BB8_21;
+
 	setp.eq.s64 	%p8, %rd8, 0;
-	or.pred  	%p9, %p7, %p8;
-	@%p9 bra 	$L__BB8_12;
+	setp.ne.s64 	%p9, %rd9, %rd13;
+	or.pred  	%p10, %p9, %p8;
+	@%p10 bra 	$L__BB8_11;
 
-	mov.u64 	%rd165, 0;
-	mov.u64 	%rd333, %rd165;
+	mov.u64 	%rd385, 0;
+	atom.global.cas.b64 	%rd189, [%rd2], %rd9, %rd385;
+	setp.eq.s64 	%p11, %rd189, %rd9;
+	mov.u32 	%r103, 0;
+	@%p11 bra 	$L__BB8_30;
 
-$L__BB8_10:
-	shl.b64 	%rd166, %rd333, 3;
-	add.s64 	%rd167, %rd2, %rd166;
-	atom.global.cas.b64 	%rd169, [%rd167], %rd7, %rd165;
-	setp.eq.s64 	%p10, %rd169, %rd7;
-	@%p10 bra 	$L__BB8_77;
+$L__BB8_11:
+	setp.lt.u64 	%p12, %rd8, 2;
+	setp.ne.s64 	%p13, %rd10, %rd13;
+	or.pred  	%p14, %p12, %p13;
+	@%p14 bra 	$L__BB8_13;
 
-	add.s64 	%rd333, %rd333, 1;
-	setp.lt.u64 	%p11, %rd333, %rd8;
-	@%p11 bra 	$L__BB8_10;
+	add.s64 	%rd191, %rd2, 8;
+	mov.u64 	%rd192, 0;
+	atom.global.cas.b64 	%rd193, [%rd191], %rd10, %rd192;
+	setp.eq.s64 	%p15, %rd193, %rd10;
+	mov.u64 	%rd385, 1;
+	mov.u32 	%r103, 1;
+	@%p15 bra 	$L__BB8_30;
 
-$L__BB8_12:
-	cvta.to.global.u64 	%rd173, %rd157;
-	st.volatile.global.u64 	[%rd173], %rd7;
-	membar.sys;
-	cvta.to.global.u64 	%rd174, %rd158;
-	mov.u64 	%rd175, 1;
-	st.volatile.global.u64 	[%rd174], %rd175;
-	membar.sys;
-	ld.volatile.global.u64 	%rd334, [%rd1];
-	setp.ne.s64 	%p12, %rd334, 0;
-	@%p12 bra 	$L__BB8_15;
+$L__BB8_13:
+	setp.lt.u64 	%p16, %rd8, 3;
+	setp.ne.s64 	%p17, %rd11, %rd13;
+	or.pred  	%p18, %p16, %p17;
+	@%p18 bra 	$L__BB8_15;
 
-	mov.u32 	%r99, 32;
-
-$L__BB8_14:
-	// begin inline asm
-	nanosleep.u32 %r99;
-	// end inline asm
-	setp.lt.u32 	%p13, %r99, 2048;
-	selp.u32 	%r15, 1, 0, %p13;
-	shl.b32 	%r99, %r99, %r15;
-	ld.volatile.global.u64 	%rd334, [%rd1];
-	setp.eq.s64 	%p14, %rd334, 0;
-	@%p14 bra 	$L__BB8_14;
+	add.s64 	%rd195, %rd2, 16;
+	mov.u64 	%rd196, 0;
+	atom.global.cas.b64 	%rd197, [%rd195], %rd11, %rd196;
+	setp.eq.s64 	%p19, %rd197, %rd11;
+	mov.u64 	%rd385, 2;
+	mov.u32 	%r103, 2;
+	@%p19 bra 	$L__BB8_30;
 
 $L__BB8_15:
-	mov.u64 	%rd176, 0;
-	st.volatile.global.u64 	[%rd1], %rd176;
-	membar.sys;
-	shl.b64 	%rd177, %rd334, 3;
-	add.s64 	%rd178, %rd2, %rd177;
-	ld.volatile.global.u64 	%rd336, [%rd178+24];
-	st.global.u64 	[%rd3+-32], %rd336;
-	ld.global.u64 	%rd179, [%rd178+56];
-	st.global.u64 	[%rd3+-24], %rd179;
-	bra.uni 	$L__BB8_16;
+	setp.lt.u64 	%p20, %rd8, 4;
+	setp.ne.s64 	%p21, %rd12, %rd13;
+	or.pred  	%p22, %p20, %p21;
+	@%p22 bra 	$L__BB8_17;
 
-$L__BB8_77:
-	membar.gl;
-	ld.volatile.global.u64 	%rd336, [%rd167+32];
-	st.global.u64 	[%rd3+-32], %rd336;
-	ld.global.u64 	%rd172, [%rd167+64];
-	st.global.u64 	[%rd3+-24], %rd172;
+	add.s64 	%rd199, %rd2, 24;
+	mov.u64 	%rd200, 0;
+	atom.global.cas.b64 	%rd201, [%rd199], %rd12, %rd200;
+	setp.eq.s64 	%p23, %rd201, %rd12;
+	mov.u64 	%rd385, 3;
+	mov.u32 	%r103, 3;
+	@%p23 bra 	$L__BB8_30;
+	bra.uni 	$L__BB8_17;
 
-$L__BB8_16:
+$L__BB8_30:
 	membar.gl;
-	atom.global.exch.b64 	%rd181, [%rd3], %rd336;
+	setp.eq.s64 	%p34, %rd14, 0;
+	@%p34 bra 	$L__BB8_32;
+
+	setp.eq.s32 	%p35, %r103, 1;
+	selp.b64 	%rd214, %rd17, %rd15, %p35;
+	setp.eq.s32 	%p36, %r103, 2;
+	selp.b64 	%rd215, %rd19, %rd214, %p36;
+	setp.eq.s32 	%p37, %r103, 3;
+	selp.b64 	%rd389, %rd21, %rd215, %p37;
+	bra.uni 	$L__BB8_33;
 
 $L__BB8_17:
-	st.shared.u64 	[_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell], %rd336;
+	@%p8 bra 	$L__BB8_21;
 
-$L__BB8_18:
-	bar.sync 	0;
-	cvta.to.global.u64 	%rd18, %rd154;
-	ld.shared.u64 	%rd19, [_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell];
-	xor.b64  	%rd20, %rd19, %rd154;
-	and.b64  	%rd182, %rd20, 15;
-	setp.eq.s64 	%p15, %rd182, 0;
-	@%p15 bra 	$L__BB8_62;
+	mov.u64 	%rd202, 0;
+	mov.u64 	%rd383, %rd202;
 
-	and.b64  	%rd183, %rd20, 7;
-	setp.eq.s64 	%p16, %rd183, 0;
-	@%p16 bra 	$L__BB8_51;
-
-	and.b64  	%rd184, %rd20, 3;
-	setp.eq.s64 	%p17, %rd184, 0;
-	@%p17 bra 	$L__BB8_40;
-
-	and.b64  	%rd185, %rd20, 1;
-	setp.eq.b64 	%p18, %rd185, 1;
-	mov.pred 	%p19, 0;
-	xor.pred  	%p20, %p18, %p19;
-	not.pred 	%p21, %p20;
-	mov.u32 	%r16, %ctaid.x;
-	cvt.u64.u32 	%rd21, %r16;
-	mov.u32 	%r17, %ntid.x;
-	cvt.u64.u32 	%rd22, %r17;
-	mul.wide.u32 	%rd186, %r16, %r17;
-	cvt.u64.u32 	%rd23, %r1;
-	add.s64 	%rd24, %rd186, %rd23;
-	mov.u32 	%r18, %nctaid.x;
-	cvt.u64.u32 	%rd25, %r18;
-	mul.wide.u32 	%rd26, %r18, %r17;
-	@%p21 bra 	$L__BB8_29;
-	bra.uni 	$L__BB8_22;
-
-$L__BB8_29:
-	and.b64  	%rd43, %rd154, 1;
-	min.u64 	%rd44, %rd43, %rd155;
-	setp.ge.u64 	%p28, %rd24, %rd44;
-	@%p28 bra 	$L__BB8_32;
-
-	mov.u64 	%rd343, %rd24;
-
-$L__BB8_31:
-	add.s64 	%rd200, %rd19, %rd343;
-	ld.u8 	%rs7, [%rd200];
-	add.s64 	%rd201, %rd18, %rd343;
-	st.global.u8 	[%rd201], %rs7;
-	add.s64 	%rd343, %rd343, %rd26;
-	setp.lt.u64 	%p29, %rd343, %rd44;
-	@%p29 bra 	$L__BB8_31;
-
-$L__BB8_32:
-	sub.s64 	%rd47, %rd155, %rd44;
-	shr.u64 	%rd48, %rd47, 1;
-	mul.lo.s64 	%rd49, %rd26, 3;
-	add.s64 	%rd202, %rd24, %rd49;
-	setp.ge.u64 	%p30, %rd202, %rd48;
-	mov.u64 	%rd347, %rd24;
-	@%p30 bra 	$L__BB8_35;
-
-	mul.lo.s64 	%rd203, %rd21, %rd22;
-	shl.b64 	%rd204, %rd203, 1;
-	shl.b64 	%rd205, %rd23, 1;
-	add.s64 	%rd206, %rd204, %rd205;
-	add.s64 	%rd207, %rd206, -1;
-	not.b64 	%rd208, %rd155;
-	not.b64 	%rd209, %rd43;
-	max.u64 	%rd210, %rd209, %rd208;
-	sub.s64 	%rd211, %rd207, %rd210;
-	add.s64 	%rd345, %rd19, %rd211;
-	mul.lo.s64 	%rd212, %rd25, %rd22;
-	shl.b64 	%rd51, %rd212, 1;
-	add.s64 	%rd346, %rd18, %rd211;
-	mov.u64 	%rd347, %rd24;
-
-$L__BB8_34:
-	ld.u16 	%rs8, [%rd345];
-	add.s64 	%rd213, %rd345, %rd51;
-	ld.u16 	%rs9, [%rd213];
-	add.s64 	%rd214, %rd213, %rd51;
-	ld.u16 	%rs10, [%rd214];
-	add.s64 	%rd215, %rd214, %rd51;
-	add.s64 	%rd345, %rd215, %rd51;
-	ld.u16 	%rs11, [%rd215];
-	st.global.u16 	[%rd346], %rs8;
-	add.s64 	%rd216, %rd346, %rd51;
-	st.global.u16 	[%rd216], %rs9;
-	add.s64 	%rd217, %rd216, %rd51;
-	st.global.u16 	[%rd217], %rs10;
-	add.s64 	%rd218, %rd217, %rd51;
-	add.s64 	%rd346, %rd218, %rd51;
-	st.global.u16 	[%rd218], %rs11;
-	add.s64 	%rd219, %rd347, %rd26;
-	add.s64 	%rd347, %rd49, %rd219;
-	add.s64 	%rd220, %rd347, %rd49;
-	setp.lt.u64 	%p31, %rd220, %rd48;
-	@%p31 bra 	$L__BB8_34;
-
-$L__BB8_35:
-	setp.ge.u64 	%p32, %rd347, %rd48;
-	@%p32 bra 	$L__BB8_38;
-
-	add.s64 	%rd60, %rd18, %rd44;
-	add.s64 	%rd61, %rd19, %rd44;
-
-$L__BB8_37:
-	shl.b64 	%rd221, %rd347, 1;
-	add.s64 	%rd222, %rd61, %rd221;
-	ld.u16 	%rs12, [%rd222];
-	add.s64 	%rd223, %rd60, %rd221;
-	st.global.u16 	[%rd223], %rs12;
-	add.s64 	%rd347, %rd347, %rd26;
-	setp.lt.u64 	%p33, %rd347, %rd48;
-	@%p33 bra 	$L__BB8_37;
-
-$L__BB8_38:
-	and.b64  	%rd224, %rd47, -2;
-	add.s64 	%rd225, %rd44, %rd24;
-	add.s64 	%rd349, %rd225, %rd224;
-	setp.ge.u64 	%p34, %rd349, %rd155;
-	@%p34 bra 	$L__BB8_73;
-
-$L__BB8_39:
-	add.s64 	%rd226, %rd19, %rd349;
-	ld.u8 	%rs13, [%rd226];
-	add.s64 	%rd227, %rd18, %rd349;
-	st.global.u8 	[%rd227], %rs13;
-	add.s64 	%rd349, %rd349, %rd26;
-	setp.lt.u64 	%p35, %rd349, %rd155;
-	@%p35 bra 	$L__BB8_39;
-	bra.uni 	$L__BB8_73;
-
-$L__BB8_62:
-	mov.u32 	%r50, %ctaid.x;
-	cvt.u64.u32 	%rd125, %r50;
-	mov.u32 	%r51, %ntid.x;
-	cvt.u64.u32 	%rd126, %r51;
-	mul.wide.u32 	%rd290, %r50, %r51;
-	cvt.u64.u32 	%rd127, %r1;
-	add.s64 	%rd128, %rd290, %rd127;
-	mov.u32 	%r52, %nctaid.x;
-	cvt.u64.u32 	%rd129, %r52;
-	mul.wide.u32 	%rd130, %r52, %r51;
-	neg.s64 	%rd291, %rd154;
-	and.b64  	%rd131, %rd291, 15;
-	min.u64 	%rd132, %rd131, %rd155;
-	setp.ge.u64 	%p52, %rd128, %rd132;
-	@%p52 bra 	$L__BB8_65;
-
-	mov.u64 	%rd363, %rd128;
-
-$L__BB8_64:
-	add.s64 	%rd292, %rd19, %rd363;
-	ld.u8 	%rs18, [%rd292];
-	add.s64 	%rd293, %rd18, %rd363;
-	st.global.u8 	[%rd293], %rs18;
-	add.s64 	%rd363, %rd363, %rd130;
-	setp.lt.u64 	%p53, %rd363, %rd132;
-	@%p53 bra 	$L__BB8_64;
-
-$L__BB8_65:
-	sub.s64 	%rd135, %rd155, %rd132;
-	shr.u64 	%rd136, %rd135, 4;
-	add.s64 	%rd137, %rd19, %rd132;
-	mul.lo.s64 	%rd138, %rd130, 3;
-	add.s64 	%rd294, %rd128, %rd138;
-	setp.ge.u64 	%p54, %rd294, %rd136;
-	mov.u64 	%rd366, %rd128;
-	@%p54 bra 	$L__BB8_68;
-
-	mul.lo.s64 	%rd295, %rd129, %rd126;
-	shl.b64 	%rd139, %rd295, 4;
-	mul.lo.s64 	%rd296, %rd125, %rd126;
-	shl.b64 	%rd297, %rd296, 4;
-	shl.b64 	%rd298, %rd127, 4;
-	add.s64 	%rd299, %rd297, %rd298;
-	add.s64 	%rd300, %rd299, -1;
-	not.b64 	%rd301, %rd155;
-	not.b64 	%rd302, %rd131;
-	max.u64 	%rd303, %rd302, %rd301;
-	sub.s64 	%rd304, %rd300, %rd303;
-	add.s64 	%rd365, %rd18, %rd304;
-	mul.lo.s64 	%rd141, %rd295, -48;
-	mov.u64 	%rd366, %rd128;
-
-$L__BB8_67:
-	shl.b64 	%rd305, %rd366, 4;
-	add.s64 	%rd306, %rd137, %rd305;
-	shl.b64 	%rd307, %rd130, 2;
-	shl.b64 	%rd308, %rd130, 4;
-	add.s64 	%rd309, %rd306, %rd308;
-	ld.v4.u32 	{%r53, %r54, %r55, %r56}, [%rd309];
-	add.s64 	%rd310, %rd309, %rd139;
-	ld.v4.u32 	{%r61, %r62, %r63, %r64}, [%rd310];
-	add.s64 	%rd311, %rd310, %rd139;
-	ld.v4.u32 	{%r69, %r70, %r71, %r72}, [%rd311];
-	add.s64 	%rd312, %rd311, %rd141;
-	ld.v4.u32 	{%r77, %r78, %r79, %r80}, [%rd312];
-	st.global.v4.u32 	[%rd365], {%r77, %r78, %r79, %r80};
-	add.s64 	%rd313, %rd365, %rd139;
-	st.global.v4.u32 	[%rd313], {%r53, %r54, %r55, %r56};
-	add.s64 	%rd314, %rd313, %rd139;
-	st.global.v4.u32 	[%rd314], {%r61, %r62, %r63, %r64};
-	add.s64 	%rd315, %rd314, %rd139;
-	add.s64 	%rd365, %rd315, %rd139;
-	st.global.v4.u32 	[%rd315], {%r69, %r70, %r71, %r72};
-	add.s64 	%rd366, %rd307, %rd366;
-	add.s64 	%rd316, %rd366, %rd138;
-	setp.lt.u64 	%p55, %rd316, %rd136;
-	@%p55 bra 	$L__BB8_67;
-
-$L__BB8_68:
-	setp.ge.u64 	%p56, %rd366, %rd136;
-	@%p56 bra 	$L__BB8_71;
-
-	add.s64 	%rd147, %rd18, %rd132;
-
-$L__BB8_70:
-	shl.b64 	%rd317, %rd366, 4;
-	add.s64 	%rd318, %rd147, %rd317;
-	add.s64 	%rd319, %rd137, %rd317;
-	ld.v4.u32 	{%r85, %r86, %r87, %r88}, [%rd319];
-	st.global.v4.u32 	[%rd318], {%r85, %r86, %r87, %r88};
-	add.s64 	%rd366, %rd366, %rd130;
-	setp.lt.u64 	%p57, %rd366, %rd136;
-	@%p57 bra 	$L__BB8_70;
-
-$L__BB8_71:
-	and.b64  	%rd320, %rd135, -16;
-	add.s64 	%rd321, %rd132, %rd128;
-	add.s64 	%rd368, %rd321, %rd320;
-	setp.ge.u64 	%p58, %rd368, %rd155;
-	@%p58 bra 	$L__BB8_73;
-
-$L__BB8_72:
-	add.s64 	%rd322, %rd19, %rd368;
-	ld.u8 	%rs19, [%rd322];
-	add.s64 	%rd323, %rd18, %rd368;
-	st.global.u8 	[%rd323], %rs19;
-	add.s64 	%rd368, %rd368, %rd130;
-	setp.lt.u64 	%p59, %rd368, %rd155;
-	@%p59 bra 	$L__BB8_72;
-	bra.uni 	$L__BB8_73;
-
-$L__BB8_51:
-	mov.u32 	%r27, %ctaid.x;
-	cvt.u64.u32 	%rd97, %r27;
-	mov.u32 	%r28, %ntid.x;
-	cvt.u64.u32 	%rd98, %r28;
-	mul.wide.u32 	%rd258, %r27, %r28;
-	cvt.u64.u32 	%rd99, %r1;
-	add.s64 	%rd100, %rd258, %rd99;
-	mov.u32 	%r29, %nctaid.x;
-	cvt.u64.u32 	%rd101, %r29;
-	mul.wide.u32 	%rd102, %r29, %r28;
-	neg.s64 	%rd259, %rd154;
-	and.b64  	%rd103, %rd259, 7;
-	min.u64 	%rd104, %rd103, %rd155;
-	setp.ge.u64 	%p44, %rd100, %rd104;
-	@%p44 bra 	$L__BB8_54;
-
-	mov.u64 	%rd357, %rd100;
-
-$L__BB8_53:
-	add.s64 	%rd260, %rd19, %rd357;
-	ld.u8 	%rs16, [%rd260];
-	add.s64 	%rd261, %rd18, %rd357;
-	st.global.u8 	[%rd261], %rs16;
-	add.s64 	%rd357, %rd357, %rd102;
-	setp.lt.u64 	%p45, %rd357, %rd104;
-	@%p45 bra 	$L__BB8_53;
-
-$L__BB8_54:
-	sub.s64 	%rd107, %rd155, %rd104;
-	shr.u64 	%rd108, %rd107, 3;
-	add.s64 	%rd109, %rd19, %rd104;
-	mul.lo.s64 	%rd110, %rd102, 3;
-	add.s64 	%rd262, %rd100, %rd110;
-	setp.ge.u64 	%p46, %rd262, %rd108;
-	mov.u64 	%rd360, %rd100;
-	@%p46 bra 	$L__BB8_57;
-
-	mul.lo.s64 	%rd263, %rd101, %rd98;
-	shl.b64 	%rd111, %rd263, 3;
-	mul.lo.s64 	%rd264, %rd97, %rd98;
-	shl.b64 	%rd265, %rd264, 3;
-	shl.b64 	%rd266, %rd99, 3;
-	add.s64 	%rd267, %rd265, %rd266;
-	add.s64 	%rd268, %rd267, -1;
-	not.b64 	%rd269, %rd155;
-	not.b64 	%rd270, %rd103;
-	max.u64 	%rd271, %rd270, %rd269;
-	sub.s64 	%rd272, %rd268, %rd271;
-	add.s64 	%rd359, %rd18, %rd272;
-	mul.lo.s64 	%rd113, %rd263, -24;
-	mov.u64 	%rd360, %rd100;
-
-$L__BB8_56:
-	add.s64 	%rd273, %rd360, %rd102;
-	shl.b64 	%rd274, %rd273, 3;
-	add.s64 	%rd275, %rd109, %rd274;
-	ld.v2.u32 	{%r30, %r31}, [%rd275];
-	add.s64 	%rd276, %rd275, %rd111;
-	ld.v2.u32 	{%r34, %r35}, [%rd276];
-	add.s64 	%rd277, %rd276, %rd111;
-	ld.v2.u32 	{%r38, %r39}, [%rd277];
-	add.s64 	%rd278, %rd277, %rd113;
-	ld.v2.u32 	{%r42, %r43}, [%rd278];
-	st.global.v2.u32 	[%rd359], {%r42, %r43};
-	add.s64 	%rd279, %rd359, %rd111;
-	st.global.v2.u32 	[%rd279], {%r30, %r31};
-	add.s64 	%rd280, %rd279, %rd111;
-	st.global.v2.u32 	[%rd280], {%r34, %r35};
-	add.s64 	%rd281, %rd280, %rd111;
-	add.s64 	%rd359, %rd281, %rd111;
-	st.global.v2.u32 	[%rd281], {%r38, %r39};
-	add.s64 	%rd360, %rd110, %rd273;
-	add.s64 	%rd282, %rd360, %rd110;
-	setp.lt.u64 	%p47, %rd282, %rd108;
-	@%p47 bra 	$L__BB8_56;
-
-$L__BB8_57:
-	setp.ge.u64 	%p48, %rd360, %rd108;
-	@%p48 bra 	$L__BB8_60;
-
-	add.s64 	%rd119, %rd18, %rd104;
-
-$L__BB8_59:
-	shl.b64 	%rd283, %rd360, 3;
-	add.s64 	%rd284, %rd109, %rd283;
-	ld.v2.u32 	{%r46, %r47}, [%rd284];
-	add.s64 	%rd285, %rd119, %rd283;
-	st.global.v2.u32 	[%rd285], {%r46, %r47};
-	add.s64 	%rd360, %rd360, %rd102;
-	setp.lt.u64 	%p49, %rd360, %rd108;
-	@%p49 bra 	$L__BB8_59;
-
-$L__BB8_60:
-	and.b64  	%rd286, %rd107, -8;
-	add.s64 	%rd287, %rd104, %rd100;
-	add.s64 	%rd362, %rd287, %rd286;
-	setp.ge.u64 	%p50, %rd362, %rd155;
-	@%p50 bra 	$L__BB8_73;
-
-$L__BB8_61:
-	add.s64 	%rd288, %rd19, %rd362;
-	ld.u8 	%rs17, [%rd288];
-	add.s64 	%rd289, %rd18, %rd362;
-	st.global.u8 	[%rd289], %rs17;
-	add.s64 	%rd362, %rd362, %rd102;
-	setp.lt.u64 	%p51, %rd362, %rd155;
-	@%p51 bra 	$L__BB8_61;
-	bra.uni 	$L__BB8_73;
-
-$L__BB8_40:
-	mov.u32 	%r19, %ctaid.x;
-	cvt.u64.u32 	%rd67, %r19;
-	mov.u32 	%r20, %ntid.x;
-	cvt.u64.u32 	%rd68, %r20;
-	mul.wide.u32 	%rd228, %r19, %r20;
-	cvt.u64.u32 	%rd69, %r1;
-	add.s64 	%rd70, %rd228, %rd69;
-	mov.u32 	%r21, %nctaid.x;
-	cvt.u64.u32 	%rd71, %r21;
-	mul.wide.u32 	%rd72, %r21, %r20;
-	neg.s64 	%rd229, %rd154;
-	and.b64  	%rd73, %rd229, 3;
-	min.u64 	%rd74, %rd73, %rd155;
-	setp.ge.u64 	%p36, %rd70, %rd74;
-	@%p36 bra 	$L__BB8_43;
-
-	mov.u64 	%rd350, %rd70;
-
-$L__BB8_42:
-	add.s64 	%rd230, %rd19, %rd350;
-	ld.u8 	%rs14, [%rd230];
-	add.s64 	%rd231, %rd18, %rd350;
-	st.global.u8 	[%rd231], %rs14;
-	add.s64 	%rd350, %rd350, %rd72;
-	setp.lt.u64 	%p37, %rd350, %rd74;
-	@%p37 bra 	$L__BB8_42;
-
-$L__BB8_43:
-	sub.s64 	%rd77, %rd155, %rd74;
-	shr.u64 	%rd78, %rd77, 2;
-	mul.lo.s64 	%rd79, %rd72, 3;
-	add.s64 	%rd232, %rd70, %rd79;
-	setp.ge.u64 	%p38, %rd232, %rd78;
-	mov.u64 	%rd354, %rd70;
-	@%p38 bra 	$L__BB8_46;
-
-	mul.lo.s64 	%rd233, %rd67, %rd68;
-	shl.b64 	%rd234, %rd233, 2;
-	shl.b64 	%rd235, %rd69, 2;
-	add.s64 	%rd236, %rd234, %rd235;
-	add.s64 	%rd237, %rd236, -1;
-	not.b64 	%rd238, %rd155;
-	not.b64 	%rd239, %rd73;
-	max.u64 	%rd240, %rd239, %rd238;
-	sub.s64 	%rd241, %rd237, %rd240;
-	add.s64 	%rd352, %rd19, %rd241;
-	mul.lo.s64 	%rd242, %rd71, %rd68;
-	shl.b64 	%rd81, %rd242, 2;
-	add.s64 	%rd353, %rd18, %rd241;
-	mov.u64 	%rd354, %rd70;
-
-$L__BB8_45:
-	ld.u32 	%r22, [%rd352];
-	add.s64 	%rd243, %rd352, %rd81;
-	ld.u32 	%r23, [%rd243];
-	add.s64 	%rd244, %rd243, %rd81;
-	ld.u32 	%r24, [%rd244];
-	add.s64 	%rd245, %rd244, %rd81;
-	add.s64 	%rd352, %rd245, %rd81;
-	ld.u32 	%r25, [%rd245];
-	st.global.u32 	[%rd353], %r22;
-	add.s64 	%rd246, %rd353, %rd81;
-	st.global.u32 	[%rd246], %r23;
-	add.s64 	%rd247, %rd246, %rd81;
-	st.global.u32 	[%rd247], %r24;
-	add.s64 	%rd248, %rd247, %rd81;
-	add.s64 	%rd353, %rd248, %rd81;
-	st.global.u32 	[%rd248], %r25;
-	add.s64 	%rd249, %rd354, %rd72;
-	add.s64 	%rd354, %rd79, %rd249;
-	add.s64 	%rd250, %rd354, %rd79;
-	setp.lt.u64 	%p39, %rd250, %rd78;
-	@%p39 bra 	$L__BB8_45;
-
-$L__BB8_46:
-	setp.ge.u64 	%p40, %rd354, %rd78;
-	@%p40 bra 	$L__BB8_49;
-
-	add.s64 	%rd90, %rd18, %rd74;
-	add.s64 	%rd91, %rd19, %rd74;
-
-$L__BB8_48:
-	shl.b64 	%rd251, %rd354, 2;
-	add.s64 	%rd252, %rd91, %rd251;
-	ld.u32 	%r26, [%rd252];
-	add.s64 	%rd253, %rd90, %rd251;
-	st.global.u32 	[%rd253], %r26;
-	add.s64 	%rd354, %rd354, %rd72;
-	setp.lt.u64 	%p41, %rd354, %rd78;
-	@%p41 bra 	$L__BB8_48;
-
-$L__BB8_49:
-	and.b64  	%rd254, %rd77, -4;
-	add.s64 	%rd255, %rd74, %rd70;
-	add.s64 	%rd356, %rd255, %rd254;
-	setp.ge.u64 	%p42, %rd356, %rd155;
-	@%p42 bra 	$L__BB8_73;
-
-$L__BB8_50:
-	add.s64 	%rd256, %rd19, %rd356;
-	ld.u8 	%rs15, [%rd256];
-	add.s64 	%rd257, %rd18, %rd356;
-	st.global.u8 	[%rd257], %rs15;
-	add.s64 	%rd356, %rd356, %rd72;
-	setp.lt.u64 	%p43, %rd356, %rd155;
-	@%p43 bra 	$L__BB8_50;
-	bra.uni 	$L__BB8_73;
-
-$L__BB8_22:
-	mul.lo.s64 	%rd27, %rd26, 3;
-	add.s64 	%rd187, %rd24, %rd27;
-	setp.ge.u64 	%p22, %rd187, %rd155;
-	mov.u64 	%rd340, %rd24;
-	@%p22 bra 	$L__BB8_25;
-
-	add.s64 	%rd338, %rd19, %rd24;
-	mul.lo.s64 	%rd29, %rd25, %rd22;
-	add.s64 	%rd339, %rd18, %rd24;
-	mov.u64 	%rd340, %rd24;
-
-$L__BB8_24:
-	ld.u8 	%rs1, [%rd338];
-	add.s64 	%rd188, %rd338, %rd29;
-	ld.u8 	%rs2, [%rd188];
-	add.s64 	%rd189, %rd188, %rd29;
-	ld.u8 	%rs3, [%rd189];
-	add.s64 	%rd190, %rd189, %rd29;
-	add.s64 	%rd338, %rd190, %rd29;
-	ld.u8 	%rs4, [%rd190];
-	st.global.u8 	[%rd339], %rs1;
-	add.s64 	%rd191, %rd339, %rd29;
-	st.global.u8 	[%rd191], %rs2;
-	add.s64 	%rd192, %rd191, %rd29;
-	st.global.u8 	[%rd192], %rs3;
-	add.s64 	%rd193, %rd192, %rd29;
-	add.s64 	%rd339, %rd193, %rd29;
-	st.global.u8 	[%rd193], %rs4;
-	add.s64 	%rd194, %rd340, %rd26;
-	add.s64 	%rd340, %rd27, %rd194;
-	add.s64 	%rd195, %rd340, %rd27;
-	setp.lt.u64 	%p23, %rd195, %rd155;
-	@%p23 bra 	$L__BB8_24;
-
-$L__BB8_25:
-	setp.ge.u64 	%p24, %rd340, %rd155;
-	@%p24 bra 	$L__BB8_27;
-
-$L__BB8_26:
-	add.s64 	%rd196, %rd19, %rd340;
-	ld.u8 	%rs5, [%rd196];
-	add.s64 	%rd197, %rd18, %rd340;
-	st.global.u8 	[%rd197], %rs5;
-	add.s64 	%rd340, %rd340, %rd26;
-	setp.lt.u64 	%p25, %rd340, %rd155;
+$L__BB8_19:
+	shl.b64 	%rd203, %rd383, 3;
+	add.s64 	%rd204, %rd2, %rd203;
+	atom.global.cas.b64 	%rd206, [%rd204], %rd13, %rd202;
+	setp.eq.s64 	%p25, %rd206, %rd13;
 	@%p25 bra 	$L__BB8_26;
 
-$L__BB8_27:
-	add.s64 	%rd342, %rd24, %rd155;
-	setp.ge.u64 	%p26, %rd342, %rd24;
-	@%p26 bra 	$L__BB8_73;
+	add.s64 	%rd383, %rd383, 1;
+	setp.lt.u64 	%p26, %rd383, %rd8;
+	@%p26 bra 	$L__BB8_19;
 
-$L__BB8_28:
-	add.s64 	%rd198, %rd19, %rd342;
-	ld.u8 	%rs6, [%rd198];
-	add.s64 	%rd199, %rd18, %rd342;
-	st.global.u8 	[%rd199], %rs6;
-	add.s64 	%rd342, %rd342, %rd26;
-	setp.lt.u64 	%p27, %rd342, %rd155;
-	@%p27 bra 	$L__BB8_28;
+$L__BB8_21:
+	cvta.to.global.u64 	%rd221, %rd179;
+	st.volatile.global.u64 	[%rd221], %rd13;
+	membar.sys;
+	cvta.to.global.u64 	%rd222, %rd180;
+	mov.u64 	%rd223, 1;
+	st.volatile.global.u64 	[%rd222], %rd223;
+	membar.sys;
+	ld.volatile.global.u64 	%rd387, [%rd1];
+	setp.ne.s64 	%p41, %rd387, 0;
+	@%p41 bra 	$L__BB8_24;
+
+	mov.u32 	%r104, 32;
+
+$L__BB8_23:
+	// begin inline asm
+	nanosleep.u32 %r104;
+	// end inline asm
+	setp.lt.u32 	%p42, %r104, 2048;
+	selp.u32 	%r20, 1, 0, %p42;
+	shl.b32 	%r104, %r104, %r20;
+	ld.volatile.global.u64 	%rd387, [%rd1];
+	setp.eq.s64 	%p43, %rd387, 0;
+	@%p43 bra 	$L__BB8_23;
+
+$L__BB8_24:
+	mov.u64 	%rd224, 0;
+	st.volatile.global.u64 	[%rd1], %rd224;
+	membar.sys;
+	add.s64 	%rd35, %rd387, -1;
+	setp.eq.s64 	%p44, %rd14, 0;
+	@%p44 bra 	$L__BB8_34;
+
+	setp.eq.s64 	%p45, %rd35, 1;
+	selp.b64 	%rd225, %rd17, %rd15, %p45;
+	setp.eq.s64 	%p46, %rd35, 2;
+	selp.b64 	%rd226, %rd19, %rd225, %p46;
+	setp.eq.s64 	%p47, %rd35, 3;
+	selp.b64 	%rd389, %rd21, %rd226, %p47;
+	bra.uni 	$L__BB8_35;
+
+$L__BB8_34:
+	shl.b64 	%rd227, %rd387, 3;
+	add.s64 	%rd228, %rd2, %rd227;
+	ld.volatile.global.u64 	%rd389, [%rd228+24];
+
+$L__BB8_35:
+	st.global.u64 	[%rd2+112], %rd389;
+	setp.eq.s64 	%p48, %rd35, 1;
+	selp.b64 	%rd229, %rd18, %rd16, %p48;
+	setp.eq.s64 	%p49, %rd35, 2;
+	selp.b64 	%rd230, %rd20, %rd229, %p49;
+	setp.eq.s64 	%p50, %rd35, 3;
+	selp.b64 	%rd231, %rd22, %rd230, %p50;
+	st.global.u64 	[%rd2+120], %rd231;
+	bra.uni 	$L__BB8_36;
+
+$L__BB8_32:
+	shl.b64 	%rd216, %rd385, 3;
+	add.s64 	%rd217, %rd2, %rd216;
+	ld.volatile.global.u64 	%rd389, [%rd217+32];
+
+$L__BB8_33:
+	st.global.u64 	[%rd2+112], %rd389;
+	setp.eq.s32 	%p38, %r103, 1;
+	selp.b64 	%rd218, %rd18, %rd16, %p38;
+	setp.eq.s32 	%p39, %r103, 2;
+	selp.b64 	%rd219, %rd20, %rd218, %p39;
+	setp.eq.s32 	%p40, %r103, 3;
+	selp.b64 	%rd220, %rd22, %rd219, %p40;
+	st.global.u64 	[%rd2+120], %rd220;
+
+$L__BB8_36:
+	membar.gl;
+	add.s64 	%rd232, %rd2, 144;
+	atom.global.exch.b64 	%rd233, [%rd232], %rd389;
+
+$L__BB8_37:
+	st.shared.u64 	[_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell], %rd389;
+
+$L__BB8_38:
+	bar.sync 	0;
+	cvta.to.global.u64 	%rd41, %rd176;
+	ld.shared.u64 	%rd42, [_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell];
+	xor.b64  	%rd43, %rd42, %rd176;
+	and.b64  	%rd234, %rd43, 15;
+	setp.eq.s64 	%p51, %rd234, 0;
+	@%p51 bra 	$L__BB8_82;
+
+	and.b64  	%rd235, %rd43, 7;
+	setp.eq.s64 	%p52, %rd235, 0;
+	@%p52 bra 	$L__BB8_71;
+
+	and.b64  	%rd236, %rd43, 3;
+	setp.eq.s64 	%p53, %rd236, 0;
+	@%p53 bra 	$L__BB8_60;
+
+	and.b64  	%rd237, %rd43, 1;
+	setp.eq.b64 	%p54, %rd237, 1;
+	mov.pred 	%p55, 0;
+	xor.pred  	%p56, %p54, %p55;
+	not.pred 	%p57, %p56;
+	mov.u32 	%r21, %ctaid.x;
+	cvt.u64.u32 	%rd44, %r21;
+	mov.u32 	%r22, %ntid.x;
+	cvt.u64.u32 	%rd45, %r22;
+	mul.wide.u32 	%rd238, %r21, %r22;
+	cvt.u64.u32 	%rd46, %r1;
+	add.s64 	%rd47, %rd238, %rd46;
+	mov.u32 	%r23, %nctaid.x;
+	cvt.u64.u32 	%rd48, %r23;
+	mul.wide.u32 	%rd49, %r23, %r22;
+	@%p57 bra 	$L__BB8_49;
+	bra.uni 	$L__BB8_42;
+
+$L__BB8_49:
+	and.b64  	%rd66, %rd176, 1;
+	min.u64 	%rd67, %rd66, %rd177;
+	setp.ge.u64 	%p64, %rd47, %rd67;
+	@%p64 bra 	$L__BB8_52;
+
+	mov.u64 	%rd397, %rd47;
+
+$L__BB8_51:
+	add.s64 	%rd252, %rd42, %rd397;
+	ld.u8 	%rs7, [%rd252];
+	add.s64 	%rd253, %rd41, %rd397;
+	st.global.u8 	[%rd253], %rs7;
+	add.s64 	%rd397, %rd397, %rd49;
+	setp.lt.u64 	%p65, %rd397, %rd67;
+	@%p65 bra 	$L__BB8_51;
+
+$L__BB8_52:
+	sub.s64 	%rd70, %rd177, %rd67;
+	shr.u64 	%rd71, %rd70, 1;
+	mul.lo.s64 	%rd72, %rd49, 3;
+	add.s64 	%rd254, %rd47, %rd72;
+	setp.ge.u64 	%p66, %rd254, %rd71;
+	mov.u64 	%rd401, %rd47;
+	@%p66 bra 	$L__BB8_55;
+
+	mul.lo.s64 	%rd255, %rd44, %rd45;
+	shl.b64 	%rd256, %rd255, 1;
+	shl.b64 	%rd257, %rd46, 1;
+	add.s64 	%rd258, %rd256, %rd257;
+	add.s64 	%rd259, %rd258, -1;
+	not.b64 	%rd260, %rd177;
+	not.b64 	%rd261, %rd66;
+	max.u64 	%rd262, %rd261, %rd260;
+	sub.s64 	%rd263, %rd259, %rd262;
+	add.s64 	%rd399, %rd42, %rd263;
+	mul.lo.s64 	%rd264, %rd48, %rd45;
+	shl.b64 	%rd74, %rd264, 1;
+	add.s64 	%rd400, %rd41, %rd263;
+	mov.u64 	%rd401, %rd47;
+
+$L__BB8_54:
+	ld.u16 	%rs8, [%rd399];
+	add.s64 	%rd265, %rd399, %rd74;
+	ld.u16 	%rs9, [%rd265];
+	add.s64 	%rd266, %rd265, %rd74;
+	ld.u16 	%rs10, [%rd266];
+	add.s64 	%rd267, %rd266, %rd74;
+	add.s64 	%rd399, %rd267, %rd74;
+	ld.u16 	%rs11, [%rd267];
+	st.global.u16 	[%rd400], %rs8;
+	add.s64 	%rd268, %rd400, %rd74;
+	st.global.u16 	[%rd268], %rs9;
+	add.s64 	%rd269, %rd268, %rd74;
+	st.global.u16 	[%rd269], %rs10;
+	add.s64 	%rd270, %rd269, %rd74;
+	add.s64 	%rd400, %rd270, %rd74;
+	st.global.u16 	[%rd270], %rs11;
+	add.s64 	%rd271, %rd401, %rd49;
+	add.s64 	%rd401, %rd72, %rd271;
+	add.s64 	%rd272, %rd401, %rd72;
+	setp.lt.u64 	%p67, %rd272, %rd71;
+	@%p67 bra 	$L__BB8_54;
+
+$L__BB8_55:
+	setp.ge.u64 	%p68, %rd401, %rd71;
+	@%p68 bra 	$L__BB8_58;
+
+	add.s64 	%rd83, %rd41, %rd67;
+	add.s64 	%rd84, %rd42, %rd67;
+
+$L__BB8_57:
+	shl.b64 	%rd273, %rd401, 1;
+	add.s64 	%rd274, %rd84, %rd273;
+	ld.u16 	%rs12, [%rd274];
+	add.s64 	%rd275, %rd83, %rd273;
+	st.global.u16 	[%rd275], %rs12;
+	add.s64 	%rd401, %rd401, %rd49;
+	setp.lt.u64 	%p69, %rd401, %rd71;
+	@%p69 bra 	$L__BB8_57;
+
+$L__BB8_58:
+	and.b64  	%rd276, %rd70, -2;
+	add.s64 	%rd277, %rd67, %rd47;
+	add.s64 	%rd403, %rd277, %rd276;
+	setp.ge.u64 	%p70, %rd403, %rd177;
+	@%p70 bra 	$L__BB8_93;
+
+$L__BB8_59:
+	add.s64 	%rd278, %rd42, %rd403;
+	ld.u8 	%rs13, [%rd278];
+	add.s64 	%rd279, %rd41, %rd403;
+	st.global.u8 	[%rd279], %rs13;
+	add.s64 	%rd403, %rd403, %rd49;
+	setp.lt.u64 	%p71, %rd403, %rd177;
+	@%p71 bra 	$L__BB8_59;
+	bra.uni 	$L__BB8_93;
+
+$L__BB8_82:
+	mov.u32 	%r55, %ctaid.x;
+	cvt.u64.u32 	%rd148, %r55;
+	mov.u32 	%r56, %ntid.x;
+	cvt.u64.u32 	%rd149, %r56;
+	mul.wide.u32 	%rd342, %r55, %r56;
+	cvt.u64.u32 	%rd150, %r1;
+	add.s64 	%rd151, %rd342, %rd150;
+	mov.u32 	%r57, %nctaid.x;
+	cvt.u64.u32 	%rd152, %r57;
+	mul.wide.u32 	%rd153, %r57, %r56;
+	neg.s64 	%rd343, %rd176;
+	and.b64  	%rd154, %rd343, 15;
+	min.u64 	%rd155, %rd154, %rd177;
+	setp.ge.u64 	%p88, %rd151, %rd155;
+	@%p88 bra 	$L__BB8_85;
+
+	mov.u64 	%rd417, %rd151;
+
+$L__BB8_84:
+	add.s64 	%rd344, %rd42, %rd417;
+	ld.u8 	%rs18, [%rd344];
+	add.s64 	%rd345, %rd41, %rd417;
+	st.global.u8 	[%rd345], %rs18;
+	add.s64 	%rd417, %rd417, %rd153;
+	setp.lt.u64 	%p89, %rd417, %rd155;
+	@%p89 bra 	$L__BB8_84;
+
+$L__BB8_85:
+	sub.s64 	%rd158, %rd177, %rd155;
+	shr.u64 	%rd159, %rd158, 4;
+	add.s64 	%rd160, %rd42, %rd155;
+	mul.lo.s64 	%rd161, %rd153, 3;
+	add.s64 	%rd346, %rd151, %rd161;
+	setp.ge.u64 	%p90, %rd346, %rd159;
+	mov.u64 	%rd420, %rd151;
+	@%p90 bra 	$L__BB8_88;
+
+	mul.lo.s64 	%rd347, %rd152, %rd149;
+	shl.b64 	%rd162, %rd347, 4;
+	mul.lo.s64 	%rd348, %rd148, %rd149;
+	shl.b64 	%rd349, %rd348, 4;
+	shl.b64 	%rd350, %rd150, 4;
+	add.s64 	%rd351, %rd349, %rd350;
+	add.s64 	%rd352, %rd351, -1;
+	not.b64 	%rd353, %rd177;
+	not.b64 	%rd354, %rd154;
+	max.u64 	%rd355, %rd354, %rd353;
+	sub.s64 	%rd356, %rd352, %rd355;
+	add.s64 	%rd419, %rd41, %rd356;
+	mul.lo.s64 	%rd164, %rd347, -48;
+	mov.u64 	%rd420, %rd151;
+
+$L__BB8_87:
+	shl.b64 	%rd357, %rd420, 4;
+	add.s64 	%rd358, %rd160, %rd357;
+	shl.b64 	%rd359, %rd153, 2;
+	shl.b64 	%rd360, %rd153, 4;
+	add.s64 	%rd361, %rd358, %rd360;
+	ld.v4.u32 	{%r58, %r59, %r60, %r61}, [%rd361];
+	add.s64 	%rd362, %rd361, %rd162;
+	ld.v4.u32 	{%r66, %r67, %r68, %r69}, [%rd362];
+	add.s64 	%rd363, %rd362, %rd162;
+	ld.v4.u32 	{%r74, %r75, %r76, %r77}, [%rd363];
+	add.s64 	%rd364, %rd363, %rd164;
+	ld.v4.u32 	{%r82, %r83, %r84, %r85}, [%rd364];
+	st.global.v4.u32 	[%rd419], {%r82, %r83, %r84, %r85};
+	add.s64 	%rd365, %rd419, %rd162;
+	st.global.v4.u32 	[%rd365], {%r58, %r59, %r60, %r61};
+	add.s64 	%rd366, %rd365, %rd162;
+	st.global.v4.u32 	[%rd366], {%r66, %r67, %r68, %r69};
+	add.s64 	%rd367, %rd366, %rd162;
+	add.s64 	%rd419, %rd367, %rd162;
+	st.global.v4.u32 	[%rd367], {%r74, %r75, %r76, %r77};
+	add.s64 	%rd420, %rd359, %rd420;
+	add.s64 	%rd368, %rd420, %rd161;
+	setp.lt.u64 	%p91, %rd368, %rd159;
+	@%p91 bra 	$L__BB8_87;
+
+$L__BB8_88:
+	setp.ge.u64 	%p92, %rd420, %rd159;
+	@%p92 bra 	$L__BB8_91;
+
+	add.s64 	%rd170, %rd41, %rd155;
+
+$L__BB8_90:
+	shl.b64 	%rd369, %rd420, 4;
+	add.s64 	%rd370, %rd170, %rd369;
+	add.s64 	%rd371, %rd160, %rd369;
+	ld.v4.u32 	{%r90, %r91, %r92, %r93}, [%rd371];
+	st.global.v4.u32 	[%rd370], {%r90, %r91, %r92, %r93};
+	add.s64 	%rd420, %rd420, %rd153;
+	setp.lt.u64 	%p93, %rd420, %rd159;
+	@%p93 bra 	$L__BB8_90;
+
+$L__BB8_91:
+	and.b64  	%rd372, %rd158, -16;
+	add.s64 	%rd373, %rd155, %rd151;
+	add.s64 	%rd422, %rd373, %rd372;
+	setp.ge.u64 	%p94, %rd422, %rd177;
+	@%p94 bra 	$L__BB8_93;
+
+$L__BB8_92:
+	add.s64 	%rd374, %rd42, %rd422;
+	ld.u8 	%rs19, [%rd374];
+	add.s64 	%rd375, %rd41, %rd422;
+	st.global.u8 	[%rd375], %rs19;
+	add.s64 	%rd422, %rd422, %rd153;
+	setp.lt.u64 	%p95, %rd422, %rd177;
+	@%p95 bra 	$L__BB8_92;
+	bra.uni 	$L__BB8_93;
+
+$L__BB8_71:
+	mov.u32 	%r32, %ctaid.x;
+	cvt.u64.u32 	%rd120, %r32;
+	mov.u32 	%r33, %ntid.x;
+	cvt.u64.u32 	%rd121, %r33;
+	mul.wide.u32 	%rd310, %r32, %r33;
+	cvt.u64.u32 	%rd122, %r1;
+	add.s64 	%rd123, %rd310, %rd122;
+	mov.u32 	%r34, %nctaid.x;
+	cvt.u64.u32 	%rd124, %r34;
+	mul.wide.u32 	%rd125, %r34, %r33;
+	neg.s64 	%rd311, %rd176;
+	and.b64  	%rd126, %rd311, 7;
+	min.u64 	%rd127, %rd126, %rd177;
+	setp.ge.u64 	%p80, %rd123, %rd127;
+	@%p80 bra 	$L__BB8_74;
+
+	mov.u64 	%rd411, %rd123;
 
 $L__BB8_73:
-	membar.gl;
-	bar.sync 	0;
-	@%p1 bra 	$L__BB8_76;
+	add.s64 	%rd312, %rd42, %rd411;
+	ld.u8 	%rs16, [%rd312];
+	add.s64 	%rd313, %rd41, %rd411;
+	st.global.u8 	[%rd313], %rs16;
+	add.s64 	%rd411, %rd411, %rd125;
+	setp.lt.u64 	%p81, %rd411, %rd127;
+	@%p81 bra 	$L__BB8_73;
 
-	add.s64 	%rd325, %rd2, 128;
-	atom.global.add.u64 	%rd326, [%rd325], 1;
-	mov.u32 	%r94, %nctaid.x;
-	add.s32 	%r95, %r94, -1;
-	cvt.u64.u32 	%rd327, %r95;
-	setp.ne.s64 	%p61, %rd326, %rd327;
-	@%p61 bra 	$L__BB8_76;
+$L__BB8_74:
+	sub.s64 	%rd130, %rd177, %rd127;
+	shr.u64 	%rd131, %rd130, 3;
+	add.s64 	%rd132, %rd42, %rd127;
+	mul.lo.s64 	%rd133, %rd125, 3;
+	add.s64 	%rd314, %rd123, %rd133;
+	setp.ge.u64 	%p82, %rd314, %rd131;
+	mov.u64 	%rd414, %rd123;
+	@%p82 bra 	$L__BB8_77;
 
-	mov.u64 	%rd329, 0;
-	st.global.u64 	[%rd2+128], %rd329;
-	st.global.u64 	[%rd2+136], %rd329;
-	st.global.u64 	[%rd2+144], %rd329;
-	membar.sys;
-	ld.volatile.global.u64 	%rd330, [%rd2+120];
-	mov.u64 	%rd331, 1;
-	st.volatile.u64 	[%rd330], %rd331;
-	membar.sys;
+	mul.lo.s64 	%rd315, %rd124, %rd121;
+	shl.b64 	%rd134, %rd315, 3;
+	mul.lo.s64 	%rd316, %rd120, %rd121;
+	shl.b64 	%rd317, %rd316, 3;
+	shl.b64 	%rd318, %rd122, 3;
+	add.s64 	%rd319, %rd317, %rd318;
+	add.s64 	%rd320, %rd319, -1;
+	not.b64 	%rd321, %rd177;
+	not.b64 	%rd322, %rd126;
+	max.u64 	%rd323, %rd322, %rd321;
+	sub.s64 	%rd324, %rd320, %rd323;
+	add.s64 	%rd413, %rd41, %rd324;
+	mul.lo.s64 	%rd136, %rd315, -24;
+	mov.u64 	%rd414, %rd123;
 
 $L__BB8_76:
+	add.s64 	%rd325, %rd414, %rd125;
+	shl.b64 	%rd326, %rd325, 3;
+	add.s64 	%rd327, %rd132, %rd326;
+	ld.v2.u32 	{%r35, %r36}, [%rd327];
+	add.s64 	%rd328, %rd327, %rd134;
+	ld.v2.u32 	{%r39, %r40}, [%rd328];
+	add.s64 	%rd329, %rd328, %rd134;
+	ld.v2.u32 	{%r43, %r44}, [%rd329];
+	add.s64 	%rd330, %rd329, %rd136;
+	ld.v2.u32 	{%r47, %r48}, [%rd330];
+	st.global.v2.u32 	[%rd413], {%r47, %r48};
+	add.s64 	%rd331, %rd413, %rd134;
+	st.global.v2.u32 	[%rd331], {%r35, %r36};
+	add.s64 	%rd332, %rd331, %rd134;
+	st.global.v2.u32 	[%rd332], {%r39, %r40};
+	add.s64 	%rd333, %rd332, %rd134;
+	add.s64 	%rd413, %rd333, %rd134;
+	st.global.v2.u32 	[%rd333], {%r43, %r44};
+	add.s64 	%rd414, %rd133, %rd325;
+	add.s64 	%rd334, %rd414, %rd133;
+	setp.lt.u64 	%p83, %rd334, %rd131;
+	@%p83 bra 	$L__BB8_76;
+
+$L__BB8_77:
+	setp.ge.u64 	%p84, %rd414, %rd131;
+	@%p84 bra 	$L__BB8_80;
+
+	add.s64 	%rd142, %rd41, %rd127;
+
+$L__BB8_79:
+	shl.b64 	%rd335, %rd414, 3;
+	add.s64 	%rd336, %rd132, %rd335;
+	ld.v2.u32 	{%r51, %r52}, [%rd336];
+	add.s64 	%rd337, %rd142, %rd335;
+	st.global.v2.u32 	[%rd337], {%r51, %r52};
+	add.s64 	%rd414, %rd414, %rd125;
+	setp.lt.u64 	%p85, %rd414, %rd131;
+	@%p85 bra 	$L__BB8_79;
+
+$L__BB8_80:
+	and.b64  	%rd338, %rd130, -8;
+	add.s64 	%rd339, %rd127, %rd123;
+	add.s64 	%rd416, %rd339, %rd338;
+	setp.ge.u64 	%p86, %rd416, %rd177;
+	@%p86 bra 	$L__BB8_93;
+
+$L__BB8_81:
+	add.s64 	%rd340, %rd42, %rd416;
+	ld.u8 	%rs17, [%rd340];
+	add.s64 	%rd341, %rd41, %rd416;
+	st.global.u8 	[%rd341], %rs17;
+	add.s64 	%rd416, %rd416, %rd125;
+	setp.lt.u64 	%p87, %rd416, %rd177;
+	@%p87 bra 	$L__BB8_81;
+	bra.uni 	$L__BB8_93;
+
+$L__BB8_60:
+	mov.u32 	%r24, %ctaid.x;
+	cvt.u64.u32 	%rd90, %r24;
+	mov.u32 	%r25, %ntid.x;
+	cvt.u64.u32 	%rd91, %r25;
+	mul.wide.u32 	%rd280, %r24, %r25;
+	cvt.u64.u32 	%rd92, %r1;
+	add.s64 	%rd93, %rd280, %rd92;
+	mov.u32 	%r26, %nctaid.x;
+	cvt.u64.u32 	%rd94, %r26;
+	mul.wide.u32 	%rd95, %r26, %r25;
+	neg.s64 	%rd281, %rd176;
+	and.b64  	%rd96, %rd281, 3;
+	min.u64 	%rd97, %rd96, %rd177;
+	setp.ge.u64 	%p72, %rd93, %rd97;
+	@%p72 bra 	$L__BB8_63;
+
+	mov.u64 	%rd404, %rd93;
+
+$L__BB8_62:
+	add.s64 	%rd282, %rd42, %rd404;
+	ld.u8 	%rs14, [%rd282];
+	add.s64 	%rd283, %rd41, %rd404;
+	st.global.u8 	[%rd283], %rs14;
+	add.s64 	%rd404, %rd404, %rd95;
+	setp.lt.u64 	%p73, %rd404, %rd97;
+	@%p73 bra 	$L__BB8_62;
+
+$L__BB8_63:
+	sub.s64 	%rd100, %rd177, %rd97;
+	shr.u64 	%rd101, %rd100, 2;
+	mul.lo.s64 	%rd102, %rd95, 3;
+	add.s64 	%rd284, %rd93, %rd102;
+	setp.ge.u64 	%p74, %rd284, %rd101;
+	mov.u64 	%rd408, %rd93;
+	@%p74 bra 	$L__BB8_66;
+
+	mul.lo.s64 	%rd285, %rd90, %rd91;
+	shl.b64 	%rd286, %rd285, 2;
+	shl.b64 	%rd287, %rd92, 2;
+	add.s64 	%rd288, %rd286, %rd287;
+	add.s64 	%rd289, %rd288, -1;
+	not.b64 	%rd290, %rd177;
+	not.b64 	%rd291, %rd96;
+	max.u64 	%rd292, %rd291, %rd290;
+	sub.s64 	%rd293, %rd289, %rd292;
+	add.s64 	%rd406, %rd42, %rd293;
+	mul.lo.s64 	%rd294, %rd94, %rd91;
+	shl.b64 	%rd104, %rd294, 2;
+	add.s64 	%rd407, %rd41, %rd293;
+	mov.u64 	%rd408, %rd93;
+
+$L__BB8_65:
+	ld.u32 	%r27, [%rd406];
+	add.s64 	%rd295, %rd406, %rd104;
+	ld.u32 	%r28, [%rd295];
+	add.s64 	%rd296, %rd295, %rd104;
+	ld.u32 	%r29, [%rd296];
+	add.s64 	%rd297, %rd296, %rd104;
+	add.s64 	%rd406, %rd297, %rd104;
+	ld.u32 	%r30, [%rd297];
+	st.global.u32 	[%rd407], %r27;
+	add.s64 	%rd298, %rd407, %rd104;
+	st.global.u32 	[%rd298], %r28;
+	add.s64 	%rd299, %rd298, %rd104;
+	st.global.u32 	[%rd299], %r29;
+	add.s64 	%rd300, %rd299, %rd104;
+	add.s64 	%rd407, %rd300, %rd104;
+	st.global.u32 	[%rd300], %r30;
+	add.s64 	%rd301, %rd408, %rd95;
+	add.s64 	%rd408, %rd102, %rd301;
+	add.s64 	%rd302, %rd408, %rd102;
+	setp.lt.u64 	%p75, %rd302, %rd101;
+	@%p75 bra 	$L__BB8_65;
+
+$L__BB8_66:
+	setp.ge.u64 	%p76, %rd408, %rd101;
+	@%p76 bra 	$L__BB8_69;
+
+	add.s64 	%rd113, %rd41, %rd97;
+	add.s64 	%rd114, %rd42, %rd97;
+
+$L__BB8_68:
+	shl.b64 	%rd303, %rd408, 2;
+	add.s64 	%rd304, %rd114, %rd303;
+	ld.u32 	%r31, [%rd304];
+	add.s64 	%rd305, %rd113, %rd303;
+	st.global.u32 	[%rd305], %r31;
+	add.s64 	%rd408, %rd408, %rd95;
+	setp.lt.u64 	%p77, %rd408, %rd101;
+	@%p77 bra 	$L__BB8_68;
+
+$L__BB8_69:
+	and.b64  	%rd306, %rd100, -4;
+	add.s64 	%rd307, %rd97, %rd93;
+	add.s64 	%rd410, %rd307, %rd306;
+	setp.ge.u64 	%p78, %rd410, %rd177;
+	@%p78 bra 	$L__BB8_93;
+
+$L__BB8_70:
+	add.s64 	%rd308, %rd42, %rd410;
+	ld.u8 	%rs15, [%rd308];
+	add.s64 	%rd309, %rd41, %rd410;
+	st.global.u8 	[%rd309], %rs15;
+	add.s64 	%rd410, %rd410, %rd95;
+	setp.lt.u64 	%p79, %rd410, %rd177;
+	@%p79 bra 	$L__BB8_70;
+	bra.uni 	$L__BB8_93;
+
+$L__BB8_42:
+	mul.lo.s64 	%rd50, %rd49, 3;
+	add.s64 	%rd239, %rd47, %rd50;
+	setp.ge.u64 	%p58, %rd239, %rd177;
+	mov.u64 	%rd394, %rd47;
+	@%p58 bra 	$L__BB8_45;
+
+	add.s64 	%rd392, %rd42, %rd47;
+	mul.lo.s64 	%rd52, %rd48, %rd45;
+	add.s64 	%rd393, %rd41, %rd47;
+	mov.u64 	%rd394, %rd47;
+
+$L__BB8_44:
+	ld.u8 	%rs1, [%rd392];
+	add.s64 	%rd240, %rd392, %rd52;
+	ld.u8 	%rs2, [%rd240];
+	add.s64 	%rd241, %rd240, %rd52;
+	ld.u8 	%rs3, [%rd241];
+	add.s64 	%rd242, %rd241, %rd52;
+	add.s64 	%rd392, %rd242, %rd52;
+	ld.u8 	%rs4, [%rd242];
+	st.global.u8 	[%rd393], %rs1;
+	add.s64 	%rd243, %rd393, %rd52;
+	st.global.u8 	[%rd243], %rs2;
+	add.s64 	%rd244, %rd243, %rd52;
+	st.global.u8 	[%rd244], %rs3;
+	add.s64 	%rd245, %rd244, %rd52;
+	add.s64 	%rd393, %rd245, %rd52;
+	st.global.u8 	[%rd245], %rs4;
+	add.s64 	%rd246, %rd394, %rd49;
+	add.s64 	%rd394, %rd50, %rd246;
+	add.s64 	%rd247, %rd394, %rd50;
+	setp.lt.u64 	%p59, %rd247, %rd177;
+	@%p59 bra 	$L__BB8_44;
+
+$L__BB8_45:
+	setp.ge.u64 	%p60, %rd394, %rd177;
+	@%p60 bra 	$L__BB8_47;
+
+$L__BB8_46:
+	add.s64 	%rd248, %rd42, %rd394;
+	ld.u8 	%rs5, [%rd248];
+	add.s64 	%rd249, %rd41, %rd394;
+	st.global.u8 	[%rd249], %rs5;
+	add.s64 	%rd394, %rd394, %rd49;
+	setp.lt.u64 	%p61, %rd394, %rd177;
+	@%p61 bra 	$L__BB8_46;
+
+$L__BB8_47:
+	add.s64 	%rd396, %rd47, %rd177;
+	setp.ge.u64 	%p62, %rd396, %rd47;
+	@%p62 bra 	$L__BB8_93;
+
+$L__BB8_48:
+	add.s64 	%rd250, %rd42, %rd396;
+	ld.u8 	%rs6, [%rd250];
+	add.s64 	%rd251, %rd41, %rd396;
+	st.global.u8 	[%rd251], %rs6;
+	add.s64 	%rd396, %rd396, %rd49;
+	setp.lt.u64 	%p63, %rd396, %rd177;
+	@%p63 bra 	$L__BB8_48;
+
+$L__BB8_93:
+	membar.gl;
+	bar.sync 	0;
+	@%p1 bra 	$L__BB8_96;
+
+	add.s64 	%rd376, %rd2, 128;
+	atom.global.add.u64 	%rd377, [%rd376], 1;
+	mov.u32 	%r98, %nctaid.x;
+	add.s32 	%r99, %r98, -1;
+	cvt.u64.u32 	%rd378, %r99;
+	setp.ne.s64 	%p97, %rd377, %rd378;
+	@%p97 bra 	$L__BB8_96;
+
+	mov.u64 	%rd379, 0;
+	st.global.u64 	[%rd2+128], %rd379;
+	st.global.u64 	[%rd2+136], %rd379;
+	st.global.u64 	[%rd2+144], %rd379;
+	membar.sys;
+	ld.volatile.global.u64 	%rd380, [%rd2+120];
+	mov.u64 	%rd381, 1;
+	st.volatile.u64 	[%rd380], %rd381;
+	membar.sys;
+
+$L__BB8_96:
 	ret;
+
+$L__BB8_26:
+	membar.gl;
+	setp.eq.s64 	%p27, %rd14, 0;
+	@%p27 bra 	$L__BB8_28;
+
+	setp.eq.s64 	%p28, %rd383, 1;
+	selp.b64 	%rd207, %rd17, %rd15, %p28;
+	setp.eq.s64 	%p29, %rd383, 2;
+	selp.b64 	%rd208, %rd19, %rd207, %p29;
+	setp.eq.s64 	%p30, %rd383, 3;
+	selp.b64 	%rd389, %rd21, %rd208, %p30;
+	bra.uni 	$L__BB8_29;
+
+$L__BB8_28:
+	ld.volatile.global.u64 	%rd389, [%rd204+32];
+
+$L__BB8_29:
+	st.global.u64 	[%rd2+112], %rd389;
+	setp.eq.s64 	%p31, %rd383, 1;
+	selp.b64 	%rd211, %rd18, %rd16, %p31;
+	setp.eq.s64 	%p32, %rd383, 2;
+	selp.b64 	%rd212, %rd20, %rd211, %p32;
+	setp.eq.s64 	%p33, %rd383, 3;
+	selp.b64 	%rd213, %rd22, %rd212, %p33;
+	st.global.u64 	[%rd2+120], %rd213;
+	bra.uni 	$L__BB8_36;
 
 }
 

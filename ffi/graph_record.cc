@@ -81,9 +81,11 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
   c.cell_size = spec.nbytes;
   c.trades = use_kernels_ && k == 1 && spec.nbytes > kMultiCellBytes &&
              EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge;
+  const int spares = use_kernels_ && kind == ChannelKind::kOffload ? EngineConfig::GraphSpares() : 0;
   if (st.ok()) {
     c.ncells = k;
-    if (use_kernels_) st = SetUpCells(setup, c);
+    // Lends (spares) and page trades change a cell's address word; without either it is constant.
+    if (use_kernels_) st = SetUpCells(setup, c, /*stable=*/spares == 0 && !c.trades);
   }
   if (!st.ok()) {
     for (Cell& cell : c.cells) {
@@ -94,11 +96,11 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
     c.ncells = 0;
     return st;
   }
-  if (use_kernels_ && kind == ChannelKind::kOffload) {
+  if (spares > 0) {
     // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares. (A
     // channel with spares records its rounds as kernels even with one cell: the cell's address is
     // read from the device words, where a lend changes it.)
-    for (int n = EngineConfig::GraphSpares(); n > 0; --n) {
+    for (int n = spares; n > 0; --n) {
       Spare sp;
       if (!ReservePages(spec, &sp).ok()) break;
       c.spares.push_back(std::move(sp));
@@ -124,11 +126,12 @@ Status GraphRecorder::ReservePages(const SlotSpec& spec, CellPages* p) {
   return Status();
 }
 
-Status GraphRecorder::SetUpCells(CUstream setup, Channel& c) {
+Status GraphRecorder::SetUpCells(CUstream setup, Channel& c, bool stable) {
   // Outside any capture. The constant part of the channel's device words, on `setup` (it never
   // waits on XLA's streams), synchronized before any round can read them.
   const char* stage = "graph channel";
   Status st = WriteDevice(setup, c.Word(offsetof(DeviceWords, ncells)), static_cast<uint64_t>(c.ncells), stage);
+  if (st.ok()) st = WriteDevice(setup, c.Word(offsetof(DeviceWords, stable)), static_cast<uint64_t>(stable), stage);
   for (int i = 0; i < c.ncells && st.ok(); ++i) {
     st = WriteDevice(setup, c.CellWord(i), c.cells[i].addr, stage);
     if (st.ok())

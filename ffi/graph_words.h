@@ -18,7 +18,8 @@ inline constexpr int kMaxSpares = 64;
 struct DeviceWords {
   uint64_t grant[kMaxCells];  // offload: cell i's armed token (0: none); reload: the token cell i holds
   uint64_t cell[kMaxCells];   // the cells' addresses (written at the channel's first initialize; an offload
-                              // cell's when the poller re-arms it with a spare, before that grant)
+                              // cell's when the poller re-arms it with a spare, a large call site's on a page
+                              // trade, each before the grant that follows)
   uint64_t flag[kMaxCells];   // &filled[i] / &done[i] (idem)
   uint64_t ncells;            // K (idem)
   uint64_t next;              // offload: the cell the next take scans first (the device's round robin)
@@ -27,7 +28,9 @@ struct DeviceWords {
   uint64_t blocks;            // fused kernels: blocks finished (the last one resets it)
   uint64_t arrive;            // fused kernels: blocks arrived (the first takes; the last to finish resets it)
   uint64_t ready;             // fused kernels: the chosen cell's address once the taker chose it (the last to finish resets it)
-  uint64_t pad[13];
+  uint64_t stable;            // 1: no cell address changes after the first initialize (no spares, no page trades),
+                              // so a take may use the addresses it loaded before taking its grant (constant)
+  uint64_t pad[12];
 };
 static_assert(sizeof(DeviceWords) == 256, "the layout of Cells in graph_kernels.cu");
 

@@ -121,7 +121,7 @@ gpu_suites() {
   export JAXVMM_REQUIRE_GPU
   for s in "$@"; do
     case $s in
-      graph) gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py ;;
+      graph) gpu_tests graph 320 tests/test_graph.py tests/test_graph_xla.py ;;
       rest) gpu_tests rest 150 $REST_TESTS ;;
       offload) gpu_tests offload 120 tests/test_offload.py ;;
       remat) remat_suite ;;

@@ -31,7 +31,8 @@ struct Cells {
   u64 blocks;                   // fused kernels: blocks finished (the last one resets it)
   u64 arrive;                   // fused kernels: blocks arrived (the first one takes; the last to finish resets it)
   u64 ready;                    // fused kernels: the chosen cell's address, once the taker chose it (the last to finish resets it)
-  u64 pad[13];
+  u64 stable;                   // 1: no cell address ever changes (no spares, no page trades; constant)
+  u64 pad[12];
 };
 static_assert(sizeof(Cells) == 256, "Cells layout (graph_words.h)");
 
@@ -46,12 +47,38 @@ __device__ __forceinline__ void store_token(unsigned* out, u64 t) {
   out[1] = (unsigned)(t >> 32);
 }
 
-__device__ __forceinline__ u64 choose(Cells* c, u64 i) {
-  // cell[i] of an offload channel changes when the poller lends the cell (spare cells): a volatile
-  // read, after the fence that follows taking the grant written behind it.
-  const u64 p = *(volatile u64*)&c->cell[i];
+// What a take reads whatever grant it gets, loaded before its atomic so that their round trips overlap
+// it (a take is one thread: each dependent load is a round trip to L2): the cells' addresses and flag
+// words. A flag word never changes; a cell's address does when the poller lends an offload cell or
+// trades a large call site's pages (before the grant that names the new address), so those channels
+// (`stable` == 0) read it again after taking the grant.
+struct CellWords {
+  u64 stable, cell[JAXVMM_MAX_CELLS], flag[JAXVMM_MAX_CELLS];
+};
+
+__device__ __forceinline__ void load_cell_words(Cells* c, CellWords* w) {
+  w->stable = *(volatile u64*)&c->stable;
+#pragma unroll
+  for (int j = 0; j < JAXVMM_MAX_CELLS; ++j) {
+    w->cell[j] = *(volatile u64*)&c->cell[j];
+    w->flag[j] = *(volatile u64*)&c->flag[j];
+  }
+}
+
+// Entry i of a register array without indexing it (a dynamic index would put the array in local memory).
+__device__ __forceinline__ u64 pick(const u64* a, u64 i) {
+  u64 v = a[0];
+#pragma unroll
+  for (int j = 1; j < JAXVMM_MAX_CELLS; ++j)
+    if (i == (u64)j) v = a[j];
+  return v;
+}
+
+// After the fence that follows taking cell i's grant: its address into `ptr`, its flag into `publish`.
+__device__ __forceinline__ u64 choose(Cells* c, u64 i, const CellWords& w) {
+  const u64 p = w.stable ? pick(w.cell, i) : *(volatile u64*)&c->cell[i];
   c->ptr = p;
-  c->publish = c->flag[i];
+  c->publish = pick(w.flag, i);
   return p;
 }
 
@@ -60,7 +87,9 @@ __device__ __forceinline__ u64 choose(Cells* c, u64 i) {
 // trip, and the others after a read). Without one, knock (a level the device holds while it waits)
 // until the poller arms. Returns the chosen cell's address.
 __device__ __forceinline__ u64 take_offload(Cells* c, unsigned* token_out, volatile u64* knock) {
-  const u64 k = c->ncells, start = c->next;
+  const u64 k = *(volatile u64*)&c->ncells, start = *(volatile u64*)&c->next;
+  CellWords cw;
+  load_cell_words(c, &cw);
   u64 i = start;
   u64 t = atomicExch(&c->grant[start], 0ull);  // exchanging 0 for 0 is harmless
   for (u64 j = 1; j < k && t == 0; ++j) {
@@ -85,7 +114,7 @@ __device__ __forceinline__ u64 take_offload(Cells* c, unsigned* token_out, volat
   __threadfence();
   c->next = (i + 1) % k;
   store_token(token_out, t);
-  return choose(c, i);
+  return choose(c, i, cw);
 }
 
 extern "C" __global__ void jaxvmm_take_offload(Cells* c, unsigned* token_out, volatile u64* knock) {
@@ -98,12 +127,25 @@ extern "C" __global__ void jaxvmm_take_offload(Cells* c, unsigned* token_out, vo
 __device__ __forceinline__ u64 take_reload(Cells* c, const unsigned* token_in, volatile u64* probe, volatile u64* request,
                                             volatile u64* go) {
   const u64 t = (u64)token_in[0] | ((u64)token_in[1] << 32);
-  const u64 k = c->ncells;
+  const u64 k = *(volatile u64*)&c->ncells;
+  u64 g[JAXVMM_MAX_CELLS];
+#pragma unroll
+  for (int j = 0; j < JAXVMM_MAX_CELLS; ++j) g[j] = *(volatile u64*)&c->grant[j];
+  CellWords cw;
+  load_cell_words(c, &cw);
   if (t != 0) {
+    // The cell whose grant the loads above saw naming t first (one atomic, usually the only one), then
+    // every cell (a grant written since those loads).
+#pragma unroll
+    for (int j = 0; j < JAXVMM_MAX_CELLS; ++j)
+      if ((u64)j < k && g[j] == t && atomicCAS(&c->grant[j], t, 0ull) == t) {
+        __threadfence();
+        return choose(c, j, cw);
+      }
     for (u64 i = 0; i < k; ++i) {
       if (atomicCAS(&c->grant[i], t, 0ull) == t) {
         __threadfence();
-        return choose(c, i);
+        return choose(c, i, cw);
       }
     }
   }
@@ -112,11 +154,11 @@ __device__ __forceinline__ u64 take_reload(Cells* c, const unsigned* token_in, v
   *request = 1;
   __threadfence_system();
   unsigned ns = 32;
-  u64 g;
-  while ((g = *go) == 0) backoff(&ns);
+  u64 g1;
+  while ((g1 = *go) == 0) backoff(&ns);
   *go = 0;
   __threadfence_system();
-  return choose(c, g - 1);
+  return choose(c, g1 - 1, cw);
 }
 
 extern "C" __global__ void jaxvmm_take_reload(Cells* c, const unsigned* token_in, volatile u64* probe,
