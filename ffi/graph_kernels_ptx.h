@@ -469,547 +469,3658 @@ $L__BB2_3:
 	.param .u64 jaxvmm_cell_copy_param_3
 )
 {
-	.reg .pred 	%p<47>;
-	.reg .b16 	%rs<20>;
-	.reg .b32 	%r<82>;
-	.reg .b64 	%rd<316>;
+	.reg .pred 	%p<354>;
+	.reg .b16 	%rs<162>;
+	.reg .b32 	%r<608>;
+	.reg .b64 	%rd<1999>;
 
-	ld.param.u64 	%rd137, [jaxvmm_cell_copy_param_0];
-	ld.param.u64 	%rd138, [jaxvmm_cell_copy_param_1];
-	ld.param.u64 	%rd136, [jaxvmm_cell_copy_param_2];
-	ld.param.u64 	%rd139, [jaxvmm_cell_copy_param_3];
-	cvta.to.global.u64 	%rd140, %rd137;
-	ld.volatile.global.u64 	%rd141, [%rd140+112];
-	setp.eq.s64 	%p1, %rd139, 0;
-	selp.b64 	%rd1, %rd141, %rd138, %p1;
-	selp.b64 	%rd2, %rd138, %rd141, %p1;
-	xor.b64  	%rd3, %rd1, %rd2;
-	and.b64  	%rd142, %rd3, 15;
-	setp.eq.s64 	%p2, %rd142, 0;
-	@%p2 bra 	$L__BB3_44;
+	ld.param.u64 	%rd778, [jaxvmm_cell_copy_param_0];
+	ld.param.u64 	%rd776, [jaxvmm_cell_copy_param_1];
+	ld.param.u64 	%rd777, [jaxvmm_cell_copy_param_2];
+	ld.param.u64 	%rd779, [jaxvmm_cell_copy_param_3];
+	cvta.to.global.u64 	%rd780, %rd778;
+	add.s64 	%rd1, %rd780, 112;
+	setp.eq.s64 	%p1, %rd779, 0;
+	@%p1 bra 	$L__BB3_56;
 
-	and.b64  	%rd143, %rd3, 7;
-	setp.eq.s64 	%p3, %rd143, 0;
-	@%p3 bra 	$L__BB3_33;
+	ld.volatile.global.u64 	%rd2, [%rd1];
+	cvta.to.global.u64 	%rd3, %rd776;
+	xor.b64  	%rd4, %rd2, %rd776;
+	and.b64  	%rd781, %rd4, 15;
+	setp.eq.s64 	%p2, %rd781, 0;
+	@%p2 bra 	$L__BB3_45;
 
-	and.b64  	%rd144, %rd3, 3;
-	setp.eq.s64 	%p4, %rd144, 0;
-	@%p4 bra 	$L__BB3_22;
+	and.b64  	%rd782, %rd4, 7;
+	setp.eq.s64 	%p3, %rd782, 0;
+	@%p3 bra 	$L__BB3_34;
 
-	and.b64  	%rd145, %rd3, 1;
-	setp.eq.b64 	%p5, %rd145, 1;
+	and.b64  	%rd783, %rd4, 3;
+	setp.eq.s64 	%p4, %rd783, 0;
+	@%p4 bra 	$L__BB3_23;
+
+	and.b64  	%rd784, %rd4, 1;
+	setp.eq.b64 	%p5, %rd784, 1;
 	mov.pred 	%p6, 0;
 	xor.pred  	%p7, %p5, %p6;
 	not.pred 	%p8, %p7;
-	mov.u32 	%r1, %ctaid.x;
-	cvt.u64.u32 	%rd4, %r1;
-	mov.u32 	%r2, %ntid.x;
-	cvt.u64.u32 	%rd5, %r2;
-	mul.wide.u32 	%rd146, %r1, %r2;
-	mov.u32 	%r3, %tid.x;
-	cvt.u64.u32 	%rd6, %r3;
-	add.s64 	%rd7, %rd146, %rd6;
-	mov.u32 	%r4, %nctaid.x;
-	cvt.u64.u32 	%rd8, %r4;
-	mul.wide.u32 	%rd9, %r4, %r2;
-	@%p8 bra 	$L__BB3_11;
-	bra.uni 	$L__BB3_4;
+	mov.u32 	%r57, %ctaid.x;
+	cvt.u64.u32 	%rd5, %r57;
+	mov.u32 	%r58, %ntid.x;
+	cvt.u64.u32 	%rd6, %r58;
+	mul.wide.u32 	%rd785, %r57, %r58;
+	mov.u32 	%r59, %tid.x;
+	cvt.u64.u32 	%rd7, %r59;
+	add.s64 	%rd8, %rd785, %rd7;
+	mov.u32 	%r60, %nctaid.x;
+	cvt.u64.u32 	%rd9, %r60;
+	mul.wide.u32 	%rd10, %r60, %r58;
+	@%p8 bra 	$L__BB3_12;
+	bra.uni 	$L__BB3_5;
 
-$L__BB3_11:
-	and.b64  	%rd26, %rd1, 1;
-	min.u64 	%rd27, %rd26, %rd136;
-	setp.ge.u64 	%p15, %rd7, %rd27;
-	@%p15 bra 	$L__BB3_14;
+$L__BB3_12:
+	and.b64  	%rd24, %rd776, 1;
+	min.u64 	%rd25, %rd24, %rd777;
+	setp.ge.u64 	%p15, %rd8, %rd25;
+	@%p15 bra 	$L__BB3_15;
 
-	mov.u64 	%rd290, %rd7;
-
-$L__BB3_13:
-	add.s64 	%rd160, %rd2, %rd290;
-	ld.u8 	%rs7, [%rd160];
-	add.s64 	%rd161, %rd1, %rd290;
-	st.u8 	[%rd161], %rs7;
-	add.s64 	%rd290, %rd290, %rd9;
-	setp.lt.u64 	%p16, %rd290, %rd27;
-	@%p16 bra 	$L__BB3_13;
+	mov.u64 	%rd1795, %rd8;
 
 $L__BB3_14:
-	sub.s64 	%rd30, %rd136, %rd27;
-	shr.u64 	%rd31, %rd30, 1;
-	mul.lo.s64 	%rd32, %rd9, 3;
-	add.s64 	%rd162, %rd7, %rd32;
-	setp.ge.u64 	%p17, %rd162, %rd31;
-	mov.u64 	%rd294, %rd7;
-	@%p17 bra 	$L__BB3_17;
+	add.s64 	%rd800, %rd2, %rd1795;
+	ld.u8 	%rs23, [%rd800];
+	add.s64 	%rd801, %rd3, %rd1795;
+	st.global.u8 	[%rd801], %rs23;
+	add.s64 	%rd1795, %rd1795, %rd10;
+	setp.lt.u64 	%p16, %rd1795, %rd25;
+	@%p16 bra 	$L__BB3_14;
 
-	mul.lo.s64 	%rd163, %rd4, %rd5;
-	shl.b64 	%rd164, %rd163, 1;
-	shl.b64 	%rd165, %rd6, 1;
-	add.s64 	%rd166, %rd164, %rd165;
-	add.s64 	%rd167, %rd166, -1;
-	not.b64 	%rd168, %rd136;
-	not.b64 	%rd169, %rd26;
-	max.u64 	%rd170, %rd169, %rd168;
-	sub.s64 	%rd171, %rd167, %rd170;
-	add.s64 	%rd292, %rd2, %rd171;
-	mul.lo.s64 	%rd172, %rd8, %rd5;
-	shl.b64 	%rd34, %rd172, 1;
-	add.s64 	%rd293, %rd1, %rd171;
-	mov.u64 	%rd294, %rd7;
+$L__BB3_15:
+	sub.s64 	%rd29, %rd777, %rd25;
+	shr.u64 	%rd30, %rd29, 1;
+	mul.lo.s64 	%rd31, %rd10, 3;
+	add.s64 	%rd802, %rd8, %rd31;
+	setp.ge.u64 	%p17, %rd802, %rd30;
+	mov.u64 	%rd1799, %rd8;
+	@%p17 bra 	$L__BB3_18;
 
-$L__BB3_16:
-	ld.u16 	%rs8, [%rd292];
-	add.s64 	%rd173, %rd292, %rd34;
-	ld.u16 	%rs9, [%rd173];
-	add.s64 	%rd174, %rd173, %rd34;
-	ld.u16 	%rs10, [%rd174];
-	add.s64 	%rd175, %rd174, %rd34;
-	add.s64 	%rd292, %rd175, %rd34;
-	ld.u16 	%rs11, [%rd175];
-	st.u16 	[%rd293], %rs8;
-	add.s64 	%rd176, %rd293, %rd34;
-	st.u16 	[%rd176], %rs9;
-	add.s64 	%rd177, %rd176, %rd34;
-	st.u16 	[%rd177], %rs10;
-	add.s64 	%rd178, %rd177, %rd34;
-	add.s64 	%rd293, %rd178, %rd34;
-	st.u16 	[%rd178], %rs11;
-	add.s64 	%rd179, %rd294, %rd9;
-	add.s64 	%rd294, %rd32, %rd179;
-	add.s64 	%rd180, %rd294, %rd32;
-	setp.lt.u64 	%p18, %rd180, %rd31;
-	@%p18 bra 	$L__BB3_16;
+	mul.lo.s64 	%rd803, %rd5, %rd6;
+	shl.b64 	%rd804, %rd803, 1;
+	shl.b64 	%rd805, %rd7, 1;
+	add.s64 	%rd806, %rd804, %rd805;
+	add.s64 	%rd807, %rd806, -1;
+	not.b64 	%rd808, %rd777;
+	not.b64 	%rd809, %rd24;
+	max.u64 	%rd810, %rd809, %rd808;
+	sub.s64 	%rd811, %rd807, %rd810;
+	add.s64 	%rd1797, %rd3, %rd811;
+	mul.lo.s64 	%rd812, %rd9, %rd6;
+	shl.b64 	%rd33, %rd812, 1;
+	add.s64 	%rd1798, %rd2, %rd811;
+	mov.u64 	%rd1799, %rd8;
 
 $L__BB3_17:
-	setp.ge.u64 	%p19, %rd294, %rd31;
-	@%p19 bra 	$L__BB3_20;
+	ld.u16 	%rs24, [%rd1798];
+	add.s64 	%rd813, %rd1798, %rd33;
+	ld.u16 	%rs25, [%rd813];
+	add.s64 	%rd814, %rd813, %rd33;
+	ld.u16 	%rs26, [%rd814];
+	add.s64 	%rd815, %rd814, %rd33;
+	add.s64 	%rd1798, %rd815, %rd33;
+	ld.u16 	%rs27, [%rd815];
+	st.global.u16 	[%rd1797], %rs24;
+	add.s64 	%rd816, %rd1797, %rd33;
+	st.global.u16 	[%rd816], %rs25;
+	add.s64 	%rd817, %rd816, %rd33;
+	st.global.u16 	[%rd817], %rs26;
+	add.s64 	%rd818, %rd817, %rd33;
+	add.s64 	%rd1797, %rd818, %rd33;
+	st.global.u16 	[%rd818], %rs27;
+	add.s64 	%rd819, %rd1799, %rd10;
+	add.s64 	%rd1799, %rd31, %rd819;
+	add.s64 	%rd820, %rd1799, %rd31;
+	setp.lt.u64 	%p18, %rd820, %rd30;
+	@%p18 bra 	$L__BB3_17;
 
-	add.s64 	%rd43, %rd1, %rd27;
-	add.s64 	%rd44, %rd2, %rd27;
+$L__BB3_18:
+	setp.ge.u64 	%p19, %rd1799, %rd30;
+	@%p19 bra 	$L__BB3_21;
 
-$L__BB3_19:
-	shl.b64 	%rd181, %rd294, 1;
-	add.s64 	%rd182, %rd44, %rd181;
-	ld.u16 	%rs12, [%rd182];
-	add.s64 	%rd183, %rd43, %rd181;
-	st.u16 	[%rd183], %rs12;
-	add.s64 	%rd294, %rd294, %rd9;
-	setp.lt.u64 	%p20, %rd294, %rd31;
-	@%p20 bra 	$L__BB3_19;
+	add.s64 	%rd42, %rd3, %rd25;
+	add.s64 	%rd43, %rd2, %rd25;
 
 $L__BB3_20:
-	and.b64  	%rd184, %rd30, -2;
-	add.s64 	%rd185, %rd27, %rd7;
-	add.s64 	%rd296, %rd185, %rd184;
-	setp.ge.u64 	%p21, %rd296, %rd136;
-	@%p21 bra 	$L__BB3_55;
+	shl.b64 	%rd821, %rd1799, 1;
+	add.s64 	%rd822, %rd43, %rd821;
+	ld.u16 	%rs28, [%rd822];
+	add.s64 	%rd823, %rd42, %rd821;
+	st.global.u16 	[%rd823], %rs28;
+	add.s64 	%rd1799, %rd1799, %rd10;
+	setp.lt.u64 	%p20, %rd1799, %rd30;
+	@%p20 bra 	$L__BB3_20;
 
 $L__BB3_21:
-	add.s64 	%rd186, %rd2, %rd296;
-	ld.u8 	%rs13, [%rd186];
-	add.s64 	%rd187, %rd1, %rd296;
-	st.u8 	[%rd187], %rs13;
-	add.s64 	%rd296, %rd296, %rd9;
-	setp.lt.u64 	%p22, %rd296, %rd136;
-	@%p22 bra 	$L__BB3_21;
-	bra.uni 	$L__BB3_55;
+	and.b64  	%rd824, %rd29, -2;
+	add.s64 	%rd825, %rd25, %rd8;
+	add.s64 	%rd1801, %rd825, %rd824;
+	setp.ge.u64 	%p21, %rd1801, %rd777;
+	@%p21 bra 	$L__BB3_455;
 
-$L__BB3_44:
-	mov.u32 	%r38, %ctaid.x;
-	cvt.u64.u32 	%rd108, %r38;
-	mov.u32 	%r39, %ntid.x;
-	cvt.u64.u32 	%rd109, %r39;
-	mul.wide.u32 	%rd250, %r38, %r39;
-	mov.u32 	%r40, %tid.x;
-	cvt.u64.u32 	%rd110, %r40;
-	add.s64 	%rd111, %rd250, %rd110;
-	mov.u32 	%r41, %nctaid.x;
-	cvt.u64.u32 	%rd112, %r41;
-	mul.wide.u32 	%rd113, %r41, %r39;
-	neg.s64 	%rd251, %rd1;
-	and.b64  	%rd114, %rd251, 15;
-	min.u64 	%rd115, %rd114, %rd136;
+$L__BB3_22:
+	add.s64 	%rd826, %rd2, %rd1801;
+	ld.u8 	%rs29, [%rd826];
+	add.s64 	%rd827, %rd3, %rd1801;
+	st.global.u8 	[%rd827], %rs29;
+	add.s64 	%rd1801, %rd1801, %rd10;
+	setp.lt.u64 	%p22, %rd1801, %rd777;
+	@%p22 bra 	$L__BB3_22;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_56:
+	cvta.to.global.u64 	%rd136, %rd776;
+	and.b64  	%rd924, %rd776, 15;
+	setp.eq.s64 	%p47, %rd924, 0;
+	@%p47 bra 	$L__BB3_376;
+
+	and.b64  	%rd925, %rd776, 7;
+	setp.eq.s64 	%p48, %rd925, 0;
+	@%p48 bra 	$L__BB3_297;
+
+	and.b64  	%rd926, %rd776, 3;
+	setp.eq.s64 	%p49, %rd926, 0;
+	@%p49 bra 	$L__BB3_218;
+
+	and.b64  	%rd927, %rd776, 1;
+	setp.eq.b64 	%p50, %rd927, 1;
+	mov.pred 	%p51, 0;
+	xor.pred  	%p52, %p50, %p51;
+	not.pred 	%p53, %p52;
+	mov.u32 	%r138, %ctaid.x;
+	cvt.u64.u32 	%rd137, %r138;
+	mov.u32 	%r139, %ntid.x;
+	cvt.u64.u32 	%rd138, %r139;
+	mul.wide.u32 	%rd928, %r138, %r139;
+	mov.u32 	%r140, %tid.x;
+	cvt.u64.u32 	%rd139, %r140;
+	add.s64 	%rd140, %rd928, %rd139;
+	mov.u32 	%r141, %nctaid.x;
+	cvt.u64.u32 	%rd141, %r141;
+	mul.wide.u32 	%rd142, %r141, %r139;
+	@%p53 bra 	$L__BB3_139;
+	bra.uni 	$L__BB3_60;
+
+$L__BB3_139:
+	shr.u64 	%rd266, %rd777, 1;
+	setp.ge.u64 	%p114, %rd140, %rd266;
+	@%p114 bra 	$L__BB3_141;
+
+	shl.b64 	%rd1087, %rd140, 1;
+	add.s64 	%rd1088, %rd136, %rd1087;
+	ld.global.u16 	%rs158, [%rd1088];
+
+$L__BB3_141:
+	add.s64 	%rd267, %rd142, %rd140;
+	setp.ge.u64 	%p115, %rd267, %rd266;
+	@%p115 bra 	$L__BB3_143;
+
+	shl.b64 	%rd1089, %rd267, 1;
+	add.s64 	%rd1090, %rd136, %rd1089;
+	ld.global.u16 	%rs159, [%rd1090];
+
+$L__BB3_143:
+	add.s64 	%rd268, %rd267, %rd142;
+	setp.ge.u64 	%p116, %rd268, %rd266;
+	@%p116 bra 	$L__BB3_145;
+
+	shl.b64 	%rd1091, %rd268, 1;
+	add.s64 	%rd1092, %rd136, %rd1091;
+	ld.global.u16 	%rs160, [%rd1092];
+
+$L__BB3_145:
+	mul.lo.s64 	%rd269, %rd142, 3;
+	add.s64 	%rd270, %rd268, %rd142;
+	setp.ge.u64 	%p117, %rd270, %rd266;
+	@%p117 bra 	$L__BB3_147;
+
+	shl.b64 	%rd1093, %rd270, 1;
+	add.s64 	%rd1094, %rd136, %rd1093;
+	ld.global.u16 	%rs161, [%rd1094];
+
+$L__BB3_147:
+	ld.volatile.global.u64 	%rd271, [%rd1];
+	and.b64  	%rd1095, %rd271, 15;
+	setp.eq.s64 	%p118, %rd1095, 0;
+	@%p118 bra 	$L__BB3_203;
+
+	xor.b64  	%rd272, %rd271, %rd776;
+	and.b64  	%rd1096, %rd272, 15;
+	setp.eq.s64 	%p119, %rd1096, 0;
+	@%p119 bra 	$L__BB3_192;
+
+	and.b64  	%rd1097, %rd272, 7;
+	setp.eq.s64 	%p120, %rd1097, 0;
+	@%p120 bra 	$L__BB3_181;
+
+	and.b64  	%rd1098, %rd272, 3;
+	setp.eq.s64 	%p121, %rd1098, 0;
+	@%p121 bra 	$L__BB3_170;
+
+	and.b64  	%rd1099, %rd272, 1;
+	setp.eq.b64 	%p122, %rd1099, 1;
+	mov.pred 	%p123, 0;
+	xor.pred  	%p124, %p122, %p123;
+	not.pred 	%p125, %p124;
+	@%p125 bra 	$L__BB3_159;
+	bra.uni 	$L__BB3_152;
+
+$L__BB3_159:
+	and.b64  	%rd285, %rd271, 1;
+	min.u64 	%rd286, %rd285, %rd777;
+	setp.ge.u64 	%p132, %rd140, %rd286;
+	@%p132 bra 	$L__BB3_162;
+
+	mov.u64 	%rd1862, %rd140;
+
+$L__BB3_161:
+	add.s64 	%rd1113, %rd136, %rd1862;
+	ld.global.u8 	%rs75, [%rd1113];
+	add.s64 	%rd1114, %rd271, %rd1862;
+	st.u8 	[%rd1114], %rs75;
+	add.s64 	%rd1862, %rd1862, %rd142;
+	setp.lt.u64 	%p133, %rd1862, %rd286;
+	@%p133 bra 	$L__BB3_161;
+
+$L__BB3_162:
+	sub.s64 	%rd290, %rd777, %rd286;
+	shr.u64 	%rd291, %rd290, 1;
+	setp.ge.u64 	%p134, %rd270, %rd291;
+	mov.u64 	%rd1866, %rd140;
+	@%p134 bra 	$L__BB3_165;
+
+	mul.lo.s64 	%rd1115, %rd137, %rd138;
+	shl.b64 	%rd1116, %rd1115, 1;
+	shl.b64 	%rd1117, %rd139, 1;
+	add.s64 	%rd1118, %rd1116, %rd1117;
+	add.s64 	%rd1119, %rd1118, -1;
+	not.b64 	%rd1120, %rd777;
+	not.b64 	%rd1121, %rd285;
+	max.u64 	%rd1122, %rd1121, %rd1120;
+	sub.s64 	%rd1123, %rd1119, %rd1122;
+	add.s64 	%rd1864, %rd136, %rd1123;
+	mul.lo.s64 	%rd1124, %rd141, %rd138;
+	shl.b64 	%rd293, %rd1124, 1;
+	add.s64 	%rd1865, %rd271, %rd1123;
+	mov.u64 	%rd1866, %rd140;
+
+$L__BB3_164:
+	ld.global.u16 	%rs76, [%rd1864];
+	add.s64 	%rd1125, %rd1864, %rd293;
+	ld.global.u16 	%rs77, [%rd1125];
+	add.s64 	%rd1126, %rd1125, %rd293;
+	ld.global.u16 	%rs78, [%rd1126];
+	add.s64 	%rd1127, %rd1126, %rd293;
+	add.s64 	%rd1864, %rd1127, %rd293;
+	ld.global.u16 	%rs79, [%rd1127];
+	st.u16 	[%rd1865], %rs76;
+	add.s64 	%rd1128, %rd1865, %rd293;
+	st.u16 	[%rd1128], %rs77;
+	add.s64 	%rd1129, %rd1128, %rd293;
+	st.u16 	[%rd1129], %rs78;
+	add.s64 	%rd1130, %rd1129, %rd293;
+	add.s64 	%rd1865, %rd1130, %rd293;
+	st.u16 	[%rd1130], %rs79;
+	add.s64 	%rd1131, %rd1866, %rd142;
+	add.s64 	%rd1866, %rd269, %rd1131;
+	add.s64 	%rd1132, %rd1866, %rd269;
+	setp.lt.u64 	%p135, %rd1132, %rd291;
+	@%p135 bra 	$L__BB3_164;
+
+$L__BB3_165:
+	setp.ge.u64 	%p136, %rd1866, %rd291;
+	@%p136 bra 	$L__BB3_168;
+
+	add.s64 	%rd302, %rd271, %rd286;
+	add.s64 	%rd303, %rd136, %rd286;
+
+$L__BB3_167:
+	shl.b64 	%rd1133, %rd1866, 1;
+	add.s64 	%rd1134, %rd303, %rd1133;
+	ld.global.u16 	%rs80, [%rd1134];
+	add.s64 	%rd1135, %rd302, %rd1133;
+	st.u16 	[%rd1135], %rs80;
+	add.s64 	%rd1866, %rd1866, %rd142;
+	setp.lt.u64 	%p137, %rd1866, %rd291;
+	@%p137 bra 	$L__BB3_167;
+
+$L__BB3_168:
+	and.b64  	%rd1136, %rd290, -2;
+	add.s64 	%rd1137, %rd286, %rd140;
+	add.s64 	%rd1868, %rd1137, %rd1136;
+	setp.ge.u64 	%p138, %rd1868, %rd777;
+	@%p138 bra 	$L__BB3_455;
+
+$L__BB3_169:
+	add.s64 	%rd1138, %rd136, %rd1868;
+	ld.global.u8 	%rs81, [%rd1138];
+	add.s64 	%rd1139, %rd271, %rd1868;
+	st.u8 	[%rd1139], %rs81;
+	add.s64 	%rd1868, %rd1868, %rd142;
+	setp.lt.u64 	%p139, %rd1868, %rd777;
+	@%p139 bra 	$L__BB3_169;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_45:
+	mov.u32 	%r94, %ctaid.x;
+	cvt.u64.u32 	%rd108, %r94;
+	mov.u32 	%r95, %ntid.x;
+	cvt.u64.u32 	%rd109, %r95;
+	mul.wide.u32 	%rd890, %r94, %r95;
+	mov.u32 	%r96, %tid.x;
+	cvt.u64.u32 	%rd110, %r96;
+	add.s64 	%rd111, %rd890, %rd110;
+	mov.u32 	%r97, %nctaid.x;
+	cvt.u64.u32 	%rd112, %r97;
+	mul.wide.u32 	%rd113, %r97, %r95;
+	neg.s64 	%rd891, %rd776;
+	and.b64  	%rd114, %rd891, 15;
+	min.u64 	%rd115, %rd114, %rd777;
 	setp.ge.u64 	%p39, %rd111, %rd115;
-	@%p39 bra 	$L__BB3_47;
+	@%p39 bra 	$L__BB3_48;
 
-	mov.u64 	%rd310, %rd111;
-
-$L__BB3_46:
-	add.s64 	%rd252, %rd2, %rd310;
-	ld.u8 	%rs18, [%rd252];
-	add.s64 	%rd253, %rd1, %rd310;
-	st.u8 	[%rd253], %rs18;
-	add.s64 	%rd310, %rd310, %rd113;
-	setp.lt.u64 	%p40, %rd310, %rd115;
-	@%p40 bra 	$L__BB3_46;
+	mov.u64 	%rd1815, %rd111;
 
 $L__BB3_47:
-	sub.s64 	%rd118, %rd136, %rd115;
+	add.s64 	%rd892, %rd2, %rd1815;
+	ld.u8 	%rs34, [%rd892];
+	add.s64 	%rd893, %rd3, %rd1815;
+	st.global.u8 	[%rd893], %rs34;
+	add.s64 	%rd1815, %rd1815, %rd113;
+	setp.lt.u64 	%p40, %rd1815, %rd115;
+	@%p40 bra 	$L__BB3_47;
+
+$L__BB3_48:
+	sub.s64 	%rd118, %rd777, %rd115;
 	shr.u64 	%rd119, %rd118, 4;
 	add.s64 	%rd120, %rd2, %rd115;
 	mul.lo.s64 	%rd121, %rd113, 3;
-	add.s64 	%rd254, %rd111, %rd121;
-	setp.ge.u64 	%p41, %rd254, %rd119;
-	mov.u64 	%rd313, %rd111;
-	@%p41 bra 	$L__BB3_50;
+	add.s64 	%rd894, %rd111, %rd121;
+	setp.ge.u64 	%p41, %rd894, %rd119;
+	mov.u64 	%rd1818, %rd111;
+	@%p41 bra 	$L__BB3_51;
 
-	mul.lo.s64 	%rd255, %rd112, %rd109;
-	shl.b64 	%rd122, %rd255, 4;
-	mul.lo.s64 	%rd256, %rd108, %rd109;
-	shl.b64 	%rd257, %rd256, 4;
-	shl.b64 	%rd258, %rd110, 4;
-	add.s64 	%rd259, %rd257, %rd258;
-	add.s64 	%rd260, %rd259, -1;
-	not.b64 	%rd261, %rd136;
-	not.b64 	%rd262, %rd114;
-	max.u64 	%rd263, %rd262, %rd261;
-	sub.s64 	%rd264, %rd260, %rd263;
-	add.s64 	%rd312, %rd1, %rd264;
-	mul.lo.s64 	%rd124, %rd255, -48;
-	mov.u64 	%rd313, %rd111;
-
-$L__BB3_49:
-	shl.b64 	%rd265, %rd313, 4;
-	add.s64 	%rd266, %rd120, %rd265;
-	shl.b64 	%rd267, %rd113, 2;
-	shl.b64 	%rd268, %rd113, 4;
-	add.s64 	%rd269, %rd266, %rd268;
-	ld.v4.u32 	{%r42, %r43, %r44, %r45}, [%rd269];
-	add.s64 	%rd270, %rd269, %rd122;
-	ld.v4.u32 	{%r50, %r51, %r52, %r53}, [%rd270];
-	add.s64 	%rd271, %rd270, %rd122;
-	ld.v4.u32 	{%r58, %r59, %r60, %r61}, [%rd271];
-	add.s64 	%rd272, %rd271, %rd124;
-	ld.v4.u32 	{%r66, %r67, %r68, %r69}, [%rd272];
-	st.v4.u32 	[%rd312], {%r66, %r67, %r68, %r69};
-	add.s64 	%rd273, %rd312, %rd122;
-	st.v4.u32 	[%rd273], {%r42, %r43, %r44, %r45};
-	add.s64 	%rd274, %rd273, %rd122;
-	st.v4.u32 	[%rd274], {%r50, %r51, %r52, %r53};
-	add.s64 	%rd275, %rd274, %rd122;
-	add.s64 	%rd312, %rd275, %rd122;
-	st.v4.u32 	[%rd275], {%r58, %r59, %r60, %r61};
-	add.s64 	%rd313, %rd267, %rd313;
-	add.s64 	%rd276, %rd313, %rd121;
-	setp.lt.u64 	%p42, %rd276, %rd119;
-	@%p42 bra 	$L__BB3_49;
+	mul.lo.s64 	%rd895, %rd108, %rd109;
+	shl.b64 	%rd896, %rd895, 4;
+	shl.b64 	%rd897, %rd110, 4;
+	add.s64 	%rd898, %rd896, %rd897;
+	add.s64 	%rd899, %rd898, -1;
+	not.b64 	%rd900, %rd777;
+	not.b64 	%rd901, %rd114;
+	max.u64 	%rd902, %rd901, %rd900;
+	sub.s64 	%rd903, %rd899, %rd902;
+	add.s64 	%rd1817, %rd3, %rd903;
+	mul.lo.s64 	%rd904, %rd112, %rd109;
+	shl.b64 	%rd123, %rd904, 4;
+	mul.lo.s64 	%rd124, %rd904, -48;
+	mov.u64 	%rd1818, %rd111;
 
 $L__BB3_50:
-	setp.ge.u64 	%p43, %rd313, %rd119;
-	@%p43 bra 	$L__BB3_53;
+	shl.b64 	%rd905, %rd1818, 4;
+	add.s64 	%rd906, %rd120, %rd905;
+	shl.b64 	%rd907, %rd113, 2;
+	shl.b64 	%rd908, %rd113, 4;
+	add.s64 	%rd909, %rd906, %rd908;
+	ld.v4.u32 	{%r98, %r99, %r100, %r101}, [%rd909];
+	add.s64 	%rd910, %rd909, %rd123;
+	ld.v4.u32 	{%r106, %r107, %r108, %r109}, [%rd910];
+	add.s64 	%rd911, %rd910, %rd123;
+	ld.v4.u32 	{%r114, %r115, %r116, %r117}, [%rd911];
+	add.s64 	%rd912, %rd911, %rd124;
+	ld.v4.u32 	{%r122, %r123, %r124, %r125}, [%rd912];
+	st.global.v4.u32 	[%rd1817], {%r122, %r123, %r124, %r125};
+	add.s64 	%rd913, %rd1817, %rd123;
+	st.global.v4.u32 	[%rd913], {%r98, %r99, %r100, %r101};
+	add.s64 	%rd914, %rd913, %rd123;
+	st.global.v4.u32 	[%rd914], {%r106, %r107, %r108, %r109};
+	add.s64 	%rd915, %rd914, %rd123;
+	add.s64 	%rd1817, %rd915, %rd123;
+	st.global.v4.u32 	[%rd915], {%r114, %r115, %r116, %r117};
+	add.s64 	%rd1818, %rd907, %rd1818;
+	add.s64 	%rd916, %rd1818, %rd121;
+	setp.lt.u64 	%p42, %rd916, %rd119;
+	@%p42 bra 	$L__BB3_50;
 
-	add.s64 	%rd130, %rd1, %rd115;
+$L__BB3_51:
+	setp.ge.u64 	%p43, %rd1818, %rd119;
+	@%p43 bra 	$L__BB3_54;
 
-$L__BB3_52:
-	shl.b64 	%rd277, %rd313, 4;
-	add.s64 	%rd278, %rd130, %rd277;
-	add.s64 	%rd279, %rd120, %rd277;
-	ld.v4.u32 	{%r74, %r75, %r76, %r77}, [%rd279];
-	st.v4.u32 	[%rd278], {%r74, %r75, %r76, %r77};
-	add.s64 	%rd313, %rd313, %rd113;
-	setp.lt.u64 	%p44, %rd313, %rd119;
-	@%p44 bra 	$L__BB3_52;
+	add.s64 	%rd130, %rd3, %rd115;
 
 $L__BB3_53:
-	and.b64  	%rd280, %rd118, -16;
-	add.s64 	%rd281, %rd115, %rd111;
-	add.s64 	%rd315, %rd281, %rd280;
-	setp.ge.u64 	%p45, %rd315, %rd136;
-	@%p45 bra 	$L__BB3_55;
+	shl.b64 	%rd917, %rd1818, 4;
+	add.s64 	%rd918, %rd130, %rd917;
+	add.s64 	%rd919, %rd120, %rd917;
+	ld.v4.u32 	{%r130, %r131, %r132, %r133}, [%rd919];
+	st.global.v4.u32 	[%rd918], {%r130, %r131, %r132, %r133};
+	add.s64 	%rd1818, %rd1818, %rd113;
+	setp.lt.u64 	%p44, %rd1818, %rd119;
+	@%p44 bra 	$L__BB3_53;
 
 $L__BB3_54:
-	add.s64 	%rd282, %rd2, %rd315;
-	ld.u8 	%rs19, [%rd282];
-	add.s64 	%rd283, %rd1, %rd315;
-	st.u8 	[%rd283], %rs19;
-	add.s64 	%rd315, %rd315, %rd113;
-	setp.lt.u64 	%p46, %rd315, %rd136;
-	@%p46 bra 	$L__BB3_54;
-	bra.uni 	$L__BB3_55;
+	and.b64  	%rd920, %rd118, -16;
+	add.s64 	%rd921, %rd115, %rd111;
+	add.s64 	%rd1820, %rd921, %rd920;
+	setp.ge.u64 	%p45, %rd1820, %rd777;
+	@%p45 bra 	$L__BB3_455;
 
-$L__BB3_33:
-	mov.u32 	%r14, %ctaid.x;
-	cvt.u64.u32 	%rd80, %r14;
-	mov.u32 	%r15, %ntid.x;
-	cvt.u64.u32 	%rd81, %r15;
-	mul.wide.u32 	%rd218, %r14, %r15;
-	mov.u32 	%r16, %tid.x;
-	cvt.u64.u32 	%rd82, %r16;
-	add.s64 	%rd83, %rd218, %rd82;
-	mov.u32 	%r17, %nctaid.x;
-	cvt.u64.u32 	%rd84, %r17;
-	mul.wide.u32 	%rd85, %r17, %r15;
-	neg.s64 	%rd219, %rd1;
-	and.b64  	%rd86, %rd219, 7;
-	min.u64 	%rd87, %rd86, %rd136;
+$L__BB3_55:
+	add.s64 	%rd922, %rd2, %rd1820;
+	ld.u8 	%rs35, [%rd922];
+	add.s64 	%rd923, %rd3, %rd1820;
+	st.global.u8 	[%rd923], %rs35;
+	add.s64 	%rd1820, %rd1820, %rd113;
+	setp.lt.u64 	%p46, %rd1820, %rd777;
+	@%p46 bra 	$L__BB3_55;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_34:
+	mov.u32 	%r70, %ctaid.x;
+	cvt.u64.u32 	%rd80, %r70;
+	mov.u32 	%r71, %ntid.x;
+	cvt.u64.u32 	%rd81, %r71;
+	mul.wide.u32 	%rd858, %r70, %r71;
+	mov.u32 	%r72, %tid.x;
+	cvt.u64.u32 	%rd82, %r72;
+	add.s64 	%rd83, %rd858, %rd82;
+	mov.u32 	%r73, %nctaid.x;
+	cvt.u64.u32 	%rd84, %r73;
+	mul.wide.u32 	%rd85, %r73, %r71;
+	neg.s64 	%rd859, %rd776;
+	and.b64  	%rd86, %rd859, 7;
+	min.u64 	%rd87, %rd86, %rd777;
 	setp.ge.u64 	%p31, %rd83, %rd87;
-	@%p31 bra 	$L__BB3_36;
+	@%p31 bra 	$L__BB3_37;
 
-	mov.u64 	%rd304, %rd83;
-
-$L__BB3_35:
-	add.s64 	%rd220, %rd2, %rd304;
-	ld.u8 	%rs16, [%rd220];
-	add.s64 	%rd221, %rd1, %rd304;
-	st.u8 	[%rd221], %rs16;
-	add.s64 	%rd304, %rd304, %rd85;
-	setp.lt.u64 	%p32, %rd304, %rd87;
-	@%p32 bra 	$L__BB3_35;
+	mov.u64 	%rd1809, %rd83;
 
 $L__BB3_36:
-	sub.s64 	%rd90, %rd136, %rd87;
+	add.s64 	%rd860, %rd2, %rd1809;
+	ld.u8 	%rs32, [%rd860];
+	add.s64 	%rd861, %rd3, %rd1809;
+	st.global.u8 	[%rd861], %rs32;
+	add.s64 	%rd1809, %rd1809, %rd85;
+	setp.lt.u64 	%p32, %rd1809, %rd87;
+	@%p32 bra 	$L__BB3_36;
+
+$L__BB3_37:
+	sub.s64 	%rd90, %rd777, %rd87;
 	shr.u64 	%rd91, %rd90, 3;
 	add.s64 	%rd92, %rd2, %rd87;
 	mul.lo.s64 	%rd93, %rd85, 3;
-	add.s64 	%rd222, %rd83, %rd93;
-	setp.ge.u64 	%p33, %rd222, %rd91;
-	mov.u64 	%rd307, %rd83;
-	@%p33 bra 	$L__BB3_39;
+	add.s64 	%rd862, %rd83, %rd93;
+	setp.ge.u64 	%p33, %rd862, %rd91;
+	mov.u64 	%rd1812, %rd83;
+	@%p33 bra 	$L__BB3_40;
 
-	mul.lo.s64 	%rd223, %rd84, %rd81;
-	shl.b64 	%rd94, %rd223, 3;
-	mul.lo.s64 	%rd224, %rd80, %rd81;
-	shl.b64 	%rd225, %rd224, 3;
-	shl.b64 	%rd226, %rd82, 3;
-	add.s64 	%rd227, %rd225, %rd226;
-	add.s64 	%rd228, %rd227, -1;
-	not.b64 	%rd229, %rd136;
-	not.b64 	%rd230, %rd86;
-	max.u64 	%rd231, %rd230, %rd229;
-	sub.s64 	%rd232, %rd228, %rd231;
-	add.s64 	%rd306, %rd1, %rd232;
-	mul.lo.s64 	%rd96, %rd223, -24;
-	mov.u64 	%rd307, %rd83;
-
-$L__BB3_38:
-	add.s64 	%rd233, %rd307, %rd85;
-	shl.b64 	%rd234, %rd233, 3;
-	add.s64 	%rd235, %rd92, %rd234;
-	ld.v2.u32 	{%r18, %r19}, [%rd235];
-	add.s64 	%rd236, %rd235, %rd94;
-	ld.v2.u32 	{%r22, %r23}, [%rd236];
-	add.s64 	%rd237, %rd236, %rd94;
-	ld.v2.u32 	{%r26, %r27}, [%rd237];
-	add.s64 	%rd238, %rd237, %rd96;
-	ld.v2.u32 	{%r30, %r31}, [%rd238];
-	st.v2.u32 	[%rd306], {%r30, %r31};
-	add.s64 	%rd239, %rd306, %rd94;
-	st.v2.u32 	[%rd239], {%r18, %r19};
-	add.s64 	%rd240, %rd239, %rd94;
-	st.v2.u32 	[%rd240], {%r22, %r23};
-	add.s64 	%rd241, %rd240, %rd94;
-	add.s64 	%rd306, %rd241, %rd94;
-	st.v2.u32 	[%rd241], {%r26, %r27};
-	add.s64 	%rd307, %rd93, %rd233;
-	add.s64 	%rd242, %rd307, %rd93;
-	setp.lt.u64 	%p34, %rd242, %rd91;
-	@%p34 bra 	$L__BB3_38;
+	mul.lo.s64 	%rd863, %rd80, %rd81;
+	shl.b64 	%rd864, %rd863, 3;
+	shl.b64 	%rd865, %rd82, 3;
+	add.s64 	%rd866, %rd864, %rd865;
+	add.s64 	%rd867, %rd866, -1;
+	not.b64 	%rd868, %rd777;
+	not.b64 	%rd869, %rd86;
+	max.u64 	%rd870, %rd869, %rd868;
+	sub.s64 	%rd871, %rd867, %rd870;
+	add.s64 	%rd1811, %rd3, %rd871;
+	mul.lo.s64 	%rd872, %rd84, %rd81;
+	shl.b64 	%rd95, %rd872, 3;
+	mul.lo.s64 	%rd96, %rd872, -24;
+	mov.u64 	%rd1812, %rd83;
 
 $L__BB3_39:
-	setp.ge.u64 	%p35, %rd307, %rd91;
-	@%p35 bra 	$L__BB3_42;
+	add.s64 	%rd873, %rd1812, %rd85;
+	shl.b64 	%rd874, %rd873, 3;
+	add.s64 	%rd875, %rd92, %rd874;
+	ld.v2.u32 	{%r74, %r75}, [%rd875];
+	add.s64 	%rd876, %rd875, %rd95;
+	ld.v2.u32 	{%r78, %r79}, [%rd876];
+	add.s64 	%rd877, %rd876, %rd95;
+	ld.v2.u32 	{%r82, %r83}, [%rd877];
+	add.s64 	%rd878, %rd877, %rd96;
+	ld.v2.u32 	{%r86, %r87}, [%rd878];
+	st.global.v2.u32 	[%rd1811], {%r86, %r87};
+	add.s64 	%rd879, %rd1811, %rd95;
+	st.global.v2.u32 	[%rd879], {%r74, %r75};
+	add.s64 	%rd880, %rd879, %rd95;
+	st.global.v2.u32 	[%rd880], {%r78, %r79};
+	add.s64 	%rd881, %rd880, %rd95;
+	add.s64 	%rd1811, %rd881, %rd95;
+	st.global.v2.u32 	[%rd881], {%r82, %r83};
+	add.s64 	%rd1812, %rd93, %rd873;
+	add.s64 	%rd882, %rd1812, %rd93;
+	setp.lt.u64 	%p34, %rd882, %rd91;
+	@%p34 bra 	$L__BB3_39;
 
-	add.s64 	%rd102, %rd1, %rd87;
+$L__BB3_40:
+	setp.ge.u64 	%p35, %rd1812, %rd91;
+	@%p35 bra 	$L__BB3_43;
 
-$L__BB3_41:
-	shl.b64 	%rd243, %rd307, 3;
-	add.s64 	%rd244, %rd92, %rd243;
-	ld.v2.u32 	{%r34, %r35}, [%rd244];
-	add.s64 	%rd245, %rd102, %rd243;
-	st.v2.u32 	[%rd245], {%r34, %r35};
-	add.s64 	%rd307, %rd307, %rd85;
-	setp.lt.u64 	%p36, %rd307, %rd91;
-	@%p36 bra 	$L__BB3_41;
+	add.s64 	%rd102, %rd3, %rd87;
 
 $L__BB3_42:
-	and.b64  	%rd246, %rd90, -8;
-	add.s64 	%rd247, %rd87, %rd83;
-	add.s64 	%rd309, %rd247, %rd246;
-	setp.ge.u64 	%p37, %rd309, %rd136;
-	@%p37 bra 	$L__BB3_55;
+	shl.b64 	%rd883, %rd1812, 3;
+	add.s64 	%rd884, %rd92, %rd883;
+	ld.v2.u32 	{%r90, %r91}, [%rd884];
+	add.s64 	%rd885, %rd102, %rd883;
+	st.global.v2.u32 	[%rd885], {%r90, %r91};
+	add.s64 	%rd1812, %rd1812, %rd85;
+	setp.lt.u64 	%p36, %rd1812, %rd91;
+	@%p36 bra 	$L__BB3_42;
 
 $L__BB3_43:
-	add.s64 	%rd248, %rd2, %rd309;
-	ld.u8 	%rs17, [%rd248];
-	add.s64 	%rd249, %rd1, %rd309;
-	st.u8 	[%rd249], %rs17;
-	add.s64 	%rd309, %rd309, %rd85;
-	setp.lt.u64 	%p38, %rd309, %rd136;
-	@%p38 bra 	$L__BB3_43;
-	bra.uni 	$L__BB3_55;
+	and.b64  	%rd886, %rd90, -8;
+	add.s64 	%rd887, %rd87, %rd83;
+	add.s64 	%rd1814, %rd887, %rd886;
+	setp.ge.u64 	%p37, %rd1814, %rd777;
+	@%p37 bra 	$L__BB3_455;
 
-$L__BB3_22:
-	mov.u32 	%r5, %ctaid.x;
-	cvt.u64.u32 	%rd50, %r5;
-	mov.u32 	%r6, %ntid.x;
-	cvt.u64.u32 	%rd51, %r6;
-	mul.wide.u32 	%rd188, %r5, %r6;
-	mov.u32 	%r7, %tid.x;
-	cvt.u64.u32 	%rd52, %r7;
-	add.s64 	%rd53, %rd188, %rd52;
-	mov.u32 	%r8, %nctaid.x;
-	cvt.u64.u32 	%rd54, %r8;
-	mul.wide.u32 	%rd55, %r8, %r6;
-	neg.s64 	%rd189, %rd1;
-	and.b64  	%rd56, %rd189, 3;
-	min.u64 	%rd57, %rd56, %rd136;
-	setp.ge.u64 	%p23, %rd53, %rd57;
-	@%p23 bra 	$L__BB3_25;
+$L__BB3_44:
+	add.s64 	%rd888, %rd2, %rd1814;
+	ld.u8 	%rs33, [%rd888];
+	add.s64 	%rd889, %rd3, %rd1814;
+	st.global.u8 	[%rd889], %rs33;
+	add.s64 	%rd1814, %rd1814, %rd85;
+	setp.lt.u64 	%p38, %rd1814, %rd777;
+	@%p38 bra 	$L__BB3_44;
+	bra.uni 	$L__BB3_455;
 
-	mov.u64 	%rd297, %rd53;
+$L__BB3_376:
+	mov.u32 	%r452, %ctaid.x;
+	cvt.u64.u32 	%rd648, %r452;
+	mov.u32 	%r453, %ntid.x;
+	cvt.u64.u32 	%rd649, %r453;
+	mul.wide.u32 	%rd1614, %r452, %r453;
+	mov.u32 	%r454, %tid.x;
+	cvt.u64.u32 	%rd650, %r454;
+	add.s64 	%rd651, %rd1614, %rd650;
+	mov.u32 	%r455, %nctaid.x;
+	cvt.u64.u32 	%rd652, %r455;
+	mul.wide.u32 	%rd653, %r455, %r453;
+	shr.u64 	%rd654, %rd777, 4;
+	setp.ge.u64 	%p294, %rd651, %rd654;
+	@%p294 bra 	$L__BB3_378;
 
-$L__BB3_24:
-	add.s64 	%rd190, %rd2, %rd297;
-	ld.u8 	%rs14, [%rd190];
-	add.s64 	%rd191, %rd1, %rd297;
-	st.u8 	[%rd191], %rs14;
-	add.s64 	%rd297, %rd297, %rd55;
-	setp.lt.u64 	%p24, %rd297, %rd57;
-	@%p24 bra 	$L__BB3_24;
+	shl.b64 	%rd1615, %rd651, 4;
+	add.s64 	%rd1616, %rd136, %rd1615;
+	ld.global.v4.u32 	{%r595, %r594, %r593, %r592}, [%rd1616];
+
+$L__BB3_378:
+	add.s64 	%rd655, %rd653, %rd651;
+	setp.ge.u64 	%p295, %rd655, %rd654;
+	@%p295 bra 	$L__BB3_380;
+
+	shl.b64 	%rd1617, %rd655, 4;
+	add.s64 	%rd1618, %rd136, %rd1617;
+	ld.global.v4.u32 	{%r599, %r598, %r597, %r596}, [%rd1618];
+
+$L__BB3_380:
+	add.s64 	%rd656, %rd655, %rd653;
+	setp.ge.u64 	%p296, %rd656, %rd654;
+	@%p296 bra 	$L__BB3_382;
+
+	shl.b64 	%rd1619, %rd656, 4;
+	add.s64 	%rd1620, %rd136, %rd1619;
+	ld.global.v4.u32 	{%r603, %r602, %r601, %r600}, [%rd1620];
+
+$L__BB3_382:
+	mul.lo.s64 	%rd657, %rd653, 3;
+	add.s64 	%rd658, %rd656, %rd653;
+	setp.ge.u64 	%p297, %rd658, %rd654;
+	@%p297 bra 	$L__BB3_384;
+
+	shl.b64 	%rd1621, %rd658, 4;
+	add.s64 	%rd1622, %rd136, %rd1621;
+	ld.global.v4.u32 	{%r607, %r606, %r605, %r604}, [%rd1622];
+
+$L__BB3_384:
+	ld.volatile.global.u64 	%rd659, [%rd1];
+	and.b64  	%rd1623, %rd659, 15;
+	setp.eq.s64 	%p298, %rd1623, 0;
+	@%p298 bra 	$L__BB3_440;
+
+	xor.b64  	%rd660, %rd659, %rd776;
+	and.b64  	%rd1624, %rd660, 15;
+	setp.eq.s64 	%p299, %rd1624, 0;
+	@%p299 bra 	$L__BB3_429;
+
+	and.b64  	%rd1625, %rd660, 7;
+	setp.eq.s64 	%p300, %rd1625, 0;
+	@%p300 bra 	$L__BB3_418;
+
+	and.b64  	%rd1626, %rd660, 3;
+	setp.eq.s64 	%p301, %rd1626, 0;
+	@%p301 bra 	$L__BB3_407;
+
+	and.b64  	%rd1627, %rd660, 1;
+	setp.eq.b64 	%p302, %rd1627, 1;
+	mov.pred 	%p303, 0;
+	xor.pred  	%p304, %p302, %p303;
+	not.pred 	%p305, %p304;
+	@%p305 bra 	$L__BB3_396;
+	bra.uni 	$L__BB3_389;
+
+$L__BB3_396:
+	and.b64  	%rd673, %rd659, 1;
+	min.u64 	%rd674, %rd673, %rd777;
+	setp.ge.u64 	%p312, %rd651, %rd674;
+	@%p312 bra 	$L__BB3_399;
+
+	mov.u64 	%rd1969, %rd651;
+
+$L__BB3_398:
+	add.s64 	%rd1641, %rd136, %rd1969;
+	ld.global.u8 	%rs140, [%rd1641];
+	add.s64 	%rd1642, %rd659, %rd1969;
+	st.u8 	[%rd1642], %rs140;
+	add.s64 	%rd1969, %rd1969, %rd653;
+	setp.lt.u64 	%p313, %rd1969, %rd674;
+	@%p313 bra 	$L__BB3_398;
+
+$L__BB3_399:
+	sub.s64 	%rd678, %rd777, %rd674;
+	shr.u64 	%rd679, %rd678, 1;
+	setp.ge.u64 	%p314, %rd658, %rd679;
+	mov.u64 	%rd1973, %rd651;
+	@%p314 bra 	$L__BB3_402;
+
+	mul.lo.s64 	%rd1643, %rd648, %rd649;
+	shl.b64 	%rd1644, %rd1643, 1;
+	shl.b64 	%rd1645, %rd650, 1;
+	add.s64 	%rd1646, %rd1644, %rd1645;
+	add.s64 	%rd1647, %rd1646, -1;
+	not.b64 	%rd1648, %rd777;
+	not.b64 	%rd1649, %rd673;
+	max.u64 	%rd1650, %rd1649, %rd1648;
+	sub.s64 	%rd1651, %rd1647, %rd1650;
+	add.s64 	%rd1971, %rd136, %rd1651;
+	mul.lo.s64 	%rd1652, %rd652, %rd649;
+	shl.b64 	%rd681, %rd1652, 1;
+	add.s64 	%rd1972, %rd659, %rd1651;
+	mov.u64 	%rd1973, %rd651;
+
+$L__BB3_401:
+	ld.global.u16 	%rs141, [%rd1971];
+	add.s64 	%rd1653, %rd1971, %rd681;
+	ld.global.u16 	%rs142, [%rd1653];
+	add.s64 	%rd1654, %rd1653, %rd681;
+	ld.global.u16 	%rs143, [%rd1654];
+	add.s64 	%rd1655, %rd1654, %rd681;
+	add.s64 	%rd1971, %rd1655, %rd681;
+	ld.global.u16 	%rs144, [%rd1655];
+	st.u16 	[%rd1972], %rs141;
+	add.s64 	%rd1656, %rd1972, %rd681;
+	st.u16 	[%rd1656], %rs142;
+	add.s64 	%rd1657, %rd1656, %rd681;
+	st.u16 	[%rd1657], %rs143;
+	add.s64 	%rd1658, %rd1657, %rd681;
+	add.s64 	%rd1972, %rd1658, %rd681;
+	st.u16 	[%rd1658], %rs144;
+	add.s64 	%rd1659, %rd1973, %rd653;
+	add.s64 	%rd1973, %rd657, %rd1659;
+	add.s64 	%rd1660, %rd1973, %rd657;
+	setp.lt.u64 	%p315, %rd1660, %rd679;
+	@%p315 bra 	$L__BB3_401;
+
+$L__BB3_402:
+	setp.ge.u64 	%p316, %rd1973, %rd679;
+	@%p316 bra 	$L__BB3_405;
+
+	add.s64 	%rd690, %rd659, %rd674;
+	add.s64 	%rd691, %rd136, %rd674;
+
+$L__BB3_404:
+	shl.b64 	%rd1661, %rd1973, 1;
+	add.s64 	%rd1662, %rd691, %rd1661;
+	ld.global.u16 	%rs145, [%rd1662];
+	add.s64 	%rd1663, %rd690, %rd1661;
+	st.u16 	[%rd1663], %rs145;
+	add.s64 	%rd1973, %rd1973, %rd653;
+	setp.lt.u64 	%p317, %rd1973, %rd679;
+	@%p317 bra 	$L__BB3_404;
+
+$L__BB3_405:
+	and.b64  	%rd1664, %rd678, -2;
+	add.s64 	%rd1665, %rd674, %rd651;
+	add.s64 	%rd1975, %rd1665, %rd1664;
+	setp.ge.u64 	%p318, %rd1975, %rd777;
+	@%p318 bra 	$L__BB3_455;
+
+$L__BB3_406:
+	add.s64 	%rd1666, %rd136, %rd1975;
+	ld.global.u8 	%rs146, [%rd1666];
+	add.s64 	%rd1667, %rd659, %rd1975;
+	st.u8 	[%rd1667], %rs146;
+	add.s64 	%rd1975, %rd1975, %rd653;
+	setp.lt.u64 	%p319, %rd1975, %rd777;
+	@%p319 bra 	$L__BB3_406;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_23:
+	mov.u32 	%r61, %ctaid.x;
+	cvt.u64.u32 	%rd49, %r61;
+	mov.u32 	%r62, %ntid.x;
+	cvt.u64.u32 	%rd50, %r62;
+	mul.wide.u32 	%rd828, %r61, %r62;
+	mov.u32 	%r63, %tid.x;
+	cvt.u64.u32 	%rd51, %r63;
+	add.s64 	%rd52, %rd828, %rd51;
+	mov.u32 	%r64, %nctaid.x;
+	cvt.u64.u32 	%rd53, %r64;
+	mul.wide.u32 	%rd54, %r64, %r62;
+	neg.s64 	%rd829, %rd776;
+	and.b64  	%rd55, %rd829, 3;
+	min.u64 	%rd56, %rd55, %rd777;
+	setp.ge.u64 	%p23, %rd52, %rd56;
+	@%p23 bra 	$L__BB3_26;
+
+	mov.u64 	%rd1802, %rd52;
 
 $L__BB3_25:
-	sub.s64 	%rd60, %rd136, %rd57;
+	add.s64 	%rd830, %rd2, %rd1802;
+	ld.u8 	%rs30, [%rd830];
+	add.s64 	%rd831, %rd3, %rd1802;
+	st.global.u8 	[%rd831], %rs30;
+	add.s64 	%rd1802, %rd1802, %rd54;
+	setp.lt.u64 	%p24, %rd1802, %rd56;
+	@%p24 bra 	$L__BB3_25;
+
+$L__BB3_26:
+	sub.s64 	%rd60, %rd777, %rd56;
 	shr.u64 	%rd61, %rd60, 2;
-	mul.lo.s64 	%rd62, %rd55, 3;
-	add.s64 	%rd192, %rd53, %rd62;
-	setp.ge.u64 	%p25, %rd192, %rd61;
-	mov.u64 	%rd301, %rd53;
-	@%p25 bra 	$L__BB3_28;
+	mul.lo.s64 	%rd62, %rd54, 3;
+	add.s64 	%rd832, %rd52, %rd62;
+	setp.ge.u64 	%p25, %rd832, %rd61;
+	mov.u64 	%rd1806, %rd52;
+	@%p25 bra 	$L__BB3_29;
 
-	mul.lo.s64 	%rd193, %rd50, %rd51;
-	shl.b64 	%rd194, %rd193, 2;
-	shl.b64 	%rd195, %rd52, 2;
-	add.s64 	%rd196, %rd194, %rd195;
-	add.s64 	%rd197, %rd196, -1;
-	not.b64 	%rd198, %rd136;
-	not.b64 	%rd199, %rd56;
-	max.u64 	%rd200, %rd199, %rd198;
-	sub.s64 	%rd201, %rd197, %rd200;
-	add.s64 	%rd299, %rd2, %rd201;
-	mul.lo.s64 	%rd202, %rd54, %rd51;
-	shl.b64 	%rd64, %rd202, 2;
-	add.s64 	%rd300, %rd1, %rd201;
-	mov.u64 	%rd301, %rd53;
-
-$L__BB3_27:
-	ld.u32 	%r9, [%rd299];
-	add.s64 	%rd203, %rd299, %rd64;
-	ld.u32 	%r10, [%rd203];
-	add.s64 	%rd204, %rd203, %rd64;
-	ld.u32 	%r11, [%rd204];
-	add.s64 	%rd205, %rd204, %rd64;
-	add.s64 	%rd299, %rd205, %rd64;
-	ld.u32 	%r12, [%rd205];
-	st.u32 	[%rd300], %r9;
-	add.s64 	%rd206, %rd300, %rd64;
-	st.u32 	[%rd206], %r10;
-	add.s64 	%rd207, %rd206, %rd64;
-	st.u32 	[%rd207], %r11;
-	add.s64 	%rd208, %rd207, %rd64;
-	add.s64 	%rd300, %rd208, %rd64;
-	st.u32 	[%rd208], %r12;
-	add.s64 	%rd209, %rd301, %rd55;
-	add.s64 	%rd301, %rd62, %rd209;
-	add.s64 	%rd210, %rd301, %rd62;
-	setp.lt.u64 	%p26, %rd210, %rd61;
-	@%p26 bra 	$L__BB3_27;
+	mul.lo.s64 	%rd833, %rd49, %rd50;
+	shl.b64 	%rd834, %rd833, 2;
+	shl.b64 	%rd835, %rd51, 2;
+	add.s64 	%rd836, %rd834, %rd835;
+	add.s64 	%rd837, %rd836, -1;
+	not.b64 	%rd838, %rd777;
+	not.b64 	%rd839, %rd55;
+	max.u64 	%rd840, %rd839, %rd838;
+	sub.s64 	%rd841, %rd837, %rd840;
+	add.s64 	%rd1804, %rd3, %rd841;
+	mul.lo.s64 	%rd842, %rd53, %rd50;
+	shl.b64 	%rd64, %rd842, 2;
+	add.s64 	%rd1805, %rd2, %rd841;
+	mov.u64 	%rd1806, %rd52;
 
 $L__BB3_28:
-	setp.ge.u64 	%p27, %rd301, %rd61;
-	@%p27 bra 	$L__BB3_31;
+	ld.u32 	%r65, [%rd1805];
+	add.s64 	%rd843, %rd1805, %rd64;
+	ld.u32 	%r66, [%rd843];
+	add.s64 	%rd844, %rd843, %rd64;
+	ld.u32 	%r67, [%rd844];
+	add.s64 	%rd845, %rd844, %rd64;
+	add.s64 	%rd1805, %rd845, %rd64;
+	ld.u32 	%r68, [%rd845];
+	st.global.u32 	[%rd1804], %r65;
+	add.s64 	%rd846, %rd1804, %rd64;
+	st.global.u32 	[%rd846], %r66;
+	add.s64 	%rd847, %rd846, %rd64;
+	st.global.u32 	[%rd847], %r67;
+	add.s64 	%rd848, %rd847, %rd64;
+	add.s64 	%rd1804, %rd848, %rd64;
+	st.global.u32 	[%rd848], %r68;
+	add.s64 	%rd849, %rd1806, %rd54;
+	add.s64 	%rd1806, %rd62, %rd849;
+	add.s64 	%rd850, %rd1806, %rd62;
+	setp.lt.u64 	%p26, %rd850, %rd61;
+	@%p26 bra 	$L__BB3_28;
 
-	add.s64 	%rd73, %rd1, %rd57;
-	add.s64 	%rd74, %rd2, %rd57;
+$L__BB3_29:
+	setp.ge.u64 	%p27, %rd1806, %rd61;
+	@%p27 bra 	$L__BB3_32;
 
-$L__BB3_30:
-	shl.b64 	%rd211, %rd301, 2;
-	add.s64 	%rd212, %rd74, %rd211;
-	ld.u32 	%r13, [%rd212];
-	add.s64 	%rd213, %rd73, %rd211;
-	st.u32 	[%rd213], %r13;
-	add.s64 	%rd301, %rd301, %rd55;
-	setp.lt.u64 	%p28, %rd301, %rd61;
-	@%p28 bra 	$L__BB3_30;
+	add.s64 	%rd73, %rd3, %rd56;
+	add.s64 	%rd74, %rd2, %rd56;
 
 $L__BB3_31:
-	and.b64  	%rd214, %rd60, -4;
-	add.s64 	%rd215, %rd57, %rd53;
-	add.s64 	%rd303, %rd215, %rd214;
-	setp.ge.u64 	%p29, %rd303, %rd136;
-	@%p29 bra 	$L__BB3_55;
+	shl.b64 	%rd851, %rd1806, 2;
+	add.s64 	%rd852, %rd74, %rd851;
+	ld.u32 	%r69, [%rd852];
+	add.s64 	%rd853, %rd73, %rd851;
+	st.global.u32 	[%rd853], %r69;
+	add.s64 	%rd1806, %rd1806, %rd54;
+	setp.lt.u64 	%p28, %rd1806, %rd61;
+	@%p28 bra 	$L__BB3_31;
 
 $L__BB3_32:
-	add.s64 	%rd216, %rd2, %rd303;
-	ld.u8 	%rs15, [%rd216];
-	add.s64 	%rd217, %rd1, %rd303;
-	st.u8 	[%rd217], %rs15;
-	add.s64 	%rd303, %rd303, %rd55;
-	setp.lt.u64 	%p30, %rd303, %rd136;
-	@%p30 bra 	$L__BB3_32;
-	bra.uni 	$L__BB3_55;
+	and.b64  	%rd854, %rd60, -4;
+	add.s64 	%rd855, %rd56, %rd52;
+	add.s64 	%rd1808, %rd855, %rd854;
+	setp.ge.u64 	%p29, %rd1808, %rd777;
+	@%p29 bra 	$L__BB3_455;
 
-$L__BB3_4:
-	mul.lo.s64 	%rd10, %rd9, 3;
-	add.s64 	%rd147, %rd7, %rd10;
-	setp.ge.u64 	%p9, %rd147, %rd136;
-	mov.u64 	%rd287, %rd7;
-	@%p9 bra 	$L__BB3_7;
+$L__BB3_33:
+	add.s64 	%rd856, %rd2, %rd1808;
+	ld.u8 	%rs31, [%rd856];
+	add.s64 	%rd857, %rd3, %rd1808;
+	st.global.u8 	[%rd857], %rs31;
+	add.s64 	%rd1808, %rd1808, %rd54;
+	setp.lt.u64 	%p30, %rd1808, %rd777;
+	@%p30 bra 	$L__BB3_33;
+	bra.uni 	$L__BB3_455;
 
-	add.s64 	%rd285, %rd2, %rd7;
-	mul.lo.s64 	%rd12, %rd8, %rd5;
-	add.s64 	%rd286, %rd1, %rd7;
-	mov.u64 	%rd287, %rd7;
+$L__BB3_297:
+	mov.u32 	%r351, %ctaid.x;
+	cvt.u64.u32 	%rd520, %r351;
+	mov.u32 	%r352, %ntid.x;
+	cvt.u64.u32 	%rd521, %r352;
+	mul.wide.u32 	%rd1441, %r351, %r352;
+	mov.u32 	%r353, %tid.x;
+	cvt.u64.u32 	%rd522, %r353;
+	add.s64 	%rd523, %rd1441, %rd522;
+	mov.u32 	%r354, %nctaid.x;
+	cvt.u64.u32 	%rd524, %r354;
+	mul.wide.u32 	%rd525, %r354, %r352;
+	shr.u64 	%rd526, %rd777, 3;
+	setp.ge.u64 	%p234, %rd523, %rd526;
+	@%p234 bra 	$L__BB3_299;
 
-$L__BB3_6:
-	ld.u8 	%rs1, [%rd285];
-	add.s64 	%rd148, %rd285, %rd12;
-	ld.u8 	%rs2, [%rd148];
-	add.s64 	%rd149, %rd148, %rd12;
-	ld.u8 	%rs3, [%rd149];
-	add.s64 	%rd150, %rd149, %rd12;
-	add.s64 	%rd285, %rd150, %rd12;
-	ld.u8 	%rs4, [%rd150];
-	st.u8 	[%rd286], %rs1;
-	add.s64 	%rd151, %rd286, %rd12;
-	st.u8 	[%rd151], %rs2;
-	add.s64 	%rd152, %rd151, %rd12;
-	st.u8 	[%rd152], %rs3;
-	add.s64 	%rd153, %rd152, %rd12;
-	add.s64 	%rd286, %rd153, %rd12;
-	st.u8 	[%rd153], %rs4;
-	add.s64 	%rd154, %rd287, %rd9;
-	add.s64 	%rd287, %rd10, %rd154;
-	add.s64 	%rd155, %rd287, %rd10;
-	setp.lt.u64 	%p10, %rd155, %rd136;
-	@%p10 bra 	$L__BB3_6;
+	shl.b64 	%rd1442, %rd523, 3;
+	add.s64 	%rd1443, %rd136, %rd1442;
+	ld.global.v2.u32 	{%r585, %r584}, [%rd1443];
+
+$L__BB3_299:
+	add.s64 	%rd527, %rd525, %rd523;
+	setp.ge.u64 	%p235, %rd527, %rd526;
+	@%p235 bra 	$L__BB3_301;
+
+	shl.b64 	%rd1444, %rd527, 3;
+	add.s64 	%rd1445, %rd136, %rd1444;
+	ld.global.v2.u32 	{%r587, %r586}, [%rd1445];
+
+$L__BB3_301:
+	add.s64 	%rd528, %rd527, %rd525;
+	setp.ge.u64 	%p236, %rd528, %rd526;
+	@%p236 bra 	$L__BB3_303;
+
+	shl.b64 	%rd1446, %rd528, 3;
+	add.s64 	%rd1447, %rd136, %rd1446;
+	ld.global.v2.u32 	{%r589, %r588}, [%rd1447];
+
+$L__BB3_303:
+	mul.lo.s64 	%rd529, %rd525, 3;
+	add.s64 	%rd530, %rd528, %rd525;
+	setp.ge.u64 	%p237, %rd530, %rd526;
+	@%p237 bra 	$L__BB3_305;
+
+	shl.b64 	%rd1448, %rd530, 3;
+	add.s64 	%rd1449, %rd136, %rd1448;
+	ld.global.v2.u32 	{%r591, %r590}, [%rd1449];
+
+$L__BB3_305:
+	ld.volatile.global.u64 	%rd531, [%rd1];
+	and.b64  	%rd1450, %rd531, 15;
+	setp.eq.s64 	%p238, %rd1450, 0;
+	@%p238 bra 	$L__BB3_361;
+
+	xor.b64  	%rd532, %rd531, %rd776;
+	and.b64  	%rd1451, %rd532, 15;
+	setp.eq.s64 	%p239, %rd1451, 0;
+	@%p239 bra 	$L__BB3_350;
+
+	and.b64  	%rd1452, %rd532, 7;
+	setp.eq.s64 	%p240, %rd1452, 0;
+	@%p240 bra 	$L__BB3_339;
+
+	and.b64  	%rd1453, %rd532, 3;
+	setp.eq.s64 	%p241, %rd1453, 0;
+	@%p241 bra 	$L__BB3_328;
+
+	and.b64  	%rd1454, %rd532, 1;
+	setp.eq.b64 	%p242, %rd1454, 1;
+	mov.pred 	%p243, 0;
+	xor.pred  	%p244, %p242, %p243;
+	not.pred 	%p245, %p244;
+	@%p245 bra 	$L__BB3_317;
+	bra.uni 	$L__BB3_310;
+
+$L__BB3_317:
+	and.b64  	%rd545, %rd531, 1;
+	min.u64 	%rd546, %rd545, %rd777;
+	setp.ge.u64 	%p252, %rd523, %rd546;
+	@%p252 bra 	$L__BB3_320;
+
+	mov.u64 	%rd1934, %rd523;
+
+$L__BB3_319:
+	add.s64 	%rd1468, %rd136, %rd1934;
+	ld.global.u8 	%rs120, [%rd1468];
+	add.s64 	%rd1469, %rd531, %rd1934;
+	st.u8 	[%rd1469], %rs120;
+	add.s64 	%rd1934, %rd1934, %rd525;
+	setp.lt.u64 	%p253, %rd1934, %rd546;
+	@%p253 bra 	$L__BB3_319;
+
+$L__BB3_320:
+	sub.s64 	%rd550, %rd777, %rd546;
+	shr.u64 	%rd551, %rd550, 1;
+	setp.ge.u64 	%p254, %rd530, %rd551;
+	mov.u64 	%rd1938, %rd523;
+	@%p254 bra 	$L__BB3_323;
+
+	mul.lo.s64 	%rd1470, %rd520, %rd521;
+	shl.b64 	%rd1471, %rd1470, 1;
+	shl.b64 	%rd1472, %rd522, 1;
+	add.s64 	%rd1473, %rd1471, %rd1472;
+	add.s64 	%rd1474, %rd1473, -1;
+	not.b64 	%rd1475, %rd777;
+	not.b64 	%rd1476, %rd545;
+	max.u64 	%rd1477, %rd1476, %rd1475;
+	sub.s64 	%rd1478, %rd1474, %rd1477;
+	add.s64 	%rd1936, %rd136, %rd1478;
+	mul.lo.s64 	%rd1479, %rd524, %rd521;
+	shl.b64 	%rd553, %rd1479, 1;
+	add.s64 	%rd1937, %rd531, %rd1478;
+	mov.u64 	%rd1938, %rd523;
+
+$L__BB3_322:
+	ld.global.u16 	%rs121, [%rd1936];
+	add.s64 	%rd1480, %rd1936, %rd553;
+	ld.global.u16 	%rs122, [%rd1480];
+	add.s64 	%rd1481, %rd1480, %rd553;
+	ld.global.u16 	%rs123, [%rd1481];
+	add.s64 	%rd1482, %rd1481, %rd553;
+	add.s64 	%rd1936, %rd1482, %rd553;
+	ld.global.u16 	%rs124, [%rd1482];
+	st.u16 	[%rd1937], %rs121;
+	add.s64 	%rd1483, %rd1937, %rd553;
+	st.u16 	[%rd1483], %rs122;
+	add.s64 	%rd1484, %rd1483, %rd553;
+	st.u16 	[%rd1484], %rs123;
+	add.s64 	%rd1485, %rd1484, %rd553;
+	add.s64 	%rd1937, %rd1485, %rd553;
+	st.u16 	[%rd1485], %rs124;
+	add.s64 	%rd1486, %rd1938, %rd525;
+	add.s64 	%rd1938, %rd529, %rd1486;
+	add.s64 	%rd1487, %rd1938, %rd529;
+	setp.lt.u64 	%p255, %rd1487, %rd551;
+	@%p255 bra 	$L__BB3_322;
+
+$L__BB3_323:
+	setp.ge.u64 	%p256, %rd1938, %rd551;
+	@%p256 bra 	$L__BB3_326;
+
+	add.s64 	%rd562, %rd531, %rd546;
+	add.s64 	%rd563, %rd136, %rd546;
+
+$L__BB3_325:
+	shl.b64 	%rd1488, %rd1938, 1;
+	add.s64 	%rd1489, %rd563, %rd1488;
+	ld.global.u16 	%rs125, [%rd1489];
+	add.s64 	%rd1490, %rd562, %rd1488;
+	st.u16 	[%rd1490], %rs125;
+	add.s64 	%rd1938, %rd1938, %rd525;
+	setp.lt.u64 	%p257, %rd1938, %rd551;
+	@%p257 bra 	$L__BB3_325;
+
+$L__BB3_326:
+	and.b64  	%rd1491, %rd550, -2;
+	add.s64 	%rd1492, %rd546, %rd523;
+	add.s64 	%rd1940, %rd1492, %rd1491;
+	setp.ge.u64 	%p258, %rd1940, %rd777;
+	@%p258 bra 	$L__BB3_455;
+
+$L__BB3_327:
+	add.s64 	%rd1493, %rd136, %rd1940;
+	ld.global.u8 	%rs126, [%rd1493];
+	add.s64 	%rd1494, %rd531, %rd1940;
+	st.u8 	[%rd1494], %rs126;
+	add.s64 	%rd1940, %rd1940, %rd525;
+	setp.lt.u64 	%p259, %rd1940, %rd777;
+	@%p259 bra 	$L__BB3_327;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_5:
+	mul.lo.s64 	%rd11, %rd10, 3;
+	add.s64 	%rd786, %rd8, %rd11;
+	setp.ge.u64 	%p9, %rd786, %rd777;
+	mov.u64 	%rd1792, %rd8;
+	@%p9 bra 	$L__BB3_8;
+
+	add.s64 	%rd1791, %rd3, %rd8;
+	mul.lo.s64 	%rd13, %rd9, %rd6;
+	mov.u64 	%rd1792, %rd8;
 
 $L__BB3_7:
-	setp.ge.u64 	%p11, %rd287, %rd136;
-	@%p11 bra 	$L__BB3_9;
+	add.s64 	%rd787, %rd2, %rd1792;
+	ld.u8 	%rs17, [%rd787];
+	add.s64 	%rd788, %rd787, %rd13;
+	ld.u8 	%rs18, [%rd788];
+	add.s64 	%rd789, %rd788, %rd13;
+	ld.u8 	%rs19, [%rd789];
+	add.s64 	%rd790, %rd789, %rd13;
+	ld.u8 	%rs20, [%rd790];
+	st.global.u8 	[%rd1791], %rs17;
+	add.s64 	%rd791, %rd1791, %rd13;
+	st.global.u8 	[%rd791], %rs18;
+	add.s64 	%rd792, %rd791, %rd13;
+	st.global.u8 	[%rd792], %rs19;
+	add.s64 	%rd793, %rd792, %rd13;
+	add.s64 	%rd1791, %rd793, %rd13;
+	st.global.u8 	[%rd793], %rs20;
+	add.s64 	%rd794, %rd1792, %rd10;
+	add.s64 	%rd1792, %rd11, %rd794;
+	add.s64 	%rd795, %rd1792, %rd11;
+	setp.lt.u64 	%p10, %rd795, %rd777;
+	@%p10 bra 	$L__BB3_7;
 
 $L__BB3_8:
-	add.s64 	%rd156, %rd2, %rd287;
-	ld.u8 	%rs5, [%rd156];
-	add.s64 	%rd157, %rd1, %rd287;
-	st.u8 	[%rd157], %rs5;
-	add.s64 	%rd287, %rd287, %rd9;
-	setp.lt.u64 	%p12, %rd287, %rd136;
-	@%p12 bra 	$L__BB3_8;
+	setp.ge.u64 	%p11, %rd1792, %rd777;
+	@%p11 bra 	$L__BB3_10;
 
 $L__BB3_9:
-	add.s64 	%rd289, %rd7, %rd136;
-	setp.ge.u64 	%p13, %rd289, %rd7;
-	@%p13 bra 	$L__BB3_55;
+	add.s64 	%rd796, %rd2, %rd1792;
+	ld.u8 	%rs21, [%rd796];
+	add.s64 	%rd797, %rd3, %rd1792;
+	st.global.u8 	[%rd797], %rs21;
+	add.s64 	%rd1792, %rd1792, %rd10;
+	setp.lt.u64 	%p12, %rd1792, %rd777;
+	@%p12 bra 	$L__BB3_9;
 
 $L__BB3_10:
-	add.s64 	%rd158, %rd2, %rd289;
-	ld.u8 	%rs6, [%rd158];
-	add.s64 	%rd159, %rd1, %rd289;
-	st.u8 	[%rd159], %rs6;
-	add.s64 	%rd289, %rd289, %rd9;
-	setp.lt.u64 	%p14, %rd289, %rd136;
-	@%p14 bra 	$L__BB3_10;
+	add.s64 	%rd1794, %rd8, %rd777;
+	setp.ge.u64 	%p13, %rd1794, %rd8;
+	@%p13 bra 	$L__BB3_455;
 
-$L__BB3_55:
+$L__BB3_11:
+	add.s64 	%rd798, %rd2, %rd1794;
+	ld.u8 	%rs22, [%rd798];
+	add.s64 	%rd799, %rd3, %rd1794;
+	st.global.u8 	[%rd799], %rs22;
+	add.s64 	%rd1794, %rd1794, %rd10;
+	setp.lt.u64 	%p14, %rd1794, %rd777;
+	@%p14 bra 	$L__BB3_11;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_218:
+	mov.u32 	%r273, %ctaid.x;
+	cvt.u64.u32 	%rd390, %r273;
+	mov.u32 	%r274, %ntid.x;
+	cvt.u64.u32 	%rd391, %r274;
+	mul.wide.u32 	%rd1263, %r273, %r274;
+	mov.u32 	%r275, %tid.x;
+	cvt.u64.u32 	%rd392, %r275;
+	add.s64 	%rd393, %rd1263, %rd392;
+	mov.u32 	%r276, %nctaid.x;
+	cvt.u64.u32 	%rd394, %r276;
+	mul.wide.u32 	%rd395, %r276, %r274;
+	shr.u64 	%rd396, %rd777, 2;
+	setp.ge.u64 	%p174, %rd393, %rd396;
+	@%p174 bra 	$L__BB3_220;
+
+	shl.b64 	%rd1264, %rd393, 2;
+	add.s64 	%rd1265, %rd136, %rd1264;
+	ld.global.u32 	%r580, [%rd1265];
+
+$L__BB3_220:
+	add.s64 	%rd397, %rd395, %rd393;
+	setp.ge.u64 	%p175, %rd397, %rd396;
+	@%p175 bra 	$L__BB3_222;
+
+	shl.b64 	%rd1266, %rd397, 2;
+	add.s64 	%rd1267, %rd136, %rd1266;
+	ld.global.u32 	%r581, [%rd1267];
+
+$L__BB3_222:
+	add.s64 	%rd398, %rd397, %rd395;
+	setp.ge.u64 	%p176, %rd398, %rd396;
+	@%p176 bra 	$L__BB3_224;
+
+	shl.b64 	%rd1268, %rd398, 2;
+	add.s64 	%rd1269, %rd136, %rd1268;
+	ld.global.u32 	%r582, [%rd1269];
+
+$L__BB3_224:
+	mul.lo.s64 	%rd399, %rd395, 3;
+	add.s64 	%rd400, %rd398, %rd395;
+	setp.ge.u64 	%p177, %rd400, %rd396;
+	@%p177 bra 	$L__BB3_226;
+
+	shl.b64 	%rd1270, %rd400, 2;
+	add.s64 	%rd1271, %rd136, %rd1270;
+	ld.global.u32 	%r583, [%rd1271];
+
+$L__BB3_226:
+	ld.volatile.global.u64 	%rd401, [%rd1];
+	and.b64  	%rd1272, %rd401, 15;
+	setp.eq.s64 	%p178, %rd1272, 0;
+	@%p178 bra 	$L__BB3_282;
+
+	xor.b64  	%rd402, %rd401, %rd776;
+	and.b64  	%rd1273, %rd402, 15;
+	setp.eq.s64 	%p179, %rd1273, 0;
+	@%p179 bra 	$L__BB3_271;
+
+	and.b64  	%rd1274, %rd402, 7;
+	setp.eq.s64 	%p180, %rd1274, 0;
+	@%p180 bra 	$L__BB3_260;
+
+	and.b64  	%rd1275, %rd402, 3;
+	setp.eq.s64 	%p181, %rd1275, 0;
+	@%p181 bra 	$L__BB3_249;
+
+	and.b64  	%rd1276, %rd402, 1;
+	setp.eq.b64 	%p182, %rd1276, 1;
+	mov.pred 	%p183, 0;
+	xor.pred  	%p184, %p182, %p183;
+	not.pred 	%p185, %p184;
+	@%p185 bra 	$L__BB3_238;
+	bra.uni 	$L__BB3_231;
+
+$L__BB3_238:
+	and.b64  	%rd415, %rd401, 1;
+	min.u64 	%rd416, %rd415, %rd777;
+	setp.ge.u64 	%p192, %rd393, %rd416;
+	@%p192 bra 	$L__BB3_241;
+
+	mov.u64 	%rd1898, %rd393;
+
+$L__BB3_240:
+	add.s64 	%rd1290, %rd136, %rd1898;
+	ld.global.u8 	%rs100, [%rd1290];
+	add.s64 	%rd1291, %rd401, %rd1898;
+	st.u8 	[%rd1291], %rs100;
+	add.s64 	%rd1898, %rd1898, %rd395;
+	setp.lt.u64 	%p193, %rd1898, %rd416;
+	@%p193 bra 	$L__BB3_240;
+
+$L__BB3_241:
+	sub.s64 	%rd420, %rd777, %rd416;
+	shr.u64 	%rd421, %rd420, 1;
+	setp.ge.u64 	%p194, %rd400, %rd421;
+	mov.u64 	%rd1902, %rd393;
+	@%p194 bra 	$L__BB3_244;
+
+	mul.lo.s64 	%rd1292, %rd390, %rd391;
+	shl.b64 	%rd1293, %rd1292, 1;
+	shl.b64 	%rd1294, %rd392, 1;
+	add.s64 	%rd1295, %rd1293, %rd1294;
+	add.s64 	%rd1296, %rd1295, -1;
+	not.b64 	%rd1297, %rd777;
+	not.b64 	%rd1298, %rd415;
+	max.u64 	%rd1299, %rd1298, %rd1297;
+	sub.s64 	%rd1300, %rd1296, %rd1299;
+	add.s64 	%rd1900, %rd136, %rd1300;
+	mul.lo.s64 	%rd1301, %rd394, %rd391;
+	shl.b64 	%rd423, %rd1301, 1;
+	add.s64 	%rd1901, %rd401, %rd1300;
+	mov.u64 	%rd1902, %rd393;
+
+$L__BB3_243:
+	ld.global.u16 	%rs101, [%rd1900];
+	add.s64 	%rd1302, %rd1900, %rd423;
+	ld.global.u16 	%rs102, [%rd1302];
+	add.s64 	%rd1303, %rd1302, %rd423;
+	ld.global.u16 	%rs103, [%rd1303];
+	add.s64 	%rd1304, %rd1303, %rd423;
+	add.s64 	%rd1900, %rd1304, %rd423;
+	ld.global.u16 	%rs104, [%rd1304];
+	st.u16 	[%rd1901], %rs101;
+	add.s64 	%rd1305, %rd1901, %rd423;
+	st.u16 	[%rd1305], %rs102;
+	add.s64 	%rd1306, %rd1305, %rd423;
+	st.u16 	[%rd1306], %rs103;
+	add.s64 	%rd1307, %rd1306, %rd423;
+	add.s64 	%rd1901, %rd1307, %rd423;
+	st.u16 	[%rd1307], %rs104;
+	add.s64 	%rd1308, %rd1902, %rd395;
+	add.s64 	%rd1902, %rd399, %rd1308;
+	add.s64 	%rd1309, %rd1902, %rd399;
+	setp.lt.u64 	%p195, %rd1309, %rd421;
+	@%p195 bra 	$L__BB3_243;
+
+$L__BB3_244:
+	setp.ge.u64 	%p196, %rd1902, %rd421;
+	@%p196 bra 	$L__BB3_247;
+
+	add.s64 	%rd432, %rd401, %rd416;
+	add.s64 	%rd433, %rd136, %rd416;
+
+$L__BB3_246:
+	shl.b64 	%rd1310, %rd1902, 1;
+	add.s64 	%rd1311, %rd433, %rd1310;
+	ld.global.u16 	%rs105, [%rd1311];
+	add.s64 	%rd1312, %rd432, %rd1310;
+	st.u16 	[%rd1312], %rs105;
+	add.s64 	%rd1902, %rd1902, %rd395;
+	setp.lt.u64 	%p197, %rd1902, %rd421;
+	@%p197 bra 	$L__BB3_246;
+
+$L__BB3_247:
+	and.b64  	%rd1313, %rd420, -2;
+	add.s64 	%rd1314, %rd416, %rd393;
+	add.s64 	%rd1904, %rd1314, %rd1313;
+	setp.ge.u64 	%p198, %rd1904, %rd777;
+	@%p198 bra 	$L__BB3_455;
+
+$L__BB3_248:
+	add.s64 	%rd1315, %rd136, %rd1904;
+	ld.global.u8 	%rs106, [%rd1315];
+	add.s64 	%rd1316, %rd401, %rd1904;
+	st.u8 	[%rd1316], %rs106;
+	add.s64 	%rd1904, %rd1904, %rd395;
+	setp.lt.u64 	%p199, %rd1904, %rd777;
+	@%p199 bra 	$L__BB3_248;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_440:
+	@%p294 bra 	$L__BB3_442;
+
+	shl.b64 	%rd1760, %rd651, 4;
+	add.s64 	%rd1761, %rd659, %rd1760;
+	st.v4.u32 	[%rd1761], {%r595, %r594, %r593, %r592};
+
+$L__BB3_442:
+	@%p295 bra 	$L__BB3_444;
+
+	shl.b64 	%rd1762, %rd655, 4;
+	add.s64 	%rd1763, %rd659, %rd1762;
+	st.v4.u32 	[%rd1763], {%r599, %r598, %r597, %r596};
+
+$L__BB3_444:
+	@%p296 bra 	$L__BB3_446;
+
+	shl.b64 	%rd1764, %rd656, 4;
+	add.s64 	%rd1765, %rd659, %rd1764;
+	st.v4.u32 	[%rd1765], {%r603, %r602, %r601, %r600};
+
+$L__BB3_446:
+	@%p297 bra 	$L__BB3_448;
+
+	shl.b64 	%rd1766, %rd658, 4;
+	add.s64 	%rd1767, %rd659, %rd1766;
+	st.v4.u32 	[%rd1767], {%r607, %r606, %r605, %r604};
+
+$L__BB3_448:
+	add.s64 	%rd1996, %rd658, %rd653;
+	add.s64 	%rd1768, %rd1996, %rd657;
+	setp.ge.u64 	%p348, %rd1768, %rd654;
+	@%p348 bra 	$L__BB3_451;
+
+	mul.lo.s64 	%rd1769, %rd652, %rd649;
+	shl.b64 	%rd766, %rd1769, 4;
+	neg.s64 	%rd767, %rd1769;
+	shl.b64 	%rd1778, %rd767, 4;
+
+$L__BB3_450:
+	shl.b64 	%rd1770, %rd1996, 4;
+	add.s64 	%rd1771, %rd136, %rd1770;
+	shl.b64 	%rd1772, %rd653, 2;
+	shl.b64 	%rd1773, %rd653, 4;
+	add.s64 	%rd1774, %rd1771, %rd1773;
+	ld.global.v4.u32 	{%r540, %r541, %r542, %r543}, [%rd1774];
+	add.s64 	%rd1775, %rd1774, %rd766;
+	ld.global.v4.u32 	{%r548, %r549, %r550, %r551}, [%rd1775];
+	add.s64 	%rd1776, %rd1775, %rd766;
+	ld.global.v4.u32 	{%r556, %r557, %r558, %r559}, [%rd1776];
+	add.s64 	%rd1777, %rd659, %rd1770;
+	add.s64 	%rd1779, %rd1774, %rd1778;
+	ld.global.v4.u32 	{%r564, %r565, %r566, %r567}, [%rd1779];
+	st.v4.u32 	[%rd1777], {%r564, %r565, %r566, %r567};
+	add.s64 	%rd1780, %rd1777, %rd766;
+	st.v4.u32 	[%rd1780], {%r540, %r541, %r542, %r543};
+	add.s64 	%rd1781, %rd1780, %rd766;
+	st.v4.u32 	[%rd1781], {%r548, %r549, %r550, %r551};
+	add.s64 	%rd1782, %rd1781, %rd766;
+	st.v4.u32 	[%rd1782], {%r556, %r557, %r558, %r559};
+	add.s64 	%rd1996, %rd1772, %rd1996;
+	add.s64 	%rd1783, %rd1996, %rd657;
+	setp.lt.u64 	%p349, %rd1783, %rd654;
+	@%p349 bra 	$L__BB3_450;
+
+$L__BB3_451:
+	setp.ge.u64 	%p350, %rd1996, %rd654;
+	@%p350 bra 	$L__BB3_453;
+
+$L__BB3_452:
+	shl.b64 	%rd1784, %rd1996, 4;
+	add.s64 	%rd1785, %rd659, %rd1784;
+	add.s64 	%rd1786, %rd136, %rd1784;
+	ld.global.v4.u32 	{%r572, %r573, %r574, %r575}, [%rd1786];
+	st.v4.u32 	[%rd1785], {%r572, %r573, %r574, %r575};
+	add.s64 	%rd1996, %rd1996, %rd653;
+	setp.lt.u64 	%p351, %rd1996, %rd654;
+	@%p351 bra 	$L__BB3_452;
+
+$L__BB3_453:
+	and.b64  	%rd1787, %rd777, -16;
+	add.s64 	%rd1998, %rd1787, %rd651;
+	setp.ge.u64 	%p352, %rd1998, %rd777;
+	@%p352 bra 	$L__BB3_455;
+
+$L__BB3_454:
+	add.s64 	%rd1788, %rd136, %rd1998;
+	ld.global.u8 	%rs153, [%rd1788];
+	add.s64 	%rd1789, %rd659, %rd1998;
+	st.u8 	[%rd1789], %rs153;
+	add.s64 	%rd1998, %rd1998, %rd653;
+	setp.lt.u64 	%p353, %rd1998, %rd777;
+	@%p353 bra 	$L__BB3_454;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_60:
+	setp.ge.u64 	%p54, %rd140, %rd777;
+	@%p54 bra 	$L__BB3_62;
+
+	add.s64 	%rd929, %rd136, %rd140;
+	ld.global.u8 	%rs154, [%rd929];
+
+$L__BB3_62:
+	add.s64 	%rd143, %rd142, %rd140;
+	setp.ge.u64 	%p55, %rd143, %rd777;
+	@%p55 bra 	$L__BB3_64;
+
+	add.s64 	%rd930, %rd136, %rd143;
+	ld.global.u8 	%rs155, [%rd930];
+
+$L__BB3_64:
+	add.s64 	%rd144, %rd143, %rd142;
+	setp.ge.u64 	%p56, %rd144, %rd777;
+	@%p56 bra 	$L__BB3_66;
+
+	add.s64 	%rd931, %rd136, %rd144;
+	ld.global.u8 	%rs156, [%rd931];
+
+$L__BB3_66:
+	mul.lo.s64 	%rd145, %rd142, 3;
+	add.s64 	%rd146, %rd144, %rd142;
+	setp.ge.u64 	%p57, %rd146, %rd777;
+	@%p57 bra 	$L__BB3_68;
+
+	add.s64 	%rd932, %rd136, %rd146;
+	ld.global.u8 	%rs157, [%rd932];
+
+$L__BB3_68:
+	ld.volatile.global.u64 	%rd147, [%rd1];
+	and.b64  	%rd933, %rd147, 15;
+	setp.eq.s64 	%p58, %rd933, 0;
+	@%p58 bra 	$L__BB3_124;
+
+	xor.b64  	%rd148, %rd147, %rd776;
+	and.b64  	%rd934, %rd148, 15;
+	setp.eq.s64 	%p59, %rd934, 0;
+	@%p59 bra 	$L__BB3_113;
+
+	and.b64  	%rd935, %rd148, 7;
+	setp.eq.s64 	%p60, %rd935, 0;
+	@%p60 bra 	$L__BB3_102;
+
+	and.b64  	%rd936, %rd148, 3;
+	setp.eq.s64 	%p61, %rd936, 0;
+	@%p61 bra 	$L__BB3_91;
+
+	and.b64  	%rd937, %rd148, 1;
+	setp.eq.b64 	%p62, %rd937, 1;
+	mov.pred 	%p63, 0;
+	xor.pred  	%p64, %p62, %p63;
+	not.pred 	%p65, %p64;
+	@%p65 bra 	$L__BB3_80;
+	bra.uni 	$L__BB3_73;
+
+$L__BB3_80:
+	and.b64  	%rd161, %rd147, 1;
+	min.u64 	%rd162, %rd161, %rd777;
+	setp.ge.u64 	%p72, %rd140, %rd162;
+	@%p72 bra 	$L__BB3_83;
+
+	mov.u64 	%rd1826, %rd140;
+
+$L__BB3_82:
+	add.s64 	%rd951, %rd136, %rd1826;
+	ld.global.u8 	%rs46, [%rd951];
+	add.s64 	%rd952, %rd147, %rd1826;
+	st.u8 	[%rd952], %rs46;
+	add.s64 	%rd1826, %rd1826, %rd142;
+	setp.lt.u64 	%p73, %rd1826, %rd162;
+	@%p73 bra 	$L__BB3_82;
+
+$L__BB3_83:
+	sub.s64 	%rd166, %rd777, %rd162;
+	shr.u64 	%rd167, %rd166, 1;
+	setp.ge.u64 	%p74, %rd146, %rd167;
+	mov.u64 	%rd1830, %rd140;
+	@%p74 bra 	$L__BB3_86;
+
+	mul.lo.s64 	%rd953, %rd137, %rd138;
+	shl.b64 	%rd954, %rd953, 1;
+	shl.b64 	%rd955, %rd139, 1;
+	add.s64 	%rd956, %rd954, %rd955;
+	add.s64 	%rd957, %rd956, -1;
+	not.b64 	%rd958, %rd777;
+	not.b64 	%rd959, %rd161;
+	max.u64 	%rd960, %rd959, %rd958;
+	sub.s64 	%rd961, %rd957, %rd960;
+	add.s64 	%rd1828, %rd136, %rd961;
+	mul.lo.s64 	%rd962, %rd141, %rd138;
+	shl.b64 	%rd169, %rd962, 1;
+	add.s64 	%rd1829, %rd147, %rd961;
+	mov.u64 	%rd1830, %rd140;
+
+$L__BB3_85:
+	ld.global.u16 	%rs47, [%rd1828];
+	add.s64 	%rd963, %rd1828, %rd169;
+	ld.global.u16 	%rs48, [%rd963];
+	add.s64 	%rd964, %rd963, %rd169;
+	ld.global.u16 	%rs49, [%rd964];
+	add.s64 	%rd965, %rd964, %rd169;
+	add.s64 	%rd1828, %rd965, %rd169;
+	ld.global.u16 	%rs50, [%rd965];
+	st.u16 	[%rd1829], %rs47;
+	add.s64 	%rd966, %rd1829, %rd169;
+	st.u16 	[%rd966], %rs48;
+	add.s64 	%rd967, %rd966, %rd169;
+	st.u16 	[%rd967], %rs49;
+	add.s64 	%rd968, %rd967, %rd169;
+	add.s64 	%rd1829, %rd968, %rd169;
+	st.u16 	[%rd968], %rs50;
+	add.s64 	%rd969, %rd1830, %rd142;
+	add.s64 	%rd1830, %rd145, %rd969;
+	add.s64 	%rd970, %rd1830, %rd145;
+	setp.lt.u64 	%p75, %rd970, %rd167;
+	@%p75 bra 	$L__BB3_85;
+
+$L__BB3_86:
+	setp.ge.u64 	%p76, %rd1830, %rd167;
+	@%p76 bra 	$L__BB3_89;
+
+	add.s64 	%rd178, %rd147, %rd162;
+	add.s64 	%rd179, %rd136, %rd162;
+
+$L__BB3_88:
+	shl.b64 	%rd971, %rd1830, 1;
+	add.s64 	%rd972, %rd179, %rd971;
+	ld.global.u16 	%rs51, [%rd972];
+	add.s64 	%rd973, %rd178, %rd971;
+	st.u16 	[%rd973], %rs51;
+	add.s64 	%rd1830, %rd1830, %rd142;
+	setp.lt.u64 	%p77, %rd1830, %rd167;
+	@%p77 bra 	$L__BB3_88;
+
+$L__BB3_89:
+	and.b64  	%rd974, %rd166, -2;
+	add.s64 	%rd975, %rd162, %rd140;
+	add.s64 	%rd1832, %rd975, %rd974;
+	setp.ge.u64 	%p78, %rd1832, %rd777;
+	@%p78 bra 	$L__BB3_455;
+
+$L__BB3_90:
+	add.s64 	%rd976, %rd136, %rd1832;
+	ld.global.u8 	%rs52, [%rd976];
+	add.s64 	%rd977, %rd147, %rd1832;
+	st.u8 	[%rd977], %rs52;
+	add.s64 	%rd1832, %rd1832, %rd142;
+	setp.lt.u64 	%p79, %rd1832, %rd777;
+	@%p79 bra 	$L__BB3_90;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_429:
+	neg.s64 	%rd1727, %rd659;
+	and.b64  	%rd743, %rd1727, 15;
+	min.u64 	%rd744, %rd743, %rd777;
+	setp.ge.u64 	%p336, %rd651, %rd744;
+	@%p336 bra 	$L__BB3_432;
+
+	mov.u64 	%rd1989, %rd651;
+
+$L__BB3_431:
+	add.s64 	%rd1728, %rd136, %rd1989;
+	ld.global.u8 	%rs151, [%rd1728];
+	add.s64 	%rd1729, %rd659, %rd1989;
+	st.u8 	[%rd1729], %rs151;
+	add.s64 	%rd1989, %rd1989, %rd653;
+	setp.lt.u64 	%p337, %rd1989, %rd744;
+	@%p337 bra 	$L__BB3_431;
+
+$L__BB3_432:
+	sub.s64 	%rd748, %rd777, %rd744;
+	shr.u64 	%rd749, %rd748, 4;
+	add.s64 	%rd750, %rd136, %rd744;
+	setp.ge.u64 	%p338, %rd658, %rd749;
+	mov.u64 	%rd1992, %rd651;
+	@%p338 bra 	$L__BB3_435;
+
+	mul.lo.s64 	%rd1730, %rd652, %rd649;
+	shl.b64 	%rd751, %rd1730, 4;
+	mul.lo.s64 	%rd1731, %rd648, %rd649;
+	shl.b64 	%rd1732, %rd1731, 4;
+	shl.b64 	%rd1733, %rd650, 4;
+	add.s64 	%rd1734, %rd1732, %rd1733;
+	add.s64 	%rd1735, %rd1734, -1;
+	not.b64 	%rd1736, %rd777;
+	not.b64 	%rd1737, %rd743;
+	max.u64 	%rd1738, %rd1737, %rd1736;
+	sub.s64 	%rd1739, %rd1735, %rd1738;
+	add.s64 	%rd1991, %rd659, %rd1739;
+	neg.s64 	%rd753, %rd1730;
+	shl.b64 	%rd1747, %rd753, 4;
+	mov.u64 	%rd1992, %rd651;
+
+$L__BB3_434:
+	shl.b64 	%rd1740, %rd1992, 4;
+	add.s64 	%rd1741, %rd750, %rd1740;
+	shl.b64 	%rd1742, %rd653, 2;
+	shl.b64 	%rd1743, %rd653, 4;
+	add.s64 	%rd1744, %rd1741, %rd1743;
+	ld.global.v4.u32 	{%r500, %r501, %r502, %r503}, [%rd1744];
+	add.s64 	%rd1745, %rd1744, %rd751;
+	ld.global.v4.u32 	{%r508, %r509, %r510, %r511}, [%rd1745];
+	add.s64 	%rd1746, %rd1745, %rd751;
+	ld.global.v4.u32 	{%r516, %r517, %r518, %r519}, [%rd1746];
+	add.s64 	%rd1748, %rd1744, %rd1747;
+	ld.global.v4.u32 	{%r524, %r525, %r526, %r527}, [%rd1748];
+	st.v4.u32 	[%rd1991], {%r524, %r525, %r526, %r527};
+	add.s64 	%rd1749, %rd1991, %rd751;
+	st.v4.u32 	[%rd1749], {%r500, %r501, %r502, %r503};
+	add.s64 	%rd1750, %rd1749, %rd751;
+	st.v4.u32 	[%rd1750], {%r508, %r509, %r510, %r511};
+	add.s64 	%rd1751, %rd1750, %rd751;
+	add.s64 	%rd1991, %rd1751, %rd751;
+	st.v4.u32 	[%rd1751], {%r516, %r517, %r518, %r519};
+	add.s64 	%rd1992, %rd1742, %rd1992;
+	add.s64 	%rd1752, %rd1992, %rd657;
+	setp.lt.u64 	%p339, %rd1752, %rd749;
+	@%p339 bra 	$L__BB3_434;
+
+$L__BB3_435:
+	setp.ge.u64 	%p340, %rd1992, %rd749;
+	@%p340 bra 	$L__BB3_438;
+
+	add.s64 	%rd759, %rd659, %rd744;
+
+$L__BB3_437:
+	shl.b64 	%rd1753, %rd1992, 4;
+	add.s64 	%rd1754, %rd759, %rd1753;
+	add.s64 	%rd1755, %rd750, %rd1753;
+	ld.global.v4.u32 	{%r532, %r533, %r534, %r535}, [%rd1755];
+	st.v4.u32 	[%rd1754], {%r532, %r533, %r534, %r535};
+	add.s64 	%rd1992, %rd1992, %rd653;
+	setp.lt.u64 	%p341, %rd1992, %rd749;
+	@%p341 bra 	$L__BB3_437;
+
+$L__BB3_438:
+	and.b64  	%rd1756, %rd748, -16;
+	add.s64 	%rd1757, %rd744, %rd651;
+	add.s64 	%rd1994, %rd1757, %rd1756;
+	setp.ge.u64 	%p342, %rd1994, %rd777;
+	@%p342 bra 	$L__BB3_455;
+
+$L__BB3_439:
+	add.s64 	%rd1758, %rd136, %rd1994;
+	ld.global.u8 	%rs152, [%rd1758];
+	add.s64 	%rd1759, %rd659, %rd1994;
+	st.u8 	[%rd1759], %rs152;
+	add.s64 	%rd1994, %rd1994, %rd653;
+	setp.lt.u64 	%p343, %rd1994, %rd777;
+	@%p343 bra 	$L__BB3_439;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_361:
+	@%p234 bra 	$L__BB3_363;
+
+	shl.b64 	%rd1586, %rd523, 3;
+	add.s64 	%rd1587, %rd531, %rd1586;
+	st.v2.u32 	[%rd1587], {%r585, %r584};
+
+$L__BB3_363:
+	@%p235 bra 	$L__BB3_365;
+
+	shl.b64 	%rd1588, %rd527, 3;
+	add.s64 	%rd1589, %rd531, %rd1588;
+	st.v2.u32 	[%rd1589], {%r587, %r586};
+
+$L__BB3_365:
+	@%p236 bra 	$L__BB3_367;
+
+	shl.b64 	%rd1590, %rd528, 3;
+	add.s64 	%rd1591, %rd531, %rd1590;
+	st.v2.u32 	[%rd1591], {%r589, %r588};
+
+$L__BB3_367:
+	@%p237 bra 	$L__BB3_369;
+
+	shl.b64 	%rd1592, %rd530, 3;
+	add.s64 	%rd1593, %rd531, %rd1592;
+	st.v2.u32 	[%rd1593], {%r591, %r590};
+
+$L__BB3_369:
+	add.s64 	%rd1961, %rd530, %rd525;
+	add.s64 	%rd1594, %rd1961, %rd529;
+	setp.ge.u64 	%p288, %rd1594, %rd526;
+	@%p288 bra 	$L__BB3_372;
+
+	mul.lo.s64 	%rd1595, %rd524, %rd521;
+	shl.b64 	%rd638, %rd1595, 3;
+	mul.lo.s64 	%rd639, %rd1595, -24;
+
+$L__BB3_371:
+	add.s64 	%rd1596, %rd1961, %rd525;
+	shl.b64 	%rd1597, %rd1596, 3;
+	add.s64 	%rd1598, %rd136, %rd1597;
+	ld.global.v2.u32 	{%r431, %r432}, [%rd1598];
+	add.s64 	%rd1599, %rd1598, %rd638;
+	ld.global.v2.u32 	{%r435, %r436}, [%rd1599];
+	add.s64 	%rd1600, %rd1599, %rd638;
+	ld.global.v2.u32 	{%r439, %r440}, [%rd1600];
+	add.s64 	%rd1601, %rd1600, %rd639;
+	ld.global.v2.u32 	{%r443, %r444}, [%rd1601];
+	shl.b64 	%rd1602, %rd1961, 3;
+	add.s64 	%rd1603, %rd531, %rd1602;
+	st.v2.u32 	[%rd1603], {%r443, %r444};
+	add.s64 	%rd1604, %rd1603, %rd638;
+	st.v2.u32 	[%rd1604], {%r431, %r432};
+	add.s64 	%rd1605, %rd1604, %rd638;
+	st.v2.u32 	[%rd1605], {%r435, %r436};
+	add.s64 	%rd1606, %rd1605, %rd638;
+	st.v2.u32 	[%rd1606], {%r439, %r440};
+	add.s64 	%rd1961, %rd529, %rd1596;
+	add.s64 	%rd1607, %rd1961, %rd529;
+	setp.lt.u64 	%p289, %rd1607, %rd526;
+	@%p289 bra 	$L__BB3_371;
+
+$L__BB3_372:
+	setp.ge.u64 	%p290, %rd1961, %rd526;
+	@%p290 bra 	$L__BB3_374;
+
+$L__BB3_373:
+	shl.b64 	%rd1608, %rd1961, 3;
+	add.s64 	%rd1609, %rd136, %rd1608;
+	ld.global.v2.u32 	{%r447, %r448}, [%rd1609];
+	add.s64 	%rd1610, %rd531, %rd1608;
+	st.v2.u32 	[%rd1610], {%r447, %r448};
+	add.s64 	%rd1961, %rd1961, %rd525;
+	setp.lt.u64 	%p291, %rd1961, %rd526;
+	@%p291 bra 	$L__BB3_373;
+
+$L__BB3_374:
+	and.b64  	%rd1611, %rd777, -8;
+	add.s64 	%rd1963, %rd1611, %rd523;
+	setp.ge.u64 	%p292, %rd1963, %rd777;
+	@%p292 bra 	$L__BB3_455;
+
+$L__BB3_375:
+	add.s64 	%rd1612, %rd136, %rd1963;
+	ld.global.u8 	%rs133, [%rd1612];
+	add.s64 	%rd1613, %rd531, %rd1963;
+	st.u8 	[%rd1613], %rs133;
+	add.s64 	%rd1963, %rd1963, %rd525;
+	setp.lt.u64 	%p293, %rd1963, %rd777;
+	@%p293 bra 	$L__BB3_375;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_418:
+	neg.s64 	%rd1696, %rd659;
+	and.b64  	%rd721, %rd1696, 7;
+	min.u64 	%rd722, %rd721, %rd777;
+	setp.ge.u64 	%p328, %rd651, %rd722;
+	@%p328 bra 	$L__BB3_421;
+
+	mov.u64 	%rd1983, %rd651;
+
+$L__BB3_420:
+	add.s64 	%rd1697, %rd136, %rd1983;
+	ld.global.u8 	%rs149, [%rd1697];
+	add.s64 	%rd1698, %rd659, %rd1983;
+	st.u8 	[%rd1698], %rs149;
+	add.s64 	%rd1983, %rd1983, %rd653;
+	setp.lt.u64 	%p329, %rd1983, %rd722;
+	@%p329 bra 	$L__BB3_420;
+
+$L__BB3_421:
+	sub.s64 	%rd726, %rd777, %rd722;
+	shr.u64 	%rd727, %rd726, 3;
+	add.s64 	%rd728, %rd136, %rd722;
+	setp.ge.u64 	%p330, %rd658, %rd727;
+	mov.u64 	%rd1986, %rd651;
+	@%p330 bra 	$L__BB3_424;
+
+	mul.lo.s64 	%rd1699, %rd652, %rd649;
+	shl.b64 	%rd729, %rd1699, 3;
+	mul.lo.s64 	%rd1700, %rd648, %rd649;
+	shl.b64 	%rd1701, %rd1700, 3;
+	shl.b64 	%rd1702, %rd650, 3;
+	add.s64 	%rd1703, %rd1701, %rd1702;
+	add.s64 	%rd1704, %rd1703, -1;
+	not.b64 	%rd1705, %rd777;
+	not.b64 	%rd1706, %rd721;
+	max.u64 	%rd1707, %rd1706, %rd1705;
+	sub.s64 	%rd1708, %rd1704, %rd1707;
+	add.s64 	%rd1985, %rd659, %rd1708;
+	neg.s64 	%rd731, %rd1699;
+	shl.b64 	%rd1714, %rd731, 3;
+	mov.u64 	%rd1986, %rd651;
+
+$L__BB3_423:
+	add.s64 	%rd1709, %rd1986, %rd653;
+	shl.b64 	%rd1710, %rd1709, 3;
+	add.s64 	%rd1711, %rd728, %rd1710;
+	ld.global.v2.u32 	{%r480, %r481}, [%rd1711];
+	add.s64 	%rd1712, %rd1711, %rd729;
+	ld.global.v2.u32 	{%r484, %r485}, [%rd1712];
+	add.s64 	%rd1713, %rd1712, %rd729;
+	ld.global.v2.u32 	{%r488, %r489}, [%rd1713];
+	add.s64 	%rd1715, %rd1711, %rd1714;
+	ld.global.v2.u32 	{%r492, %r493}, [%rd1715];
+	st.v2.u32 	[%rd1985], {%r492, %r493};
+	add.s64 	%rd1716, %rd1985, %rd729;
+	st.v2.u32 	[%rd1716], {%r480, %r481};
+	add.s64 	%rd1717, %rd1716, %rd729;
+	st.v2.u32 	[%rd1717], {%r484, %r485};
+	add.s64 	%rd1718, %rd1717, %rd729;
+	add.s64 	%rd1985, %rd1718, %rd729;
+	st.v2.u32 	[%rd1718], {%r488, %r489};
+	add.s64 	%rd1986, %rd657, %rd1709;
+	add.s64 	%rd1719, %rd1986, %rd657;
+	setp.lt.u64 	%p331, %rd1719, %rd727;
+	@%p331 bra 	$L__BB3_423;
+
+$L__BB3_424:
+	setp.ge.u64 	%p332, %rd1986, %rd727;
+	@%p332 bra 	$L__BB3_427;
+
+	add.s64 	%rd737, %rd659, %rd722;
+
+$L__BB3_426:
+	shl.b64 	%rd1720, %rd1986, 3;
+	add.s64 	%rd1721, %rd728, %rd1720;
+	ld.global.v2.u32 	{%r496, %r497}, [%rd1721];
+	add.s64 	%rd1722, %rd737, %rd1720;
+	st.v2.u32 	[%rd1722], {%r496, %r497};
+	add.s64 	%rd1986, %rd1986, %rd653;
+	setp.lt.u64 	%p333, %rd1986, %rd727;
+	@%p333 bra 	$L__BB3_426;
+
+$L__BB3_427:
+	and.b64  	%rd1723, %rd726, -8;
+	add.s64 	%rd1724, %rd722, %rd651;
+	add.s64 	%rd1988, %rd1724, %rd1723;
+	setp.ge.u64 	%p334, %rd1988, %rd777;
+	@%p334 bra 	$L__BB3_455;
+
+$L__BB3_428:
+	add.s64 	%rd1725, %rd136, %rd1988;
+	ld.global.u8 	%rs150, [%rd1725];
+	add.s64 	%rd1726, %rd659, %rd1988;
+	st.u8 	[%rd1726], %rs150;
+	add.s64 	%rd1988, %rd1988, %rd653;
+	setp.lt.u64 	%p335, %rd1988, %rd777;
+	@%p335 bra 	$L__BB3_428;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_350:
+	neg.s64 	%rd1553, %rd531;
+	and.b64  	%rd615, %rd1553, 15;
+	min.u64 	%rd616, %rd615, %rd777;
+	setp.ge.u64 	%p276, %rd523, %rd616;
+	@%p276 bra 	$L__BB3_353;
+
+	mov.u64 	%rd1954, %rd523;
+
+$L__BB3_352:
+	add.s64 	%rd1554, %rd136, %rd1954;
+	ld.global.u8 	%rs131, [%rd1554];
+	add.s64 	%rd1555, %rd531, %rd1954;
+	st.u8 	[%rd1555], %rs131;
+	add.s64 	%rd1954, %rd1954, %rd525;
+	setp.lt.u64 	%p277, %rd1954, %rd616;
+	@%p277 bra 	$L__BB3_352;
+
+$L__BB3_353:
+	sub.s64 	%rd620, %rd777, %rd616;
+	shr.u64 	%rd621, %rd620, 4;
+	add.s64 	%rd622, %rd136, %rd616;
+	setp.ge.u64 	%p278, %rd530, %rd621;
+	mov.u64 	%rd1957, %rd523;
+	@%p278 bra 	$L__BB3_356;
+
+	mul.lo.s64 	%rd1556, %rd524, %rd521;
+	shl.b64 	%rd623, %rd1556, 4;
+	mul.lo.s64 	%rd1557, %rd520, %rd521;
+	shl.b64 	%rd1558, %rd1557, 4;
+	shl.b64 	%rd1559, %rd522, 4;
+	add.s64 	%rd1560, %rd1558, %rd1559;
+	add.s64 	%rd1561, %rd1560, -1;
+	not.b64 	%rd1562, %rd777;
+	not.b64 	%rd1563, %rd615;
+	max.u64 	%rd1564, %rd1563, %rd1562;
+	sub.s64 	%rd1565, %rd1561, %rd1564;
+	add.s64 	%rd1956, %rd531, %rd1565;
+	shl.b64 	%rd1566, %rd1556, 5;
+	neg.s64 	%rd625, %rd1566;
+	mov.u64 	%rd1957, %rd523;
+
+$L__BB3_355:
+	shl.b64 	%rd1567, %rd1957, 4;
+	add.s64 	%rd1568, %rd622, %rd1567;
+	shl.b64 	%rd1569, %rd525, 2;
+	shl.b64 	%rd1570, %rd525, 4;
+	add.s64 	%rd1571, %rd1568, %rd1570;
+	ld.global.v4.u32 	{%r391, %r392, %r393, %r394}, [%rd1571];
+	add.s64 	%rd1572, %rd1571, %rd623;
+	ld.global.v4.u32 	{%r399, %r400, %r401, %r402}, [%rd1572];
+	add.s64 	%rd1573, %rd1572, %rd623;
+	ld.global.v4.u32 	{%r407, %r408, %r409, %r410}, [%rd1573];
+	add.s64 	%rd1574, %rd1572, %rd625;
+	ld.global.v4.u32 	{%r415, %r416, %r417, %r418}, [%rd1574];
+	st.v4.u32 	[%rd1956], {%r415, %r416, %r417, %r418};
+	add.s64 	%rd1575, %rd1956, %rd623;
+	st.v4.u32 	[%rd1575], {%r391, %r392, %r393, %r394};
+	add.s64 	%rd1576, %rd1575, %rd623;
+	st.v4.u32 	[%rd1576], {%r399, %r400, %r401, %r402};
+	add.s64 	%rd1577, %rd1576, %rd623;
+	add.s64 	%rd1956, %rd1577, %rd623;
+	st.v4.u32 	[%rd1577], {%r407, %r408, %r409, %r410};
+	add.s64 	%rd1957, %rd1569, %rd1957;
+	add.s64 	%rd1578, %rd1957, %rd529;
+	setp.lt.u64 	%p279, %rd1578, %rd621;
+	@%p279 bra 	$L__BB3_355;
+
+$L__BB3_356:
+	setp.ge.u64 	%p280, %rd1957, %rd621;
+	@%p280 bra 	$L__BB3_359;
+
+	add.s64 	%rd631, %rd531, %rd616;
+
+$L__BB3_358:
+	shl.b64 	%rd1579, %rd1957, 4;
+	add.s64 	%rd1580, %rd631, %rd1579;
+	add.s64 	%rd1581, %rd622, %rd1579;
+	ld.global.v4.u32 	{%r423, %r424, %r425, %r426}, [%rd1581];
+	st.v4.u32 	[%rd1580], {%r423, %r424, %r425, %r426};
+	add.s64 	%rd1957, %rd1957, %rd525;
+	setp.lt.u64 	%p281, %rd1957, %rd621;
+	@%p281 bra 	$L__BB3_358;
+
+$L__BB3_359:
+	and.b64  	%rd1582, %rd620, -16;
+	add.s64 	%rd1583, %rd616, %rd523;
+	add.s64 	%rd1959, %rd1583, %rd1582;
+	setp.ge.u64 	%p282, %rd1959, %rd777;
+	@%p282 bra 	$L__BB3_455;
+
+$L__BB3_360:
+	add.s64 	%rd1584, %rd136, %rd1959;
+	ld.global.u8 	%rs132, [%rd1584];
+	add.s64 	%rd1585, %rd531, %rd1959;
+	st.u8 	[%rd1585], %rs132;
+	add.s64 	%rd1959, %rd1959, %rd525;
+	setp.lt.u64 	%p283, %rd1959, %rd777;
+	@%p283 bra 	$L__BB3_360;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_282:
+	@%p174 bra 	$L__BB3_284;
+
+	shl.b64 	%rd1409, %rd393, 2;
+	add.s64 	%rd1410, %rd401, %rd1409;
+	st.u32 	[%rd1410], %r580;
+
+$L__BB3_284:
+	@%p175 bra 	$L__BB3_286;
+
+	shl.b64 	%rd1411, %rd397, 2;
+	add.s64 	%rd1412, %rd401, %rd1411;
+	st.u32 	[%rd1412], %r581;
+
+$L__BB3_286:
+	@%p176 bra 	$L__BB3_288;
+
+	shl.b64 	%rd1413, %rd398, 2;
+	add.s64 	%rd1414, %rd401, %rd1413;
+	st.u32 	[%rd1414], %r582;
+
+$L__BB3_288:
+	@%p177 bra 	$L__BB3_290;
+
+	shl.b64 	%rd1415, %rd400, 2;
+	add.s64 	%rd1416, %rd401, %rd1415;
+	st.u32 	[%rd1416], %r583;
+
+$L__BB3_290:
+	add.s64 	%rd1926, %rd400, %rd395;
+	add.s64 	%rd1417, %rd1926, %rd399;
+	setp.ge.u64 	%p228, %rd1417, %rd396;
+	@%p228 bra 	$L__BB3_293;
+
+	shl.b64 	%rd1418, %rd394, 2;
+	add.s64 	%rd1419, %rd1418, %rd390;
+	mul.lo.s64 	%rd1420, %rd1419, %rd391;
+	shl.b64 	%rd1421, %rd1420, 2;
+	shl.b64 	%rd1422, %rd392, 2;
+	add.s64 	%rd1423, %rd1421, %rd1422;
+	add.s64 	%rd1925, %rd136, %rd1423;
+	mul.lo.s64 	%rd1424, %rd394, %rd391;
+	shl.b64 	%rd509, %rd1424, 2;
+
+$L__BB3_292:
+	ld.global.u32 	%r345, [%rd1925];
+	add.s64 	%rd1425, %rd1925, %rd509;
+	ld.global.u32 	%r346, [%rd1425];
+	add.s64 	%rd1426, %rd1425, %rd509;
+	ld.global.u32 	%r347, [%rd1426];
+	add.s64 	%rd1427, %rd1426, %rd509;
+	add.s64 	%rd1925, %rd1427, %rd509;
+	ld.global.u32 	%r348, [%rd1427];
+	shl.b64 	%rd1428, %rd1926, 2;
+	add.s64 	%rd1429, %rd401, %rd1428;
+	st.u32 	[%rd1429], %r345;
+	add.s64 	%rd1430, %rd1429, %rd509;
+	st.u32 	[%rd1430], %r346;
+	add.s64 	%rd1431, %rd1430, %rd509;
+	st.u32 	[%rd1431], %r347;
+	add.s64 	%rd1432, %rd1431, %rd509;
+	st.u32 	[%rd1432], %r348;
+	add.s64 	%rd1433, %rd1926, %rd395;
+	add.s64 	%rd1926, %rd399, %rd1433;
+	add.s64 	%rd1434, %rd1926, %rd399;
+	setp.lt.u64 	%p229, %rd1434, %rd396;
+	@%p229 bra 	$L__BB3_292;
+
+$L__BB3_293:
+	setp.ge.u64 	%p230, %rd1926, %rd396;
+	@%p230 bra 	$L__BB3_295;
+
+$L__BB3_294:
+	shl.b64 	%rd1435, %rd1926, 2;
+	add.s64 	%rd1436, %rd136, %rd1435;
+	ld.global.u32 	%r349, [%rd1436];
+	add.s64 	%rd1437, %rd401, %rd1435;
+	st.u32 	[%rd1437], %r349;
+	add.s64 	%rd1926, %rd1926, %rd395;
+	setp.lt.u64 	%p231, %rd1926, %rd396;
+	@%p231 bra 	$L__BB3_294;
+
+$L__BB3_295:
+	and.b64  	%rd1438, %rd777, -4;
+	add.s64 	%rd1928, %rd1438, %rd393;
+	setp.ge.u64 	%p232, %rd1928, %rd777;
+	@%p232 bra 	$L__BB3_455;
+
+$L__BB3_296:
+	add.s64 	%rd1439, %rd136, %rd1928;
+	ld.global.u8 	%rs113, [%rd1439];
+	add.s64 	%rd1440, %rd401, %rd1928;
+	st.u8 	[%rd1440], %rs113;
+	add.s64 	%rd1928, %rd1928, %rd395;
+	setp.lt.u64 	%p233, %rd1928, %rd777;
+	@%p233 bra 	$L__BB3_296;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_203:
+	@%p114 bra 	$L__BB3_205;
+
+	shl.b64 	%rd1231, %rd140, 1;
+	add.s64 	%rd1232, %rd271, %rd1231;
+	st.u16 	[%rd1232], %rs158;
+
+$L__BB3_205:
+	@%p115 bra 	$L__BB3_207;
+
+	shl.b64 	%rd1233, %rd267, 1;
+	add.s64 	%rd1234, %rd271, %rd1233;
+	st.u16 	[%rd1234], %rs159;
+
+$L__BB3_207:
+	@%p116 bra 	$L__BB3_209;
+
+	shl.b64 	%rd1235, %rd268, 1;
+	add.s64 	%rd1236, %rd271, %rd1235;
+	st.u16 	[%rd1236], %rs160;
+
+$L__BB3_209:
+	@%p117 bra 	$L__BB3_211;
+
+	shl.b64 	%rd1237, %rd270, 1;
+	add.s64 	%rd1238, %rd271, %rd1237;
+	st.u16 	[%rd1238], %rs161;
+
+$L__BB3_211:
+	add.s64 	%rd1890, %rd270, %rd142;
+	add.s64 	%rd1239, %rd1890, %rd269;
+	setp.ge.u64 	%p168, %rd1239, %rd266;
+	@%p168 bra 	$L__BB3_214;
+
+	shl.b64 	%rd1240, %rd141, 2;
+	add.s64 	%rd1241, %rd1240, %rd137;
+	mul.lo.s64 	%rd1242, %rd1241, %rd138;
+	shl.b64 	%rd1243, %rd1242, 1;
+	shl.b64 	%rd1244, %rd139, 1;
+	add.s64 	%rd1245, %rd1243, %rd1244;
+	add.s64 	%rd1889, %rd136, %rd1245;
+	mul.lo.s64 	%rd1246, %rd141, %rd138;
+	shl.b64 	%rd379, %rd1246, 1;
+
+$L__BB3_213:
+	ld.global.u16 	%rs88, [%rd1889];
+	add.s64 	%rd1247, %rd1889, %rd379;
+	ld.global.u16 	%rs89, [%rd1247];
+	add.s64 	%rd1248, %rd1247, %rd379;
+	ld.global.u16 	%rs90, [%rd1248];
+	add.s64 	%rd1249, %rd1248, %rd379;
+	add.s64 	%rd1889, %rd1249, %rd379;
+	ld.global.u16 	%rs91, [%rd1249];
+	shl.b64 	%rd1250, %rd1890, 1;
+	add.s64 	%rd1251, %rd271, %rd1250;
+	st.u16 	[%rd1251], %rs88;
+	add.s64 	%rd1252, %rd1251, %rd379;
+	st.u16 	[%rd1252], %rs89;
+	add.s64 	%rd1253, %rd1252, %rd379;
+	st.u16 	[%rd1253], %rs90;
+	add.s64 	%rd1254, %rd1253, %rd379;
+	st.u16 	[%rd1254], %rs91;
+	add.s64 	%rd1255, %rd1890, %rd142;
+	add.s64 	%rd1890, %rd269, %rd1255;
+	add.s64 	%rd1256, %rd1890, %rd269;
+	setp.lt.u64 	%p169, %rd1256, %rd266;
+	@%p169 bra 	$L__BB3_213;
+
+$L__BB3_214:
+	setp.ge.u64 	%p170, %rd1890, %rd266;
+	@%p170 bra 	$L__BB3_216;
+
+$L__BB3_215:
+	shl.b64 	%rd1257, %rd1890, 1;
+	add.s64 	%rd1258, %rd136, %rd1257;
+	ld.global.u16 	%rs92, [%rd1258];
+	add.s64 	%rd1259, %rd271, %rd1257;
+	st.u16 	[%rd1259], %rs92;
+	add.s64 	%rd1890, %rd1890, %rd142;
+	setp.lt.u64 	%p171, %rd1890, %rd266;
+	@%p171 bra 	$L__BB3_215;
+
+$L__BB3_216:
+	and.b64  	%rd1260, %rd777, -2;
+	add.s64 	%rd1892, %rd1260, %rd140;
+	setp.ge.u64 	%p172, %rd1892, %rd777;
+	@%p172 bra 	$L__BB3_455;
+
+$L__BB3_217:
+	add.s64 	%rd1261, %rd136, %rd1892;
+	ld.global.u8 	%rs93, [%rd1261];
+	add.s64 	%rd1262, %rd271, %rd1892;
+	st.u8 	[%rd1262], %rs93;
+	add.s64 	%rd1892, %rd1892, %rd142;
+	setp.lt.u64 	%p173, %rd1892, %rd777;
+	@%p173 bra 	$L__BB3_217;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_124:
+	@%p54 bra 	$L__BB3_126;
+
+	add.s64 	%rd1069, %rd147, %rd140;
+	st.u8 	[%rd1069], %rs154;
+
+$L__BB3_126:
+	@%p55 bra 	$L__BB3_128;
+
+	add.s64 	%rd1070, %rd147, %rd143;
+	st.u8 	[%rd1070], %rs155;
+
+$L__BB3_128:
+	@%p56 bra 	$L__BB3_130;
+
+	add.s64 	%rd1071, %rd147, %rd144;
+	st.u8 	[%rd1071], %rs156;
+
+$L__BB3_130:
+	@%p57 bra 	$L__BB3_132;
+
+	add.s64 	%rd1072, %rd147, %rd146;
+	st.u8 	[%rd1072], %rs157;
+
+$L__BB3_132:
+	add.s64 	%rd1854, %rd146, %rd142;
+	add.s64 	%rd1073, %rd1854, %rd145;
+	setp.ge.u64 	%p108, %rd1073, %rd777;
+	@%p108 bra 	$L__BB3_135;
+
+	add.s64 	%rd1853, %rd136, %rd1854;
+	mul.lo.s64 	%rd255, %rd141, %rd138;
+
+$L__BB3_134:
+	ld.global.u8 	%rs59, [%rd1853];
+	add.s64 	%rd1074, %rd1853, %rd255;
+	ld.global.u8 	%rs60, [%rd1074];
+	add.s64 	%rd1075, %rd1074, %rd255;
+	ld.global.u8 	%rs61, [%rd1075];
+	add.s64 	%rd1076, %rd1075, %rd255;
+	add.s64 	%rd1853, %rd1076, %rd255;
+	ld.global.u8 	%rs62, [%rd1076];
+	add.s64 	%rd1077, %rd147, %rd1854;
+	st.u8 	[%rd1077], %rs59;
+	add.s64 	%rd1078, %rd1077, %rd255;
+	st.u8 	[%rd1078], %rs60;
+	add.s64 	%rd1079, %rd1078, %rd255;
+	st.u8 	[%rd1079], %rs61;
+	add.s64 	%rd1080, %rd1079, %rd255;
+	st.u8 	[%rd1080], %rs62;
+	add.s64 	%rd1081, %rd1854, %rd142;
+	add.s64 	%rd1854, %rd145, %rd1081;
+	add.s64 	%rd1082, %rd1854, %rd145;
+	setp.lt.u64 	%p109, %rd1082, %rd777;
+	@%p109 bra 	$L__BB3_134;
+
+$L__BB3_135:
+	setp.ge.u64 	%p110, %rd1854, %rd777;
+	@%p110 bra 	$L__BB3_137;
+
+$L__BB3_136:
+	add.s64 	%rd1083, %rd136, %rd1854;
+	ld.global.u8 	%rs63, [%rd1083];
+	add.s64 	%rd1084, %rd147, %rd1854;
+	st.u8 	[%rd1084], %rs63;
+	add.s64 	%rd1854, %rd1854, %rd142;
+	setp.lt.u64 	%p111, %rd1854, %rd777;
+	@%p111 bra 	$L__BB3_136;
+
+$L__BB3_137:
+	add.s64 	%rd1856, %rd140, %rd777;
+	setp.ge.u64 	%p112, %rd1856, %rd140;
+	@%p112 bra 	$L__BB3_455;
+
+$L__BB3_138:
+	add.s64 	%rd1085, %rd136, %rd1856;
+	ld.global.u8 	%rs64, [%rd1085];
+	add.s64 	%rd1086, %rd147, %rd1856;
+	st.u8 	[%rd1086], %rs64;
+	add.s64 	%rd1856, %rd1856, %rd142;
+	setp.lt.u64 	%p113, %rd1856, %rd777;
+	@%p113 bra 	$L__BB3_138;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_407:
+	neg.s64 	%rd1668, %rd659;
+	and.b64  	%rd697, %rd1668, 3;
+	min.u64 	%rd698, %rd697, %rd777;
+	setp.ge.u64 	%p320, %rd651, %rd698;
+	@%p320 bra 	$L__BB3_410;
+
+	mov.u64 	%rd1976, %rd651;
+
+$L__BB3_409:
+	add.s64 	%rd1669, %rd136, %rd1976;
+	ld.global.u8 	%rs147, [%rd1669];
+	add.s64 	%rd1670, %rd659, %rd1976;
+	st.u8 	[%rd1670], %rs147;
+	add.s64 	%rd1976, %rd1976, %rd653;
+	setp.lt.u64 	%p321, %rd1976, %rd698;
+	@%p321 bra 	$L__BB3_409;
+
+$L__BB3_410:
+	sub.s64 	%rd702, %rd777, %rd698;
+	shr.u64 	%rd703, %rd702, 2;
+	setp.ge.u64 	%p322, %rd658, %rd703;
+	mov.u64 	%rd1980, %rd651;
+	@%p322 bra 	$L__BB3_413;
+
+	mul.lo.s64 	%rd1671, %rd648, %rd649;
+	shl.b64 	%rd1672, %rd1671, 2;
+	shl.b64 	%rd1673, %rd650, 2;
+	add.s64 	%rd1674, %rd1672, %rd1673;
+	add.s64 	%rd1675, %rd1674, -1;
+	not.b64 	%rd1676, %rd777;
+	not.b64 	%rd1677, %rd697;
+	max.u64 	%rd1678, %rd1677, %rd1676;
+	sub.s64 	%rd1679, %rd1675, %rd1678;
+	add.s64 	%rd1978, %rd136, %rd1679;
+	mul.lo.s64 	%rd1680, %rd652, %rd649;
+	shl.b64 	%rd705, %rd1680, 2;
+	add.s64 	%rd1979, %rd659, %rd1679;
+	mov.u64 	%rd1980, %rd651;
+
+$L__BB3_412:
+	ld.global.u32 	%r475, [%rd1978];
+	add.s64 	%rd1681, %rd1978, %rd705;
+	ld.global.u32 	%r476, [%rd1681];
+	add.s64 	%rd1682, %rd1681, %rd705;
+	ld.global.u32 	%r477, [%rd1682];
+	add.s64 	%rd1683, %rd1682, %rd705;
+	add.s64 	%rd1978, %rd1683, %rd705;
+	ld.global.u32 	%r478, [%rd1683];
+	st.u32 	[%rd1979], %r475;
+	add.s64 	%rd1684, %rd1979, %rd705;
+	st.u32 	[%rd1684], %r476;
+	add.s64 	%rd1685, %rd1684, %rd705;
+	st.u32 	[%rd1685], %r477;
+	add.s64 	%rd1686, %rd1685, %rd705;
+	add.s64 	%rd1979, %rd1686, %rd705;
+	st.u32 	[%rd1686], %r478;
+	add.s64 	%rd1687, %rd1980, %rd653;
+	add.s64 	%rd1980, %rd657, %rd1687;
+	add.s64 	%rd1688, %rd1980, %rd657;
+	setp.lt.u64 	%p323, %rd1688, %rd703;
+	@%p323 bra 	$L__BB3_412;
+
+$L__BB3_413:
+	setp.ge.u64 	%p324, %rd1980, %rd703;
+	@%p324 bra 	$L__BB3_416;
+
+	add.s64 	%rd714, %rd659, %rd698;
+	add.s64 	%rd715, %rd136, %rd698;
+
+$L__BB3_415:
+	shl.b64 	%rd1689, %rd1980, 2;
+	add.s64 	%rd1690, %rd715, %rd1689;
+	ld.global.u32 	%r479, [%rd1690];
+	add.s64 	%rd1691, %rd714, %rd1689;
+	st.u32 	[%rd1691], %r479;
+	add.s64 	%rd1980, %rd1980, %rd653;
+	setp.lt.u64 	%p325, %rd1980, %rd703;
+	@%p325 bra 	$L__BB3_415;
+
+$L__BB3_416:
+	and.b64  	%rd1692, %rd702, -4;
+	add.s64 	%rd1693, %rd698, %rd651;
+	add.s64 	%rd1982, %rd1693, %rd1692;
+	setp.ge.u64 	%p326, %rd1982, %rd777;
+	@%p326 bra 	$L__BB3_455;
+
+$L__BB3_417:
+	add.s64 	%rd1694, %rd136, %rd1982;
+	ld.global.u8 	%rs148, [%rd1694];
+	add.s64 	%rd1695, %rd659, %rd1982;
+	st.u8 	[%rd1695], %rs148;
+	add.s64 	%rd1982, %rd1982, %rd653;
+	setp.lt.u64 	%p327, %rd1982, %rd777;
+	@%p327 bra 	$L__BB3_417;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_339:
+	neg.s64 	%rd1523, %rd531;
+	and.b64  	%rd593, %rd1523, 7;
+	min.u64 	%rd594, %rd593, %rd777;
+	setp.ge.u64 	%p268, %rd523, %rd594;
+	@%p268 bra 	$L__BB3_342;
+
+	mov.u64 	%rd1948, %rd523;
+
+$L__BB3_341:
+	add.s64 	%rd1524, %rd136, %rd1948;
+	ld.global.u8 	%rs129, [%rd1524];
+	add.s64 	%rd1525, %rd531, %rd1948;
+	st.u8 	[%rd1525], %rs129;
+	add.s64 	%rd1948, %rd1948, %rd525;
+	setp.lt.u64 	%p269, %rd1948, %rd594;
+	@%p269 bra 	$L__BB3_341;
+
+$L__BB3_342:
+	sub.s64 	%rd598, %rd777, %rd594;
+	shr.u64 	%rd599, %rd598, 3;
+	add.s64 	%rd600, %rd136, %rd594;
+	setp.ge.u64 	%p270, %rd530, %rd599;
+	mov.u64 	%rd1951, %rd523;
+	@%p270 bra 	$L__BB3_345;
+
+	mul.lo.s64 	%rd1526, %rd524, %rd521;
+	shl.b64 	%rd601, %rd1526, 3;
+	mul.lo.s64 	%rd1527, %rd520, %rd521;
+	shl.b64 	%rd1528, %rd1527, 3;
+	shl.b64 	%rd1529, %rd522, 3;
+	add.s64 	%rd1530, %rd1528, %rd1529;
+	add.s64 	%rd1531, %rd1530, -1;
+	not.b64 	%rd1532, %rd777;
+	not.b64 	%rd1533, %rd593;
+	max.u64 	%rd1534, %rd1533, %rd1532;
+	sub.s64 	%rd1535, %rd1531, %rd1534;
+	add.s64 	%rd1950, %rd531, %rd1535;
+	mul.lo.s64 	%rd603, %rd1526, -24;
+	mov.u64 	%rd1951, %rd523;
+
+$L__BB3_344:
+	add.s64 	%rd1536, %rd1951, %rd525;
+	shl.b64 	%rd1537, %rd1536, 3;
+	add.s64 	%rd1538, %rd600, %rd1537;
+	ld.global.v2.u32 	{%r371, %r372}, [%rd1538];
+	add.s64 	%rd1539, %rd1538, %rd601;
+	ld.global.v2.u32 	{%r375, %r376}, [%rd1539];
+	add.s64 	%rd1540, %rd1539, %rd601;
+	ld.global.v2.u32 	{%r379, %r380}, [%rd1540];
+	add.s64 	%rd1541, %rd1540, %rd603;
+	ld.global.v2.u32 	{%r383, %r384}, [%rd1541];
+	st.v2.u32 	[%rd1950], {%r383, %r384};
+	add.s64 	%rd1542, %rd1950, %rd601;
+	st.v2.u32 	[%rd1542], {%r371, %r372};
+	add.s64 	%rd1543, %rd1542, %rd601;
+	st.v2.u32 	[%rd1543], {%r375, %r376};
+	add.s64 	%rd1544, %rd1543, %rd601;
+	add.s64 	%rd1950, %rd1544, %rd601;
+	st.v2.u32 	[%rd1544], {%r379, %r380};
+	add.s64 	%rd1951, %rd529, %rd1536;
+	add.s64 	%rd1545, %rd1951, %rd529;
+	setp.lt.u64 	%p271, %rd1545, %rd599;
+	@%p271 bra 	$L__BB3_344;
+
+$L__BB3_345:
+	setp.ge.u64 	%p272, %rd1951, %rd599;
+	@%p272 bra 	$L__BB3_348;
+
+	add.s64 	%rd609, %rd531, %rd594;
+
+$L__BB3_347:
+	shl.b64 	%rd1546, %rd1951, 3;
+	add.s64 	%rd1547, %rd600, %rd1546;
+	ld.global.v2.u32 	{%r387, %r388}, [%rd1547];
+	add.s64 	%rd1548, %rd609, %rd1546;
+	st.v2.u32 	[%rd1548], {%r387, %r388};
+	add.s64 	%rd1951, %rd1951, %rd525;
+	setp.lt.u64 	%p273, %rd1951, %rd599;
+	@%p273 bra 	$L__BB3_347;
+
+$L__BB3_348:
+	and.b64  	%rd1549, %rd598, -8;
+	add.s64 	%rd1550, %rd594, %rd523;
+	add.s64 	%rd1953, %rd1550, %rd1549;
+	setp.ge.u64 	%p274, %rd1953, %rd777;
+	@%p274 bra 	$L__BB3_455;
+
+$L__BB3_349:
+	add.s64 	%rd1551, %rd136, %rd1953;
+	ld.global.u8 	%rs130, [%rd1551];
+	add.s64 	%rd1552, %rd531, %rd1953;
+	st.u8 	[%rd1552], %rs130;
+	add.s64 	%rd1953, %rd1953, %rd525;
+	setp.lt.u64 	%p275, %rd1953, %rd777;
+	@%p275 bra 	$L__BB3_349;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_271:
+	neg.s64 	%rd1376, %rd401;
+	and.b64  	%rd485, %rd1376, 15;
+	min.u64 	%rd486, %rd485, %rd777;
+	setp.ge.u64 	%p216, %rd393, %rd486;
+	@%p216 bra 	$L__BB3_274;
+
+	mov.u64 	%rd1918, %rd393;
+
+$L__BB3_273:
+	add.s64 	%rd1377, %rd136, %rd1918;
+	ld.global.u8 	%rs111, [%rd1377];
+	add.s64 	%rd1378, %rd401, %rd1918;
+	st.u8 	[%rd1378], %rs111;
+	add.s64 	%rd1918, %rd1918, %rd395;
+	setp.lt.u64 	%p217, %rd1918, %rd486;
+	@%p217 bra 	$L__BB3_273;
+
+$L__BB3_274:
+	sub.s64 	%rd490, %rd777, %rd486;
+	shr.u64 	%rd491, %rd490, 4;
+	add.s64 	%rd492, %rd136, %rd486;
+	setp.ge.u64 	%p218, %rd400, %rd491;
+	mov.u64 	%rd1921, %rd393;
+	@%p218 bra 	$L__BB3_277;
+
+	mul.lo.s64 	%rd1379, %rd394, %rd391;
+	shl.b64 	%rd493, %rd1379, 4;
+	mul.lo.s64 	%rd1380, %rd390, %rd391;
+	shl.b64 	%rd1381, %rd1380, 4;
+	shl.b64 	%rd1382, %rd392, 4;
+	add.s64 	%rd1383, %rd1381, %rd1382;
+	add.s64 	%rd1384, %rd1383, -1;
+	not.b64 	%rd1385, %rd777;
+	not.b64 	%rd1386, %rd485;
+	max.u64 	%rd1387, %rd1386, %rd1385;
+	sub.s64 	%rd1388, %rd1384, %rd1387;
+	add.s64 	%rd1920, %rd401, %rd1388;
+	neg.s64 	%rd495, %rd1379;
+	shl.b64 	%rd1396, %rd495, 4;
+	mov.u64 	%rd1921, %rd393;
+
+$L__BB3_276:
+	shl.b64 	%rd1389, %rd1921, 4;
+	add.s64 	%rd1390, %rd492, %rd1389;
+	shl.b64 	%rd1391, %rd395, 2;
+	shl.b64 	%rd1392, %rd395, 4;
+	add.s64 	%rd1393, %rd1390, %rd1392;
+	ld.global.v4.u32 	{%r305, %r306, %r307, %r308}, [%rd1393];
+	add.s64 	%rd1394, %rd1393, %rd493;
+	ld.global.v4.u32 	{%r313, %r314, %r315, %r316}, [%rd1394];
+	add.s64 	%rd1395, %rd1394, %rd493;
+	ld.global.v4.u32 	{%r321, %r322, %r323, %r324}, [%rd1395];
+	add.s64 	%rd1397, %rd1393, %rd1396;
+	ld.global.v4.u32 	{%r329, %r330, %r331, %r332}, [%rd1397];
+	st.v4.u32 	[%rd1920], {%r329, %r330, %r331, %r332};
+	add.s64 	%rd1398, %rd1920, %rd493;
+	st.v4.u32 	[%rd1398], {%r305, %r306, %r307, %r308};
+	add.s64 	%rd1399, %rd1398, %rd493;
+	st.v4.u32 	[%rd1399], {%r313, %r314, %r315, %r316};
+	add.s64 	%rd1400, %rd1399, %rd493;
+	add.s64 	%rd1920, %rd1400, %rd493;
+	st.v4.u32 	[%rd1400], {%r321, %r322, %r323, %r324};
+	add.s64 	%rd1921, %rd1391, %rd1921;
+	add.s64 	%rd1401, %rd1921, %rd399;
+	setp.lt.u64 	%p219, %rd1401, %rd491;
+	@%p219 bra 	$L__BB3_276;
+
+$L__BB3_277:
+	setp.ge.u64 	%p220, %rd1921, %rd491;
+	@%p220 bra 	$L__BB3_280;
+
+	add.s64 	%rd501, %rd401, %rd486;
+
+$L__BB3_279:
+	shl.b64 	%rd1402, %rd1921, 4;
+	add.s64 	%rd1403, %rd501, %rd1402;
+	add.s64 	%rd1404, %rd492, %rd1402;
+	ld.global.v4.u32 	{%r337, %r338, %r339, %r340}, [%rd1404];
+	st.v4.u32 	[%rd1403], {%r337, %r338, %r339, %r340};
+	add.s64 	%rd1921, %rd1921, %rd395;
+	setp.lt.u64 	%p221, %rd1921, %rd491;
+	@%p221 bra 	$L__BB3_279;
+
+$L__BB3_280:
+	and.b64  	%rd1405, %rd490, -16;
+	add.s64 	%rd1406, %rd486, %rd393;
+	add.s64 	%rd1923, %rd1406, %rd1405;
+	setp.ge.u64 	%p222, %rd1923, %rd777;
+	@%p222 bra 	$L__BB3_455;
+
+$L__BB3_281:
+	add.s64 	%rd1407, %rd136, %rd1923;
+	ld.global.u8 	%rs112, [%rd1407];
+	add.s64 	%rd1408, %rd401, %rd1923;
+	st.u8 	[%rd1408], %rs112;
+	add.s64 	%rd1923, %rd1923, %rd395;
+	setp.lt.u64 	%p223, %rd1923, %rd777;
+	@%p223 bra 	$L__BB3_281;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_192:
+	neg.s64 	%rd1199, %rd271;
+	and.b64  	%rd355, %rd1199, 15;
+	min.u64 	%rd356, %rd355, %rd777;
+	setp.ge.u64 	%p156, %rd140, %rd356;
+	@%p156 bra 	$L__BB3_195;
+
+	mov.u64 	%rd1882, %rd140;
+
+$L__BB3_194:
+	add.s64 	%rd1200, %rd136, %rd1882;
+	ld.global.u8 	%rs86, [%rd1200];
+	add.s64 	%rd1201, %rd271, %rd1882;
+	st.u8 	[%rd1201], %rs86;
+	add.s64 	%rd1882, %rd1882, %rd142;
+	setp.lt.u64 	%p157, %rd1882, %rd356;
+	@%p157 bra 	$L__BB3_194;
+
+$L__BB3_195:
+	sub.s64 	%rd360, %rd777, %rd356;
+	shr.u64 	%rd361, %rd360, 4;
+	add.s64 	%rd362, %rd136, %rd356;
+	setp.ge.u64 	%p158, %rd270, %rd361;
+	mov.u64 	%rd1885, %rd140;
+	@%p158 bra 	$L__BB3_198;
+
+	mul.lo.s64 	%rd1202, %rd141, %rd138;
+	shl.b64 	%rd363, %rd1202, 4;
+	mul.lo.s64 	%rd1203, %rd137, %rd138;
+	shl.b64 	%rd1204, %rd1203, 4;
+	shl.b64 	%rd1205, %rd139, 4;
+	add.s64 	%rd1206, %rd1204, %rd1205;
+	add.s64 	%rd1207, %rd1206, -1;
+	not.b64 	%rd1208, %rd777;
+	not.b64 	%rd1209, %rd355;
+	max.u64 	%rd1210, %rd1209, %rd1208;
+	sub.s64 	%rd1211, %rd1207, %rd1210;
+	add.s64 	%rd1884, %rd271, %rd1211;
+	mul.lo.s64 	%rd365, %rd1202, -48;
+	mov.u64 	%rd1885, %rd140;
+
+$L__BB3_197:
+	shl.b64 	%rd1212, %rd1885, 4;
+	add.s64 	%rd1213, %rd362, %rd1212;
+	shl.b64 	%rd1214, %rd142, 2;
+	shl.b64 	%rd1215, %rd142, 4;
+	add.s64 	%rd1216, %rd1213, %rd1215;
+	ld.global.v4.u32 	{%r232, %r233, %r234, %r235}, [%rd1216];
+	add.s64 	%rd1217, %rd1216, %rd363;
+	ld.global.v4.u32 	{%r240, %r241, %r242, %r243}, [%rd1217];
+	add.s64 	%rd1218, %rd1217, %rd363;
+	ld.global.v4.u32 	{%r248, %r249, %r250, %r251}, [%rd1218];
+	add.s64 	%rd1219, %rd1218, %rd365;
+	ld.global.v4.u32 	{%r256, %r257, %r258, %r259}, [%rd1219];
+	st.v4.u32 	[%rd1884], {%r256, %r257, %r258, %r259};
+	add.s64 	%rd1220, %rd1884, %rd363;
+	st.v4.u32 	[%rd1220], {%r232, %r233, %r234, %r235};
+	add.s64 	%rd1221, %rd1220, %rd363;
+	st.v4.u32 	[%rd1221], {%r240, %r241, %r242, %r243};
+	add.s64 	%rd1222, %rd1221, %rd363;
+	add.s64 	%rd1884, %rd1222, %rd363;
+	st.v4.u32 	[%rd1222], {%r248, %r249, %r250, %r251};
+	add.s64 	%rd1885, %rd1214, %rd1885;
+	add.s64 	%rd1223, %rd1885, %rd269;
+	setp.lt.u64 	%p159, %rd1223, %rd361;
+	@%p159 bra 	$L__BB3_197;
+
+$L__BB3_198:
+	setp.ge.u64 	%p160, %rd1885, %rd361;
+	@%p160 bra 	$L__BB3_201;
+
+	add.s64 	%rd371, %rd271, %rd356;
+
+$L__BB3_200:
+	shl.b64 	%rd1224, %rd1885, 4;
+	add.s64 	%rd1225, %rd371, %rd1224;
+	add.s64 	%rd1226, %rd362, %rd1224;
+	ld.global.v4.u32 	{%r264, %r265, %r266, %r267}, [%rd1226];
+	st.v4.u32 	[%rd1225], {%r264, %r265, %r266, %r267};
+	add.s64 	%rd1885, %rd1885, %rd142;
+	setp.lt.u64 	%p161, %rd1885, %rd361;
+	@%p161 bra 	$L__BB3_200;
+
+$L__BB3_201:
+	and.b64  	%rd1227, %rd360, -16;
+	add.s64 	%rd1228, %rd356, %rd140;
+	add.s64 	%rd1887, %rd1228, %rd1227;
+	setp.ge.u64 	%p162, %rd1887, %rd777;
+	@%p162 bra 	$L__BB3_455;
+
+$L__BB3_202:
+	add.s64 	%rd1229, %rd136, %rd1887;
+	ld.global.u8 	%rs87, [%rd1229];
+	add.s64 	%rd1230, %rd271, %rd1887;
+	st.u8 	[%rd1230], %rs87;
+	add.s64 	%rd1887, %rd1887, %rd142;
+	setp.lt.u64 	%p163, %rd1887, %rd777;
+	@%p163 bra 	$L__BB3_202;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_389:
+	setp.ge.u64 	%p306, %rd658, %rd777;
+	mov.u64 	%rd1966, %rd651;
+	@%p306 bra 	$L__BB3_392;
+
+	add.s64 	%rd1965, %rd136, %rd651;
+	mul.lo.s64 	%rd662, %rd652, %rd649;
+	mov.u64 	%rd1966, %rd651;
+
+$L__BB3_391:
+	ld.global.u8 	%rs134, [%rd1965];
+	add.s64 	%rd1628, %rd1965, %rd662;
+	ld.global.u8 	%rs135, [%rd1628];
+	add.s64 	%rd1629, %rd1628, %rd662;
+	ld.global.u8 	%rs136, [%rd1629];
+	add.s64 	%rd1630, %rd1629, %rd662;
+	add.s64 	%rd1965, %rd1630, %rd662;
+	ld.global.u8 	%rs137, [%rd1630];
+	add.s64 	%rd1631, %rd659, %rd1966;
+	st.u8 	[%rd1631], %rs134;
+	add.s64 	%rd1632, %rd1631, %rd662;
+	st.u8 	[%rd1632], %rs135;
+	add.s64 	%rd1633, %rd1632, %rd662;
+	st.u8 	[%rd1633], %rs136;
+	add.s64 	%rd1634, %rd1633, %rd662;
+	st.u8 	[%rd1634], %rs137;
+	add.s64 	%rd1635, %rd1966, %rd653;
+	add.s64 	%rd1966, %rd657, %rd1635;
+	add.s64 	%rd1636, %rd1966, %rd657;
+	setp.lt.u64 	%p307, %rd1636, %rd777;
+	@%p307 bra 	$L__BB3_391;
+
+$L__BB3_392:
+	setp.ge.u64 	%p308, %rd1966, %rd777;
+	@%p308 bra 	$L__BB3_394;
+
+$L__BB3_393:
+	add.s64 	%rd1637, %rd136, %rd1966;
+	ld.global.u8 	%rs138, [%rd1637];
+	add.s64 	%rd1638, %rd659, %rd1966;
+	st.u8 	[%rd1638], %rs138;
+	add.s64 	%rd1966, %rd1966, %rd653;
+	setp.lt.u64 	%p309, %rd1966, %rd777;
+	@%p309 bra 	$L__BB3_393;
+
+$L__BB3_394:
+	add.s64 	%rd1968, %rd651, %rd777;
+	setp.ge.u64 	%p310, %rd1968, %rd651;
+	@%p310 bra 	$L__BB3_455;
+
+$L__BB3_395:
+	add.s64 	%rd1639, %rd136, %rd1968;
+	ld.global.u8 	%rs139, [%rd1639];
+	add.s64 	%rd1640, %rd659, %rd1968;
+	st.u8 	[%rd1640], %rs139;
+	add.s64 	%rd1968, %rd1968, %rd653;
+	setp.lt.u64 	%p311, %rd1968, %rd777;
+	@%p311 bra 	$L__BB3_395;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_113:
+	neg.s64 	%rd1037, %rd147;
+	and.b64  	%rd231, %rd1037, 15;
+	min.u64 	%rd232, %rd231, %rd777;
+	setp.ge.u64 	%p96, %rd140, %rd232;
+	@%p96 bra 	$L__BB3_116;
+
+	mov.u64 	%rd1846, %rd140;
+
+$L__BB3_115:
+	add.s64 	%rd1038, %rd136, %rd1846;
+	ld.global.u8 	%rs57, [%rd1038];
+	add.s64 	%rd1039, %rd147, %rd1846;
+	st.u8 	[%rd1039], %rs57;
+	add.s64 	%rd1846, %rd1846, %rd142;
+	setp.lt.u64 	%p97, %rd1846, %rd232;
+	@%p97 bra 	$L__BB3_115;
+
+$L__BB3_116:
+	sub.s64 	%rd236, %rd777, %rd232;
+	shr.u64 	%rd237, %rd236, 4;
+	add.s64 	%rd238, %rd136, %rd232;
+	setp.ge.u64 	%p98, %rd146, %rd237;
+	mov.u64 	%rd1849, %rd140;
+	@%p98 bra 	$L__BB3_119;
+
+	mul.lo.s64 	%rd1040, %rd141, %rd138;
+	shl.b64 	%rd239, %rd1040, 4;
+	mul.lo.s64 	%rd1041, %rd137, %rd138;
+	shl.b64 	%rd1042, %rd1041, 4;
+	shl.b64 	%rd1043, %rd139, 4;
+	add.s64 	%rd1044, %rd1042, %rd1043;
+	add.s64 	%rd1045, %rd1044, -1;
+	not.b64 	%rd1046, %rd777;
+	not.b64 	%rd1047, %rd231;
+	max.u64 	%rd1048, %rd1047, %rd1046;
+	sub.s64 	%rd1049, %rd1045, %rd1048;
+	add.s64 	%rd1848, %rd147, %rd1049;
+	mul.lo.s64 	%rd241, %rd1040, -48;
+	mov.u64 	%rd1849, %rd140;
+
+$L__BB3_118:
+	shl.b64 	%rd1050, %rd1849, 4;
+	add.s64 	%rd1051, %rd238, %rd1050;
+	shl.b64 	%rd1052, %rd142, 2;
+	shl.b64 	%rd1053, %rd142, 4;
+	add.s64 	%rd1054, %rd1051, %rd1053;
+	ld.global.v4.u32 	{%r167, %r168, %r169, %r170}, [%rd1054];
+	add.s64 	%rd1055, %rd1054, %rd239;
+	ld.global.v4.u32 	{%r175, %r176, %r177, %r178}, [%rd1055];
+	add.s64 	%rd1056, %rd1055, %rd239;
+	ld.global.v4.u32 	{%r183, %r184, %r185, %r186}, [%rd1056];
+	add.s64 	%rd1057, %rd1056, %rd241;
+	ld.global.v4.u32 	{%r191, %r192, %r193, %r194}, [%rd1057];
+	st.v4.u32 	[%rd1848], {%r191, %r192, %r193, %r194};
+	add.s64 	%rd1058, %rd1848, %rd239;
+	st.v4.u32 	[%rd1058], {%r167, %r168, %r169, %r170};
+	add.s64 	%rd1059, %rd1058, %rd239;
+	st.v4.u32 	[%rd1059], {%r175, %r176, %r177, %r178};
+	add.s64 	%rd1060, %rd1059, %rd239;
+	add.s64 	%rd1848, %rd1060, %rd239;
+	st.v4.u32 	[%rd1060], {%r183, %r184, %r185, %r186};
+	add.s64 	%rd1849, %rd1052, %rd1849;
+	add.s64 	%rd1061, %rd1849, %rd145;
+	setp.lt.u64 	%p99, %rd1061, %rd237;
+	@%p99 bra 	$L__BB3_118;
+
+$L__BB3_119:
+	setp.ge.u64 	%p100, %rd1849, %rd237;
+	@%p100 bra 	$L__BB3_122;
+
+	add.s64 	%rd247, %rd147, %rd232;
+
+$L__BB3_121:
+	shl.b64 	%rd1062, %rd1849, 4;
+	add.s64 	%rd1063, %rd247, %rd1062;
+	add.s64 	%rd1064, %rd238, %rd1062;
+	ld.global.v4.u32 	{%r199, %r200, %r201, %r202}, [%rd1064];
+	st.v4.u32 	[%rd1063], {%r199, %r200, %r201, %r202};
+	add.s64 	%rd1849, %rd1849, %rd142;
+	setp.lt.u64 	%p101, %rd1849, %rd237;
+	@%p101 bra 	$L__BB3_121;
+
+$L__BB3_122:
+	and.b64  	%rd1065, %rd236, -16;
+	add.s64 	%rd1066, %rd232, %rd140;
+	add.s64 	%rd1851, %rd1066, %rd1065;
+	setp.ge.u64 	%p102, %rd1851, %rd777;
+	@%p102 bra 	$L__BB3_455;
+
+$L__BB3_123:
+	add.s64 	%rd1067, %rd136, %rd1851;
+	ld.global.u8 	%rs58, [%rd1067];
+	add.s64 	%rd1068, %rd147, %rd1851;
+	st.u8 	[%rd1068], %rs58;
+	add.s64 	%rd1851, %rd1851, %rd142;
+	setp.lt.u64 	%p103, %rd1851, %rd777;
+	@%p103 bra 	$L__BB3_123;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_328:
+	neg.s64 	%rd1495, %rd531;
+	and.b64  	%rd569, %rd1495, 3;
+	min.u64 	%rd570, %rd569, %rd777;
+	setp.ge.u64 	%p260, %rd523, %rd570;
+	@%p260 bra 	$L__BB3_331;
+
+	mov.u64 	%rd1941, %rd523;
+
+$L__BB3_330:
+	add.s64 	%rd1496, %rd136, %rd1941;
+	ld.global.u8 	%rs127, [%rd1496];
+	add.s64 	%rd1497, %rd531, %rd1941;
+	st.u8 	[%rd1497], %rs127;
+	add.s64 	%rd1941, %rd1941, %rd525;
+	setp.lt.u64 	%p261, %rd1941, %rd570;
+	@%p261 bra 	$L__BB3_330;
+
+$L__BB3_331:
+	sub.s64 	%rd574, %rd777, %rd570;
+	shr.u64 	%rd575, %rd574, 2;
+	setp.ge.u64 	%p262, %rd530, %rd575;
+	mov.u64 	%rd1945, %rd523;
+	@%p262 bra 	$L__BB3_334;
+
+	mul.lo.s64 	%rd1498, %rd520, %rd521;
+	shl.b64 	%rd1499, %rd1498, 2;
+	shl.b64 	%rd1500, %rd522, 2;
+	add.s64 	%rd1501, %rd1499, %rd1500;
+	add.s64 	%rd1502, %rd1501, -1;
+	not.b64 	%rd1503, %rd777;
+	not.b64 	%rd1504, %rd569;
+	max.u64 	%rd1505, %rd1504, %rd1503;
+	sub.s64 	%rd1506, %rd1502, %rd1505;
+	add.s64 	%rd1943, %rd136, %rd1506;
+	mul.lo.s64 	%rd1507, %rd524, %rd521;
+	shl.b64 	%rd577, %rd1507, 2;
+	add.s64 	%rd1944, %rd531, %rd1506;
+	mov.u64 	%rd1945, %rd523;
+
+$L__BB3_333:
+	ld.global.u32 	%r366, [%rd1943];
+	add.s64 	%rd1508, %rd1943, %rd577;
+	ld.global.u32 	%r367, [%rd1508];
+	add.s64 	%rd1509, %rd1508, %rd577;
+	ld.global.u32 	%r368, [%rd1509];
+	add.s64 	%rd1510, %rd1509, %rd577;
+	add.s64 	%rd1943, %rd1510, %rd577;
+	ld.global.u32 	%r369, [%rd1510];
+	st.u32 	[%rd1944], %r366;
+	add.s64 	%rd1511, %rd1944, %rd577;
+	st.u32 	[%rd1511], %r367;
+	add.s64 	%rd1512, %rd1511, %rd577;
+	st.u32 	[%rd1512], %r368;
+	add.s64 	%rd1513, %rd1512, %rd577;
+	add.s64 	%rd1944, %rd1513, %rd577;
+	st.u32 	[%rd1513], %r369;
+	add.s64 	%rd1514, %rd1945, %rd525;
+	add.s64 	%rd1945, %rd529, %rd1514;
+	add.s64 	%rd1515, %rd1945, %rd529;
+	setp.lt.u64 	%p263, %rd1515, %rd575;
+	@%p263 bra 	$L__BB3_333;
+
+$L__BB3_334:
+	setp.ge.u64 	%p264, %rd1945, %rd575;
+	@%p264 bra 	$L__BB3_337;
+
+	add.s64 	%rd586, %rd531, %rd570;
+	add.s64 	%rd587, %rd136, %rd570;
+
+$L__BB3_336:
+	shl.b64 	%rd1516, %rd1945, 2;
+	add.s64 	%rd1517, %rd587, %rd1516;
+	ld.global.u32 	%r370, [%rd1517];
+	add.s64 	%rd1518, %rd586, %rd1516;
+	st.u32 	[%rd1518], %r370;
+	add.s64 	%rd1945, %rd1945, %rd525;
+	setp.lt.u64 	%p265, %rd1945, %rd575;
+	@%p265 bra 	$L__BB3_336;
+
+$L__BB3_337:
+	and.b64  	%rd1519, %rd574, -4;
+	add.s64 	%rd1520, %rd570, %rd523;
+	add.s64 	%rd1947, %rd1520, %rd1519;
+	setp.ge.u64 	%p266, %rd1947, %rd777;
+	@%p266 bra 	$L__BB3_455;
+
+$L__BB3_338:
+	add.s64 	%rd1521, %rd136, %rd1947;
+	ld.global.u8 	%rs128, [%rd1521];
+	add.s64 	%rd1522, %rd531, %rd1947;
+	st.u8 	[%rd1522], %rs128;
+	add.s64 	%rd1947, %rd1947, %rd525;
+	setp.lt.u64 	%p267, %rd1947, %rd777;
+	@%p267 bra 	$L__BB3_338;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_260:
+	neg.s64 	%rd1345, %rd401;
+	and.b64  	%rd463, %rd1345, 7;
+	min.u64 	%rd464, %rd463, %rd777;
+	setp.ge.u64 	%p208, %rd393, %rd464;
+	@%p208 bra 	$L__BB3_263;
+
+	mov.u64 	%rd1912, %rd393;
+
+$L__BB3_262:
+	add.s64 	%rd1346, %rd136, %rd1912;
+	ld.global.u8 	%rs109, [%rd1346];
+	add.s64 	%rd1347, %rd401, %rd1912;
+	st.u8 	[%rd1347], %rs109;
+	add.s64 	%rd1912, %rd1912, %rd395;
+	setp.lt.u64 	%p209, %rd1912, %rd464;
+	@%p209 bra 	$L__BB3_262;
+
+$L__BB3_263:
+	sub.s64 	%rd468, %rd777, %rd464;
+	shr.u64 	%rd469, %rd468, 3;
+	add.s64 	%rd470, %rd136, %rd464;
+	setp.ge.u64 	%p210, %rd400, %rd469;
+	mov.u64 	%rd1915, %rd393;
+	@%p210 bra 	$L__BB3_266;
+
+	mul.lo.s64 	%rd1348, %rd394, %rd391;
+	shl.b64 	%rd471, %rd1348, 3;
+	mul.lo.s64 	%rd1349, %rd390, %rd391;
+	shl.b64 	%rd1350, %rd1349, 3;
+	shl.b64 	%rd1351, %rd392, 3;
+	add.s64 	%rd1352, %rd1350, %rd1351;
+	add.s64 	%rd1353, %rd1352, -1;
+	not.b64 	%rd1354, %rd777;
+	not.b64 	%rd1355, %rd463;
+	max.u64 	%rd1356, %rd1355, %rd1354;
+	sub.s64 	%rd1357, %rd1353, %rd1356;
+	add.s64 	%rd1914, %rd401, %rd1357;
+	shl.b64 	%rd1358, %rd1348, 4;
+	neg.s64 	%rd473, %rd1358;
+	mov.u64 	%rd1915, %rd393;
+
+$L__BB3_265:
+	add.s64 	%rd1359, %rd1915, %rd395;
+	shl.b64 	%rd1360, %rd1359, 3;
+	add.s64 	%rd1361, %rd470, %rd1360;
+	ld.global.v2.u32 	{%r285, %r286}, [%rd1361];
+	add.s64 	%rd1362, %rd1361, %rd471;
+	ld.global.v2.u32 	{%r289, %r290}, [%rd1362];
+	add.s64 	%rd1363, %rd1362, %rd471;
+	ld.global.v2.u32 	{%r293, %r294}, [%rd1363];
+	add.s64 	%rd1364, %rd1362, %rd473;
+	ld.global.v2.u32 	{%r297, %r298}, [%rd1364];
+	st.v2.u32 	[%rd1914], {%r297, %r298};
+	add.s64 	%rd1365, %rd1914, %rd471;
+	st.v2.u32 	[%rd1365], {%r285, %r286};
+	add.s64 	%rd1366, %rd1365, %rd471;
+	st.v2.u32 	[%rd1366], {%r289, %r290};
+	add.s64 	%rd1367, %rd1366, %rd471;
+	add.s64 	%rd1914, %rd1367, %rd471;
+	st.v2.u32 	[%rd1367], {%r293, %r294};
+	add.s64 	%rd1915, %rd399, %rd1359;
+	add.s64 	%rd1368, %rd1915, %rd399;
+	setp.lt.u64 	%p211, %rd1368, %rd469;
+	@%p211 bra 	$L__BB3_265;
+
+$L__BB3_266:
+	setp.ge.u64 	%p212, %rd1915, %rd469;
+	@%p212 bra 	$L__BB3_269;
+
+	add.s64 	%rd479, %rd401, %rd464;
+
+$L__BB3_268:
+	shl.b64 	%rd1369, %rd1915, 3;
+	add.s64 	%rd1370, %rd470, %rd1369;
+	ld.global.v2.u32 	{%r301, %r302}, [%rd1370];
+	add.s64 	%rd1371, %rd479, %rd1369;
+	st.v2.u32 	[%rd1371], {%r301, %r302};
+	add.s64 	%rd1915, %rd1915, %rd395;
+	setp.lt.u64 	%p213, %rd1915, %rd469;
+	@%p213 bra 	$L__BB3_268;
+
+$L__BB3_269:
+	and.b64  	%rd1372, %rd468, -8;
+	add.s64 	%rd1373, %rd464, %rd393;
+	add.s64 	%rd1917, %rd1373, %rd1372;
+	setp.ge.u64 	%p214, %rd1917, %rd777;
+	@%p214 bra 	$L__BB3_455;
+
+$L__BB3_270:
+	add.s64 	%rd1374, %rd136, %rd1917;
+	ld.global.u8 	%rs110, [%rd1374];
+	add.s64 	%rd1375, %rd401, %rd1917;
+	st.u8 	[%rd1375], %rs110;
+	add.s64 	%rd1917, %rd1917, %rd395;
+	setp.lt.u64 	%p215, %rd1917, %rd777;
+	@%p215 bra 	$L__BB3_270;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_181:
+	neg.s64 	%rd1168, %rd271;
+	and.b64  	%rd333, %rd1168, 7;
+	min.u64 	%rd334, %rd333, %rd777;
+	setp.ge.u64 	%p148, %rd140, %rd334;
+	@%p148 bra 	$L__BB3_184;
+
+	mov.u64 	%rd1876, %rd140;
+
+$L__BB3_183:
+	add.s64 	%rd1169, %rd136, %rd1876;
+	ld.global.u8 	%rs84, [%rd1169];
+	add.s64 	%rd1170, %rd271, %rd1876;
+	st.u8 	[%rd1170], %rs84;
+	add.s64 	%rd1876, %rd1876, %rd142;
+	setp.lt.u64 	%p149, %rd1876, %rd334;
+	@%p149 bra 	$L__BB3_183;
+
+$L__BB3_184:
+	sub.s64 	%rd338, %rd777, %rd334;
+	shr.u64 	%rd339, %rd338, 3;
+	add.s64 	%rd340, %rd136, %rd334;
+	setp.ge.u64 	%p150, %rd270, %rd339;
+	mov.u64 	%rd1879, %rd140;
+	@%p150 bra 	$L__BB3_187;
+
+	mul.lo.s64 	%rd1171, %rd141, %rd138;
+	shl.b64 	%rd341, %rd1171, 3;
+	mul.lo.s64 	%rd1172, %rd137, %rd138;
+	shl.b64 	%rd1173, %rd1172, 3;
+	shl.b64 	%rd1174, %rd139, 3;
+	add.s64 	%rd1175, %rd1173, %rd1174;
+	add.s64 	%rd1176, %rd1175, -1;
+	not.b64 	%rd1177, %rd777;
+	not.b64 	%rd1178, %rd333;
+	max.u64 	%rd1179, %rd1178, %rd1177;
+	sub.s64 	%rd1180, %rd1176, %rd1179;
+	add.s64 	%rd1878, %rd271, %rd1180;
+	neg.s64 	%rd343, %rd1171;
+	shl.b64 	%rd1186, %rd343, 3;
+	mov.u64 	%rd1879, %rd140;
+
+$L__BB3_186:
+	add.s64 	%rd1181, %rd1879, %rd142;
+	shl.b64 	%rd1182, %rd1181, 3;
+	add.s64 	%rd1183, %rd340, %rd1182;
+	ld.global.v2.u32 	{%r212, %r213}, [%rd1183];
+	add.s64 	%rd1184, %rd1183, %rd341;
+	ld.global.v2.u32 	{%r216, %r217}, [%rd1184];
+	add.s64 	%rd1185, %rd1184, %rd341;
+	ld.global.v2.u32 	{%r220, %r221}, [%rd1185];
+	add.s64 	%rd1187, %rd1183, %rd1186;
+	ld.global.v2.u32 	{%r224, %r225}, [%rd1187];
+	st.v2.u32 	[%rd1878], {%r224, %r225};
+	add.s64 	%rd1188, %rd1878, %rd341;
+	st.v2.u32 	[%rd1188], {%r212, %r213};
+	add.s64 	%rd1189, %rd1188, %rd341;
+	st.v2.u32 	[%rd1189], {%r216, %r217};
+	add.s64 	%rd1190, %rd1189, %rd341;
+	add.s64 	%rd1878, %rd1190, %rd341;
+	st.v2.u32 	[%rd1190], {%r220, %r221};
+	add.s64 	%rd1879, %rd269, %rd1181;
+	add.s64 	%rd1191, %rd1879, %rd269;
+	setp.lt.u64 	%p151, %rd1191, %rd339;
+	@%p151 bra 	$L__BB3_186;
+
+$L__BB3_187:
+	setp.ge.u64 	%p152, %rd1879, %rd339;
+	@%p152 bra 	$L__BB3_190;
+
+	add.s64 	%rd349, %rd271, %rd334;
+
+$L__BB3_189:
+	shl.b64 	%rd1192, %rd1879, 3;
+	add.s64 	%rd1193, %rd340, %rd1192;
+	ld.global.v2.u32 	{%r228, %r229}, [%rd1193];
+	add.s64 	%rd1194, %rd349, %rd1192;
+	st.v2.u32 	[%rd1194], {%r228, %r229};
+	add.s64 	%rd1879, %rd1879, %rd142;
+	setp.lt.u64 	%p153, %rd1879, %rd339;
+	@%p153 bra 	$L__BB3_189;
+
+$L__BB3_190:
+	and.b64  	%rd1195, %rd338, -8;
+	add.s64 	%rd1196, %rd334, %rd140;
+	add.s64 	%rd1881, %rd1196, %rd1195;
+	setp.ge.u64 	%p154, %rd1881, %rd777;
+	@%p154 bra 	$L__BB3_455;
+
+$L__BB3_191:
+	add.s64 	%rd1197, %rd136, %rd1881;
+	ld.global.u8 	%rs85, [%rd1197];
+	add.s64 	%rd1198, %rd271, %rd1881;
+	st.u8 	[%rd1198], %rs85;
+	add.s64 	%rd1881, %rd1881, %rd142;
+	setp.lt.u64 	%p155, %rd1881, %rd777;
+	@%p155 bra 	$L__BB3_191;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_310:
+	setp.ge.u64 	%p246, %rd530, %rd777;
+	mov.u64 	%rd1931, %rd523;
+	@%p246 bra 	$L__BB3_313;
+
+	add.s64 	%rd1930, %rd136, %rd523;
+	mul.lo.s64 	%rd534, %rd524, %rd521;
+	mov.u64 	%rd1931, %rd523;
+
+$L__BB3_312:
+	ld.global.u8 	%rs114, [%rd1930];
+	add.s64 	%rd1455, %rd1930, %rd534;
+	ld.global.u8 	%rs115, [%rd1455];
+	add.s64 	%rd1456, %rd1455, %rd534;
+	ld.global.u8 	%rs116, [%rd1456];
+	add.s64 	%rd1457, %rd1456, %rd534;
+	add.s64 	%rd1930, %rd1457, %rd534;
+	ld.global.u8 	%rs117, [%rd1457];
+	add.s64 	%rd1458, %rd531, %rd1931;
+	st.u8 	[%rd1458], %rs114;
+	add.s64 	%rd1459, %rd1458, %rd534;
+	st.u8 	[%rd1459], %rs115;
+	add.s64 	%rd1460, %rd1459, %rd534;
+	st.u8 	[%rd1460], %rs116;
+	add.s64 	%rd1461, %rd1460, %rd534;
+	st.u8 	[%rd1461], %rs117;
+	add.s64 	%rd1462, %rd1931, %rd525;
+	add.s64 	%rd1931, %rd529, %rd1462;
+	add.s64 	%rd1463, %rd1931, %rd529;
+	setp.lt.u64 	%p247, %rd1463, %rd777;
+	@%p247 bra 	$L__BB3_312;
+
+$L__BB3_313:
+	setp.ge.u64 	%p248, %rd1931, %rd777;
+	@%p248 bra 	$L__BB3_315;
+
+$L__BB3_314:
+	add.s64 	%rd1464, %rd136, %rd1931;
+	ld.global.u8 	%rs118, [%rd1464];
+	add.s64 	%rd1465, %rd531, %rd1931;
+	st.u8 	[%rd1465], %rs118;
+	add.s64 	%rd1931, %rd1931, %rd525;
+	setp.lt.u64 	%p249, %rd1931, %rd777;
+	@%p249 bra 	$L__BB3_314;
+
+$L__BB3_315:
+	add.s64 	%rd1933, %rd523, %rd777;
+	setp.ge.u64 	%p250, %rd1933, %rd523;
+	@%p250 bra 	$L__BB3_455;
+
+$L__BB3_316:
+	add.s64 	%rd1466, %rd136, %rd1933;
+	ld.global.u8 	%rs119, [%rd1466];
+	add.s64 	%rd1467, %rd531, %rd1933;
+	st.u8 	[%rd1467], %rs119;
+	add.s64 	%rd1933, %rd1933, %rd525;
+	setp.lt.u64 	%p251, %rd1933, %rd777;
+	@%p251 bra 	$L__BB3_316;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_102:
+	neg.s64 	%rd1006, %rd147;
+	and.b64  	%rd209, %rd1006, 7;
+	min.u64 	%rd210, %rd209, %rd777;
+	setp.ge.u64 	%p88, %rd140, %rd210;
+	@%p88 bra 	$L__BB3_105;
+
+	mov.u64 	%rd1840, %rd140;
+
+$L__BB3_104:
+	add.s64 	%rd1007, %rd136, %rd1840;
+	ld.global.u8 	%rs55, [%rd1007];
+	add.s64 	%rd1008, %rd147, %rd1840;
+	st.u8 	[%rd1008], %rs55;
+	add.s64 	%rd1840, %rd1840, %rd142;
+	setp.lt.u64 	%p89, %rd1840, %rd210;
+	@%p89 bra 	$L__BB3_104;
+
+$L__BB3_105:
+	sub.s64 	%rd214, %rd777, %rd210;
+	shr.u64 	%rd215, %rd214, 3;
+	add.s64 	%rd216, %rd136, %rd210;
+	setp.ge.u64 	%p90, %rd146, %rd215;
+	mov.u64 	%rd1843, %rd140;
+	@%p90 bra 	$L__BB3_108;
+
+	mul.lo.s64 	%rd1009, %rd141, %rd138;
+	shl.b64 	%rd217, %rd1009, 3;
+	mul.lo.s64 	%rd1010, %rd137, %rd138;
+	shl.b64 	%rd1011, %rd1010, 3;
+	shl.b64 	%rd1012, %rd139, 3;
+	add.s64 	%rd1013, %rd1011, %rd1012;
+	add.s64 	%rd1014, %rd1013, -1;
+	not.b64 	%rd1015, %rd777;
+	not.b64 	%rd1016, %rd209;
+	max.u64 	%rd1017, %rd1016, %rd1015;
+	sub.s64 	%rd1018, %rd1014, %rd1017;
+	add.s64 	%rd1842, %rd147, %rd1018;
+	neg.s64 	%rd219, %rd1009;
+	shl.b64 	%rd1024, %rd219, 3;
+	mov.u64 	%rd1843, %rd140;
+
+$L__BB3_107:
+	add.s64 	%rd1019, %rd1843, %rd142;
+	shl.b64 	%rd1020, %rd1019, 3;
+	add.s64 	%rd1021, %rd216, %rd1020;
+	ld.global.v2.u32 	{%r147, %r148}, [%rd1021];
+	add.s64 	%rd1022, %rd1021, %rd217;
+	ld.global.v2.u32 	{%r151, %r152}, [%rd1022];
+	add.s64 	%rd1023, %rd1022, %rd217;
+	ld.global.v2.u32 	{%r155, %r156}, [%rd1023];
+	add.s64 	%rd1025, %rd1021, %rd1024;
+	ld.global.v2.u32 	{%r159, %r160}, [%rd1025];
+	st.v2.u32 	[%rd1842], {%r159, %r160};
+	add.s64 	%rd1026, %rd1842, %rd217;
+	st.v2.u32 	[%rd1026], {%r147, %r148};
+	add.s64 	%rd1027, %rd1026, %rd217;
+	st.v2.u32 	[%rd1027], {%r151, %r152};
+	add.s64 	%rd1028, %rd1027, %rd217;
+	add.s64 	%rd1842, %rd1028, %rd217;
+	st.v2.u32 	[%rd1028], {%r155, %r156};
+	add.s64 	%rd1843, %rd145, %rd1019;
+	add.s64 	%rd1029, %rd1843, %rd145;
+	setp.lt.u64 	%p91, %rd1029, %rd215;
+	@%p91 bra 	$L__BB3_107;
+
+$L__BB3_108:
+	setp.ge.u64 	%p92, %rd1843, %rd215;
+	@%p92 bra 	$L__BB3_111;
+
+	add.s64 	%rd225, %rd147, %rd210;
+
+$L__BB3_110:
+	shl.b64 	%rd1030, %rd1843, 3;
+	add.s64 	%rd1031, %rd216, %rd1030;
+	ld.global.v2.u32 	{%r163, %r164}, [%rd1031];
+	add.s64 	%rd1032, %rd225, %rd1030;
+	st.v2.u32 	[%rd1032], {%r163, %r164};
+	add.s64 	%rd1843, %rd1843, %rd142;
+	setp.lt.u64 	%p93, %rd1843, %rd215;
+	@%p93 bra 	$L__BB3_110;
+
+$L__BB3_111:
+	and.b64  	%rd1033, %rd214, -8;
+	add.s64 	%rd1034, %rd210, %rd140;
+	add.s64 	%rd1845, %rd1034, %rd1033;
+	setp.ge.u64 	%p94, %rd1845, %rd777;
+	@%p94 bra 	$L__BB3_455;
+
+$L__BB3_112:
+	add.s64 	%rd1035, %rd136, %rd1845;
+	ld.global.u8 	%rs56, [%rd1035];
+	add.s64 	%rd1036, %rd147, %rd1845;
+	st.u8 	[%rd1036], %rs56;
+	add.s64 	%rd1845, %rd1845, %rd142;
+	setp.lt.u64 	%p95, %rd1845, %rd777;
+	@%p95 bra 	$L__BB3_112;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_249:
+	neg.s64 	%rd1317, %rd401;
+	and.b64  	%rd439, %rd1317, 3;
+	min.u64 	%rd440, %rd439, %rd777;
+	setp.ge.u64 	%p200, %rd393, %rd440;
+	@%p200 bra 	$L__BB3_252;
+
+	mov.u64 	%rd1905, %rd393;
+
+$L__BB3_251:
+	add.s64 	%rd1318, %rd136, %rd1905;
+	ld.global.u8 	%rs107, [%rd1318];
+	add.s64 	%rd1319, %rd401, %rd1905;
+	st.u8 	[%rd1319], %rs107;
+	add.s64 	%rd1905, %rd1905, %rd395;
+	setp.lt.u64 	%p201, %rd1905, %rd440;
+	@%p201 bra 	$L__BB3_251;
+
+$L__BB3_252:
+	sub.s64 	%rd444, %rd777, %rd440;
+	shr.u64 	%rd445, %rd444, 2;
+	setp.ge.u64 	%p202, %rd400, %rd445;
+	mov.u64 	%rd1909, %rd393;
+	@%p202 bra 	$L__BB3_255;
+
+	mul.lo.s64 	%rd1320, %rd390, %rd391;
+	shl.b64 	%rd1321, %rd1320, 2;
+	shl.b64 	%rd1322, %rd392, 2;
+	add.s64 	%rd1323, %rd1321, %rd1322;
+	add.s64 	%rd1324, %rd1323, -1;
+	not.b64 	%rd1325, %rd777;
+	not.b64 	%rd1326, %rd439;
+	max.u64 	%rd1327, %rd1326, %rd1325;
+	sub.s64 	%rd1328, %rd1324, %rd1327;
+	add.s64 	%rd1907, %rd136, %rd1328;
+	mul.lo.s64 	%rd1329, %rd394, %rd391;
+	shl.b64 	%rd447, %rd1329, 2;
+	add.s64 	%rd1908, %rd401, %rd1328;
+	mov.u64 	%rd1909, %rd393;
+
+$L__BB3_254:
+	ld.global.u32 	%r280, [%rd1907];
+	add.s64 	%rd1330, %rd1907, %rd447;
+	ld.global.u32 	%r281, [%rd1330];
+	add.s64 	%rd1331, %rd1330, %rd447;
+	ld.global.u32 	%r282, [%rd1331];
+	add.s64 	%rd1332, %rd1331, %rd447;
+	add.s64 	%rd1907, %rd1332, %rd447;
+	ld.global.u32 	%r283, [%rd1332];
+	st.u32 	[%rd1908], %r280;
+	add.s64 	%rd1333, %rd1908, %rd447;
+	st.u32 	[%rd1333], %r281;
+	add.s64 	%rd1334, %rd1333, %rd447;
+	st.u32 	[%rd1334], %r282;
+	add.s64 	%rd1335, %rd1334, %rd447;
+	add.s64 	%rd1908, %rd1335, %rd447;
+	st.u32 	[%rd1335], %r283;
+	add.s64 	%rd1336, %rd1909, %rd395;
+	add.s64 	%rd1909, %rd399, %rd1336;
+	add.s64 	%rd1337, %rd1909, %rd399;
+	setp.lt.u64 	%p203, %rd1337, %rd445;
+	@%p203 bra 	$L__BB3_254;
+
+$L__BB3_255:
+	setp.ge.u64 	%p204, %rd1909, %rd445;
+	@%p204 bra 	$L__BB3_258;
+
+	add.s64 	%rd456, %rd401, %rd440;
+	add.s64 	%rd457, %rd136, %rd440;
+
+$L__BB3_257:
+	shl.b64 	%rd1338, %rd1909, 2;
+	add.s64 	%rd1339, %rd457, %rd1338;
+	ld.global.u32 	%r284, [%rd1339];
+	add.s64 	%rd1340, %rd456, %rd1338;
+	st.u32 	[%rd1340], %r284;
+	add.s64 	%rd1909, %rd1909, %rd395;
+	setp.lt.u64 	%p205, %rd1909, %rd445;
+	@%p205 bra 	$L__BB3_257;
+
+$L__BB3_258:
+	and.b64  	%rd1341, %rd444, -4;
+	add.s64 	%rd1342, %rd440, %rd393;
+	add.s64 	%rd1911, %rd1342, %rd1341;
+	setp.ge.u64 	%p206, %rd1911, %rd777;
+	@%p206 bra 	$L__BB3_455;
+
+$L__BB3_259:
+	add.s64 	%rd1343, %rd136, %rd1911;
+	ld.global.u8 	%rs108, [%rd1343];
+	add.s64 	%rd1344, %rd401, %rd1911;
+	st.u8 	[%rd1344], %rs108;
+	add.s64 	%rd1911, %rd1911, %rd395;
+	setp.lt.u64 	%p207, %rd1911, %rd777;
+	@%p207 bra 	$L__BB3_259;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_170:
+	neg.s64 	%rd1140, %rd271;
+	and.b64  	%rd309, %rd1140, 3;
+	min.u64 	%rd310, %rd309, %rd777;
+	setp.ge.u64 	%p140, %rd140, %rd310;
+	@%p140 bra 	$L__BB3_173;
+
+	mov.u64 	%rd1869, %rd140;
+
+$L__BB3_172:
+	add.s64 	%rd1141, %rd136, %rd1869;
+	ld.global.u8 	%rs82, [%rd1141];
+	add.s64 	%rd1142, %rd271, %rd1869;
+	st.u8 	[%rd1142], %rs82;
+	add.s64 	%rd1869, %rd1869, %rd142;
+	setp.lt.u64 	%p141, %rd1869, %rd310;
+	@%p141 bra 	$L__BB3_172;
+
+$L__BB3_173:
+	sub.s64 	%rd314, %rd777, %rd310;
+	shr.u64 	%rd315, %rd314, 2;
+	setp.ge.u64 	%p142, %rd270, %rd315;
+	mov.u64 	%rd1873, %rd140;
+	@%p142 bra 	$L__BB3_176;
+
+	mul.lo.s64 	%rd1143, %rd137, %rd138;
+	shl.b64 	%rd1144, %rd1143, 2;
+	shl.b64 	%rd1145, %rd139, 2;
+	add.s64 	%rd1146, %rd1144, %rd1145;
+	add.s64 	%rd1147, %rd1146, -1;
+	not.b64 	%rd1148, %rd777;
+	not.b64 	%rd1149, %rd309;
+	max.u64 	%rd1150, %rd1149, %rd1148;
+	sub.s64 	%rd1151, %rd1147, %rd1150;
+	add.s64 	%rd1871, %rd136, %rd1151;
+	mul.lo.s64 	%rd1152, %rd141, %rd138;
+	shl.b64 	%rd317, %rd1152, 2;
+	add.s64 	%rd1872, %rd271, %rd1151;
+	mov.u64 	%rd1873, %rd140;
+
+$L__BB3_175:
+	ld.global.u32 	%r207, [%rd1871];
+	add.s64 	%rd1153, %rd1871, %rd317;
+	ld.global.u32 	%r208, [%rd1153];
+	add.s64 	%rd1154, %rd1153, %rd317;
+	ld.global.u32 	%r209, [%rd1154];
+	add.s64 	%rd1155, %rd1154, %rd317;
+	add.s64 	%rd1871, %rd1155, %rd317;
+	ld.global.u32 	%r210, [%rd1155];
+	st.u32 	[%rd1872], %r207;
+	add.s64 	%rd1156, %rd1872, %rd317;
+	st.u32 	[%rd1156], %r208;
+	add.s64 	%rd1157, %rd1156, %rd317;
+	st.u32 	[%rd1157], %r209;
+	add.s64 	%rd1158, %rd1157, %rd317;
+	add.s64 	%rd1872, %rd1158, %rd317;
+	st.u32 	[%rd1158], %r210;
+	add.s64 	%rd1159, %rd1873, %rd142;
+	add.s64 	%rd1873, %rd269, %rd1159;
+	add.s64 	%rd1160, %rd1873, %rd269;
+	setp.lt.u64 	%p143, %rd1160, %rd315;
+	@%p143 bra 	$L__BB3_175;
+
+$L__BB3_176:
+	setp.ge.u64 	%p144, %rd1873, %rd315;
+	@%p144 bra 	$L__BB3_179;
+
+	add.s64 	%rd326, %rd271, %rd310;
+	add.s64 	%rd327, %rd136, %rd310;
+
+$L__BB3_178:
+	shl.b64 	%rd1161, %rd1873, 2;
+	add.s64 	%rd1162, %rd327, %rd1161;
+	ld.global.u32 	%r211, [%rd1162];
+	add.s64 	%rd1163, %rd326, %rd1161;
+	st.u32 	[%rd1163], %r211;
+	add.s64 	%rd1873, %rd1873, %rd142;
+	setp.lt.u64 	%p145, %rd1873, %rd315;
+	@%p145 bra 	$L__BB3_178;
+
+$L__BB3_179:
+	and.b64  	%rd1164, %rd314, -4;
+	add.s64 	%rd1165, %rd310, %rd140;
+	add.s64 	%rd1875, %rd1165, %rd1164;
+	setp.ge.u64 	%p146, %rd1875, %rd777;
+	@%p146 bra 	$L__BB3_455;
+
+$L__BB3_180:
+	add.s64 	%rd1166, %rd136, %rd1875;
+	ld.global.u8 	%rs83, [%rd1166];
+	add.s64 	%rd1167, %rd271, %rd1875;
+	st.u8 	[%rd1167], %rs83;
+	add.s64 	%rd1875, %rd1875, %rd142;
+	setp.lt.u64 	%p147, %rd1875, %rd777;
+	@%p147 bra 	$L__BB3_180;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_231:
+	setp.ge.u64 	%p186, %rd400, %rd777;
+	mov.u64 	%rd1895, %rd393;
+	@%p186 bra 	$L__BB3_234;
+
+	add.s64 	%rd1894, %rd136, %rd393;
+	mul.lo.s64 	%rd404, %rd394, %rd391;
+	mov.u64 	%rd1895, %rd393;
+
+$L__BB3_233:
+	ld.global.u8 	%rs94, [%rd1894];
+	add.s64 	%rd1277, %rd1894, %rd404;
+	ld.global.u8 	%rs95, [%rd1277];
+	add.s64 	%rd1278, %rd1277, %rd404;
+	ld.global.u8 	%rs96, [%rd1278];
+	add.s64 	%rd1279, %rd1278, %rd404;
+	add.s64 	%rd1894, %rd1279, %rd404;
+	ld.global.u8 	%rs97, [%rd1279];
+	add.s64 	%rd1280, %rd401, %rd1895;
+	st.u8 	[%rd1280], %rs94;
+	add.s64 	%rd1281, %rd1280, %rd404;
+	st.u8 	[%rd1281], %rs95;
+	add.s64 	%rd1282, %rd1281, %rd404;
+	st.u8 	[%rd1282], %rs96;
+	add.s64 	%rd1283, %rd1282, %rd404;
+	st.u8 	[%rd1283], %rs97;
+	add.s64 	%rd1284, %rd1895, %rd395;
+	add.s64 	%rd1895, %rd399, %rd1284;
+	add.s64 	%rd1285, %rd1895, %rd399;
+	setp.lt.u64 	%p187, %rd1285, %rd777;
+	@%p187 bra 	$L__BB3_233;
+
+$L__BB3_234:
+	setp.ge.u64 	%p188, %rd1895, %rd777;
+	@%p188 bra 	$L__BB3_236;
+
+$L__BB3_235:
+	add.s64 	%rd1286, %rd136, %rd1895;
+	ld.global.u8 	%rs98, [%rd1286];
+	add.s64 	%rd1287, %rd401, %rd1895;
+	st.u8 	[%rd1287], %rs98;
+	add.s64 	%rd1895, %rd1895, %rd395;
+	setp.lt.u64 	%p189, %rd1895, %rd777;
+	@%p189 bra 	$L__BB3_235;
+
+$L__BB3_236:
+	add.s64 	%rd1897, %rd393, %rd777;
+	setp.ge.u64 	%p190, %rd1897, %rd393;
+	@%p190 bra 	$L__BB3_455;
+
+$L__BB3_237:
+	add.s64 	%rd1288, %rd136, %rd1897;
+	ld.global.u8 	%rs99, [%rd1288];
+	add.s64 	%rd1289, %rd401, %rd1897;
+	st.u8 	[%rd1289], %rs99;
+	add.s64 	%rd1897, %rd1897, %rd395;
+	setp.lt.u64 	%p191, %rd1897, %rd777;
+	@%p191 bra 	$L__BB3_237;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_91:
+	neg.s64 	%rd978, %rd147;
+	and.b64  	%rd185, %rd978, 3;
+	min.u64 	%rd186, %rd185, %rd777;
+	setp.ge.u64 	%p80, %rd140, %rd186;
+	@%p80 bra 	$L__BB3_94;
+
+	mov.u64 	%rd1833, %rd140;
+
+$L__BB3_93:
+	add.s64 	%rd979, %rd136, %rd1833;
+	ld.global.u8 	%rs53, [%rd979];
+	add.s64 	%rd980, %rd147, %rd1833;
+	st.u8 	[%rd980], %rs53;
+	add.s64 	%rd1833, %rd1833, %rd142;
+	setp.lt.u64 	%p81, %rd1833, %rd186;
+	@%p81 bra 	$L__BB3_93;
+
+$L__BB3_94:
+	sub.s64 	%rd190, %rd777, %rd186;
+	shr.u64 	%rd191, %rd190, 2;
+	setp.ge.u64 	%p82, %rd146, %rd191;
+	mov.u64 	%rd1837, %rd140;
+	@%p82 bra 	$L__BB3_97;
+
+	mul.lo.s64 	%rd981, %rd137, %rd138;
+	shl.b64 	%rd982, %rd981, 2;
+	shl.b64 	%rd983, %rd139, 2;
+	add.s64 	%rd984, %rd982, %rd983;
+	add.s64 	%rd985, %rd984, -1;
+	not.b64 	%rd986, %rd777;
+	not.b64 	%rd987, %rd185;
+	max.u64 	%rd988, %rd987, %rd986;
+	sub.s64 	%rd989, %rd985, %rd988;
+	add.s64 	%rd1835, %rd136, %rd989;
+	mul.lo.s64 	%rd990, %rd141, %rd138;
+	shl.b64 	%rd193, %rd990, 2;
+	add.s64 	%rd1836, %rd147, %rd989;
+	mov.u64 	%rd1837, %rd140;
+
+$L__BB3_96:
+	ld.global.u32 	%r142, [%rd1835];
+	add.s64 	%rd991, %rd1835, %rd193;
+	ld.global.u32 	%r143, [%rd991];
+	add.s64 	%rd992, %rd991, %rd193;
+	ld.global.u32 	%r144, [%rd992];
+	add.s64 	%rd993, %rd992, %rd193;
+	add.s64 	%rd1835, %rd993, %rd193;
+	ld.global.u32 	%r145, [%rd993];
+	st.u32 	[%rd1836], %r142;
+	add.s64 	%rd994, %rd1836, %rd193;
+	st.u32 	[%rd994], %r143;
+	add.s64 	%rd995, %rd994, %rd193;
+	st.u32 	[%rd995], %r144;
+	add.s64 	%rd996, %rd995, %rd193;
+	add.s64 	%rd1836, %rd996, %rd193;
+	st.u32 	[%rd996], %r145;
+	add.s64 	%rd997, %rd1837, %rd142;
+	add.s64 	%rd1837, %rd145, %rd997;
+	add.s64 	%rd998, %rd1837, %rd145;
+	setp.lt.u64 	%p83, %rd998, %rd191;
+	@%p83 bra 	$L__BB3_96;
+
+$L__BB3_97:
+	setp.ge.u64 	%p84, %rd1837, %rd191;
+	@%p84 bra 	$L__BB3_100;
+
+	add.s64 	%rd202, %rd147, %rd186;
+	add.s64 	%rd203, %rd136, %rd186;
+
+$L__BB3_99:
+	shl.b64 	%rd999, %rd1837, 2;
+	add.s64 	%rd1000, %rd203, %rd999;
+	ld.global.u32 	%r146, [%rd1000];
+	add.s64 	%rd1001, %rd202, %rd999;
+	st.u32 	[%rd1001], %r146;
+	add.s64 	%rd1837, %rd1837, %rd142;
+	setp.lt.u64 	%p85, %rd1837, %rd191;
+	@%p85 bra 	$L__BB3_99;
+
+$L__BB3_100:
+	and.b64  	%rd1002, %rd190, -4;
+	add.s64 	%rd1003, %rd186, %rd140;
+	add.s64 	%rd1839, %rd1003, %rd1002;
+	setp.ge.u64 	%p86, %rd1839, %rd777;
+	@%p86 bra 	$L__BB3_455;
+
+$L__BB3_101:
+	add.s64 	%rd1004, %rd136, %rd1839;
+	ld.global.u8 	%rs54, [%rd1004];
+	add.s64 	%rd1005, %rd147, %rd1839;
+	st.u8 	[%rd1005], %rs54;
+	add.s64 	%rd1839, %rd1839, %rd142;
+	setp.lt.u64 	%p87, %rd1839, %rd777;
+	@%p87 bra 	$L__BB3_101;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_152:
+	setp.ge.u64 	%p126, %rd270, %rd777;
+	mov.u64 	%rd1859, %rd140;
+	@%p126 bra 	$L__BB3_155;
+
+	add.s64 	%rd1858, %rd136, %rd140;
+	mul.lo.s64 	%rd274, %rd141, %rd138;
+	mov.u64 	%rd1859, %rd140;
+
+$L__BB3_154:
+	ld.global.u8 	%rs69, [%rd1858];
+	add.s64 	%rd1100, %rd1858, %rd274;
+	ld.global.u8 	%rs70, [%rd1100];
+	add.s64 	%rd1101, %rd1100, %rd274;
+	ld.global.u8 	%rs71, [%rd1101];
+	add.s64 	%rd1102, %rd1101, %rd274;
+	add.s64 	%rd1858, %rd1102, %rd274;
+	ld.global.u8 	%rs72, [%rd1102];
+	add.s64 	%rd1103, %rd271, %rd1859;
+	st.u8 	[%rd1103], %rs69;
+	add.s64 	%rd1104, %rd1103, %rd274;
+	st.u8 	[%rd1104], %rs70;
+	add.s64 	%rd1105, %rd1104, %rd274;
+	st.u8 	[%rd1105], %rs71;
+	add.s64 	%rd1106, %rd1105, %rd274;
+	st.u8 	[%rd1106], %rs72;
+	add.s64 	%rd1107, %rd1859, %rd142;
+	add.s64 	%rd1859, %rd269, %rd1107;
+	add.s64 	%rd1108, %rd1859, %rd269;
+	setp.lt.u64 	%p127, %rd1108, %rd777;
+	@%p127 bra 	$L__BB3_154;
+
+$L__BB3_155:
+	setp.ge.u64 	%p128, %rd1859, %rd777;
+	@%p128 bra 	$L__BB3_157;
+
+$L__BB3_156:
+	add.s64 	%rd1109, %rd136, %rd1859;
+	ld.global.u8 	%rs73, [%rd1109];
+	add.s64 	%rd1110, %rd271, %rd1859;
+	st.u8 	[%rd1110], %rs73;
+	add.s64 	%rd1859, %rd1859, %rd142;
+	setp.lt.u64 	%p129, %rd1859, %rd777;
+	@%p129 bra 	$L__BB3_156;
+
+$L__BB3_157:
+	add.s64 	%rd1861, %rd140, %rd777;
+	setp.ge.u64 	%p130, %rd1861, %rd140;
+	@%p130 bra 	$L__BB3_455;
+
+$L__BB3_158:
+	add.s64 	%rd1111, %rd136, %rd1861;
+	ld.global.u8 	%rs74, [%rd1111];
+	add.s64 	%rd1112, %rd271, %rd1861;
+	st.u8 	[%rd1112], %rs74;
+	add.s64 	%rd1861, %rd1861, %rd142;
+	setp.lt.u64 	%p131, %rd1861, %rd777;
+	@%p131 bra 	$L__BB3_158;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_73:
+	mov.u64 	%rd1823, %rd140;
+	@%p57 bra 	$L__BB3_76;
+
+	add.s64 	%rd1822, %rd136, %rd140;
+	mul.lo.s64 	%rd150, %rd141, %rd138;
+	mov.u64 	%rd1823, %rd140;
+
+$L__BB3_75:
+	ld.global.u8 	%rs40, [%rd1822];
+	add.s64 	%rd938, %rd1822, %rd150;
+	ld.global.u8 	%rs41, [%rd938];
+	add.s64 	%rd939, %rd938, %rd150;
+	ld.global.u8 	%rs42, [%rd939];
+	add.s64 	%rd940, %rd939, %rd150;
+	add.s64 	%rd1822, %rd940, %rd150;
+	ld.global.u8 	%rs43, [%rd940];
+	add.s64 	%rd941, %rd147, %rd1823;
+	st.u8 	[%rd941], %rs40;
+	add.s64 	%rd942, %rd941, %rd150;
+	st.u8 	[%rd942], %rs41;
+	add.s64 	%rd943, %rd942, %rd150;
+	st.u8 	[%rd943], %rs42;
+	add.s64 	%rd944, %rd943, %rd150;
+	st.u8 	[%rd944], %rs43;
+	add.s64 	%rd945, %rd1823, %rd142;
+	add.s64 	%rd1823, %rd145, %rd945;
+	add.s64 	%rd946, %rd1823, %rd145;
+	setp.lt.u64 	%p67, %rd946, %rd777;
+	@%p67 bra 	$L__BB3_75;
+
+$L__BB3_76:
+	setp.ge.u64 	%p68, %rd1823, %rd777;
+	@%p68 bra 	$L__BB3_78;
+
+$L__BB3_77:
+	add.s64 	%rd947, %rd136, %rd1823;
+	ld.global.u8 	%rs44, [%rd947];
+	add.s64 	%rd948, %rd147, %rd1823;
+	st.u8 	[%rd948], %rs44;
+	add.s64 	%rd1823, %rd1823, %rd142;
+	setp.lt.u64 	%p69, %rd1823, %rd777;
+	@%p69 bra 	$L__BB3_77;
+
+$L__BB3_78:
+	add.s64 	%rd1825, %rd140, %rd777;
+	setp.ge.u64 	%p70, %rd1825, %rd140;
+	@%p70 bra 	$L__BB3_455;
+
+$L__BB3_79:
+	add.s64 	%rd949, %rd136, %rd1825;
+	ld.global.u8 	%rs45, [%rd949];
+	add.s64 	%rd950, %rd147, %rd1825;
+	st.u8 	[%rd950], %rs45;
+	add.s64 	%rd1825, %rd1825, %rd142;
+	setp.lt.u64 	%p71, %rd1825, %rd777;
+	@%p71 bra 	$L__BB3_79;
+
+$L__BB3_455:
 	ret;
 
 }
@@ -2203,7 +5314,7 @@ $L__BB6_63:
 	.reg .b32 	%r<665>;
 	.reg .b64 	%rd<2298>;
 	// demoted variable
-	.shared .align 8 .u64 _ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell;
+	.shared .align 8 .u64 _ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell;
 
 	ld.param.u64 	%rd892, [jaxvmm_fused_offload_param_0];
 	ld.param.u64 	%rd890, [jaxvmm_fused_offload_param_1];
@@ -3100,11 +6211,11 @@ $L__BB7_510:
 	atom.global.exch.b64 	%rd1758, [%rd1938], %rd2260;
 
 $L__BB7_511:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2260;
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2260;
 
 $L__BB7_512:
 	bar.sync 	0;
-	ld.shared.u64 	%rd771, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	ld.shared.u64 	%rd771, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd1759, %rd771, 15;
 	setp.eq.s64 	%p421, %rd1759, 0;
 	@%p421 bra 	$L__BB7_568;
@@ -4018,11 +7129,11 @@ $L__BB7_394:
 	atom.global.exch.b64 	%rd1547, [%rd2005], %rd2206;
 
 $L__BB7_395:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2206;
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2206;
 
 $L__BB7_396:
 	bar.sync 	0;
-	ld.shared.u64 	%rd594, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	ld.shared.u64 	%rd594, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd1548, %rd594, 15;
 	setp.eq.s64 	%p332, %rd1548, 0;
 	@%p332 bra 	$L__BB7_452;
@@ -4659,11 +7770,11 @@ $L__BB7_278:
 	atom.global.exch.b64 	%rd1339, [%rd1987], %rd2151;
 
 $L__BB7_279:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2151;
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2151;
 
 $L__BB7_280:
 	bar.sync 	0;
-	ld.shared.u64 	%rd415, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	ld.shared.u64 	%rd415, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd1340, %rd415, 15;
 	setp.eq.s64 	%p243, %rd1340, 0;
 	@%p243 bra 	$L__BB7_336;
@@ -5323,11 +8434,11 @@ $L__BB7_162:
 	atom.global.exch.b64 	%rd1131, [%rd1969], %rd2096;
 
 $L__BB7_163:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2096;
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2096;
 
 $L__BB7_164:
 	bar.sync 	0;
-	ld.shared.u64 	%rd236, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	ld.shared.u64 	%rd236, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd1132, %rd236, 15;
 	setp.eq.s64 	%p154, %rd1132, 0;
 	@%p154 bra 	$L__BB7_220;
@@ -5937,11 +9048,11 @@ $L__BB7_46:
 	atom.global.exch.b64 	%rd937, [%rd1954], %rd2041;
 
 $L__BB7_47:
-	st.shared.u64 	[_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell], %rd2041;
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2041;
 
 $L__BB7_48:
 	bar.sync 	0;
-	ld.shared.u64 	%rd63, [_ZZ10fused_takeIZ20jaxvmm_fused_offloadP5CellsyyPjPVyEUlvE_EPcS1_T_E4cell];
+	ld.shared.u64 	%rd63, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
 	and.b64  	%rd938, %rd63, 15;
 	setp.eq.s64 	%p65, %rd938, 0;
 	@%p65 bra 	$L__BB7_104;

@@ -237,12 +237,52 @@ __device__ __forceinline__ void finish_round(Cells* c) {
   }
 }
 
+// The copy of an offload round into the cell `get_cell()` returns (every thread calls it): the copy's
+// first loads do not depend on the cell, so every thread issues them before it and holds them in
+// registers (a 1 MiB round's whole source, at one block per SM), and the source's read latency
+// overlaps finding the cell (a fused round's take, or the load of `ptr` the take kernel wrote). A cell
+// is a slot's start (aligned to the VMM granularity), so the unit V is set by the source's alignment alone.
+template <typename V, typename GetCell>
+__device__ __forceinline__ void offload_prefetched(GetCell get_cell, const char* src, u64 n) {
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  const u64 w = sizeof(V), nv = n / w;
+  const V* s = (const V*)src;
+  V r[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+    if (tid + u * stride < nv) r[u] = s[tid + u * stride];
+  char* cell = get_cell();
+  if ((u64)cell & 15) {  // never (see above); correct all the same
+    copy_cell(cell, (u64)src, n, 0);
+    return;
+  }
+  V* d = (V*)cell;
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+    if (tid + u * stride < nv) d[tid + u * stride] = r[u];
+  copy_units(d, s, tid + 4 * stride, nv, stride);
+  for (u64 j = nv * w + tid; j < n; j += stride) cell[j] = src[j];
+}
+
+template <typename GetCell>
+__device__ __forceinline__ void offload_into(GetCell get_cell, u64 src, u64 n) {
+  const char* s = (const char*)src;
+  if ((src & 15) == 0) offload_prefetched<uint4>(get_cell, s, n);
+  else if ((src & 7) == 0) offload_prefetched<uint2>(get_cell, s, n);
+  else if ((src & 3) == 0) offload_prefetched<unsigned>(get_cell, s, n);
+  else if ((src & 1) == 0) offload_prefetched<unsigned short>(get_cell, s, n);
+  else offload_prefetched<unsigned char>(get_cell, s, n);
+}
+
 // The copy of a round in separate nodes: copies into or out of the cell the take kernel chose. It
 // publishes nothing: the next node (jaxvmm_publish) does, after the kernel boundary, which orders every
 // block's stores before it without the fences and block count a grid-wide "last block" needs (measured
 // on the H200: ~1.8 us of a ~4.6 us fused 1 MiB round; tools/micro/round_pieces.py).
 extern "C" __global__ void jaxvmm_cell_copy(Cells* c, u64 other, u64 n, u64 out) {
-  copy_cell((char*)*(volatile u64*)&c->ptr, other, n, out);
+  auto cell = [&] { return (char*)*(volatile u64*)&c->ptr; };
+  if (out) copy_cell(cell(), other, n, 1);
+  else offload_into(cell, other, n);  // the source's loads in flight while `ptr` is read
 }
 
 // A round's last node (separate nodes): one thread writes 1 into the chosen cell's filled/done word.
@@ -330,41 +370,9 @@ __device__ __forceinline__ char* fused_take(Cells* c, Take take) {
 }
 
 // Offload round in one node: take a grant (take_offload), copy `src` (n bytes) into the chosen cell,
-// publish its filled word. The copy's first loads do not depend on the cell: every thread issues them
-// before the take and holds them in registers (a 1 MiB round's whole source, at one block per SM),
-// so the source's read latency overlaps the take's round trips. A cell is a slot's start (aligned to
-// the VMM granularity), so the unit V is set by the source's alignment alone.
-template <typename V, typename Take>
-__device__ __forceinline__ void offload_prefetched(Cells* c, Take take, const char* src, u64 n) {
-  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-  const u64 stride = (u64)gridDim.x * blockDim.x;
-  const u64 w = sizeof(V), nv = n / w;
-  const V* s = (const V*)src;
-  V r[4];
-#pragma unroll
-  for (int u = 0; u < 4; ++u)
-    if (tid + u * stride < nv) r[u] = s[tid + u * stride];
-  char* cell = fused_take(c, take);
-  if ((u64)cell & 15) {  // never (see above); correct all the same
-    copy_cell(cell, (u64)src, n, 0);
-    return;
-  }
-  V* d = (V*)cell;
-#pragma unroll
-  for (int u = 0; u < 4; ++u)
-    if (tid + u * stride < nv) d[tid + u * stride] = r[u];
-  copy_units(d, s, tid + 4 * stride, nv, stride);
-  for (u64 j = nv * w + tid; j < n; j += stride) cell[j] = src[j];
-}
-
+// publish its filled word.
 extern "C" __global__ void jaxvmm_fused_offload(Cells* c, u64 src, u64 n, unsigned* token_out, volatile u64* knock) {
-  auto take = [&] { return take_offload(c, token_out, knock); };
-  const char* s = (const char*)src;
-  if ((src & 15) == 0) offload_prefetched<uint4>(c, take, s, n);
-  else if ((src & 7) == 0) offload_prefetched<uint2>(c, take, s, n);
-  else if ((src & 3) == 0) offload_prefetched<unsigned>(c, take, s, n);
-  else if ((src & 1) == 0) offload_prefetched<unsigned short>(c, take, s, n);
-  else offload_prefetched<unsigned char>(c, take, s, n);
+  offload_into([&] { return fused_take(c, [&] { return take_offload(c, token_out, knock); }); }, src, n);
   finish_round(c);
 }
 
