@@ -102,6 +102,18 @@ ab_ring_cost() {
   done
 }
 
+# ab_rounds N: bench/graph_rounds.py (1 MiB offload rounds alone, 40 replays) alternating old and new
+# N times, into $OUT/rounds_VN.txt; then each run's two table lines (fused, three nodes).
+ab_rounds() {
+  local i v
+  for i in $(seq "$1"); do
+    for v in old new; do
+      $v bash -c 'timeout 60 python3 "$T/bench/graph_rounds.py" --size 1M --reps 40' > "$OUT/rounds_$v$i.txt" 2>&1
+      echo "=== rounds $v $i ($((SECONDS - ${T0:-0})) s)"; grep -E "^\|" "$OUT/rounds_$v$i.txt" | tail -2
+    done
+  done
+}
+
 # hidden_rows MODELS...: bench/train_step.py's MLP-hidden row of each model (save on device and jaxvmm
 # in one run, 10 steps after 3 warm-up steps, driver-level timeline over the run and over the timed
 # steps) appended to $OUT/rows.txt; then its two table lines.
