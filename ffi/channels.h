@@ -131,9 +131,12 @@ struct Channel {
   // read from the device words, as a lend changes it with spares.
   bool trades = false;
 
+  // Lends (spares) and page trades rewrite a cell's address word; without either the addresses are
+  // constant (the device words' `stable`).
+  bool AddressesMove() const { return !spares.empty() || trades; }
   // Rounds recorded as copies that name cell 0 (its address never changes) instead of kernels that
   // read the cell's address from the device words.
-  bool FixedCell() const { return ncells == 1 && spares.empty() && !trades; }
+  bool FixedCell() const { return ncells == 1 && !AddressesMove(); }
 
   // Addresses of the device words.
   CUdeviceptr Grant(int i) const { return dw + offsetof(DeviceWords, grant) + sizeof(uint64_t) * i; }

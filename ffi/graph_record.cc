@@ -81,11 +81,19 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
   c.cell_size = spec.nbytes;
   c.trades = use_kernels_ && k == 1 && spec.nbytes > kMultiCellBytes &&
              EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge;
-  const int spares = use_kernels_ && kind == ChannelKind::kOffload ? EngineConfig::GraphSpares() : 0;
+  if (st.ok() && use_kernels_ && kind == ChannelKind::kOffload) {
+    // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares. (A
+    // channel with spares records its rounds as kernels even with one cell: the cell's address is
+    // read from the device words, where a lend changes it.)
+    for (int n = EngineConfig::GraphSpares(); n > 0; --n) {
+      Spare sp;
+      if (!ReservePages(spec, &sp).ok()) break;
+      c.spares.push_back(std::move(sp));
+    }
+  }
   if (st.ok()) {
     c.ncells = k;
-    // Lends (spares) and page trades change a cell's address word; without either it is constant.
-    if (use_kernels_) st = SetUpCells(setup, c, /*stable=*/spares == 0 && !c.trades);
+    if (use_kernels_) st = SetUpCells(setup, c);
   }
   if (!st.ok()) {
     for (Cell& cell : c.cells) {
@@ -93,20 +101,12 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
       cell.slot_id = -1;
       cell.addr = 0;
     }
+    for (Spare& sp : c.spares) (void)Registry::Get().Close(sp.slot_id);
+    c.spares.clear();
     c.ncells = 0;
     return st;
   }
-  if (spares > 0) {
-    // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares. (A
-    // channel with spares records its rounds as kernels even with one cell: the cell's address is
-    // read from the device words, where a lend changes it.)
-    for (int n = spares; n > 0; --n) {
-      Spare sp;
-      if (!ReservePages(spec, &sp).ok()) break;
-      c.spares.push_back(std::move(sp));
-    }
-    stats_.spares += static_cast<int64_t>(c.spares.size());
-  }
+  stats_.spares += static_cast<int64_t>(c.spares.size());
   stats_.cells += k;
   return Status();
 }
@@ -126,12 +126,12 @@ Status GraphRecorder::ReservePages(const SlotSpec& spec, CellPages* p) {
   return Status();
 }
 
-Status GraphRecorder::SetUpCells(CUstream setup, Channel& c, bool stable) {
+Status GraphRecorder::SetUpCells(CUstream setup, Channel& c) {
   // Outside any capture. The constant part of the channel's device words, on `setup` (it never
   // waits on XLA's streams), synchronized before any round can read them.
   const char* stage = "graph channel";
   Status st = WriteDevice(setup, c.Word(offsetof(DeviceWords, ncells)), static_cast<uint64_t>(c.ncells), stage);
-  if (st.ok()) st = WriteDevice(setup, c.Word(offsetof(DeviceWords, stable)), static_cast<uint64_t>(stable), stage);
+  if (st.ok()) st = WriteDevice(setup, c.Word(offsetof(DeviceWords, stable)), static_cast<uint64_t>(!c.AddressesMove()), stage);
   for (int i = 0; i < c.ncells && st.ok(); ++i) {
     st = WriteDevice(setup, c.CellWord(i), c.cells[i].addr, stage);
     if (st.ok())

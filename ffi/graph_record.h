@@ -66,7 +66,7 @@ class GraphRecorder {
  private:
   Status LoadKernels(CUstream setup, Channel& first, bool any_captured);
   Status WarmKernels(CUstream setup, Channel& c);  // each kernel launched once (loaded), at the first initialize
-  Status SetUpCells(CUstream setup, Channel& c, bool stable);  // the channel's constant device words (K, cells, flags, stable)
+  Status SetUpCells(CUstream setup, Channel& c);   // the channel's constant device words (K, cells, flags, stable)
   Status ReservePages(const SlotSpec& spec, CellPages* p);  // a VA (internal slot, no pages) for a cell or spare
   // A kernel-granted round's nodes after its take: the copy between XLA's buffer `other` and the cell
   // (out: cell -> other, a reload), then the publish of the cell's filled/done word.

@@ -128,9 +128,9 @@ __device__ __forceinline__ u64 take_reload(Cells* c, const unsigned* token_in, v
                                             volatile u64* go) {
   const u64 t = (u64)token_in[0] | ((u64)token_in[1] << 32);
   const u64 k = *(volatile u64*)&c->ncells;
-  u64 g[JAXVMM_MAX_CELLS];
+  u64 grants[JAXVMM_MAX_CELLS];
 #pragma unroll
-  for (int j = 0; j < JAXVMM_MAX_CELLS; ++j) g[j] = *(volatile u64*)&c->grant[j];
+  for (int j = 0; j < JAXVMM_MAX_CELLS; ++j) grants[j] = *(volatile u64*)&c->grant[j];
   CellWords cw;
   load_cell_words(c, &cw);
   if (t != 0) {
@@ -138,7 +138,7 @@ __device__ __forceinline__ u64 take_reload(Cells* c, const unsigned* token_in, v
     // every cell (a grant written since those loads).
 #pragma unroll
     for (int j = 0; j < JAXVMM_MAX_CELLS; ++j)
-      if ((u64)j < k && g[j] == t && atomicCAS(&c->grant[j], t, 0ull) == t) {
+      if ((u64)j < k && grants[j] == t && atomicCAS(&c->grant[j], t, 0ull) == t) {
         __threadfence();
         return choose(c, j, cw);
       }
@@ -154,11 +154,11 @@ __device__ __forceinline__ u64 take_reload(Cells* c, const unsigned* token_in, v
   *request = 1;
   __threadfence_system();
   unsigned ns = 32;
-  u64 g1;
-  while ((g1 = *go) == 0) backoff(&ns);
+  u64 g;
+  while ((g = *go) == 0) backoff(&ns);
   *go = 0;
   __threadfence_system();
-  return choose(c, g1 - 1, cw);
+  return choose(c, g - 1, cw);
 }
 
 extern "C" __global__ void jaxvmm_take_reload(Cells* c, const unsigned* token_in, volatile u64* probe,
