@@ -1,6 +1,7 @@
 """Device time of graph-mode rounds, fused (one kernel node per round; JAXVMM_GRAPH_FUSED=1) against
-separate nodes (a take kernel, a copy kernel, a publish kernel; the default), measured in one process
-without XLA.
+separate nodes (a take kernel, a copy kernel, a publish kernel; the default), the latter with the copy
+and the publish launched early on sm_90 (programmatic dependent launch; JAXVMM_GRAPH_PDL, the default)
+and without, measured in one process without XLA.
 
     python bench/graph_rounds.py                      # 64 offload rounds of 1 MiB per replay, 30 replays
     python bench/graph_rounds.py --rounds 128 --size 256K --reps 50
@@ -45,7 +46,7 @@ def main() -> int:
     n = parse_size(args.size)
     t = target_of(args.device)
     assert jaxvmm.configure()["graph_cells"] >= 2, "needs K >= 2 cells per call site (JAXVMM_GRAPH_CELLS)"
-    old = lib.graph_fused(-1)
+    old, old_early = lib.graph_fused(-1), lib.graph_early_launch(-1)
     x = jaxvmm.Slot(n, device=args.device)
     toks = [jaxvmm.Slot(8, device=args.device) for _ in range(args.rounds)]
     base = 1 << 44
@@ -53,18 +54,26 @@ def main() -> int:
     st = lambda: (jaxvmm.synchronize(), lib.engine_stats(t.backend, t.ordinal))[1]
     try:
         with Replay(args.device) as r:
-            for mode, fused in (("fused", 1), ("nodes", 0)):
+            for mode, fused, early in (("fused", 1, 0), ("nodes", 0, 0), ("nodes, early launch", 0, 1)):
                 lib.graph_fused(fused)
+                lib.graph_early_launch(early)
                 sites = [base + i for i in range(args.rounds)]
                 base += args.rounds
                 for s in sites:
                     r.prepare(s, r.OFFLOAD, n)
-                before = st()["graph_fused_captures"]
+                before = st()
                 with r.capture() as g:
                     for s, tok in zip(sites, toks):
                         r.offload(s, x.address, n, tok.address)
                 graphs[mode] = g[0]
-                assert st()["graph_fused_captures"] - before == (args.rounds if fused else 0), mode
+                after = st()
+                assert after["graph_fused_captures"] - before["graph_fused_captures"] == (args.rounds if fused else 0), mode
+                n_early = after["graph_early_captures"] - before["graph_early_captures"]
+                if early and not n_early:
+                    del graphs[mode]  # not an sm_90 device (the POSIX backend stands for one): same as "nodes"
+                    print(f"({mode}: not available on {args.device})")
+                else:
+                    assert n_early == (args.rounds if early else 0), (mode, n_early)
             if not st()["graph_kernels"]:
                 print(f"grant kernels unavailable: {lib.engine_graph_kernels_error(t.backend, t.ordinal)}")
                 return 1
@@ -89,6 +98,7 @@ def main() -> int:
                     jaxvmm.collect()  # the rounds' tickets (no reload takes them)
     finally:
         lib.graph_fused(old)
+        lib.graph_early_launch(old_early)
         jaxvmm.collect()
     print(f"device {args.device}, {args.rounds} offload rounds of {n} bytes per replay, {args.reps} replays per mode")
     print("| mode | median replay | per round | rounds that waited for the host |")

@@ -21,6 +21,7 @@ std::atomic<bool> g_graph_kernels{true};
 std::atomic<int> g_graph_cells{2};
 std::atomic<int> g_graph_spares{0};
 std::atomic<bool> g_graph_fused{false};
+std::atomic<bool> g_graph_early{true};
 std::atomic<int> g_graph_hold{static_cast<int>(EngineConfig::GraphHold::kLarge)};
 std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
@@ -36,6 +37,8 @@ void EngineConfig::SetGraphSpares(int n) { g_graph_spares.store(std::clamp(n, 0,
 int EngineConfig::GraphSpares() { return g_graph_spares.load(); }
 void EngineConfig::SetGraphFused(bool on) { g_graph_fused.store(on); }
 bool EngineConfig::GraphFused() { return g_graph_fused.load(); }
+void EngineConfig::SetGraphEarlyLaunch(bool on) { g_graph_early.store(on); }
+bool EngineConfig::GraphEarlyLaunch() { return g_graph_early.load(); }
 void EngineConfig::SetGraphHold(GraphHold h) { g_graph_hold.store(static_cast<int>(h)); }
 EngineConfig::GraphHold EngineConfig::GraphHoldPolicy() { return static_cast<GraphHold>(g_graph_hold.load()); }
 void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }

@@ -31,6 +31,11 @@ struct EngineConfig {
   // may be recorded either way: each round leaves the channel's words as it found them).
   static void SetGraphFused(bool on);
   static bool GraphFused();
+  // Graph mode, rounds in separate nodes on an sm_90 or later device: launch each round's copy and
+  // publish kernels early (programmatic dependent launch: each may be scheduled while the kernel before
+  // it ends, and waits for that kernel's end on the device; default on). Read at each capture.
+  static void SetGraphEarlyLaunch(bool on);
+  static bool GraphEarlyLaunch();
   // Graph mode with grant kernels: which offload cells are *held* after their round (no grant out, their
   // bytes readable device to device) instead of armed behind their D2H. kSpares: only when every spare
   // of the channel is lent (channels with graph_spares), until a spare is free or the D2H is done.

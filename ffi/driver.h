@@ -75,6 +75,7 @@ namespace jaxvmm {
   X(ModuleUnload, 2000)                          \
   X(ModuleGetFunction, 2000)                     \
   X(LaunchKernel, 4000)                          \
+  X(LaunchKernelEx, 11060)                       \
   /* graph mode: the engine asks whether XLA is capturing; tests capture and replay themselves */ \
   X(StreamIsCapturing, 10000)                    \
   X(StreamBeginCapture, 10010)                   \

@@ -239,6 +239,9 @@ CUresult PosixDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice dev) 
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
       *v = kPosixSms;
       return CUDA_SUCCESS;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:  // an sm_90 device: the engine loads the compute_90
+      *v = 9;                                           // module and launches round copies early
+      return CUDA_SUCCESS;
     default:
       *v = 0;
       return CUDA_SUCCESS;
@@ -1183,6 +1186,19 @@ CUresult PosixLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, 
   std::array<uint64_t, kMaxParams> a{};
   for (int i = 0; i < k->params; ++i) std::memcpy(&a[i], params[i], sizeof(uint64_t));
   return Enqueue(s, [k, a] { return k->fn(a.data()); });
+}
+
+// cuLaunchKernelEx: the same launch; the one attribute jaxvmm sets (an early launch of a round's copy
+// and publish, programmatic stream serialization) changes nothing here, since a host-function kernel
+// starts only once the one before it in stream order has returned. Any other attribute is refused.
+CUresult PosixLaunchKernelEx(const CUlaunchConfig* cfg, CUfunction f, void** params, void** extra) {
+  if (!cfg || (cfg->numAttrs && !cfg->attrs)) return CUDA_ERROR_INVALID_VALUE;
+  for (unsigned i = 0; i < cfg->numAttrs; ++i)
+    if (cfg->attrs[i].id != CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION ||
+        cfg->attrs[i].value.programmaticStreamSerializationAllowed > 1)
+      return CUDA_ERROR_INVALID_VALUE;
+  return PosixLaunchKernel(f, cfg->gridDimX, cfg->gridDimY, cfg->gridDimZ, cfg->blockDimX, cfg->blockDimY, cfg->blockDimZ,
+                           cfg->sharedMemBytes, cfg->hStream, params, extra);
 }
 
 DriverTable MakePosixTable() {

@@ -13,11 +13,17 @@ Status GraphKernels::Load(int device) {
   const DriverTable& d = Driver(backend_);
   CUdevice dev;
   int sms = 0;
-  if (d.DeviceGet(&dev, device) == CUDA_SUCCESS &&
-      d.DeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) == CUDA_SUCCESS && sms > 0)
-    sms_ = static_cast<unsigned>(sms);
+  int major = 0;
+  if (d.DeviceGet(&dev, device) == CUDA_SUCCESS) {
+    if (d.DeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) == CUDA_SUCCESS && sms > 0)
+      sms_ = static_cast<unsigned>(sms);
+    if (d.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev) != CUDA_SUCCESS) major = 0;
+  }
+  // sm_90 and later: the compute_90 module, whose round kernels can be launched early.
+  sm90_ = major >= 9;
   const char* stage = "graph kernels";
-  Status st = Call(-1, stage, Entry::kModuleLoadData, [&] { return d.ModuleLoadData(&module_, kGraphKernelsPtx); });
+  Status st = Call(-1, stage, Entry::kModuleLoadData,
+                   [&] { return d.ModuleLoadData(&module_, sm90_ ? kGraphKernelsPtx90 : kGraphKernelsPtx); });
   struct Want {
     const char* name;
     CUfunction* f;
@@ -33,6 +39,7 @@ Status GraphKernels::Load(int device) {
   if (!st.ok()) {
     if (module_) d.ModuleUnload(module_);
     module_ = nullptr;
+    sm90_ = false;
     why_ = st.ToString();
   }
   return st;
@@ -47,6 +54,23 @@ void GraphKernels::Unload() {
 Status GraphKernels::Launch(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks, unsigned threads) const {
   const DriverTable& d = Driver(backend_);
   return Call(-1, stage, Entry::kLaunchKernel, [&] { return d.LaunchKernel(f, blocks, 1, 1, threads, 1, 1, 0, s, params, nullptr); });
+}
+
+Status GraphKernels::LaunchEarly(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks, unsigned threads) const {
+  CUlaunchAttribute attr{};
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig cfg{};
+  cfg.gridDimX = blocks;
+  cfg.gridDimY = cfg.gridDimZ = 1;
+  cfg.blockDimX = threads;
+  cfg.blockDimY = cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = 0;
+  cfg.hStream = s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  const DriverTable& d = Driver(backend_);
+  return Call(-1, stage, Entry::kLaunchKernelEx, [&] { return d.LaunchKernelEx(&cfg, f, params, nullptr); });
 }
 
 Status GraphKernels::TakeOffload(CUstream s, CUdeviceptr cells, CUdeviceptr token_out, CUdeviceptr knock) const {
@@ -66,15 +90,17 @@ unsigned GraphKernels::CopyBlocks(size_t nbytes) {
   return static_cast<unsigned>(b < 1 ? 1 : b > kMaxCopyBlocks ? kMaxCopyBlocks : b);
 }
 
-Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out) const {
+Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out, bool early) const {
   unsigned long long n = nbytes, o = out ? 1 : 0;
   void* p[] = {&cells, &other, &n, &o};
-  return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads);
+  const char* stage = out ? "reload (capture)" : "offload (capture)";
+  return early && sm90_ ? LaunchEarly(cell_copy_, s, p, stage, CopyBlocks(nbytes), kCopyThreads)
+                        : Launch(cell_copy_, s, p, stage, CopyBlocks(nbytes), kCopyThreads);
 }
 
-Status GraphKernels::Publish(CUstream s, CUdeviceptr cells, const char* stage) const {
+Status GraphKernels::Publish(CUstream s, CUdeviceptr cells, const char* stage, bool early) const {
   void* p[] = {&cells};
-  return Launch(publish_, s, p, stage);
+  return early && sm90_ ? LaunchEarly(publish_, s, p, stage) : Launch(publish_, s, p, stage);
 }
 
 unsigned GraphKernels::FusedBlocks(size_t nbytes) const {

@@ -45,10 +45,16 @@ class GraphKernels {
   Status TakeReload(CUstream s, CUdeviceptr cells, CUdeviceptr token_in, CUdeviceptr probe, CUdeviceptr request,
                     CUdeviceptr go) const;
   // jaxvmm_cell_copy(cells, other, nbytes, out): the round's copy into (out false) or out of the cell
-  // the take kernel chose. Publishes nothing: Publish, the next node, does.
-  Status CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out) const;
-  // jaxvmm_publish(cells): one thread writes 1 into the chosen cell's filled/done word.
-  Status Publish(CUstream s, CUdeviceptr cells, const char* stage) const;
+  // the take kernel chose. Publishes nothing: Publish, the next node, does. `early` (and can_launch_early()):
+  // launched with programmatic stream serialization, so its blocks may start while the kernel before it
+  // (the take) ends; the kernel waits for that kernel's end before it reads `ptr` (griddepcontrol).
+  Status CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out, bool early = false) const;
+  // jaxvmm_publish(cells): one thread writes 1 into the chosen cell's filled/done word (`early`: as
+  // CellCopy's; it waits for the copy's end before it writes).
+  Status Publish(CUstream s, CUdeviceptr cells, const char* stage, bool early = false) const;
+  // The loaded module is the compute_90 one (an sm_90 or later device), whose round kernels wait for
+  // the kernel before them when launched early. Otherwise `early` launches as usual.
+  bool can_launch_early() const { return sm90_; }
   // The copy kernel's grid for nbytes: 256 threads a block, enough blocks for four 16-byte units a
   // thread, at most kMaxCopyBlocks (grid-stride beyond).
   static unsigned CopyBlocks(size_t nbytes);
@@ -84,6 +90,9 @@ class GraphKernels {
 
  private:
   Status Launch(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks = 1, unsigned threads = 1) const;
+  // cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (captured as a
+  // programmatic edge from the node before).
+  Status LaunchEarly(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks = 1, unsigned threads = 1) const;
   const Backend backend_;
   bool tried_ = false;
   std::string why_;
@@ -93,6 +102,7 @@ class GraphKernels {
   CUfunction ring_reload_ = nullptr;
   std::atomic<bool> warmed_{false};
   unsigned sms_ = 0;  // the device's SM count (0: unknown; the grid is then kMaxFusedBlocks at most)
+  bool sm90_ = false;  // the compute_90 module is loaded
 };
 
 }  // namespace jaxvmm

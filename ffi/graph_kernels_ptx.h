@@ -10487,4 +10487,10548 @@ $L__BB8_29:
 
 )ptx";
 
+inline constexpr const char kGraphKernelsPtx90[] = R"ptx(
+
+.version 8.0
+.target sm_90
+.address_size 64
+
+	// .globl	jaxvmm_take_offload
+
+.visible .entry jaxvmm_take_offload(
+	.param .u64 jaxvmm_take_offload_param_0,
+	.param .u64 jaxvmm_take_offload_param_1,
+	.param .u64 jaxvmm_take_offload_param_2
+)
+{
+	.reg .pred 	%p<31>;
+	.reg .b32 	%r<16>;
+	.reg .b64 	%rd<93>;
+
+	ld.param.u64 	%rd48, [jaxvmm_take_offload_param_0];
+	ld.param.u64 	%rd47, [jaxvmm_take_offload_param_1];
+	ld.param.u64 	%rd49, [jaxvmm_take_offload_param_2];
+	cvta.to.global.u64 	%rd1, %rd48;
+	ld.volatile.global.u64 	%rd2, [%rd1+96];
+	ld.volatile.global.u64 	%rd3, [%rd1+152];
+	ld.volatile.global.u64 	%rd4, [%rd1+32];
+	ld.volatile.global.u64 	%rd5, [%rd1+64];
+	ld.volatile.global.u64 	%rd6, [%rd1+40];
+	ld.volatile.global.u64 	%rd7, [%rd1+72];
+	ld.volatile.global.u64 	%rd8, [%rd1+48];
+	ld.volatile.global.u64 	%rd9, [%rd1+80];
+	ld.volatile.global.u64 	%rd10, [%rd1+56];
+	ld.volatile.global.u64 	%rd11, [%rd1+88];
+	cvta.to.global.u64 	%rd12, %rd49;
+	ld.volatile.global.u64 	%rd13, [%rd1+104];
+	shl.b64 	%rd50, %rd13, 3;
+	add.s64 	%rd51, %rd1, %rd50;
+	atom.global.exch.b64 	%rd82, [%rd51], 0;
+	setp.lt.u64 	%p6, %rd2, 2;
+	setp.eq.s64 	%p29, %rd82, 0;
+	setp.ne.s64 	%p7, %rd82, 0;
+	or.pred  	%p8, %p7, %p6;
+	mov.u64 	%rd87, %rd13;
+	@%p8 bra 	$L__BB0_8;
+
+	mov.u64 	%rd78, 1;
+	cvt.u32.u64 	%r3, %rd2;
+
+$L__BB0_2:
+	add.s64 	%rd16, %rd78, %rd13;
+	or.b64  	%rd53, %rd16, %rd2;
+	and.b64  	%rd54, %rd53, -4294967296;
+	setp.eq.s64 	%p9, %rd54, 0;
+	@%p9 bra 	$L__BB0_4;
+
+	rem.u64 	%rd87, %rd16, %rd2;
+	bra.uni 	$L__BB0_5;
+
+$L__BB0_4:
+	cvt.u32.u64 	%r4, %rd16;
+	rem.u32 	%r5, %r4, %r3;
+	cvt.u64.u32 	%rd87, %r5;
+
+$L__BB0_5:
+	shl.b64 	%rd56, %rd87, 3;
+	add.s64 	%rd20, %rd1, %rd56;
+	mov.u64 	%rd82, 0;
+	ld.volatile.global.u64 	%rd57, [%rd20];
+	setp.eq.s64 	%p10, %rd57, 0;
+	@%p10 bra 	$L__BB0_7;
+
+	atom.global.exch.b64 	%rd82, [%rd20], 0;
+
+$L__BB0_7:
+	add.s64 	%rd78, %rd78, 1;
+	setp.lt.u64 	%p11, %rd78, %rd2;
+	setp.eq.s64 	%p29, %rd82, 0;
+	and.pred  	%p12, %p29, %p11;
+	@%p12 bra 	$L__BB0_2;
+
+$L__BB0_8:
+	not.pred 	%p13, %p29;
+	@%p13 bra 	$L__BB0_20;
+
+	mov.u64 	%rd58, 1;
+	st.volatile.global.u64 	[%rd12], %rd58;
+	membar.sys;
+	mov.u32 	%r15, 32;
+	cvt.u32.u64 	%r7, %rd2;
+	bra.uni 	$L__BB0_10;
+
+$L__BB0_27:
+	// begin inline asm
+	nanosleep.u32 %r15;
+	// end inline asm
+	setp.lt.u32 	%p28, %r15, 2048;
+	selp.u32 	%r14, 1, 0, %p28;
+	shl.b32 	%r15, %r15, %r14;
+
+$L__BB0_10:
+	setp.eq.s64 	%p15, %rd2, 0;
+	mov.pred 	%p30, -1;
+	mov.u64 	%rd82, 0;
+	@%p15 bra 	$L__BB0_18;
+
+	mov.u64 	%rd84, 0;
+
+$L__BB0_12:
+	add.s64 	%rd28, %rd84, %rd13;
+	or.b64  	%rd61, %rd28, %rd2;
+	and.b64  	%rd62, %rd61, -4294967296;
+	setp.eq.s64 	%p16, %rd62, 0;
+	@%p16 bra 	$L__BB0_14;
+
+	rem.u64 	%rd87, %rd28, %rd2;
+	bra.uni 	$L__BB0_15;
+
+$L__BB0_14:
+	cvt.u32.u64 	%r8, %rd28;
+	rem.u32 	%r9, %r8, %r7;
+	cvt.u64.u32 	%rd87, %r9;
+
+$L__BB0_15:
+	shl.b64 	%rd64, %rd87, 3;
+	add.s64 	%rd32, %rd1, %rd64;
+	mov.u64 	%rd82, 0;
+	ld.volatile.global.u64 	%rd65, [%rd32];
+	setp.eq.s64 	%p17, %rd65, 0;
+	@%p17 bra 	$L__BB0_17;
+
+	atom.global.exch.b64 	%rd82, [%rd32], 0;
+
+$L__BB0_17:
+	add.s64 	%rd84, %rd84, 1;
+	setp.lt.u64 	%p18, %rd84, %rd2;
+	setp.eq.s64 	%p30, %rd82, 0;
+	and.pred  	%p19, %p30, %p18;
+	@%p19 bra 	$L__BB0_12;
+
+$L__BB0_18:
+	@%p30 bra 	$L__BB0_27;
+
+	mov.u64 	%rd66, 0;
+	st.volatile.global.u64 	[%rd12], %rd66;
+	membar.sys;
+
+$L__BB0_20:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	add.s64 	%rd40, %rd87, 1;
+	or.b64  	%rd67, %rd40, %rd2;
+	and.b64  	%rd68, %rd67, -4294967296;
+	setp.eq.s64 	%p20, %rd68, 0;
+	@%p20 bra 	$L__BB0_22;
+
+	rem.u64 	%rd91, %rd40, %rd2;
+	bra.uni 	$L__BB0_23;
+
+$L__BB0_22:
+	cvt.u32.u64 	%r10, %rd2;
+	cvt.u32.u64 	%r11, %rd40;
+	rem.u32 	%r12, %r11, %r10;
+	cvt.u64.u32 	%rd91, %r12;
+
+$L__BB0_23:
+	cvta.to.global.u64 	%rd69, %rd47;
+	st.global.u64 	[%rd1+104], %rd91;
+	st.global.u32 	[%rd69], %rd82;
+	shr.u64 	%rd70, %rd82, 32;
+	st.global.u32 	[%rd69+4], %rd70;
+	setp.eq.s64 	%p21, %rd3, 0;
+	@%p21 bra 	$L__BB0_25;
+
+	setp.eq.s64 	%p22, %rd87, 1;
+	selp.b64 	%rd71, %rd6, %rd4, %p22;
+	setp.eq.s64 	%p23, %rd87, 2;
+	selp.b64 	%rd72, %rd8, %rd71, %p23;
+	setp.eq.s64 	%p24, %rd87, 3;
+	selp.b64 	%rd92, %rd10, %rd72, %p24;
+	bra.uni 	$L__BB0_26;
+
+$L__BB0_25:
+	shl.b64 	%rd73, %rd87, 3;
+	add.s64 	%rd74, %rd1, %rd73;
+	ld.volatile.global.u64 	%rd92, [%rd74+32];
+
+$L__BB0_26:
+	st.global.u64 	[%rd1+112], %rd92;
+	setp.eq.s64 	%p25, %rd87, 1;
+	selp.b64 	%rd75, %rd7, %rd5, %p25;
+	setp.eq.s64 	%p26, %rd87, 2;
+	selp.b64 	%rd76, %rd9, %rd75, %p26;
+	setp.eq.s64 	%p27, %rd87, 3;
+	selp.b64 	%rd77, %rd11, %rd76, %p27;
+	st.global.u64 	[%rd1+120], %rd77;
+	ret;
+
+}
+	// .globl	jaxvmm_take_reload
+.visible .entry jaxvmm_take_reload(
+	.param .u64 jaxvmm_take_reload_param_0,
+	.param .u64 jaxvmm_take_reload_param_1,
+	.param .u64 jaxvmm_take_reload_param_2,
+	.param .u64 jaxvmm_take_reload_param_3,
+	.param .u64 jaxvmm_take_reload_param_4
+)
+{
+	.reg .pred 	%p<45>;
+	.reg .b32 	%r<13>;
+	.reg .b64 	%rd<93>;
+
+	ld.param.u64 	%rd37, [jaxvmm_take_reload_param_0];
+	ld.param.u64 	%rd38, [jaxvmm_take_reload_param_1];
+	ld.param.u64 	%rd34, [jaxvmm_take_reload_param_2];
+	ld.param.u64 	%rd35, [jaxvmm_take_reload_param_3];
+	ld.param.u64 	%rd36, [jaxvmm_take_reload_param_4];
+	cvta.to.global.u64 	%rd1, %rd37;
+	cvta.to.global.u64 	%rd39, %rd38;
+	ld.volatile.global.u64 	%rd2, [%rd1+96];
+	ld.global.u32 	%rd40, [%rd39+4];
+	ld.global.u32 	%rd41, [%rd39];
+	ld.volatile.global.u64 	%rd3, [%rd1];
+	ld.volatile.global.u64 	%rd4, [%rd1+8];
+	ld.volatile.global.u64 	%rd5, [%rd1+16];
+	ld.volatile.global.u64 	%rd6, [%rd1+24];
+	bfi.b64 	%rd7, %rd40, %rd41, 32, 32;
+	ld.volatile.global.u64 	%rd8, [%rd1+152];
+	ld.volatile.global.u64 	%rd9, [%rd1+32];
+	ld.volatile.global.u64 	%rd10, [%rd1+64];
+	ld.volatile.global.u64 	%rd11, [%rd1+40];
+	ld.volatile.global.u64 	%rd12, [%rd1+72];
+	ld.volatile.global.u64 	%rd13, [%rd1+48];
+	ld.volatile.global.u64 	%rd14, [%rd1+80];
+	ld.volatile.global.u64 	%rd15, [%rd1+56];
+	ld.volatile.global.u64 	%rd16, [%rd1+88];
+	setp.eq.s64 	%p1, %rd7, 0;
+	@%p1 bra 	$L__BB1_13;
+
+	setp.eq.s64 	%p2, %rd2, 0;
+	setp.ne.s64 	%p3, %rd3, %rd7;
+	or.pred  	%p4, %p3, %p2;
+	@%p4 bra 	$L__BB1_3;
+
+	mov.u64 	%rd89, 0;
+	atom.global.cas.b64 	%rd43, [%rd1], %rd3, %rd89;
+	setp.eq.s64 	%p5, %rd43, %rd3;
+	mov.u32 	%r11, 0;
+	@%p5 bra 	$L__BB1_22;
+
+$L__BB1_3:
+	setp.lt.u64 	%p6, %rd2, 2;
+	setp.ne.s64 	%p7, %rd4, %rd7;
+	or.pred  	%p8, %p6, %p7;
+	@%p8 bra 	$L__BB1_5;
+
+	add.s64 	%rd45, %rd1, 8;
+	mov.u64 	%rd46, 0;
+	atom.global.cas.b64 	%rd47, [%rd45], %rd4, %rd46;
+	setp.eq.s64 	%p9, %rd47, %rd4;
+	mov.u64 	%rd89, 1;
+	mov.u32 	%r11, 1;
+	@%p9 bra 	$L__BB1_22;
+
+$L__BB1_5:
+	setp.lt.u64 	%p10, %rd2, 3;
+	setp.ne.s64 	%p11, %rd5, %rd7;
+	or.pred  	%p12, %p10, %p11;
+	@%p12 bra 	$L__BB1_7;
+
+	add.s64 	%rd49, %rd1, 16;
+	mov.u64 	%rd50, 0;
+	atom.global.cas.b64 	%rd51, [%rd49], %rd5, %rd50;
+	setp.eq.s64 	%p13, %rd51, %rd5;
+	mov.u64 	%rd89, 2;
+	mov.u32 	%r11, 2;
+	@%p13 bra 	$L__BB1_22;
+
+$L__BB1_7:
+	setp.lt.u64 	%p14, %rd2, 4;
+	setp.ne.s64 	%p15, %rd6, %rd7;
+	or.pred  	%p16, %p14, %p15;
+	@%p16 bra 	$L__BB1_9;
+
+	add.s64 	%rd53, %rd1, 24;
+	mov.u64 	%rd54, 0;
+	atom.global.cas.b64 	%rd55, [%rd53], %rd6, %rd54;
+	setp.eq.s64 	%p17, %rd55, %rd6;
+	mov.u64 	%rd89, 3;
+	mov.u32 	%r11, 3;
+	@%p17 bra 	$L__BB1_22;
+	bra.uni 	$L__BB1_9;
+
+$L__BB1_22:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	setp.eq.s64 	%p28, %rd8, 0;
+	@%p28 bra 	$L__BB1_24;
+
+	setp.eq.s32 	%p29, %r11, 1;
+	selp.b64 	%rd68, %rd11, %rd9, %p29;
+	setp.eq.s32 	%p30, %r11, 2;
+	selp.b64 	%rd69, %rd13, %rd68, %p30;
+	setp.eq.s32 	%p31, %r11, 3;
+	selp.b64 	%rd90, %rd15, %rd69, %p31;
+	bra.uni 	$L__BB1_25;
+
+$L__BB1_9:
+	@%p2 bra 	$L__BB1_13;
+
+	mov.u64 	%rd56, 0;
+	mov.u64 	%rd87, %rd56;
+
+$L__BB1_11:
+	shl.b64 	%rd57, %rd87, 3;
+	add.s64 	%rd58, %rd1, %rd57;
+	atom.global.cas.b64 	%rd60, [%rd58], %rd7, %rd56;
+	setp.eq.s64 	%p19, %rd60, %rd7;
+	@%p19 bra 	$L__BB1_18;
+
+	add.s64 	%rd87, %rd87, 1;
+	setp.lt.u64 	%p20, %rd87, %rd2;
+	@%p20 bra 	$L__BB1_11;
+
+$L__BB1_13:
+	cvta.to.global.u64 	%rd75, %rd34;
+	st.volatile.global.u64 	[%rd75], %rd7;
+	membar.sys;
+	cvta.to.global.u64 	%rd76, %rd35;
+	mov.u64 	%rd77, 1;
+	st.volatile.global.u64 	[%rd76], %rd77;
+	membar.sys;
+	cvta.to.global.u64 	%rd26, %rd36;
+	ld.volatile.global.u64 	%rd91, [%rd26];
+	setp.ne.s64 	%p35, %rd91, 0;
+	@%p35 bra 	$L__BB1_16;
+
+	mov.u32 	%r12, 32;
+
+$L__BB1_15:
+	// begin inline asm
+	nanosleep.u32 %r12;
+	// end inline asm
+	setp.lt.u32 	%p36, %r12, 2048;
+	selp.u32 	%r10, 1, 0, %p36;
+	shl.b32 	%r12, %r12, %r10;
+	ld.volatile.global.u64 	%rd91, [%rd26];
+	setp.eq.s64 	%p37, %rd91, 0;
+	@%p37 bra 	$L__BB1_15;
+
+$L__BB1_16:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	mov.u64 	%rd79, 0;
+	st.volatile.global.u64 	[%rd26], %rd79;
+	membar.sys;
+	add.s64 	%rd30, %rd91, -1;
+	setp.eq.s64 	%p38, %rd8, 0;
+	@%p38 bra 	$L__BB1_26;
+
+	setp.eq.s64 	%p39, %rd30, 1;
+	selp.b64 	%rd80, %rd11, %rd9, %p39;
+	setp.eq.s64 	%p40, %rd30, 2;
+	selp.b64 	%rd81, %rd13, %rd80, %p40;
+	setp.eq.s64 	%p41, %rd30, 3;
+	selp.b64 	%rd92, %rd15, %rd81, %p41;
+	bra.uni 	$L__BB1_27;
+
+$L__BB1_26:
+	shl.b64 	%rd82, %rd91, 3;
+	add.s64 	%rd83, %rd1, %rd82;
+	ld.volatile.global.u64 	%rd92, [%rd83+24];
+
+$L__BB1_27:
+	st.global.u64 	[%rd1+112], %rd92;
+	setp.eq.s64 	%p42, %rd30, 1;
+	selp.b64 	%rd84, %rd12, %rd10, %p42;
+	setp.eq.s64 	%p43, %rd30, 2;
+	selp.b64 	%rd85, %rd14, %rd84, %p43;
+	setp.eq.s64 	%p44, %rd30, 3;
+	selp.b64 	%rd86, %rd16, %rd85, %p44;
+	st.global.u64 	[%rd1+120], %rd86;
+	bra.uni 	$L__BB1_28;
+
+$L__BB1_24:
+	shl.b64 	%rd70, %rd89, 3;
+	add.s64 	%rd71, %rd1, %rd70;
+	ld.volatile.global.u64 	%rd90, [%rd71+32];
+
+$L__BB1_25:
+	st.global.u64 	[%rd1+112], %rd90;
+	setp.eq.s32 	%p32, %r11, 1;
+	selp.b64 	%rd72, %rd12, %rd10, %p32;
+	setp.eq.s32 	%p33, %r11, 2;
+	selp.b64 	%rd73, %rd14, %rd72, %p33;
+	setp.eq.s32 	%p34, %r11, 3;
+	selp.b64 	%rd74, %rd16, %rd73, %p34;
+	st.global.u64 	[%rd1+120], %rd74;
+
+$L__BB1_28:
+	ret;
+
+$L__BB1_18:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	setp.eq.s64 	%p21, %rd8, 0;
+	@%p21 bra 	$L__BB1_20;
+
+	setp.eq.s64 	%p22, %rd87, 1;
+	selp.b64 	%rd61, %rd11, %rd9, %p22;
+	setp.eq.s64 	%p23, %rd87, 2;
+	selp.b64 	%rd62, %rd13, %rd61, %p23;
+	setp.eq.s64 	%p24, %rd87, 3;
+	selp.b64 	%rd88, %rd15, %rd62, %p24;
+	bra.uni 	$L__BB1_21;
+
+$L__BB1_20:
+	ld.volatile.global.u64 	%rd88, [%rd58+32];
+
+$L__BB1_21:
+	st.global.u64 	[%rd1+112], %rd88;
+	setp.eq.s64 	%p25, %rd87, 1;
+	selp.b64 	%rd65, %rd12, %rd10, %p25;
+	setp.eq.s64 	%p26, %rd87, 2;
+	selp.b64 	%rd66, %rd14, %rd65, %p26;
+	setp.eq.s64 	%p27, %rd87, 3;
+	selp.b64 	%rd67, %rd16, %rd66, %p27;
+	st.global.u64 	[%rd1+120], %rd67;
+	bra.uni 	$L__BB1_28;
+
+}
+	// .globl	jaxvmm_revoke
+.visible .entry jaxvmm_revoke(
+	.param .u64 jaxvmm_revoke_param_0,
+	.param .u64 jaxvmm_revoke_param_1,
+	.param .u64 jaxvmm_revoke_param_2
+)
+{
+	.reg .pred 	%p<5>;
+	.reg .b64 	%rd<12>;
+
+	ld.param.u64 	%rd7, [jaxvmm_revoke_param_0];
+	ld.param.u64 	%rd5, [jaxvmm_revoke_param_1];
+	ld.param.u64 	%rd6, [jaxvmm_revoke_param_2];
+	cvta.to.global.u64 	%rd1, %rd7;
+	setp.eq.s64 	%p1, %rd5, 0;
+	@%p1 bra 	$L__BB2_2;
+
+	mov.u64 	%rd8, 0;
+	atom.global.cas.b64 	%rd11, [%rd1], %rd5, %rd8;
+	bra.uni 	$L__BB2_3;
+
+$L__BB2_2:
+	atom.global.exch.b64 	%rd11, [%rd1], 0;
+
+$L__BB2_3:
+	setp.eq.s64 	%p2, %rd11, %rd5;
+	or.pred  	%p4, %p1, %p2;
+	selp.b64 	%rd9, %rd11, 0, %p4;
+	cvta.to.global.u64 	%rd10, %rd6;
+	st.volatile.global.u64 	[%rd10], %rd9;
+	membar.sys;
+	ret;
+
+}
+	// .globl	jaxvmm_cell_copy
+.visible .entry jaxvmm_cell_copy(
+	.param .u64 jaxvmm_cell_copy_param_0,
+	.param .u64 jaxvmm_cell_copy_param_1,
+	.param .u64 jaxvmm_cell_copy_param_2,
+	.param .u64 jaxvmm_cell_copy_param_3
+)
+{
+	.reg .pred 	%p<354>;
+	.reg .b16 	%rs<162>;
+	.reg .b32 	%r<608>;
+	.reg .b64 	%rd<1999>;
+
+	ld.param.u64 	%rd778, [jaxvmm_cell_copy_param_0];
+	ld.param.u64 	%rd776, [jaxvmm_cell_copy_param_1];
+	ld.param.u64 	%rd777, [jaxvmm_cell_copy_param_2];
+	ld.param.u64 	%rd779, [jaxvmm_cell_copy_param_3];
+	cvta.to.global.u64 	%rd780, %rd778;
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	add.s64 	%rd1, %rd780, 112;
+	setp.eq.s64 	%p1, %rd779, 0;
+	@%p1 bra 	$L__BB3_56;
+
+	// begin inline asm
+	griddepcontrol.wait;
+	// end inline asm
+	cvta.to.global.u64 	%rd2, %rd776;
+	ld.volatile.global.u64 	%rd3, [%rd1];
+	xor.b64  	%rd4, %rd3, %rd776;
+	and.b64  	%rd781, %rd4, 15;
+	setp.eq.s64 	%p2, %rd781, 0;
+	@%p2 bra 	$L__BB3_45;
+
+	and.b64  	%rd782, %rd4, 7;
+	setp.eq.s64 	%p3, %rd782, 0;
+	@%p3 bra 	$L__BB3_34;
+
+	and.b64  	%rd783, %rd4, 3;
+	setp.eq.s64 	%p4, %rd783, 0;
+	@%p4 bra 	$L__BB3_23;
+
+	and.b64  	%rd784, %rd4, 1;
+	setp.eq.b64 	%p5, %rd784, 1;
+	mov.pred 	%p6, 0;
+	xor.pred  	%p7, %p5, %p6;
+	not.pred 	%p8, %p7;
+	mov.u32 	%r57, %ctaid.x;
+	cvt.u64.u32 	%rd5, %r57;
+	mov.u32 	%r58, %ntid.x;
+	cvt.u64.u32 	%rd6, %r58;
+	mul.wide.u32 	%rd785, %r57, %r58;
+	mov.u32 	%r59, %tid.x;
+	cvt.u64.u32 	%rd7, %r59;
+	add.s64 	%rd8, %rd785, %rd7;
+	mov.u32 	%r60, %nctaid.x;
+	cvt.u64.u32 	%rd9, %r60;
+	mul.wide.u32 	%rd10, %r60, %r58;
+	@%p8 bra 	$L__BB3_12;
+	bra.uni 	$L__BB3_5;
+
+$L__BB3_12:
+	and.b64  	%rd24, %rd776, 1;
+	min.u64 	%rd25, %rd24, %rd777;
+	setp.ge.u64 	%p15, %rd8, %rd25;
+	@%p15 bra 	$L__BB3_15;
+
+	mov.u64 	%rd1795, %rd8;
+
+$L__BB3_14:
+	add.s64 	%rd800, %rd3, %rd1795;
+	ld.u8 	%rs23, [%rd800];
+	add.s64 	%rd801, %rd2, %rd1795;
+	st.global.u8 	[%rd801], %rs23;
+	add.s64 	%rd1795, %rd1795, %rd10;
+	setp.lt.u64 	%p16, %rd1795, %rd25;
+	@%p16 bra 	$L__BB3_14;
+
+$L__BB3_15:
+	sub.s64 	%rd29, %rd777, %rd25;
+	shr.u64 	%rd30, %rd29, 1;
+	mul.lo.s64 	%rd31, %rd10, 3;
+	add.s64 	%rd802, %rd8, %rd31;
+	setp.ge.u64 	%p17, %rd802, %rd30;
+	mov.u64 	%rd1799, %rd8;
+	@%p17 bra 	$L__BB3_18;
+
+	mul.lo.s64 	%rd803, %rd5, %rd6;
+	shl.b64 	%rd804, %rd803, 1;
+	shl.b64 	%rd805, %rd7, 1;
+	add.s64 	%rd806, %rd804, %rd805;
+	add.s64 	%rd807, %rd806, -1;
+	not.b64 	%rd808, %rd777;
+	not.b64 	%rd809, %rd24;
+	max.u64 	%rd810, %rd809, %rd808;
+	sub.s64 	%rd811, %rd807, %rd810;
+	add.s64 	%rd1797, %rd2, %rd811;
+	mul.lo.s64 	%rd812, %rd9, %rd6;
+	shl.b64 	%rd33, %rd812, 1;
+	add.s64 	%rd1798, %rd3, %rd811;
+	mov.u64 	%rd1799, %rd8;
+
+$L__BB3_17:
+	ld.u16 	%rs24, [%rd1798];
+	add.s64 	%rd813, %rd1798, %rd33;
+	ld.u16 	%rs25, [%rd813];
+	add.s64 	%rd814, %rd813, %rd33;
+	ld.u16 	%rs26, [%rd814];
+	add.s64 	%rd815, %rd814, %rd33;
+	add.s64 	%rd1798, %rd815, %rd33;
+	ld.u16 	%rs27, [%rd815];
+	st.global.u16 	[%rd1797], %rs24;
+	add.s64 	%rd816, %rd1797, %rd33;
+	st.global.u16 	[%rd816], %rs25;
+	add.s64 	%rd817, %rd816, %rd33;
+	st.global.u16 	[%rd817], %rs26;
+	add.s64 	%rd818, %rd817, %rd33;
+	add.s64 	%rd1797, %rd818, %rd33;
+	st.global.u16 	[%rd818], %rs27;
+	add.s64 	%rd819, %rd1799, %rd10;
+	add.s64 	%rd1799, %rd31, %rd819;
+	add.s64 	%rd820, %rd1799, %rd31;
+	setp.lt.u64 	%p18, %rd820, %rd30;
+	@%p18 bra 	$L__BB3_17;
+
+$L__BB3_18:
+	setp.ge.u64 	%p19, %rd1799, %rd30;
+	@%p19 bra 	$L__BB3_21;
+
+	add.s64 	%rd42, %rd2, %rd25;
+	add.s64 	%rd43, %rd3, %rd25;
+
+$L__BB3_20:
+	shl.b64 	%rd821, %rd1799, 1;
+	add.s64 	%rd822, %rd43, %rd821;
+	ld.u16 	%rs28, [%rd822];
+	add.s64 	%rd823, %rd42, %rd821;
+	st.global.u16 	[%rd823], %rs28;
+	add.s64 	%rd1799, %rd1799, %rd10;
+	setp.lt.u64 	%p20, %rd1799, %rd30;
+	@%p20 bra 	$L__BB3_20;
+
+$L__BB3_21:
+	and.b64  	%rd824, %rd29, -2;
+	add.s64 	%rd825, %rd25, %rd8;
+	add.s64 	%rd1801, %rd825, %rd824;
+	setp.ge.u64 	%p21, %rd1801, %rd777;
+	@%p21 bra 	$L__BB3_455;
+
+$L__BB3_22:
+	add.s64 	%rd826, %rd3, %rd1801;
+	ld.u8 	%rs29, [%rd826];
+	add.s64 	%rd827, %rd2, %rd1801;
+	st.global.u8 	[%rd827], %rs29;
+	add.s64 	%rd1801, %rd1801, %rd10;
+	setp.lt.u64 	%p22, %rd1801, %rd777;
+	@%p22 bra 	$L__BB3_22;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_56:
+	cvta.to.global.u64 	%rd136, %rd776;
+	and.b64  	%rd924, %rd776, 15;
+	setp.eq.s64 	%p47, %rd924, 0;
+	@%p47 bra 	$L__BB3_376;
+
+	and.b64  	%rd925, %rd776, 7;
+	setp.eq.s64 	%p48, %rd925, 0;
+	@%p48 bra 	$L__BB3_297;
+
+	and.b64  	%rd926, %rd776, 3;
+	setp.eq.s64 	%p49, %rd926, 0;
+	@%p49 bra 	$L__BB3_218;
+
+	and.b64  	%rd927, %rd776, 1;
+	setp.eq.b64 	%p50, %rd927, 1;
+	mov.pred 	%p51, 0;
+	xor.pred  	%p52, %p50, %p51;
+	not.pred 	%p53, %p52;
+	mov.u32 	%r138, %ctaid.x;
+	cvt.u64.u32 	%rd137, %r138;
+	mov.u32 	%r139, %ntid.x;
+	cvt.u64.u32 	%rd138, %r139;
+	mul.wide.u32 	%rd928, %r138, %r139;
+	mov.u32 	%r140, %tid.x;
+	cvt.u64.u32 	%rd139, %r140;
+	add.s64 	%rd140, %rd928, %rd139;
+	mov.u32 	%r141, %nctaid.x;
+	cvt.u64.u32 	%rd141, %r141;
+	mul.wide.u32 	%rd142, %r141, %r139;
+	@%p53 bra 	$L__BB3_139;
+	bra.uni 	$L__BB3_60;
+
+$L__BB3_139:
+	shr.u64 	%rd266, %rd777, 1;
+	setp.ge.u64 	%p114, %rd140, %rd266;
+	@%p114 bra 	$L__BB3_141;
+
+	shl.b64 	%rd1087, %rd140, 1;
+	add.s64 	%rd1088, %rd136, %rd1087;
+	ld.global.u16 	%rs158, [%rd1088];
+
+$L__BB3_141:
+	add.s64 	%rd267, %rd142, %rd140;
+	setp.ge.u64 	%p115, %rd267, %rd266;
+	@%p115 bra 	$L__BB3_143;
+
+	shl.b64 	%rd1089, %rd267, 1;
+	add.s64 	%rd1090, %rd136, %rd1089;
+	ld.global.u16 	%rs159, [%rd1090];
+
+$L__BB3_143:
+	add.s64 	%rd268, %rd267, %rd142;
+	setp.ge.u64 	%p116, %rd268, %rd266;
+	@%p116 bra 	$L__BB3_145;
+
+	shl.b64 	%rd1091, %rd268, 1;
+	add.s64 	%rd1092, %rd136, %rd1091;
+	ld.global.u16 	%rs160, [%rd1092];
+
+$L__BB3_145:
+	mul.lo.s64 	%rd269, %rd142, 3;
+	add.s64 	%rd270, %rd268, %rd142;
+	setp.ge.u64 	%p117, %rd270, %rd266;
+	@%p117 bra 	$L__BB3_147;
+
+	shl.b64 	%rd1093, %rd270, 1;
+	add.s64 	%rd1094, %rd136, %rd1093;
+	ld.global.u16 	%rs161, [%rd1094];
+
+$L__BB3_147:
+	// begin inline asm
+	griddepcontrol.wait;
+	// end inline asm
+	ld.volatile.global.u64 	%rd271, [%rd1];
+	and.b64  	%rd1095, %rd271, 15;
+	setp.eq.s64 	%p118, %rd1095, 0;
+	@%p118 bra 	$L__BB3_203;
+
+	xor.b64  	%rd272, %rd271, %rd776;
+	and.b64  	%rd1096, %rd272, 15;
+	setp.eq.s64 	%p119, %rd1096, 0;
+	@%p119 bra 	$L__BB3_192;
+
+	and.b64  	%rd1097, %rd272, 7;
+	setp.eq.s64 	%p120, %rd1097, 0;
+	@%p120 bra 	$L__BB3_181;
+
+	and.b64  	%rd1098, %rd272, 3;
+	setp.eq.s64 	%p121, %rd1098, 0;
+	@%p121 bra 	$L__BB3_170;
+
+	and.b64  	%rd1099, %rd272, 1;
+	setp.eq.b64 	%p122, %rd1099, 1;
+	mov.pred 	%p123, 0;
+	xor.pred  	%p124, %p122, %p123;
+	not.pred 	%p125, %p124;
+	@%p125 bra 	$L__BB3_159;
+	bra.uni 	$L__BB3_152;
+
+$L__BB3_159:
+	and.b64  	%rd285, %rd271, 1;
+	min.u64 	%rd286, %rd285, %rd777;
+	setp.ge.u64 	%p132, %rd140, %rd286;
+	@%p132 bra 	$L__BB3_162;
+
+	mov.u64 	%rd1862, %rd140;
+
+$L__BB3_161:
+	add.s64 	%rd1113, %rd136, %rd1862;
+	ld.global.u8 	%rs75, [%rd1113];
+	add.s64 	%rd1114, %rd271, %rd1862;
+	st.u8 	[%rd1114], %rs75;
+	add.s64 	%rd1862, %rd1862, %rd142;
+	setp.lt.u64 	%p133, %rd1862, %rd286;
+	@%p133 bra 	$L__BB3_161;
+
+$L__BB3_162:
+	sub.s64 	%rd290, %rd777, %rd286;
+	shr.u64 	%rd291, %rd290, 1;
+	setp.ge.u64 	%p134, %rd270, %rd291;
+	mov.u64 	%rd1866, %rd140;
+	@%p134 bra 	$L__BB3_165;
+
+	mul.lo.s64 	%rd1115, %rd137, %rd138;
+	shl.b64 	%rd1116, %rd1115, 1;
+	shl.b64 	%rd1117, %rd139, 1;
+	add.s64 	%rd1118, %rd1116, %rd1117;
+	add.s64 	%rd1119, %rd1118, -1;
+	not.b64 	%rd1120, %rd777;
+	not.b64 	%rd1121, %rd285;
+	max.u64 	%rd1122, %rd1121, %rd1120;
+	sub.s64 	%rd1123, %rd1119, %rd1122;
+	add.s64 	%rd1864, %rd136, %rd1123;
+	mul.lo.s64 	%rd1124, %rd141, %rd138;
+	shl.b64 	%rd293, %rd1124, 1;
+	add.s64 	%rd1865, %rd271, %rd1123;
+	mov.u64 	%rd1866, %rd140;
+
+$L__BB3_164:
+	ld.global.u16 	%rs76, [%rd1864];
+	add.s64 	%rd1125, %rd1864, %rd293;
+	ld.global.u16 	%rs77, [%rd1125];
+	add.s64 	%rd1126, %rd1125, %rd293;
+	ld.global.u16 	%rs78, [%rd1126];
+	add.s64 	%rd1127, %rd1126, %rd293;
+	add.s64 	%rd1864, %rd1127, %rd293;
+	ld.global.u16 	%rs79, [%rd1127];
+	st.u16 	[%rd1865], %rs76;
+	add.s64 	%rd1128, %rd1865, %rd293;
+	st.u16 	[%rd1128], %rs77;
+	add.s64 	%rd1129, %rd1128, %rd293;
+	st.u16 	[%rd1129], %rs78;
+	add.s64 	%rd1130, %rd1129, %rd293;
+	add.s64 	%rd1865, %rd1130, %rd293;
+	st.u16 	[%rd1130], %rs79;
+	add.s64 	%rd1131, %rd1866, %rd142;
+	add.s64 	%rd1866, %rd269, %rd1131;
+	add.s64 	%rd1132, %rd1866, %rd269;
+	setp.lt.u64 	%p135, %rd1132, %rd291;
+	@%p135 bra 	$L__BB3_164;
+
+$L__BB3_165:
+	setp.ge.u64 	%p136, %rd1866, %rd291;
+	@%p136 bra 	$L__BB3_168;
+
+	add.s64 	%rd302, %rd271, %rd286;
+	add.s64 	%rd303, %rd136, %rd286;
+
+$L__BB3_167:
+	shl.b64 	%rd1133, %rd1866, 1;
+	add.s64 	%rd1134, %rd303, %rd1133;
+	ld.global.u16 	%rs80, [%rd1134];
+	add.s64 	%rd1135, %rd302, %rd1133;
+	st.u16 	[%rd1135], %rs80;
+	add.s64 	%rd1866, %rd1866, %rd142;
+	setp.lt.u64 	%p137, %rd1866, %rd291;
+	@%p137 bra 	$L__BB3_167;
+
+$L__BB3_168:
+	and.b64  	%rd1136, %rd290, -2;
+	add.s64 	%rd1137, %rd286, %rd140;
+	add.s64 	%rd1868, %rd1137, %rd1136;
+	setp.ge.u64 	%p138, %rd1868, %rd777;
+	@%p138 bra 	$L__BB3_455;
+
+$L__BB3_169:
+	add.s64 	%rd1138, %rd136, %rd1868;
+	ld.global.u8 	%rs81, [%rd1138];
+	add.s64 	%rd1139, %rd271, %rd1868;
+	st.u8 	[%rd1139], %rs81;
+	add.s64 	%rd1868, %rd1868, %rd142;
+	setp.lt.u64 	%p139, %rd1868, %rd777;
+	@%p139 bra 	$L__BB3_169;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_45:
+	mov.u32 	%r94, %ctaid.x;
+	cvt.u64.u32 	%rd108, %r94;
+	mov.u32 	%r95, %ntid.x;
+	cvt.u64.u32 	%rd109, %r95;
+	mul.wide.u32 	%rd890, %r94, %r95;
+	mov.u32 	%r96, %tid.x;
+	cvt.u64.u32 	%rd110, %r96;
+	add.s64 	%rd111, %rd890, %rd110;
+	mov.u32 	%r97, %nctaid.x;
+	cvt.u64.u32 	%rd112, %r97;
+	mul.wide.u32 	%rd113, %r97, %r95;
+	neg.s64 	%rd891, %rd776;
+	and.b64  	%rd114, %rd891, 15;
+	min.u64 	%rd115, %rd114, %rd777;
+	setp.ge.u64 	%p39, %rd111, %rd115;
+	@%p39 bra 	$L__BB3_48;
+
+	mov.u64 	%rd1815, %rd111;
+
+$L__BB3_47:
+	add.s64 	%rd892, %rd3, %rd1815;
+	ld.u8 	%rs34, [%rd892];
+	add.s64 	%rd893, %rd2, %rd1815;
+	st.global.u8 	[%rd893], %rs34;
+	add.s64 	%rd1815, %rd1815, %rd113;
+	setp.lt.u64 	%p40, %rd1815, %rd115;
+	@%p40 bra 	$L__BB3_47;
+
+$L__BB3_48:
+	sub.s64 	%rd118, %rd777, %rd115;
+	shr.u64 	%rd119, %rd118, 4;
+	add.s64 	%rd120, %rd3, %rd115;
+	mul.lo.s64 	%rd121, %rd113, 3;
+	add.s64 	%rd894, %rd111, %rd121;
+	setp.ge.u64 	%p41, %rd894, %rd119;
+	mov.u64 	%rd1818, %rd111;
+	@%p41 bra 	$L__BB3_51;
+
+	mul.lo.s64 	%rd895, %rd108, %rd109;
+	shl.b64 	%rd896, %rd895, 4;
+	shl.b64 	%rd897, %rd110, 4;
+	add.s64 	%rd898, %rd896, %rd897;
+	add.s64 	%rd899, %rd898, -1;
+	not.b64 	%rd900, %rd777;
+	not.b64 	%rd901, %rd114;
+	max.u64 	%rd902, %rd901, %rd900;
+	sub.s64 	%rd903, %rd899, %rd902;
+	add.s64 	%rd1817, %rd2, %rd903;
+	mul.lo.s64 	%rd904, %rd112, %rd109;
+	shl.b64 	%rd123, %rd904, 4;
+	mul.lo.s64 	%rd124, %rd904, -48;
+	mov.u64 	%rd1818, %rd111;
+
+$L__BB3_50:
+	shl.b64 	%rd905, %rd1818, 4;
+	add.s64 	%rd906, %rd120, %rd905;
+	shl.b64 	%rd907, %rd113, 2;
+	shl.b64 	%rd908, %rd113, 4;
+	add.s64 	%rd909, %rd906, %rd908;
+	ld.v4.u32 	{%r98, %r99, %r100, %r101}, [%rd909];
+	add.s64 	%rd910, %rd909, %rd123;
+	ld.v4.u32 	{%r106, %r107, %r108, %r109}, [%rd910];
+	add.s64 	%rd911, %rd910, %rd123;
+	ld.v4.u32 	{%r114, %r115, %r116, %r117}, [%rd911];
+	add.s64 	%rd912, %rd911, %rd124;
+	ld.v4.u32 	{%r122, %r123, %r124, %r125}, [%rd912];
+	st.global.v4.u32 	[%rd1817], {%r122, %r123, %r124, %r125};
+	add.s64 	%rd913, %rd1817, %rd123;
+	st.global.v4.u32 	[%rd913], {%r98, %r99, %r100, %r101};
+	add.s64 	%rd914, %rd913, %rd123;
+	st.global.v4.u32 	[%rd914], {%r106, %r107, %r108, %r109};
+	add.s64 	%rd915, %rd914, %rd123;
+	add.s64 	%rd1817, %rd915, %rd123;
+	st.global.v4.u32 	[%rd915], {%r114, %r115, %r116, %r117};
+	add.s64 	%rd1818, %rd907, %rd1818;
+	add.s64 	%rd916, %rd1818, %rd121;
+	setp.lt.u64 	%p42, %rd916, %rd119;
+	@%p42 bra 	$L__BB3_50;
+
+$L__BB3_51:
+	setp.ge.u64 	%p43, %rd1818, %rd119;
+	@%p43 bra 	$L__BB3_54;
+
+	add.s64 	%rd130, %rd2, %rd115;
+
+$L__BB3_53:
+	shl.b64 	%rd917, %rd1818, 4;
+	add.s64 	%rd918, %rd130, %rd917;
+	add.s64 	%rd919, %rd120, %rd917;
+	ld.v4.u32 	{%r130, %r131, %r132, %r133}, [%rd919];
+	st.global.v4.u32 	[%rd918], {%r130, %r131, %r132, %r133};
+	add.s64 	%rd1818, %rd1818, %rd113;
+	setp.lt.u64 	%p44, %rd1818, %rd119;
+	@%p44 bra 	$L__BB3_53;
+
+$L__BB3_54:
+	and.b64  	%rd920, %rd118, -16;
+	add.s64 	%rd921, %rd115, %rd111;
+	add.s64 	%rd1820, %rd921, %rd920;
+	setp.ge.u64 	%p45, %rd1820, %rd777;
+	@%p45 bra 	$L__BB3_455;
+
+$L__BB3_55:
+	add.s64 	%rd922, %rd3, %rd1820;
+	ld.u8 	%rs35, [%rd922];
+	add.s64 	%rd923, %rd2, %rd1820;
+	st.global.u8 	[%rd923], %rs35;
+	add.s64 	%rd1820, %rd1820, %rd113;
+	setp.lt.u64 	%p46, %rd1820, %rd777;
+	@%p46 bra 	$L__BB3_55;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_34:
+	mov.u32 	%r70, %ctaid.x;
+	cvt.u64.u32 	%rd80, %r70;
+	mov.u32 	%r71, %ntid.x;
+	cvt.u64.u32 	%rd81, %r71;
+	mul.wide.u32 	%rd858, %r70, %r71;
+	mov.u32 	%r72, %tid.x;
+	cvt.u64.u32 	%rd82, %r72;
+	add.s64 	%rd83, %rd858, %rd82;
+	mov.u32 	%r73, %nctaid.x;
+	cvt.u64.u32 	%rd84, %r73;
+	mul.wide.u32 	%rd85, %r73, %r71;
+	neg.s64 	%rd859, %rd776;
+	and.b64  	%rd86, %rd859, 7;
+	min.u64 	%rd87, %rd86, %rd777;
+	setp.ge.u64 	%p31, %rd83, %rd87;
+	@%p31 bra 	$L__BB3_37;
+
+	mov.u64 	%rd1809, %rd83;
+
+$L__BB3_36:
+	add.s64 	%rd860, %rd3, %rd1809;
+	ld.u8 	%rs32, [%rd860];
+	add.s64 	%rd861, %rd2, %rd1809;
+	st.global.u8 	[%rd861], %rs32;
+	add.s64 	%rd1809, %rd1809, %rd85;
+	setp.lt.u64 	%p32, %rd1809, %rd87;
+	@%p32 bra 	$L__BB3_36;
+
+$L__BB3_37:
+	sub.s64 	%rd90, %rd777, %rd87;
+	shr.u64 	%rd91, %rd90, 3;
+	add.s64 	%rd92, %rd3, %rd87;
+	mul.lo.s64 	%rd93, %rd85, 3;
+	add.s64 	%rd862, %rd83, %rd93;
+	setp.ge.u64 	%p33, %rd862, %rd91;
+	mov.u64 	%rd1812, %rd83;
+	@%p33 bra 	$L__BB3_40;
+
+	mul.lo.s64 	%rd863, %rd80, %rd81;
+	shl.b64 	%rd864, %rd863, 3;
+	shl.b64 	%rd865, %rd82, 3;
+	add.s64 	%rd866, %rd864, %rd865;
+	add.s64 	%rd867, %rd866, -1;
+	not.b64 	%rd868, %rd777;
+	not.b64 	%rd869, %rd86;
+	max.u64 	%rd870, %rd869, %rd868;
+	sub.s64 	%rd871, %rd867, %rd870;
+	add.s64 	%rd1811, %rd2, %rd871;
+	mul.lo.s64 	%rd872, %rd84, %rd81;
+	shl.b64 	%rd95, %rd872, 3;
+	mul.lo.s64 	%rd96, %rd872, -24;
+	mov.u64 	%rd1812, %rd83;
+
+$L__BB3_39:
+	add.s64 	%rd873, %rd1812, %rd85;
+	shl.b64 	%rd874, %rd873, 3;
+	add.s64 	%rd875, %rd92, %rd874;
+	ld.v2.u32 	{%r74, %r75}, [%rd875];
+	add.s64 	%rd876, %rd875, %rd95;
+	ld.v2.u32 	{%r78, %r79}, [%rd876];
+	add.s64 	%rd877, %rd876, %rd95;
+	ld.v2.u32 	{%r82, %r83}, [%rd877];
+	add.s64 	%rd878, %rd877, %rd96;
+	ld.v2.u32 	{%r86, %r87}, [%rd878];
+	st.global.v2.u32 	[%rd1811], {%r86, %r87};
+	add.s64 	%rd879, %rd1811, %rd95;
+	st.global.v2.u32 	[%rd879], {%r74, %r75};
+	add.s64 	%rd880, %rd879, %rd95;
+	st.global.v2.u32 	[%rd880], {%r78, %r79};
+	add.s64 	%rd881, %rd880, %rd95;
+	add.s64 	%rd1811, %rd881, %rd95;
+	st.global.v2.u32 	[%rd881], {%r82, %r83};
+	add.s64 	%rd1812, %rd93, %rd873;
+	add.s64 	%rd882, %rd1812, %rd93;
+	setp.lt.u64 	%p34, %rd882, %rd91;
+	@%p34 bra 	$L__BB3_39;
+
+$L__BB3_40:
+	setp.ge.u64 	%p35, %rd1812, %rd91;
+	@%p35 bra 	$L__BB3_43;
+
+	add.s64 	%rd102, %rd2, %rd87;
+
+$L__BB3_42:
+	shl.b64 	%rd883, %rd1812, 3;
+	add.s64 	%rd884, %rd92, %rd883;
+	ld.v2.u32 	{%r90, %r91}, [%rd884];
+	add.s64 	%rd885, %rd102, %rd883;
+	st.global.v2.u32 	[%rd885], {%r90, %r91};
+	add.s64 	%rd1812, %rd1812, %rd85;
+	setp.lt.u64 	%p36, %rd1812, %rd91;
+	@%p36 bra 	$L__BB3_42;
+
+$L__BB3_43:
+	and.b64  	%rd886, %rd90, -8;
+	add.s64 	%rd887, %rd87, %rd83;
+	add.s64 	%rd1814, %rd887, %rd886;
+	setp.ge.u64 	%p37, %rd1814, %rd777;
+	@%p37 bra 	$L__BB3_455;
+
+$L__BB3_44:
+	add.s64 	%rd888, %rd3, %rd1814;
+	ld.u8 	%rs33, [%rd888];
+	add.s64 	%rd889, %rd2, %rd1814;
+	st.global.u8 	[%rd889], %rs33;
+	add.s64 	%rd1814, %rd1814, %rd85;
+	setp.lt.u64 	%p38, %rd1814, %rd777;
+	@%p38 bra 	$L__BB3_44;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_376:
+	mov.u32 	%r452, %ctaid.x;
+	cvt.u64.u32 	%rd648, %r452;
+	mov.u32 	%r453, %ntid.x;
+	cvt.u64.u32 	%rd649, %r453;
+	mul.wide.u32 	%rd1614, %r452, %r453;
+	mov.u32 	%r454, %tid.x;
+	cvt.u64.u32 	%rd650, %r454;
+	add.s64 	%rd651, %rd1614, %rd650;
+	mov.u32 	%r455, %nctaid.x;
+	cvt.u64.u32 	%rd652, %r455;
+	mul.wide.u32 	%rd653, %r455, %r453;
+	shr.u64 	%rd654, %rd777, 4;
+	setp.ge.u64 	%p294, %rd651, %rd654;
+	@%p294 bra 	$L__BB3_378;
+
+	shl.b64 	%rd1615, %rd651, 4;
+	add.s64 	%rd1616, %rd136, %rd1615;
+	ld.global.v4.u32 	{%r595, %r594, %r593, %r592}, [%rd1616];
+
+$L__BB3_378:
+	add.s64 	%rd655, %rd653, %rd651;
+	setp.ge.u64 	%p295, %rd655, %rd654;
+	@%p295 bra 	$L__BB3_380;
+
+	shl.b64 	%rd1617, %rd655, 4;
+	add.s64 	%rd1618, %rd136, %rd1617;
+	ld.global.v4.u32 	{%r599, %r598, %r597, %r596}, [%rd1618];
+
+$L__BB3_380:
+	add.s64 	%rd656, %rd655, %rd653;
+	setp.ge.u64 	%p296, %rd656, %rd654;
+	@%p296 bra 	$L__BB3_382;
+
+	shl.b64 	%rd1619, %rd656, 4;
+	add.s64 	%rd1620, %rd136, %rd1619;
+	ld.global.v4.u32 	{%r603, %r602, %r601, %r600}, [%rd1620];
+
+$L__BB3_382:
+	mul.lo.s64 	%rd657, %rd653, 3;
+	add.s64 	%rd658, %rd656, %rd653;
+	setp.ge.u64 	%p297, %rd658, %rd654;
+	@%p297 bra 	$L__BB3_384;
+
+	shl.b64 	%rd1621, %rd658, 4;
+	add.s64 	%rd1622, %rd136, %rd1621;
+	ld.global.v4.u32 	{%r607, %r606, %r605, %r604}, [%rd1622];
+
+$L__BB3_384:
+	// begin inline asm
+	griddepcontrol.wait;
+	// end inline asm
+	ld.volatile.global.u64 	%rd659, [%rd1];
+	and.b64  	%rd1623, %rd659, 15;
+	setp.eq.s64 	%p298, %rd1623, 0;
+	@%p298 bra 	$L__BB3_440;
+
+	xor.b64  	%rd660, %rd659, %rd776;
+	and.b64  	%rd1624, %rd660, 15;
+	setp.eq.s64 	%p299, %rd1624, 0;
+	@%p299 bra 	$L__BB3_429;
+
+	and.b64  	%rd1625, %rd660, 7;
+	setp.eq.s64 	%p300, %rd1625, 0;
+	@%p300 bra 	$L__BB3_418;
+
+	and.b64  	%rd1626, %rd660, 3;
+	setp.eq.s64 	%p301, %rd1626, 0;
+	@%p301 bra 	$L__BB3_407;
+
+	and.b64  	%rd1627, %rd660, 1;
+	setp.eq.b64 	%p302, %rd1627, 1;
+	mov.pred 	%p303, 0;
+	xor.pred  	%p304, %p302, %p303;
+	not.pred 	%p305, %p304;
+	@%p305 bra 	$L__BB3_396;
+	bra.uni 	$L__BB3_389;
+
+$L__BB3_396:
+	and.b64  	%rd673, %rd659, 1;
+	min.u64 	%rd674, %rd673, %rd777;
+	setp.ge.u64 	%p312, %rd651, %rd674;
+	@%p312 bra 	$L__BB3_399;
+
+	mov.u64 	%rd1969, %rd651;
+
+$L__BB3_398:
+	add.s64 	%rd1641, %rd136, %rd1969;
+	ld.global.u8 	%rs140, [%rd1641];
+	add.s64 	%rd1642, %rd659, %rd1969;
+	st.u8 	[%rd1642], %rs140;
+	add.s64 	%rd1969, %rd1969, %rd653;
+	setp.lt.u64 	%p313, %rd1969, %rd674;
+	@%p313 bra 	$L__BB3_398;
+
+$L__BB3_399:
+	sub.s64 	%rd678, %rd777, %rd674;
+	shr.u64 	%rd679, %rd678, 1;
+	setp.ge.u64 	%p314, %rd658, %rd679;
+	mov.u64 	%rd1973, %rd651;
+	@%p314 bra 	$L__BB3_402;
+
+	mul.lo.s64 	%rd1643, %rd648, %rd649;
+	shl.b64 	%rd1644, %rd1643, 1;
+	shl.b64 	%rd1645, %rd650, 1;
+	add.s64 	%rd1646, %rd1644, %rd1645;
+	add.s64 	%rd1647, %rd1646, -1;
+	not.b64 	%rd1648, %rd777;
+	not.b64 	%rd1649, %rd673;
+	max.u64 	%rd1650, %rd1649, %rd1648;
+	sub.s64 	%rd1651, %rd1647, %rd1650;
+	add.s64 	%rd1971, %rd136, %rd1651;
+	mul.lo.s64 	%rd1652, %rd652, %rd649;
+	shl.b64 	%rd681, %rd1652, 1;
+	add.s64 	%rd1972, %rd659, %rd1651;
+	mov.u64 	%rd1973, %rd651;
+
+$L__BB3_401:
+	ld.global.u16 	%rs141, [%rd1971];
+	add.s64 	%rd1653, %rd1971, %rd681;
+	ld.global.u16 	%rs142, [%rd1653];
+	add.s64 	%rd1654, %rd1653, %rd681;
+	ld.global.u16 	%rs143, [%rd1654];
+	add.s64 	%rd1655, %rd1654, %rd681;
+	add.s64 	%rd1971, %rd1655, %rd681;
+	ld.global.u16 	%rs144, [%rd1655];
+	st.u16 	[%rd1972], %rs141;
+	add.s64 	%rd1656, %rd1972, %rd681;
+	st.u16 	[%rd1656], %rs142;
+	add.s64 	%rd1657, %rd1656, %rd681;
+	st.u16 	[%rd1657], %rs143;
+	add.s64 	%rd1658, %rd1657, %rd681;
+	add.s64 	%rd1972, %rd1658, %rd681;
+	st.u16 	[%rd1658], %rs144;
+	add.s64 	%rd1659, %rd1973, %rd653;
+	add.s64 	%rd1973, %rd657, %rd1659;
+	add.s64 	%rd1660, %rd1973, %rd657;
+	setp.lt.u64 	%p315, %rd1660, %rd679;
+	@%p315 bra 	$L__BB3_401;
+
+$L__BB3_402:
+	setp.ge.u64 	%p316, %rd1973, %rd679;
+	@%p316 bra 	$L__BB3_405;
+
+	add.s64 	%rd690, %rd659, %rd674;
+	add.s64 	%rd691, %rd136, %rd674;
+
+$L__BB3_404:
+	shl.b64 	%rd1661, %rd1973, 1;
+	add.s64 	%rd1662, %rd691, %rd1661;
+	ld.global.u16 	%rs145, [%rd1662];
+	add.s64 	%rd1663, %rd690, %rd1661;
+	st.u16 	[%rd1663], %rs145;
+	add.s64 	%rd1973, %rd1973, %rd653;
+	setp.lt.u64 	%p317, %rd1973, %rd679;
+	@%p317 bra 	$L__BB3_404;
+
+$L__BB3_405:
+	and.b64  	%rd1664, %rd678, -2;
+	add.s64 	%rd1665, %rd674, %rd651;
+	add.s64 	%rd1975, %rd1665, %rd1664;
+	setp.ge.u64 	%p318, %rd1975, %rd777;
+	@%p318 bra 	$L__BB3_455;
+
+$L__BB3_406:
+	add.s64 	%rd1666, %rd136, %rd1975;
+	ld.global.u8 	%rs146, [%rd1666];
+	add.s64 	%rd1667, %rd659, %rd1975;
+	st.u8 	[%rd1667], %rs146;
+	add.s64 	%rd1975, %rd1975, %rd653;
+	setp.lt.u64 	%p319, %rd1975, %rd777;
+	@%p319 bra 	$L__BB3_406;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_23:
+	mov.u32 	%r61, %ctaid.x;
+	cvt.u64.u32 	%rd49, %r61;
+	mov.u32 	%r62, %ntid.x;
+	cvt.u64.u32 	%rd50, %r62;
+	mul.wide.u32 	%rd828, %r61, %r62;
+	mov.u32 	%r63, %tid.x;
+	cvt.u64.u32 	%rd51, %r63;
+	add.s64 	%rd52, %rd828, %rd51;
+	mov.u32 	%r64, %nctaid.x;
+	cvt.u64.u32 	%rd53, %r64;
+	mul.wide.u32 	%rd54, %r64, %r62;
+	neg.s64 	%rd829, %rd776;
+	and.b64  	%rd55, %rd829, 3;
+	min.u64 	%rd56, %rd55, %rd777;
+	setp.ge.u64 	%p23, %rd52, %rd56;
+	@%p23 bra 	$L__BB3_26;
+
+	mov.u64 	%rd1802, %rd52;
+
+$L__BB3_25:
+	add.s64 	%rd830, %rd3, %rd1802;
+	ld.u8 	%rs30, [%rd830];
+	add.s64 	%rd831, %rd2, %rd1802;
+	st.global.u8 	[%rd831], %rs30;
+	add.s64 	%rd1802, %rd1802, %rd54;
+	setp.lt.u64 	%p24, %rd1802, %rd56;
+	@%p24 bra 	$L__BB3_25;
+
+$L__BB3_26:
+	sub.s64 	%rd60, %rd777, %rd56;
+	shr.u64 	%rd61, %rd60, 2;
+	mul.lo.s64 	%rd62, %rd54, 3;
+	add.s64 	%rd832, %rd52, %rd62;
+	setp.ge.u64 	%p25, %rd832, %rd61;
+	mov.u64 	%rd1806, %rd52;
+	@%p25 bra 	$L__BB3_29;
+
+	mul.lo.s64 	%rd833, %rd49, %rd50;
+	shl.b64 	%rd834, %rd833, 2;
+	shl.b64 	%rd835, %rd51, 2;
+	add.s64 	%rd836, %rd834, %rd835;
+	add.s64 	%rd837, %rd836, -1;
+	not.b64 	%rd838, %rd777;
+	not.b64 	%rd839, %rd55;
+	max.u64 	%rd840, %rd839, %rd838;
+	sub.s64 	%rd841, %rd837, %rd840;
+	add.s64 	%rd1804, %rd2, %rd841;
+	mul.lo.s64 	%rd842, %rd53, %rd50;
+	shl.b64 	%rd64, %rd842, 2;
+	add.s64 	%rd1805, %rd3, %rd841;
+	mov.u64 	%rd1806, %rd52;
+
+$L__BB3_28:
+	ld.u32 	%r65, [%rd1805];
+	add.s64 	%rd843, %rd1805, %rd64;
+	ld.u32 	%r66, [%rd843];
+	add.s64 	%rd844, %rd843, %rd64;
+	ld.u32 	%r67, [%rd844];
+	add.s64 	%rd845, %rd844, %rd64;
+	add.s64 	%rd1805, %rd845, %rd64;
+	ld.u32 	%r68, [%rd845];
+	st.global.u32 	[%rd1804], %r65;
+	add.s64 	%rd846, %rd1804, %rd64;
+	st.global.u32 	[%rd846], %r66;
+	add.s64 	%rd847, %rd846, %rd64;
+	st.global.u32 	[%rd847], %r67;
+	add.s64 	%rd848, %rd847, %rd64;
+	add.s64 	%rd1804, %rd848, %rd64;
+	st.global.u32 	[%rd848], %r68;
+	add.s64 	%rd849, %rd1806, %rd54;
+	add.s64 	%rd1806, %rd62, %rd849;
+	add.s64 	%rd850, %rd1806, %rd62;
+	setp.lt.u64 	%p26, %rd850, %rd61;
+	@%p26 bra 	$L__BB3_28;
+
+$L__BB3_29:
+	setp.ge.u64 	%p27, %rd1806, %rd61;
+	@%p27 bra 	$L__BB3_32;
+
+	add.s64 	%rd73, %rd2, %rd56;
+	add.s64 	%rd74, %rd3, %rd56;
+
+$L__BB3_31:
+	shl.b64 	%rd851, %rd1806, 2;
+	add.s64 	%rd852, %rd74, %rd851;
+	ld.u32 	%r69, [%rd852];
+	add.s64 	%rd853, %rd73, %rd851;
+	st.global.u32 	[%rd853], %r69;
+	add.s64 	%rd1806, %rd1806, %rd54;
+	setp.lt.u64 	%p28, %rd1806, %rd61;
+	@%p28 bra 	$L__BB3_31;
+
+$L__BB3_32:
+	and.b64  	%rd854, %rd60, -4;
+	add.s64 	%rd855, %rd56, %rd52;
+	add.s64 	%rd1808, %rd855, %rd854;
+	setp.ge.u64 	%p29, %rd1808, %rd777;
+	@%p29 bra 	$L__BB3_455;
+
+$L__BB3_33:
+	add.s64 	%rd856, %rd3, %rd1808;
+	ld.u8 	%rs31, [%rd856];
+	add.s64 	%rd857, %rd2, %rd1808;
+	st.global.u8 	[%rd857], %rs31;
+	add.s64 	%rd1808, %rd1808, %rd54;
+	setp.lt.u64 	%p30, %rd1808, %rd777;
+	@%p30 bra 	$L__BB3_33;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_297:
+	mov.u32 	%r351, %ctaid.x;
+	cvt.u64.u32 	%rd520, %r351;
+	mov.u32 	%r352, %ntid.x;
+	cvt.u64.u32 	%rd521, %r352;
+	mul.wide.u32 	%rd1441, %r351, %r352;
+	mov.u32 	%r353, %tid.x;
+	cvt.u64.u32 	%rd522, %r353;
+	add.s64 	%rd523, %rd1441, %rd522;
+	mov.u32 	%r354, %nctaid.x;
+	cvt.u64.u32 	%rd524, %r354;
+	mul.wide.u32 	%rd525, %r354, %r352;
+	shr.u64 	%rd526, %rd777, 3;
+	setp.ge.u64 	%p234, %rd523, %rd526;
+	@%p234 bra 	$L__BB3_299;
+
+	shl.b64 	%rd1442, %rd523, 3;
+	add.s64 	%rd1443, %rd136, %rd1442;
+	ld.global.v2.u32 	{%r585, %r584}, [%rd1443];
+
+$L__BB3_299:
+	add.s64 	%rd527, %rd525, %rd523;
+	setp.ge.u64 	%p235, %rd527, %rd526;
+	@%p235 bra 	$L__BB3_301;
+
+	shl.b64 	%rd1444, %rd527, 3;
+	add.s64 	%rd1445, %rd136, %rd1444;
+	ld.global.v2.u32 	{%r587, %r586}, [%rd1445];
+
+$L__BB3_301:
+	add.s64 	%rd528, %rd527, %rd525;
+	setp.ge.u64 	%p236, %rd528, %rd526;
+	@%p236 bra 	$L__BB3_303;
+
+	shl.b64 	%rd1446, %rd528, 3;
+	add.s64 	%rd1447, %rd136, %rd1446;
+	ld.global.v2.u32 	{%r589, %r588}, [%rd1447];
+
+$L__BB3_303:
+	mul.lo.s64 	%rd529, %rd525, 3;
+	add.s64 	%rd530, %rd528, %rd525;
+	setp.ge.u64 	%p237, %rd530, %rd526;
+	@%p237 bra 	$L__BB3_305;
+
+	shl.b64 	%rd1448, %rd530, 3;
+	add.s64 	%rd1449, %rd136, %rd1448;
+	ld.global.v2.u32 	{%r591, %r590}, [%rd1449];
+
+$L__BB3_305:
+	// begin inline asm
+	griddepcontrol.wait;
+	// end inline asm
+	ld.volatile.global.u64 	%rd531, [%rd1];
+	and.b64  	%rd1450, %rd531, 15;
+	setp.eq.s64 	%p238, %rd1450, 0;
+	@%p238 bra 	$L__BB3_361;
+
+	xor.b64  	%rd532, %rd531, %rd776;
+	and.b64  	%rd1451, %rd532, 15;
+	setp.eq.s64 	%p239, %rd1451, 0;
+	@%p239 bra 	$L__BB3_350;
+
+	and.b64  	%rd1452, %rd532, 7;
+	setp.eq.s64 	%p240, %rd1452, 0;
+	@%p240 bra 	$L__BB3_339;
+
+	and.b64  	%rd1453, %rd532, 3;
+	setp.eq.s64 	%p241, %rd1453, 0;
+	@%p241 bra 	$L__BB3_328;
+
+	and.b64  	%rd1454, %rd532, 1;
+	setp.eq.b64 	%p242, %rd1454, 1;
+	mov.pred 	%p243, 0;
+	xor.pred  	%p244, %p242, %p243;
+	not.pred 	%p245, %p244;
+	@%p245 bra 	$L__BB3_317;
+	bra.uni 	$L__BB3_310;
+
+$L__BB3_317:
+	and.b64  	%rd545, %rd531, 1;
+	min.u64 	%rd546, %rd545, %rd777;
+	setp.ge.u64 	%p252, %rd523, %rd546;
+	@%p252 bra 	$L__BB3_320;
+
+	mov.u64 	%rd1934, %rd523;
+
+$L__BB3_319:
+	add.s64 	%rd1468, %rd136, %rd1934;
+	ld.global.u8 	%rs120, [%rd1468];
+	add.s64 	%rd1469, %rd531, %rd1934;
+	st.u8 	[%rd1469], %rs120;
+	add.s64 	%rd1934, %rd1934, %rd525;
+	setp.lt.u64 	%p253, %rd1934, %rd546;
+	@%p253 bra 	$L__BB3_319;
+
+$L__BB3_320:
+	sub.s64 	%rd550, %rd777, %rd546;
+	shr.u64 	%rd551, %rd550, 1;
+	setp.ge.u64 	%p254, %rd530, %rd551;
+	mov.u64 	%rd1938, %rd523;
+	@%p254 bra 	$L__BB3_323;
+
+	mul.lo.s64 	%rd1470, %rd520, %rd521;
+	shl.b64 	%rd1471, %rd1470, 1;
+	shl.b64 	%rd1472, %rd522, 1;
+	add.s64 	%rd1473, %rd1471, %rd1472;
+	add.s64 	%rd1474, %rd1473, -1;
+	not.b64 	%rd1475, %rd777;
+	not.b64 	%rd1476, %rd545;
+	max.u64 	%rd1477, %rd1476, %rd1475;
+	sub.s64 	%rd1478, %rd1474, %rd1477;
+	add.s64 	%rd1936, %rd136, %rd1478;
+	mul.lo.s64 	%rd1479, %rd524, %rd521;
+	shl.b64 	%rd553, %rd1479, 1;
+	add.s64 	%rd1937, %rd531, %rd1478;
+	mov.u64 	%rd1938, %rd523;
+
+$L__BB3_322:
+	ld.global.u16 	%rs121, [%rd1936];
+	add.s64 	%rd1480, %rd1936, %rd553;
+	ld.global.u16 	%rs122, [%rd1480];
+	add.s64 	%rd1481, %rd1480, %rd553;
+	ld.global.u16 	%rs123, [%rd1481];
+	add.s64 	%rd1482, %rd1481, %rd553;
+	add.s64 	%rd1936, %rd1482, %rd553;
+	ld.global.u16 	%rs124, [%rd1482];
+	st.u16 	[%rd1937], %rs121;
+	add.s64 	%rd1483, %rd1937, %rd553;
+	st.u16 	[%rd1483], %rs122;
+	add.s64 	%rd1484, %rd1483, %rd553;
+	st.u16 	[%rd1484], %rs123;
+	add.s64 	%rd1485, %rd1484, %rd553;
+	add.s64 	%rd1937, %rd1485, %rd553;
+	st.u16 	[%rd1485], %rs124;
+	add.s64 	%rd1486, %rd1938, %rd525;
+	add.s64 	%rd1938, %rd529, %rd1486;
+	add.s64 	%rd1487, %rd1938, %rd529;
+	setp.lt.u64 	%p255, %rd1487, %rd551;
+	@%p255 bra 	$L__BB3_322;
+
+$L__BB3_323:
+	setp.ge.u64 	%p256, %rd1938, %rd551;
+	@%p256 bra 	$L__BB3_326;
+
+	add.s64 	%rd562, %rd531, %rd546;
+	add.s64 	%rd563, %rd136, %rd546;
+
+$L__BB3_325:
+	shl.b64 	%rd1488, %rd1938, 1;
+	add.s64 	%rd1489, %rd563, %rd1488;
+	ld.global.u16 	%rs125, [%rd1489];
+	add.s64 	%rd1490, %rd562, %rd1488;
+	st.u16 	[%rd1490], %rs125;
+	add.s64 	%rd1938, %rd1938, %rd525;
+	setp.lt.u64 	%p257, %rd1938, %rd551;
+	@%p257 bra 	$L__BB3_325;
+
+$L__BB3_326:
+	and.b64  	%rd1491, %rd550, -2;
+	add.s64 	%rd1492, %rd546, %rd523;
+	add.s64 	%rd1940, %rd1492, %rd1491;
+	setp.ge.u64 	%p258, %rd1940, %rd777;
+	@%p258 bra 	$L__BB3_455;
+
+$L__BB3_327:
+	add.s64 	%rd1493, %rd136, %rd1940;
+	ld.global.u8 	%rs126, [%rd1493];
+	add.s64 	%rd1494, %rd531, %rd1940;
+	st.u8 	[%rd1494], %rs126;
+	add.s64 	%rd1940, %rd1940, %rd525;
+	setp.lt.u64 	%p259, %rd1940, %rd777;
+	@%p259 bra 	$L__BB3_327;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_5:
+	mul.lo.s64 	%rd11, %rd10, 3;
+	add.s64 	%rd786, %rd8, %rd11;
+	setp.ge.u64 	%p9, %rd786, %rd777;
+	mov.u64 	%rd1792, %rd8;
+	@%p9 bra 	$L__BB3_8;
+
+	add.s64 	%rd1791, %rd2, %rd8;
+	mul.lo.s64 	%rd13, %rd9, %rd6;
+	mov.u64 	%rd1792, %rd8;
+
+$L__BB3_7:
+	add.s64 	%rd787, %rd3, %rd1792;
+	ld.u8 	%rs17, [%rd787];
+	add.s64 	%rd788, %rd787, %rd13;
+	ld.u8 	%rs18, [%rd788];
+	add.s64 	%rd789, %rd788, %rd13;
+	ld.u8 	%rs19, [%rd789];
+	add.s64 	%rd790, %rd789, %rd13;
+	ld.u8 	%rs20, [%rd790];
+	st.global.u8 	[%rd1791], %rs17;
+	add.s64 	%rd791, %rd1791, %rd13;
+	st.global.u8 	[%rd791], %rs18;
+	add.s64 	%rd792, %rd791, %rd13;
+	st.global.u8 	[%rd792], %rs19;
+	add.s64 	%rd793, %rd792, %rd13;
+	add.s64 	%rd1791, %rd793, %rd13;
+	st.global.u8 	[%rd793], %rs20;
+	add.s64 	%rd794, %rd1792, %rd10;
+	add.s64 	%rd1792, %rd11, %rd794;
+	add.s64 	%rd795, %rd1792, %rd11;
+	setp.lt.u64 	%p10, %rd795, %rd777;
+	@%p10 bra 	$L__BB3_7;
+
+$L__BB3_8:
+	setp.ge.u64 	%p11, %rd1792, %rd777;
+	@%p11 bra 	$L__BB3_10;
+
+$L__BB3_9:
+	add.s64 	%rd796, %rd3, %rd1792;
+	ld.u8 	%rs21, [%rd796];
+	add.s64 	%rd797, %rd2, %rd1792;
+	st.global.u8 	[%rd797], %rs21;
+	add.s64 	%rd1792, %rd1792, %rd10;
+	setp.lt.u64 	%p12, %rd1792, %rd777;
+	@%p12 bra 	$L__BB3_9;
+
+$L__BB3_10:
+	add.s64 	%rd1794, %rd8, %rd777;
+	setp.ge.u64 	%p13, %rd1794, %rd8;
+	@%p13 bra 	$L__BB3_455;
+
+$L__BB3_11:
+	add.s64 	%rd798, %rd3, %rd1794;
+	ld.u8 	%rs22, [%rd798];
+	add.s64 	%rd799, %rd2, %rd1794;
+	st.global.u8 	[%rd799], %rs22;
+	add.s64 	%rd1794, %rd1794, %rd10;
+	setp.lt.u64 	%p14, %rd1794, %rd777;
+	@%p14 bra 	$L__BB3_11;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_218:
+	mov.u32 	%r273, %ctaid.x;
+	cvt.u64.u32 	%rd390, %r273;
+	mov.u32 	%r274, %ntid.x;
+	cvt.u64.u32 	%rd391, %r274;
+	mul.wide.u32 	%rd1263, %r273, %r274;
+	mov.u32 	%r275, %tid.x;
+	cvt.u64.u32 	%rd392, %r275;
+	add.s64 	%rd393, %rd1263, %rd392;
+	mov.u32 	%r276, %nctaid.x;
+	cvt.u64.u32 	%rd394, %r276;
+	mul.wide.u32 	%rd395, %r276, %r274;
+	shr.u64 	%rd396, %rd777, 2;
+	setp.ge.u64 	%p174, %rd393, %rd396;
+	@%p174 bra 	$L__BB3_220;
+
+	shl.b64 	%rd1264, %rd393, 2;
+	add.s64 	%rd1265, %rd136, %rd1264;
+	ld.global.u32 	%r580, [%rd1265];
+
+$L__BB3_220:
+	add.s64 	%rd397, %rd395, %rd393;
+	setp.ge.u64 	%p175, %rd397, %rd396;
+	@%p175 bra 	$L__BB3_222;
+
+	shl.b64 	%rd1266, %rd397, 2;
+	add.s64 	%rd1267, %rd136, %rd1266;
+	ld.global.u32 	%r581, [%rd1267];
+
+$L__BB3_222:
+	add.s64 	%rd398, %rd397, %rd395;
+	setp.ge.u64 	%p176, %rd398, %rd396;
+	@%p176 bra 	$L__BB3_224;
+
+	shl.b64 	%rd1268, %rd398, 2;
+	add.s64 	%rd1269, %rd136, %rd1268;
+	ld.global.u32 	%r582, [%rd1269];
+
+$L__BB3_224:
+	mul.lo.s64 	%rd399, %rd395, 3;
+	add.s64 	%rd400, %rd398, %rd395;
+	setp.ge.u64 	%p177, %rd400, %rd396;
+	@%p177 bra 	$L__BB3_226;
+
+	shl.b64 	%rd1270, %rd400, 2;
+	add.s64 	%rd1271, %rd136, %rd1270;
+	ld.global.u32 	%r583, [%rd1271];
+
+$L__BB3_226:
+	// begin inline asm
+	griddepcontrol.wait;
+	// end inline asm
+	ld.volatile.global.u64 	%rd401, [%rd1];
+	and.b64  	%rd1272, %rd401, 15;
+	setp.eq.s64 	%p178, %rd1272, 0;
+	@%p178 bra 	$L__BB3_282;
+
+	xor.b64  	%rd402, %rd401, %rd776;
+	and.b64  	%rd1273, %rd402, 15;
+	setp.eq.s64 	%p179, %rd1273, 0;
+	@%p179 bra 	$L__BB3_271;
+
+	and.b64  	%rd1274, %rd402, 7;
+	setp.eq.s64 	%p180, %rd1274, 0;
+	@%p180 bra 	$L__BB3_260;
+
+	and.b64  	%rd1275, %rd402, 3;
+	setp.eq.s64 	%p181, %rd1275, 0;
+	@%p181 bra 	$L__BB3_249;
+
+	and.b64  	%rd1276, %rd402, 1;
+	setp.eq.b64 	%p182, %rd1276, 1;
+	mov.pred 	%p183, 0;
+	xor.pred  	%p184, %p182, %p183;
+	not.pred 	%p185, %p184;
+	@%p185 bra 	$L__BB3_238;
+	bra.uni 	$L__BB3_231;
+
+$L__BB3_238:
+	and.b64  	%rd415, %rd401, 1;
+	min.u64 	%rd416, %rd415, %rd777;
+	setp.ge.u64 	%p192, %rd393, %rd416;
+	@%p192 bra 	$L__BB3_241;
+
+	mov.u64 	%rd1898, %rd393;
+
+$L__BB3_240:
+	add.s64 	%rd1290, %rd136, %rd1898;
+	ld.global.u8 	%rs100, [%rd1290];
+	add.s64 	%rd1291, %rd401, %rd1898;
+	st.u8 	[%rd1291], %rs100;
+	add.s64 	%rd1898, %rd1898, %rd395;
+	setp.lt.u64 	%p193, %rd1898, %rd416;
+	@%p193 bra 	$L__BB3_240;
+
+$L__BB3_241:
+	sub.s64 	%rd420, %rd777, %rd416;
+	shr.u64 	%rd421, %rd420, 1;
+	setp.ge.u64 	%p194, %rd400, %rd421;
+	mov.u64 	%rd1902, %rd393;
+	@%p194 bra 	$L__BB3_244;
+
+	mul.lo.s64 	%rd1292, %rd390, %rd391;
+	shl.b64 	%rd1293, %rd1292, 1;
+	shl.b64 	%rd1294, %rd392, 1;
+	add.s64 	%rd1295, %rd1293, %rd1294;
+	add.s64 	%rd1296, %rd1295, -1;
+	not.b64 	%rd1297, %rd777;
+	not.b64 	%rd1298, %rd415;
+	max.u64 	%rd1299, %rd1298, %rd1297;
+	sub.s64 	%rd1300, %rd1296, %rd1299;
+	add.s64 	%rd1900, %rd136, %rd1300;
+	mul.lo.s64 	%rd1301, %rd394, %rd391;
+	shl.b64 	%rd423, %rd1301, 1;
+	add.s64 	%rd1901, %rd401, %rd1300;
+	mov.u64 	%rd1902, %rd393;
+
+$L__BB3_243:
+	ld.global.u16 	%rs101, [%rd1900];
+	add.s64 	%rd1302, %rd1900, %rd423;
+	ld.global.u16 	%rs102, [%rd1302];
+	add.s64 	%rd1303, %rd1302, %rd423;
+	ld.global.u16 	%rs103, [%rd1303];
+	add.s64 	%rd1304, %rd1303, %rd423;
+	add.s64 	%rd1900, %rd1304, %rd423;
+	ld.global.u16 	%rs104, [%rd1304];
+	st.u16 	[%rd1901], %rs101;
+	add.s64 	%rd1305, %rd1901, %rd423;
+	st.u16 	[%rd1305], %rs102;
+	add.s64 	%rd1306, %rd1305, %rd423;
+	st.u16 	[%rd1306], %rs103;
+	add.s64 	%rd1307, %rd1306, %rd423;
+	add.s64 	%rd1901, %rd1307, %rd423;
+	st.u16 	[%rd1307], %rs104;
+	add.s64 	%rd1308, %rd1902, %rd395;
+	add.s64 	%rd1902, %rd399, %rd1308;
+	add.s64 	%rd1309, %rd1902, %rd399;
+	setp.lt.u64 	%p195, %rd1309, %rd421;
+	@%p195 bra 	$L__BB3_243;
+
+$L__BB3_244:
+	setp.ge.u64 	%p196, %rd1902, %rd421;
+	@%p196 bra 	$L__BB3_247;
+
+	add.s64 	%rd432, %rd401, %rd416;
+	add.s64 	%rd433, %rd136, %rd416;
+
+$L__BB3_246:
+	shl.b64 	%rd1310, %rd1902, 1;
+	add.s64 	%rd1311, %rd433, %rd1310;
+	ld.global.u16 	%rs105, [%rd1311];
+	add.s64 	%rd1312, %rd432, %rd1310;
+	st.u16 	[%rd1312], %rs105;
+	add.s64 	%rd1902, %rd1902, %rd395;
+	setp.lt.u64 	%p197, %rd1902, %rd421;
+	@%p197 bra 	$L__BB3_246;
+
+$L__BB3_247:
+	and.b64  	%rd1313, %rd420, -2;
+	add.s64 	%rd1314, %rd416, %rd393;
+	add.s64 	%rd1904, %rd1314, %rd1313;
+	setp.ge.u64 	%p198, %rd1904, %rd777;
+	@%p198 bra 	$L__BB3_455;
+
+$L__BB3_248:
+	add.s64 	%rd1315, %rd136, %rd1904;
+	ld.global.u8 	%rs106, [%rd1315];
+	add.s64 	%rd1316, %rd401, %rd1904;
+	st.u8 	[%rd1316], %rs106;
+	add.s64 	%rd1904, %rd1904, %rd395;
+	setp.lt.u64 	%p199, %rd1904, %rd777;
+	@%p199 bra 	$L__BB3_248;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_440:
+	@%p294 bra 	$L__BB3_442;
+
+	shl.b64 	%rd1760, %rd651, 4;
+	add.s64 	%rd1761, %rd659, %rd1760;
+	st.v4.u32 	[%rd1761], {%r595, %r594, %r593, %r592};
+
+$L__BB3_442:
+	@%p295 bra 	$L__BB3_444;
+
+	shl.b64 	%rd1762, %rd655, 4;
+	add.s64 	%rd1763, %rd659, %rd1762;
+	st.v4.u32 	[%rd1763], {%r599, %r598, %r597, %r596};
+
+$L__BB3_444:
+	@%p296 bra 	$L__BB3_446;
+
+	shl.b64 	%rd1764, %rd656, 4;
+	add.s64 	%rd1765, %rd659, %rd1764;
+	st.v4.u32 	[%rd1765], {%r603, %r602, %r601, %r600};
+
+$L__BB3_446:
+	@%p297 bra 	$L__BB3_448;
+
+	shl.b64 	%rd1766, %rd658, 4;
+	add.s64 	%rd1767, %rd659, %rd1766;
+	st.v4.u32 	[%rd1767], {%r607, %r606, %r605, %r604};
+
+$L__BB3_448:
+	add.s64 	%rd1996, %rd658, %rd653;
+	add.s64 	%rd1768, %rd1996, %rd657;
+	setp.ge.u64 	%p348, %rd1768, %rd654;
+	@%p348 bra 	$L__BB3_451;
+
+	mul.lo.s64 	%rd1769, %rd652, %rd649;
+	shl.b64 	%rd766, %rd1769, 4;
+	neg.s64 	%rd767, %rd1769;
+	shl.b64 	%rd1778, %rd767, 4;
+
+$L__BB3_450:
+	shl.b64 	%rd1770, %rd1996, 4;
+	add.s64 	%rd1771, %rd136, %rd1770;
+	shl.b64 	%rd1772, %rd653, 2;
+	shl.b64 	%rd1773, %rd653, 4;
+	add.s64 	%rd1774, %rd1771, %rd1773;
+	ld.global.v4.u32 	{%r540, %r541, %r542, %r543}, [%rd1774];
+	add.s64 	%rd1775, %rd1774, %rd766;
+	ld.global.v4.u32 	{%r548, %r549, %r550, %r551}, [%rd1775];
+	add.s64 	%rd1776, %rd1775, %rd766;
+	ld.global.v4.u32 	{%r556, %r557, %r558, %r559}, [%rd1776];
+	add.s64 	%rd1777, %rd659, %rd1770;
+	add.s64 	%rd1779, %rd1774, %rd1778;
+	ld.global.v4.u32 	{%r564, %r565, %r566, %r567}, [%rd1779];
+	st.v4.u32 	[%rd1777], {%r564, %r565, %r566, %r567};
+	add.s64 	%rd1780, %rd1777, %rd766;
+	st.v4.u32 	[%rd1780], {%r540, %r541, %r542, %r543};
+	add.s64 	%rd1781, %rd1780, %rd766;
+	st.v4.u32 	[%rd1781], {%r548, %r549, %r550, %r551};
+	add.s64 	%rd1782, %rd1781, %rd766;
+	st.v4.u32 	[%rd1782], {%r556, %r557, %r558, %r559};
+	add.s64 	%rd1996, %rd1772, %rd1996;
+	add.s64 	%rd1783, %rd1996, %rd657;
+	setp.lt.u64 	%p349, %rd1783, %rd654;
+	@%p349 bra 	$L__BB3_450;
+
+$L__BB3_451:
+	setp.ge.u64 	%p350, %rd1996, %rd654;
+	@%p350 bra 	$L__BB3_453;
+
+$L__BB3_452:
+	shl.b64 	%rd1784, %rd1996, 4;
+	add.s64 	%rd1785, %rd659, %rd1784;
+	add.s64 	%rd1786, %rd136, %rd1784;
+	ld.global.v4.u32 	{%r572, %r573, %r574, %r575}, [%rd1786];
+	st.v4.u32 	[%rd1785], {%r572, %r573, %r574, %r575};
+	add.s64 	%rd1996, %rd1996, %rd653;
+	setp.lt.u64 	%p351, %rd1996, %rd654;
+	@%p351 bra 	$L__BB3_452;
+
+$L__BB3_453:
+	and.b64  	%rd1787, %rd777, -16;
+	add.s64 	%rd1998, %rd1787, %rd651;
+	setp.ge.u64 	%p352, %rd1998, %rd777;
+	@%p352 bra 	$L__BB3_455;
+
+$L__BB3_454:
+	add.s64 	%rd1788, %rd136, %rd1998;
+	ld.global.u8 	%rs153, [%rd1788];
+	add.s64 	%rd1789, %rd659, %rd1998;
+	st.u8 	[%rd1789], %rs153;
+	add.s64 	%rd1998, %rd1998, %rd653;
+	setp.lt.u64 	%p353, %rd1998, %rd777;
+	@%p353 bra 	$L__BB3_454;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_60:
+	setp.ge.u64 	%p54, %rd140, %rd777;
+	@%p54 bra 	$L__BB3_62;
+
+	add.s64 	%rd929, %rd136, %rd140;
+	ld.global.u8 	%rs154, [%rd929];
+
+$L__BB3_62:
+	add.s64 	%rd143, %rd142, %rd140;
+	setp.ge.u64 	%p55, %rd143, %rd777;
+	@%p55 bra 	$L__BB3_64;
+
+	add.s64 	%rd930, %rd136, %rd143;
+	ld.global.u8 	%rs155, [%rd930];
+
+$L__BB3_64:
+	add.s64 	%rd144, %rd143, %rd142;
+	setp.ge.u64 	%p56, %rd144, %rd777;
+	@%p56 bra 	$L__BB3_66;
+
+	add.s64 	%rd931, %rd136, %rd144;
+	ld.global.u8 	%rs156, [%rd931];
+
+$L__BB3_66:
+	mul.lo.s64 	%rd145, %rd142, 3;
+	add.s64 	%rd146, %rd144, %rd142;
+	setp.ge.u64 	%p57, %rd146, %rd777;
+	@%p57 bra 	$L__BB3_68;
+
+	add.s64 	%rd932, %rd136, %rd146;
+	ld.global.u8 	%rs157, [%rd932];
+
+$L__BB3_68:
+	// begin inline asm
+	griddepcontrol.wait;
+	// end inline asm
+	ld.volatile.global.u64 	%rd147, [%rd1];
+	and.b64  	%rd933, %rd147, 15;
+	setp.eq.s64 	%p58, %rd933, 0;
+	@%p58 bra 	$L__BB3_124;
+
+	xor.b64  	%rd148, %rd147, %rd776;
+	and.b64  	%rd934, %rd148, 15;
+	setp.eq.s64 	%p59, %rd934, 0;
+	@%p59 bra 	$L__BB3_113;
+
+	and.b64  	%rd935, %rd148, 7;
+	setp.eq.s64 	%p60, %rd935, 0;
+	@%p60 bra 	$L__BB3_102;
+
+	and.b64  	%rd936, %rd148, 3;
+	setp.eq.s64 	%p61, %rd936, 0;
+	@%p61 bra 	$L__BB3_91;
+
+	and.b64  	%rd937, %rd148, 1;
+	setp.eq.b64 	%p62, %rd937, 1;
+	mov.pred 	%p63, 0;
+	xor.pred  	%p64, %p62, %p63;
+	not.pred 	%p65, %p64;
+	@%p65 bra 	$L__BB3_80;
+	bra.uni 	$L__BB3_73;
+
+$L__BB3_80:
+	and.b64  	%rd161, %rd147, 1;
+	min.u64 	%rd162, %rd161, %rd777;
+	setp.ge.u64 	%p72, %rd140, %rd162;
+	@%p72 bra 	$L__BB3_83;
+
+	mov.u64 	%rd1826, %rd140;
+
+$L__BB3_82:
+	add.s64 	%rd951, %rd136, %rd1826;
+	ld.global.u8 	%rs46, [%rd951];
+	add.s64 	%rd952, %rd147, %rd1826;
+	st.u8 	[%rd952], %rs46;
+	add.s64 	%rd1826, %rd1826, %rd142;
+	setp.lt.u64 	%p73, %rd1826, %rd162;
+	@%p73 bra 	$L__BB3_82;
+
+$L__BB3_83:
+	sub.s64 	%rd166, %rd777, %rd162;
+	shr.u64 	%rd167, %rd166, 1;
+	setp.ge.u64 	%p74, %rd146, %rd167;
+	mov.u64 	%rd1830, %rd140;
+	@%p74 bra 	$L__BB3_86;
+
+	mul.lo.s64 	%rd953, %rd137, %rd138;
+	shl.b64 	%rd954, %rd953, 1;
+	shl.b64 	%rd955, %rd139, 1;
+	add.s64 	%rd956, %rd954, %rd955;
+	add.s64 	%rd957, %rd956, -1;
+	not.b64 	%rd958, %rd777;
+	not.b64 	%rd959, %rd161;
+	max.u64 	%rd960, %rd959, %rd958;
+	sub.s64 	%rd961, %rd957, %rd960;
+	add.s64 	%rd1828, %rd136, %rd961;
+	mul.lo.s64 	%rd962, %rd141, %rd138;
+	shl.b64 	%rd169, %rd962, 1;
+	add.s64 	%rd1829, %rd147, %rd961;
+	mov.u64 	%rd1830, %rd140;
+
+$L__BB3_85:
+	ld.global.u16 	%rs47, [%rd1828];
+	add.s64 	%rd963, %rd1828, %rd169;
+	ld.global.u16 	%rs48, [%rd963];
+	add.s64 	%rd964, %rd963, %rd169;
+	ld.global.u16 	%rs49, [%rd964];
+	add.s64 	%rd965, %rd964, %rd169;
+	add.s64 	%rd1828, %rd965, %rd169;
+	ld.global.u16 	%rs50, [%rd965];
+	st.u16 	[%rd1829], %rs47;
+	add.s64 	%rd966, %rd1829, %rd169;
+	st.u16 	[%rd966], %rs48;
+	add.s64 	%rd967, %rd966, %rd169;
+	st.u16 	[%rd967], %rs49;
+	add.s64 	%rd968, %rd967, %rd169;
+	add.s64 	%rd1829, %rd968, %rd169;
+	st.u16 	[%rd968], %rs50;
+	add.s64 	%rd969, %rd1830, %rd142;
+	add.s64 	%rd1830, %rd145, %rd969;
+	add.s64 	%rd970, %rd1830, %rd145;
+	setp.lt.u64 	%p75, %rd970, %rd167;
+	@%p75 bra 	$L__BB3_85;
+
+$L__BB3_86:
+	setp.ge.u64 	%p76, %rd1830, %rd167;
+	@%p76 bra 	$L__BB3_89;
+
+	add.s64 	%rd178, %rd147, %rd162;
+	add.s64 	%rd179, %rd136, %rd162;
+
+$L__BB3_88:
+	shl.b64 	%rd971, %rd1830, 1;
+	add.s64 	%rd972, %rd179, %rd971;
+	ld.global.u16 	%rs51, [%rd972];
+	add.s64 	%rd973, %rd178, %rd971;
+	st.u16 	[%rd973], %rs51;
+	add.s64 	%rd1830, %rd1830, %rd142;
+	setp.lt.u64 	%p77, %rd1830, %rd167;
+	@%p77 bra 	$L__BB3_88;
+
+$L__BB3_89:
+	and.b64  	%rd974, %rd166, -2;
+	add.s64 	%rd975, %rd162, %rd140;
+	add.s64 	%rd1832, %rd975, %rd974;
+	setp.ge.u64 	%p78, %rd1832, %rd777;
+	@%p78 bra 	$L__BB3_455;
+
+$L__BB3_90:
+	add.s64 	%rd976, %rd136, %rd1832;
+	ld.global.u8 	%rs52, [%rd976];
+	add.s64 	%rd977, %rd147, %rd1832;
+	st.u8 	[%rd977], %rs52;
+	add.s64 	%rd1832, %rd1832, %rd142;
+	setp.lt.u64 	%p79, %rd1832, %rd777;
+	@%p79 bra 	$L__BB3_90;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_429:
+	neg.s64 	%rd1727, %rd659;
+	and.b64  	%rd743, %rd1727, 15;
+	min.u64 	%rd744, %rd743, %rd777;
+	setp.ge.u64 	%p336, %rd651, %rd744;
+	@%p336 bra 	$L__BB3_432;
+
+	mov.u64 	%rd1989, %rd651;
+
+$L__BB3_431:
+	add.s64 	%rd1728, %rd136, %rd1989;
+	ld.global.u8 	%rs151, [%rd1728];
+	add.s64 	%rd1729, %rd659, %rd1989;
+	st.u8 	[%rd1729], %rs151;
+	add.s64 	%rd1989, %rd1989, %rd653;
+	setp.lt.u64 	%p337, %rd1989, %rd744;
+	@%p337 bra 	$L__BB3_431;
+
+$L__BB3_432:
+	sub.s64 	%rd748, %rd777, %rd744;
+	shr.u64 	%rd749, %rd748, 4;
+	add.s64 	%rd750, %rd136, %rd744;
+	setp.ge.u64 	%p338, %rd658, %rd749;
+	mov.u64 	%rd1992, %rd651;
+	@%p338 bra 	$L__BB3_435;
+
+	mul.lo.s64 	%rd1730, %rd652, %rd649;
+	shl.b64 	%rd751, %rd1730, 4;
+	mul.lo.s64 	%rd1731, %rd648, %rd649;
+	shl.b64 	%rd1732, %rd1731, 4;
+	shl.b64 	%rd1733, %rd650, 4;
+	add.s64 	%rd1734, %rd1732, %rd1733;
+	add.s64 	%rd1735, %rd1734, -1;
+	not.b64 	%rd1736, %rd777;
+	not.b64 	%rd1737, %rd743;
+	max.u64 	%rd1738, %rd1737, %rd1736;
+	sub.s64 	%rd1739, %rd1735, %rd1738;
+	add.s64 	%rd1991, %rd659, %rd1739;
+	neg.s64 	%rd753, %rd1730;
+	shl.b64 	%rd1747, %rd753, 4;
+	mov.u64 	%rd1992, %rd651;
+
+$L__BB3_434:
+	shl.b64 	%rd1740, %rd1992, 4;
+	add.s64 	%rd1741, %rd750, %rd1740;
+	shl.b64 	%rd1742, %rd653, 2;
+	shl.b64 	%rd1743, %rd653, 4;
+	add.s64 	%rd1744, %rd1741, %rd1743;
+	ld.global.v4.u32 	{%r500, %r501, %r502, %r503}, [%rd1744];
+	add.s64 	%rd1745, %rd1744, %rd751;
+	ld.global.v4.u32 	{%r508, %r509, %r510, %r511}, [%rd1745];
+	add.s64 	%rd1746, %rd1745, %rd751;
+	ld.global.v4.u32 	{%r516, %r517, %r518, %r519}, [%rd1746];
+	add.s64 	%rd1748, %rd1744, %rd1747;
+	ld.global.v4.u32 	{%r524, %r525, %r526, %r527}, [%rd1748];
+	st.v4.u32 	[%rd1991], {%r524, %r525, %r526, %r527};
+	add.s64 	%rd1749, %rd1991, %rd751;
+	st.v4.u32 	[%rd1749], {%r500, %r501, %r502, %r503};
+	add.s64 	%rd1750, %rd1749, %rd751;
+	st.v4.u32 	[%rd1750], {%r508, %r509, %r510, %r511};
+	add.s64 	%rd1751, %rd1750, %rd751;
+	add.s64 	%rd1991, %rd1751, %rd751;
+	st.v4.u32 	[%rd1751], {%r516, %r517, %r518, %r519};
+	add.s64 	%rd1992, %rd1742, %rd1992;
+	add.s64 	%rd1752, %rd1992, %rd657;
+	setp.lt.u64 	%p339, %rd1752, %rd749;
+	@%p339 bra 	$L__BB3_434;
+
+$L__BB3_435:
+	setp.ge.u64 	%p340, %rd1992, %rd749;
+	@%p340 bra 	$L__BB3_438;
+
+	add.s64 	%rd759, %rd659, %rd744;
+
+$L__BB3_437:
+	shl.b64 	%rd1753, %rd1992, 4;
+	add.s64 	%rd1754, %rd759, %rd1753;
+	add.s64 	%rd1755, %rd750, %rd1753;
+	ld.global.v4.u32 	{%r532, %r533, %r534, %r535}, [%rd1755];
+	st.v4.u32 	[%rd1754], {%r532, %r533, %r534, %r535};
+	add.s64 	%rd1992, %rd1992, %rd653;
+	setp.lt.u64 	%p341, %rd1992, %rd749;
+	@%p341 bra 	$L__BB3_437;
+
+$L__BB3_438:
+	and.b64  	%rd1756, %rd748, -16;
+	add.s64 	%rd1757, %rd744, %rd651;
+	add.s64 	%rd1994, %rd1757, %rd1756;
+	setp.ge.u64 	%p342, %rd1994, %rd777;
+	@%p342 bra 	$L__BB3_455;
+
+$L__BB3_439:
+	add.s64 	%rd1758, %rd136, %rd1994;
+	ld.global.u8 	%rs152, [%rd1758];
+	add.s64 	%rd1759, %rd659, %rd1994;
+	st.u8 	[%rd1759], %rs152;
+	add.s64 	%rd1994, %rd1994, %rd653;
+	setp.lt.u64 	%p343, %rd1994, %rd777;
+	@%p343 bra 	$L__BB3_439;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_361:
+	@%p234 bra 	$L__BB3_363;
+
+	shl.b64 	%rd1586, %rd523, 3;
+	add.s64 	%rd1587, %rd531, %rd1586;
+	st.v2.u32 	[%rd1587], {%r585, %r584};
+
+$L__BB3_363:
+	@%p235 bra 	$L__BB3_365;
+
+	shl.b64 	%rd1588, %rd527, 3;
+	add.s64 	%rd1589, %rd531, %rd1588;
+	st.v2.u32 	[%rd1589], {%r587, %r586};
+
+$L__BB3_365:
+	@%p236 bra 	$L__BB3_367;
+
+	shl.b64 	%rd1590, %rd528, 3;
+	add.s64 	%rd1591, %rd531, %rd1590;
+	st.v2.u32 	[%rd1591], {%r589, %r588};
+
+$L__BB3_367:
+	@%p237 bra 	$L__BB3_369;
+
+	shl.b64 	%rd1592, %rd530, 3;
+	add.s64 	%rd1593, %rd531, %rd1592;
+	st.v2.u32 	[%rd1593], {%r591, %r590};
+
+$L__BB3_369:
+	add.s64 	%rd1961, %rd530, %rd525;
+	add.s64 	%rd1594, %rd1961, %rd529;
+	setp.ge.u64 	%p288, %rd1594, %rd526;
+	@%p288 bra 	$L__BB3_372;
+
+	mul.lo.s64 	%rd1595, %rd524, %rd521;
+	shl.b64 	%rd638, %rd1595, 3;
+	mul.lo.s64 	%rd639, %rd1595, -24;
+
+$L__BB3_371:
+	add.s64 	%rd1596, %rd1961, %rd525;
+	shl.b64 	%rd1597, %rd1596, 3;
+	add.s64 	%rd1598, %rd136, %rd1597;
+	ld.global.v2.u32 	{%r431, %r432}, [%rd1598];
+	add.s64 	%rd1599, %rd1598, %rd638;
+	ld.global.v2.u32 	{%r435, %r436}, [%rd1599];
+	add.s64 	%rd1600, %rd1599, %rd638;
+	ld.global.v2.u32 	{%r439, %r440}, [%rd1600];
+	add.s64 	%rd1601, %rd1600, %rd639;
+	ld.global.v2.u32 	{%r443, %r444}, [%rd1601];
+	shl.b64 	%rd1602, %rd1961, 3;
+	add.s64 	%rd1603, %rd531, %rd1602;
+	st.v2.u32 	[%rd1603], {%r443, %r444};
+	add.s64 	%rd1604, %rd1603, %rd638;
+	st.v2.u32 	[%rd1604], {%r431, %r432};
+	add.s64 	%rd1605, %rd1604, %rd638;
+	st.v2.u32 	[%rd1605], {%r435, %r436};
+	add.s64 	%rd1606, %rd1605, %rd638;
+	st.v2.u32 	[%rd1606], {%r439, %r440};
+	add.s64 	%rd1961, %rd529, %rd1596;
+	add.s64 	%rd1607, %rd1961, %rd529;
+	setp.lt.u64 	%p289, %rd1607, %rd526;
+	@%p289 bra 	$L__BB3_371;
+
+$L__BB3_372:
+	setp.ge.u64 	%p290, %rd1961, %rd526;
+	@%p290 bra 	$L__BB3_374;
+
+$L__BB3_373:
+	shl.b64 	%rd1608, %rd1961, 3;
+	add.s64 	%rd1609, %rd136, %rd1608;
+	ld.global.v2.u32 	{%r447, %r448}, [%rd1609];
+	add.s64 	%rd1610, %rd531, %rd1608;
+	st.v2.u32 	[%rd1610], {%r447, %r448};
+	add.s64 	%rd1961, %rd1961, %rd525;
+	setp.lt.u64 	%p291, %rd1961, %rd526;
+	@%p291 bra 	$L__BB3_373;
+
+$L__BB3_374:
+	and.b64  	%rd1611, %rd777, -8;
+	add.s64 	%rd1963, %rd1611, %rd523;
+	setp.ge.u64 	%p292, %rd1963, %rd777;
+	@%p292 bra 	$L__BB3_455;
+
+$L__BB3_375:
+	add.s64 	%rd1612, %rd136, %rd1963;
+	ld.global.u8 	%rs133, [%rd1612];
+	add.s64 	%rd1613, %rd531, %rd1963;
+	st.u8 	[%rd1613], %rs133;
+	add.s64 	%rd1963, %rd1963, %rd525;
+	setp.lt.u64 	%p293, %rd1963, %rd777;
+	@%p293 bra 	$L__BB3_375;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_418:
+	neg.s64 	%rd1696, %rd659;
+	and.b64  	%rd721, %rd1696, 7;
+	min.u64 	%rd722, %rd721, %rd777;
+	setp.ge.u64 	%p328, %rd651, %rd722;
+	@%p328 bra 	$L__BB3_421;
+
+	mov.u64 	%rd1983, %rd651;
+
+$L__BB3_420:
+	add.s64 	%rd1697, %rd136, %rd1983;
+	ld.global.u8 	%rs149, [%rd1697];
+	add.s64 	%rd1698, %rd659, %rd1983;
+	st.u8 	[%rd1698], %rs149;
+	add.s64 	%rd1983, %rd1983, %rd653;
+	setp.lt.u64 	%p329, %rd1983, %rd722;
+	@%p329 bra 	$L__BB3_420;
+
+$L__BB3_421:
+	sub.s64 	%rd726, %rd777, %rd722;
+	shr.u64 	%rd727, %rd726, 3;
+	add.s64 	%rd728, %rd136, %rd722;
+	setp.ge.u64 	%p330, %rd658, %rd727;
+	mov.u64 	%rd1986, %rd651;
+	@%p330 bra 	$L__BB3_424;
+
+	mul.lo.s64 	%rd1699, %rd652, %rd649;
+	shl.b64 	%rd729, %rd1699, 3;
+	mul.lo.s64 	%rd1700, %rd648, %rd649;
+	shl.b64 	%rd1701, %rd1700, 3;
+	shl.b64 	%rd1702, %rd650, 3;
+	add.s64 	%rd1703, %rd1701, %rd1702;
+	add.s64 	%rd1704, %rd1703, -1;
+	not.b64 	%rd1705, %rd777;
+	not.b64 	%rd1706, %rd721;
+	max.u64 	%rd1707, %rd1706, %rd1705;
+	sub.s64 	%rd1708, %rd1704, %rd1707;
+	add.s64 	%rd1985, %rd659, %rd1708;
+	neg.s64 	%rd731, %rd1699;
+	shl.b64 	%rd1714, %rd731, 3;
+	mov.u64 	%rd1986, %rd651;
+
+$L__BB3_423:
+	add.s64 	%rd1709, %rd1986, %rd653;
+	shl.b64 	%rd1710, %rd1709, 3;
+	add.s64 	%rd1711, %rd728, %rd1710;
+	ld.global.v2.u32 	{%r480, %r481}, [%rd1711];
+	add.s64 	%rd1712, %rd1711, %rd729;
+	ld.global.v2.u32 	{%r484, %r485}, [%rd1712];
+	add.s64 	%rd1713, %rd1712, %rd729;
+	ld.global.v2.u32 	{%r488, %r489}, [%rd1713];
+	add.s64 	%rd1715, %rd1711, %rd1714;
+	ld.global.v2.u32 	{%r492, %r493}, [%rd1715];
+	st.v2.u32 	[%rd1985], {%r492, %r493};
+	add.s64 	%rd1716, %rd1985, %rd729;
+	st.v2.u32 	[%rd1716], {%r480, %r481};
+	add.s64 	%rd1717, %rd1716, %rd729;
+	st.v2.u32 	[%rd1717], {%r484, %r485};
+	add.s64 	%rd1718, %rd1717, %rd729;
+	add.s64 	%rd1985, %rd1718, %rd729;
+	st.v2.u32 	[%rd1718], {%r488, %r489};
+	add.s64 	%rd1986, %rd657, %rd1709;
+	add.s64 	%rd1719, %rd1986, %rd657;
+	setp.lt.u64 	%p331, %rd1719, %rd727;
+	@%p331 bra 	$L__BB3_423;
+
+$L__BB3_424:
+	setp.ge.u64 	%p332, %rd1986, %rd727;
+	@%p332 bra 	$L__BB3_427;
+
+	add.s64 	%rd737, %rd659, %rd722;
+
+$L__BB3_426:
+	shl.b64 	%rd1720, %rd1986, 3;
+	add.s64 	%rd1721, %rd728, %rd1720;
+	ld.global.v2.u32 	{%r496, %r497}, [%rd1721];
+	add.s64 	%rd1722, %rd737, %rd1720;
+	st.v2.u32 	[%rd1722], {%r496, %r497};
+	add.s64 	%rd1986, %rd1986, %rd653;
+	setp.lt.u64 	%p333, %rd1986, %rd727;
+	@%p333 bra 	$L__BB3_426;
+
+$L__BB3_427:
+	and.b64  	%rd1723, %rd726, -8;
+	add.s64 	%rd1724, %rd722, %rd651;
+	add.s64 	%rd1988, %rd1724, %rd1723;
+	setp.ge.u64 	%p334, %rd1988, %rd777;
+	@%p334 bra 	$L__BB3_455;
+
+$L__BB3_428:
+	add.s64 	%rd1725, %rd136, %rd1988;
+	ld.global.u8 	%rs150, [%rd1725];
+	add.s64 	%rd1726, %rd659, %rd1988;
+	st.u8 	[%rd1726], %rs150;
+	add.s64 	%rd1988, %rd1988, %rd653;
+	setp.lt.u64 	%p335, %rd1988, %rd777;
+	@%p335 bra 	$L__BB3_428;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_350:
+	neg.s64 	%rd1553, %rd531;
+	and.b64  	%rd615, %rd1553, 15;
+	min.u64 	%rd616, %rd615, %rd777;
+	setp.ge.u64 	%p276, %rd523, %rd616;
+	@%p276 bra 	$L__BB3_353;
+
+	mov.u64 	%rd1954, %rd523;
+
+$L__BB3_352:
+	add.s64 	%rd1554, %rd136, %rd1954;
+	ld.global.u8 	%rs131, [%rd1554];
+	add.s64 	%rd1555, %rd531, %rd1954;
+	st.u8 	[%rd1555], %rs131;
+	add.s64 	%rd1954, %rd1954, %rd525;
+	setp.lt.u64 	%p277, %rd1954, %rd616;
+	@%p277 bra 	$L__BB3_352;
+
+$L__BB3_353:
+	sub.s64 	%rd620, %rd777, %rd616;
+	shr.u64 	%rd621, %rd620, 4;
+	add.s64 	%rd622, %rd136, %rd616;
+	setp.ge.u64 	%p278, %rd530, %rd621;
+	mov.u64 	%rd1957, %rd523;
+	@%p278 bra 	$L__BB3_356;
+
+	mul.lo.s64 	%rd1556, %rd524, %rd521;
+	shl.b64 	%rd623, %rd1556, 4;
+	mul.lo.s64 	%rd1557, %rd520, %rd521;
+	shl.b64 	%rd1558, %rd1557, 4;
+	shl.b64 	%rd1559, %rd522, 4;
+	add.s64 	%rd1560, %rd1558, %rd1559;
+	add.s64 	%rd1561, %rd1560, -1;
+	not.b64 	%rd1562, %rd777;
+	not.b64 	%rd1563, %rd615;
+	max.u64 	%rd1564, %rd1563, %rd1562;
+	sub.s64 	%rd1565, %rd1561, %rd1564;
+	add.s64 	%rd1956, %rd531, %rd1565;
+	shl.b64 	%rd1566, %rd1556, 5;
+	neg.s64 	%rd625, %rd1566;
+	mov.u64 	%rd1957, %rd523;
+
+$L__BB3_355:
+	shl.b64 	%rd1567, %rd1957, 4;
+	add.s64 	%rd1568, %rd622, %rd1567;
+	shl.b64 	%rd1569, %rd525, 2;
+	shl.b64 	%rd1570, %rd525, 4;
+	add.s64 	%rd1571, %rd1568, %rd1570;
+	ld.global.v4.u32 	{%r391, %r392, %r393, %r394}, [%rd1571];
+	add.s64 	%rd1572, %rd1571, %rd623;
+	ld.global.v4.u32 	{%r399, %r400, %r401, %r402}, [%rd1572];
+	add.s64 	%rd1573, %rd1572, %rd623;
+	ld.global.v4.u32 	{%r407, %r408, %r409, %r410}, [%rd1573];
+	add.s64 	%rd1574, %rd1572, %rd625;
+	ld.global.v4.u32 	{%r415, %r416, %r417, %r418}, [%rd1574];
+	st.v4.u32 	[%rd1956], {%r415, %r416, %r417, %r418};
+	add.s64 	%rd1575, %rd1956, %rd623;
+	st.v4.u32 	[%rd1575], {%r391, %r392, %r393, %r394};
+	add.s64 	%rd1576, %rd1575, %rd623;
+	st.v4.u32 	[%rd1576], {%r399, %r400, %r401, %r402};
+	add.s64 	%rd1577, %rd1576, %rd623;
+	add.s64 	%rd1956, %rd1577, %rd623;
+	st.v4.u32 	[%rd1577], {%r407, %r408, %r409, %r410};
+	add.s64 	%rd1957, %rd1569, %rd1957;
+	add.s64 	%rd1578, %rd1957, %rd529;
+	setp.lt.u64 	%p279, %rd1578, %rd621;
+	@%p279 bra 	$L__BB3_355;
+
+$L__BB3_356:
+	setp.ge.u64 	%p280, %rd1957, %rd621;
+	@%p280 bra 	$L__BB3_359;
+
+	add.s64 	%rd631, %rd531, %rd616;
+
+$L__BB3_358:
+	shl.b64 	%rd1579, %rd1957, 4;
+	add.s64 	%rd1580, %rd631, %rd1579;
+	add.s64 	%rd1581, %rd622, %rd1579;
+	ld.global.v4.u32 	{%r423, %r424, %r425, %r426}, [%rd1581];
+	st.v4.u32 	[%rd1580], {%r423, %r424, %r425, %r426};
+	add.s64 	%rd1957, %rd1957, %rd525;
+	setp.lt.u64 	%p281, %rd1957, %rd621;
+	@%p281 bra 	$L__BB3_358;
+
+$L__BB3_359:
+	and.b64  	%rd1582, %rd620, -16;
+	add.s64 	%rd1583, %rd616, %rd523;
+	add.s64 	%rd1959, %rd1583, %rd1582;
+	setp.ge.u64 	%p282, %rd1959, %rd777;
+	@%p282 bra 	$L__BB3_455;
+
+$L__BB3_360:
+	add.s64 	%rd1584, %rd136, %rd1959;
+	ld.global.u8 	%rs132, [%rd1584];
+	add.s64 	%rd1585, %rd531, %rd1959;
+	st.u8 	[%rd1585], %rs132;
+	add.s64 	%rd1959, %rd1959, %rd525;
+	setp.lt.u64 	%p283, %rd1959, %rd777;
+	@%p283 bra 	$L__BB3_360;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_282:
+	@%p174 bra 	$L__BB3_284;
+
+	shl.b64 	%rd1409, %rd393, 2;
+	add.s64 	%rd1410, %rd401, %rd1409;
+	st.u32 	[%rd1410], %r580;
+
+$L__BB3_284:
+	@%p175 bra 	$L__BB3_286;
+
+	shl.b64 	%rd1411, %rd397, 2;
+	add.s64 	%rd1412, %rd401, %rd1411;
+	st.u32 	[%rd1412], %r581;
+
+$L__BB3_286:
+	@%p176 bra 	$L__BB3_288;
+
+	shl.b64 	%rd1413, %rd398, 2;
+	add.s64 	%rd1414, %rd401, %rd1413;
+	st.u32 	[%rd1414], %r582;
+
+$L__BB3_288:
+	@%p177 bra 	$L__BB3_290;
+
+	shl.b64 	%rd1415, %rd400, 2;
+	add.s64 	%rd1416, %rd401, %rd1415;
+	st.u32 	[%rd1416], %r583;
+
+$L__BB3_290:
+	add.s64 	%rd1926, %rd400, %rd395;
+	add.s64 	%rd1417, %rd1926, %rd399;
+	setp.ge.u64 	%p228, %rd1417, %rd396;
+	@%p228 bra 	$L__BB3_293;
+
+	shl.b64 	%rd1418, %rd394, 2;
+	add.s64 	%rd1419, %rd1418, %rd390;
+	mul.lo.s64 	%rd1420, %rd1419, %rd391;
+	shl.b64 	%rd1421, %rd1420, 2;
+	shl.b64 	%rd1422, %rd392, 2;
+	add.s64 	%rd1423, %rd1421, %rd1422;
+	add.s64 	%rd1925, %rd136, %rd1423;
+	mul.lo.s64 	%rd1424, %rd394, %rd391;
+	shl.b64 	%rd509, %rd1424, 2;
+
+$L__BB3_292:
+	ld.global.u32 	%r345, [%rd1925];
+	add.s64 	%rd1425, %rd1925, %rd509;
+	ld.global.u32 	%r346, [%rd1425];
+	add.s64 	%rd1426, %rd1425, %rd509;
+	ld.global.u32 	%r347, [%rd1426];
+	add.s64 	%rd1427, %rd1426, %rd509;
+	add.s64 	%rd1925, %rd1427, %rd509;
+	ld.global.u32 	%r348, [%rd1427];
+	shl.b64 	%rd1428, %rd1926, 2;
+	add.s64 	%rd1429, %rd401, %rd1428;
+	st.u32 	[%rd1429], %r345;
+	add.s64 	%rd1430, %rd1429, %rd509;
+	st.u32 	[%rd1430], %r346;
+	add.s64 	%rd1431, %rd1430, %rd509;
+	st.u32 	[%rd1431], %r347;
+	add.s64 	%rd1432, %rd1431, %rd509;
+	st.u32 	[%rd1432], %r348;
+	add.s64 	%rd1433, %rd1926, %rd395;
+	add.s64 	%rd1926, %rd399, %rd1433;
+	add.s64 	%rd1434, %rd1926, %rd399;
+	setp.lt.u64 	%p229, %rd1434, %rd396;
+	@%p229 bra 	$L__BB3_292;
+
+$L__BB3_293:
+	setp.ge.u64 	%p230, %rd1926, %rd396;
+	@%p230 bra 	$L__BB3_295;
+
+$L__BB3_294:
+	shl.b64 	%rd1435, %rd1926, 2;
+	add.s64 	%rd1436, %rd136, %rd1435;
+	ld.global.u32 	%r349, [%rd1436];
+	add.s64 	%rd1437, %rd401, %rd1435;
+	st.u32 	[%rd1437], %r349;
+	add.s64 	%rd1926, %rd1926, %rd395;
+	setp.lt.u64 	%p231, %rd1926, %rd396;
+	@%p231 bra 	$L__BB3_294;
+
+$L__BB3_295:
+	and.b64  	%rd1438, %rd777, -4;
+	add.s64 	%rd1928, %rd1438, %rd393;
+	setp.ge.u64 	%p232, %rd1928, %rd777;
+	@%p232 bra 	$L__BB3_455;
+
+$L__BB3_296:
+	add.s64 	%rd1439, %rd136, %rd1928;
+	ld.global.u8 	%rs113, [%rd1439];
+	add.s64 	%rd1440, %rd401, %rd1928;
+	st.u8 	[%rd1440], %rs113;
+	add.s64 	%rd1928, %rd1928, %rd395;
+	setp.lt.u64 	%p233, %rd1928, %rd777;
+	@%p233 bra 	$L__BB3_296;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_203:
+	@%p114 bra 	$L__BB3_205;
+
+	shl.b64 	%rd1231, %rd140, 1;
+	add.s64 	%rd1232, %rd271, %rd1231;
+	st.u16 	[%rd1232], %rs158;
+
+$L__BB3_205:
+	@%p115 bra 	$L__BB3_207;
+
+	shl.b64 	%rd1233, %rd267, 1;
+	add.s64 	%rd1234, %rd271, %rd1233;
+	st.u16 	[%rd1234], %rs159;
+
+$L__BB3_207:
+	@%p116 bra 	$L__BB3_209;
+
+	shl.b64 	%rd1235, %rd268, 1;
+	add.s64 	%rd1236, %rd271, %rd1235;
+	st.u16 	[%rd1236], %rs160;
+
+$L__BB3_209:
+	@%p117 bra 	$L__BB3_211;
+
+	shl.b64 	%rd1237, %rd270, 1;
+	add.s64 	%rd1238, %rd271, %rd1237;
+	st.u16 	[%rd1238], %rs161;
+
+$L__BB3_211:
+	add.s64 	%rd1890, %rd270, %rd142;
+	add.s64 	%rd1239, %rd1890, %rd269;
+	setp.ge.u64 	%p168, %rd1239, %rd266;
+	@%p168 bra 	$L__BB3_214;
+
+	shl.b64 	%rd1240, %rd141, 2;
+	add.s64 	%rd1241, %rd1240, %rd137;
+	mul.lo.s64 	%rd1242, %rd1241, %rd138;
+	shl.b64 	%rd1243, %rd1242, 1;
+	shl.b64 	%rd1244, %rd139, 1;
+	add.s64 	%rd1245, %rd1243, %rd1244;
+	add.s64 	%rd1889, %rd136, %rd1245;
+	mul.lo.s64 	%rd1246, %rd141, %rd138;
+	shl.b64 	%rd379, %rd1246, 1;
+
+$L__BB3_213:
+	ld.global.u16 	%rs88, [%rd1889];
+	add.s64 	%rd1247, %rd1889, %rd379;
+	ld.global.u16 	%rs89, [%rd1247];
+	add.s64 	%rd1248, %rd1247, %rd379;
+	ld.global.u16 	%rs90, [%rd1248];
+	add.s64 	%rd1249, %rd1248, %rd379;
+	add.s64 	%rd1889, %rd1249, %rd379;
+	ld.global.u16 	%rs91, [%rd1249];
+	shl.b64 	%rd1250, %rd1890, 1;
+	add.s64 	%rd1251, %rd271, %rd1250;
+	st.u16 	[%rd1251], %rs88;
+	add.s64 	%rd1252, %rd1251, %rd379;
+	st.u16 	[%rd1252], %rs89;
+	add.s64 	%rd1253, %rd1252, %rd379;
+	st.u16 	[%rd1253], %rs90;
+	add.s64 	%rd1254, %rd1253, %rd379;
+	st.u16 	[%rd1254], %rs91;
+	add.s64 	%rd1255, %rd1890, %rd142;
+	add.s64 	%rd1890, %rd269, %rd1255;
+	add.s64 	%rd1256, %rd1890, %rd269;
+	setp.lt.u64 	%p169, %rd1256, %rd266;
+	@%p169 bra 	$L__BB3_213;
+
+$L__BB3_214:
+	setp.ge.u64 	%p170, %rd1890, %rd266;
+	@%p170 bra 	$L__BB3_216;
+
+$L__BB3_215:
+	shl.b64 	%rd1257, %rd1890, 1;
+	add.s64 	%rd1258, %rd136, %rd1257;
+	ld.global.u16 	%rs92, [%rd1258];
+	add.s64 	%rd1259, %rd271, %rd1257;
+	st.u16 	[%rd1259], %rs92;
+	add.s64 	%rd1890, %rd1890, %rd142;
+	setp.lt.u64 	%p171, %rd1890, %rd266;
+	@%p171 bra 	$L__BB3_215;
+
+$L__BB3_216:
+	and.b64  	%rd1260, %rd777, -2;
+	add.s64 	%rd1892, %rd1260, %rd140;
+	setp.ge.u64 	%p172, %rd1892, %rd777;
+	@%p172 bra 	$L__BB3_455;
+
+$L__BB3_217:
+	add.s64 	%rd1261, %rd136, %rd1892;
+	ld.global.u8 	%rs93, [%rd1261];
+	add.s64 	%rd1262, %rd271, %rd1892;
+	st.u8 	[%rd1262], %rs93;
+	add.s64 	%rd1892, %rd1892, %rd142;
+	setp.lt.u64 	%p173, %rd1892, %rd777;
+	@%p173 bra 	$L__BB3_217;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_124:
+	@%p54 bra 	$L__BB3_126;
+
+	add.s64 	%rd1069, %rd147, %rd140;
+	st.u8 	[%rd1069], %rs154;
+
+$L__BB3_126:
+	@%p55 bra 	$L__BB3_128;
+
+	add.s64 	%rd1070, %rd147, %rd143;
+	st.u8 	[%rd1070], %rs155;
+
+$L__BB3_128:
+	@%p56 bra 	$L__BB3_130;
+
+	add.s64 	%rd1071, %rd147, %rd144;
+	st.u8 	[%rd1071], %rs156;
+
+$L__BB3_130:
+	@%p57 bra 	$L__BB3_132;
+
+	add.s64 	%rd1072, %rd147, %rd146;
+	st.u8 	[%rd1072], %rs157;
+
+$L__BB3_132:
+	add.s64 	%rd1854, %rd146, %rd142;
+	add.s64 	%rd1073, %rd1854, %rd145;
+	setp.ge.u64 	%p108, %rd1073, %rd777;
+	@%p108 bra 	$L__BB3_135;
+
+	add.s64 	%rd1853, %rd136, %rd1854;
+	mul.lo.s64 	%rd255, %rd141, %rd138;
+
+$L__BB3_134:
+	ld.global.u8 	%rs59, [%rd1853];
+	add.s64 	%rd1074, %rd1853, %rd255;
+	ld.global.u8 	%rs60, [%rd1074];
+	add.s64 	%rd1075, %rd1074, %rd255;
+	ld.global.u8 	%rs61, [%rd1075];
+	add.s64 	%rd1076, %rd1075, %rd255;
+	add.s64 	%rd1853, %rd1076, %rd255;
+	ld.global.u8 	%rs62, [%rd1076];
+	add.s64 	%rd1077, %rd147, %rd1854;
+	st.u8 	[%rd1077], %rs59;
+	add.s64 	%rd1078, %rd1077, %rd255;
+	st.u8 	[%rd1078], %rs60;
+	add.s64 	%rd1079, %rd1078, %rd255;
+	st.u8 	[%rd1079], %rs61;
+	add.s64 	%rd1080, %rd1079, %rd255;
+	st.u8 	[%rd1080], %rs62;
+	add.s64 	%rd1081, %rd1854, %rd142;
+	add.s64 	%rd1854, %rd145, %rd1081;
+	add.s64 	%rd1082, %rd1854, %rd145;
+	setp.lt.u64 	%p109, %rd1082, %rd777;
+	@%p109 bra 	$L__BB3_134;
+
+$L__BB3_135:
+	setp.ge.u64 	%p110, %rd1854, %rd777;
+	@%p110 bra 	$L__BB3_137;
+
+$L__BB3_136:
+	add.s64 	%rd1083, %rd136, %rd1854;
+	ld.global.u8 	%rs63, [%rd1083];
+	add.s64 	%rd1084, %rd147, %rd1854;
+	st.u8 	[%rd1084], %rs63;
+	add.s64 	%rd1854, %rd1854, %rd142;
+	setp.lt.u64 	%p111, %rd1854, %rd777;
+	@%p111 bra 	$L__BB3_136;
+
+$L__BB3_137:
+	add.s64 	%rd1856, %rd140, %rd777;
+	setp.ge.u64 	%p112, %rd1856, %rd140;
+	@%p112 bra 	$L__BB3_455;
+
+$L__BB3_138:
+	add.s64 	%rd1085, %rd136, %rd1856;
+	ld.global.u8 	%rs64, [%rd1085];
+	add.s64 	%rd1086, %rd147, %rd1856;
+	st.u8 	[%rd1086], %rs64;
+	add.s64 	%rd1856, %rd1856, %rd142;
+	setp.lt.u64 	%p113, %rd1856, %rd777;
+	@%p113 bra 	$L__BB3_138;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_407:
+	neg.s64 	%rd1668, %rd659;
+	and.b64  	%rd697, %rd1668, 3;
+	min.u64 	%rd698, %rd697, %rd777;
+	setp.ge.u64 	%p320, %rd651, %rd698;
+	@%p320 bra 	$L__BB3_410;
+
+	mov.u64 	%rd1976, %rd651;
+
+$L__BB3_409:
+	add.s64 	%rd1669, %rd136, %rd1976;
+	ld.global.u8 	%rs147, [%rd1669];
+	add.s64 	%rd1670, %rd659, %rd1976;
+	st.u8 	[%rd1670], %rs147;
+	add.s64 	%rd1976, %rd1976, %rd653;
+	setp.lt.u64 	%p321, %rd1976, %rd698;
+	@%p321 bra 	$L__BB3_409;
+
+$L__BB3_410:
+	sub.s64 	%rd702, %rd777, %rd698;
+	shr.u64 	%rd703, %rd702, 2;
+	setp.ge.u64 	%p322, %rd658, %rd703;
+	mov.u64 	%rd1980, %rd651;
+	@%p322 bra 	$L__BB3_413;
+
+	mul.lo.s64 	%rd1671, %rd648, %rd649;
+	shl.b64 	%rd1672, %rd1671, 2;
+	shl.b64 	%rd1673, %rd650, 2;
+	add.s64 	%rd1674, %rd1672, %rd1673;
+	add.s64 	%rd1675, %rd1674, -1;
+	not.b64 	%rd1676, %rd777;
+	not.b64 	%rd1677, %rd697;
+	max.u64 	%rd1678, %rd1677, %rd1676;
+	sub.s64 	%rd1679, %rd1675, %rd1678;
+	add.s64 	%rd1978, %rd136, %rd1679;
+	mul.lo.s64 	%rd1680, %rd652, %rd649;
+	shl.b64 	%rd705, %rd1680, 2;
+	add.s64 	%rd1979, %rd659, %rd1679;
+	mov.u64 	%rd1980, %rd651;
+
+$L__BB3_412:
+	ld.global.u32 	%r475, [%rd1978];
+	add.s64 	%rd1681, %rd1978, %rd705;
+	ld.global.u32 	%r476, [%rd1681];
+	add.s64 	%rd1682, %rd1681, %rd705;
+	ld.global.u32 	%r477, [%rd1682];
+	add.s64 	%rd1683, %rd1682, %rd705;
+	add.s64 	%rd1978, %rd1683, %rd705;
+	ld.global.u32 	%r478, [%rd1683];
+	st.u32 	[%rd1979], %r475;
+	add.s64 	%rd1684, %rd1979, %rd705;
+	st.u32 	[%rd1684], %r476;
+	add.s64 	%rd1685, %rd1684, %rd705;
+	st.u32 	[%rd1685], %r477;
+	add.s64 	%rd1686, %rd1685, %rd705;
+	add.s64 	%rd1979, %rd1686, %rd705;
+	st.u32 	[%rd1686], %r478;
+	add.s64 	%rd1687, %rd1980, %rd653;
+	add.s64 	%rd1980, %rd657, %rd1687;
+	add.s64 	%rd1688, %rd1980, %rd657;
+	setp.lt.u64 	%p323, %rd1688, %rd703;
+	@%p323 bra 	$L__BB3_412;
+
+$L__BB3_413:
+	setp.ge.u64 	%p324, %rd1980, %rd703;
+	@%p324 bra 	$L__BB3_416;
+
+	add.s64 	%rd714, %rd659, %rd698;
+	add.s64 	%rd715, %rd136, %rd698;
+
+$L__BB3_415:
+	shl.b64 	%rd1689, %rd1980, 2;
+	add.s64 	%rd1690, %rd715, %rd1689;
+	ld.global.u32 	%r479, [%rd1690];
+	add.s64 	%rd1691, %rd714, %rd1689;
+	st.u32 	[%rd1691], %r479;
+	add.s64 	%rd1980, %rd1980, %rd653;
+	setp.lt.u64 	%p325, %rd1980, %rd703;
+	@%p325 bra 	$L__BB3_415;
+
+$L__BB3_416:
+	and.b64  	%rd1692, %rd702, -4;
+	add.s64 	%rd1693, %rd698, %rd651;
+	add.s64 	%rd1982, %rd1693, %rd1692;
+	setp.ge.u64 	%p326, %rd1982, %rd777;
+	@%p326 bra 	$L__BB3_455;
+
+$L__BB3_417:
+	add.s64 	%rd1694, %rd136, %rd1982;
+	ld.global.u8 	%rs148, [%rd1694];
+	add.s64 	%rd1695, %rd659, %rd1982;
+	st.u8 	[%rd1695], %rs148;
+	add.s64 	%rd1982, %rd1982, %rd653;
+	setp.lt.u64 	%p327, %rd1982, %rd777;
+	@%p327 bra 	$L__BB3_417;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_339:
+	neg.s64 	%rd1523, %rd531;
+	and.b64  	%rd593, %rd1523, 7;
+	min.u64 	%rd594, %rd593, %rd777;
+	setp.ge.u64 	%p268, %rd523, %rd594;
+	@%p268 bra 	$L__BB3_342;
+
+	mov.u64 	%rd1948, %rd523;
+
+$L__BB3_341:
+	add.s64 	%rd1524, %rd136, %rd1948;
+	ld.global.u8 	%rs129, [%rd1524];
+	add.s64 	%rd1525, %rd531, %rd1948;
+	st.u8 	[%rd1525], %rs129;
+	add.s64 	%rd1948, %rd1948, %rd525;
+	setp.lt.u64 	%p269, %rd1948, %rd594;
+	@%p269 bra 	$L__BB3_341;
+
+$L__BB3_342:
+	sub.s64 	%rd598, %rd777, %rd594;
+	shr.u64 	%rd599, %rd598, 3;
+	add.s64 	%rd600, %rd136, %rd594;
+	setp.ge.u64 	%p270, %rd530, %rd599;
+	mov.u64 	%rd1951, %rd523;
+	@%p270 bra 	$L__BB3_345;
+
+	mul.lo.s64 	%rd1526, %rd524, %rd521;
+	shl.b64 	%rd601, %rd1526, 3;
+	mul.lo.s64 	%rd1527, %rd520, %rd521;
+	shl.b64 	%rd1528, %rd1527, 3;
+	shl.b64 	%rd1529, %rd522, 3;
+	add.s64 	%rd1530, %rd1528, %rd1529;
+	add.s64 	%rd1531, %rd1530, -1;
+	not.b64 	%rd1532, %rd777;
+	not.b64 	%rd1533, %rd593;
+	max.u64 	%rd1534, %rd1533, %rd1532;
+	sub.s64 	%rd1535, %rd1531, %rd1534;
+	add.s64 	%rd1950, %rd531, %rd1535;
+	mul.lo.s64 	%rd603, %rd1526, -24;
+	mov.u64 	%rd1951, %rd523;
+
+$L__BB3_344:
+	add.s64 	%rd1536, %rd1951, %rd525;
+	shl.b64 	%rd1537, %rd1536, 3;
+	add.s64 	%rd1538, %rd600, %rd1537;
+	ld.global.v2.u32 	{%r371, %r372}, [%rd1538];
+	add.s64 	%rd1539, %rd1538, %rd601;
+	ld.global.v2.u32 	{%r375, %r376}, [%rd1539];
+	add.s64 	%rd1540, %rd1539, %rd601;
+	ld.global.v2.u32 	{%r379, %r380}, [%rd1540];
+	add.s64 	%rd1541, %rd1540, %rd603;
+	ld.global.v2.u32 	{%r383, %r384}, [%rd1541];
+	st.v2.u32 	[%rd1950], {%r383, %r384};
+	add.s64 	%rd1542, %rd1950, %rd601;
+	st.v2.u32 	[%rd1542], {%r371, %r372};
+	add.s64 	%rd1543, %rd1542, %rd601;
+	st.v2.u32 	[%rd1543], {%r375, %r376};
+	add.s64 	%rd1544, %rd1543, %rd601;
+	add.s64 	%rd1950, %rd1544, %rd601;
+	st.v2.u32 	[%rd1544], {%r379, %r380};
+	add.s64 	%rd1951, %rd529, %rd1536;
+	add.s64 	%rd1545, %rd1951, %rd529;
+	setp.lt.u64 	%p271, %rd1545, %rd599;
+	@%p271 bra 	$L__BB3_344;
+
+$L__BB3_345:
+	setp.ge.u64 	%p272, %rd1951, %rd599;
+	@%p272 bra 	$L__BB3_348;
+
+	add.s64 	%rd609, %rd531, %rd594;
+
+$L__BB3_347:
+	shl.b64 	%rd1546, %rd1951, 3;
+	add.s64 	%rd1547, %rd600, %rd1546;
+	ld.global.v2.u32 	{%r387, %r388}, [%rd1547];
+	add.s64 	%rd1548, %rd609, %rd1546;
+	st.v2.u32 	[%rd1548], {%r387, %r388};
+	add.s64 	%rd1951, %rd1951, %rd525;
+	setp.lt.u64 	%p273, %rd1951, %rd599;
+	@%p273 bra 	$L__BB3_347;
+
+$L__BB3_348:
+	and.b64  	%rd1549, %rd598, -8;
+	add.s64 	%rd1550, %rd594, %rd523;
+	add.s64 	%rd1953, %rd1550, %rd1549;
+	setp.ge.u64 	%p274, %rd1953, %rd777;
+	@%p274 bra 	$L__BB3_455;
+
+$L__BB3_349:
+	add.s64 	%rd1551, %rd136, %rd1953;
+	ld.global.u8 	%rs130, [%rd1551];
+	add.s64 	%rd1552, %rd531, %rd1953;
+	st.u8 	[%rd1552], %rs130;
+	add.s64 	%rd1953, %rd1953, %rd525;
+	setp.lt.u64 	%p275, %rd1953, %rd777;
+	@%p275 bra 	$L__BB3_349;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_271:
+	neg.s64 	%rd1376, %rd401;
+	and.b64  	%rd485, %rd1376, 15;
+	min.u64 	%rd486, %rd485, %rd777;
+	setp.ge.u64 	%p216, %rd393, %rd486;
+	@%p216 bra 	$L__BB3_274;
+
+	mov.u64 	%rd1918, %rd393;
+
+$L__BB3_273:
+	add.s64 	%rd1377, %rd136, %rd1918;
+	ld.global.u8 	%rs111, [%rd1377];
+	add.s64 	%rd1378, %rd401, %rd1918;
+	st.u8 	[%rd1378], %rs111;
+	add.s64 	%rd1918, %rd1918, %rd395;
+	setp.lt.u64 	%p217, %rd1918, %rd486;
+	@%p217 bra 	$L__BB3_273;
+
+$L__BB3_274:
+	sub.s64 	%rd490, %rd777, %rd486;
+	shr.u64 	%rd491, %rd490, 4;
+	add.s64 	%rd492, %rd136, %rd486;
+	setp.ge.u64 	%p218, %rd400, %rd491;
+	mov.u64 	%rd1921, %rd393;
+	@%p218 bra 	$L__BB3_277;
+
+	mul.lo.s64 	%rd1379, %rd394, %rd391;
+	shl.b64 	%rd493, %rd1379, 4;
+	mul.lo.s64 	%rd1380, %rd390, %rd391;
+	shl.b64 	%rd1381, %rd1380, 4;
+	shl.b64 	%rd1382, %rd392, 4;
+	add.s64 	%rd1383, %rd1381, %rd1382;
+	add.s64 	%rd1384, %rd1383, -1;
+	not.b64 	%rd1385, %rd777;
+	not.b64 	%rd1386, %rd485;
+	max.u64 	%rd1387, %rd1386, %rd1385;
+	sub.s64 	%rd1388, %rd1384, %rd1387;
+	add.s64 	%rd1920, %rd401, %rd1388;
+	neg.s64 	%rd495, %rd1379;
+	shl.b64 	%rd1396, %rd495, 4;
+	mov.u64 	%rd1921, %rd393;
+
+$L__BB3_276:
+	shl.b64 	%rd1389, %rd1921, 4;
+	add.s64 	%rd1390, %rd492, %rd1389;
+	shl.b64 	%rd1391, %rd395, 2;
+	shl.b64 	%rd1392, %rd395, 4;
+	add.s64 	%rd1393, %rd1390, %rd1392;
+	ld.global.v4.u32 	{%r305, %r306, %r307, %r308}, [%rd1393];
+	add.s64 	%rd1394, %rd1393, %rd493;
+	ld.global.v4.u32 	{%r313, %r314, %r315, %r316}, [%rd1394];
+	add.s64 	%rd1395, %rd1394, %rd493;
+	ld.global.v4.u32 	{%r321, %r322, %r323, %r324}, [%rd1395];
+	add.s64 	%rd1397, %rd1393, %rd1396;
+	ld.global.v4.u32 	{%r329, %r330, %r331, %r332}, [%rd1397];
+	st.v4.u32 	[%rd1920], {%r329, %r330, %r331, %r332};
+	add.s64 	%rd1398, %rd1920, %rd493;
+	st.v4.u32 	[%rd1398], {%r305, %r306, %r307, %r308};
+	add.s64 	%rd1399, %rd1398, %rd493;
+	st.v4.u32 	[%rd1399], {%r313, %r314, %r315, %r316};
+	add.s64 	%rd1400, %rd1399, %rd493;
+	add.s64 	%rd1920, %rd1400, %rd493;
+	st.v4.u32 	[%rd1400], {%r321, %r322, %r323, %r324};
+	add.s64 	%rd1921, %rd1391, %rd1921;
+	add.s64 	%rd1401, %rd1921, %rd399;
+	setp.lt.u64 	%p219, %rd1401, %rd491;
+	@%p219 bra 	$L__BB3_276;
+
+$L__BB3_277:
+	setp.ge.u64 	%p220, %rd1921, %rd491;
+	@%p220 bra 	$L__BB3_280;
+
+	add.s64 	%rd501, %rd401, %rd486;
+
+$L__BB3_279:
+	shl.b64 	%rd1402, %rd1921, 4;
+	add.s64 	%rd1403, %rd501, %rd1402;
+	add.s64 	%rd1404, %rd492, %rd1402;
+	ld.global.v4.u32 	{%r337, %r338, %r339, %r340}, [%rd1404];
+	st.v4.u32 	[%rd1403], {%r337, %r338, %r339, %r340};
+	add.s64 	%rd1921, %rd1921, %rd395;
+	setp.lt.u64 	%p221, %rd1921, %rd491;
+	@%p221 bra 	$L__BB3_279;
+
+$L__BB3_280:
+	and.b64  	%rd1405, %rd490, -16;
+	add.s64 	%rd1406, %rd486, %rd393;
+	add.s64 	%rd1923, %rd1406, %rd1405;
+	setp.ge.u64 	%p222, %rd1923, %rd777;
+	@%p222 bra 	$L__BB3_455;
+
+$L__BB3_281:
+	add.s64 	%rd1407, %rd136, %rd1923;
+	ld.global.u8 	%rs112, [%rd1407];
+	add.s64 	%rd1408, %rd401, %rd1923;
+	st.u8 	[%rd1408], %rs112;
+	add.s64 	%rd1923, %rd1923, %rd395;
+	setp.lt.u64 	%p223, %rd1923, %rd777;
+	@%p223 bra 	$L__BB3_281;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_192:
+	neg.s64 	%rd1199, %rd271;
+	and.b64  	%rd355, %rd1199, 15;
+	min.u64 	%rd356, %rd355, %rd777;
+	setp.ge.u64 	%p156, %rd140, %rd356;
+	@%p156 bra 	$L__BB3_195;
+
+	mov.u64 	%rd1882, %rd140;
+
+$L__BB3_194:
+	add.s64 	%rd1200, %rd136, %rd1882;
+	ld.global.u8 	%rs86, [%rd1200];
+	add.s64 	%rd1201, %rd271, %rd1882;
+	st.u8 	[%rd1201], %rs86;
+	add.s64 	%rd1882, %rd1882, %rd142;
+	setp.lt.u64 	%p157, %rd1882, %rd356;
+	@%p157 bra 	$L__BB3_194;
+
+$L__BB3_195:
+	sub.s64 	%rd360, %rd777, %rd356;
+	shr.u64 	%rd361, %rd360, 4;
+	add.s64 	%rd362, %rd136, %rd356;
+	setp.ge.u64 	%p158, %rd270, %rd361;
+	mov.u64 	%rd1885, %rd140;
+	@%p158 bra 	$L__BB3_198;
+
+	mul.lo.s64 	%rd1202, %rd141, %rd138;
+	shl.b64 	%rd363, %rd1202, 4;
+	mul.lo.s64 	%rd1203, %rd137, %rd138;
+	shl.b64 	%rd1204, %rd1203, 4;
+	shl.b64 	%rd1205, %rd139, 4;
+	add.s64 	%rd1206, %rd1204, %rd1205;
+	add.s64 	%rd1207, %rd1206, -1;
+	not.b64 	%rd1208, %rd777;
+	not.b64 	%rd1209, %rd355;
+	max.u64 	%rd1210, %rd1209, %rd1208;
+	sub.s64 	%rd1211, %rd1207, %rd1210;
+	add.s64 	%rd1884, %rd271, %rd1211;
+	mul.lo.s64 	%rd365, %rd1202, -48;
+	mov.u64 	%rd1885, %rd140;
+
+$L__BB3_197:
+	shl.b64 	%rd1212, %rd1885, 4;
+	add.s64 	%rd1213, %rd362, %rd1212;
+	shl.b64 	%rd1214, %rd142, 2;
+	shl.b64 	%rd1215, %rd142, 4;
+	add.s64 	%rd1216, %rd1213, %rd1215;
+	ld.global.v4.u32 	{%r232, %r233, %r234, %r235}, [%rd1216];
+	add.s64 	%rd1217, %rd1216, %rd363;
+	ld.global.v4.u32 	{%r240, %r241, %r242, %r243}, [%rd1217];
+	add.s64 	%rd1218, %rd1217, %rd363;
+	ld.global.v4.u32 	{%r248, %r249, %r250, %r251}, [%rd1218];
+	add.s64 	%rd1219, %rd1218, %rd365;
+	ld.global.v4.u32 	{%r256, %r257, %r258, %r259}, [%rd1219];
+	st.v4.u32 	[%rd1884], {%r256, %r257, %r258, %r259};
+	add.s64 	%rd1220, %rd1884, %rd363;
+	st.v4.u32 	[%rd1220], {%r232, %r233, %r234, %r235};
+	add.s64 	%rd1221, %rd1220, %rd363;
+	st.v4.u32 	[%rd1221], {%r240, %r241, %r242, %r243};
+	add.s64 	%rd1222, %rd1221, %rd363;
+	add.s64 	%rd1884, %rd1222, %rd363;
+	st.v4.u32 	[%rd1222], {%r248, %r249, %r250, %r251};
+	add.s64 	%rd1885, %rd1214, %rd1885;
+	add.s64 	%rd1223, %rd1885, %rd269;
+	setp.lt.u64 	%p159, %rd1223, %rd361;
+	@%p159 bra 	$L__BB3_197;
+
+$L__BB3_198:
+	setp.ge.u64 	%p160, %rd1885, %rd361;
+	@%p160 bra 	$L__BB3_201;
+
+	add.s64 	%rd371, %rd271, %rd356;
+
+$L__BB3_200:
+	shl.b64 	%rd1224, %rd1885, 4;
+	add.s64 	%rd1225, %rd371, %rd1224;
+	add.s64 	%rd1226, %rd362, %rd1224;
+	ld.global.v4.u32 	{%r264, %r265, %r266, %r267}, [%rd1226];
+	st.v4.u32 	[%rd1225], {%r264, %r265, %r266, %r267};
+	add.s64 	%rd1885, %rd1885, %rd142;
+	setp.lt.u64 	%p161, %rd1885, %rd361;
+	@%p161 bra 	$L__BB3_200;
+
+$L__BB3_201:
+	and.b64  	%rd1227, %rd360, -16;
+	add.s64 	%rd1228, %rd356, %rd140;
+	add.s64 	%rd1887, %rd1228, %rd1227;
+	setp.ge.u64 	%p162, %rd1887, %rd777;
+	@%p162 bra 	$L__BB3_455;
+
+$L__BB3_202:
+	add.s64 	%rd1229, %rd136, %rd1887;
+	ld.global.u8 	%rs87, [%rd1229];
+	add.s64 	%rd1230, %rd271, %rd1887;
+	st.u8 	[%rd1230], %rs87;
+	add.s64 	%rd1887, %rd1887, %rd142;
+	setp.lt.u64 	%p163, %rd1887, %rd777;
+	@%p163 bra 	$L__BB3_202;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_389:
+	setp.ge.u64 	%p306, %rd658, %rd777;
+	mov.u64 	%rd1966, %rd651;
+	@%p306 bra 	$L__BB3_392;
+
+	add.s64 	%rd1965, %rd136, %rd651;
+	mul.lo.s64 	%rd662, %rd652, %rd649;
+	mov.u64 	%rd1966, %rd651;
+
+$L__BB3_391:
+	ld.global.u8 	%rs134, [%rd1965];
+	add.s64 	%rd1628, %rd1965, %rd662;
+	ld.global.u8 	%rs135, [%rd1628];
+	add.s64 	%rd1629, %rd1628, %rd662;
+	ld.global.u8 	%rs136, [%rd1629];
+	add.s64 	%rd1630, %rd1629, %rd662;
+	add.s64 	%rd1965, %rd1630, %rd662;
+	ld.global.u8 	%rs137, [%rd1630];
+	add.s64 	%rd1631, %rd659, %rd1966;
+	st.u8 	[%rd1631], %rs134;
+	add.s64 	%rd1632, %rd1631, %rd662;
+	st.u8 	[%rd1632], %rs135;
+	add.s64 	%rd1633, %rd1632, %rd662;
+	st.u8 	[%rd1633], %rs136;
+	add.s64 	%rd1634, %rd1633, %rd662;
+	st.u8 	[%rd1634], %rs137;
+	add.s64 	%rd1635, %rd1966, %rd653;
+	add.s64 	%rd1966, %rd657, %rd1635;
+	add.s64 	%rd1636, %rd1966, %rd657;
+	setp.lt.u64 	%p307, %rd1636, %rd777;
+	@%p307 bra 	$L__BB3_391;
+
+$L__BB3_392:
+	setp.ge.u64 	%p308, %rd1966, %rd777;
+	@%p308 bra 	$L__BB3_394;
+
+$L__BB3_393:
+	add.s64 	%rd1637, %rd136, %rd1966;
+	ld.global.u8 	%rs138, [%rd1637];
+	add.s64 	%rd1638, %rd659, %rd1966;
+	st.u8 	[%rd1638], %rs138;
+	add.s64 	%rd1966, %rd1966, %rd653;
+	setp.lt.u64 	%p309, %rd1966, %rd777;
+	@%p309 bra 	$L__BB3_393;
+
+$L__BB3_394:
+	add.s64 	%rd1968, %rd651, %rd777;
+	setp.ge.u64 	%p310, %rd1968, %rd651;
+	@%p310 bra 	$L__BB3_455;
+
+$L__BB3_395:
+	add.s64 	%rd1639, %rd136, %rd1968;
+	ld.global.u8 	%rs139, [%rd1639];
+	add.s64 	%rd1640, %rd659, %rd1968;
+	st.u8 	[%rd1640], %rs139;
+	add.s64 	%rd1968, %rd1968, %rd653;
+	setp.lt.u64 	%p311, %rd1968, %rd777;
+	@%p311 bra 	$L__BB3_395;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_113:
+	neg.s64 	%rd1037, %rd147;
+	and.b64  	%rd231, %rd1037, 15;
+	min.u64 	%rd232, %rd231, %rd777;
+	setp.ge.u64 	%p96, %rd140, %rd232;
+	@%p96 bra 	$L__BB3_116;
+
+	mov.u64 	%rd1846, %rd140;
+
+$L__BB3_115:
+	add.s64 	%rd1038, %rd136, %rd1846;
+	ld.global.u8 	%rs57, [%rd1038];
+	add.s64 	%rd1039, %rd147, %rd1846;
+	st.u8 	[%rd1039], %rs57;
+	add.s64 	%rd1846, %rd1846, %rd142;
+	setp.lt.u64 	%p97, %rd1846, %rd232;
+	@%p97 bra 	$L__BB3_115;
+
+$L__BB3_116:
+	sub.s64 	%rd236, %rd777, %rd232;
+	shr.u64 	%rd237, %rd236, 4;
+	add.s64 	%rd238, %rd136, %rd232;
+	setp.ge.u64 	%p98, %rd146, %rd237;
+	mov.u64 	%rd1849, %rd140;
+	@%p98 bra 	$L__BB3_119;
+
+	mul.lo.s64 	%rd1040, %rd141, %rd138;
+	shl.b64 	%rd239, %rd1040, 4;
+	mul.lo.s64 	%rd1041, %rd137, %rd138;
+	shl.b64 	%rd1042, %rd1041, 4;
+	shl.b64 	%rd1043, %rd139, 4;
+	add.s64 	%rd1044, %rd1042, %rd1043;
+	add.s64 	%rd1045, %rd1044, -1;
+	not.b64 	%rd1046, %rd777;
+	not.b64 	%rd1047, %rd231;
+	max.u64 	%rd1048, %rd1047, %rd1046;
+	sub.s64 	%rd1049, %rd1045, %rd1048;
+	add.s64 	%rd1848, %rd147, %rd1049;
+	mul.lo.s64 	%rd241, %rd1040, -48;
+	mov.u64 	%rd1849, %rd140;
+
+$L__BB3_118:
+	shl.b64 	%rd1050, %rd1849, 4;
+	add.s64 	%rd1051, %rd238, %rd1050;
+	shl.b64 	%rd1052, %rd142, 2;
+	shl.b64 	%rd1053, %rd142, 4;
+	add.s64 	%rd1054, %rd1051, %rd1053;
+	ld.global.v4.u32 	{%r167, %r168, %r169, %r170}, [%rd1054];
+	add.s64 	%rd1055, %rd1054, %rd239;
+	ld.global.v4.u32 	{%r175, %r176, %r177, %r178}, [%rd1055];
+	add.s64 	%rd1056, %rd1055, %rd239;
+	ld.global.v4.u32 	{%r183, %r184, %r185, %r186}, [%rd1056];
+	add.s64 	%rd1057, %rd1056, %rd241;
+	ld.global.v4.u32 	{%r191, %r192, %r193, %r194}, [%rd1057];
+	st.v4.u32 	[%rd1848], {%r191, %r192, %r193, %r194};
+	add.s64 	%rd1058, %rd1848, %rd239;
+	st.v4.u32 	[%rd1058], {%r167, %r168, %r169, %r170};
+	add.s64 	%rd1059, %rd1058, %rd239;
+	st.v4.u32 	[%rd1059], {%r175, %r176, %r177, %r178};
+	add.s64 	%rd1060, %rd1059, %rd239;
+	add.s64 	%rd1848, %rd1060, %rd239;
+	st.v4.u32 	[%rd1060], {%r183, %r184, %r185, %r186};
+	add.s64 	%rd1849, %rd1052, %rd1849;
+	add.s64 	%rd1061, %rd1849, %rd145;
+	setp.lt.u64 	%p99, %rd1061, %rd237;
+	@%p99 bra 	$L__BB3_118;
+
+$L__BB3_119:
+	setp.ge.u64 	%p100, %rd1849, %rd237;
+	@%p100 bra 	$L__BB3_122;
+
+	add.s64 	%rd247, %rd147, %rd232;
+
+$L__BB3_121:
+	shl.b64 	%rd1062, %rd1849, 4;
+	add.s64 	%rd1063, %rd247, %rd1062;
+	add.s64 	%rd1064, %rd238, %rd1062;
+	ld.global.v4.u32 	{%r199, %r200, %r201, %r202}, [%rd1064];
+	st.v4.u32 	[%rd1063], {%r199, %r200, %r201, %r202};
+	add.s64 	%rd1849, %rd1849, %rd142;
+	setp.lt.u64 	%p101, %rd1849, %rd237;
+	@%p101 bra 	$L__BB3_121;
+
+$L__BB3_122:
+	and.b64  	%rd1065, %rd236, -16;
+	add.s64 	%rd1066, %rd232, %rd140;
+	add.s64 	%rd1851, %rd1066, %rd1065;
+	setp.ge.u64 	%p102, %rd1851, %rd777;
+	@%p102 bra 	$L__BB3_455;
+
+$L__BB3_123:
+	add.s64 	%rd1067, %rd136, %rd1851;
+	ld.global.u8 	%rs58, [%rd1067];
+	add.s64 	%rd1068, %rd147, %rd1851;
+	st.u8 	[%rd1068], %rs58;
+	add.s64 	%rd1851, %rd1851, %rd142;
+	setp.lt.u64 	%p103, %rd1851, %rd777;
+	@%p103 bra 	$L__BB3_123;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_328:
+	neg.s64 	%rd1495, %rd531;
+	and.b64  	%rd569, %rd1495, 3;
+	min.u64 	%rd570, %rd569, %rd777;
+	setp.ge.u64 	%p260, %rd523, %rd570;
+	@%p260 bra 	$L__BB3_331;
+
+	mov.u64 	%rd1941, %rd523;
+
+$L__BB3_330:
+	add.s64 	%rd1496, %rd136, %rd1941;
+	ld.global.u8 	%rs127, [%rd1496];
+	add.s64 	%rd1497, %rd531, %rd1941;
+	st.u8 	[%rd1497], %rs127;
+	add.s64 	%rd1941, %rd1941, %rd525;
+	setp.lt.u64 	%p261, %rd1941, %rd570;
+	@%p261 bra 	$L__BB3_330;
+
+$L__BB3_331:
+	sub.s64 	%rd574, %rd777, %rd570;
+	shr.u64 	%rd575, %rd574, 2;
+	setp.ge.u64 	%p262, %rd530, %rd575;
+	mov.u64 	%rd1945, %rd523;
+	@%p262 bra 	$L__BB3_334;
+
+	mul.lo.s64 	%rd1498, %rd520, %rd521;
+	shl.b64 	%rd1499, %rd1498, 2;
+	shl.b64 	%rd1500, %rd522, 2;
+	add.s64 	%rd1501, %rd1499, %rd1500;
+	add.s64 	%rd1502, %rd1501, -1;
+	not.b64 	%rd1503, %rd777;
+	not.b64 	%rd1504, %rd569;
+	max.u64 	%rd1505, %rd1504, %rd1503;
+	sub.s64 	%rd1506, %rd1502, %rd1505;
+	add.s64 	%rd1943, %rd136, %rd1506;
+	mul.lo.s64 	%rd1507, %rd524, %rd521;
+	shl.b64 	%rd577, %rd1507, 2;
+	add.s64 	%rd1944, %rd531, %rd1506;
+	mov.u64 	%rd1945, %rd523;
+
+$L__BB3_333:
+	ld.global.u32 	%r366, [%rd1943];
+	add.s64 	%rd1508, %rd1943, %rd577;
+	ld.global.u32 	%r367, [%rd1508];
+	add.s64 	%rd1509, %rd1508, %rd577;
+	ld.global.u32 	%r368, [%rd1509];
+	add.s64 	%rd1510, %rd1509, %rd577;
+	add.s64 	%rd1943, %rd1510, %rd577;
+	ld.global.u32 	%r369, [%rd1510];
+	st.u32 	[%rd1944], %r366;
+	add.s64 	%rd1511, %rd1944, %rd577;
+	st.u32 	[%rd1511], %r367;
+	add.s64 	%rd1512, %rd1511, %rd577;
+	st.u32 	[%rd1512], %r368;
+	add.s64 	%rd1513, %rd1512, %rd577;
+	add.s64 	%rd1944, %rd1513, %rd577;
+	st.u32 	[%rd1513], %r369;
+	add.s64 	%rd1514, %rd1945, %rd525;
+	add.s64 	%rd1945, %rd529, %rd1514;
+	add.s64 	%rd1515, %rd1945, %rd529;
+	setp.lt.u64 	%p263, %rd1515, %rd575;
+	@%p263 bra 	$L__BB3_333;
+
+$L__BB3_334:
+	setp.ge.u64 	%p264, %rd1945, %rd575;
+	@%p264 bra 	$L__BB3_337;
+
+	add.s64 	%rd586, %rd531, %rd570;
+	add.s64 	%rd587, %rd136, %rd570;
+
+$L__BB3_336:
+	shl.b64 	%rd1516, %rd1945, 2;
+	add.s64 	%rd1517, %rd587, %rd1516;
+	ld.global.u32 	%r370, [%rd1517];
+	add.s64 	%rd1518, %rd586, %rd1516;
+	st.u32 	[%rd1518], %r370;
+	add.s64 	%rd1945, %rd1945, %rd525;
+	setp.lt.u64 	%p265, %rd1945, %rd575;
+	@%p265 bra 	$L__BB3_336;
+
+$L__BB3_337:
+	and.b64  	%rd1519, %rd574, -4;
+	add.s64 	%rd1520, %rd570, %rd523;
+	add.s64 	%rd1947, %rd1520, %rd1519;
+	setp.ge.u64 	%p266, %rd1947, %rd777;
+	@%p266 bra 	$L__BB3_455;
+
+$L__BB3_338:
+	add.s64 	%rd1521, %rd136, %rd1947;
+	ld.global.u8 	%rs128, [%rd1521];
+	add.s64 	%rd1522, %rd531, %rd1947;
+	st.u8 	[%rd1522], %rs128;
+	add.s64 	%rd1947, %rd1947, %rd525;
+	setp.lt.u64 	%p267, %rd1947, %rd777;
+	@%p267 bra 	$L__BB3_338;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_260:
+	neg.s64 	%rd1345, %rd401;
+	and.b64  	%rd463, %rd1345, 7;
+	min.u64 	%rd464, %rd463, %rd777;
+	setp.ge.u64 	%p208, %rd393, %rd464;
+	@%p208 bra 	$L__BB3_263;
+
+	mov.u64 	%rd1912, %rd393;
+
+$L__BB3_262:
+	add.s64 	%rd1346, %rd136, %rd1912;
+	ld.global.u8 	%rs109, [%rd1346];
+	add.s64 	%rd1347, %rd401, %rd1912;
+	st.u8 	[%rd1347], %rs109;
+	add.s64 	%rd1912, %rd1912, %rd395;
+	setp.lt.u64 	%p209, %rd1912, %rd464;
+	@%p209 bra 	$L__BB3_262;
+
+$L__BB3_263:
+	sub.s64 	%rd468, %rd777, %rd464;
+	shr.u64 	%rd469, %rd468, 3;
+	add.s64 	%rd470, %rd136, %rd464;
+	setp.ge.u64 	%p210, %rd400, %rd469;
+	mov.u64 	%rd1915, %rd393;
+	@%p210 bra 	$L__BB3_266;
+
+	mul.lo.s64 	%rd1348, %rd394, %rd391;
+	shl.b64 	%rd471, %rd1348, 3;
+	mul.lo.s64 	%rd1349, %rd390, %rd391;
+	shl.b64 	%rd1350, %rd1349, 3;
+	shl.b64 	%rd1351, %rd392, 3;
+	add.s64 	%rd1352, %rd1350, %rd1351;
+	add.s64 	%rd1353, %rd1352, -1;
+	not.b64 	%rd1354, %rd777;
+	not.b64 	%rd1355, %rd463;
+	max.u64 	%rd1356, %rd1355, %rd1354;
+	sub.s64 	%rd1357, %rd1353, %rd1356;
+	add.s64 	%rd1914, %rd401, %rd1357;
+	shl.b64 	%rd1358, %rd1348, 4;
+	neg.s64 	%rd473, %rd1358;
+	mov.u64 	%rd1915, %rd393;
+
+$L__BB3_265:
+	add.s64 	%rd1359, %rd1915, %rd395;
+	shl.b64 	%rd1360, %rd1359, 3;
+	add.s64 	%rd1361, %rd470, %rd1360;
+	ld.global.v2.u32 	{%r285, %r286}, [%rd1361];
+	add.s64 	%rd1362, %rd1361, %rd471;
+	ld.global.v2.u32 	{%r289, %r290}, [%rd1362];
+	add.s64 	%rd1363, %rd1362, %rd471;
+	ld.global.v2.u32 	{%r293, %r294}, [%rd1363];
+	add.s64 	%rd1364, %rd1362, %rd473;
+	ld.global.v2.u32 	{%r297, %r298}, [%rd1364];
+	st.v2.u32 	[%rd1914], {%r297, %r298};
+	add.s64 	%rd1365, %rd1914, %rd471;
+	st.v2.u32 	[%rd1365], {%r285, %r286};
+	add.s64 	%rd1366, %rd1365, %rd471;
+	st.v2.u32 	[%rd1366], {%r289, %r290};
+	add.s64 	%rd1367, %rd1366, %rd471;
+	add.s64 	%rd1914, %rd1367, %rd471;
+	st.v2.u32 	[%rd1367], {%r293, %r294};
+	add.s64 	%rd1915, %rd399, %rd1359;
+	add.s64 	%rd1368, %rd1915, %rd399;
+	setp.lt.u64 	%p211, %rd1368, %rd469;
+	@%p211 bra 	$L__BB3_265;
+
+$L__BB3_266:
+	setp.ge.u64 	%p212, %rd1915, %rd469;
+	@%p212 bra 	$L__BB3_269;
+
+	add.s64 	%rd479, %rd401, %rd464;
+
+$L__BB3_268:
+	shl.b64 	%rd1369, %rd1915, 3;
+	add.s64 	%rd1370, %rd470, %rd1369;
+	ld.global.v2.u32 	{%r301, %r302}, [%rd1370];
+	add.s64 	%rd1371, %rd479, %rd1369;
+	st.v2.u32 	[%rd1371], {%r301, %r302};
+	add.s64 	%rd1915, %rd1915, %rd395;
+	setp.lt.u64 	%p213, %rd1915, %rd469;
+	@%p213 bra 	$L__BB3_268;
+
+$L__BB3_269:
+	and.b64  	%rd1372, %rd468, -8;
+	add.s64 	%rd1373, %rd464, %rd393;
+	add.s64 	%rd1917, %rd1373, %rd1372;
+	setp.ge.u64 	%p214, %rd1917, %rd777;
+	@%p214 bra 	$L__BB3_455;
+
+$L__BB3_270:
+	add.s64 	%rd1374, %rd136, %rd1917;
+	ld.global.u8 	%rs110, [%rd1374];
+	add.s64 	%rd1375, %rd401, %rd1917;
+	st.u8 	[%rd1375], %rs110;
+	add.s64 	%rd1917, %rd1917, %rd395;
+	setp.lt.u64 	%p215, %rd1917, %rd777;
+	@%p215 bra 	$L__BB3_270;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_181:
+	neg.s64 	%rd1168, %rd271;
+	and.b64  	%rd333, %rd1168, 7;
+	min.u64 	%rd334, %rd333, %rd777;
+	setp.ge.u64 	%p148, %rd140, %rd334;
+	@%p148 bra 	$L__BB3_184;
+
+	mov.u64 	%rd1876, %rd140;
+
+$L__BB3_183:
+	add.s64 	%rd1169, %rd136, %rd1876;
+	ld.global.u8 	%rs84, [%rd1169];
+	add.s64 	%rd1170, %rd271, %rd1876;
+	st.u8 	[%rd1170], %rs84;
+	add.s64 	%rd1876, %rd1876, %rd142;
+	setp.lt.u64 	%p149, %rd1876, %rd334;
+	@%p149 bra 	$L__BB3_183;
+
+$L__BB3_184:
+	sub.s64 	%rd338, %rd777, %rd334;
+	shr.u64 	%rd339, %rd338, 3;
+	add.s64 	%rd340, %rd136, %rd334;
+	setp.ge.u64 	%p150, %rd270, %rd339;
+	mov.u64 	%rd1879, %rd140;
+	@%p150 bra 	$L__BB3_187;
+
+	mul.lo.s64 	%rd1171, %rd141, %rd138;
+	shl.b64 	%rd341, %rd1171, 3;
+	mul.lo.s64 	%rd1172, %rd137, %rd138;
+	shl.b64 	%rd1173, %rd1172, 3;
+	shl.b64 	%rd1174, %rd139, 3;
+	add.s64 	%rd1175, %rd1173, %rd1174;
+	add.s64 	%rd1176, %rd1175, -1;
+	not.b64 	%rd1177, %rd777;
+	not.b64 	%rd1178, %rd333;
+	max.u64 	%rd1179, %rd1178, %rd1177;
+	sub.s64 	%rd1180, %rd1176, %rd1179;
+	add.s64 	%rd1878, %rd271, %rd1180;
+	neg.s64 	%rd343, %rd1171;
+	shl.b64 	%rd1186, %rd343, 3;
+	mov.u64 	%rd1879, %rd140;
+
+$L__BB3_186:
+	add.s64 	%rd1181, %rd1879, %rd142;
+	shl.b64 	%rd1182, %rd1181, 3;
+	add.s64 	%rd1183, %rd340, %rd1182;
+	ld.global.v2.u32 	{%r212, %r213}, [%rd1183];
+	add.s64 	%rd1184, %rd1183, %rd341;
+	ld.global.v2.u32 	{%r216, %r217}, [%rd1184];
+	add.s64 	%rd1185, %rd1184, %rd341;
+	ld.global.v2.u32 	{%r220, %r221}, [%rd1185];
+	add.s64 	%rd1187, %rd1183, %rd1186;
+	ld.global.v2.u32 	{%r224, %r225}, [%rd1187];
+	st.v2.u32 	[%rd1878], {%r224, %r225};
+	add.s64 	%rd1188, %rd1878, %rd341;
+	st.v2.u32 	[%rd1188], {%r212, %r213};
+	add.s64 	%rd1189, %rd1188, %rd341;
+	st.v2.u32 	[%rd1189], {%r216, %r217};
+	add.s64 	%rd1190, %rd1189, %rd341;
+	add.s64 	%rd1878, %rd1190, %rd341;
+	st.v2.u32 	[%rd1190], {%r220, %r221};
+	add.s64 	%rd1879, %rd269, %rd1181;
+	add.s64 	%rd1191, %rd1879, %rd269;
+	setp.lt.u64 	%p151, %rd1191, %rd339;
+	@%p151 bra 	$L__BB3_186;
+
+$L__BB3_187:
+	setp.ge.u64 	%p152, %rd1879, %rd339;
+	@%p152 bra 	$L__BB3_190;
+
+	add.s64 	%rd349, %rd271, %rd334;
+
+$L__BB3_189:
+	shl.b64 	%rd1192, %rd1879, 3;
+	add.s64 	%rd1193, %rd340, %rd1192;
+	ld.global.v2.u32 	{%r228, %r229}, [%rd1193];
+	add.s64 	%rd1194, %rd349, %rd1192;
+	st.v2.u32 	[%rd1194], {%r228, %r229};
+	add.s64 	%rd1879, %rd1879, %rd142;
+	setp.lt.u64 	%p153, %rd1879, %rd339;
+	@%p153 bra 	$L__BB3_189;
+
+$L__BB3_190:
+	and.b64  	%rd1195, %rd338, -8;
+	add.s64 	%rd1196, %rd334, %rd140;
+	add.s64 	%rd1881, %rd1196, %rd1195;
+	setp.ge.u64 	%p154, %rd1881, %rd777;
+	@%p154 bra 	$L__BB3_455;
+
+$L__BB3_191:
+	add.s64 	%rd1197, %rd136, %rd1881;
+	ld.global.u8 	%rs85, [%rd1197];
+	add.s64 	%rd1198, %rd271, %rd1881;
+	st.u8 	[%rd1198], %rs85;
+	add.s64 	%rd1881, %rd1881, %rd142;
+	setp.lt.u64 	%p155, %rd1881, %rd777;
+	@%p155 bra 	$L__BB3_191;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_310:
+	setp.ge.u64 	%p246, %rd530, %rd777;
+	mov.u64 	%rd1931, %rd523;
+	@%p246 bra 	$L__BB3_313;
+
+	add.s64 	%rd1930, %rd136, %rd523;
+	mul.lo.s64 	%rd534, %rd524, %rd521;
+	mov.u64 	%rd1931, %rd523;
+
+$L__BB3_312:
+	ld.global.u8 	%rs114, [%rd1930];
+	add.s64 	%rd1455, %rd1930, %rd534;
+	ld.global.u8 	%rs115, [%rd1455];
+	add.s64 	%rd1456, %rd1455, %rd534;
+	ld.global.u8 	%rs116, [%rd1456];
+	add.s64 	%rd1457, %rd1456, %rd534;
+	add.s64 	%rd1930, %rd1457, %rd534;
+	ld.global.u8 	%rs117, [%rd1457];
+	add.s64 	%rd1458, %rd531, %rd1931;
+	st.u8 	[%rd1458], %rs114;
+	add.s64 	%rd1459, %rd1458, %rd534;
+	st.u8 	[%rd1459], %rs115;
+	add.s64 	%rd1460, %rd1459, %rd534;
+	st.u8 	[%rd1460], %rs116;
+	add.s64 	%rd1461, %rd1460, %rd534;
+	st.u8 	[%rd1461], %rs117;
+	add.s64 	%rd1462, %rd1931, %rd525;
+	add.s64 	%rd1931, %rd529, %rd1462;
+	add.s64 	%rd1463, %rd1931, %rd529;
+	setp.lt.u64 	%p247, %rd1463, %rd777;
+	@%p247 bra 	$L__BB3_312;
+
+$L__BB3_313:
+	setp.ge.u64 	%p248, %rd1931, %rd777;
+	@%p248 bra 	$L__BB3_315;
+
+$L__BB3_314:
+	add.s64 	%rd1464, %rd136, %rd1931;
+	ld.global.u8 	%rs118, [%rd1464];
+	add.s64 	%rd1465, %rd531, %rd1931;
+	st.u8 	[%rd1465], %rs118;
+	add.s64 	%rd1931, %rd1931, %rd525;
+	setp.lt.u64 	%p249, %rd1931, %rd777;
+	@%p249 bra 	$L__BB3_314;
+
+$L__BB3_315:
+	add.s64 	%rd1933, %rd523, %rd777;
+	setp.ge.u64 	%p250, %rd1933, %rd523;
+	@%p250 bra 	$L__BB3_455;
+
+$L__BB3_316:
+	add.s64 	%rd1466, %rd136, %rd1933;
+	ld.global.u8 	%rs119, [%rd1466];
+	add.s64 	%rd1467, %rd531, %rd1933;
+	st.u8 	[%rd1467], %rs119;
+	add.s64 	%rd1933, %rd1933, %rd525;
+	setp.lt.u64 	%p251, %rd1933, %rd777;
+	@%p251 bra 	$L__BB3_316;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_102:
+	neg.s64 	%rd1006, %rd147;
+	and.b64  	%rd209, %rd1006, 7;
+	min.u64 	%rd210, %rd209, %rd777;
+	setp.ge.u64 	%p88, %rd140, %rd210;
+	@%p88 bra 	$L__BB3_105;
+
+	mov.u64 	%rd1840, %rd140;
+
+$L__BB3_104:
+	add.s64 	%rd1007, %rd136, %rd1840;
+	ld.global.u8 	%rs55, [%rd1007];
+	add.s64 	%rd1008, %rd147, %rd1840;
+	st.u8 	[%rd1008], %rs55;
+	add.s64 	%rd1840, %rd1840, %rd142;
+	setp.lt.u64 	%p89, %rd1840, %rd210;
+	@%p89 bra 	$L__BB3_104;
+
+$L__BB3_105:
+	sub.s64 	%rd214, %rd777, %rd210;
+	shr.u64 	%rd215, %rd214, 3;
+	add.s64 	%rd216, %rd136, %rd210;
+	setp.ge.u64 	%p90, %rd146, %rd215;
+	mov.u64 	%rd1843, %rd140;
+	@%p90 bra 	$L__BB3_108;
+
+	mul.lo.s64 	%rd1009, %rd141, %rd138;
+	shl.b64 	%rd217, %rd1009, 3;
+	mul.lo.s64 	%rd1010, %rd137, %rd138;
+	shl.b64 	%rd1011, %rd1010, 3;
+	shl.b64 	%rd1012, %rd139, 3;
+	add.s64 	%rd1013, %rd1011, %rd1012;
+	add.s64 	%rd1014, %rd1013, -1;
+	not.b64 	%rd1015, %rd777;
+	not.b64 	%rd1016, %rd209;
+	max.u64 	%rd1017, %rd1016, %rd1015;
+	sub.s64 	%rd1018, %rd1014, %rd1017;
+	add.s64 	%rd1842, %rd147, %rd1018;
+	neg.s64 	%rd219, %rd1009;
+	shl.b64 	%rd1024, %rd219, 3;
+	mov.u64 	%rd1843, %rd140;
+
+$L__BB3_107:
+	add.s64 	%rd1019, %rd1843, %rd142;
+	shl.b64 	%rd1020, %rd1019, 3;
+	add.s64 	%rd1021, %rd216, %rd1020;
+	ld.global.v2.u32 	{%r147, %r148}, [%rd1021];
+	add.s64 	%rd1022, %rd1021, %rd217;
+	ld.global.v2.u32 	{%r151, %r152}, [%rd1022];
+	add.s64 	%rd1023, %rd1022, %rd217;
+	ld.global.v2.u32 	{%r155, %r156}, [%rd1023];
+	add.s64 	%rd1025, %rd1021, %rd1024;
+	ld.global.v2.u32 	{%r159, %r160}, [%rd1025];
+	st.v2.u32 	[%rd1842], {%r159, %r160};
+	add.s64 	%rd1026, %rd1842, %rd217;
+	st.v2.u32 	[%rd1026], {%r147, %r148};
+	add.s64 	%rd1027, %rd1026, %rd217;
+	st.v2.u32 	[%rd1027], {%r151, %r152};
+	add.s64 	%rd1028, %rd1027, %rd217;
+	add.s64 	%rd1842, %rd1028, %rd217;
+	st.v2.u32 	[%rd1028], {%r155, %r156};
+	add.s64 	%rd1843, %rd145, %rd1019;
+	add.s64 	%rd1029, %rd1843, %rd145;
+	setp.lt.u64 	%p91, %rd1029, %rd215;
+	@%p91 bra 	$L__BB3_107;
+
+$L__BB3_108:
+	setp.ge.u64 	%p92, %rd1843, %rd215;
+	@%p92 bra 	$L__BB3_111;
+
+	add.s64 	%rd225, %rd147, %rd210;
+
+$L__BB3_110:
+	shl.b64 	%rd1030, %rd1843, 3;
+	add.s64 	%rd1031, %rd216, %rd1030;
+	ld.global.v2.u32 	{%r163, %r164}, [%rd1031];
+	add.s64 	%rd1032, %rd225, %rd1030;
+	st.v2.u32 	[%rd1032], {%r163, %r164};
+	add.s64 	%rd1843, %rd1843, %rd142;
+	setp.lt.u64 	%p93, %rd1843, %rd215;
+	@%p93 bra 	$L__BB3_110;
+
+$L__BB3_111:
+	and.b64  	%rd1033, %rd214, -8;
+	add.s64 	%rd1034, %rd210, %rd140;
+	add.s64 	%rd1845, %rd1034, %rd1033;
+	setp.ge.u64 	%p94, %rd1845, %rd777;
+	@%p94 bra 	$L__BB3_455;
+
+$L__BB3_112:
+	add.s64 	%rd1035, %rd136, %rd1845;
+	ld.global.u8 	%rs56, [%rd1035];
+	add.s64 	%rd1036, %rd147, %rd1845;
+	st.u8 	[%rd1036], %rs56;
+	add.s64 	%rd1845, %rd1845, %rd142;
+	setp.lt.u64 	%p95, %rd1845, %rd777;
+	@%p95 bra 	$L__BB3_112;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_249:
+	neg.s64 	%rd1317, %rd401;
+	and.b64  	%rd439, %rd1317, 3;
+	min.u64 	%rd440, %rd439, %rd777;
+	setp.ge.u64 	%p200, %rd393, %rd440;
+	@%p200 bra 	$L__BB3_252;
+
+	mov.u64 	%rd1905, %rd393;
+
+$L__BB3_251:
+	add.s64 	%rd1318, %rd136, %rd1905;
+	ld.global.u8 	%rs107, [%rd1318];
+	add.s64 	%rd1319, %rd401, %rd1905;
+	st.u8 	[%rd1319], %rs107;
+	add.s64 	%rd1905, %rd1905, %rd395;
+	setp.lt.u64 	%p201, %rd1905, %rd440;
+	@%p201 bra 	$L__BB3_251;
+
+$L__BB3_252:
+	sub.s64 	%rd444, %rd777, %rd440;
+	shr.u64 	%rd445, %rd444, 2;
+	setp.ge.u64 	%p202, %rd400, %rd445;
+	mov.u64 	%rd1909, %rd393;
+	@%p202 bra 	$L__BB3_255;
+
+	mul.lo.s64 	%rd1320, %rd390, %rd391;
+	shl.b64 	%rd1321, %rd1320, 2;
+	shl.b64 	%rd1322, %rd392, 2;
+	add.s64 	%rd1323, %rd1321, %rd1322;
+	add.s64 	%rd1324, %rd1323, -1;
+	not.b64 	%rd1325, %rd777;
+	not.b64 	%rd1326, %rd439;
+	max.u64 	%rd1327, %rd1326, %rd1325;
+	sub.s64 	%rd1328, %rd1324, %rd1327;
+	add.s64 	%rd1907, %rd136, %rd1328;
+	mul.lo.s64 	%rd1329, %rd394, %rd391;
+	shl.b64 	%rd447, %rd1329, 2;
+	add.s64 	%rd1908, %rd401, %rd1328;
+	mov.u64 	%rd1909, %rd393;
+
+$L__BB3_254:
+	ld.global.u32 	%r280, [%rd1907];
+	add.s64 	%rd1330, %rd1907, %rd447;
+	ld.global.u32 	%r281, [%rd1330];
+	add.s64 	%rd1331, %rd1330, %rd447;
+	ld.global.u32 	%r282, [%rd1331];
+	add.s64 	%rd1332, %rd1331, %rd447;
+	add.s64 	%rd1907, %rd1332, %rd447;
+	ld.global.u32 	%r283, [%rd1332];
+	st.u32 	[%rd1908], %r280;
+	add.s64 	%rd1333, %rd1908, %rd447;
+	st.u32 	[%rd1333], %r281;
+	add.s64 	%rd1334, %rd1333, %rd447;
+	st.u32 	[%rd1334], %r282;
+	add.s64 	%rd1335, %rd1334, %rd447;
+	add.s64 	%rd1908, %rd1335, %rd447;
+	st.u32 	[%rd1335], %r283;
+	add.s64 	%rd1336, %rd1909, %rd395;
+	add.s64 	%rd1909, %rd399, %rd1336;
+	add.s64 	%rd1337, %rd1909, %rd399;
+	setp.lt.u64 	%p203, %rd1337, %rd445;
+	@%p203 bra 	$L__BB3_254;
+
+$L__BB3_255:
+	setp.ge.u64 	%p204, %rd1909, %rd445;
+	@%p204 bra 	$L__BB3_258;
+
+	add.s64 	%rd456, %rd401, %rd440;
+	add.s64 	%rd457, %rd136, %rd440;
+
+$L__BB3_257:
+	shl.b64 	%rd1338, %rd1909, 2;
+	add.s64 	%rd1339, %rd457, %rd1338;
+	ld.global.u32 	%r284, [%rd1339];
+	add.s64 	%rd1340, %rd456, %rd1338;
+	st.u32 	[%rd1340], %r284;
+	add.s64 	%rd1909, %rd1909, %rd395;
+	setp.lt.u64 	%p205, %rd1909, %rd445;
+	@%p205 bra 	$L__BB3_257;
+
+$L__BB3_258:
+	and.b64  	%rd1341, %rd444, -4;
+	add.s64 	%rd1342, %rd440, %rd393;
+	add.s64 	%rd1911, %rd1342, %rd1341;
+	setp.ge.u64 	%p206, %rd1911, %rd777;
+	@%p206 bra 	$L__BB3_455;
+
+$L__BB3_259:
+	add.s64 	%rd1343, %rd136, %rd1911;
+	ld.global.u8 	%rs108, [%rd1343];
+	add.s64 	%rd1344, %rd401, %rd1911;
+	st.u8 	[%rd1344], %rs108;
+	add.s64 	%rd1911, %rd1911, %rd395;
+	setp.lt.u64 	%p207, %rd1911, %rd777;
+	@%p207 bra 	$L__BB3_259;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_170:
+	neg.s64 	%rd1140, %rd271;
+	and.b64  	%rd309, %rd1140, 3;
+	min.u64 	%rd310, %rd309, %rd777;
+	setp.ge.u64 	%p140, %rd140, %rd310;
+	@%p140 bra 	$L__BB3_173;
+
+	mov.u64 	%rd1869, %rd140;
+
+$L__BB3_172:
+	add.s64 	%rd1141, %rd136, %rd1869;
+	ld.global.u8 	%rs82, [%rd1141];
+	add.s64 	%rd1142, %rd271, %rd1869;
+	st.u8 	[%rd1142], %rs82;
+	add.s64 	%rd1869, %rd1869, %rd142;
+	setp.lt.u64 	%p141, %rd1869, %rd310;
+	@%p141 bra 	$L__BB3_172;
+
+$L__BB3_173:
+	sub.s64 	%rd314, %rd777, %rd310;
+	shr.u64 	%rd315, %rd314, 2;
+	setp.ge.u64 	%p142, %rd270, %rd315;
+	mov.u64 	%rd1873, %rd140;
+	@%p142 bra 	$L__BB3_176;
+
+	mul.lo.s64 	%rd1143, %rd137, %rd138;
+	shl.b64 	%rd1144, %rd1143, 2;
+	shl.b64 	%rd1145, %rd139, 2;
+	add.s64 	%rd1146, %rd1144, %rd1145;
+	add.s64 	%rd1147, %rd1146, -1;
+	not.b64 	%rd1148, %rd777;
+	not.b64 	%rd1149, %rd309;
+	max.u64 	%rd1150, %rd1149, %rd1148;
+	sub.s64 	%rd1151, %rd1147, %rd1150;
+	add.s64 	%rd1871, %rd136, %rd1151;
+	mul.lo.s64 	%rd1152, %rd141, %rd138;
+	shl.b64 	%rd317, %rd1152, 2;
+	add.s64 	%rd1872, %rd271, %rd1151;
+	mov.u64 	%rd1873, %rd140;
+
+$L__BB3_175:
+	ld.global.u32 	%r207, [%rd1871];
+	add.s64 	%rd1153, %rd1871, %rd317;
+	ld.global.u32 	%r208, [%rd1153];
+	add.s64 	%rd1154, %rd1153, %rd317;
+	ld.global.u32 	%r209, [%rd1154];
+	add.s64 	%rd1155, %rd1154, %rd317;
+	add.s64 	%rd1871, %rd1155, %rd317;
+	ld.global.u32 	%r210, [%rd1155];
+	st.u32 	[%rd1872], %r207;
+	add.s64 	%rd1156, %rd1872, %rd317;
+	st.u32 	[%rd1156], %r208;
+	add.s64 	%rd1157, %rd1156, %rd317;
+	st.u32 	[%rd1157], %r209;
+	add.s64 	%rd1158, %rd1157, %rd317;
+	add.s64 	%rd1872, %rd1158, %rd317;
+	st.u32 	[%rd1158], %r210;
+	add.s64 	%rd1159, %rd1873, %rd142;
+	add.s64 	%rd1873, %rd269, %rd1159;
+	add.s64 	%rd1160, %rd1873, %rd269;
+	setp.lt.u64 	%p143, %rd1160, %rd315;
+	@%p143 bra 	$L__BB3_175;
+
+$L__BB3_176:
+	setp.ge.u64 	%p144, %rd1873, %rd315;
+	@%p144 bra 	$L__BB3_179;
+
+	add.s64 	%rd326, %rd271, %rd310;
+	add.s64 	%rd327, %rd136, %rd310;
+
+$L__BB3_178:
+	shl.b64 	%rd1161, %rd1873, 2;
+	add.s64 	%rd1162, %rd327, %rd1161;
+	ld.global.u32 	%r211, [%rd1162];
+	add.s64 	%rd1163, %rd326, %rd1161;
+	st.u32 	[%rd1163], %r211;
+	add.s64 	%rd1873, %rd1873, %rd142;
+	setp.lt.u64 	%p145, %rd1873, %rd315;
+	@%p145 bra 	$L__BB3_178;
+
+$L__BB3_179:
+	and.b64  	%rd1164, %rd314, -4;
+	add.s64 	%rd1165, %rd310, %rd140;
+	add.s64 	%rd1875, %rd1165, %rd1164;
+	setp.ge.u64 	%p146, %rd1875, %rd777;
+	@%p146 bra 	$L__BB3_455;
+
+$L__BB3_180:
+	add.s64 	%rd1166, %rd136, %rd1875;
+	ld.global.u8 	%rs83, [%rd1166];
+	add.s64 	%rd1167, %rd271, %rd1875;
+	st.u8 	[%rd1167], %rs83;
+	add.s64 	%rd1875, %rd1875, %rd142;
+	setp.lt.u64 	%p147, %rd1875, %rd777;
+	@%p147 bra 	$L__BB3_180;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_231:
+	setp.ge.u64 	%p186, %rd400, %rd777;
+	mov.u64 	%rd1895, %rd393;
+	@%p186 bra 	$L__BB3_234;
+
+	add.s64 	%rd1894, %rd136, %rd393;
+	mul.lo.s64 	%rd404, %rd394, %rd391;
+	mov.u64 	%rd1895, %rd393;
+
+$L__BB3_233:
+	ld.global.u8 	%rs94, [%rd1894];
+	add.s64 	%rd1277, %rd1894, %rd404;
+	ld.global.u8 	%rs95, [%rd1277];
+	add.s64 	%rd1278, %rd1277, %rd404;
+	ld.global.u8 	%rs96, [%rd1278];
+	add.s64 	%rd1279, %rd1278, %rd404;
+	add.s64 	%rd1894, %rd1279, %rd404;
+	ld.global.u8 	%rs97, [%rd1279];
+	add.s64 	%rd1280, %rd401, %rd1895;
+	st.u8 	[%rd1280], %rs94;
+	add.s64 	%rd1281, %rd1280, %rd404;
+	st.u8 	[%rd1281], %rs95;
+	add.s64 	%rd1282, %rd1281, %rd404;
+	st.u8 	[%rd1282], %rs96;
+	add.s64 	%rd1283, %rd1282, %rd404;
+	st.u8 	[%rd1283], %rs97;
+	add.s64 	%rd1284, %rd1895, %rd395;
+	add.s64 	%rd1895, %rd399, %rd1284;
+	add.s64 	%rd1285, %rd1895, %rd399;
+	setp.lt.u64 	%p187, %rd1285, %rd777;
+	@%p187 bra 	$L__BB3_233;
+
+$L__BB3_234:
+	setp.ge.u64 	%p188, %rd1895, %rd777;
+	@%p188 bra 	$L__BB3_236;
+
+$L__BB3_235:
+	add.s64 	%rd1286, %rd136, %rd1895;
+	ld.global.u8 	%rs98, [%rd1286];
+	add.s64 	%rd1287, %rd401, %rd1895;
+	st.u8 	[%rd1287], %rs98;
+	add.s64 	%rd1895, %rd1895, %rd395;
+	setp.lt.u64 	%p189, %rd1895, %rd777;
+	@%p189 bra 	$L__BB3_235;
+
+$L__BB3_236:
+	add.s64 	%rd1897, %rd393, %rd777;
+	setp.ge.u64 	%p190, %rd1897, %rd393;
+	@%p190 bra 	$L__BB3_455;
+
+$L__BB3_237:
+	add.s64 	%rd1288, %rd136, %rd1897;
+	ld.global.u8 	%rs99, [%rd1288];
+	add.s64 	%rd1289, %rd401, %rd1897;
+	st.u8 	[%rd1289], %rs99;
+	add.s64 	%rd1897, %rd1897, %rd395;
+	setp.lt.u64 	%p191, %rd1897, %rd777;
+	@%p191 bra 	$L__BB3_237;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_91:
+	neg.s64 	%rd978, %rd147;
+	and.b64  	%rd185, %rd978, 3;
+	min.u64 	%rd186, %rd185, %rd777;
+	setp.ge.u64 	%p80, %rd140, %rd186;
+	@%p80 bra 	$L__BB3_94;
+
+	mov.u64 	%rd1833, %rd140;
+
+$L__BB3_93:
+	add.s64 	%rd979, %rd136, %rd1833;
+	ld.global.u8 	%rs53, [%rd979];
+	add.s64 	%rd980, %rd147, %rd1833;
+	st.u8 	[%rd980], %rs53;
+	add.s64 	%rd1833, %rd1833, %rd142;
+	setp.lt.u64 	%p81, %rd1833, %rd186;
+	@%p81 bra 	$L__BB3_93;
+
+$L__BB3_94:
+	sub.s64 	%rd190, %rd777, %rd186;
+	shr.u64 	%rd191, %rd190, 2;
+	setp.ge.u64 	%p82, %rd146, %rd191;
+	mov.u64 	%rd1837, %rd140;
+	@%p82 bra 	$L__BB3_97;
+
+	mul.lo.s64 	%rd981, %rd137, %rd138;
+	shl.b64 	%rd982, %rd981, 2;
+	shl.b64 	%rd983, %rd139, 2;
+	add.s64 	%rd984, %rd982, %rd983;
+	add.s64 	%rd985, %rd984, -1;
+	not.b64 	%rd986, %rd777;
+	not.b64 	%rd987, %rd185;
+	max.u64 	%rd988, %rd987, %rd986;
+	sub.s64 	%rd989, %rd985, %rd988;
+	add.s64 	%rd1835, %rd136, %rd989;
+	mul.lo.s64 	%rd990, %rd141, %rd138;
+	shl.b64 	%rd193, %rd990, 2;
+	add.s64 	%rd1836, %rd147, %rd989;
+	mov.u64 	%rd1837, %rd140;
+
+$L__BB3_96:
+	ld.global.u32 	%r142, [%rd1835];
+	add.s64 	%rd991, %rd1835, %rd193;
+	ld.global.u32 	%r143, [%rd991];
+	add.s64 	%rd992, %rd991, %rd193;
+	ld.global.u32 	%r144, [%rd992];
+	add.s64 	%rd993, %rd992, %rd193;
+	add.s64 	%rd1835, %rd993, %rd193;
+	ld.global.u32 	%r145, [%rd993];
+	st.u32 	[%rd1836], %r142;
+	add.s64 	%rd994, %rd1836, %rd193;
+	st.u32 	[%rd994], %r143;
+	add.s64 	%rd995, %rd994, %rd193;
+	st.u32 	[%rd995], %r144;
+	add.s64 	%rd996, %rd995, %rd193;
+	add.s64 	%rd1836, %rd996, %rd193;
+	st.u32 	[%rd996], %r145;
+	add.s64 	%rd997, %rd1837, %rd142;
+	add.s64 	%rd1837, %rd145, %rd997;
+	add.s64 	%rd998, %rd1837, %rd145;
+	setp.lt.u64 	%p83, %rd998, %rd191;
+	@%p83 bra 	$L__BB3_96;
+
+$L__BB3_97:
+	setp.ge.u64 	%p84, %rd1837, %rd191;
+	@%p84 bra 	$L__BB3_100;
+
+	add.s64 	%rd202, %rd147, %rd186;
+	add.s64 	%rd203, %rd136, %rd186;
+
+$L__BB3_99:
+	shl.b64 	%rd999, %rd1837, 2;
+	add.s64 	%rd1000, %rd203, %rd999;
+	ld.global.u32 	%r146, [%rd1000];
+	add.s64 	%rd1001, %rd202, %rd999;
+	st.u32 	[%rd1001], %r146;
+	add.s64 	%rd1837, %rd1837, %rd142;
+	setp.lt.u64 	%p85, %rd1837, %rd191;
+	@%p85 bra 	$L__BB3_99;
+
+$L__BB3_100:
+	and.b64  	%rd1002, %rd190, -4;
+	add.s64 	%rd1003, %rd186, %rd140;
+	add.s64 	%rd1839, %rd1003, %rd1002;
+	setp.ge.u64 	%p86, %rd1839, %rd777;
+	@%p86 bra 	$L__BB3_455;
+
+$L__BB3_101:
+	add.s64 	%rd1004, %rd136, %rd1839;
+	ld.global.u8 	%rs54, [%rd1004];
+	add.s64 	%rd1005, %rd147, %rd1839;
+	st.u8 	[%rd1005], %rs54;
+	add.s64 	%rd1839, %rd1839, %rd142;
+	setp.lt.u64 	%p87, %rd1839, %rd777;
+	@%p87 bra 	$L__BB3_101;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_152:
+	setp.ge.u64 	%p126, %rd270, %rd777;
+	mov.u64 	%rd1859, %rd140;
+	@%p126 bra 	$L__BB3_155;
+
+	add.s64 	%rd1858, %rd136, %rd140;
+	mul.lo.s64 	%rd274, %rd141, %rd138;
+	mov.u64 	%rd1859, %rd140;
+
+$L__BB3_154:
+	ld.global.u8 	%rs69, [%rd1858];
+	add.s64 	%rd1100, %rd1858, %rd274;
+	ld.global.u8 	%rs70, [%rd1100];
+	add.s64 	%rd1101, %rd1100, %rd274;
+	ld.global.u8 	%rs71, [%rd1101];
+	add.s64 	%rd1102, %rd1101, %rd274;
+	add.s64 	%rd1858, %rd1102, %rd274;
+	ld.global.u8 	%rs72, [%rd1102];
+	add.s64 	%rd1103, %rd271, %rd1859;
+	st.u8 	[%rd1103], %rs69;
+	add.s64 	%rd1104, %rd1103, %rd274;
+	st.u8 	[%rd1104], %rs70;
+	add.s64 	%rd1105, %rd1104, %rd274;
+	st.u8 	[%rd1105], %rs71;
+	add.s64 	%rd1106, %rd1105, %rd274;
+	st.u8 	[%rd1106], %rs72;
+	add.s64 	%rd1107, %rd1859, %rd142;
+	add.s64 	%rd1859, %rd269, %rd1107;
+	add.s64 	%rd1108, %rd1859, %rd269;
+	setp.lt.u64 	%p127, %rd1108, %rd777;
+	@%p127 bra 	$L__BB3_154;
+
+$L__BB3_155:
+	setp.ge.u64 	%p128, %rd1859, %rd777;
+	@%p128 bra 	$L__BB3_157;
+
+$L__BB3_156:
+	add.s64 	%rd1109, %rd136, %rd1859;
+	ld.global.u8 	%rs73, [%rd1109];
+	add.s64 	%rd1110, %rd271, %rd1859;
+	st.u8 	[%rd1110], %rs73;
+	add.s64 	%rd1859, %rd1859, %rd142;
+	setp.lt.u64 	%p129, %rd1859, %rd777;
+	@%p129 bra 	$L__BB3_156;
+
+$L__BB3_157:
+	add.s64 	%rd1861, %rd140, %rd777;
+	setp.ge.u64 	%p130, %rd1861, %rd140;
+	@%p130 bra 	$L__BB3_455;
+
+$L__BB3_158:
+	add.s64 	%rd1111, %rd136, %rd1861;
+	ld.global.u8 	%rs74, [%rd1111];
+	add.s64 	%rd1112, %rd271, %rd1861;
+	st.u8 	[%rd1112], %rs74;
+	add.s64 	%rd1861, %rd1861, %rd142;
+	setp.lt.u64 	%p131, %rd1861, %rd777;
+	@%p131 bra 	$L__BB3_158;
+	bra.uni 	$L__BB3_455;
+
+$L__BB3_73:
+	mov.u64 	%rd1823, %rd140;
+	@%p57 bra 	$L__BB3_76;
+
+	add.s64 	%rd1822, %rd136, %rd140;
+	mul.lo.s64 	%rd150, %rd141, %rd138;
+	mov.u64 	%rd1823, %rd140;
+
+$L__BB3_75:
+	ld.global.u8 	%rs40, [%rd1822];
+	add.s64 	%rd938, %rd1822, %rd150;
+	ld.global.u8 	%rs41, [%rd938];
+	add.s64 	%rd939, %rd938, %rd150;
+	ld.global.u8 	%rs42, [%rd939];
+	add.s64 	%rd940, %rd939, %rd150;
+	add.s64 	%rd1822, %rd940, %rd150;
+	ld.global.u8 	%rs43, [%rd940];
+	add.s64 	%rd941, %rd147, %rd1823;
+	st.u8 	[%rd941], %rs40;
+	add.s64 	%rd942, %rd941, %rd150;
+	st.u8 	[%rd942], %rs41;
+	add.s64 	%rd943, %rd942, %rd150;
+	st.u8 	[%rd943], %rs42;
+	add.s64 	%rd944, %rd943, %rd150;
+	st.u8 	[%rd944], %rs43;
+	add.s64 	%rd945, %rd1823, %rd142;
+	add.s64 	%rd1823, %rd145, %rd945;
+	add.s64 	%rd946, %rd1823, %rd145;
+	setp.lt.u64 	%p67, %rd946, %rd777;
+	@%p67 bra 	$L__BB3_75;
+
+$L__BB3_76:
+	setp.ge.u64 	%p68, %rd1823, %rd777;
+	@%p68 bra 	$L__BB3_78;
+
+$L__BB3_77:
+	add.s64 	%rd947, %rd136, %rd1823;
+	ld.global.u8 	%rs44, [%rd947];
+	add.s64 	%rd948, %rd147, %rd1823;
+	st.u8 	[%rd948], %rs44;
+	add.s64 	%rd1823, %rd1823, %rd142;
+	setp.lt.u64 	%p69, %rd1823, %rd777;
+	@%p69 bra 	$L__BB3_77;
+
+$L__BB3_78:
+	add.s64 	%rd1825, %rd140, %rd777;
+	setp.ge.u64 	%p70, %rd1825, %rd140;
+	@%p70 bra 	$L__BB3_455;
+
+$L__BB3_79:
+	add.s64 	%rd949, %rd136, %rd1825;
+	ld.global.u8 	%rs45, [%rd949];
+	add.s64 	%rd950, %rd147, %rd1825;
+	st.u8 	[%rd950], %rs45;
+	add.s64 	%rd1825, %rd1825, %rd142;
+	setp.lt.u64 	%p71, %rd1825, %rd777;
+	@%p71 bra 	$L__BB3_79;
+
+$L__BB3_455:
+	ret;
+
+}
+	// .globl	jaxvmm_publish
+.visible .entry jaxvmm_publish(
+	.param .u64 jaxvmm_publish_param_0
+)
+{
+	.reg .b64 	%rd<5>;
+
+	ld.param.u64 	%rd1, [jaxvmm_publish_param_0];
+	cvta.to.global.u64 	%rd2, %rd1;
+	// begin inline asm
+	griddepcontrol.wait;
+	// end inline asm
+	ld.volatile.global.u64 	%rd3, [%rd2+120];
+	mov.u64 	%rd4, 1;
+	st.volatile.u64 	[%rd3], %rd4;
+	ret;
+
+}
+	// .globl	jaxvmm_copy
+.visible .entry jaxvmm_copy(
+	.param .u64 jaxvmm_copy_param_0,
+	.param .u64 jaxvmm_copy_param_1,
+	.param .u64 jaxvmm_copy_param_2,
+	.param .u64 jaxvmm_copy_param_3,
+	.param .u64 jaxvmm_copy_param_4
+)
+{
+	.reg .pred 	%p<49>;
+	.reg .b16 	%rs<20>;
+	.reg .b32 	%r<77>;
+	.reg .b64 	%rd<317>;
+
+	ld.param.u64 	%rd136, [jaxvmm_copy_param_0];
+	ld.param.u64 	%rd137, [jaxvmm_copy_param_1];
+	ld.param.u64 	%rd138, [jaxvmm_copy_param_2];
+	ld.param.u64 	%rd139, [jaxvmm_copy_param_3];
+	ld.param.u64 	%rd140, [jaxvmm_copy_param_4];
+	mov.u32 	%r1, %tid.x;
+	mov.u32 	%r2, %ctaid.x;
+	or.b32  	%r3, %r2, %r1;
+	setp.ne.s32 	%p1, %r3, 0;
+	setp.eq.s64 	%p2, %rd139, 0;
+	or.pred  	%p3, %p1, %p2;
+	@%p3 bra 	$L__BB5_2;
+
+	cvta.to.global.u64 	%rd141, %rd139;
+	st.global.u32 	[%rd141], %rd140;
+	shr.u64 	%rd142, %rd140, 32;
+	st.global.u32 	[%rd141+4], %rd142;
+
+$L__BB5_2:
+	cvta.to.global.u64 	%rd1, %rd136;
+	cvta.to.global.u64 	%rd2, %rd137;
+	xor.b64  	%rd3, %rd137, %rd136;
+	and.b64  	%rd143, %rd3, 15;
+	setp.eq.s64 	%p4, %rd143, 0;
+	@%p4 bra 	$L__BB5_46;
+
+	and.b64  	%rd144, %rd3, 7;
+	setp.eq.s64 	%p5, %rd144, 0;
+	@%p5 bra 	$L__BB5_35;
+
+	and.b64  	%rd145, %rd3, 3;
+	setp.eq.s64 	%p6, %rd145, 0;
+	@%p6 bra 	$L__BB5_24;
+
+	and.b64  	%rd146, %rd3, 1;
+	setp.eq.b64 	%p7, %rd146, 1;
+	mov.pred 	%p8, 0;
+	xor.pred  	%p9, %p7, %p8;
+	not.pred 	%p10, %p9;
+	mov.u32 	%r4, %ntid.x;
+	cvt.u64.u32 	%rd4, %r4;
+	cvt.u64.u32 	%rd5, %r2;
+	mul.wide.u32 	%rd147, %r2, %r4;
+	cvt.u64.u32 	%rd6, %r1;
+	add.s64 	%rd7, %rd147, %rd6;
+	mov.u32 	%r5, %nctaid.x;
+	cvt.u64.u32 	%rd8, %r5;
+	mul.wide.u32 	%rd9, %r5, %r4;
+	@%p10 bra 	$L__BB5_13;
+	bra.uni 	$L__BB5_6;
+
+$L__BB5_13:
+	and.b64  	%rd26, %rd136, 1;
+	min.u64 	%rd27, %rd26, %rd138;
+	setp.ge.u64 	%p17, %rd7, %rd27;
+	@%p17 bra 	$L__BB5_16;
+
+	mov.u64 	%rd291, %rd7;
+
+$L__BB5_15:
+	add.s64 	%rd161, %rd2, %rd291;
+	ld.global.u8 	%rs7, [%rd161];
+	add.s64 	%rd162, %rd1, %rd291;
+	st.global.u8 	[%rd162], %rs7;
+	add.s64 	%rd291, %rd291, %rd9;
+	setp.lt.u64 	%p18, %rd291, %rd27;
+	@%p18 bra 	$L__BB5_15;
+
+$L__BB5_16:
+	sub.s64 	%rd30, %rd138, %rd27;
+	shr.u64 	%rd31, %rd30, 1;
+	mul.lo.s64 	%rd32, %rd9, 3;
+	add.s64 	%rd163, %rd7, %rd32;
+	setp.ge.u64 	%p19, %rd163, %rd31;
+	mov.u64 	%rd295, %rd7;
+	@%p19 bra 	$L__BB5_19;
+
+	mul.lo.s64 	%rd164, %rd5, %rd4;
+	shl.b64 	%rd165, %rd164, 1;
+	shl.b64 	%rd166, %rd6, 1;
+	add.s64 	%rd167, %rd165, %rd166;
+	add.s64 	%rd168, %rd167, -1;
+	not.b64 	%rd169, %rd138;
+	not.b64 	%rd170, %rd26;
+	max.u64 	%rd171, %rd170, %rd169;
+	sub.s64 	%rd172, %rd168, %rd171;
+	add.s64 	%rd293, %rd2, %rd172;
+	mul.lo.s64 	%rd173, %rd8, %rd4;
+	shl.b64 	%rd34, %rd173, 1;
+	add.s64 	%rd294, %rd1, %rd172;
+	mov.u64 	%rd295, %rd7;
+
+$L__BB5_18:
+	ld.global.u16 	%rs8, [%rd293];
+	add.s64 	%rd174, %rd293, %rd34;
+	ld.global.u16 	%rs9, [%rd174];
+	add.s64 	%rd175, %rd174, %rd34;
+	ld.global.u16 	%rs10, [%rd175];
+	add.s64 	%rd176, %rd175, %rd34;
+	add.s64 	%rd293, %rd176, %rd34;
+	ld.global.u16 	%rs11, [%rd176];
+	st.global.u16 	[%rd294], %rs8;
+	add.s64 	%rd177, %rd294, %rd34;
+	st.global.u16 	[%rd177], %rs9;
+	add.s64 	%rd178, %rd177, %rd34;
+	st.global.u16 	[%rd178], %rs10;
+	add.s64 	%rd179, %rd178, %rd34;
+	add.s64 	%rd294, %rd179, %rd34;
+	st.global.u16 	[%rd179], %rs11;
+	add.s64 	%rd180, %rd295, %rd9;
+	add.s64 	%rd295, %rd32, %rd180;
+	add.s64 	%rd181, %rd295, %rd32;
+	setp.lt.u64 	%p20, %rd181, %rd31;
+	@%p20 bra 	$L__BB5_18;
+
+$L__BB5_19:
+	setp.ge.u64 	%p21, %rd295, %rd31;
+	@%p21 bra 	$L__BB5_22;
+
+	add.s64 	%rd43, %rd1, %rd27;
+	add.s64 	%rd44, %rd2, %rd27;
+
+$L__BB5_21:
+	shl.b64 	%rd182, %rd295, 1;
+	add.s64 	%rd183, %rd44, %rd182;
+	ld.global.u16 	%rs12, [%rd183];
+	add.s64 	%rd184, %rd43, %rd182;
+	st.global.u16 	[%rd184], %rs12;
+	add.s64 	%rd295, %rd295, %rd9;
+	setp.lt.u64 	%p22, %rd295, %rd31;
+	@%p22 bra 	$L__BB5_21;
+
+$L__BB5_22:
+	and.b64  	%rd185, %rd30, -2;
+	add.s64 	%rd186, %rd27, %rd7;
+	add.s64 	%rd297, %rd186, %rd185;
+	setp.ge.u64 	%p23, %rd297, %rd138;
+	@%p23 bra 	$L__BB5_57;
+
+$L__BB5_23:
+	add.s64 	%rd187, %rd2, %rd297;
+	ld.global.u8 	%rs13, [%rd187];
+	add.s64 	%rd188, %rd1, %rd297;
+	st.global.u8 	[%rd188], %rs13;
+	add.s64 	%rd297, %rd297, %rd9;
+	setp.lt.u64 	%p24, %rd297, %rd138;
+	@%p24 bra 	$L__BB5_23;
+	bra.uni 	$L__BB5_57;
+
+$L__BB5_46:
+	cvt.u64.u32 	%rd108, %r2;
+	mov.u32 	%r35, %ntid.x;
+	cvt.u64.u32 	%rd109, %r35;
+	mul.wide.u32 	%rd251, %r2, %r35;
+	cvt.u64.u32 	%rd110, %r1;
+	add.s64 	%rd111, %rd251, %rd110;
+	mov.u32 	%r36, %nctaid.x;
+	cvt.u64.u32 	%rd112, %r36;
+	mul.wide.u32 	%rd113, %r36, %r35;
+	neg.s64 	%rd252, %rd136;
+	and.b64  	%rd114, %rd252, 15;
+	min.u64 	%rd115, %rd114, %rd138;
+	setp.ge.u64 	%p41, %rd111, %rd115;
+	@%p41 bra 	$L__BB5_49;
+
+	mov.u64 	%rd311, %rd111;
+
+$L__BB5_48:
+	add.s64 	%rd253, %rd2, %rd311;
+	ld.global.u8 	%rs18, [%rd253];
+	add.s64 	%rd254, %rd1, %rd311;
+	st.global.u8 	[%rd254], %rs18;
+	add.s64 	%rd311, %rd311, %rd113;
+	setp.lt.u64 	%p42, %rd311, %rd115;
+	@%p42 bra 	$L__BB5_48;
+
+$L__BB5_49:
+	sub.s64 	%rd118, %rd138, %rd115;
+	shr.u64 	%rd119, %rd118, 4;
+	add.s64 	%rd120, %rd2, %rd115;
+	mul.lo.s64 	%rd121, %rd113, 3;
+	add.s64 	%rd255, %rd111, %rd121;
+	setp.ge.u64 	%p43, %rd255, %rd119;
+	mov.u64 	%rd314, %rd111;
+	@%p43 bra 	$L__BB5_52;
+
+	mul.lo.s64 	%rd256, %rd112, %rd109;
+	shl.b64 	%rd122, %rd256, 4;
+	mul.lo.s64 	%rd257, %rd108, %rd109;
+	shl.b64 	%rd258, %rd257, 4;
+	shl.b64 	%rd259, %rd110, 4;
+	add.s64 	%rd260, %rd258, %rd259;
+	add.s64 	%rd261, %rd260, -1;
+	not.b64 	%rd262, %rd138;
+	not.b64 	%rd263, %rd114;
+	max.u64 	%rd264, %rd263, %rd262;
+	sub.s64 	%rd265, %rd261, %rd264;
+	add.s64 	%rd313, %rd1, %rd265;
+	mul.lo.s64 	%rd124, %rd256, -48;
+	mov.u64 	%rd314, %rd111;
+
+$L__BB5_51:
+	shl.b64 	%rd266, %rd314, 4;
+	add.s64 	%rd267, %rd120, %rd266;
+	shl.b64 	%rd268, %rd113, 2;
+	shl.b64 	%rd269, %rd113, 4;
+	add.s64 	%rd270, %rd267, %rd269;
+	ld.global.v4.u32 	{%r37, %r38, %r39, %r40}, [%rd270];
+	add.s64 	%rd271, %rd270, %rd122;
+	ld.global.v4.u32 	{%r45, %r46, %r47, %r48}, [%rd271];
+	add.s64 	%rd272, %rd271, %rd122;
+	ld.global.v4.u32 	{%r53, %r54, %r55, %r56}, [%rd272];
+	add.s64 	%rd273, %rd272, %rd124;
+	ld.global.v4.u32 	{%r61, %r62, %r63, %r64}, [%rd273];
+	st.global.v4.u32 	[%rd313], {%r61, %r62, %r63, %r64};
+	add.s64 	%rd274, %rd313, %rd122;
+	st.global.v4.u32 	[%rd274], {%r37, %r38, %r39, %r40};
+	add.s64 	%rd275, %rd274, %rd122;
+	st.global.v4.u32 	[%rd275], {%r45, %r46, %r47, %r48};
+	add.s64 	%rd276, %rd275, %rd122;
+	add.s64 	%rd313, %rd276, %rd122;
+	st.global.v4.u32 	[%rd276], {%r53, %r54, %r55, %r56};
+	add.s64 	%rd314, %rd268, %rd314;
+	add.s64 	%rd277, %rd314, %rd121;
+	setp.lt.u64 	%p44, %rd277, %rd119;
+	@%p44 bra 	$L__BB5_51;
+
+$L__BB5_52:
+	setp.ge.u64 	%p45, %rd314, %rd119;
+	@%p45 bra 	$L__BB5_55;
+
+	add.s64 	%rd130, %rd1, %rd115;
+
+$L__BB5_54:
+	shl.b64 	%rd278, %rd314, 4;
+	add.s64 	%rd279, %rd130, %rd278;
+	add.s64 	%rd280, %rd120, %rd278;
+	ld.global.v4.u32 	{%r69, %r70, %r71, %r72}, [%rd280];
+	st.global.v4.u32 	[%rd279], {%r69, %r70, %r71, %r72};
+	add.s64 	%rd314, %rd314, %rd113;
+	setp.lt.u64 	%p46, %rd314, %rd119;
+	@%p46 bra 	$L__BB5_54;
+
+$L__BB5_55:
+	and.b64  	%rd281, %rd118, -16;
+	add.s64 	%rd282, %rd115, %rd111;
+	add.s64 	%rd316, %rd282, %rd281;
+	setp.ge.u64 	%p47, %rd316, %rd138;
+	@%p47 bra 	$L__BB5_57;
+
+$L__BB5_56:
+	add.s64 	%rd283, %rd2, %rd316;
+	ld.global.u8 	%rs19, [%rd283];
+	add.s64 	%rd284, %rd1, %rd316;
+	st.global.u8 	[%rd284], %rs19;
+	add.s64 	%rd316, %rd316, %rd113;
+	setp.lt.u64 	%p48, %rd316, %rd138;
+	@%p48 bra 	$L__BB5_56;
+	bra.uni 	$L__BB5_57;
+
+$L__BB5_35:
+	cvt.u64.u32 	%rd80, %r2;
+	mov.u32 	%r13, %ntid.x;
+	cvt.u64.u32 	%rd81, %r13;
+	mul.wide.u32 	%rd219, %r2, %r13;
+	cvt.u64.u32 	%rd82, %r1;
+	add.s64 	%rd83, %rd219, %rd82;
+	mov.u32 	%r14, %nctaid.x;
+	cvt.u64.u32 	%rd84, %r14;
+	mul.wide.u32 	%rd85, %r14, %r13;
+	neg.s64 	%rd220, %rd136;
+	and.b64  	%rd86, %rd220, 7;
+	min.u64 	%rd87, %rd86, %rd138;
+	setp.ge.u64 	%p33, %rd83, %rd87;
+	@%p33 bra 	$L__BB5_38;
+
+	mov.u64 	%rd305, %rd83;
+
+$L__BB5_37:
+	add.s64 	%rd221, %rd2, %rd305;
+	ld.global.u8 	%rs16, [%rd221];
+	add.s64 	%rd222, %rd1, %rd305;
+	st.global.u8 	[%rd222], %rs16;
+	add.s64 	%rd305, %rd305, %rd85;
+	setp.lt.u64 	%p34, %rd305, %rd87;
+	@%p34 bra 	$L__BB5_37;
+
+$L__BB5_38:
+	sub.s64 	%rd90, %rd138, %rd87;
+	shr.u64 	%rd91, %rd90, 3;
+	add.s64 	%rd92, %rd2, %rd87;
+	mul.lo.s64 	%rd93, %rd85, 3;
+	add.s64 	%rd223, %rd83, %rd93;
+	setp.ge.u64 	%p35, %rd223, %rd91;
+	mov.u64 	%rd308, %rd83;
+	@%p35 bra 	$L__BB5_41;
+
+	mul.lo.s64 	%rd224, %rd84, %rd81;
+	shl.b64 	%rd94, %rd224, 3;
+	mul.lo.s64 	%rd225, %rd80, %rd81;
+	shl.b64 	%rd226, %rd225, 3;
+	shl.b64 	%rd227, %rd82, 3;
+	add.s64 	%rd228, %rd226, %rd227;
+	add.s64 	%rd229, %rd228, -1;
+	not.b64 	%rd230, %rd138;
+	not.b64 	%rd231, %rd86;
+	max.u64 	%rd232, %rd231, %rd230;
+	sub.s64 	%rd233, %rd229, %rd232;
+	add.s64 	%rd307, %rd1, %rd233;
+	mul.lo.s64 	%rd96, %rd224, -24;
+	mov.u64 	%rd308, %rd83;
+
+$L__BB5_40:
+	add.s64 	%rd234, %rd308, %rd85;
+	shl.b64 	%rd235, %rd234, 3;
+	add.s64 	%rd236, %rd92, %rd235;
+	ld.global.v2.u32 	{%r15, %r16}, [%rd236];
+	add.s64 	%rd237, %rd236, %rd94;
+	ld.global.v2.u32 	{%r19, %r20}, [%rd237];
+	add.s64 	%rd238, %rd237, %rd94;
+	ld.global.v2.u32 	{%r23, %r24}, [%rd238];
+	add.s64 	%rd239, %rd238, %rd96;
+	ld.global.v2.u32 	{%r27, %r28}, [%rd239];
+	st.global.v2.u32 	[%rd307], {%r27, %r28};
+	add.s64 	%rd240, %rd307, %rd94;
+	st.global.v2.u32 	[%rd240], {%r15, %r16};
+	add.s64 	%rd241, %rd240, %rd94;
+	st.global.v2.u32 	[%rd241], {%r19, %r20};
+	add.s64 	%rd242, %rd241, %rd94;
+	add.s64 	%rd307, %rd242, %rd94;
+	st.global.v2.u32 	[%rd242], {%r23, %r24};
+	add.s64 	%rd308, %rd93, %rd234;
+	add.s64 	%rd243, %rd308, %rd93;
+	setp.lt.u64 	%p36, %rd243, %rd91;
+	@%p36 bra 	$L__BB5_40;
+
+$L__BB5_41:
+	setp.ge.u64 	%p37, %rd308, %rd91;
+	@%p37 bra 	$L__BB5_44;
+
+	add.s64 	%rd102, %rd1, %rd87;
+
+$L__BB5_43:
+	shl.b64 	%rd244, %rd308, 3;
+	add.s64 	%rd245, %rd92, %rd244;
+	ld.global.v2.u32 	{%r31, %r32}, [%rd245];
+	add.s64 	%rd246, %rd102, %rd244;
+	st.global.v2.u32 	[%rd246], {%r31, %r32};
+	add.s64 	%rd308, %rd308, %rd85;
+	setp.lt.u64 	%p38, %rd308, %rd91;
+	@%p38 bra 	$L__BB5_43;
+
+$L__BB5_44:
+	and.b64  	%rd247, %rd90, -8;
+	add.s64 	%rd248, %rd87, %rd83;
+	add.s64 	%rd310, %rd248, %rd247;
+	setp.ge.u64 	%p39, %rd310, %rd138;
+	@%p39 bra 	$L__BB5_57;
+
+$L__BB5_45:
+	add.s64 	%rd249, %rd2, %rd310;
+	ld.global.u8 	%rs17, [%rd249];
+	add.s64 	%rd250, %rd1, %rd310;
+	st.global.u8 	[%rd250], %rs17;
+	add.s64 	%rd310, %rd310, %rd85;
+	setp.lt.u64 	%p40, %rd310, %rd138;
+	@%p40 bra 	$L__BB5_45;
+	bra.uni 	$L__BB5_57;
+
+$L__BB5_24:
+	cvt.u64.u32 	%rd50, %r2;
+	mov.u32 	%r6, %ntid.x;
+	cvt.u64.u32 	%rd51, %r6;
+	mul.wide.u32 	%rd189, %r2, %r6;
+	cvt.u64.u32 	%rd52, %r1;
+	add.s64 	%rd53, %rd189, %rd52;
+	mov.u32 	%r7, %nctaid.x;
+	cvt.u64.u32 	%rd54, %r7;
+	mul.wide.u32 	%rd55, %r7, %r6;
+	neg.s64 	%rd190, %rd136;
+	and.b64  	%rd56, %rd190, 3;
+	min.u64 	%rd57, %rd56, %rd138;
+	setp.ge.u64 	%p25, %rd53, %rd57;
+	@%p25 bra 	$L__BB5_27;
+
+	mov.u64 	%rd298, %rd53;
+
+$L__BB5_26:
+	add.s64 	%rd191, %rd2, %rd298;
+	ld.global.u8 	%rs14, [%rd191];
+	add.s64 	%rd192, %rd1, %rd298;
+	st.global.u8 	[%rd192], %rs14;
+	add.s64 	%rd298, %rd298, %rd55;
+	setp.lt.u64 	%p26, %rd298, %rd57;
+	@%p26 bra 	$L__BB5_26;
+
+$L__BB5_27:
+	sub.s64 	%rd60, %rd138, %rd57;
+	shr.u64 	%rd61, %rd60, 2;
+	mul.lo.s64 	%rd62, %rd55, 3;
+	add.s64 	%rd193, %rd53, %rd62;
+	setp.ge.u64 	%p27, %rd193, %rd61;
+	mov.u64 	%rd302, %rd53;
+	@%p27 bra 	$L__BB5_30;
+
+	mul.lo.s64 	%rd194, %rd50, %rd51;
+	shl.b64 	%rd195, %rd194, 2;
+	shl.b64 	%rd196, %rd52, 2;
+	add.s64 	%rd197, %rd195, %rd196;
+	add.s64 	%rd198, %rd197, -1;
+	not.b64 	%rd199, %rd138;
+	not.b64 	%rd200, %rd56;
+	max.u64 	%rd201, %rd200, %rd199;
+	sub.s64 	%rd202, %rd198, %rd201;
+	add.s64 	%rd300, %rd2, %rd202;
+	mul.lo.s64 	%rd203, %rd54, %rd51;
+	shl.b64 	%rd64, %rd203, 2;
+	add.s64 	%rd301, %rd1, %rd202;
+	mov.u64 	%rd302, %rd53;
+
+$L__BB5_29:
+	ld.global.u32 	%r8, [%rd300];
+	add.s64 	%rd204, %rd300, %rd64;
+	ld.global.u32 	%r9, [%rd204];
+	add.s64 	%rd205, %rd204, %rd64;
+	ld.global.u32 	%r10, [%rd205];
+	add.s64 	%rd206, %rd205, %rd64;
+	add.s64 	%rd300, %rd206, %rd64;
+	ld.global.u32 	%r11, [%rd206];
+	st.global.u32 	[%rd301], %r8;
+	add.s64 	%rd207, %rd301, %rd64;
+	st.global.u32 	[%rd207], %r9;
+	add.s64 	%rd208, %rd207, %rd64;
+	st.global.u32 	[%rd208], %r10;
+	add.s64 	%rd209, %rd208, %rd64;
+	add.s64 	%rd301, %rd209, %rd64;
+	st.global.u32 	[%rd209], %r11;
+	add.s64 	%rd210, %rd302, %rd55;
+	add.s64 	%rd302, %rd62, %rd210;
+	add.s64 	%rd211, %rd302, %rd62;
+	setp.lt.u64 	%p28, %rd211, %rd61;
+	@%p28 bra 	$L__BB5_29;
+
+$L__BB5_30:
+	setp.ge.u64 	%p29, %rd302, %rd61;
+	@%p29 bra 	$L__BB5_33;
+
+	add.s64 	%rd73, %rd1, %rd57;
+	add.s64 	%rd74, %rd2, %rd57;
+
+$L__BB5_32:
+	shl.b64 	%rd212, %rd302, 2;
+	add.s64 	%rd213, %rd74, %rd212;
+	ld.global.u32 	%r12, [%rd213];
+	add.s64 	%rd214, %rd73, %rd212;
+	st.global.u32 	[%rd214], %r12;
+	add.s64 	%rd302, %rd302, %rd55;
+	setp.lt.u64 	%p30, %rd302, %rd61;
+	@%p30 bra 	$L__BB5_32;
+
+$L__BB5_33:
+	and.b64  	%rd215, %rd60, -4;
+	add.s64 	%rd216, %rd57, %rd53;
+	add.s64 	%rd304, %rd216, %rd215;
+	setp.ge.u64 	%p31, %rd304, %rd138;
+	@%p31 bra 	$L__BB5_57;
+
+$L__BB5_34:
+	add.s64 	%rd217, %rd2, %rd304;
+	ld.global.u8 	%rs15, [%rd217];
+	add.s64 	%rd218, %rd1, %rd304;
+	st.global.u8 	[%rd218], %rs15;
+	add.s64 	%rd304, %rd304, %rd55;
+	setp.lt.u64 	%p32, %rd304, %rd138;
+	@%p32 bra 	$L__BB5_34;
+	bra.uni 	$L__BB5_57;
+
+$L__BB5_6:
+	mul.lo.s64 	%rd10, %rd9, 3;
+	add.s64 	%rd148, %rd7, %rd10;
+	setp.ge.u64 	%p11, %rd148, %rd138;
+	mov.u64 	%rd288, %rd7;
+	@%p11 bra 	$L__BB5_9;
+
+	add.s64 	%rd286, %rd2, %rd7;
+	mul.lo.s64 	%rd12, %rd8, %rd4;
+	add.s64 	%rd287, %rd1, %rd7;
+	mov.u64 	%rd288, %rd7;
+
+$L__BB5_8:
+	ld.global.u8 	%rs1, [%rd286];
+	add.s64 	%rd149, %rd286, %rd12;
+	ld.global.u8 	%rs2, [%rd149];
+	add.s64 	%rd150, %rd149, %rd12;
+	ld.global.u8 	%rs3, [%rd150];
+	add.s64 	%rd151, %rd150, %rd12;
+	add.s64 	%rd286, %rd151, %rd12;
+	ld.global.u8 	%rs4, [%rd151];
+	st.global.u8 	[%rd287], %rs1;
+	add.s64 	%rd152, %rd287, %rd12;
+	st.global.u8 	[%rd152], %rs2;
+	add.s64 	%rd153, %rd152, %rd12;
+	st.global.u8 	[%rd153], %rs3;
+	add.s64 	%rd154, %rd153, %rd12;
+	add.s64 	%rd287, %rd154, %rd12;
+	st.global.u8 	[%rd154], %rs4;
+	add.s64 	%rd155, %rd288, %rd9;
+	add.s64 	%rd288, %rd10, %rd155;
+	add.s64 	%rd156, %rd288, %rd10;
+	setp.lt.u64 	%p12, %rd156, %rd138;
+	@%p12 bra 	$L__BB5_8;
+
+$L__BB5_9:
+	setp.ge.u64 	%p13, %rd288, %rd138;
+	@%p13 bra 	$L__BB5_11;
+
+$L__BB5_10:
+	add.s64 	%rd157, %rd2, %rd288;
+	ld.global.u8 	%rs5, [%rd157];
+	add.s64 	%rd158, %rd1, %rd288;
+	st.global.u8 	[%rd158], %rs5;
+	add.s64 	%rd288, %rd288, %rd9;
+	setp.lt.u64 	%p14, %rd288, %rd138;
+	@%p14 bra 	$L__BB5_10;
+
+$L__BB5_11:
+	add.s64 	%rd290, %rd7, %rd138;
+	setp.ge.u64 	%p15, %rd290, %rd7;
+	@%p15 bra 	$L__BB5_57;
+
+$L__BB5_12:
+	add.s64 	%rd159, %rd2, %rd290;
+	ld.global.u8 	%rs6, [%rd159];
+	add.s64 	%rd160, %rd1, %rd290;
+	st.global.u8 	[%rd160], %rs6;
+	add.s64 	%rd290, %rd290, %rd9;
+	setp.lt.u64 	%p16, %rd290, %rd138;
+	@%p16 bra 	$L__BB5_12;
+
+$L__BB5_57:
+	ret;
+
+}
+	// .globl	jaxvmm_ring_reload
+.visible .entry jaxvmm_ring_reload(
+	.param .u64 jaxvmm_ring_reload_param_0,
+	.param .u64 jaxvmm_ring_reload_param_1,
+	.param .u64 jaxvmm_ring_reload_param_2,
+	.param .u64 jaxvmm_ring_reload_param_3,
+	.param .u64 jaxvmm_ring_reload_param_4,
+	.param .u64 jaxvmm_ring_reload_param_5,
+	.param .u64 jaxvmm_ring_reload_param_6,
+	.param .u64 jaxvmm_ring_reload_param_7,
+	.param .u64 jaxvmm_ring_reload_param_8
+)
+{
+	.reg .pred 	%p<55>;
+	.reg .b16 	%rs<20>;
+	.reg .b32 	%r<86>;
+	.reg .b64 	%rd<328>;
+
+	ld.param.u64 	%rd138, [jaxvmm_ring_reload_param_0];
+	ld.param.u64 	%rd139, [jaxvmm_ring_reload_param_1];
+	ld.param.u64 	%rd140, [jaxvmm_ring_reload_param_2];
+	ld.param.u64 	%rd141, [jaxvmm_ring_reload_param_3];
+	ld.param.u64 	%rd142, [jaxvmm_ring_reload_param_4];
+	ld.param.u64 	%rd143, [jaxvmm_ring_reload_param_5];
+	ld.param.u64 	%rd144, [jaxvmm_ring_reload_param_6];
+	ld.param.u64 	%rd145, [jaxvmm_ring_reload_param_7];
+	ld.param.u64 	%rd146, [jaxvmm_ring_reload_param_8];
+	cvta.to.global.u64 	%rd1, %rd146;
+	mov.u32 	%r1, %tid.x;
+	setp.ne.s32 	%p2, %r1, 0;
+	@%p2 bra 	$L__BB6_8;
+
+	cvta.to.global.u64 	%rd147, %rd141;
+	ld.global.u32 	%rd148, [%rd147];
+	ld.global.u32 	%rd149, [%rd147+4];
+	bfi.b64 	%rd2, %rd149, %rd148, 32, 32;
+	setp.eq.s64 	%p3, %rd2, %rd142;
+	setp.ne.s64 	%p4, %rd142, 0;
+	and.pred  	%p1, %p4, %p3;
+	mov.u32 	%r4, %ctaid.x;
+	setp.ne.s32 	%p5, %r4, 0;
+	and.pred  	%p6, %p5, %p1;
+	@%p6 bra 	$L__BB6_3;
+
+	cvta.to.global.u64 	%rd150, %rd143;
+	st.volatile.global.u64 	[%rd150], %rd2;
+	membar.sys;
+	cvta.to.global.u64 	%rd151, %rd144;
+	st.volatile.global.u64 	[%rd151], %rd145;
+	membar.sys;
+
+$L__BB6_3:
+	@%p1 bra 	$L__BB6_8;
+
+	ld.volatile.global.u64 	%rd152, [%rd1];
+	setp.ge.u64 	%p7, %rd152, %rd145;
+	@%p7 bra 	$L__BB6_7;
+
+	mov.u32 	%r85, 32;
+
+$L__BB6_6:
+	// begin inline asm
+	nanosleep.u32 %r85;
+	// end inline asm
+	setp.lt.u32 	%p8, %r85, 2048;
+	selp.u32 	%r7, 1, 0, %p8;
+	shl.b32 	%r85, %r85, %r7;
+	ld.volatile.global.u64 	%rd153, [%rd1];
+	setp.lt.u64 	%p9, %rd153, %rd145;
+	@%p9 bra 	$L__BB6_6;
+
+$L__BB6_7:
+	membar.sys;
+
+$L__BB6_8:
+	bar.sync 	0;
+	cvta.to.global.u64 	%rd3, %rd139;
+	cvta.to.global.u64 	%rd4, %rd138;
+	xor.b64  	%rd5, %rd139, %rd138;
+	and.b64  	%rd154, %rd5, 15;
+	setp.eq.s64 	%p10, %rd154, 0;
+	@%p10 bra 	$L__BB6_52;
+
+	and.b64  	%rd155, %rd5, 7;
+	setp.eq.s64 	%p11, %rd155, 0;
+	@%p11 bra 	$L__BB6_41;
+
+	and.b64  	%rd156, %rd5, 3;
+	setp.eq.s64 	%p12, %rd156, 0;
+	@%p12 bra 	$L__BB6_30;
+
+	and.b64  	%rd157, %rd5, 1;
+	setp.eq.b64 	%p13, %rd157, 1;
+	mov.pred 	%p14, 0;
+	xor.pred  	%p15, %p13, %p14;
+	not.pred 	%p16, %p15;
+	mov.u32 	%r8, %ctaid.x;
+	cvt.u64.u32 	%rd6, %r8;
+	mov.u32 	%r9, %ntid.x;
+	cvt.u64.u32 	%rd7, %r9;
+	mul.wide.u32 	%rd158, %r8, %r9;
+	cvt.u64.u32 	%rd8, %r1;
+	add.s64 	%rd9, %rd158, %rd8;
+	mov.u32 	%r10, %nctaid.x;
+	cvt.u64.u32 	%rd10, %r10;
+	mul.wide.u32 	%rd11, %r10, %r9;
+	@%p16 bra 	$L__BB6_19;
+	bra.uni 	$L__BB6_12;
+
+$L__BB6_19:
+	and.b64  	%rd28, %rd138, 1;
+	min.u64 	%rd29, %rd28, %rd140;
+	setp.ge.u64 	%p23, %rd9, %rd29;
+	@%p23 bra 	$L__BB6_22;
+
+	mov.u64 	%rd302, %rd9;
+
+$L__BB6_21:
+	add.s64 	%rd172, %rd3, %rd302;
+	ld.global.u8 	%rs7, [%rd172];
+	add.s64 	%rd173, %rd4, %rd302;
+	st.global.u8 	[%rd173], %rs7;
+	add.s64 	%rd302, %rd302, %rd11;
+	setp.lt.u64 	%p24, %rd302, %rd29;
+	@%p24 bra 	$L__BB6_21;
+
+$L__BB6_22:
+	sub.s64 	%rd32, %rd140, %rd29;
+	shr.u64 	%rd33, %rd32, 1;
+	mul.lo.s64 	%rd34, %rd11, 3;
+	add.s64 	%rd174, %rd9, %rd34;
+	setp.ge.u64 	%p25, %rd174, %rd33;
+	mov.u64 	%rd306, %rd9;
+	@%p25 bra 	$L__BB6_25;
+
+	mul.lo.s64 	%rd175, %rd6, %rd7;
+	shl.b64 	%rd176, %rd175, 1;
+	shl.b64 	%rd177, %rd8, 1;
+	add.s64 	%rd178, %rd176, %rd177;
+	add.s64 	%rd179, %rd178, -1;
+	not.b64 	%rd180, %rd140;
+	not.b64 	%rd181, %rd28;
+	max.u64 	%rd182, %rd181, %rd180;
+	sub.s64 	%rd183, %rd179, %rd182;
+	add.s64 	%rd304, %rd3, %rd183;
+	mul.lo.s64 	%rd184, %rd10, %rd7;
+	shl.b64 	%rd36, %rd184, 1;
+	add.s64 	%rd305, %rd4, %rd183;
+	mov.u64 	%rd306, %rd9;
+
+$L__BB6_24:
+	ld.global.u16 	%rs8, [%rd304];
+	add.s64 	%rd185, %rd304, %rd36;
+	ld.global.u16 	%rs9, [%rd185];
+	add.s64 	%rd186, %rd185, %rd36;
+	ld.global.u16 	%rs10, [%rd186];
+	add.s64 	%rd187, %rd186, %rd36;
+	add.s64 	%rd304, %rd187, %rd36;
+	ld.global.u16 	%rs11, [%rd187];
+	st.global.u16 	[%rd305], %rs8;
+	add.s64 	%rd188, %rd305, %rd36;
+	st.global.u16 	[%rd188], %rs9;
+	add.s64 	%rd189, %rd188, %rd36;
+	st.global.u16 	[%rd189], %rs10;
+	add.s64 	%rd190, %rd189, %rd36;
+	add.s64 	%rd305, %rd190, %rd36;
+	st.global.u16 	[%rd190], %rs11;
+	add.s64 	%rd191, %rd306, %rd11;
+	add.s64 	%rd306, %rd34, %rd191;
+	add.s64 	%rd192, %rd306, %rd34;
+	setp.lt.u64 	%p26, %rd192, %rd33;
+	@%p26 bra 	$L__BB6_24;
+
+$L__BB6_25:
+	setp.ge.u64 	%p27, %rd306, %rd33;
+	@%p27 bra 	$L__BB6_28;
+
+	add.s64 	%rd45, %rd4, %rd29;
+	add.s64 	%rd46, %rd3, %rd29;
+
+$L__BB6_27:
+	shl.b64 	%rd193, %rd306, 1;
+	add.s64 	%rd194, %rd46, %rd193;
+	ld.global.u16 	%rs12, [%rd194];
+	add.s64 	%rd195, %rd45, %rd193;
+	st.global.u16 	[%rd195], %rs12;
+	add.s64 	%rd306, %rd306, %rd11;
+	setp.lt.u64 	%p28, %rd306, %rd33;
+	@%p28 bra 	$L__BB6_27;
+
+$L__BB6_28:
+	and.b64  	%rd196, %rd32, -2;
+	add.s64 	%rd197, %rd29, %rd9;
+	add.s64 	%rd308, %rd197, %rd196;
+	setp.ge.u64 	%p29, %rd308, %rd140;
+	@%p29 bra 	$L__BB6_63;
+
+$L__BB6_29:
+	add.s64 	%rd198, %rd3, %rd308;
+	ld.global.u8 	%rs13, [%rd198];
+	add.s64 	%rd199, %rd4, %rd308;
+	st.global.u8 	[%rd199], %rs13;
+	add.s64 	%rd308, %rd308, %rd11;
+	setp.lt.u64 	%p30, %rd308, %rd140;
+	@%p30 bra 	$L__BB6_29;
+	bra.uni 	$L__BB6_63;
+
+$L__BB6_52:
+	mov.u32 	%r42, %ctaid.x;
+	cvt.u64.u32 	%rd110, %r42;
+	mov.u32 	%r43, %ntid.x;
+	cvt.u64.u32 	%rd111, %r43;
+	mul.wide.u32 	%rd262, %r42, %r43;
+	cvt.u64.u32 	%rd112, %r1;
+	add.s64 	%rd113, %rd262, %rd112;
+	mov.u32 	%r44, %nctaid.x;
+	cvt.u64.u32 	%rd114, %r44;
+	mul.wide.u32 	%rd115, %r44, %r43;
+	neg.s64 	%rd263, %rd138;
+	and.b64  	%rd116, %rd263, 15;
+	min.u64 	%rd117, %rd116, %rd140;
+	setp.ge.u64 	%p47, %rd113, %rd117;
+	@%p47 bra 	$L__BB6_55;
+
+	mov.u64 	%rd322, %rd113;
+
+$L__BB6_54:
+	add.s64 	%rd264, %rd3, %rd322;
+	ld.global.u8 	%rs18, [%rd264];
+	add.s64 	%rd265, %rd4, %rd322;
+	st.global.u8 	[%rd265], %rs18;
+	add.s64 	%rd322, %rd322, %rd115;
+	setp.lt.u64 	%p48, %rd322, %rd117;
+	@%p48 bra 	$L__BB6_54;
+
+$L__BB6_55:
+	sub.s64 	%rd120, %rd140, %rd117;
+	shr.u64 	%rd121, %rd120, 4;
+	add.s64 	%rd122, %rd3, %rd117;
+	mul.lo.s64 	%rd123, %rd115, 3;
+	add.s64 	%rd266, %rd113, %rd123;
+	setp.ge.u64 	%p49, %rd266, %rd121;
+	mov.u64 	%rd325, %rd113;
+	@%p49 bra 	$L__BB6_58;
+
+	mul.lo.s64 	%rd267, %rd114, %rd111;
+	shl.b64 	%rd124, %rd267, 4;
+	mul.lo.s64 	%rd268, %rd110, %rd111;
+	shl.b64 	%rd269, %rd268, 4;
+	shl.b64 	%rd270, %rd112, 4;
+	add.s64 	%rd271, %rd269, %rd270;
+	add.s64 	%rd272, %rd271, -1;
+	not.b64 	%rd273, %rd140;
+	not.b64 	%rd274, %rd116;
+	max.u64 	%rd275, %rd274, %rd273;
+	sub.s64 	%rd276, %rd272, %rd275;
+	add.s64 	%rd324, %rd4, %rd276;
+	mul.lo.s64 	%rd126, %rd267, -48;
+	mov.u64 	%rd325, %rd113;
+
+$L__BB6_57:
+	shl.b64 	%rd277, %rd325, 4;
+	add.s64 	%rd278, %rd122, %rd277;
+	shl.b64 	%rd279, %rd115, 2;
+	shl.b64 	%rd280, %rd115, 4;
+	add.s64 	%rd281, %rd278, %rd280;
+	ld.global.v4.u32 	{%r45, %r46, %r47, %r48}, [%rd281];
+	add.s64 	%rd282, %rd281, %rd124;
+	ld.global.v4.u32 	{%r53, %r54, %r55, %r56}, [%rd282];
+	add.s64 	%rd283, %rd282, %rd124;
+	ld.global.v4.u32 	{%r61, %r62, %r63, %r64}, [%rd283];
+	add.s64 	%rd284, %rd283, %rd126;
+	ld.global.v4.u32 	{%r69, %r70, %r71, %r72}, [%rd284];
+	st.global.v4.u32 	[%rd324], {%r69, %r70, %r71, %r72};
+	add.s64 	%rd285, %rd324, %rd124;
+	st.global.v4.u32 	[%rd285], {%r45, %r46, %r47, %r48};
+	add.s64 	%rd286, %rd285, %rd124;
+	st.global.v4.u32 	[%rd286], {%r53, %r54, %r55, %r56};
+	add.s64 	%rd287, %rd286, %rd124;
+	add.s64 	%rd324, %rd287, %rd124;
+	st.global.v4.u32 	[%rd287], {%r61, %r62, %r63, %r64};
+	add.s64 	%rd325, %rd279, %rd325;
+	add.s64 	%rd288, %rd325, %rd123;
+	setp.lt.u64 	%p50, %rd288, %rd121;
+	@%p50 bra 	$L__BB6_57;
+
+$L__BB6_58:
+	setp.ge.u64 	%p51, %rd325, %rd121;
+	@%p51 bra 	$L__BB6_61;
+
+	add.s64 	%rd132, %rd4, %rd117;
+
+$L__BB6_60:
+	shl.b64 	%rd289, %rd325, 4;
+	add.s64 	%rd290, %rd132, %rd289;
+	add.s64 	%rd291, %rd122, %rd289;
+	ld.global.v4.u32 	{%r77, %r78, %r79, %r80}, [%rd291];
+	st.global.v4.u32 	[%rd290], {%r77, %r78, %r79, %r80};
+	add.s64 	%rd325, %rd325, %rd115;
+	setp.lt.u64 	%p52, %rd325, %rd121;
+	@%p52 bra 	$L__BB6_60;
+
+$L__BB6_61:
+	and.b64  	%rd292, %rd120, -16;
+	add.s64 	%rd293, %rd117, %rd113;
+	add.s64 	%rd327, %rd293, %rd292;
+	setp.ge.u64 	%p53, %rd327, %rd140;
+	@%p53 bra 	$L__BB6_63;
+
+$L__BB6_62:
+	add.s64 	%rd294, %rd3, %rd327;
+	ld.global.u8 	%rs19, [%rd294];
+	add.s64 	%rd295, %rd4, %rd327;
+	st.global.u8 	[%rd295], %rs19;
+	add.s64 	%rd327, %rd327, %rd115;
+	setp.lt.u64 	%p54, %rd327, %rd140;
+	@%p54 bra 	$L__BB6_62;
+	bra.uni 	$L__BB6_63;
+
+$L__BB6_41:
+	mov.u32 	%r19, %ctaid.x;
+	cvt.u64.u32 	%rd82, %r19;
+	mov.u32 	%r20, %ntid.x;
+	cvt.u64.u32 	%rd83, %r20;
+	mul.wide.u32 	%rd230, %r19, %r20;
+	cvt.u64.u32 	%rd84, %r1;
+	add.s64 	%rd85, %rd230, %rd84;
+	mov.u32 	%r21, %nctaid.x;
+	cvt.u64.u32 	%rd86, %r21;
+	mul.wide.u32 	%rd87, %r21, %r20;
+	neg.s64 	%rd231, %rd138;
+	and.b64  	%rd88, %rd231, 7;
+	min.u64 	%rd89, %rd88, %rd140;
+	setp.ge.u64 	%p39, %rd85, %rd89;
+	@%p39 bra 	$L__BB6_44;
+
+	mov.u64 	%rd316, %rd85;
+
+$L__BB6_43:
+	add.s64 	%rd232, %rd3, %rd316;
+	ld.global.u8 	%rs16, [%rd232];
+	add.s64 	%rd233, %rd4, %rd316;
+	st.global.u8 	[%rd233], %rs16;
+	add.s64 	%rd316, %rd316, %rd87;
+	setp.lt.u64 	%p40, %rd316, %rd89;
+	@%p40 bra 	$L__BB6_43;
+
+$L__BB6_44:
+	sub.s64 	%rd92, %rd140, %rd89;
+	shr.u64 	%rd93, %rd92, 3;
+	add.s64 	%rd94, %rd3, %rd89;
+	mul.lo.s64 	%rd95, %rd87, 3;
+	add.s64 	%rd234, %rd85, %rd95;
+	setp.ge.u64 	%p41, %rd234, %rd93;
+	mov.u64 	%rd319, %rd85;
+	@%p41 bra 	$L__BB6_47;
+
+	mul.lo.s64 	%rd235, %rd86, %rd83;
+	shl.b64 	%rd96, %rd235, 3;
+	mul.lo.s64 	%rd236, %rd82, %rd83;
+	shl.b64 	%rd237, %rd236, 3;
+	shl.b64 	%rd238, %rd84, 3;
+	add.s64 	%rd239, %rd237, %rd238;
+	add.s64 	%rd240, %rd239, -1;
+	not.b64 	%rd241, %rd140;
+	not.b64 	%rd242, %rd88;
+	max.u64 	%rd243, %rd242, %rd241;
+	sub.s64 	%rd244, %rd240, %rd243;
+	add.s64 	%rd318, %rd4, %rd244;
+	mul.lo.s64 	%rd98, %rd235, -24;
+	mov.u64 	%rd319, %rd85;
+
+$L__BB6_46:
+	add.s64 	%rd245, %rd319, %rd87;
+	shl.b64 	%rd246, %rd245, 3;
+	add.s64 	%rd247, %rd94, %rd246;
+	ld.global.v2.u32 	{%r22, %r23}, [%rd247];
+	add.s64 	%rd248, %rd247, %rd96;
+	ld.global.v2.u32 	{%r26, %r27}, [%rd248];
+	add.s64 	%rd249, %rd248, %rd96;
+	ld.global.v2.u32 	{%r30, %r31}, [%rd249];
+	add.s64 	%rd250, %rd249, %rd98;
+	ld.global.v2.u32 	{%r34, %r35}, [%rd250];
+	st.global.v2.u32 	[%rd318], {%r34, %r35};
+	add.s64 	%rd251, %rd318, %rd96;
+	st.global.v2.u32 	[%rd251], {%r22, %r23};
+	add.s64 	%rd252, %rd251, %rd96;
+	st.global.v2.u32 	[%rd252], {%r26, %r27};
+	add.s64 	%rd253, %rd252, %rd96;
+	add.s64 	%rd318, %rd253, %rd96;
+	st.global.v2.u32 	[%rd253], {%r30, %r31};
+	add.s64 	%rd319, %rd95, %rd245;
+	add.s64 	%rd254, %rd319, %rd95;
+	setp.lt.u64 	%p42, %rd254, %rd93;
+	@%p42 bra 	$L__BB6_46;
+
+$L__BB6_47:
+	setp.ge.u64 	%p43, %rd319, %rd93;
+	@%p43 bra 	$L__BB6_50;
+
+	add.s64 	%rd104, %rd4, %rd89;
+
+$L__BB6_49:
+	shl.b64 	%rd255, %rd319, 3;
+	add.s64 	%rd256, %rd94, %rd255;
+	ld.global.v2.u32 	{%r38, %r39}, [%rd256];
+	add.s64 	%rd257, %rd104, %rd255;
+	st.global.v2.u32 	[%rd257], {%r38, %r39};
+	add.s64 	%rd319, %rd319, %rd87;
+	setp.lt.u64 	%p44, %rd319, %rd93;
+	@%p44 bra 	$L__BB6_49;
+
+$L__BB6_50:
+	and.b64  	%rd258, %rd92, -8;
+	add.s64 	%rd259, %rd89, %rd85;
+	add.s64 	%rd321, %rd259, %rd258;
+	setp.ge.u64 	%p45, %rd321, %rd140;
+	@%p45 bra 	$L__BB6_63;
+
+$L__BB6_51:
+	add.s64 	%rd260, %rd3, %rd321;
+	ld.global.u8 	%rs17, [%rd260];
+	add.s64 	%rd261, %rd4, %rd321;
+	st.global.u8 	[%rd261], %rs17;
+	add.s64 	%rd321, %rd321, %rd87;
+	setp.lt.u64 	%p46, %rd321, %rd140;
+	@%p46 bra 	$L__BB6_51;
+	bra.uni 	$L__BB6_63;
+
+$L__BB6_30:
+	mov.u32 	%r11, %ctaid.x;
+	cvt.u64.u32 	%rd52, %r11;
+	mov.u32 	%r12, %ntid.x;
+	cvt.u64.u32 	%rd53, %r12;
+	mul.wide.u32 	%rd200, %r11, %r12;
+	cvt.u64.u32 	%rd54, %r1;
+	add.s64 	%rd55, %rd200, %rd54;
+	mov.u32 	%r13, %nctaid.x;
+	cvt.u64.u32 	%rd56, %r13;
+	mul.wide.u32 	%rd57, %r13, %r12;
+	neg.s64 	%rd201, %rd138;
+	and.b64  	%rd58, %rd201, 3;
+	min.u64 	%rd59, %rd58, %rd140;
+	setp.ge.u64 	%p31, %rd55, %rd59;
+	@%p31 bra 	$L__BB6_33;
+
+	mov.u64 	%rd309, %rd55;
+
+$L__BB6_32:
+	add.s64 	%rd202, %rd3, %rd309;
+	ld.global.u8 	%rs14, [%rd202];
+	add.s64 	%rd203, %rd4, %rd309;
+	st.global.u8 	[%rd203], %rs14;
+	add.s64 	%rd309, %rd309, %rd57;
+	setp.lt.u64 	%p32, %rd309, %rd59;
+	@%p32 bra 	$L__BB6_32;
+
+$L__BB6_33:
+	sub.s64 	%rd62, %rd140, %rd59;
+	shr.u64 	%rd63, %rd62, 2;
+	mul.lo.s64 	%rd64, %rd57, 3;
+	add.s64 	%rd204, %rd55, %rd64;
+	setp.ge.u64 	%p33, %rd204, %rd63;
+	mov.u64 	%rd313, %rd55;
+	@%p33 bra 	$L__BB6_36;
+
+	mul.lo.s64 	%rd205, %rd52, %rd53;
+	shl.b64 	%rd206, %rd205, 2;
+	shl.b64 	%rd207, %rd54, 2;
+	add.s64 	%rd208, %rd206, %rd207;
+	add.s64 	%rd209, %rd208, -1;
+	not.b64 	%rd210, %rd140;
+	not.b64 	%rd211, %rd58;
+	max.u64 	%rd212, %rd211, %rd210;
+	sub.s64 	%rd213, %rd209, %rd212;
+	add.s64 	%rd311, %rd3, %rd213;
+	mul.lo.s64 	%rd214, %rd56, %rd53;
+	shl.b64 	%rd66, %rd214, 2;
+	add.s64 	%rd312, %rd4, %rd213;
+	mov.u64 	%rd313, %rd55;
+
+$L__BB6_35:
+	ld.global.u32 	%r14, [%rd311];
+	add.s64 	%rd215, %rd311, %rd66;
+	ld.global.u32 	%r15, [%rd215];
+	add.s64 	%rd216, %rd215, %rd66;
+	ld.global.u32 	%r16, [%rd216];
+	add.s64 	%rd217, %rd216, %rd66;
+	add.s64 	%rd311, %rd217, %rd66;
+	ld.global.u32 	%r17, [%rd217];
+	st.global.u32 	[%rd312], %r14;
+	add.s64 	%rd218, %rd312, %rd66;
+	st.global.u32 	[%rd218], %r15;
+	add.s64 	%rd219, %rd218, %rd66;
+	st.global.u32 	[%rd219], %r16;
+	add.s64 	%rd220, %rd219, %rd66;
+	add.s64 	%rd312, %rd220, %rd66;
+	st.global.u32 	[%rd220], %r17;
+	add.s64 	%rd221, %rd313, %rd57;
+	add.s64 	%rd313, %rd64, %rd221;
+	add.s64 	%rd222, %rd313, %rd64;
+	setp.lt.u64 	%p34, %rd222, %rd63;
+	@%p34 bra 	$L__BB6_35;
+
+$L__BB6_36:
+	setp.ge.u64 	%p35, %rd313, %rd63;
+	@%p35 bra 	$L__BB6_39;
+
+	add.s64 	%rd75, %rd4, %rd59;
+	add.s64 	%rd76, %rd3, %rd59;
+
+$L__BB6_38:
+	shl.b64 	%rd223, %rd313, 2;
+	add.s64 	%rd224, %rd76, %rd223;
+	ld.global.u32 	%r18, [%rd224];
+	add.s64 	%rd225, %rd75, %rd223;
+	st.global.u32 	[%rd225], %r18;
+	add.s64 	%rd313, %rd313, %rd57;
+	setp.lt.u64 	%p36, %rd313, %rd63;
+	@%p36 bra 	$L__BB6_38;
+
+$L__BB6_39:
+	and.b64  	%rd226, %rd62, -4;
+	add.s64 	%rd227, %rd59, %rd55;
+	add.s64 	%rd315, %rd227, %rd226;
+	setp.ge.u64 	%p37, %rd315, %rd140;
+	@%p37 bra 	$L__BB6_63;
+
+$L__BB6_40:
+	add.s64 	%rd228, %rd3, %rd315;
+	ld.global.u8 	%rs15, [%rd228];
+	add.s64 	%rd229, %rd4, %rd315;
+	st.global.u8 	[%rd229], %rs15;
+	add.s64 	%rd315, %rd315, %rd57;
+	setp.lt.u64 	%p38, %rd315, %rd140;
+	@%p38 bra 	$L__BB6_40;
+	bra.uni 	$L__BB6_63;
+
+$L__BB6_12:
+	mul.lo.s64 	%rd12, %rd11, 3;
+	add.s64 	%rd159, %rd9, %rd12;
+	setp.ge.u64 	%p17, %rd159, %rd140;
+	mov.u64 	%rd299, %rd9;
+	@%p17 bra 	$L__BB6_15;
+
+	add.s64 	%rd297, %rd3, %rd9;
+	mul.lo.s64 	%rd14, %rd10, %rd7;
+	add.s64 	%rd298, %rd4, %rd9;
+	mov.u64 	%rd299, %rd9;
+
+$L__BB6_14:
+	ld.global.u8 	%rs1, [%rd297];
+	add.s64 	%rd160, %rd297, %rd14;
+	ld.global.u8 	%rs2, [%rd160];
+	add.s64 	%rd161, %rd160, %rd14;
+	ld.global.u8 	%rs3, [%rd161];
+	add.s64 	%rd162, %rd161, %rd14;
+	add.s64 	%rd297, %rd162, %rd14;
+	ld.global.u8 	%rs4, [%rd162];
+	st.global.u8 	[%rd298], %rs1;
+	add.s64 	%rd163, %rd298, %rd14;
+	st.global.u8 	[%rd163], %rs2;
+	add.s64 	%rd164, %rd163, %rd14;
+	st.global.u8 	[%rd164], %rs3;
+	add.s64 	%rd165, %rd164, %rd14;
+	add.s64 	%rd298, %rd165, %rd14;
+	st.global.u8 	[%rd165], %rs4;
+	add.s64 	%rd166, %rd299, %rd11;
+	add.s64 	%rd299, %rd12, %rd166;
+	add.s64 	%rd167, %rd299, %rd12;
+	setp.lt.u64 	%p18, %rd167, %rd140;
+	@%p18 bra 	$L__BB6_14;
+
+$L__BB6_15:
+	setp.ge.u64 	%p19, %rd299, %rd140;
+	@%p19 bra 	$L__BB6_17;
+
+$L__BB6_16:
+	add.s64 	%rd168, %rd3, %rd299;
+	ld.global.u8 	%rs5, [%rd168];
+	add.s64 	%rd169, %rd4, %rd299;
+	st.global.u8 	[%rd169], %rs5;
+	add.s64 	%rd299, %rd299, %rd11;
+	setp.lt.u64 	%p20, %rd299, %rd140;
+	@%p20 bra 	$L__BB6_16;
+
+$L__BB6_17:
+	add.s64 	%rd301, %rd9, %rd140;
+	setp.ge.u64 	%p21, %rd301, %rd9;
+	@%p21 bra 	$L__BB6_63;
+
+$L__BB6_18:
+	add.s64 	%rd170, %rd3, %rd301;
+	ld.global.u8 	%rs6, [%rd170];
+	add.s64 	%rd171, %rd4, %rd301;
+	st.global.u8 	[%rd171], %rs6;
+	add.s64 	%rd301, %rd301, %rd11;
+	setp.lt.u64 	%p22, %rd301, %rd140;
+	@%p22 bra 	$L__BB6_18;
+
+$L__BB6_63:
+	ret;
+
+}
+	// .globl	jaxvmm_fused_offload
+.visible .entry jaxvmm_fused_offload(
+	.param .u64 jaxvmm_fused_offload_param_0,
+	.param .u64 jaxvmm_fused_offload_param_1,
+	.param .u64 jaxvmm_fused_offload_param_2,
+	.param .u64 jaxvmm_fused_offload_param_3,
+	.param .u64 jaxvmm_fused_offload_param_4
+)
+{
+	.reg .pred 	%p<509>;
+	.reg .b16 	%rs<143>;
+	.reg .b32 	%r<665>;
+	.reg .b64 	%rd<2298>;
+	// demoted variable
+	.shared .align 8 .u64 _ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell;
+
+	ld.param.u64 	%rd892, [jaxvmm_fused_offload_param_0];
+	ld.param.u64 	%rd890, [jaxvmm_fused_offload_param_1];
+	ld.param.u64 	%rd891, [jaxvmm_fused_offload_param_2];
+	cvta.to.global.u64 	%rd3, %rd890;
+	and.b64  	%rd895, %rd890, 15;
+	setp.eq.s64 	%p26, %rd895, 0;
+	cvta.to.global.u64 	%rd4, %rd892;
+	add.s64 	%rd5, %rd4, 144;
+	@%p26 bra 	$L__BB7_468;
+
+	and.b64  	%rd896, %rd890, 7;
+	setp.eq.s64 	%p27, %rd896, 0;
+	@%p27 bra 	$L__BB7_352;
+
+	ld.param.u64 	%rd2023, [jaxvmm_fused_offload_param_1];
+	and.b64  	%rd897, %rd2023, 3;
+	setp.eq.s64 	%p28, %rd897, 0;
+	@%p28 bra 	$L__BB7_236;
+
+	ld.param.u64 	%rd2024, [jaxvmm_fused_offload_param_1];
+	and.b64  	%rd898, %rd2024, 1;
+	setp.eq.b64 	%p29, %rd898, 1;
+	mov.pred 	%p30, 0;
+	xor.pred  	%p31, %p29, %p30;
+	not.pred 	%p32, %p31;
+	mov.u32 	%r96, %ctaid.x;
+	cvt.u64.u32 	%rd6, %r96;
+	mov.u32 	%r97, %ntid.x;
+	cvt.u64.u32 	%rd7, %r97;
+	mul.wide.u32 	%rd899, %r96, %r97;
+	mov.u32 	%r1, %tid.x;
+	cvt.u64.u32 	%rd8, %r1;
+	add.s64 	%rd9, %rd899, %rd8;
+	mov.u32 	%r98, %nctaid.x;
+	cvt.u64.u32 	%rd10, %r98;
+	mul.wide.u32 	%rd11, %r98, %r97;
+	@%p32 bra 	$L__BB7_120;
+	bra.uni 	$L__BB7_4;
+
+$L__BB7_120:
+	shr.u64 	%rd184, %rd891, 1;
+	setp.ge.u64 	%p122, %rd9, %rd184;
+	@%p122 bra 	$L__BB7_122;
+
+	shl.b64 	%rd1090, %rd9, 1;
+	add.s64 	%rd1091, %rd3, %rd1090;
+	ld.global.u16 	%rs10, [%rd1091];
+
+$L__BB7_122:
+	add.s64 	%rd185, %rd11, %rd9;
+	setp.ge.u64 	%p123, %rd185, %rd184;
+	@%p123 bra 	$L__BB7_124;
+
+	shl.b64 	%rd1092, %rd185, 1;
+	add.s64 	%rd1093, %rd3, %rd1092;
+	ld.global.u16 	%rs12, [%rd1093];
+
+$L__BB7_124:
+	add.s64 	%rd186, %rd185, %rd11;
+	setp.ge.u64 	%p124, %rd186, %rd184;
+	@%p124 bra 	$L__BB7_126;
+
+	shl.b64 	%rd1094, %rd186, 1;
+	add.s64 	%rd1095, %rd3, %rd1094;
+	ld.global.u16 	%rs14, [%rd1095];
+
+$L__BB7_126:
+	mul.lo.s64 	%rd187, %rd11, 3;
+	add.s64 	%rd188, %rd186, %rd11;
+	setp.ge.u64 	%p125, %rd188, %rd184;
+	@%p125 bra 	$L__BB7_128;
+
+	shl.b64 	%rd1096, %rd188, 1;
+	add.s64 	%rd1097, %rd3, %rd1096;
+	ld.global.u16 	%rs16, [%rd1097];
+
+$L__BB7_128:
+	setp.ne.s32 	%p126, %r1, 0;
+	@%p126 bra 	$L__BB7_164;
+
+	add.s64 	%rd1098, %rd4, 136;
+	atom.global.add.u64 	%rd1099, [%rd1098], 1;
+	setp.eq.s64 	%p127, %rd1099, 0;
+	@%p127 bra 	$L__BB7_136;
+
+	ld.volatile.global.u64 	%rd2096, [%rd5];
+	setp.ne.s64 	%p128, %rd2096, 0;
+	@%p128 bra 	$L__BB7_135;
+
+	mov.u32 	%r622, 0;
+	mov.u32 	%r623, 32;
+
+$L__BB7_132:
+	add.s32 	%r622, %r622, 1;
+	setp.lt.u32 	%p129, %r622, 64;
+	@%p129 bra 	$L__BB7_134;
+
+	// begin inline asm
+	nanosleep.u32 %r623;
+	// end inline asm
+	setp.lt.u32 	%p130, %r623, 256;
+	selp.u32 	%r183, 1, 0, %p130;
+	shl.b32 	%r623, %r623, %r183;
+
+$L__BB7_134:
+	ld.volatile.global.u64 	%rd2096, [%rd5];
+	setp.eq.s64 	%p131, %rd2096, 0;
+	@%p131 bra 	$L__BB7_132;
+
+$L__BB7_135:
+	membar.gl;
+	bra.uni 	$L__BB7_163;
+
+$L__BB7_468:
+	mov.u32 	%r471, %ctaid.x;
+	cvt.u64.u32 	%rd713, %r471;
+	mov.u32 	%r472, %ntid.x;
+	cvt.u64.u32 	%rd714, %r472;
+	mul.wide.u32 	%rd1716, %r471, %r472;
+	mov.u32 	%r56, %tid.x;
+	cvt.u64.u32 	%rd715, %r56;
+	add.s64 	%rd716, %rd1716, %rd715;
+	mov.u32 	%r473, %nctaid.x;
+	cvt.u64.u32 	%rd717, %r473;
+	mul.wide.u32 	%rd718, %r473, %r472;
+	shr.u64 	%rd719, %rd891, 4;
+	setp.ge.u64 	%p389, %rd716, %rd719;
+	@%p389 bra 	$L__BB7_470;
+
+	shl.b64 	%rd1717, %rd716, 4;
+	add.s64 	%rd1718, %rd3, %rd1717;
+	ld.global.v4.u32 	{%r64, %r63, %r62, %r61}, [%rd1718];
+
+$L__BB7_470:
+	add.s64 	%rd720, %rd718, %rd716;
+	setp.ge.u64 	%p390, %rd720, %rd719;
+	@%p390 bra 	$L__BB7_472;
+
+	shl.b64 	%rd1719, %rd720, 4;
+	add.s64 	%rd1720, %rd3, %rd1719;
+	ld.global.v4.u32 	{%r72, %r71, %r70, %r69}, [%rd1720];
+
+$L__BB7_472:
+	add.s64 	%rd721, %rd720, %rd718;
+	setp.ge.u64 	%p391, %rd721, %rd719;
+	@%p391 bra 	$L__BB7_474;
+
+	shl.b64 	%rd1721, %rd721, 4;
+	add.s64 	%rd1722, %rd3, %rd1721;
+	ld.global.v4.u32 	{%r80, %r79, %r78, %r77}, [%rd1722];
+
+$L__BB7_474:
+	mul.lo.s64 	%rd722, %rd718, 3;
+	add.s64 	%rd723, %rd721, %rd718;
+	setp.ge.u64 	%p392, %rd723, %rd719;
+	@%p392 bra 	$L__BB7_476;
+
+	shl.b64 	%rd1723, %rd723, 4;
+	add.s64 	%rd1724, %rd3, %rd1723;
+	ld.global.v4.u32 	{%r88, %r87, %r86, %r85}, [%rd1724];
+
+$L__BB7_476:
+	setp.ne.s32 	%p393, %r56, 0;
+	@%p393 bra 	$L__BB7_512;
+
+	add.s64 	%rd1725, %rd4, 136;
+	atom.global.add.u64 	%rd1726, [%rd1725], 1;
+	setp.eq.s64 	%p394, %rd1726, 0;
+	@%p394 bra 	$L__BB7_484;
+
+	ld.volatile.global.u64 	%rd2260, [%rd5];
+	setp.ne.s64 	%p395, %rd2260, 0;
+	@%p395 bra 	$L__BB7_483;
+
+	mov.u32 	%r662, 0;
+	mov.u32 	%r663, 32;
+
+$L__BB7_480:
+	add.s32 	%r662, %r662, 1;
+	setp.lt.u32 	%p396, %r662, 64;
+	@%p396 bra 	$L__BB7_482;
+
+	// begin inline asm
+	nanosleep.u32 %r663;
+	// end inline asm
+	setp.lt.u32 	%p397, %r663, 256;
+	selp.u32 	%r496, 1, 0, %p397;
+	shl.b32 	%r663, %r663, %r496;
+
+$L__BB7_482:
+	ld.volatile.global.u64 	%rd2260, [%rd5];
+	setp.eq.s64 	%p398, %rd2260, 0;
+	@%p398 bra 	$L__BB7_480;
+
+$L__BB7_483:
+	membar.gl;
+	bra.uni 	$L__BB7_511;
+
+$L__BB7_352:
+	mov.u32 	%r355, %ctaid.x;
+	cvt.u64.u32 	%rd536, %r355;
+	mov.u32 	%r356, %ntid.x;
+	cvt.u64.u32 	%rd537, %r356;
+	mul.wide.u32 	%rd1505, %r355, %r356;
+	mov.u32 	%r32, %tid.x;
+	cvt.u64.u32 	%rd538, %r32;
+	add.s64 	%rd539, %rd1505, %rd538;
+	mov.u32 	%r357, %nctaid.x;
+	cvt.u64.u32 	%rd540, %r357;
+	mul.wide.u32 	%rd541, %r357, %r356;
+	shr.u64 	%rd542, %rd891, 3;
+	setp.ge.u64 	%p300, %rd539, %rd542;
+	@%p300 bra 	$L__BB7_354;
+
+	shl.b64 	%rd1506, %rd539, 3;
+	add.s64 	%rd1507, %rd3, %rd1506;
+	ld.global.v2.u32 	{%r36, %r35}, [%rd1507];
+
+$L__BB7_354:
+	add.s64 	%rd543, %rd541, %rd539;
+	setp.ge.u64 	%p301, %rd543, %rd542;
+	@%p301 bra 	$L__BB7_356;
+
+	shl.b64 	%rd1508, %rd543, 3;
+	add.s64 	%rd1509, %rd3, %rd1508;
+	ld.global.v2.u32 	{%r40, %r39}, [%rd1509];
+
+$L__BB7_356:
+	add.s64 	%rd544, %rd543, %rd541;
+	setp.ge.u64 	%p302, %rd544, %rd542;
+	@%p302 bra 	$L__BB7_358;
+
+	shl.b64 	%rd1510, %rd544, 3;
+	add.s64 	%rd1511, %rd3, %rd1510;
+	ld.global.v2.u32 	{%r44, %r43}, [%rd1511];
+
+$L__BB7_358:
+	mul.lo.s64 	%rd545, %rd541, 3;
+	add.s64 	%rd546, %rd544, %rd541;
+	setp.ge.u64 	%p303, %rd546, %rd542;
+	@%p303 bra 	$L__BB7_360;
+
+	shl.b64 	%rd1512, %rd546, 3;
+	add.s64 	%rd1513, %rd3, %rd1512;
+	ld.global.v2.u32 	{%r48, %r47}, [%rd1513];
+
+$L__BB7_360:
+	setp.ne.s32 	%p304, %r32, 0;
+	@%p304 bra 	$L__BB7_396;
+
+	add.s64 	%rd1514, %rd4, 136;
+	atom.global.add.u64 	%rd1515, [%rd1514], 1;
+	setp.eq.s64 	%p305, %rd1515, 0;
+	@%p305 bra 	$L__BB7_368;
+
+	ld.volatile.global.u64 	%rd2206, [%rd5];
+	setp.ne.s64 	%p306, %rd2206, 0;
+	@%p306 bra 	$L__BB7_367;
+
+	mov.u32 	%r642, 0;
+	mov.u32 	%r643, 32;
+
+$L__BB7_364:
+	add.s32 	%r642, %r642, 1;
+	setp.lt.u32 	%p307, %r642, 64;
+	@%p307 bra 	$L__BB7_366;
+
+	// begin inline asm
+	nanosleep.u32 %r643;
+	// end inline asm
+	setp.lt.u32 	%p308, %r643, 256;
+	selp.u32 	%r372, 1, 0, %p308;
+	shl.b32 	%r643, %r643, %r372;
+
+$L__BB7_366:
+	ld.volatile.global.u64 	%rd2206, [%rd5];
+	setp.eq.s64 	%p309, %rd2206, 0;
+	@%p309 bra 	$L__BB7_364;
+
+$L__BB7_367:
+	membar.gl;
+	bra.uni 	$L__BB7_395;
+
+$L__BB7_236:
+	mov.u32 	%r262, %ctaid.x;
+	cvt.u64.u32 	%rd357, %r262;
+	mov.u32 	%r263, %ntid.x;
+	cvt.u64.u32 	%rd358, %r263;
+	mul.wide.u32 	%rd1297, %r262, %r263;
+	mov.u32 	%r16, %tid.x;
+	cvt.u64.u32 	%rd359, %r16;
+	add.s64 	%rd360, %rd1297, %rd359;
+	mov.u32 	%r264, %nctaid.x;
+	cvt.u64.u32 	%rd361, %r264;
+	mul.wide.u32 	%rd362, %r264, %r263;
+	shr.u64 	%rd363, %rd891, 2;
+	setp.ge.u64 	%p211, %rd360, %rd363;
+	@%p211 bra 	$L__BB7_238;
+
+	shl.b64 	%rd1298, %rd360, 2;
+	add.s64 	%rd1299, %rd3, %rd1298;
+	ld.global.u32 	%r18, [%rd1299];
+
+$L__BB7_238:
+	add.s64 	%rd364, %rd362, %rd360;
+	setp.ge.u64 	%p212, %rd364, %rd363;
+	@%p212 bra 	$L__BB7_240;
+
+	shl.b64 	%rd1300, %rd364, 2;
+	add.s64 	%rd1301, %rd3, %rd1300;
+	ld.global.u32 	%r20, [%rd1301];
+
+$L__BB7_240:
+	add.s64 	%rd365, %rd364, %rd362;
+	setp.ge.u64 	%p213, %rd365, %rd363;
+	@%p213 bra 	$L__BB7_242;
+
+	shl.b64 	%rd1302, %rd365, 2;
+	add.s64 	%rd1303, %rd3, %rd1302;
+	ld.global.u32 	%r22, [%rd1303];
+
+$L__BB7_242:
+	mul.lo.s64 	%rd366, %rd362, 3;
+	add.s64 	%rd367, %rd365, %rd362;
+	setp.ge.u64 	%p214, %rd367, %rd363;
+	@%p214 bra 	$L__BB7_244;
+
+	shl.b64 	%rd1304, %rd367, 2;
+	add.s64 	%rd1305, %rd3, %rd1304;
+	ld.global.u32 	%r24, [%rd1305];
+
+$L__BB7_244:
+	setp.ne.s32 	%p215, %r16, 0;
+	@%p215 bra 	$L__BB7_280;
+
+	add.s64 	%rd1306, %rd4, 136;
+	atom.global.add.u64 	%rd1307, [%rd1306], 1;
+	setp.eq.s64 	%p216, %rd1307, 0;
+	@%p216 bra 	$L__BB7_252;
+
+	ld.volatile.global.u64 	%rd2151, [%rd5];
+	setp.ne.s64 	%p217, %rd2151, 0;
+	@%p217 bra 	$L__BB7_251;
+
+	mov.u32 	%r630, 0;
+	mov.u32 	%r631, 32;
+
+$L__BB7_248:
+	add.s32 	%r630, %r630, 1;
+	setp.lt.u32 	%p218, %r630, 64;
+	@%p218 bra 	$L__BB7_250;
+
+	// begin inline asm
+	nanosleep.u32 %r631;
+	// end inline asm
+	setp.lt.u32 	%p219, %r631, 256;
+	selp.u32 	%r271, 1, 0, %p219;
+	shl.b32 	%r631, %r631, %r271;
+
+$L__BB7_250:
+	ld.volatile.global.u64 	%rd2151, [%rd5];
+	setp.eq.s64 	%p220, %rd2151, 0;
+	@%p220 bra 	$L__BB7_248;
+
+$L__BB7_251:
+	membar.gl;
+	bra.uni 	$L__BB7_279;
+
+$L__BB7_4:
+	setp.ge.u64 	%p33, %rd9, %rd891;
+	@%p33 bra 	$L__BB7_6;
+
+	add.s64 	%rd900, %rd3, %rd9;
+	ld.global.u8 	%rs2, [%rd900];
+
+$L__BB7_6:
+	add.s64 	%rd12, %rd11, %rd9;
+	setp.ge.u64 	%p34, %rd12, %rd891;
+	@%p34 bra 	$L__BB7_8;
+
+	add.s64 	%rd901, %rd3, %rd12;
+	ld.global.u8 	%rs4, [%rd901];
+
+$L__BB7_8:
+	add.s64 	%rd13, %rd12, %rd11;
+	setp.ge.u64 	%p35, %rd13, %rd891;
+	@%p35 bra 	$L__BB7_10;
+
+	add.s64 	%rd902, %rd3, %rd13;
+	ld.global.u8 	%rs6, [%rd902];
+
+$L__BB7_10:
+	mul.lo.s64 	%rd14, %rd11, 3;
+	add.s64 	%rd15, %rd13, %rd11;
+	setp.ge.u64 	%p36, %rd15, %rd891;
+	@%p36 bra 	$L__BB7_12;
+
+	add.s64 	%rd903, %rd3, %rd15;
+	ld.global.u8 	%rs8, [%rd903];
+
+$L__BB7_12:
+	setp.ne.s32 	%p37, %r1, 0;
+	@%p37 bra 	$L__BB7_48;
+
+	add.s64 	%rd904, %rd4, 136;
+	atom.global.add.u64 	%rd905, [%rd904], 1;
+	setp.eq.s64 	%p38, %rd905, 0;
+	@%p38 bra 	$L__BB7_20;
+
+	ld.volatile.global.u64 	%rd2041, [%rd5];
+	setp.ne.s64 	%p39, %rd2041, 0;
+	@%p39 bra 	$L__BB7_19;
+
+	mov.u32 	%r618, 0;
+	mov.u32 	%r619, 32;
+
+$L__BB7_16:
+	add.s32 	%r618, %r618, 1;
+	setp.lt.u32 	%p40, %r618, 64;
+	@%p40 bra 	$L__BB7_18;
+
+	// begin inline asm
+	nanosleep.u32 %r619;
+	// end inline asm
+	setp.lt.u32 	%p41, %r619, 256;
+	selp.u32 	%r102, 1, 0, %p41;
+	shl.b32 	%r619, %r619, %r102;
+
+$L__BB7_18:
+	ld.volatile.global.u64 	%rd2041, [%rd5];
+	setp.eq.s64 	%p42, %rd2041, 0;
+	@%p42 bra 	$L__BB7_16;
+
+$L__BB7_19:
+	membar.gl;
+	bra.uni 	$L__BB7_47;
+
+$L__BB7_484:
+	ld.volatile.global.u64 	%rd727, [%rd5+-48];
+	ld.volatile.global.u64 	%rd728, [%rd5+8];
+	ld.volatile.global.u64 	%rd729, [%rd5+-112];
+	ld.volatile.global.u64 	%rd730, [%rd5+-80];
+	ld.volatile.global.u64 	%rd731, [%rd5+-104];
+	ld.volatile.global.u64 	%rd732, [%rd5+-72];
+	ld.volatile.global.u64 	%rd733, [%rd5+-96];
+	ld.volatile.global.u64 	%rd734, [%rd5+-64];
+	ld.volatile.global.u64 	%rd735, [%rd5+-88];
+	ld.volatile.global.u64 	%rd736, [%rd5+-56];
+	ld.volatile.global.u64 	%rd737, [%rd5+-40];
+	shl.b64 	%rd1727, %rd737, 3;
+	add.s64 	%rd1728, %rd4, %rd1727;
+	atom.global.exch.b64 	%rd2249, [%rd1728], 0;
+	setp.lt.u64 	%p399, %rd727, 2;
+	setp.eq.s64 	%p507, %rd2249, 0;
+	setp.ne.s64 	%p400, %rd2249, 0;
+	or.pred  	%p401, %p400, %p399;
+	mov.u64 	%rd2254, %rd737;
+	@%p401 bra 	$L__BB7_492;
+
+	mov.u64 	%rd2245, 1;
+	cvt.u32.u64 	%r497, %rd727;
+
+$L__BB7_486:
+	add.s64 	%rd740, %rd2245, %rd737;
+	or.b64  	%rd1730, %rd740, %rd727;
+	and.b64  	%rd1731, %rd1730, -4294967296;
+	setp.eq.s64 	%p402, %rd1731, 0;
+	@%p402 bra 	$L__BB7_488;
+
+	rem.u64 	%rd2254, %rd740, %rd727;
+	bra.uni 	$L__BB7_489;
+
+$L__BB7_488:
+	cvt.u32.u64 	%r498, %rd740;
+	rem.u32 	%r499, %r498, %r497;
+	cvt.u64.u32 	%rd2254, %r499;
+
+$L__BB7_489:
+	shl.b64 	%rd1733, %rd2254, 3;
+	add.s64 	%rd744, %rd4, %rd1733;
+	mov.u64 	%rd2249, 0;
+	ld.volatile.global.u64 	%rd1734, [%rd744];
+	setp.eq.s64 	%p403, %rd1734, 0;
+	@%p403 bra 	$L__BB7_491;
+
+	atom.global.exch.b64 	%rd2249, [%rd744], 0;
+
+$L__BB7_491:
+	add.s64 	%rd2245, %rd2245, 1;
+	setp.lt.u64 	%p404, %rd2245, %rd727;
+	setp.eq.s64 	%p507, %rd2249, 0;
+	and.pred  	%p405, %p507, %p404;
+	@%p405 bra 	$L__BB7_486;
+
+$L__BB7_492:
+	not.pred 	%p406, %p507;
+	@%p406 bra 	$L__BB7_504;
+
+	ld.param.u64 	%rd1948, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1947, %rd1948;
+	mov.u64 	%rd1735, 1;
+	st.volatile.global.u64 	[%rd1947], %rd1735;
+	membar.sys;
+	mov.u32 	%r664, 32;
+	cvt.u32.u64 	%r501, %rd727;
+	bra.uni 	$L__BB7_494;
+
+$L__BB7_587:
+	// begin inline asm
+	nanosleep.u32 %r664;
+	// end inline asm
+	setp.lt.u32 	%p479, %r664, 2048;
+	selp.u32 	%r616, 1, 0, %p479;
+	shl.b32 	%r664, %r664, %r616;
+
+$L__BB7_494:
+	setp.eq.s64 	%p408, %rd727, 0;
+	mov.pred 	%p508, -1;
+	mov.u64 	%rd2249, 0;
+	@%p408 bra 	$L__BB7_502;
+
+	mov.u64 	%rd2251, 0;
+
+$L__BB7_496:
+	add.s64 	%rd752, %rd2251, %rd737;
+	or.b64  	%rd1738, %rd752, %rd727;
+	and.b64  	%rd1739, %rd1738, -4294967296;
+	setp.eq.s64 	%p409, %rd1739, 0;
+	@%p409 bra 	$L__BB7_498;
+
+	rem.u64 	%rd2254, %rd752, %rd727;
+	bra.uni 	$L__BB7_499;
+
+$L__BB7_498:
+	cvt.u32.u64 	%r502, %rd752;
+	rem.u32 	%r503, %r502, %r501;
+	cvt.u64.u32 	%rd2254, %r503;
+
+$L__BB7_499:
+	shl.b64 	%rd1741, %rd2254, 3;
+	add.s64 	%rd756, %rd4, %rd1741;
+	mov.u64 	%rd2249, 0;
+	ld.volatile.global.u64 	%rd1742, [%rd756];
+	setp.eq.s64 	%p410, %rd1742, 0;
+	@%p410 bra 	$L__BB7_501;
+
+	atom.global.exch.b64 	%rd2249, [%rd756], 0;
+
+$L__BB7_501:
+	add.s64 	%rd2251, %rd2251, 1;
+	setp.lt.u64 	%p411, %rd2251, %rd727;
+	setp.eq.s64 	%p508, %rd2249, 0;
+	and.pred  	%p412, %p508, %p411;
+	@%p412 bra 	$L__BB7_496;
+
+$L__BB7_502:
+	@%p508 bra 	$L__BB7_587;
+
+	ld.param.u64 	%rd1950, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1949, %rd1950;
+	mov.u64 	%rd1743, 0;
+	st.volatile.global.u64 	[%rd1949], %rd1743;
+	membar.sys;
+
+$L__BB7_504:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	add.s64 	%rd1744, %rd2254, 1;
+	or.b64  	%rd1745, %rd1744, %rd727;
+	and.b64  	%rd1746, %rd1745, -4294967296;
+	setp.eq.s64 	%p413, %rd1746, 0;
+	@%p413 bra 	$L__BB7_506;
+
+	rem.u64 	%rd2258, %rd1744, %rd727;
+	bra.uni 	$L__BB7_507;
+
+$L__BB7_368:
+	ld.volatile.global.u64 	%rd550, [%rd5+-48];
+	ld.volatile.global.u64 	%rd551, [%rd5+8];
+	ld.volatile.global.u64 	%rd552, [%rd5+-112];
+	ld.volatile.global.u64 	%rd553, [%rd5+-80];
+	ld.volatile.global.u64 	%rd554, [%rd5+-104];
+	ld.volatile.global.u64 	%rd555, [%rd5+-72];
+	ld.volatile.global.u64 	%rd556, [%rd5+-96];
+	ld.volatile.global.u64 	%rd557, [%rd5+-64];
+	ld.volatile.global.u64 	%rd558, [%rd5+-88];
+	ld.volatile.global.u64 	%rd559, [%rd5+-56];
+	ld.volatile.global.u64 	%rd560, [%rd5+-40];
+	shl.b64 	%rd1516, %rd560, 3;
+	add.s64 	%rd1517, %rd4, %rd1516;
+	atom.global.exch.b64 	%rd2195, [%rd1517], 0;
+	setp.lt.u64 	%p310, %rd550, 2;
+	setp.eq.s64 	%p505, %rd2195, 0;
+	setp.ne.s64 	%p311, %rd2195, 0;
+	or.pred  	%p312, %p311, %p310;
+	mov.u64 	%rd2200, %rd560;
+	@%p312 bra 	$L__BB7_376;
+
+	mov.u64 	%rd2191, 1;
+	cvt.u32.u64 	%r373, %rd550;
+
+$L__BB7_370:
+	add.s64 	%rd563, %rd2191, %rd560;
+	or.b64  	%rd1519, %rd563, %rd550;
+	and.b64  	%rd1520, %rd1519, -4294967296;
+	setp.eq.s64 	%p313, %rd1520, 0;
+	@%p313 bra 	$L__BB7_372;
+
+	rem.u64 	%rd2200, %rd563, %rd550;
+	bra.uni 	$L__BB7_373;
+
+$L__BB7_372:
+	cvt.u32.u64 	%r374, %rd563;
+	rem.u32 	%r375, %r374, %r373;
+	cvt.u64.u32 	%rd2200, %r375;
+
+$L__BB7_373:
+	shl.b64 	%rd1522, %rd2200, 3;
+	add.s64 	%rd567, %rd4, %rd1522;
+	mov.u64 	%rd2195, 0;
+	ld.volatile.global.u64 	%rd1523, [%rd567];
+	setp.eq.s64 	%p314, %rd1523, 0;
+	@%p314 bra 	$L__BB7_375;
+
+	atom.global.exch.b64 	%rd2195, [%rd567], 0;
+
+$L__BB7_375:
+	add.s64 	%rd2191, %rd2191, 1;
+	setp.lt.u64 	%p315, %rd2191, %rd550;
+	setp.eq.s64 	%p505, %rd2195, 0;
+	and.pred  	%p316, %p505, %p315;
+	@%p316 bra 	$L__BB7_370;
+
+$L__BB7_376:
+	not.pred 	%p317, %p505;
+	@%p317 bra 	$L__BB7_388;
+
+	ld.param.u64 	%rd2014, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd2013, %rd2014;
+	mov.u64 	%rd1524, 1;
+	st.volatile.global.u64 	[%rd2013], %rd1524;
+	membar.sys;
+	mov.u32 	%r644, 32;
+	cvt.u32.u64 	%r377, %rd550;
+	bra.uni 	$L__BB7_378;
+
+$L__BB7_467:
+	// begin inline asm
+	nanosleep.u32 %r644;
+	// end inline asm
+	setp.lt.u32 	%p388, %r644, 2048;
+	selp.u32 	%r469, 1, 0, %p388;
+	shl.b32 	%r644, %r644, %r469;
+
+$L__BB7_378:
+	setp.eq.s64 	%p319, %rd550, 0;
+	mov.pred 	%p506, -1;
+	mov.u64 	%rd2195, 0;
+	@%p319 bra 	$L__BB7_386;
+
+	mov.u64 	%rd2197, 0;
+
+$L__BB7_380:
+	add.s64 	%rd575, %rd2197, %rd560;
+	or.b64  	%rd1527, %rd575, %rd550;
+	and.b64  	%rd1528, %rd1527, -4294967296;
+	setp.eq.s64 	%p320, %rd1528, 0;
+	@%p320 bra 	$L__BB7_382;
+
+	rem.u64 	%rd2200, %rd575, %rd550;
+	bra.uni 	$L__BB7_383;
+
+$L__BB7_382:
+	cvt.u32.u64 	%r378, %rd575;
+	rem.u32 	%r379, %r378, %r377;
+	cvt.u64.u32 	%rd2200, %r379;
+
+$L__BB7_383:
+	shl.b64 	%rd1530, %rd2200, 3;
+	add.s64 	%rd579, %rd4, %rd1530;
+	mov.u64 	%rd2195, 0;
+	ld.volatile.global.u64 	%rd1531, [%rd579];
+	setp.eq.s64 	%p321, %rd1531, 0;
+	@%p321 bra 	$L__BB7_385;
+
+	atom.global.exch.b64 	%rd2195, [%rd579], 0;
+
+$L__BB7_385:
+	add.s64 	%rd2197, %rd2197, 1;
+	setp.lt.u64 	%p322, %rd2197, %rd550;
+	setp.eq.s64 	%p506, %rd2195, 0;
+	and.pred  	%p323, %p506, %p322;
+	@%p323 bra 	$L__BB7_380;
+
+$L__BB7_386:
+	@%p506 bra 	$L__BB7_467;
+
+	ld.param.u64 	%rd2016, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd2015, %rd2016;
+	mov.u64 	%rd1532, 0;
+	st.volatile.global.u64 	[%rd2015], %rd1532;
+	membar.sys;
+
+$L__BB7_388:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	add.s64 	%rd1533, %rd2200, 1;
+	or.b64  	%rd1534, %rd1533, %rd550;
+	and.b64  	%rd1535, %rd1534, -4294967296;
+	setp.eq.s64 	%p324, %rd1535, 0;
+	@%p324 bra 	$L__BB7_390;
+
+	rem.u64 	%rd2204, %rd1533, %rd550;
+	bra.uni 	$L__BB7_391;
+
+$L__BB7_252:
+	ld.volatile.global.u64 	%rd371, [%rd5+-48];
+	ld.volatile.global.u64 	%rd372, [%rd5+8];
+	ld.volatile.global.u64 	%rd373, [%rd5+-112];
+	ld.volatile.global.u64 	%rd374, [%rd5+-80];
+	ld.volatile.global.u64 	%rd375, [%rd5+-104];
+	ld.volatile.global.u64 	%rd376, [%rd5+-72];
+	ld.volatile.global.u64 	%rd377, [%rd5+-96];
+	ld.volatile.global.u64 	%rd378, [%rd5+-64];
+	ld.volatile.global.u64 	%rd379, [%rd5+-88];
+	ld.volatile.global.u64 	%rd380, [%rd5+-56];
+	ld.volatile.global.u64 	%rd381, [%rd5+-40];
+	shl.b64 	%rd1308, %rd381, 3;
+	add.s64 	%rd1309, %rd4, %rd1308;
+	atom.global.exch.b64 	%rd2140, [%rd1309], 0;
+	setp.lt.u64 	%p221, %rd371, 2;
+	setp.eq.s64 	%p503, %rd2140, 0;
+	setp.ne.s64 	%p222, %rd2140, 0;
+	or.pred  	%p223, %p222, %p221;
+	mov.u64 	%rd2145, %rd381;
+	@%p223 bra 	$L__BB7_260;
+
+	mov.u64 	%rd2136, 1;
+	cvt.u32.u64 	%r272, %rd371;
+
+$L__BB7_254:
+	add.s64 	%rd384, %rd2136, %rd381;
+	or.b64  	%rd1311, %rd384, %rd371;
+	and.b64  	%rd1312, %rd1311, -4294967296;
+	setp.eq.s64 	%p224, %rd1312, 0;
+	@%p224 bra 	$L__BB7_256;
+
+	rem.u64 	%rd2145, %rd384, %rd371;
+	bra.uni 	$L__BB7_257;
+
+$L__BB7_256:
+	cvt.u32.u64 	%r273, %rd384;
+	rem.u32 	%r274, %r273, %r272;
+	cvt.u64.u32 	%rd2145, %r274;
+
+$L__BB7_257:
+	shl.b64 	%rd1314, %rd2145, 3;
+	add.s64 	%rd388, %rd4, %rd1314;
+	mov.u64 	%rd2140, 0;
+	ld.volatile.global.u64 	%rd1315, [%rd388];
+	setp.eq.s64 	%p225, %rd1315, 0;
+	@%p225 bra 	$L__BB7_259;
+
+	atom.global.exch.b64 	%rd2140, [%rd388], 0;
+
+$L__BB7_259:
+	add.s64 	%rd2136, %rd2136, 1;
+	setp.lt.u64 	%p226, %rd2136, %rd371;
+	setp.eq.s64 	%p503, %rd2140, 0;
+	and.pred  	%p227, %p503, %p226;
+	@%p227 bra 	$L__BB7_254;
+
+$L__BB7_260:
+	not.pred 	%p228, %p503;
+	@%p228 bra 	$L__BB7_272;
+
+	ld.param.u64 	%rd1996, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1995, %rd1996;
+	mov.u64 	%rd1316, 1;
+	st.volatile.global.u64 	[%rd1995], %rd1316;
+	membar.sys;
+	mov.u32 	%r632, 32;
+	cvt.u32.u64 	%r276, %rd371;
+	bra.uni 	$L__BB7_262;
+
+$L__BB7_351:
+	// begin inline asm
+	nanosleep.u32 %r632;
+	// end inline asm
+	setp.lt.u32 	%p299, %r632, 2048;
+	selp.u32 	%r353, 1, 0, %p299;
+	shl.b32 	%r632, %r632, %r353;
+
+$L__BB7_262:
+	setp.eq.s64 	%p230, %rd371, 0;
+	mov.pred 	%p504, -1;
+	mov.u64 	%rd2140, 0;
+	@%p230 bra 	$L__BB7_270;
+
+	mov.u64 	%rd2142, 0;
+
+$L__BB7_264:
+	add.s64 	%rd396, %rd2142, %rd381;
+	or.b64  	%rd1319, %rd396, %rd371;
+	and.b64  	%rd1320, %rd1319, -4294967296;
+	setp.eq.s64 	%p231, %rd1320, 0;
+	@%p231 bra 	$L__BB7_266;
+
+	rem.u64 	%rd2145, %rd396, %rd371;
+	bra.uni 	$L__BB7_267;
+
+$L__BB7_266:
+	cvt.u32.u64 	%r277, %rd396;
+	rem.u32 	%r278, %r277, %r276;
+	cvt.u64.u32 	%rd2145, %r278;
+
+$L__BB7_267:
+	shl.b64 	%rd1322, %rd2145, 3;
+	add.s64 	%rd400, %rd4, %rd1322;
+	mov.u64 	%rd2140, 0;
+	ld.volatile.global.u64 	%rd1323, [%rd400];
+	setp.eq.s64 	%p232, %rd1323, 0;
+	@%p232 bra 	$L__BB7_269;
+
+	atom.global.exch.b64 	%rd2140, [%rd400], 0;
+
+$L__BB7_269:
+	add.s64 	%rd2142, %rd2142, 1;
+	setp.lt.u64 	%p233, %rd2142, %rd371;
+	setp.eq.s64 	%p504, %rd2140, 0;
+	and.pred  	%p234, %p504, %p233;
+	@%p234 bra 	$L__BB7_264;
+
+$L__BB7_270:
+	@%p504 bra 	$L__BB7_351;
+
+	ld.param.u64 	%rd1998, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1997, %rd1998;
+	mov.u64 	%rd1324, 0;
+	st.volatile.global.u64 	[%rd1997], %rd1324;
+	membar.sys;
+
+$L__BB7_272:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	add.s64 	%rd1325, %rd2145, 1;
+	or.b64  	%rd1326, %rd1325, %rd371;
+	and.b64  	%rd1327, %rd1326, -4294967296;
+	setp.eq.s64 	%p235, %rd1327, 0;
+	@%p235 bra 	$L__BB7_274;
+
+	rem.u64 	%rd2149, %rd1325, %rd371;
+	bra.uni 	$L__BB7_275;
+
+$L__BB7_506:
+	cvt.u32.u64 	%r504, %rd727;
+	cvt.u32.u64 	%r505, %rd1744;
+	rem.u32 	%r506, %r505, %r504;
+	cvt.u64.u32 	%rd2258, %r506;
+
+$L__BB7_507:
+	ld.param.u64 	%rd1937, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1936, %rd1937;
+	add.s64 	%rd1935, %rd4, 144;
+	st.global.u64 	[%rd1935+-40], %rd2258;
+	st.global.u32 	[%rd1936], %rd2249;
+	shr.u64 	%rd1749, %rd2249, 32;
+	st.global.u32 	[%rd1936+4], %rd1749;
+	setp.eq.s64 	%p414, %rd728, 0;
+	@%p414 bra 	$L__BB7_509;
+
+	setp.eq.s64 	%p415, %rd2254, 1;
+	selp.b64 	%rd1750, %rd731, %rd729, %p415;
+	setp.eq.s64 	%p416, %rd2254, 2;
+	selp.b64 	%rd1751, %rd733, %rd1750, %p416;
+	setp.eq.s64 	%p417, %rd2254, 3;
+	selp.b64 	%rd2260, %rd735, %rd1751, %p417;
+	bra.uni 	$L__BB7_510;
+
+$L__BB7_509:
+	shl.b64 	%rd1752, %rd2254, 3;
+	add.s64 	%rd1753, %rd4, %rd1752;
+	ld.volatile.global.u64 	%rd2260, [%rd1753+32];
+
+$L__BB7_510:
+	add.s64 	%rd1938, %rd4, 144;
+	st.global.u64 	[%rd1938+-32], %rd2260;
+	setp.eq.s64 	%p418, %rd2254, 1;
+	selp.b64 	%rd1754, %rd732, %rd730, %p418;
+	setp.eq.s64 	%p419, %rd2254, 2;
+	selp.b64 	%rd1755, %rd734, %rd1754, %p419;
+	setp.eq.s64 	%p420, %rd2254, 3;
+	selp.b64 	%rd1756, %rd736, %rd1755, %p420;
+	st.global.u64 	[%rd1938+-24], %rd1756;
+	membar.gl;
+	atom.global.exch.b64 	%rd1758, [%rd1938], %rd2260;
+
+$L__BB7_511:
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2260;
+
+$L__BB7_512:
+	bar.sync 	0;
+	ld.shared.u64 	%rd771, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1759, %rd771, 15;
+	setp.eq.s64 	%p421, %rd1759, 0;
+	@%p421 bra 	$L__BB7_568;
+
+	ld.param.u64 	%rd1939, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd772, %rd771, %rd1939;
+	and.b64  	%rd1760, %rd772, 15;
+	setp.eq.s64 	%p422, %rd1760, 0;
+	@%p422 bra 	$L__BB7_557;
+
+	and.b64  	%rd1761, %rd772, 7;
+	setp.eq.s64 	%p423, %rd1761, 0;
+	@%p423 bra 	$L__BB7_546;
+
+	and.b64  	%rd1762, %rd772, 3;
+	setp.eq.s64 	%p424, %rd1762, 0;
+	@%p424 bra 	$L__BB7_535;
+
+	and.b64  	%rd1763, %rd772, 1;
+	setp.eq.b64 	%p425, %rd1763, 1;
+	mov.pred 	%p426, 0;
+	xor.pred  	%p427, %p425, %p426;
+	not.pred 	%p428, %p427;
+	@%p428 bra 	$L__BB7_524;
+	bra.uni 	$L__BB7_517;
+
+$L__BB7_524:
+	and.b64  	%rd788, %rd771, 1;
+	min.u64 	%rd789, %rd788, %rd891;
+	setp.ge.u64 	%p435, %rd716, %rd789;
+	@%p435 bra 	$L__BB7_527;
+
+	mov.u64 	%rd2267, %rd716;
+
+$L__BB7_526:
+	add.s64 	%rd1776, %rd3, %rd2267;
+	ld.global.u8 	%rs121, [%rd1776];
+	add.s64 	%rd1777, %rd771, %rd2267;
+	st.u8 	[%rd1777], %rs121;
+	add.s64 	%rd2267, %rd2267, %rd718;
+	setp.lt.u64 	%p436, %rd2267, %rd789;
+	@%p436 bra 	$L__BB7_526;
+
+$L__BB7_527:
+	sub.s64 	%rd792, %rd891, %rd789;
+	shr.u64 	%rd793, %rd792, 1;
+	setp.ge.u64 	%p437, %rd723, %rd793;
+	mov.u64 	%rd2271, %rd716;
+	@%p437 bra 	$L__BB7_530;
+
+	mul.lo.s64 	%rd1778, %rd713, %rd714;
+	shl.b64 	%rd1779, %rd1778, 1;
+	shl.b64 	%rd1780, %rd715, 1;
+	add.s64 	%rd1781, %rd1779, %rd1780;
+	add.s64 	%rd1782, %rd1781, -1;
+	not.b64 	%rd1783, %rd891;
+	not.b64 	%rd1784, %rd788;
+	max.u64 	%rd1785, %rd1784, %rd1783;
+	sub.s64 	%rd1786, %rd1782, %rd1785;
+	add.s64 	%rd2269, %rd3, %rd1786;
+	mul.lo.s64 	%rd1787, %rd717, %rd714;
+	shl.b64 	%rd795, %rd1787, 1;
+	add.s64 	%rd2270, %rd771, %rd1786;
+	mov.u64 	%rd2271, %rd716;
+
+$L__BB7_529:
+	ld.global.u16 	%rs122, [%rd2269];
+	add.s64 	%rd1788, %rd2269, %rd795;
+	ld.global.u16 	%rs123, [%rd1788];
+	add.s64 	%rd1789, %rd1788, %rd795;
+	ld.global.u16 	%rs124, [%rd1789];
+	add.s64 	%rd1790, %rd1789, %rd795;
+	add.s64 	%rd2269, %rd1790, %rd795;
+	ld.global.u16 	%rs125, [%rd1790];
+	st.u16 	[%rd2270], %rs122;
+	add.s64 	%rd1791, %rd2270, %rd795;
+	st.u16 	[%rd1791], %rs123;
+	add.s64 	%rd1792, %rd1791, %rd795;
+	st.u16 	[%rd1792], %rs124;
+	add.s64 	%rd1793, %rd1792, %rd795;
+	add.s64 	%rd2270, %rd1793, %rd795;
+	st.u16 	[%rd1793], %rs125;
+	add.s64 	%rd1794, %rd2271, %rd718;
+	add.s64 	%rd2271, %rd722, %rd1794;
+	add.s64 	%rd1795, %rd2271, %rd722;
+	setp.lt.u64 	%p438, %rd1795, %rd793;
+	@%p438 bra 	$L__BB7_529;
+
+$L__BB7_530:
+	setp.ge.u64 	%p439, %rd2271, %rd793;
+	@%p439 bra 	$L__BB7_533;
+
+	add.s64 	%rd804, %rd771, %rd789;
+	add.s64 	%rd805, %rd3, %rd789;
+
+$L__BB7_532:
+	shl.b64 	%rd1796, %rd2271, 1;
+	add.s64 	%rd1797, %rd805, %rd1796;
+	ld.global.u16 	%rs126, [%rd1797];
+	add.s64 	%rd1798, %rd804, %rd1796;
+	st.u16 	[%rd1798], %rs126;
+	add.s64 	%rd2271, %rd2271, %rd718;
+	setp.lt.u64 	%p440, %rd2271, %rd793;
+	@%p440 bra 	$L__BB7_532;
+
+$L__BB7_533:
+	and.b64  	%rd1799, %rd792, -2;
+	add.s64 	%rd1800, %rd789, %rd716;
+	add.s64 	%rd2273, %rd1800, %rd1799;
+	setp.ge.u64 	%p441, %rd2273, %rd891;
+	@%p441 bra 	$L__BB7_583;
+
+$L__BB7_534:
+	add.s64 	%rd1801, %rd3, %rd2273;
+	ld.global.u8 	%rs127, [%rd1801];
+	add.s64 	%rd1802, %rd771, %rd2273;
+	st.u8 	[%rd1802], %rs127;
+	add.s64 	%rd2273, %rd2273, %rd718;
+	setp.lt.u64 	%p442, %rd2273, %rd891;
+	@%p442 bra 	$L__BB7_534;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_568:
+	setp.ge.u64 	%p480, %rd716, %rd719;
+	@%p480 bra 	$L__BB7_570;
+
+	shl.b64 	%rd1894, %rd716, 4;
+	add.s64 	%rd1895, %rd771, %rd1894;
+	st.v4.u32 	[%rd1895], {%r64, %r63, %r62, %r61};
+
+$L__BB7_570:
+	add.s64 	%rd1941, %rd718, %rd716;
+	setp.ge.u64 	%p481, %rd1941, %rd719;
+	@%p481 bra 	$L__BB7_572;
+
+	add.s64 	%rd1946, %rd718, %rd716;
+	shl.b64 	%rd1896, %rd1946, 4;
+	add.s64 	%rd1897, %rd771, %rd1896;
+	st.v4.u32 	[%rd1897], {%r72, %r71, %r70, %r69};
+
+$L__BB7_572:
+	add.s64 	%rd1943, %rd718, %rd716;
+	add.s64 	%rd1942, %rd1943, %rd718;
+	setp.ge.u64 	%p482, %rd1942, %rd719;
+	@%p482 bra 	$L__BB7_574;
+
+	add.s64 	%rd1945, %rd718, %rd716;
+	add.s64 	%rd1944, %rd1945, %rd718;
+	shl.b64 	%rd1898, %rd1944, 4;
+	add.s64 	%rd1899, %rd771, %rd1898;
+	st.v4.u32 	[%rd1899], {%r80, %r79, %r78, %r77};
+
+$L__BB7_574:
+	add.s64 	%rd2022, %rd718, %rd716;
+	add.s64 	%rd2021, %rd2022, %rd718;
+	add.s64 	%rd2020, %rd2021, %rd718;
+	setp.ge.u64 	%p498, %rd2020, %rd719;
+	@%p498 bra 	$L__BB7_576;
+
+	shl.b64 	%rd1900, %rd723, 4;
+	add.s64 	%rd1901, %rd771, %rd1900;
+	st.v4.u32 	[%rd1901], {%r88, %r87, %r86, %r85};
+
+$L__BB7_576:
+	shl.b64 	%rd1902, %rd718, 2;
+	add.s64 	%rd2295, %rd716, %rd1902;
+	add.s64 	%rd1903, %rd2295, %rd722;
+	setp.ge.u64 	%p471, %rd1903, %rd719;
+	@%p471 bra 	$L__BB7_579;
+
+	mul.lo.s64 	%rd1904, %rd717, %rd714;
+	shl.b64 	%rd877, %rd1904, 4;
+	shl.b64 	%rd1905, %rd717, 2;
+	add.s64 	%rd1906, %rd1905, %rd713;
+	mul.lo.s64 	%rd1907, %rd1906, %rd714;
+	shl.b64 	%rd1908, %rd1907, 4;
+	shl.b64 	%rd1909, %rd715, 4;
+	add.s64 	%rd1910, %rd1908, %rd1909;
+	add.s64 	%rd2294, %rd771, %rd1910;
+	mul.lo.s64 	%rd879, %rd1904, -48;
+
+$L__BB7_578:
+	shl.b64 	%rd1911, %rd2295, 4;
+	add.s64 	%rd1912, %rd3, %rd1911;
+	shl.b64 	%rd1914, %rd718, 4;
+	add.s64 	%rd1915, %rd1912, %rd1914;
+	ld.global.v4.u32 	{%r572, %r573, %r574, %r575}, [%rd1915];
+	add.s64 	%rd1916, %rd1915, %rd877;
+	ld.global.v4.u32 	{%r580, %r581, %r582, %r583}, [%rd1916];
+	add.s64 	%rd1917, %rd1916, %rd877;
+	ld.global.v4.u32 	{%r588, %r589, %r590, %r591}, [%rd1917];
+	add.s64 	%rd1918, %rd1917, %rd879;
+	ld.global.v4.u32 	{%r596, %r597, %r598, %r599}, [%rd1918];
+	st.v4.u32 	[%rd2294], {%r596, %r597, %r598, %r599};
+	add.s64 	%rd1919, %rd2294, %rd877;
+	st.v4.u32 	[%rd1919], {%r572, %r573, %r574, %r575};
+	add.s64 	%rd1920, %rd1919, %rd877;
+	st.v4.u32 	[%rd1920], {%r580, %r581, %r582, %r583};
+	add.s64 	%rd1921, %rd1920, %rd877;
+	add.s64 	%rd2294, %rd1921, %rd877;
+	st.v4.u32 	[%rd1921], {%r588, %r589, %r590, %r591};
+	add.s64 	%rd2295, %rd1902, %rd2295;
+	add.s64 	%rd1922, %rd2295, %rd722;
+	setp.lt.u64 	%p472, %rd1922, %rd719;
+	@%p472 bra 	$L__BB7_578;
+
+$L__BB7_579:
+	setp.ge.u64 	%p473, %rd2295, %rd719;
+	@%p473 bra 	$L__BB7_581;
+
+$L__BB7_580:
+	shl.b64 	%rd1923, %rd2295, 4;
+	add.s64 	%rd1924, %rd771, %rd1923;
+	add.s64 	%rd1925, %rd3, %rd1923;
+	ld.global.v4.u32 	{%r604, %r605, %r606, %r607}, [%rd1925];
+	st.v4.u32 	[%rd1924], {%r604, %r605, %r606, %r607};
+	add.s64 	%rd2295, %rd2295, %rd718;
+	setp.lt.u64 	%p474, %rd2295, %rd719;
+	@%p474 bra 	$L__BB7_580;
+
+$L__BB7_581:
+	and.b64  	%rd1926, %rd891, -16;
+	add.s64 	%rd2297, %rd1926, %rd716;
+	setp.ge.u64 	%p475, %rd2297, %rd891;
+	@%p475 bra 	$L__BB7_583;
+
+$L__BB7_582:
+	add.s64 	%rd1927, %rd3, %rd2297;
+	ld.global.u8 	%rs134, [%rd1927];
+	add.s64 	%rd1928, %rd771, %rd2297;
+	st.u8 	[%rd1928], %rs134;
+	add.s64 	%rd2297, %rd2297, %rd718;
+	setp.lt.u64 	%p476, %rd2297, %rd891;
+	@%p476 bra 	$L__BB7_582;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_557:
+	neg.s64 	%rd1862, %rd771;
+	and.b64  	%rd855, %rd1862, 15;
+	min.u64 	%rd856, %rd855, %rd891;
+	setp.ge.u64 	%p459, %rd716, %rd856;
+	@%p459 bra 	$L__BB7_560;
+
+	mov.u64 	%rd2287, %rd716;
+
+$L__BB7_559:
+	add.s64 	%rd1863, %rd3, %rd2287;
+	ld.global.u8 	%rs132, [%rd1863];
+	add.s64 	%rd1864, %rd771, %rd2287;
+	st.u8 	[%rd1864], %rs132;
+	add.s64 	%rd2287, %rd2287, %rd718;
+	setp.lt.u64 	%p460, %rd2287, %rd856;
+	@%p460 bra 	$L__BB7_559;
+
+$L__BB7_560:
+	sub.s64 	%rd859, %rd891, %rd856;
+	shr.u64 	%rd860, %rd859, 4;
+	add.s64 	%rd861, %rd3, %rd856;
+	setp.ge.u64 	%p461, %rd723, %rd860;
+	mov.u64 	%rd2290, %rd716;
+	@%p461 bra 	$L__BB7_563;
+
+	mul.lo.s64 	%rd1865, %rd717, %rd714;
+	shl.b64 	%rd862, %rd1865, 4;
+	mul.lo.s64 	%rd1866, %rd713, %rd714;
+	shl.b64 	%rd1867, %rd1866, 4;
+	shl.b64 	%rd1868, %rd715, 4;
+	add.s64 	%rd1869, %rd1867, %rd1868;
+	add.s64 	%rd1870, %rd1869, -1;
+	not.b64 	%rd1871, %rd891;
+	not.b64 	%rd1872, %rd855;
+	max.u64 	%rd1873, %rd1872, %rd1871;
+	sub.s64 	%rd1874, %rd1870, %rd1873;
+	add.s64 	%rd2289, %rd771, %rd1874;
+	mul.lo.s64 	%rd864, %rd1865, -48;
+	mov.u64 	%rd2290, %rd716;
+
+$L__BB7_562:
+	shl.b64 	%rd1875, %rd2290, 4;
+	add.s64 	%rd1876, %rd861, %rd1875;
+	shl.b64 	%rd1877, %rd718, 2;
+	shl.b64 	%rd1878, %rd718, 4;
+	add.s64 	%rd1879, %rd1876, %rd1878;
+	ld.global.v4.u32 	{%r532, %r533, %r534, %r535}, [%rd1879];
+	add.s64 	%rd1880, %rd1879, %rd862;
+	ld.global.v4.u32 	{%r540, %r541, %r542, %r543}, [%rd1880];
+	add.s64 	%rd1881, %rd1880, %rd862;
+	ld.global.v4.u32 	{%r548, %r549, %r550, %r551}, [%rd1881];
+	add.s64 	%rd1882, %rd1881, %rd864;
+	ld.global.v4.u32 	{%r556, %r557, %r558, %r559}, [%rd1882];
+	st.v4.u32 	[%rd2289], {%r556, %r557, %r558, %r559};
+	add.s64 	%rd1883, %rd2289, %rd862;
+	st.v4.u32 	[%rd1883], {%r532, %r533, %r534, %r535};
+	add.s64 	%rd1884, %rd1883, %rd862;
+	st.v4.u32 	[%rd1884], {%r540, %r541, %r542, %r543};
+	add.s64 	%rd1885, %rd1884, %rd862;
+	add.s64 	%rd2289, %rd1885, %rd862;
+	st.v4.u32 	[%rd1885], {%r548, %r549, %r550, %r551};
+	add.s64 	%rd2290, %rd1877, %rd2290;
+	add.s64 	%rd1886, %rd2290, %rd722;
+	setp.lt.u64 	%p462, %rd1886, %rd860;
+	@%p462 bra 	$L__BB7_562;
+
+$L__BB7_563:
+	setp.ge.u64 	%p463, %rd2290, %rd860;
+	@%p463 bra 	$L__BB7_566;
+
+	add.s64 	%rd870, %rd771, %rd856;
+
+$L__BB7_565:
+	shl.b64 	%rd1887, %rd2290, 4;
+	add.s64 	%rd1888, %rd870, %rd1887;
+	add.s64 	%rd1889, %rd861, %rd1887;
+	ld.global.v4.u32 	{%r564, %r565, %r566, %r567}, [%rd1889];
+	st.v4.u32 	[%rd1888], {%r564, %r565, %r566, %r567};
+	add.s64 	%rd2290, %rd2290, %rd718;
+	setp.lt.u64 	%p464, %rd2290, %rd860;
+	@%p464 bra 	$L__BB7_565;
+
+$L__BB7_566:
+	and.b64  	%rd1890, %rd859, -16;
+	add.s64 	%rd1891, %rd856, %rd716;
+	add.s64 	%rd2292, %rd1891, %rd1890;
+	setp.ge.u64 	%p465, %rd2292, %rd891;
+	@%p465 bra 	$L__BB7_583;
+
+$L__BB7_567:
+	add.s64 	%rd1892, %rd3, %rd2292;
+	ld.global.u8 	%rs133, [%rd1892];
+	add.s64 	%rd1893, %rd771, %rd2292;
+	st.u8 	[%rd1893], %rs133;
+	add.s64 	%rd2292, %rd2292, %rd718;
+	setp.lt.u64 	%p466, %rd2292, %rd891;
+	@%p466 bra 	$L__BB7_567;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_546:
+	neg.s64 	%rd1831, %rd771;
+	and.b64  	%rd834, %rd1831, 7;
+	min.u64 	%rd835, %rd834, %rd891;
+	setp.ge.u64 	%p451, %rd716, %rd835;
+	@%p451 bra 	$L__BB7_549;
+
+	mov.u64 	%rd2281, %rd716;
+
+$L__BB7_548:
+	add.s64 	%rd1832, %rd3, %rd2281;
+	ld.global.u8 	%rs130, [%rd1832];
+	add.s64 	%rd1833, %rd771, %rd2281;
+	st.u8 	[%rd1833], %rs130;
+	add.s64 	%rd2281, %rd2281, %rd718;
+	setp.lt.u64 	%p452, %rd2281, %rd835;
+	@%p452 bra 	$L__BB7_548;
+
+$L__BB7_549:
+	sub.s64 	%rd838, %rd891, %rd835;
+	shr.u64 	%rd839, %rd838, 3;
+	add.s64 	%rd840, %rd3, %rd835;
+	setp.ge.u64 	%p453, %rd723, %rd839;
+	mov.u64 	%rd2284, %rd716;
+	@%p453 bra 	$L__BB7_552;
+
+	mul.lo.s64 	%rd1834, %rd717, %rd714;
+	shl.b64 	%rd841, %rd1834, 3;
+	mul.lo.s64 	%rd1835, %rd713, %rd714;
+	shl.b64 	%rd1836, %rd1835, 3;
+	shl.b64 	%rd1837, %rd715, 3;
+	add.s64 	%rd1838, %rd1836, %rd1837;
+	add.s64 	%rd1839, %rd1838, -1;
+	not.b64 	%rd1840, %rd891;
+	not.b64 	%rd1841, %rd834;
+	max.u64 	%rd1842, %rd1841, %rd1840;
+	sub.s64 	%rd1843, %rd1839, %rd1842;
+	add.s64 	%rd2283, %rd771, %rd1843;
+	neg.s64 	%rd843, %rd1834;
+	shl.b64 	%rd1849, %rd843, 3;
+	mov.u64 	%rd2284, %rd716;
+
+$L__BB7_551:
+	add.s64 	%rd1844, %rd2284, %rd718;
+	shl.b64 	%rd1845, %rd1844, 3;
+	add.s64 	%rd1846, %rd840, %rd1845;
+	ld.global.v2.u32 	{%r512, %r513}, [%rd1846];
+	add.s64 	%rd1847, %rd1846, %rd841;
+	ld.global.v2.u32 	{%r516, %r517}, [%rd1847];
+	add.s64 	%rd1848, %rd1847, %rd841;
+	ld.global.v2.u32 	{%r520, %r521}, [%rd1848];
+	add.s64 	%rd1850, %rd1846, %rd1849;
+	ld.global.v2.u32 	{%r524, %r525}, [%rd1850];
+	st.v2.u32 	[%rd2283], {%r524, %r525};
+	add.s64 	%rd1851, %rd2283, %rd841;
+	st.v2.u32 	[%rd1851], {%r512, %r513};
+	add.s64 	%rd1852, %rd1851, %rd841;
+	st.v2.u32 	[%rd1852], {%r516, %r517};
+	add.s64 	%rd1853, %rd1852, %rd841;
+	add.s64 	%rd2283, %rd1853, %rd841;
+	st.v2.u32 	[%rd1853], {%r520, %r521};
+	add.s64 	%rd2284, %rd722, %rd1844;
+	add.s64 	%rd1854, %rd2284, %rd722;
+	setp.lt.u64 	%p454, %rd1854, %rd839;
+	@%p454 bra 	$L__BB7_551;
+
+$L__BB7_552:
+	setp.ge.u64 	%p455, %rd2284, %rd839;
+	@%p455 bra 	$L__BB7_555;
+
+	add.s64 	%rd849, %rd771, %rd835;
+
+$L__BB7_554:
+	shl.b64 	%rd1855, %rd2284, 3;
+	add.s64 	%rd1856, %rd840, %rd1855;
+	ld.global.v2.u32 	{%r528, %r529}, [%rd1856];
+	add.s64 	%rd1857, %rd849, %rd1855;
+	st.v2.u32 	[%rd1857], {%r528, %r529};
+	add.s64 	%rd2284, %rd2284, %rd718;
+	setp.lt.u64 	%p456, %rd2284, %rd839;
+	@%p456 bra 	$L__BB7_554;
+
+$L__BB7_555:
+	and.b64  	%rd1858, %rd838, -8;
+	add.s64 	%rd1859, %rd835, %rd716;
+	add.s64 	%rd2286, %rd1859, %rd1858;
+	setp.ge.u64 	%p457, %rd2286, %rd891;
+	@%p457 bra 	$L__BB7_583;
+
+$L__BB7_556:
+	add.s64 	%rd1860, %rd3, %rd2286;
+	ld.global.u8 	%rs131, [%rd1860];
+	add.s64 	%rd1861, %rd771, %rd2286;
+	st.u8 	[%rd1861], %rs131;
+	add.s64 	%rd2286, %rd2286, %rd718;
+	setp.lt.u64 	%p458, %rd2286, %rd891;
+	@%p458 bra 	$L__BB7_556;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_535:
+	neg.s64 	%rd1803, %rd771;
+	and.b64  	%rd811, %rd1803, 3;
+	min.u64 	%rd812, %rd811, %rd891;
+	setp.ge.u64 	%p443, %rd716, %rd812;
+	@%p443 bra 	$L__BB7_538;
+
+	mov.u64 	%rd2274, %rd716;
+
+$L__BB7_537:
+	add.s64 	%rd1804, %rd3, %rd2274;
+	ld.global.u8 	%rs128, [%rd1804];
+	add.s64 	%rd1805, %rd771, %rd2274;
+	st.u8 	[%rd1805], %rs128;
+	add.s64 	%rd2274, %rd2274, %rd718;
+	setp.lt.u64 	%p444, %rd2274, %rd812;
+	@%p444 bra 	$L__BB7_537;
+
+$L__BB7_538:
+	sub.s64 	%rd815, %rd891, %rd812;
+	shr.u64 	%rd816, %rd815, 2;
+	setp.ge.u64 	%p445, %rd723, %rd816;
+	mov.u64 	%rd2278, %rd716;
+	@%p445 bra 	$L__BB7_541;
+
+	mul.lo.s64 	%rd1806, %rd713, %rd714;
+	shl.b64 	%rd1807, %rd1806, 2;
+	shl.b64 	%rd1808, %rd715, 2;
+	add.s64 	%rd1809, %rd1807, %rd1808;
+	add.s64 	%rd1810, %rd1809, -1;
+	not.b64 	%rd1811, %rd891;
+	not.b64 	%rd1812, %rd811;
+	max.u64 	%rd1813, %rd1812, %rd1811;
+	sub.s64 	%rd1814, %rd1810, %rd1813;
+	add.s64 	%rd2276, %rd3, %rd1814;
+	mul.lo.s64 	%rd1815, %rd717, %rd714;
+	shl.b64 	%rd818, %rd1815, 2;
+	add.s64 	%rd2277, %rd771, %rd1814;
+	mov.u64 	%rd2278, %rd716;
+
+$L__BB7_540:
+	ld.global.u32 	%r507, [%rd2276];
+	add.s64 	%rd1816, %rd2276, %rd818;
+	ld.global.u32 	%r508, [%rd1816];
+	add.s64 	%rd1817, %rd1816, %rd818;
+	ld.global.u32 	%r509, [%rd1817];
+	add.s64 	%rd1818, %rd1817, %rd818;
+	add.s64 	%rd2276, %rd1818, %rd818;
+	ld.global.u32 	%r510, [%rd1818];
+	st.u32 	[%rd2277], %r507;
+	add.s64 	%rd1819, %rd2277, %rd818;
+	st.u32 	[%rd1819], %r508;
+	add.s64 	%rd1820, %rd1819, %rd818;
+	st.u32 	[%rd1820], %r509;
+	add.s64 	%rd1821, %rd1820, %rd818;
+	add.s64 	%rd2277, %rd1821, %rd818;
+	st.u32 	[%rd1821], %r510;
+	add.s64 	%rd1822, %rd2278, %rd718;
+	add.s64 	%rd2278, %rd722, %rd1822;
+	add.s64 	%rd1823, %rd2278, %rd722;
+	setp.lt.u64 	%p446, %rd1823, %rd816;
+	@%p446 bra 	$L__BB7_540;
+
+$L__BB7_541:
+	setp.ge.u64 	%p447, %rd2278, %rd816;
+	@%p447 bra 	$L__BB7_544;
+
+	add.s64 	%rd827, %rd771, %rd812;
+	add.s64 	%rd828, %rd3, %rd812;
+
+$L__BB7_543:
+	shl.b64 	%rd1824, %rd2278, 2;
+	add.s64 	%rd1825, %rd828, %rd1824;
+	ld.global.u32 	%r511, [%rd1825];
+	add.s64 	%rd1826, %rd827, %rd1824;
+	st.u32 	[%rd1826], %r511;
+	add.s64 	%rd2278, %rd2278, %rd718;
+	setp.lt.u64 	%p448, %rd2278, %rd816;
+	@%p448 bra 	$L__BB7_543;
+
+$L__BB7_544:
+	and.b64  	%rd1827, %rd815, -4;
+	add.s64 	%rd1828, %rd812, %rd716;
+	add.s64 	%rd2280, %rd1828, %rd1827;
+	setp.ge.u64 	%p449, %rd2280, %rd891;
+	@%p449 bra 	$L__BB7_583;
+
+$L__BB7_545:
+	add.s64 	%rd1829, %rd3, %rd2280;
+	ld.global.u8 	%rs129, [%rd1829];
+	add.s64 	%rd1830, %rd771, %rd2280;
+	st.u8 	[%rd1830], %rs129;
+	add.s64 	%rd2280, %rd2280, %rd718;
+	setp.lt.u64 	%p450, %rd2280, %rd891;
+	@%p450 bra 	$L__BB7_545;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_517:
+	setp.ge.u64 	%p429, %rd723, %rd891;
+	mov.u64 	%rd2264, %rd716;
+	@%p429 bra 	$L__BB7_520;
+
+	add.s64 	%rd2262, %rd3, %rd716;
+	mul.lo.s64 	%rd774, %rd717, %rd714;
+	add.s64 	%rd2263, %rd771, %rd716;
+	mov.u64 	%rd2264, %rd716;
+
+$L__BB7_519:
+	ld.global.u8 	%rs115, [%rd2262];
+	add.s64 	%rd1764, %rd2262, %rd774;
+	ld.global.u8 	%rs116, [%rd1764];
+	add.s64 	%rd1765, %rd1764, %rd774;
+	ld.global.u8 	%rs117, [%rd1765];
+	add.s64 	%rd1766, %rd1765, %rd774;
+	add.s64 	%rd2262, %rd1766, %rd774;
+	ld.global.u8 	%rs118, [%rd1766];
+	st.u8 	[%rd2263], %rs115;
+	add.s64 	%rd1767, %rd2263, %rd774;
+	st.u8 	[%rd1767], %rs116;
+	add.s64 	%rd1768, %rd1767, %rd774;
+	st.u8 	[%rd1768], %rs117;
+	add.s64 	%rd1769, %rd1768, %rd774;
+	add.s64 	%rd2263, %rd1769, %rd774;
+	st.u8 	[%rd1769], %rs118;
+	add.s64 	%rd1770, %rd2264, %rd718;
+	add.s64 	%rd2264, %rd722, %rd1770;
+	add.s64 	%rd1771, %rd2264, %rd722;
+	setp.lt.u64 	%p430, %rd1771, %rd891;
+	@%p430 bra 	$L__BB7_519;
+
+$L__BB7_520:
+	setp.ge.u64 	%p431, %rd2264, %rd891;
+	@%p431 bra 	$L__BB7_522;
+
+$L__BB7_521:
+	add.s64 	%rd1772, %rd3, %rd2264;
+	ld.global.u8 	%rs119, [%rd1772];
+	add.s64 	%rd1773, %rd771, %rd2264;
+	st.u8 	[%rd1773], %rs119;
+	add.s64 	%rd2264, %rd2264, %rd718;
+	setp.lt.u64 	%p432, %rd2264, %rd891;
+	@%p432 bra 	$L__BB7_521;
+
+$L__BB7_522:
+	add.s64 	%rd2266, %rd716, %rd891;
+	setp.ge.u64 	%p433, %rd2266, %rd716;
+	@%p433 bra 	$L__BB7_583;
+
+$L__BB7_523:
+	add.s64 	%rd1774, %rd3, %rd2266;
+	ld.global.u8 	%rs120, [%rd1774];
+	add.s64 	%rd1775, %rd771, %rd2266;
+	st.u8 	[%rd1775], %rs120;
+	add.s64 	%rd2266, %rd2266, %rd718;
+	setp.lt.u64 	%p434, %rd2266, %rd891;
+	@%p434 bra 	$L__BB7_523;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_136:
+	ld.volatile.global.u64 	%rd192, [%rd5+-48];
+	ld.volatile.global.u64 	%rd193, [%rd5+8];
+	ld.volatile.global.u64 	%rd194, [%rd5+-112];
+	ld.volatile.global.u64 	%rd195, [%rd5+-80];
+	ld.volatile.global.u64 	%rd196, [%rd5+-104];
+	ld.volatile.global.u64 	%rd197, [%rd5+-72];
+	ld.volatile.global.u64 	%rd198, [%rd5+-96];
+	ld.volatile.global.u64 	%rd199, [%rd5+-64];
+	ld.volatile.global.u64 	%rd200, [%rd5+-88];
+	ld.volatile.global.u64 	%rd201, [%rd5+-56];
+	ld.volatile.global.u64 	%rd202, [%rd5+-40];
+	shl.b64 	%rd1100, %rd202, 3;
+	add.s64 	%rd1101, %rd4, %rd1100;
+	atom.global.exch.b64 	%rd2085, [%rd1101], 0;
+	setp.lt.u64 	%p132, %rd192, 2;
+	setp.eq.s64 	%p501, %rd2085, 0;
+	setp.ne.s64 	%p133, %rd2085, 0;
+	or.pred  	%p134, %p133, %p132;
+	mov.u64 	%rd2090, %rd202;
+	@%p134 bra 	$L__BB7_144;
+
+	mov.u64 	%rd2081, 1;
+	cvt.u32.u64 	%r184, %rd192;
+
+$L__BB7_138:
+	add.s64 	%rd205, %rd2081, %rd202;
+	or.b64  	%rd1103, %rd205, %rd192;
+	and.b64  	%rd1104, %rd1103, -4294967296;
+	setp.eq.s64 	%p135, %rd1104, 0;
+	@%p135 bra 	$L__BB7_140;
+
+	rem.u64 	%rd2090, %rd205, %rd192;
+	bra.uni 	$L__BB7_141;
+
+$L__BB7_140:
+	cvt.u32.u64 	%r185, %rd205;
+	rem.u32 	%r186, %r185, %r184;
+	cvt.u64.u32 	%rd2090, %r186;
+
+$L__BB7_141:
+	shl.b64 	%rd1106, %rd2090, 3;
+	add.s64 	%rd209, %rd4, %rd1106;
+	mov.u64 	%rd2085, 0;
+	ld.volatile.global.u64 	%rd1107, [%rd209];
+	setp.eq.s64 	%p136, %rd1107, 0;
+	@%p136 bra 	$L__BB7_143;
+
+	atom.global.exch.b64 	%rd2085, [%rd209], 0;
+
+$L__BB7_143:
+	add.s64 	%rd2081, %rd2081, 1;
+	setp.lt.u64 	%p137, %rd2081, %rd192;
+	setp.eq.s64 	%p501, %rd2085, 0;
+	and.pred  	%p138, %p501, %p137;
+	@%p138 bra 	$L__BB7_138;
+
+$L__BB7_144:
+	not.pred 	%p139, %p501;
+	@%p139 bra 	$L__BB7_156;
+
+	ld.param.u64 	%rd1978, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1977, %rd1978;
+	mov.u64 	%rd1108, 1;
+	st.volatile.global.u64 	[%rd1977], %rd1108;
+	membar.sys;
+	mov.u32 	%r624, 32;
+	cvt.u32.u64 	%r188, %rd192;
+	bra.uni 	$L__BB7_146;
+
+$L__BB7_235:
+	// begin inline asm
+	nanosleep.u32 %r624;
+	// end inline asm
+	setp.lt.u32 	%p210, %r624, 2048;
+	selp.u32 	%r260, 1, 0, %p210;
+	shl.b32 	%r624, %r624, %r260;
+
+$L__BB7_146:
+	setp.eq.s64 	%p141, %rd192, 0;
+	mov.pred 	%p502, -1;
+	mov.u64 	%rd2085, 0;
+	@%p141 bra 	$L__BB7_154;
+
+	mov.u64 	%rd2087, 0;
+
+$L__BB7_148:
+	add.s64 	%rd217, %rd2087, %rd202;
+	or.b64  	%rd1111, %rd217, %rd192;
+	and.b64  	%rd1112, %rd1111, -4294967296;
+	setp.eq.s64 	%p142, %rd1112, 0;
+	@%p142 bra 	$L__BB7_150;
+
+	rem.u64 	%rd2090, %rd217, %rd192;
+	bra.uni 	$L__BB7_151;
+
+$L__BB7_150:
+	cvt.u32.u64 	%r189, %rd217;
+	rem.u32 	%r190, %r189, %r188;
+	cvt.u64.u32 	%rd2090, %r190;
+
+$L__BB7_151:
+	shl.b64 	%rd1114, %rd2090, 3;
+	add.s64 	%rd221, %rd4, %rd1114;
+	mov.u64 	%rd2085, 0;
+	ld.volatile.global.u64 	%rd1115, [%rd221];
+	setp.eq.s64 	%p143, %rd1115, 0;
+	@%p143 bra 	$L__BB7_153;
+
+	atom.global.exch.b64 	%rd2085, [%rd221], 0;
+
+$L__BB7_153:
+	add.s64 	%rd2087, %rd2087, 1;
+	setp.lt.u64 	%p144, %rd2087, %rd192;
+	setp.eq.s64 	%p502, %rd2085, 0;
+	and.pred  	%p145, %p502, %p144;
+	@%p145 bra 	$L__BB7_148;
+
+$L__BB7_154:
+	@%p502 bra 	$L__BB7_235;
+
+	ld.param.u64 	%rd1980, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1979, %rd1980;
+	mov.u64 	%rd1116, 0;
+	st.volatile.global.u64 	[%rd1979], %rd1116;
+	membar.sys;
+
+$L__BB7_156:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	add.s64 	%rd1117, %rd2090, 1;
+	or.b64  	%rd1118, %rd1117, %rd192;
+	and.b64  	%rd1119, %rd1118, -4294967296;
+	setp.eq.s64 	%p146, %rd1119, 0;
+	@%p146 bra 	$L__BB7_158;
+
+	rem.u64 	%rd2094, %rd1117, %rd192;
+	bra.uni 	$L__BB7_159;
+
+$L__BB7_20:
+	ld.volatile.global.u64 	%rd19, [%rd5+-48];
+	ld.volatile.global.u64 	%rd20, [%rd5+8];
+	ld.volatile.global.u64 	%rd21, [%rd5+-112];
+	ld.volatile.global.u64 	%rd22, [%rd5+-80];
+	ld.volatile.global.u64 	%rd23, [%rd5+-104];
+	ld.volatile.global.u64 	%rd24, [%rd5+-72];
+	ld.volatile.global.u64 	%rd25, [%rd5+-96];
+	ld.volatile.global.u64 	%rd26, [%rd5+-64];
+	ld.volatile.global.u64 	%rd27, [%rd5+-88];
+	ld.volatile.global.u64 	%rd28, [%rd5+-56];
+	ld.volatile.global.u64 	%rd29, [%rd5+-40];
+	shl.b64 	%rd906, %rd29, 3;
+	add.s64 	%rd907, %rd4, %rd906;
+	atom.global.exch.b64 	%rd2030, [%rd907], 0;
+	setp.lt.u64 	%p43, %rd19, 2;
+	setp.eq.s64 	%p499, %rd2030, 0;
+	setp.ne.s64 	%p44, %rd2030, 0;
+	or.pred  	%p45, %p44, %p43;
+	mov.u64 	%rd2035, %rd29;
+	@%p45 bra 	$L__BB7_28;
+
+	mov.u64 	%rd2026, 1;
+	cvt.u32.u64 	%r103, %rd19;
+
+$L__BB7_22:
+	add.s64 	%rd32, %rd2026, %rd29;
+	or.b64  	%rd909, %rd32, %rd19;
+	and.b64  	%rd910, %rd909, -4294967296;
+	setp.eq.s64 	%p46, %rd910, 0;
+	@%p46 bra 	$L__BB7_24;
+
+	rem.u64 	%rd2035, %rd32, %rd19;
+	bra.uni 	$L__BB7_25;
+
+$L__BB7_24:
+	cvt.u32.u64 	%r104, %rd32;
+	rem.u32 	%r105, %r104, %r103;
+	cvt.u64.u32 	%rd2035, %r105;
+
+$L__BB7_25:
+	shl.b64 	%rd912, %rd2035, 3;
+	add.s64 	%rd36, %rd4, %rd912;
+	mov.u64 	%rd2030, 0;
+	ld.volatile.global.u64 	%rd913, [%rd36];
+	setp.eq.s64 	%p47, %rd913, 0;
+	@%p47 bra 	$L__BB7_27;
+
+	atom.global.exch.b64 	%rd2030, [%rd36], 0;
+
+$L__BB7_27:
+	add.s64 	%rd2026, %rd2026, 1;
+	setp.lt.u64 	%p48, %rd2026, %rd19;
+	setp.eq.s64 	%p499, %rd2030, 0;
+	and.pred  	%p49, %p499, %p48;
+	@%p49 bra 	$L__BB7_22;
+
+$L__BB7_28:
+	not.pred 	%p50, %p499;
+	@%p50 bra 	$L__BB7_40;
+
+	ld.param.u64 	%rd1963, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1962, %rd1963;
+	mov.u64 	%rd914, 1;
+	st.volatile.global.u64 	[%rd1962], %rd914;
+	membar.sys;
+	mov.u32 	%r620, 32;
+	cvt.u32.u64 	%r107, %rd19;
+	bra.uni 	$L__BB7_30;
+
+$L__BB7_119:
+	// begin inline asm
+	nanosleep.u32 %r620;
+	// end inline asm
+	setp.lt.u32 	%p121, %r620, 2048;
+	selp.u32 	%r179, 1, 0, %p121;
+	shl.b32 	%r620, %r620, %r179;
+
+$L__BB7_30:
+	setp.eq.s64 	%p52, %rd19, 0;
+	mov.pred 	%p500, -1;
+	mov.u64 	%rd2030, 0;
+	@%p52 bra 	$L__BB7_38;
+
+	mov.u64 	%rd2032, 0;
+
+$L__BB7_32:
+	add.s64 	%rd44, %rd2032, %rd29;
+	or.b64  	%rd917, %rd44, %rd19;
+	and.b64  	%rd918, %rd917, -4294967296;
+	setp.eq.s64 	%p53, %rd918, 0;
+	@%p53 bra 	$L__BB7_34;
+
+	rem.u64 	%rd2035, %rd44, %rd19;
+	bra.uni 	$L__BB7_35;
+
+$L__BB7_34:
+	cvt.u32.u64 	%r108, %rd44;
+	rem.u32 	%r109, %r108, %r107;
+	cvt.u64.u32 	%rd2035, %r109;
+
+$L__BB7_35:
+	shl.b64 	%rd920, %rd2035, 3;
+	add.s64 	%rd48, %rd4, %rd920;
+	mov.u64 	%rd2030, 0;
+	ld.volatile.global.u64 	%rd921, [%rd48];
+	setp.eq.s64 	%p54, %rd921, 0;
+	@%p54 bra 	$L__BB7_37;
+
+	atom.global.exch.b64 	%rd2030, [%rd48], 0;
+
+$L__BB7_37:
+	add.s64 	%rd2032, %rd2032, 1;
+	setp.lt.u64 	%p55, %rd2032, %rd19;
+	setp.eq.s64 	%p500, %rd2030, 0;
+	and.pred  	%p56, %p500, %p55;
+	@%p56 bra 	$L__BB7_32;
+
+$L__BB7_38:
+	@%p500 bra 	$L__BB7_119;
+
+	ld.param.u64 	%rd1965, [jaxvmm_fused_offload_param_4];
+	cvta.to.global.u64 	%rd1964, %rd1965;
+	mov.u64 	%rd922, 0;
+	st.volatile.global.u64 	[%rd1964], %rd922;
+	membar.sys;
+
+$L__BB7_40:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	add.s64 	%rd923, %rd2035, 1;
+	or.b64  	%rd924, %rd923, %rd19;
+	and.b64  	%rd925, %rd924, -4294967296;
+	setp.eq.s64 	%p57, %rd925, 0;
+	@%p57 bra 	$L__BB7_42;
+
+	rem.u64 	%rd2039, %rd923, %rd19;
+	bra.uni 	$L__BB7_43;
+
+$L__BB7_390:
+	cvt.u32.u64 	%r380, %rd550;
+	cvt.u32.u64 	%r381, %rd1533;
+	rem.u32 	%r382, %r381, %r380;
+	cvt.u64.u32 	%rd2204, %r382;
+
+$L__BB7_391:
+	ld.param.u64 	%rd2004, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd2003, %rd2004;
+	add.s64 	%rd2002, %rd4, 144;
+	st.global.u64 	[%rd2002+-40], %rd2204;
+	st.global.u32 	[%rd2003], %rd2195;
+	shr.u64 	%rd1538, %rd2195, 32;
+	st.global.u32 	[%rd2003+4], %rd1538;
+	setp.eq.s64 	%p325, %rd551, 0;
+	@%p325 bra 	$L__BB7_393;
+
+	setp.eq.s64 	%p326, %rd2200, 1;
+	selp.b64 	%rd1539, %rd554, %rd552, %p326;
+	setp.eq.s64 	%p327, %rd2200, 2;
+	selp.b64 	%rd1540, %rd556, %rd1539, %p327;
+	setp.eq.s64 	%p328, %rd2200, 3;
+	selp.b64 	%rd2206, %rd558, %rd1540, %p328;
+	bra.uni 	$L__BB7_394;
+
+$L__BB7_393:
+	shl.b64 	%rd1541, %rd2200, 3;
+	add.s64 	%rd1542, %rd4, %rd1541;
+	ld.volatile.global.u64 	%rd2206, [%rd1542+32];
+
+$L__BB7_394:
+	add.s64 	%rd2005, %rd4, 144;
+	st.global.u64 	[%rd2005+-32], %rd2206;
+	setp.eq.s64 	%p329, %rd2200, 1;
+	selp.b64 	%rd1543, %rd555, %rd553, %p329;
+	setp.eq.s64 	%p330, %rd2200, 2;
+	selp.b64 	%rd1544, %rd557, %rd1543, %p330;
+	setp.eq.s64 	%p331, %rd2200, 3;
+	selp.b64 	%rd1545, %rd559, %rd1544, %p331;
+	st.global.u64 	[%rd2005+-24], %rd1545;
+	membar.gl;
+	atom.global.exch.b64 	%rd1547, [%rd2005], %rd2206;
+
+$L__BB7_395:
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2206;
+
+$L__BB7_396:
+	bar.sync 	0;
+	ld.shared.u64 	%rd594, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1548, %rd594, 15;
+	setp.eq.s64 	%p332, %rd1548, 0;
+	@%p332 bra 	$L__BB7_452;
+
+	ld.param.u64 	%rd2006, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd595, %rd594, %rd2006;
+	and.b64  	%rd1549, %rd595, 15;
+	setp.eq.s64 	%p333, %rd1549, 0;
+	@%p333 bra 	$L__BB7_441;
+
+	and.b64  	%rd1550, %rd595, 7;
+	setp.eq.s64 	%p334, %rd1550, 0;
+	@%p334 bra 	$L__BB7_430;
+
+	and.b64  	%rd1551, %rd595, 3;
+	setp.eq.s64 	%p335, %rd1551, 0;
+	@%p335 bra 	$L__BB7_419;
+
+	and.b64  	%rd1552, %rd595, 1;
+	setp.eq.b64 	%p336, %rd1552, 1;
+	mov.pred 	%p337, 0;
+	xor.pred  	%p338, %p336, %p337;
+	not.pred 	%p339, %p338;
+	@%p339 bra 	$L__BB7_408;
+	bra.uni 	$L__BB7_401;
+
+$L__BB7_408:
+	and.b64  	%rd611, %rd594, 1;
+	min.u64 	%rd612, %rd611, %rd891;
+	setp.ge.u64 	%p346, %rd539, %rd612;
+	@%p346 bra 	$L__BB7_411;
+
+	mov.u64 	%rd2213, %rd539;
+
+$L__BB7_410:
+	add.s64 	%rd1565, %rd3, %rd2213;
+	ld.global.u8 	%rs101, [%rd1565];
+	add.s64 	%rd1566, %rd594, %rd2213;
+	st.u8 	[%rd1566], %rs101;
+	add.s64 	%rd2213, %rd2213, %rd541;
+	setp.lt.u64 	%p347, %rd2213, %rd612;
+	@%p347 bra 	$L__BB7_410;
+
+$L__BB7_411:
+	sub.s64 	%rd615, %rd891, %rd612;
+	shr.u64 	%rd616, %rd615, 1;
+	setp.ge.u64 	%p348, %rd546, %rd616;
+	mov.u64 	%rd2217, %rd539;
+	@%p348 bra 	$L__BB7_414;
+
+	mul.lo.s64 	%rd1567, %rd536, %rd537;
+	shl.b64 	%rd1568, %rd1567, 1;
+	shl.b64 	%rd1569, %rd538, 1;
+	add.s64 	%rd1570, %rd1568, %rd1569;
+	add.s64 	%rd1571, %rd1570, -1;
+	not.b64 	%rd1572, %rd891;
+	not.b64 	%rd1573, %rd611;
+	max.u64 	%rd1574, %rd1573, %rd1572;
+	sub.s64 	%rd1575, %rd1571, %rd1574;
+	add.s64 	%rd2215, %rd3, %rd1575;
+	mul.lo.s64 	%rd1576, %rd540, %rd537;
+	shl.b64 	%rd618, %rd1576, 1;
+	add.s64 	%rd2216, %rd594, %rd1575;
+	mov.u64 	%rd2217, %rd539;
+
+$L__BB7_413:
+	ld.global.u16 	%rs102, [%rd2215];
+	add.s64 	%rd1577, %rd2215, %rd618;
+	ld.global.u16 	%rs103, [%rd1577];
+	add.s64 	%rd1578, %rd1577, %rd618;
+	ld.global.u16 	%rs104, [%rd1578];
+	add.s64 	%rd1579, %rd1578, %rd618;
+	add.s64 	%rd2215, %rd1579, %rd618;
+	ld.global.u16 	%rs105, [%rd1579];
+	st.u16 	[%rd2216], %rs102;
+	add.s64 	%rd1580, %rd2216, %rd618;
+	st.u16 	[%rd1580], %rs103;
+	add.s64 	%rd1581, %rd1580, %rd618;
+	st.u16 	[%rd1581], %rs104;
+	add.s64 	%rd1582, %rd1581, %rd618;
+	add.s64 	%rd2216, %rd1582, %rd618;
+	st.u16 	[%rd1582], %rs105;
+	add.s64 	%rd1583, %rd2217, %rd541;
+	add.s64 	%rd2217, %rd545, %rd1583;
+	add.s64 	%rd1584, %rd2217, %rd545;
+	setp.lt.u64 	%p349, %rd1584, %rd616;
+	@%p349 bra 	$L__BB7_413;
+
+$L__BB7_414:
+	setp.ge.u64 	%p350, %rd2217, %rd616;
+	@%p350 bra 	$L__BB7_417;
+
+	add.s64 	%rd627, %rd594, %rd612;
+	add.s64 	%rd628, %rd3, %rd612;
+
+$L__BB7_416:
+	shl.b64 	%rd1585, %rd2217, 1;
+	add.s64 	%rd1586, %rd628, %rd1585;
+	ld.global.u16 	%rs106, [%rd1586];
+	add.s64 	%rd1587, %rd627, %rd1585;
+	st.u16 	[%rd1587], %rs106;
+	add.s64 	%rd2217, %rd2217, %rd541;
+	setp.lt.u64 	%p351, %rd2217, %rd616;
+	@%p351 bra 	$L__BB7_416;
+
+$L__BB7_417:
+	and.b64  	%rd1588, %rd615, -2;
+	add.s64 	%rd1589, %rd612, %rd539;
+	add.s64 	%rd2219, %rd1589, %rd1588;
+	setp.ge.u64 	%p352, %rd2219, %rd891;
+	@%p352 bra 	$L__BB7_583;
+
+$L__BB7_418:
+	add.s64 	%rd1590, %rd3, %rd2219;
+	ld.global.u8 	%rs107, [%rd1590];
+	add.s64 	%rd1591, %rd594, %rd2219;
+	st.u8 	[%rd1591], %rs107;
+	add.s64 	%rd2219, %rd2219, %rd541;
+	setp.lt.u64 	%p353, %rd2219, %rd891;
+	@%p353 bra 	$L__BB7_418;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_452:
+	setp.ge.u64 	%p494, %rd539, %rd542;
+	@%p494 bra 	$L__BB7_454;
+
+	shl.b64 	%rd1683, %rd539, 3;
+	add.s64 	%rd1684, %rd594, %rd1683;
+	st.v2.u32 	[%rd1684], {%r36, %r35};
+
+$L__BB7_454:
+	add.s64 	%rd2007, %rd541, %rd539;
+	setp.ge.u64 	%p495, %rd2007, %rd542;
+	@%p495 bra 	$L__BB7_456;
+
+	add.s64 	%rd2012, %rd541, %rd539;
+	shl.b64 	%rd1685, %rd2012, 3;
+	add.s64 	%rd1686, %rd594, %rd1685;
+	st.v2.u32 	[%rd1686], {%r40, %r39};
+
+$L__BB7_456:
+	add.s64 	%rd2009, %rd541, %rd539;
+	add.s64 	%rd2008, %rd2009, %rd541;
+	setp.ge.u64 	%p496, %rd2008, %rd542;
+	@%p496 bra 	$L__BB7_458;
+
+	add.s64 	%rd2011, %rd541, %rd539;
+	add.s64 	%rd2010, %rd2011, %rd541;
+	shl.b64 	%rd1687, %rd2010, 3;
+	add.s64 	%rd1688, %rd594, %rd1687;
+	st.v2.u32 	[%rd1688], {%r44, %r43};
+
+$L__BB7_458:
+	add.s64 	%rd2019, %rd541, %rd539;
+	add.s64 	%rd2018, %rd2019, %rd541;
+	add.s64 	%rd2017, %rd2018, %rd541;
+	setp.ge.u64 	%p497, %rd2017, %rd542;
+	@%p497 bra 	$L__BB7_460;
+
+	shl.b64 	%rd1689, %rd546, 3;
+	add.s64 	%rd1690, %rd594, %rd1689;
+	st.v2.u32 	[%rd1690], {%r48, %r47};
+
+$L__BB7_460:
+	shl.b64 	%rd1691, %rd541, 2;
+	add.s64 	%rd2241, %rd539, %rd1691;
+	add.s64 	%rd1692, %rd2241, %rd545;
+	setp.ge.u64 	%p382, %rd1692, %rd542;
+	@%p382 bra 	$L__BB7_463;
+
+	mul.lo.s64 	%rd1693, %rd540, %rd537;
+	shl.b64 	%rd700, %rd1693, 3;
+	shl.b64 	%rd1694, %rd540, 2;
+	add.s64 	%rd1695, %rd1694, %rd536;
+	mul.lo.s64 	%rd1696, %rd1695, %rd537;
+	shl.b64 	%rd1697, %rd1696, 3;
+	shl.b64 	%rd1698, %rd538, 3;
+	add.s64 	%rd1699, %rd1697, %rd1698;
+	add.s64 	%rd2240, %rd594, %rd1699;
+	mul.lo.s64 	%rd702, %rd1693, -24;
+
+$L__BB7_462:
+	add.s64 	%rd1700, %rd2241, %rd541;
+	shl.b64 	%rd1701, %rd1700, 3;
+	add.s64 	%rd1702, %rd3, %rd1701;
+	ld.global.v2.u32 	{%r448, %r449}, [%rd1702];
+	add.s64 	%rd1703, %rd1702, %rd700;
+	ld.global.v2.u32 	{%r452, %r453}, [%rd1703];
+	add.s64 	%rd1704, %rd1703, %rd700;
+	ld.global.v2.u32 	{%r456, %r457}, [%rd1704];
+	add.s64 	%rd1705, %rd1704, %rd702;
+	ld.global.v2.u32 	{%r460, %r461}, [%rd1705];
+	st.v2.u32 	[%rd2240], {%r460, %r461};
+	add.s64 	%rd1706, %rd2240, %rd700;
+	st.v2.u32 	[%rd1706], {%r448, %r449};
+	add.s64 	%rd1707, %rd1706, %rd700;
+	st.v2.u32 	[%rd1707], {%r452, %r453};
+	add.s64 	%rd1708, %rd1707, %rd700;
+	add.s64 	%rd2240, %rd1708, %rd700;
+	st.v2.u32 	[%rd1708], {%r456, %r457};
+	add.s64 	%rd2241, %rd545, %rd1700;
+	add.s64 	%rd1709, %rd2241, %rd545;
+	setp.lt.u64 	%p383, %rd1709, %rd542;
+	@%p383 bra 	$L__BB7_462;
+
+$L__BB7_463:
+	setp.ge.u64 	%p384, %rd2241, %rd542;
+	@%p384 bra 	$L__BB7_465;
+
+$L__BB7_464:
+	shl.b64 	%rd1710, %rd2241, 3;
+	add.s64 	%rd1711, %rd3, %rd1710;
+	ld.global.v2.u32 	{%r464, %r465}, [%rd1711];
+	add.s64 	%rd1712, %rd594, %rd1710;
+	st.v2.u32 	[%rd1712], {%r464, %r465};
+	add.s64 	%rd2241, %rd2241, %rd541;
+	setp.lt.u64 	%p385, %rd2241, %rd542;
+	@%p385 bra 	$L__BB7_464;
+
+$L__BB7_465:
+	and.b64  	%rd1713, %rd891, -8;
+	add.s64 	%rd2243, %rd1713, %rd539;
+	setp.ge.u64 	%p386, %rd2243, %rd891;
+	@%p386 bra 	$L__BB7_583;
+
+$L__BB7_466:
+	add.s64 	%rd1714, %rd3, %rd2243;
+	ld.global.u8 	%rs114, [%rd1714];
+	add.s64 	%rd1715, %rd594, %rd2243;
+	st.u8 	[%rd1715], %rs114;
+	add.s64 	%rd2243, %rd2243, %rd541;
+	setp.lt.u64 	%p387, %rd2243, %rd891;
+	@%p387 bra 	$L__BB7_466;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_441:
+	neg.s64 	%rd1650, %rd594;
+	and.b64  	%rd678, %rd1650, 15;
+	min.u64 	%rd679, %rd678, %rd891;
+	setp.ge.u64 	%p370, %rd539, %rd679;
+	@%p370 bra 	$L__BB7_444;
+
+	mov.u64 	%rd2233, %rd539;
+
+$L__BB7_443:
+	add.s64 	%rd1651, %rd3, %rd2233;
+	ld.global.u8 	%rs112, [%rd1651];
+	add.s64 	%rd1652, %rd594, %rd2233;
+	st.u8 	[%rd1652], %rs112;
+	add.s64 	%rd2233, %rd2233, %rd541;
+	setp.lt.u64 	%p371, %rd2233, %rd679;
+	@%p371 bra 	$L__BB7_443;
+
+$L__BB7_444:
+	sub.s64 	%rd682, %rd891, %rd679;
+	shr.u64 	%rd683, %rd682, 4;
+	add.s64 	%rd684, %rd3, %rd679;
+	setp.ge.u64 	%p372, %rd546, %rd683;
+	mov.u64 	%rd2236, %rd539;
+	@%p372 bra 	$L__BB7_447;
+
+	mul.lo.s64 	%rd1653, %rd540, %rd537;
+	shl.b64 	%rd685, %rd1653, 4;
+	mul.lo.s64 	%rd1654, %rd536, %rd537;
+	shl.b64 	%rd1655, %rd1654, 4;
+	shl.b64 	%rd1656, %rd538, 4;
+	add.s64 	%rd1657, %rd1655, %rd1656;
+	add.s64 	%rd1658, %rd1657, -1;
+	not.b64 	%rd1659, %rd891;
+	not.b64 	%rd1660, %rd678;
+	max.u64 	%rd1661, %rd1660, %rd1659;
+	sub.s64 	%rd1662, %rd1658, %rd1661;
+	add.s64 	%rd2235, %rd594, %rd1662;
+	shl.b64 	%rd1663, %rd1653, 5;
+	neg.s64 	%rd687, %rd1663;
+	mov.u64 	%rd2236, %rd539;
+
+$L__BB7_446:
+	shl.b64 	%rd1664, %rd2236, 4;
+	add.s64 	%rd1665, %rd684, %rd1664;
+	shl.b64 	%rd1666, %rd541, 2;
+	shl.b64 	%rd1667, %rd541, 4;
+	add.s64 	%rd1668, %rd1665, %rd1667;
+	ld.global.v4.u32 	{%r408, %r409, %r410, %r411}, [%rd1668];
+	add.s64 	%rd1669, %rd1668, %rd685;
+	ld.global.v4.u32 	{%r416, %r417, %r418, %r419}, [%rd1669];
+	add.s64 	%rd1670, %rd1669, %rd685;
+	ld.global.v4.u32 	{%r424, %r425, %r426, %r427}, [%rd1670];
+	add.s64 	%rd1671, %rd1669, %rd687;
+	ld.global.v4.u32 	{%r432, %r433, %r434, %r435}, [%rd1671];
+	st.v4.u32 	[%rd2235], {%r432, %r433, %r434, %r435};
+	add.s64 	%rd1672, %rd2235, %rd685;
+	st.v4.u32 	[%rd1672], {%r408, %r409, %r410, %r411};
+	add.s64 	%rd1673, %rd1672, %rd685;
+	st.v4.u32 	[%rd1673], {%r416, %r417, %r418, %r419};
+	add.s64 	%rd1674, %rd1673, %rd685;
+	add.s64 	%rd2235, %rd1674, %rd685;
+	st.v4.u32 	[%rd1674], {%r424, %r425, %r426, %r427};
+	add.s64 	%rd2236, %rd1666, %rd2236;
+	add.s64 	%rd1675, %rd2236, %rd545;
+	setp.lt.u64 	%p373, %rd1675, %rd683;
+	@%p373 bra 	$L__BB7_446;
+
+$L__BB7_447:
+	setp.ge.u64 	%p374, %rd2236, %rd683;
+	@%p374 bra 	$L__BB7_450;
+
+	add.s64 	%rd693, %rd594, %rd679;
+
+$L__BB7_449:
+	shl.b64 	%rd1676, %rd2236, 4;
+	add.s64 	%rd1677, %rd693, %rd1676;
+	add.s64 	%rd1678, %rd684, %rd1676;
+	ld.global.v4.u32 	{%r440, %r441, %r442, %r443}, [%rd1678];
+	st.v4.u32 	[%rd1677], {%r440, %r441, %r442, %r443};
+	add.s64 	%rd2236, %rd2236, %rd541;
+	setp.lt.u64 	%p375, %rd2236, %rd683;
+	@%p375 bra 	$L__BB7_449;
+
+$L__BB7_450:
+	and.b64  	%rd1679, %rd682, -16;
+	add.s64 	%rd1680, %rd679, %rd539;
+	add.s64 	%rd2238, %rd1680, %rd1679;
+	setp.ge.u64 	%p376, %rd2238, %rd891;
+	@%p376 bra 	$L__BB7_583;
+
+$L__BB7_451:
+	add.s64 	%rd1681, %rd3, %rd2238;
+	ld.global.u8 	%rs113, [%rd1681];
+	add.s64 	%rd1682, %rd594, %rd2238;
+	st.u8 	[%rd1682], %rs113;
+	add.s64 	%rd2238, %rd2238, %rd541;
+	setp.lt.u64 	%p377, %rd2238, %rd891;
+	@%p377 bra 	$L__BB7_451;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_430:
+	neg.s64 	%rd1620, %rd594;
+	and.b64  	%rd657, %rd1620, 7;
+	min.u64 	%rd658, %rd657, %rd891;
+	setp.ge.u64 	%p362, %rd539, %rd658;
+	@%p362 bra 	$L__BB7_433;
+
+	mov.u64 	%rd2227, %rd539;
+
+$L__BB7_432:
+	add.s64 	%rd1621, %rd3, %rd2227;
+	ld.global.u8 	%rs110, [%rd1621];
+	add.s64 	%rd1622, %rd594, %rd2227;
+	st.u8 	[%rd1622], %rs110;
+	add.s64 	%rd2227, %rd2227, %rd541;
+	setp.lt.u64 	%p363, %rd2227, %rd658;
+	@%p363 bra 	$L__BB7_432;
+
+$L__BB7_433:
+	sub.s64 	%rd661, %rd891, %rd658;
+	shr.u64 	%rd662, %rd661, 3;
+	add.s64 	%rd663, %rd3, %rd658;
+	setp.ge.u64 	%p364, %rd546, %rd662;
+	mov.u64 	%rd2230, %rd539;
+	@%p364 bra 	$L__BB7_436;
+
+	mul.lo.s64 	%rd1623, %rd540, %rd537;
+	shl.b64 	%rd664, %rd1623, 3;
+	mul.lo.s64 	%rd1624, %rd536, %rd537;
+	shl.b64 	%rd1625, %rd1624, 3;
+	shl.b64 	%rd1626, %rd538, 3;
+	add.s64 	%rd1627, %rd1625, %rd1626;
+	add.s64 	%rd1628, %rd1627, -1;
+	not.b64 	%rd1629, %rd891;
+	not.b64 	%rd1630, %rd657;
+	max.u64 	%rd1631, %rd1630, %rd1629;
+	sub.s64 	%rd1632, %rd1628, %rd1631;
+	add.s64 	%rd2229, %rd594, %rd1632;
+	mul.lo.s64 	%rd666, %rd1623, -24;
+	mov.u64 	%rd2230, %rd539;
+
+$L__BB7_435:
+	add.s64 	%rd1633, %rd2230, %rd541;
+	shl.b64 	%rd1634, %rd1633, 3;
+	add.s64 	%rd1635, %rd663, %rd1634;
+	ld.global.v2.u32 	{%r388, %r389}, [%rd1635];
+	add.s64 	%rd1636, %rd1635, %rd664;
+	ld.global.v2.u32 	{%r392, %r393}, [%rd1636];
+	add.s64 	%rd1637, %rd1636, %rd664;
+	ld.global.v2.u32 	{%r396, %r397}, [%rd1637];
+	add.s64 	%rd1638, %rd1637, %rd666;
+	ld.global.v2.u32 	{%r400, %r401}, [%rd1638];
+	st.v2.u32 	[%rd2229], {%r400, %r401};
+	add.s64 	%rd1639, %rd2229, %rd664;
+	st.v2.u32 	[%rd1639], {%r388, %r389};
+	add.s64 	%rd1640, %rd1639, %rd664;
+	st.v2.u32 	[%rd1640], {%r392, %r393};
+	add.s64 	%rd1641, %rd1640, %rd664;
+	add.s64 	%rd2229, %rd1641, %rd664;
+	st.v2.u32 	[%rd1641], {%r396, %r397};
+	add.s64 	%rd2230, %rd545, %rd1633;
+	add.s64 	%rd1642, %rd2230, %rd545;
+	setp.lt.u64 	%p365, %rd1642, %rd662;
+	@%p365 bra 	$L__BB7_435;
+
+$L__BB7_436:
+	setp.ge.u64 	%p366, %rd2230, %rd662;
+	@%p366 bra 	$L__BB7_439;
+
+	add.s64 	%rd672, %rd594, %rd658;
+
+$L__BB7_438:
+	shl.b64 	%rd1643, %rd2230, 3;
+	add.s64 	%rd1644, %rd663, %rd1643;
+	ld.global.v2.u32 	{%r404, %r405}, [%rd1644];
+	add.s64 	%rd1645, %rd672, %rd1643;
+	st.v2.u32 	[%rd1645], {%r404, %r405};
+	add.s64 	%rd2230, %rd2230, %rd541;
+	setp.lt.u64 	%p367, %rd2230, %rd662;
+	@%p367 bra 	$L__BB7_438;
+
+$L__BB7_439:
+	and.b64  	%rd1646, %rd661, -8;
+	add.s64 	%rd1647, %rd658, %rd539;
+	add.s64 	%rd2232, %rd1647, %rd1646;
+	setp.ge.u64 	%p368, %rd2232, %rd891;
+	@%p368 bra 	$L__BB7_583;
+
+$L__BB7_440:
+	add.s64 	%rd1648, %rd3, %rd2232;
+	ld.global.u8 	%rs111, [%rd1648];
+	add.s64 	%rd1649, %rd594, %rd2232;
+	st.u8 	[%rd1649], %rs111;
+	add.s64 	%rd2232, %rd2232, %rd541;
+	setp.lt.u64 	%p369, %rd2232, %rd891;
+	@%p369 bra 	$L__BB7_440;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_419:
+	neg.s64 	%rd1592, %rd594;
+	and.b64  	%rd634, %rd1592, 3;
+	min.u64 	%rd635, %rd634, %rd891;
+	setp.ge.u64 	%p354, %rd539, %rd635;
+	@%p354 bra 	$L__BB7_422;
+
+	mov.u64 	%rd2220, %rd539;
+
+$L__BB7_421:
+	add.s64 	%rd1593, %rd3, %rd2220;
+	ld.global.u8 	%rs108, [%rd1593];
+	add.s64 	%rd1594, %rd594, %rd2220;
+	st.u8 	[%rd1594], %rs108;
+	add.s64 	%rd2220, %rd2220, %rd541;
+	setp.lt.u64 	%p355, %rd2220, %rd635;
+	@%p355 bra 	$L__BB7_421;
+
+$L__BB7_422:
+	sub.s64 	%rd638, %rd891, %rd635;
+	shr.u64 	%rd639, %rd638, 2;
+	setp.ge.u64 	%p356, %rd546, %rd639;
+	mov.u64 	%rd2224, %rd539;
+	@%p356 bra 	$L__BB7_425;
+
+	mul.lo.s64 	%rd1595, %rd536, %rd537;
+	shl.b64 	%rd1596, %rd1595, 2;
+	shl.b64 	%rd1597, %rd538, 2;
+	add.s64 	%rd1598, %rd1596, %rd1597;
+	add.s64 	%rd1599, %rd1598, -1;
+	not.b64 	%rd1600, %rd891;
+	not.b64 	%rd1601, %rd634;
+	max.u64 	%rd1602, %rd1601, %rd1600;
+	sub.s64 	%rd1603, %rd1599, %rd1602;
+	add.s64 	%rd2222, %rd3, %rd1603;
+	mul.lo.s64 	%rd1604, %rd540, %rd537;
+	shl.b64 	%rd641, %rd1604, 2;
+	add.s64 	%rd2223, %rd594, %rd1603;
+	mov.u64 	%rd2224, %rd539;
+
+$L__BB7_424:
+	ld.global.u32 	%r383, [%rd2222];
+	add.s64 	%rd1605, %rd2222, %rd641;
+	ld.global.u32 	%r384, [%rd1605];
+	add.s64 	%rd1606, %rd1605, %rd641;
+	ld.global.u32 	%r385, [%rd1606];
+	add.s64 	%rd1607, %rd1606, %rd641;
+	add.s64 	%rd2222, %rd1607, %rd641;
+	ld.global.u32 	%r386, [%rd1607];
+	st.u32 	[%rd2223], %r383;
+	add.s64 	%rd1608, %rd2223, %rd641;
+	st.u32 	[%rd1608], %r384;
+	add.s64 	%rd1609, %rd1608, %rd641;
+	st.u32 	[%rd1609], %r385;
+	add.s64 	%rd1610, %rd1609, %rd641;
+	add.s64 	%rd2223, %rd1610, %rd641;
+	st.u32 	[%rd1610], %r386;
+	add.s64 	%rd1611, %rd2224, %rd541;
+	add.s64 	%rd2224, %rd545, %rd1611;
+	add.s64 	%rd1612, %rd2224, %rd545;
+	setp.lt.u64 	%p357, %rd1612, %rd639;
+	@%p357 bra 	$L__BB7_424;
+
+$L__BB7_425:
+	setp.ge.u64 	%p358, %rd2224, %rd639;
+	@%p358 bra 	$L__BB7_428;
+
+	add.s64 	%rd650, %rd594, %rd635;
+	add.s64 	%rd651, %rd3, %rd635;
+
+$L__BB7_427:
+	shl.b64 	%rd1613, %rd2224, 2;
+	add.s64 	%rd1614, %rd651, %rd1613;
+	ld.global.u32 	%r387, [%rd1614];
+	add.s64 	%rd1615, %rd650, %rd1613;
+	st.u32 	[%rd1615], %r387;
+	add.s64 	%rd2224, %rd2224, %rd541;
+	setp.lt.u64 	%p359, %rd2224, %rd639;
+	@%p359 bra 	$L__BB7_427;
+
+$L__BB7_428:
+	and.b64  	%rd1616, %rd638, -4;
+	add.s64 	%rd1617, %rd635, %rd539;
+	add.s64 	%rd2226, %rd1617, %rd1616;
+	setp.ge.u64 	%p360, %rd2226, %rd891;
+	@%p360 bra 	$L__BB7_583;
+
+$L__BB7_429:
+	add.s64 	%rd1618, %rd3, %rd2226;
+	ld.global.u8 	%rs109, [%rd1618];
+	add.s64 	%rd1619, %rd594, %rd2226;
+	st.u8 	[%rd1619], %rs109;
+	add.s64 	%rd2226, %rd2226, %rd541;
+	setp.lt.u64 	%p361, %rd2226, %rd891;
+	@%p361 bra 	$L__BB7_429;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_401:
+	setp.ge.u64 	%p340, %rd546, %rd891;
+	mov.u64 	%rd2210, %rd539;
+	@%p340 bra 	$L__BB7_404;
+
+	add.s64 	%rd2208, %rd3, %rd539;
+	mul.lo.s64 	%rd597, %rd540, %rd537;
+	add.s64 	%rd2209, %rd594, %rd539;
+	mov.u64 	%rd2210, %rd539;
+
+$L__BB7_403:
+	ld.global.u8 	%rs95, [%rd2208];
+	add.s64 	%rd1553, %rd2208, %rd597;
+	ld.global.u8 	%rs96, [%rd1553];
+	add.s64 	%rd1554, %rd1553, %rd597;
+	ld.global.u8 	%rs97, [%rd1554];
+	add.s64 	%rd1555, %rd1554, %rd597;
+	add.s64 	%rd2208, %rd1555, %rd597;
+	ld.global.u8 	%rs98, [%rd1555];
+	st.u8 	[%rd2209], %rs95;
+	add.s64 	%rd1556, %rd2209, %rd597;
+	st.u8 	[%rd1556], %rs96;
+	add.s64 	%rd1557, %rd1556, %rd597;
+	st.u8 	[%rd1557], %rs97;
+	add.s64 	%rd1558, %rd1557, %rd597;
+	add.s64 	%rd2209, %rd1558, %rd597;
+	st.u8 	[%rd1558], %rs98;
+	add.s64 	%rd1559, %rd2210, %rd541;
+	add.s64 	%rd2210, %rd545, %rd1559;
+	add.s64 	%rd1560, %rd2210, %rd545;
+	setp.lt.u64 	%p341, %rd1560, %rd891;
+	@%p341 bra 	$L__BB7_403;
+
+$L__BB7_404:
+	setp.ge.u64 	%p342, %rd2210, %rd891;
+	@%p342 bra 	$L__BB7_406;
+
+$L__BB7_405:
+	add.s64 	%rd1561, %rd3, %rd2210;
+	ld.global.u8 	%rs99, [%rd1561];
+	add.s64 	%rd1562, %rd594, %rd2210;
+	st.u8 	[%rd1562], %rs99;
+	add.s64 	%rd2210, %rd2210, %rd541;
+	setp.lt.u64 	%p343, %rd2210, %rd891;
+	@%p343 bra 	$L__BB7_405;
+
+$L__BB7_406:
+	add.s64 	%rd2212, %rd539, %rd891;
+	setp.ge.u64 	%p344, %rd2212, %rd539;
+	@%p344 bra 	$L__BB7_583;
+
+$L__BB7_407:
+	add.s64 	%rd1563, %rd3, %rd2212;
+	ld.global.u8 	%rs100, [%rd1563];
+	add.s64 	%rd1564, %rd594, %rd2212;
+	st.u8 	[%rd1564], %rs100;
+	add.s64 	%rd2212, %rd2212, %rd541;
+	setp.lt.u64 	%p345, %rd2212, %rd891;
+	@%p345 bra 	$L__BB7_407;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_274:
+	cvt.u32.u64 	%r279, %rd371;
+	cvt.u32.u64 	%r280, %rd1325;
+	rem.u32 	%r281, %r280, %r279;
+	cvt.u64.u32 	%rd2149, %r281;
+
+$L__BB7_275:
+	ld.param.u64 	%rd1986, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1985, %rd1986;
+	add.s64 	%rd1984, %rd4, 144;
+	st.global.u64 	[%rd1984+-40], %rd2149;
+	st.global.u32 	[%rd1985], %rd2140;
+	shr.u64 	%rd1330, %rd2140, 32;
+	st.global.u32 	[%rd1985+4], %rd1330;
+	setp.eq.s64 	%p236, %rd372, 0;
+	@%p236 bra 	$L__BB7_277;
+
+	setp.eq.s64 	%p237, %rd2145, 1;
+	selp.b64 	%rd1331, %rd375, %rd373, %p237;
+	setp.eq.s64 	%p238, %rd2145, 2;
+	selp.b64 	%rd1332, %rd377, %rd1331, %p238;
+	setp.eq.s64 	%p239, %rd2145, 3;
+	selp.b64 	%rd2151, %rd379, %rd1332, %p239;
+	bra.uni 	$L__BB7_278;
+
+$L__BB7_277:
+	shl.b64 	%rd1333, %rd2145, 3;
+	add.s64 	%rd1334, %rd4, %rd1333;
+	ld.volatile.global.u64 	%rd2151, [%rd1334+32];
+
+$L__BB7_278:
+	add.s64 	%rd1987, %rd4, 144;
+	st.global.u64 	[%rd1987+-32], %rd2151;
+	setp.eq.s64 	%p240, %rd2145, 1;
+	selp.b64 	%rd1335, %rd376, %rd374, %p240;
+	setp.eq.s64 	%p241, %rd2145, 2;
+	selp.b64 	%rd1336, %rd378, %rd1335, %p241;
+	setp.eq.s64 	%p242, %rd2145, 3;
+	selp.b64 	%rd1337, %rd380, %rd1336, %p242;
+	st.global.u64 	[%rd1987+-24], %rd1337;
+	membar.gl;
+	atom.global.exch.b64 	%rd1339, [%rd1987], %rd2151;
+
+$L__BB7_279:
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2151;
+
+$L__BB7_280:
+	bar.sync 	0;
+	ld.shared.u64 	%rd415, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1340, %rd415, 15;
+	setp.eq.s64 	%p243, %rd1340, 0;
+	@%p243 bra 	$L__BB7_336;
+
+	ld.param.u64 	%rd1988, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd416, %rd415, %rd1988;
+	and.b64  	%rd1341, %rd416, 15;
+	setp.eq.s64 	%p244, %rd1341, 0;
+	@%p244 bra 	$L__BB7_325;
+
+	and.b64  	%rd1342, %rd416, 7;
+	setp.eq.s64 	%p245, %rd1342, 0;
+	@%p245 bra 	$L__BB7_314;
+
+	and.b64  	%rd1343, %rd416, 3;
+	setp.eq.s64 	%p246, %rd1343, 0;
+	@%p246 bra 	$L__BB7_303;
+
+	and.b64  	%rd1344, %rd416, 1;
+	setp.eq.b64 	%p247, %rd1344, 1;
+	mov.pred 	%p248, 0;
+	xor.pred  	%p249, %p247, %p248;
+	not.pred 	%p250, %p249;
+	@%p250 bra 	$L__BB7_292;
+	bra.uni 	$L__BB7_285;
+
+$L__BB7_292:
+	and.b64  	%rd432, %rd415, 1;
+	min.u64 	%rd433, %rd432, %rd891;
+	setp.ge.u64 	%p257, %rd360, %rd433;
+	@%p257 bra 	$L__BB7_295;
+
+	mov.u64 	%rd2158, %rd360;
+
+$L__BB7_294:
+	add.s64 	%rd1357, %rd3, %rd2158;
+	ld.global.u8 	%rs81, [%rd1357];
+	add.s64 	%rd1358, %rd415, %rd2158;
+	st.u8 	[%rd1358], %rs81;
+	add.s64 	%rd2158, %rd2158, %rd362;
+	setp.lt.u64 	%p258, %rd2158, %rd433;
+	@%p258 bra 	$L__BB7_294;
+
+$L__BB7_295:
+	sub.s64 	%rd436, %rd891, %rd433;
+	shr.u64 	%rd437, %rd436, 1;
+	setp.ge.u64 	%p259, %rd367, %rd437;
+	mov.u64 	%rd2162, %rd360;
+	@%p259 bra 	$L__BB7_298;
+
+	mul.lo.s64 	%rd1359, %rd357, %rd358;
+	shl.b64 	%rd1360, %rd1359, 1;
+	shl.b64 	%rd1361, %rd359, 1;
+	add.s64 	%rd1362, %rd1360, %rd1361;
+	add.s64 	%rd1363, %rd1362, -1;
+	not.b64 	%rd1364, %rd891;
+	not.b64 	%rd1365, %rd432;
+	max.u64 	%rd1366, %rd1365, %rd1364;
+	sub.s64 	%rd1367, %rd1363, %rd1366;
+	add.s64 	%rd2160, %rd3, %rd1367;
+	mul.lo.s64 	%rd1368, %rd361, %rd358;
+	shl.b64 	%rd439, %rd1368, 1;
+	add.s64 	%rd2161, %rd415, %rd1367;
+	mov.u64 	%rd2162, %rd360;
+
+$L__BB7_297:
+	ld.global.u16 	%rs82, [%rd2160];
+	add.s64 	%rd1369, %rd2160, %rd439;
+	ld.global.u16 	%rs83, [%rd1369];
+	add.s64 	%rd1370, %rd1369, %rd439;
+	ld.global.u16 	%rs84, [%rd1370];
+	add.s64 	%rd1371, %rd1370, %rd439;
+	add.s64 	%rd2160, %rd1371, %rd439;
+	ld.global.u16 	%rs85, [%rd1371];
+	st.u16 	[%rd2161], %rs82;
+	add.s64 	%rd1372, %rd2161, %rd439;
+	st.u16 	[%rd1372], %rs83;
+	add.s64 	%rd1373, %rd1372, %rd439;
+	st.u16 	[%rd1373], %rs84;
+	add.s64 	%rd1374, %rd1373, %rd439;
+	add.s64 	%rd2161, %rd1374, %rd439;
+	st.u16 	[%rd1374], %rs85;
+	add.s64 	%rd1375, %rd2162, %rd362;
+	add.s64 	%rd2162, %rd366, %rd1375;
+	add.s64 	%rd1376, %rd2162, %rd366;
+	setp.lt.u64 	%p260, %rd1376, %rd437;
+	@%p260 bra 	$L__BB7_297;
+
+$L__BB7_298:
+	setp.ge.u64 	%p261, %rd2162, %rd437;
+	@%p261 bra 	$L__BB7_301;
+
+	add.s64 	%rd448, %rd415, %rd433;
+	add.s64 	%rd449, %rd3, %rd433;
+
+$L__BB7_300:
+	shl.b64 	%rd1377, %rd2162, 1;
+	add.s64 	%rd1378, %rd449, %rd1377;
+	ld.global.u16 	%rs86, [%rd1378];
+	add.s64 	%rd1379, %rd448, %rd1377;
+	st.u16 	[%rd1379], %rs86;
+	add.s64 	%rd2162, %rd2162, %rd362;
+	setp.lt.u64 	%p262, %rd2162, %rd437;
+	@%p262 bra 	$L__BB7_300;
+
+$L__BB7_301:
+	and.b64  	%rd1380, %rd436, -2;
+	add.s64 	%rd1381, %rd433, %rd360;
+	add.s64 	%rd2164, %rd1381, %rd1380;
+	setp.ge.u64 	%p263, %rd2164, %rd891;
+	@%p263 bra 	$L__BB7_583;
+
+$L__BB7_302:
+	add.s64 	%rd1382, %rd3, %rd2164;
+	ld.global.u8 	%rs87, [%rd1382];
+	add.s64 	%rd1383, %rd415, %rd2164;
+	st.u8 	[%rd1383], %rs87;
+	add.s64 	%rd2164, %rd2164, %rd362;
+	setp.lt.u64 	%p264, %rd2164, %rd891;
+	@%p264 bra 	$L__BB7_302;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_336:
+	setp.ge.u64 	%p490, %rd360, %rd363;
+	@%p490 bra 	$L__BB7_338;
+
+	shl.b64 	%rd1476, %rd360, 2;
+	add.s64 	%rd1477, %rd415, %rd1476;
+	st.u32 	[%rd1477], %r18;
+
+$L__BB7_338:
+	add.s64 	%rd1989, %rd362, %rd360;
+	setp.ge.u64 	%p491, %rd1989, %rd363;
+	@%p491 bra 	$L__BB7_340;
+
+	add.s64 	%rd1994, %rd362, %rd360;
+	shl.b64 	%rd1478, %rd1994, 2;
+	add.s64 	%rd1479, %rd415, %rd1478;
+	st.u32 	[%rd1479], %r20;
+
+$L__BB7_340:
+	add.s64 	%rd1991, %rd362, %rd360;
+	add.s64 	%rd1990, %rd1991, %rd362;
+	setp.ge.u64 	%p492, %rd1990, %rd363;
+	@%p492 bra 	$L__BB7_342;
+
+	add.s64 	%rd1993, %rd362, %rd360;
+	add.s64 	%rd1992, %rd1993, %rd362;
+	shl.b64 	%rd1480, %rd1992, 2;
+	add.s64 	%rd1481, %rd415, %rd1480;
+	st.u32 	[%rd1481], %r22;
+
+$L__BB7_342:
+	add.s64 	%rd2001, %rd362, %rd360;
+	add.s64 	%rd2000, %rd2001, %rd362;
+	add.s64 	%rd1999, %rd2000, %rd362;
+	setp.ge.u64 	%p493, %rd1999, %rd363;
+	@%p493 bra 	$L__BB7_344;
+
+	shl.b64 	%rd1482, %rd367, 2;
+	add.s64 	%rd1483, %rd415, %rd1482;
+	st.u32 	[%rd1483], %r24;
+
+$L__BB7_344:
+	shl.b64 	%rd520, %rd362, 2;
+	add.s64 	%rd2187, %rd360, %rd520;
+	add.s64 	%rd1484, %rd2187, %rd366;
+	setp.ge.u64 	%p293, %rd1484, %rd363;
+	@%p293 bra 	$L__BB7_347;
+
+	shl.b64 	%rd1485, %rd361, 2;
+	add.s64 	%rd1486, %rd1485, %rd357;
+	mul.lo.s64 	%rd1487, %rd1486, %rd358;
+	shl.b64 	%rd1488, %rd1487, 2;
+	shl.b64 	%rd1489, %rd359, 2;
+	add.s64 	%rd1490, %rd1488, %rd1489;
+	add.s64 	%rd2185, %rd3, %rd1490;
+	add.s64 	%rd2186, %rd415, %rd1490;
+
+$L__BB7_346:
+	ld.global.u32 	%r347, [%rd2185];
+	add.s64 	%rd1491, %rd2185, %rd520;
+	ld.global.u32 	%r348, [%rd1491];
+	add.s64 	%rd1492, %rd1491, %rd520;
+	ld.global.u32 	%r349, [%rd1492];
+	add.s64 	%rd1493, %rd1492, %rd520;
+	add.s64 	%rd2185, %rd1493, %rd520;
+	ld.global.u32 	%r350, [%rd1493];
+	st.u32 	[%rd2186], %r347;
+	add.s64 	%rd1494, %rd2186, %rd520;
+	st.u32 	[%rd1494], %r348;
+	add.s64 	%rd1495, %rd1494, %rd520;
+	st.u32 	[%rd1495], %r349;
+	add.s64 	%rd1496, %rd1495, %rd520;
+	add.s64 	%rd2186, %rd1496, %rd520;
+	st.u32 	[%rd1496], %r350;
+	add.s64 	%rd1497, %rd2187, %rd362;
+	add.s64 	%rd2187, %rd366, %rd1497;
+	add.s64 	%rd1498, %rd2187, %rd366;
+	setp.lt.u64 	%p294, %rd1498, %rd363;
+	@%p294 bra 	$L__BB7_346;
+
+$L__BB7_347:
+	setp.ge.u64 	%p295, %rd2187, %rd363;
+	@%p295 bra 	$L__BB7_349;
+
+$L__BB7_348:
+	shl.b64 	%rd1499, %rd2187, 2;
+	add.s64 	%rd1500, %rd3, %rd1499;
+	ld.global.u32 	%r351, [%rd1500];
+	add.s64 	%rd1501, %rd415, %rd1499;
+	st.u32 	[%rd1501], %r351;
+	add.s64 	%rd2187, %rd2187, %rd362;
+	setp.lt.u64 	%p296, %rd2187, %rd363;
+	@%p296 bra 	$L__BB7_348;
+
+$L__BB7_349:
+	and.b64  	%rd1502, %rd891, -4;
+	add.s64 	%rd2189, %rd1502, %rd360;
+	setp.ge.u64 	%p297, %rd2189, %rd891;
+	@%p297 bra 	$L__BB7_583;
+
+$L__BB7_350:
+	add.s64 	%rd1503, %rd3, %rd2189;
+	ld.global.u8 	%rs94, [%rd1503];
+	add.s64 	%rd1504, %rd415, %rd2189;
+	st.u8 	[%rd1504], %rs94;
+	add.s64 	%rd2189, %rd2189, %rd362;
+	setp.lt.u64 	%p298, %rd2189, %rd891;
+	@%p298 bra 	$L__BB7_350;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_325:
+	neg.s64 	%rd1443, %rd415;
+	and.b64  	%rd499, %rd1443, 15;
+	min.u64 	%rd500, %rd499, %rd891;
+	setp.ge.u64 	%p281, %rd360, %rd500;
+	@%p281 bra 	$L__BB7_328;
+
+	mov.u64 	%rd2178, %rd360;
+
+$L__BB7_327:
+	add.s64 	%rd1444, %rd3, %rd2178;
+	ld.global.u8 	%rs92, [%rd1444];
+	add.s64 	%rd1445, %rd415, %rd2178;
+	st.u8 	[%rd1445], %rs92;
+	add.s64 	%rd2178, %rd2178, %rd362;
+	setp.lt.u64 	%p282, %rd2178, %rd500;
+	@%p282 bra 	$L__BB7_327;
+
+$L__BB7_328:
+	sub.s64 	%rd503, %rd891, %rd500;
+	shr.u64 	%rd504, %rd503, 4;
+	add.s64 	%rd505, %rd3, %rd500;
+	setp.ge.u64 	%p283, %rd367, %rd504;
+	mov.u64 	%rd2181, %rd360;
+	@%p283 bra 	$L__BB7_331;
+
+	mul.lo.s64 	%rd1446, %rd361, %rd358;
+	shl.b64 	%rd506, %rd1446, 4;
+	mul.lo.s64 	%rd1447, %rd357, %rd358;
+	shl.b64 	%rd1448, %rd1447, 4;
+	shl.b64 	%rd1449, %rd359, 4;
+	add.s64 	%rd1450, %rd1448, %rd1449;
+	add.s64 	%rd1451, %rd1450, -1;
+	not.b64 	%rd1452, %rd891;
+	not.b64 	%rd1453, %rd499;
+	max.u64 	%rd1454, %rd1453, %rd1452;
+	sub.s64 	%rd1455, %rd1451, %rd1454;
+	add.s64 	%rd2180, %rd415, %rd1455;
+	neg.s64 	%rd508, %rd1446;
+	shl.b64 	%rd1463, %rd508, 4;
+	mov.u64 	%rd2181, %rd360;
+
+$L__BB7_330:
+	shl.b64 	%rd1456, %rd2181, 4;
+	add.s64 	%rd1457, %rd505, %rd1456;
+	shl.b64 	%rd1458, %rd362, 2;
+	shl.b64 	%rd1459, %rd362, 4;
+	add.s64 	%rd1460, %rd1457, %rd1459;
+	ld.global.v4.u32 	{%r307, %r308, %r309, %r310}, [%rd1460];
+	add.s64 	%rd1461, %rd1460, %rd506;
+	ld.global.v4.u32 	{%r315, %r316, %r317, %r318}, [%rd1461];
+	add.s64 	%rd1462, %rd1461, %rd506;
+	ld.global.v4.u32 	{%r323, %r324, %r325, %r326}, [%rd1462];
+	add.s64 	%rd1464, %rd1460, %rd1463;
+	ld.global.v4.u32 	{%r331, %r332, %r333, %r334}, [%rd1464];
+	st.v4.u32 	[%rd2180], {%r331, %r332, %r333, %r334};
+	add.s64 	%rd1465, %rd2180, %rd506;
+	st.v4.u32 	[%rd1465], {%r307, %r308, %r309, %r310};
+	add.s64 	%rd1466, %rd1465, %rd506;
+	st.v4.u32 	[%rd1466], {%r315, %r316, %r317, %r318};
+	add.s64 	%rd1467, %rd1466, %rd506;
+	add.s64 	%rd2180, %rd1467, %rd506;
+	st.v4.u32 	[%rd1467], {%r323, %r324, %r325, %r326};
+	add.s64 	%rd2181, %rd1458, %rd2181;
+	add.s64 	%rd1468, %rd2181, %rd366;
+	setp.lt.u64 	%p284, %rd1468, %rd504;
+	@%p284 bra 	$L__BB7_330;
+
+$L__BB7_331:
+	setp.ge.u64 	%p285, %rd2181, %rd504;
+	@%p285 bra 	$L__BB7_334;
+
+	add.s64 	%rd514, %rd415, %rd500;
+
+$L__BB7_333:
+	shl.b64 	%rd1469, %rd2181, 4;
+	add.s64 	%rd1470, %rd514, %rd1469;
+	add.s64 	%rd1471, %rd505, %rd1469;
+	ld.global.v4.u32 	{%r339, %r340, %r341, %r342}, [%rd1471];
+	st.v4.u32 	[%rd1470], {%r339, %r340, %r341, %r342};
+	add.s64 	%rd2181, %rd2181, %rd362;
+	setp.lt.u64 	%p286, %rd2181, %rd504;
+	@%p286 bra 	$L__BB7_333;
+
+$L__BB7_334:
+	and.b64  	%rd1472, %rd503, -16;
+	add.s64 	%rd1473, %rd500, %rd360;
+	add.s64 	%rd2183, %rd1473, %rd1472;
+	setp.ge.u64 	%p287, %rd2183, %rd891;
+	@%p287 bra 	$L__BB7_583;
+
+$L__BB7_335:
+	add.s64 	%rd1474, %rd3, %rd2183;
+	ld.global.u8 	%rs93, [%rd1474];
+	add.s64 	%rd1475, %rd415, %rd2183;
+	st.u8 	[%rd1475], %rs93;
+	add.s64 	%rd2183, %rd2183, %rd362;
+	setp.lt.u64 	%p288, %rd2183, %rd891;
+	@%p288 bra 	$L__BB7_335;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_314:
+	neg.s64 	%rd1412, %rd415;
+	and.b64  	%rd478, %rd1412, 7;
+	min.u64 	%rd479, %rd478, %rd891;
+	setp.ge.u64 	%p273, %rd360, %rd479;
+	@%p273 bra 	$L__BB7_317;
+
+	mov.u64 	%rd2172, %rd360;
+
+$L__BB7_316:
+	add.s64 	%rd1413, %rd3, %rd2172;
+	ld.global.u8 	%rs90, [%rd1413];
+	add.s64 	%rd1414, %rd415, %rd2172;
+	st.u8 	[%rd1414], %rs90;
+	add.s64 	%rd2172, %rd2172, %rd362;
+	setp.lt.u64 	%p274, %rd2172, %rd479;
+	@%p274 bra 	$L__BB7_316;
+
+$L__BB7_317:
+	sub.s64 	%rd482, %rd891, %rd479;
+	shr.u64 	%rd483, %rd482, 3;
+	add.s64 	%rd484, %rd3, %rd479;
+	setp.ge.u64 	%p275, %rd367, %rd483;
+	mov.u64 	%rd2175, %rd360;
+	@%p275 bra 	$L__BB7_320;
+
+	mul.lo.s64 	%rd1415, %rd361, %rd358;
+	shl.b64 	%rd485, %rd1415, 3;
+	mul.lo.s64 	%rd1416, %rd357, %rd358;
+	shl.b64 	%rd1417, %rd1416, 3;
+	shl.b64 	%rd1418, %rd359, 3;
+	add.s64 	%rd1419, %rd1417, %rd1418;
+	add.s64 	%rd1420, %rd1419, -1;
+	not.b64 	%rd1421, %rd891;
+	not.b64 	%rd1422, %rd478;
+	max.u64 	%rd1423, %rd1422, %rd1421;
+	sub.s64 	%rd1424, %rd1420, %rd1423;
+	add.s64 	%rd2174, %rd415, %rd1424;
+	shl.b64 	%rd1425, %rd1415, 4;
+	neg.s64 	%rd487, %rd1425;
+	mov.u64 	%rd2175, %rd360;
+
+$L__BB7_319:
+	add.s64 	%rd1426, %rd2175, %rd362;
+	shl.b64 	%rd1427, %rd1426, 3;
+	add.s64 	%rd1428, %rd484, %rd1427;
+	ld.global.v2.u32 	{%r287, %r288}, [%rd1428];
+	add.s64 	%rd1429, %rd1428, %rd485;
+	ld.global.v2.u32 	{%r291, %r292}, [%rd1429];
+	add.s64 	%rd1430, %rd1429, %rd485;
+	ld.global.v2.u32 	{%r295, %r296}, [%rd1430];
+	add.s64 	%rd1431, %rd1429, %rd487;
+	ld.global.v2.u32 	{%r299, %r300}, [%rd1431];
+	st.v2.u32 	[%rd2174], {%r299, %r300};
+	add.s64 	%rd1432, %rd2174, %rd485;
+	st.v2.u32 	[%rd1432], {%r287, %r288};
+	add.s64 	%rd1433, %rd1432, %rd485;
+	st.v2.u32 	[%rd1433], {%r291, %r292};
+	add.s64 	%rd1434, %rd1433, %rd485;
+	add.s64 	%rd2174, %rd1434, %rd485;
+	st.v2.u32 	[%rd1434], {%r295, %r296};
+	add.s64 	%rd2175, %rd366, %rd1426;
+	add.s64 	%rd1435, %rd2175, %rd366;
+	setp.lt.u64 	%p276, %rd1435, %rd483;
+	@%p276 bra 	$L__BB7_319;
+
+$L__BB7_320:
+	setp.ge.u64 	%p277, %rd2175, %rd483;
+	@%p277 bra 	$L__BB7_323;
+
+	add.s64 	%rd493, %rd415, %rd479;
+
+$L__BB7_322:
+	shl.b64 	%rd1436, %rd2175, 3;
+	add.s64 	%rd1437, %rd484, %rd1436;
+	ld.global.v2.u32 	{%r303, %r304}, [%rd1437];
+	add.s64 	%rd1438, %rd493, %rd1436;
+	st.v2.u32 	[%rd1438], {%r303, %r304};
+	add.s64 	%rd2175, %rd2175, %rd362;
+	setp.lt.u64 	%p278, %rd2175, %rd483;
+	@%p278 bra 	$L__BB7_322;
+
+$L__BB7_323:
+	and.b64  	%rd1439, %rd482, -8;
+	add.s64 	%rd1440, %rd479, %rd360;
+	add.s64 	%rd2177, %rd1440, %rd1439;
+	setp.ge.u64 	%p279, %rd2177, %rd891;
+	@%p279 bra 	$L__BB7_583;
+
+$L__BB7_324:
+	add.s64 	%rd1441, %rd3, %rd2177;
+	ld.global.u8 	%rs91, [%rd1441];
+	add.s64 	%rd1442, %rd415, %rd2177;
+	st.u8 	[%rd1442], %rs91;
+	add.s64 	%rd2177, %rd2177, %rd362;
+	setp.lt.u64 	%p280, %rd2177, %rd891;
+	@%p280 bra 	$L__BB7_324;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_303:
+	neg.s64 	%rd1384, %rd415;
+	and.b64  	%rd455, %rd1384, 3;
+	min.u64 	%rd456, %rd455, %rd891;
+	setp.ge.u64 	%p265, %rd360, %rd456;
+	@%p265 bra 	$L__BB7_306;
+
+	mov.u64 	%rd2165, %rd360;
+
+$L__BB7_305:
+	add.s64 	%rd1385, %rd3, %rd2165;
+	ld.global.u8 	%rs88, [%rd1385];
+	add.s64 	%rd1386, %rd415, %rd2165;
+	st.u8 	[%rd1386], %rs88;
+	add.s64 	%rd2165, %rd2165, %rd362;
+	setp.lt.u64 	%p266, %rd2165, %rd456;
+	@%p266 bra 	$L__BB7_305;
+
+$L__BB7_306:
+	sub.s64 	%rd459, %rd891, %rd456;
+	shr.u64 	%rd460, %rd459, 2;
+	setp.ge.u64 	%p267, %rd367, %rd460;
+	mov.u64 	%rd2169, %rd360;
+	@%p267 bra 	$L__BB7_309;
+
+	mul.lo.s64 	%rd1387, %rd357, %rd358;
+	shl.b64 	%rd1388, %rd1387, 2;
+	shl.b64 	%rd1389, %rd359, 2;
+	add.s64 	%rd1390, %rd1388, %rd1389;
+	add.s64 	%rd1391, %rd1390, -1;
+	not.b64 	%rd1392, %rd891;
+	not.b64 	%rd1393, %rd455;
+	max.u64 	%rd1394, %rd1393, %rd1392;
+	sub.s64 	%rd1395, %rd1391, %rd1394;
+	add.s64 	%rd2167, %rd3, %rd1395;
+	mul.lo.s64 	%rd1396, %rd361, %rd358;
+	shl.b64 	%rd462, %rd1396, 2;
+	add.s64 	%rd2168, %rd415, %rd1395;
+	mov.u64 	%rd2169, %rd360;
+
+$L__BB7_308:
+	ld.global.u32 	%r282, [%rd2167];
+	add.s64 	%rd1397, %rd2167, %rd462;
+	ld.global.u32 	%r283, [%rd1397];
+	add.s64 	%rd1398, %rd1397, %rd462;
+	ld.global.u32 	%r284, [%rd1398];
+	add.s64 	%rd1399, %rd1398, %rd462;
+	add.s64 	%rd2167, %rd1399, %rd462;
+	ld.global.u32 	%r285, [%rd1399];
+	st.u32 	[%rd2168], %r282;
+	add.s64 	%rd1400, %rd2168, %rd462;
+	st.u32 	[%rd1400], %r283;
+	add.s64 	%rd1401, %rd1400, %rd462;
+	st.u32 	[%rd1401], %r284;
+	add.s64 	%rd1402, %rd1401, %rd462;
+	add.s64 	%rd2168, %rd1402, %rd462;
+	st.u32 	[%rd1402], %r285;
+	add.s64 	%rd1403, %rd2169, %rd362;
+	add.s64 	%rd2169, %rd366, %rd1403;
+	add.s64 	%rd1404, %rd2169, %rd366;
+	setp.lt.u64 	%p268, %rd1404, %rd460;
+	@%p268 bra 	$L__BB7_308;
+
+$L__BB7_309:
+	setp.ge.u64 	%p269, %rd2169, %rd460;
+	@%p269 bra 	$L__BB7_312;
+
+	add.s64 	%rd471, %rd415, %rd456;
+	add.s64 	%rd472, %rd3, %rd456;
+
+$L__BB7_311:
+	shl.b64 	%rd1405, %rd2169, 2;
+	add.s64 	%rd1406, %rd472, %rd1405;
+	ld.global.u32 	%r286, [%rd1406];
+	add.s64 	%rd1407, %rd471, %rd1405;
+	st.u32 	[%rd1407], %r286;
+	add.s64 	%rd2169, %rd2169, %rd362;
+	setp.lt.u64 	%p270, %rd2169, %rd460;
+	@%p270 bra 	$L__BB7_311;
+
+$L__BB7_312:
+	and.b64  	%rd1408, %rd459, -4;
+	add.s64 	%rd1409, %rd456, %rd360;
+	add.s64 	%rd2171, %rd1409, %rd1408;
+	setp.ge.u64 	%p271, %rd2171, %rd891;
+	@%p271 bra 	$L__BB7_583;
+
+$L__BB7_313:
+	add.s64 	%rd1410, %rd3, %rd2171;
+	ld.global.u8 	%rs89, [%rd1410];
+	add.s64 	%rd1411, %rd415, %rd2171;
+	st.u8 	[%rd1411], %rs89;
+	add.s64 	%rd2171, %rd2171, %rd362;
+	setp.lt.u64 	%p272, %rd2171, %rd891;
+	@%p272 bra 	$L__BB7_313;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_285:
+	setp.ge.u64 	%p251, %rd367, %rd891;
+	mov.u64 	%rd2155, %rd360;
+	@%p251 bra 	$L__BB7_288;
+
+	add.s64 	%rd2153, %rd3, %rd360;
+	mul.lo.s64 	%rd418, %rd361, %rd358;
+	add.s64 	%rd2154, %rd415, %rd360;
+	mov.u64 	%rd2155, %rd360;
+
+$L__BB7_287:
+	ld.global.u8 	%rs75, [%rd2153];
+	add.s64 	%rd1345, %rd2153, %rd418;
+	ld.global.u8 	%rs76, [%rd1345];
+	add.s64 	%rd1346, %rd1345, %rd418;
+	ld.global.u8 	%rs77, [%rd1346];
+	add.s64 	%rd1347, %rd1346, %rd418;
+	add.s64 	%rd2153, %rd1347, %rd418;
+	ld.global.u8 	%rs78, [%rd1347];
+	st.u8 	[%rd2154], %rs75;
+	add.s64 	%rd1348, %rd2154, %rd418;
+	st.u8 	[%rd1348], %rs76;
+	add.s64 	%rd1349, %rd1348, %rd418;
+	st.u8 	[%rd1349], %rs77;
+	add.s64 	%rd1350, %rd1349, %rd418;
+	add.s64 	%rd2154, %rd1350, %rd418;
+	st.u8 	[%rd1350], %rs78;
+	add.s64 	%rd1351, %rd2155, %rd362;
+	add.s64 	%rd2155, %rd366, %rd1351;
+	add.s64 	%rd1352, %rd2155, %rd366;
+	setp.lt.u64 	%p252, %rd1352, %rd891;
+	@%p252 bra 	$L__BB7_287;
+
+$L__BB7_288:
+	setp.ge.u64 	%p253, %rd2155, %rd891;
+	@%p253 bra 	$L__BB7_290;
+
+$L__BB7_289:
+	add.s64 	%rd1353, %rd3, %rd2155;
+	ld.global.u8 	%rs79, [%rd1353];
+	add.s64 	%rd1354, %rd415, %rd2155;
+	st.u8 	[%rd1354], %rs79;
+	add.s64 	%rd2155, %rd2155, %rd362;
+	setp.lt.u64 	%p254, %rd2155, %rd891;
+	@%p254 bra 	$L__BB7_289;
+
+$L__BB7_290:
+	add.s64 	%rd2157, %rd360, %rd891;
+	setp.ge.u64 	%p255, %rd2157, %rd360;
+	@%p255 bra 	$L__BB7_583;
+
+$L__BB7_291:
+	add.s64 	%rd1355, %rd3, %rd2157;
+	ld.global.u8 	%rs80, [%rd1355];
+	add.s64 	%rd1356, %rd415, %rd2157;
+	st.u8 	[%rd1356], %rs80;
+	add.s64 	%rd2157, %rd2157, %rd362;
+	setp.lt.u64 	%p256, %rd2157, %rd891;
+	@%p256 bra 	$L__BB7_291;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_158:
+	cvt.u32.u64 	%r191, %rd192;
+	cvt.u32.u64 	%r192, %rd1117;
+	rem.u32 	%r193, %r192, %r191;
+	cvt.u64.u32 	%rd2094, %r193;
+
+$L__BB7_159:
+	ld.param.u64 	%rd1968, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1967, %rd1968;
+	add.s64 	%rd1966, %rd4, 144;
+	st.global.u64 	[%rd1966+-40], %rd2094;
+	st.global.u32 	[%rd1967], %rd2085;
+	shr.u64 	%rd1122, %rd2085, 32;
+	st.global.u32 	[%rd1967+4], %rd1122;
+	setp.eq.s64 	%p147, %rd193, 0;
+	@%p147 bra 	$L__BB7_161;
+
+	setp.eq.s64 	%p148, %rd2090, 1;
+	selp.b64 	%rd1123, %rd196, %rd194, %p148;
+	setp.eq.s64 	%p149, %rd2090, 2;
+	selp.b64 	%rd1124, %rd198, %rd1123, %p149;
+	setp.eq.s64 	%p150, %rd2090, 3;
+	selp.b64 	%rd2096, %rd200, %rd1124, %p150;
+	bra.uni 	$L__BB7_162;
+
+$L__BB7_42:
+	cvt.u32.u64 	%r110, %rd19;
+	cvt.u32.u64 	%r111, %rd923;
+	rem.u32 	%r112, %r111, %r110;
+	cvt.u64.u32 	%rd2039, %r112;
+
+$L__BB7_43:
+	ld.param.u64 	%rd1953, [jaxvmm_fused_offload_param_3];
+	cvta.to.global.u64 	%rd1952, %rd1953;
+	add.s64 	%rd1951, %rd4, 144;
+	st.global.u64 	[%rd1951+-40], %rd2039;
+	st.global.u32 	[%rd1952], %rd2030;
+	shr.u64 	%rd928, %rd2030, 32;
+	st.global.u32 	[%rd1952+4], %rd928;
+	setp.eq.s64 	%p58, %rd20, 0;
+	@%p58 bra 	$L__BB7_45;
+
+	setp.eq.s64 	%p59, %rd2035, 1;
+	selp.b64 	%rd929, %rd23, %rd21, %p59;
+	setp.eq.s64 	%p60, %rd2035, 2;
+	selp.b64 	%rd930, %rd25, %rd929, %p60;
+	setp.eq.s64 	%p61, %rd2035, 3;
+	selp.b64 	%rd2041, %rd27, %rd930, %p61;
+	bra.uni 	$L__BB7_46;
+
+$L__BB7_161:
+	shl.b64 	%rd1125, %rd2090, 3;
+	add.s64 	%rd1126, %rd4, %rd1125;
+	ld.volatile.global.u64 	%rd2096, [%rd1126+32];
+
+$L__BB7_162:
+	add.s64 	%rd1969, %rd4, 144;
+	st.global.u64 	[%rd1969+-32], %rd2096;
+	setp.eq.s64 	%p151, %rd2090, 1;
+	selp.b64 	%rd1127, %rd197, %rd195, %p151;
+	setp.eq.s64 	%p152, %rd2090, 2;
+	selp.b64 	%rd1128, %rd199, %rd1127, %p152;
+	setp.eq.s64 	%p153, %rd2090, 3;
+	selp.b64 	%rd1129, %rd201, %rd1128, %p153;
+	st.global.u64 	[%rd1969+-24], %rd1129;
+	membar.gl;
+	atom.global.exch.b64 	%rd1131, [%rd1969], %rd2096;
+
+$L__BB7_163:
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2096;
+
+$L__BB7_164:
+	bar.sync 	0;
+	ld.shared.u64 	%rd236, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd1132, %rd236, 15;
+	setp.eq.s64 	%p154, %rd1132, 0;
+	@%p154 bra 	$L__BB7_220;
+
+	ld.param.u64 	%rd1970, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd237, %rd236, %rd1970;
+	and.b64  	%rd1133, %rd237, 15;
+	setp.eq.s64 	%p155, %rd1133, 0;
+	@%p155 bra 	$L__BB7_209;
+
+	and.b64  	%rd1134, %rd237, 7;
+	setp.eq.s64 	%p156, %rd1134, 0;
+	@%p156 bra 	$L__BB7_198;
+
+	and.b64  	%rd1135, %rd237, 3;
+	setp.eq.s64 	%p157, %rd1135, 0;
+	@%p157 bra 	$L__BB7_187;
+
+	and.b64  	%rd1136, %rd237, 1;
+	setp.eq.b64 	%p158, %rd1136, 1;
+	mov.pred 	%p159, 0;
+	xor.pred  	%p160, %p158, %p159;
+	not.pred 	%p161, %p160;
+	@%p161 bra 	$L__BB7_176;
+	bra.uni 	$L__BB7_169;
+
+$L__BB7_176:
+	and.b64  	%rd253, %rd236, 1;
+	min.u64 	%rd254, %rd253, %rd891;
+	setp.ge.u64 	%p168, %rd9, %rd254;
+	@%p168 bra 	$L__BB7_179;
+
+	mov.u64 	%rd2103, %rd9;
+
+$L__BB7_178:
+	add.s64 	%rd1149, %rd3, %rd2103;
+	ld.global.u8 	%rs56, [%rd1149];
+	add.s64 	%rd1150, %rd236, %rd2103;
+	st.u8 	[%rd1150], %rs56;
+	add.s64 	%rd2103, %rd2103, %rd11;
+	setp.lt.u64 	%p169, %rd2103, %rd254;
+	@%p169 bra 	$L__BB7_178;
+
+$L__BB7_179:
+	sub.s64 	%rd257, %rd891, %rd254;
+	shr.u64 	%rd258, %rd257, 1;
+	setp.ge.u64 	%p170, %rd188, %rd258;
+	mov.u64 	%rd2107, %rd9;
+	@%p170 bra 	$L__BB7_182;
+
+	mul.lo.s64 	%rd1151, %rd6, %rd7;
+	shl.b64 	%rd1152, %rd1151, 1;
+	shl.b64 	%rd1153, %rd8, 1;
+	add.s64 	%rd1154, %rd1152, %rd1153;
+	add.s64 	%rd1155, %rd1154, -1;
+	not.b64 	%rd1156, %rd891;
+	not.b64 	%rd1157, %rd253;
+	max.u64 	%rd1158, %rd1157, %rd1156;
+	sub.s64 	%rd1159, %rd1155, %rd1158;
+	add.s64 	%rd2105, %rd3, %rd1159;
+	mul.lo.s64 	%rd1160, %rd10, %rd7;
+	shl.b64 	%rd260, %rd1160, 1;
+	add.s64 	%rd2106, %rd236, %rd1159;
+	mov.u64 	%rd2107, %rd9;
+
+$L__BB7_181:
+	ld.global.u16 	%rs57, [%rd2105];
+	add.s64 	%rd1161, %rd2105, %rd260;
+	ld.global.u16 	%rs58, [%rd1161];
+	add.s64 	%rd1162, %rd1161, %rd260;
+	ld.global.u16 	%rs59, [%rd1162];
+	add.s64 	%rd1163, %rd1162, %rd260;
+	add.s64 	%rd2105, %rd1163, %rd260;
+	ld.global.u16 	%rs60, [%rd1163];
+	st.u16 	[%rd2106], %rs57;
+	add.s64 	%rd1164, %rd2106, %rd260;
+	st.u16 	[%rd1164], %rs58;
+	add.s64 	%rd1165, %rd1164, %rd260;
+	st.u16 	[%rd1165], %rs59;
+	add.s64 	%rd1166, %rd1165, %rd260;
+	add.s64 	%rd2106, %rd1166, %rd260;
+	st.u16 	[%rd1166], %rs60;
+	add.s64 	%rd1167, %rd2107, %rd11;
+	add.s64 	%rd2107, %rd187, %rd1167;
+	add.s64 	%rd1168, %rd2107, %rd187;
+	setp.lt.u64 	%p171, %rd1168, %rd258;
+	@%p171 bra 	$L__BB7_181;
+
+$L__BB7_182:
+	setp.ge.u64 	%p172, %rd2107, %rd258;
+	@%p172 bra 	$L__BB7_185;
+
+	add.s64 	%rd269, %rd236, %rd254;
+	add.s64 	%rd270, %rd3, %rd254;
+
+$L__BB7_184:
+	shl.b64 	%rd1169, %rd2107, 1;
+	add.s64 	%rd1170, %rd270, %rd1169;
+	ld.global.u16 	%rs61, [%rd1170];
+	add.s64 	%rd1171, %rd269, %rd1169;
+	st.u16 	[%rd1171], %rs61;
+	add.s64 	%rd2107, %rd2107, %rd11;
+	setp.lt.u64 	%p173, %rd2107, %rd258;
+	@%p173 bra 	$L__BB7_184;
+
+$L__BB7_185:
+	and.b64  	%rd1172, %rd257, -2;
+	add.s64 	%rd1173, %rd254, %rd9;
+	add.s64 	%rd2109, %rd1173, %rd1172;
+	setp.ge.u64 	%p174, %rd2109, %rd891;
+	@%p174 bra 	$L__BB7_583;
+
+$L__BB7_186:
+	add.s64 	%rd1174, %rd3, %rd2109;
+	ld.global.u8 	%rs62, [%rd1174];
+	add.s64 	%rd1175, %rd236, %rd2109;
+	st.u8 	[%rd1175], %rs62;
+	add.s64 	%rd2109, %rd2109, %rd11;
+	setp.lt.u64 	%p175, %rd2109, %rd891;
+	@%p175 bra 	$L__BB7_186;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_220:
+	setp.ge.u64 	%p486, %rd9, %rd184;
+	@%p486 bra 	$L__BB7_222;
+
+	shl.b64 	%rd1266, %rd9, 1;
+	add.s64 	%rd1267, %rd236, %rd1266;
+	st.u16 	[%rd1267], %rs10;
+
+$L__BB7_222:
+	add.s64 	%rd1971, %rd11, %rd9;
+	setp.ge.u64 	%p487, %rd1971, %rd184;
+	@%p487 bra 	$L__BB7_224;
+
+	add.s64 	%rd1976, %rd11, %rd9;
+	shl.b64 	%rd1268, %rd1976, 1;
+	add.s64 	%rd1269, %rd236, %rd1268;
+	st.u16 	[%rd1269], %rs12;
+
+$L__BB7_224:
+	add.s64 	%rd1973, %rd11, %rd9;
+	add.s64 	%rd1972, %rd1973, %rd11;
+	setp.ge.u64 	%p488, %rd1972, %rd184;
+	@%p488 bra 	$L__BB7_226;
+
+	add.s64 	%rd1975, %rd11, %rd9;
+	add.s64 	%rd1974, %rd1975, %rd11;
+	shl.b64 	%rd1270, %rd1974, 1;
+	add.s64 	%rd1271, %rd236, %rd1270;
+	st.u16 	[%rd1271], %rs14;
+
+$L__BB7_226:
+	add.s64 	%rd1983, %rd11, %rd9;
+	add.s64 	%rd1982, %rd1983, %rd11;
+	add.s64 	%rd1981, %rd1982, %rd11;
+	setp.ge.u64 	%p489, %rd1981, %rd184;
+	@%p489 bra 	$L__BB7_228;
+
+	shl.b64 	%rd1272, %rd188, 1;
+	add.s64 	%rd1273, %rd236, %rd1272;
+	st.u16 	[%rd1273], %rs16;
+
+$L__BB7_228:
+	shl.b64 	%rd1274, %rd11, 2;
+	add.s64 	%rd2132, %rd9, %rd1274;
+	add.s64 	%rd1275, %rd2132, %rd187;
+	setp.ge.u64 	%p204, %rd1275, %rd184;
+	@%p204 bra 	$L__BB7_231;
+
+	shl.b64 	%rd1276, %rd10, 2;
+	add.s64 	%rd1277, %rd1276, %rd6;
+	mul.lo.s64 	%rd1278, %rd1277, %rd7;
+	shl.b64 	%rd1279, %rd1278, 1;
+	shl.b64 	%rd1280, %rd8, 1;
+	add.s64 	%rd1281, %rd1279, %rd1280;
+	add.s64 	%rd2130, %rd3, %rd1281;
+	mul.lo.s64 	%rd1282, %rd10, %rd7;
+	shl.b64 	%rd343, %rd1282, 1;
+	add.s64 	%rd2131, %rd236, %rd1281;
+
+$L__BB7_230:
+	ld.global.u16 	%rs69, [%rd2130];
+	add.s64 	%rd1283, %rd2130, %rd343;
+	ld.global.u16 	%rs70, [%rd1283];
+	add.s64 	%rd1284, %rd1283, %rd343;
+	ld.global.u16 	%rs71, [%rd1284];
+	add.s64 	%rd1285, %rd1284, %rd343;
+	add.s64 	%rd2130, %rd1285, %rd343;
+	ld.global.u16 	%rs72, [%rd1285];
+	st.u16 	[%rd2131], %rs69;
+	add.s64 	%rd1286, %rd2131, %rd343;
+	st.u16 	[%rd1286], %rs70;
+	add.s64 	%rd1287, %rd1286, %rd343;
+	st.u16 	[%rd1287], %rs71;
+	add.s64 	%rd1288, %rd1287, %rd343;
+	add.s64 	%rd2131, %rd1288, %rd343;
+	st.u16 	[%rd1288], %rs72;
+	add.s64 	%rd1289, %rd2132, %rd11;
+	add.s64 	%rd2132, %rd187, %rd1289;
+	add.s64 	%rd1290, %rd2132, %rd187;
+	setp.lt.u64 	%p205, %rd1290, %rd184;
+	@%p205 bra 	$L__BB7_230;
+
+$L__BB7_231:
+	setp.ge.u64 	%p206, %rd2132, %rd184;
+	@%p206 bra 	$L__BB7_233;
+
+$L__BB7_232:
+	shl.b64 	%rd1291, %rd2132, 1;
+	add.s64 	%rd1292, %rd3, %rd1291;
+	ld.global.u16 	%rs73, [%rd1292];
+	add.s64 	%rd1293, %rd236, %rd1291;
+	st.u16 	[%rd1293], %rs73;
+	add.s64 	%rd2132, %rd2132, %rd11;
+	setp.lt.u64 	%p207, %rd2132, %rd184;
+	@%p207 bra 	$L__BB7_232;
+
+$L__BB7_233:
+	and.b64  	%rd1294, %rd891, -2;
+	add.s64 	%rd2134, %rd1294, %rd9;
+	setp.ge.u64 	%p208, %rd2134, %rd891;
+	@%p208 bra 	$L__BB7_583;
+
+$L__BB7_234:
+	add.s64 	%rd1295, %rd3, %rd2134;
+	ld.global.u8 	%rs74, [%rd1295];
+	add.s64 	%rd1296, %rd236, %rd2134;
+	st.u8 	[%rd1296], %rs74;
+	add.s64 	%rd2134, %rd2134, %rd11;
+	setp.lt.u64 	%p209, %rd2134, %rd891;
+	@%p209 bra 	$L__BB7_234;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_209:
+	neg.s64 	%rd1234, %rd236;
+	and.b64  	%rd320, %rd1234, 15;
+	min.u64 	%rd321, %rd320, %rd891;
+	setp.ge.u64 	%p192, %rd9, %rd321;
+	@%p192 bra 	$L__BB7_212;
+
+	mov.u64 	%rd2123, %rd9;
+
+$L__BB7_211:
+	add.s64 	%rd1235, %rd3, %rd2123;
+	ld.global.u8 	%rs67, [%rd1235];
+	add.s64 	%rd1236, %rd236, %rd2123;
+	st.u8 	[%rd1236], %rs67;
+	add.s64 	%rd2123, %rd2123, %rd11;
+	setp.lt.u64 	%p193, %rd2123, %rd321;
+	@%p193 bra 	$L__BB7_211;
+
+$L__BB7_212:
+	sub.s64 	%rd324, %rd891, %rd321;
+	shr.u64 	%rd325, %rd324, 4;
+	add.s64 	%rd326, %rd3, %rd321;
+	setp.ge.u64 	%p194, %rd188, %rd325;
+	mov.u64 	%rd2126, %rd9;
+	@%p194 bra 	$L__BB7_215;
+
+	mul.lo.s64 	%rd1237, %rd10, %rd7;
+	shl.b64 	%rd327, %rd1237, 4;
+	mul.lo.s64 	%rd1238, %rd6, %rd7;
+	shl.b64 	%rd1239, %rd1238, 4;
+	shl.b64 	%rd1240, %rd8, 4;
+	add.s64 	%rd1241, %rd1239, %rd1240;
+	add.s64 	%rd1242, %rd1241, -1;
+	not.b64 	%rd1243, %rd891;
+	not.b64 	%rd1244, %rd320;
+	max.u64 	%rd1245, %rd1244, %rd1243;
+	sub.s64 	%rd1246, %rd1242, %rd1245;
+	add.s64 	%rd2125, %rd236, %rd1246;
+	mul.lo.s64 	%rd329, %rd1237, -48;
+	mov.u64 	%rd2126, %rd9;
+
+$L__BB7_214:
+	shl.b64 	%rd1247, %rd2126, 4;
+	add.s64 	%rd1248, %rd326, %rd1247;
+	shl.b64 	%rd1249, %rd11, 2;
+	shl.b64 	%rd1250, %rd11, 4;
+	add.s64 	%rd1251, %rd1248, %rd1250;
+	ld.global.v4.u32 	{%r219, %r220, %r221, %r222}, [%rd1251];
+	add.s64 	%rd1252, %rd1251, %rd327;
+	ld.global.v4.u32 	{%r227, %r228, %r229, %r230}, [%rd1252];
+	add.s64 	%rd1253, %rd1252, %rd327;
+	ld.global.v4.u32 	{%r235, %r236, %r237, %r238}, [%rd1253];
+	add.s64 	%rd1254, %rd1253, %rd329;
+	ld.global.v4.u32 	{%r243, %r244, %r245, %r246}, [%rd1254];
+	st.v4.u32 	[%rd2125], {%r243, %r244, %r245, %r246};
+	add.s64 	%rd1255, %rd2125, %rd327;
+	st.v4.u32 	[%rd1255], {%r219, %r220, %r221, %r222};
+	add.s64 	%rd1256, %rd1255, %rd327;
+	st.v4.u32 	[%rd1256], {%r227, %r228, %r229, %r230};
+	add.s64 	%rd1257, %rd1256, %rd327;
+	add.s64 	%rd2125, %rd1257, %rd327;
+	st.v4.u32 	[%rd1257], {%r235, %r236, %r237, %r238};
+	add.s64 	%rd2126, %rd1249, %rd2126;
+	add.s64 	%rd1258, %rd2126, %rd187;
+	setp.lt.u64 	%p195, %rd1258, %rd325;
+	@%p195 bra 	$L__BB7_214;
+
+$L__BB7_215:
+	setp.ge.u64 	%p196, %rd2126, %rd325;
+	@%p196 bra 	$L__BB7_218;
+
+	add.s64 	%rd335, %rd236, %rd321;
+
+$L__BB7_217:
+	shl.b64 	%rd1259, %rd2126, 4;
+	add.s64 	%rd1260, %rd335, %rd1259;
+	add.s64 	%rd1261, %rd326, %rd1259;
+	ld.global.v4.u32 	{%r251, %r252, %r253, %r254}, [%rd1261];
+	st.v4.u32 	[%rd1260], {%r251, %r252, %r253, %r254};
+	add.s64 	%rd2126, %rd2126, %rd11;
+	setp.lt.u64 	%p197, %rd2126, %rd325;
+	@%p197 bra 	$L__BB7_217;
+
+$L__BB7_218:
+	and.b64  	%rd1262, %rd324, -16;
+	add.s64 	%rd1263, %rd321, %rd9;
+	add.s64 	%rd2128, %rd1263, %rd1262;
+	setp.ge.u64 	%p198, %rd2128, %rd891;
+	@%p198 bra 	$L__BB7_583;
+
+$L__BB7_219:
+	add.s64 	%rd1264, %rd3, %rd2128;
+	ld.global.u8 	%rs68, [%rd1264];
+	add.s64 	%rd1265, %rd236, %rd2128;
+	st.u8 	[%rd1265], %rs68;
+	add.s64 	%rd2128, %rd2128, %rd11;
+	setp.lt.u64 	%p199, %rd2128, %rd891;
+	@%p199 bra 	$L__BB7_219;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_198:
+	neg.s64 	%rd1204, %rd236;
+	and.b64  	%rd299, %rd1204, 7;
+	min.u64 	%rd300, %rd299, %rd891;
+	setp.ge.u64 	%p184, %rd9, %rd300;
+	@%p184 bra 	$L__BB7_201;
+
+	mov.u64 	%rd2117, %rd9;
+
+$L__BB7_200:
+	add.s64 	%rd1205, %rd3, %rd2117;
+	ld.global.u8 	%rs65, [%rd1205];
+	add.s64 	%rd1206, %rd236, %rd2117;
+	st.u8 	[%rd1206], %rs65;
+	add.s64 	%rd2117, %rd2117, %rd11;
+	setp.lt.u64 	%p185, %rd2117, %rd300;
+	@%p185 bra 	$L__BB7_200;
+
+$L__BB7_201:
+	sub.s64 	%rd303, %rd891, %rd300;
+	shr.u64 	%rd304, %rd303, 3;
+	add.s64 	%rd305, %rd3, %rd300;
+	setp.ge.u64 	%p186, %rd188, %rd304;
+	mov.u64 	%rd2120, %rd9;
+	@%p186 bra 	$L__BB7_204;
+
+	mul.lo.s64 	%rd1207, %rd10, %rd7;
+	shl.b64 	%rd306, %rd1207, 3;
+	mul.lo.s64 	%rd1208, %rd6, %rd7;
+	shl.b64 	%rd1209, %rd1208, 3;
+	shl.b64 	%rd1210, %rd8, 3;
+	add.s64 	%rd1211, %rd1209, %rd1210;
+	add.s64 	%rd1212, %rd1211, -1;
+	not.b64 	%rd1213, %rd891;
+	not.b64 	%rd1214, %rd299;
+	max.u64 	%rd1215, %rd1214, %rd1213;
+	sub.s64 	%rd1216, %rd1212, %rd1215;
+	add.s64 	%rd2119, %rd236, %rd1216;
+	mul.lo.s64 	%rd308, %rd1207, -24;
+	mov.u64 	%rd2120, %rd9;
+
+$L__BB7_203:
+	add.s64 	%rd1217, %rd2120, %rd11;
+	shl.b64 	%rd1218, %rd1217, 3;
+	add.s64 	%rd1219, %rd305, %rd1218;
+	ld.global.v2.u32 	{%r199, %r200}, [%rd1219];
+	add.s64 	%rd1220, %rd1219, %rd306;
+	ld.global.v2.u32 	{%r203, %r204}, [%rd1220];
+	add.s64 	%rd1221, %rd1220, %rd306;
+	ld.global.v2.u32 	{%r207, %r208}, [%rd1221];
+	add.s64 	%rd1222, %rd1221, %rd308;
+	ld.global.v2.u32 	{%r211, %r212}, [%rd1222];
+	st.v2.u32 	[%rd2119], {%r211, %r212};
+	add.s64 	%rd1223, %rd2119, %rd306;
+	st.v2.u32 	[%rd1223], {%r199, %r200};
+	add.s64 	%rd1224, %rd1223, %rd306;
+	st.v2.u32 	[%rd1224], {%r203, %r204};
+	add.s64 	%rd1225, %rd1224, %rd306;
+	add.s64 	%rd2119, %rd1225, %rd306;
+	st.v2.u32 	[%rd1225], {%r207, %r208};
+	add.s64 	%rd2120, %rd187, %rd1217;
+	add.s64 	%rd1226, %rd2120, %rd187;
+	setp.lt.u64 	%p187, %rd1226, %rd304;
+	@%p187 bra 	$L__BB7_203;
+
+$L__BB7_204:
+	setp.ge.u64 	%p188, %rd2120, %rd304;
+	@%p188 bra 	$L__BB7_207;
+
+	add.s64 	%rd314, %rd236, %rd300;
+
+$L__BB7_206:
+	shl.b64 	%rd1227, %rd2120, 3;
+	add.s64 	%rd1228, %rd305, %rd1227;
+	ld.global.v2.u32 	{%r215, %r216}, [%rd1228];
+	add.s64 	%rd1229, %rd314, %rd1227;
+	st.v2.u32 	[%rd1229], {%r215, %r216};
+	add.s64 	%rd2120, %rd2120, %rd11;
+	setp.lt.u64 	%p189, %rd2120, %rd304;
+	@%p189 bra 	$L__BB7_206;
+
+$L__BB7_207:
+	and.b64  	%rd1230, %rd303, -8;
+	add.s64 	%rd1231, %rd300, %rd9;
+	add.s64 	%rd2122, %rd1231, %rd1230;
+	setp.ge.u64 	%p190, %rd2122, %rd891;
+	@%p190 bra 	$L__BB7_583;
+
+$L__BB7_208:
+	add.s64 	%rd1232, %rd3, %rd2122;
+	ld.global.u8 	%rs66, [%rd1232];
+	add.s64 	%rd1233, %rd236, %rd2122;
+	st.u8 	[%rd1233], %rs66;
+	add.s64 	%rd2122, %rd2122, %rd11;
+	setp.lt.u64 	%p191, %rd2122, %rd891;
+	@%p191 bra 	$L__BB7_208;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_187:
+	neg.s64 	%rd1176, %rd236;
+	and.b64  	%rd276, %rd1176, 3;
+	min.u64 	%rd277, %rd276, %rd891;
+	setp.ge.u64 	%p176, %rd9, %rd277;
+	@%p176 bra 	$L__BB7_190;
+
+	mov.u64 	%rd2110, %rd9;
+
+$L__BB7_189:
+	add.s64 	%rd1177, %rd3, %rd2110;
+	ld.global.u8 	%rs63, [%rd1177];
+	add.s64 	%rd1178, %rd236, %rd2110;
+	st.u8 	[%rd1178], %rs63;
+	add.s64 	%rd2110, %rd2110, %rd11;
+	setp.lt.u64 	%p177, %rd2110, %rd277;
+	@%p177 bra 	$L__BB7_189;
+
+$L__BB7_190:
+	sub.s64 	%rd280, %rd891, %rd277;
+	shr.u64 	%rd281, %rd280, 2;
+	setp.ge.u64 	%p178, %rd188, %rd281;
+	mov.u64 	%rd2114, %rd9;
+	@%p178 bra 	$L__BB7_193;
+
+	mul.lo.s64 	%rd1179, %rd6, %rd7;
+	shl.b64 	%rd1180, %rd1179, 2;
+	shl.b64 	%rd1181, %rd8, 2;
+	add.s64 	%rd1182, %rd1180, %rd1181;
+	add.s64 	%rd1183, %rd1182, -1;
+	not.b64 	%rd1184, %rd891;
+	not.b64 	%rd1185, %rd276;
+	max.u64 	%rd1186, %rd1185, %rd1184;
+	sub.s64 	%rd1187, %rd1183, %rd1186;
+	add.s64 	%rd2112, %rd3, %rd1187;
+	mul.lo.s64 	%rd1188, %rd10, %rd7;
+	shl.b64 	%rd283, %rd1188, 2;
+	add.s64 	%rd2113, %rd236, %rd1187;
+	mov.u64 	%rd2114, %rd9;
+
+$L__BB7_192:
+	ld.global.u32 	%r194, [%rd2112];
+	add.s64 	%rd1189, %rd2112, %rd283;
+	ld.global.u32 	%r195, [%rd1189];
+	add.s64 	%rd1190, %rd1189, %rd283;
+	ld.global.u32 	%r196, [%rd1190];
+	add.s64 	%rd1191, %rd1190, %rd283;
+	add.s64 	%rd2112, %rd1191, %rd283;
+	ld.global.u32 	%r197, [%rd1191];
+	st.u32 	[%rd2113], %r194;
+	add.s64 	%rd1192, %rd2113, %rd283;
+	st.u32 	[%rd1192], %r195;
+	add.s64 	%rd1193, %rd1192, %rd283;
+	st.u32 	[%rd1193], %r196;
+	add.s64 	%rd1194, %rd1193, %rd283;
+	add.s64 	%rd2113, %rd1194, %rd283;
+	st.u32 	[%rd1194], %r197;
+	add.s64 	%rd1195, %rd2114, %rd11;
+	add.s64 	%rd2114, %rd187, %rd1195;
+	add.s64 	%rd1196, %rd2114, %rd187;
+	setp.lt.u64 	%p179, %rd1196, %rd281;
+	@%p179 bra 	$L__BB7_192;
+
+$L__BB7_193:
+	setp.ge.u64 	%p180, %rd2114, %rd281;
+	@%p180 bra 	$L__BB7_196;
+
+	add.s64 	%rd292, %rd236, %rd277;
+	add.s64 	%rd293, %rd3, %rd277;
+
+$L__BB7_195:
+	shl.b64 	%rd1197, %rd2114, 2;
+	add.s64 	%rd1198, %rd293, %rd1197;
+	ld.global.u32 	%r198, [%rd1198];
+	add.s64 	%rd1199, %rd292, %rd1197;
+	st.u32 	[%rd1199], %r198;
+	add.s64 	%rd2114, %rd2114, %rd11;
+	setp.lt.u64 	%p181, %rd2114, %rd281;
+	@%p181 bra 	$L__BB7_195;
+
+$L__BB7_196:
+	and.b64  	%rd1200, %rd280, -4;
+	add.s64 	%rd1201, %rd277, %rd9;
+	add.s64 	%rd2116, %rd1201, %rd1200;
+	setp.ge.u64 	%p182, %rd2116, %rd891;
+	@%p182 bra 	$L__BB7_583;
+
+$L__BB7_197:
+	add.s64 	%rd1202, %rd3, %rd2116;
+	ld.global.u8 	%rs64, [%rd1202];
+	add.s64 	%rd1203, %rd236, %rd2116;
+	st.u8 	[%rd1203], %rs64;
+	add.s64 	%rd2116, %rd2116, %rd11;
+	setp.lt.u64 	%p183, %rd2116, %rd891;
+	@%p183 bra 	$L__BB7_197;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_169:
+	setp.ge.u64 	%p162, %rd188, %rd891;
+	mov.u64 	%rd2100, %rd9;
+	@%p162 bra 	$L__BB7_172;
+
+	add.s64 	%rd2098, %rd3, %rd9;
+	mul.lo.s64 	%rd239, %rd10, %rd7;
+	add.s64 	%rd2099, %rd236, %rd9;
+	mov.u64 	%rd2100, %rd9;
+
+$L__BB7_171:
+	ld.global.u8 	%rs50, [%rd2098];
+	add.s64 	%rd1137, %rd2098, %rd239;
+	ld.global.u8 	%rs51, [%rd1137];
+	add.s64 	%rd1138, %rd1137, %rd239;
+	ld.global.u8 	%rs52, [%rd1138];
+	add.s64 	%rd1139, %rd1138, %rd239;
+	add.s64 	%rd2098, %rd1139, %rd239;
+	ld.global.u8 	%rs53, [%rd1139];
+	st.u8 	[%rd2099], %rs50;
+	add.s64 	%rd1140, %rd2099, %rd239;
+	st.u8 	[%rd1140], %rs51;
+	add.s64 	%rd1141, %rd1140, %rd239;
+	st.u8 	[%rd1141], %rs52;
+	add.s64 	%rd1142, %rd1141, %rd239;
+	add.s64 	%rd2099, %rd1142, %rd239;
+	st.u8 	[%rd1142], %rs53;
+	add.s64 	%rd1143, %rd2100, %rd11;
+	add.s64 	%rd2100, %rd187, %rd1143;
+	add.s64 	%rd1144, %rd2100, %rd187;
+	setp.lt.u64 	%p163, %rd1144, %rd891;
+	@%p163 bra 	$L__BB7_171;
+
+$L__BB7_172:
+	setp.ge.u64 	%p164, %rd2100, %rd891;
+	@%p164 bra 	$L__BB7_174;
+
+$L__BB7_173:
+	add.s64 	%rd1145, %rd3, %rd2100;
+	ld.global.u8 	%rs54, [%rd1145];
+	add.s64 	%rd1146, %rd236, %rd2100;
+	st.u8 	[%rd1146], %rs54;
+	add.s64 	%rd2100, %rd2100, %rd11;
+	setp.lt.u64 	%p165, %rd2100, %rd891;
+	@%p165 bra 	$L__BB7_173;
+
+$L__BB7_174:
+	add.s64 	%rd2102, %rd9, %rd891;
+	setp.ge.u64 	%p166, %rd2102, %rd9;
+	@%p166 bra 	$L__BB7_583;
+
+$L__BB7_175:
+	add.s64 	%rd1147, %rd3, %rd2102;
+	ld.global.u8 	%rs55, [%rd1147];
+	add.s64 	%rd1148, %rd236, %rd2102;
+	st.u8 	[%rd1148], %rs55;
+	add.s64 	%rd2102, %rd2102, %rd11;
+	setp.lt.u64 	%p167, %rd2102, %rd891;
+	@%p167 bra 	$L__BB7_175;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_45:
+	shl.b64 	%rd931, %rd2035, 3;
+	add.s64 	%rd932, %rd4, %rd931;
+	ld.volatile.global.u64 	%rd2041, [%rd932+32];
+
+$L__BB7_46:
+	add.s64 	%rd1954, %rd4, 144;
+	st.global.u64 	[%rd1954+-32], %rd2041;
+	setp.eq.s64 	%p62, %rd2035, 1;
+	selp.b64 	%rd933, %rd24, %rd22, %p62;
+	setp.eq.s64 	%p63, %rd2035, 2;
+	selp.b64 	%rd934, %rd26, %rd933, %p63;
+	setp.eq.s64 	%p64, %rd2035, 3;
+	selp.b64 	%rd935, %rd28, %rd934, %p64;
+	st.global.u64 	[%rd1954+-24], %rd935;
+	membar.gl;
+	atom.global.exch.b64 	%rd937, [%rd1954], %rd2041;
+
+$L__BB7_47:
+	st.shared.u64 	[_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell], %rd2041;
+
+$L__BB7_48:
+	bar.sync 	0;
+	ld.shared.u64 	%rd63, [_ZZ10fused_takeIZZ20jaxvmm_fused_offloadP5CellsyyPjPVyENKUlvE_clEvEUlvE_EPcS1_T_E4cell];
+	and.b64  	%rd938, %rd63, 15;
+	setp.eq.s64 	%p65, %rd938, 0;
+	@%p65 bra 	$L__BB7_104;
+
+	ld.param.u64 	%rd1955, [jaxvmm_fused_offload_param_1];
+	xor.b64  	%rd64, %rd63, %rd1955;
+	and.b64  	%rd939, %rd64, 15;
+	setp.eq.s64 	%p66, %rd939, 0;
+	@%p66 bra 	$L__BB7_93;
+
+	and.b64  	%rd940, %rd64, 7;
+	setp.eq.s64 	%p67, %rd940, 0;
+	@%p67 bra 	$L__BB7_82;
+
+	and.b64  	%rd941, %rd64, 3;
+	setp.eq.s64 	%p68, %rd941, 0;
+	@%p68 bra 	$L__BB7_71;
+
+	and.b64  	%rd942, %rd64, 1;
+	setp.eq.b64 	%p69, %rd942, 1;
+	mov.pred 	%p70, 0;
+	xor.pred  	%p71, %p69, %p70;
+	not.pred 	%p72, %p71;
+	@%p72 bra 	$L__BB7_60;
+	bra.uni 	$L__BB7_53;
+
+$L__BB7_60:
+	and.b64  	%rd80, %rd63, 1;
+	min.u64 	%rd81, %rd80, %rd891;
+	setp.ge.u64 	%p79, %rd9, %rd81;
+	@%p79 bra 	$L__BB7_63;
+
+	mov.u64 	%rd2048, %rd9;
+
+$L__BB7_62:
+	add.s64 	%rd955, %rd3, %rd2048;
+	ld.global.u8 	%rs27, [%rd955];
+	add.s64 	%rd956, %rd63, %rd2048;
+	st.u8 	[%rd956], %rs27;
+	add.s64 	%rd2048, %rd2048, %rd11;
+	setp.lt.u64 	%p80, %rd2048, %rd81;
+	@%p80 bra 	$L__BB7_62;
+
+$L__BB7_63:
+	sub.s64 	%rd84, %rd891, %rd81;
+	shr.u64 	%rd85, %rd84, 1;
+	setp.ge.u64 	%p81, %rd15, %rd85;
+	mov.u64 	%rd2052, %rd9;
+	@%p81 bra 	$L__BB7_66;
+
+	mul.lo.s64 	%rd957, %rd6, %rd7;
+	shl.b64 	%rd958, %rd957, 1;
+	shl.b64 	%rd959, %rd8, 1;
+	add.s64 	%rd960, %rd958, %rd959;
+	add.s64 	%rd961, %rd960, -1;
+	not.b64 	%rd962, %rd891;
+	not.b64 	%rd963, %rd80;
+	max.u64 	%rd964, %rd963, %rd962;
+	sub.s64 	%rd965, %rd961, %rd964;
+	add.s64 	%rd2050, %rd3, %rd965;
+	mul.lo.s64 	%rd966, %rd10, %rd7;
+	shl.b64 	%rd87, %rd966, 1;
+	add.s64 	%rd2051, %rd63, %rd965;
+	mov.u64 	%rd2052, %rd9;
+
+$L__BB7_65:
+	ld.global.u16 	%rs28, [%rd2050];
+	add.s64 	%rd967, %rd2050, %rd87;
+	ld.global.u16 	%rs29, [%rd967];
+	add.s64 	%rd968, %rd967, %rd87;
+	ld.global.u16 	%rs30, [%rd968];
+	add.s64 	%rd969, %rd968, %rd87;
+	add.s64 	%rd2050, %rd969, %rd87;
+	ld.global.u16 	%rs31, [%rd969];
+	st.u16 	[%rd2051], %rs28;
+	add.s64 	%rd970, %rd2051, %rd87;
+	st.u16 	[%rd970], %rs29;
+	add.s64 	%rd971, %rd970, %rd87;
+	st.u16 	[%rd971], %rs30;
+	add.s64 	%rd972, %rd971, %rd87;
+	add.s64 	%rd2051, %rd972, %rd87;
+	st.u16 	[%rd972], %rs31;
+	add.s64 	%rd973, %rd2052, %rd11;
+	add.s64 	%rd2052, %rd14, %rd973;
+	add.s64 	%rd974, %rd2052, %rd14;
+	setp.lt.u64 	%p82, %rd974, %rd85;
+	@%p82 bra 	$L__BB7_65;
+
+$L__BB7_66:
+	setp.ge.u64 	%p83, %rd2052, %rd85;
+	@%p83 bra 	$L__BB7_69;
+
+	add.s64 	%rd96, %rd63, %rd81;
+	add.s64 	%rd97, %rd3, %rd81;
+
+$L__BB7_68:
+	shl.b64 	%rd975, %rd2052, 1;
+	add.s64 	%rd976, %rd97, %rd975;
+	ld.global.u16 	%rs32, [%rd976];
+	add.s64 	%rd977, %rd96, %rd975;
+	st.u16 	[%rd977], %rs32;
+	add.s64 	%rd2052, %rd2052, %rd11;
+	setp.lt.u64 	%p84, %rd2052, %rd85;
+	@%p84 bra 	$L__BB7_68;
+
+$L__BB7_69:
+	and.b64  	%rd978, %rd84, -2;
+	add.s64 	%rd979, %rd81, %rd9;
+	add.s64 	%rd2054, %rd979, %rd978;
+	setp.ge.u64 	%p85, %rd2054, %rd891;
+	@%p85 bra 	$L__BB7_583;
+
+$L__BB7_70:
+	add.s64 	%rd980, %rd3, %rd2054;
+	ld.global.u8 	%rs33, [%rd980];
+	add.s64 	%rd981, %rd63, %rd2054;
+	st.u8 	[%rd981], %rs33;
+	add.s64 	%rd2054, %rd2054, %rd11;
+	setp.lt.u64 	%p86, %rd2054, %rd891;
+	@%p86 bra 	$L__BB7_70;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_104:
+	setp.ge.u64 	%p483, %rd9, %rd891;
+	@%p483 bra 	$L__BB7_106;
+
+	add.s64 	%rd1072, %rd63, %rd9;
+	st.u8 	[%rd1072], %rs2;
+
+$L__BB7_106:
+	add.s64 	%rd1956, %rd11, %rd9;
+	setp.ge.u64 	%p484, %rd1956, %rd891;
+	@%p484 bra 	$L__BB7_108;
+
+	add.s64 	%rd1961, %rd11, %rd9;
+	add.s64 	%rd1073, %rd63, %rd1961;
+	st.u8 	[%rd1073], %rs4;
+
+$L__BB7_108:
+	add.s64 	%rd1958, %rd11, %rd9;
+	add.s64 	%rd1957, %rd1958, %rd11;
+	setp.ge.u64 	%p485, %rd1957, %rd891;
+	@%p485 bra 	$L__BB7_110;
+
+	add.s64 	%rd1960, %rd11, %rd9;
+	add.s64 	%rd1959, %rd1960, %rd11;
+	add.s64 	%rd1074, %rd63, %rd1959;
+	st.u8 	[%rd1074], %rs6;
+
+$L__BB7_110:
+	@%p36 bra 	$L__BB7_112;
+
+	add.s64 	%rd1075, %rd63, %rd15;
+	st.u8 	[%rd1075], %rs8;
+
+$L__BB7_112:
+	shl.b64 	%rd1076, %rd11, 2;
+	add.s64 	%rd2077, %rd9, %rd1076;
+	add.s64 	%rd1077, %rd2077, %rd14;
+	setp.ge.u64 	%p115, %rd1077, %rd891;
+	@%p115 bra 	$L__BB7_115;
+
+	add.s64 	%rd2075, %rd3, %rd2077;
+	mul.lo.s64 	%rd170, %rd10, %rd7;
+	add.s64 	%rd2076, %rd63, %rd2077;
+
+$L__BB7_114:
+	ld.global.u8 	%rs40, [%rd2075];
+	add.s64 	%rd1078, %rd2075, %rd170;
+	ld.global.u8 	%rs41, [%rd1078];
+	add.s64 	%rd1079, %rd1078, %rd170;
+	ld.global.u8 	%rs42, [%rd1079];
+	add.s64 	%rd1080, %rd1079, %rd170;
+	add.s64 	%rd2075, %rd1080, %rd170;
+	ld.global.u8 	%rs43, [%rd1080];
+	st.u8 	[%rd2076], %rs40;
+	add.s64 	%rd1081, %rd2076, %rd170;
+	st.u8 	[%rd1081], %rs41;
+	add.s64 	%rd1082, %rd1081, %rd170;
+	st.u8 	[%rd1082], %rs42;
+	add.s64 	%rd1083, %rd1082, %rd170;
+	add.s64 	%rd2076, %rd1083, %rd170;
+	st.u8 	[%rd1083], %rs43;
+	add.s64 	%rd1084, %rd2077, %rd11;
+	add.s64 	%rd2077, %rd14, %rd1084;
+	add.s64 	%rd1085, %rd2077, %rd14;
+	setp.lt.u64 	%p116, %rd1085, %rd891;
+	@%p116 bra 	$L__BB7_114;
+
+$L__BB7_115:
+	setp.ge.u64 	%p117, %rd2077, %rd891;
+	@%p117 bra 	$L__BB7_117;
+
+$L__BB7_116:
+	add.s64 	%rd1086, %rd3, %rd2077;
+	ld.global.u8 	%rs44, [%rd1086];
+	add.s64 	%rd1087, %rd63, %rd2077;
+	st.u8 	[%rd1087], %rs44;
+	add.s64 	%rd2077, %rd2077, %rd11;
+	setp.lt.u64 	%p118, %rd2077, %rd891;
+	@%p118 bra 	$L__BB7_116;
+
+$L__BB7_117:
+	add.s64 	%rd2079, %rd9, %rd891;
+	setp.ge.u64 	%p119, %rd2079, %rd9;
+	@%p119 bra 	$L__BB7_583;
+
+$L__BB7_118:
+	add.s64 	%rd1088, %rd3, %rd2079;
+	ld.global.u8 	%rs45, [%rd1088];
+	add.s64 	%rd1089, %rd63, %rd2079;
+	st.u8 	[%rd1089], %rs45;
+	add.s64 	%rd2079, %rd2079, %rd11;
+	setp.lt.u64 	%p120, %rd2079, %rd891;
+	@%p120 bra 	$L__BB7_118;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_93:
+	neg.s64 	%rd1040, %rd63;
+	and.b64  	%rd147, %rd1040, 15;
+	min.u64 	%rd148, %rd147, %rd891;
+	setp.ge.u64 	%p103, %rd9, %rd148;
+	@%p103 bra 	$L__BB7_96;
+
+	mov.u64 	%rd2068, %rd9;
+
+$L__BB7_95:
+	add.s64 	%rd1041, %rd3, %rd2068;
+	ld.global.u8 	%rs38, [%rd1041];
+	add.s64 	%rd1042, %rd63, %rd2068;
+	st.u8 	[%rd1042], %rs38;
+	add.s64 	%rd2068, %rd2068, %rd11;
+	setp.lt.u64 	%p104, %rd2068, %rd148;
+	@%p104 bra 	$L__BB7_95;
+
+$L__BB7_96:
+	sub.s64 	%rd151, %rd891, %rd148;
+	shr.u64 	%rd152, %rd151, 4;
+	add.s64 	%rd153, %rd3, %rd148;
+	setp.ge.u64 	%p105, %rd15, %rd152;
+	mov.u64 	%rd2071, %rd9;
+	@%p105 bra 	$L__BB7_99;
+
+	mul.lo.s64 	%rd1043, %rd10, %rd7;
+	shl.b64 	%rd154, %rd1043, 4;
+	mul.lo.s64 	%rd1044, %rd6, %rd7;
+	shl.b64 	%rd1045, %rd1044, 4;
+	shl.b64 	%rd1046, %rd8, 4;
+	add.s64 	%rd1047, %rd1045, %rd1046;
+	add.s64 	%rd1048, %rd1047, -1;
+	not.b64 	%rd1049, %rd891;
+	not.b64 	%rd1050, %rd147;
+	max.u64 	%rd1051, %rd1050, %rd1049;
+	sub.s64 	%rd1052, %rd1048, %rd1051;
+	add.s64 	%rd2070, %rd63, %rd1052;
+	mul.lo.s64 	%rd156, %rd1043, -48;
+	mov.u64 	%rd2071, %rd9;
+
+$L__BB7_98:
+	shl.b64 	%rd1053, %rd2071, 4;
+	add.s64 	%rd1054, %rd153, %rd1053;
+	shl.b64 	%rd1055, %rd11, 2;
+	shl.b64 	%rd1056, %rd11, 4;
+	add.s64 	%rd1057, %rd1054, %rd1056;
+	ld.global.v4.u32 	{%r138, %r139, %r140, %r141}, [%rd1057];
+	add.s64 	%rd1058, %rd1057, %rd154;
+	ld.global.v4.u32 	{%r146, %r147, %r148, %r149}, [%rd1058];
+	add.s64 	%rd1059, %rd1058, %rd154;
+	ld.global.v4.u32 	{%r154, %r155, %r156, %r157}, [%rd1059];
+	add.s64 	%rd1060, %rd1059, %rd156;
+	ld.global.v4.u32 	{%r162, %r163, %r164, %r165}, [%rd1060];
+	st.v4.u32 	[%rd2070], {%r162, %r163, %r164, %r165};
+	add.s64 	%rd1061, %rd2070, %rd154;
+	st.v4.u32 	[%rd1061], {%r138, %r139, %r140, %r141};
+	add.s64 	%rd1062, %rd1061, %rd154;
+	st.v4.u32 	[%rd1062], {%r146, %r147, %r148, %r149};
+	add.s64 	%rd1063, %rd1062, %rd154;
+	add.s64 	%rd2070, %rd1063, %rd154;
+	st.v4.u32 	[%rd1063], {%r154, %r155, %r156, %r157};
+	add.s64 	%rd2071, %rd1055, %rd2071;
+	add.s64 	%rd1064, %rd2071, %rd14;
+	setp.lt.u64 	%p106, %rd1064, %rd152;
+	@%p106 bra 	$L__BB7_98;
+
+$L__BB7_99:
+	setp.ge.u64 	%p107, %rd2071, %rd152;
+	@%p107 bra 	$L__BB7_102;
+
+	add.s64 	%rd162, %rd63, %rd148;
+
+$L__BB7_101:
+	shl.b64 	%rd1065, %rd2071, 4;
+	add.s64 	%rd1066, %rd162, %rd1065;
+	add.s64 	%rd1067, %rd153, %rd1065;
+	ld.global.v4.u32 	{%r170, %r171, %r172, %r173}, [%rd1067];
+	st.v4.u32 	[%rd1066], {%r170, %r171, %r172, %r173};
+	add.s64 	%rd2071, %rd2071, %rd11;
+	setp.lt.u64 	%p108, %rd2071, %rd152;
+	@%p108 bra 	$L__BB7_101;
+
+$L__BB7_102:
+	and.b64  	%rd1068, %rd151, -16;
+	add.s64 	%rd1069, %rd148, %rd9;
+	add.s64 	%rd2073, %rd1069, %rd1068;
+	setp.ge.u64 	%p109, %rd2073, %rd891;
+	@%p109 bra 	$L__BB7_583;
+
+$L__BB7_103:
+	add.s64 	%rd1070, %rd3, %rd2073;
+	ld.global.u8 	%rs39, [%rd1070];
+	add.s64 	%rd1071, %rd63, %rd2073;
+	st.u8 	[%rd1071], %rs39;
+	add.s64 	%rd2073, %rd2073, %rd11;
+	setp.lt.u64 	%p110, %rd2073, %rd891;
+	@%p110 bra 	$L__BB7_103;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_82:
+	neg.s64 	%rd1010, %rd63;
+	and.b64  	%rd126, %rd1010, 7;
+	min.u64 	%rd127, %rd126, %rd891;
+	setp.ge.u64 	%p95, %rd9, %rd127;
+	@%p95 bra 	$L__BB7_85;
+
+	mov.u64 	%rd2062, %rd9;
+
+$L__BB7_84:
+	add.s64 	%rd1011, %rd3, %rd2062;
+	ld.global.u8 	%rs36, [%rd1011];
+	add.s64 	%rd1012, %rd63, %rd2062;
+	st.u8 	[%rd1012], %rs36;
+	add.s64 	%rd2062, %rd2062, %rd11;
+	setp.lt.u64 	%p96, %rd2062, %rd127;
+	@%p96 bra 	$L__BB7_84;
+
+$L__BB7_85:
+	sub.s64 	%rd130, %rd891, %rd127;
+	shr.u64 	%rd131, %rd130, 3;
+	add.s64 	%rd132, %rd3, %rd127;
+	setp.ge.u64 	%p97, %rd15, %rd131;
+	mov.u64 	%rd2065, %rd9;
+	@%p97 bra 	$L__BB7_88;
+
+	mul.lo.s64 	%rd1013, %rd10, %rd7;
+	shl.b64 	%rd133, %rd1013, 3;
+	mul.lo.s64 	%rd1014, %rd6, %rd7;
+	shl.b64 	%rd1015, %rd1014, 3;
+	shl.b64 	%rd1016, %rd8, 3;
+	add.s64 	%rd1017, %rd1015, %rd1016;
+	add.s64 	%rd1018, %rd1017, -1;
+	not.b64 	%rd1019, %rd891;
+	not.b64 	%rd1020, %rd126;
+	max.u64 	%rd1021, %rd1020, %rd1019;
+	sub.s64 	%rd1022, %rd1018, %rd1021;
+	add.s64 	%rd2064, %rd63, %rd1022;
+	mul.lo.s64 	%rd135, %rd1013, -24;
+	mov.u64 	%rd2065, %rd9;
+
+$L__BB7_87:
+	add.s64 	%rd1023, %rd2065, %rd11;
+	shl.b64 	%rd1024, %rd1023, 3;
+	add.s64 	%rd1025, %rd132, %rd1024;
+	ld.global.v2.u32 	{%r118, %r119}, [%rd1025];
+	add.s64 	%rd1026, %rd1025, %rd133;
+	ld.global.v2.u32 	{%r122, %r123}, [%rd1026];
+	add.s64 	%rd1027, %rd1026, %rd133;
+	ld.global.v2.u32 	{%r126, %r127}, [%rd1027];
+	add.s64 	%rd1028, %rd1027, %rd135;
+	ld.global.v2.u32 	{%r130, %r131}, [%rd1028];
+	st.v2.u32 	[%rd2064], {%r130, %r131};
+	add.s64 	%rd1029, %rd2064, %rd133;
+	st.v2.u32 	[%rd1029], {%r118, %r119};
+	add.s64 	%rd1030, %rd1029, %rd133;
+	st.v2.u32 	[%rd1030], {%r122, %r123};
+	add.s64 	%rd1031, %rd1030, %rd133;
+	add.s64 	%rd2064, %rd1031, %rd133;
+	st.v2.u32 	[%rd1031], {%r126, %r127};
+	add.s64 	%rd2065, %rd14, %rd1023;
+	add.s64 	%rd1032, %rd2065, %rd14;
+	setp.lt.u64 	%p98, %rd1032, %rd131;
+	@%p98 bra 	$L__BB7_87;
+
+$L__BB7_88:
+	setp.ge.u64 	%p99, %rd2065, %rd131;
+	@%p99 bra 	$L__BB7_91;
+
+	add.s64 	%rd141, %rd63, %rd127;
+
+$L__BB7_90:
+	shl.b64 	%rd1033, %rd2065, 3;
+	add.s64 	%rd1034, %rd132, %rd1033;
+	ld.global.v2.u32 	{%r134, %r135}, [%rd1034];
+	add.s64 	%rd1035, %rd141, %rd1033;
+	st.v2.u32 	[%rd1035], {%r134, %r135};
+	add.s64 	%rd2065, %rd2065, %rd11;
+	setp.lt.u64 	%p100, %rd2065, %rd131;
+	@%p100 bra 	$L__BB7_90;
+
+$L__BB7_91:
+	and.b64  	%rd1036, %rd130, -8;
+	add.s64 	%rd1037, %rd127, %rd9;
+	add.s64 	%rd2067, %rd1037, %rd1036;
+	setp.ge.u64 	%p101, %rd2067, %rd891;
+	@%p101 bra 	$L__BB7_583;
+
+$L__BB7_92:
+	add.s64 	%rd1038, %rd3, %rd2067;
+	ld.global.u8 	%rs37, [%rd1038];
+	add.s64 	%rd1039, %rd63, %rd2067;
+	st.u8 	[%rd1039], %rs37;
+	add.s64 	%rd2067, %rd2067, %rd11;
+	setp.lt.u64 	%p102, %rd2067, %rd891;
+	@%p102 bra 	$L__BB7_92;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_71:
+	neg.s64 	%rd982, %rd63;
+	and.b64  	%rd103, %rd982, 3;
+	min.u64 	%rd104, %rd103, %rd891;
+	setp.ge.u64 	%p87, %rd9, %rd104;
+	@%p87 bra 	$L__BB7_74;
+
+	mov.u64 	%rd2055, %rd9;
+
+$L__BB7_73:
+	add.s64 	%rd983, %rd3, %rd2055;
+	ld.global.u8 	%rs34, [%rd983];
+	add.s64 	%rd984, %rd63, %rd2055;
+	st.u8 	[%rd984], %rs34;
+	add.s64 	%rd2055, %rd2055, %rd11;
+	setp.lt.u64 	%p88, %rd2055, %rd104;
+	@%p88 bra 	$L__BB7_73;
+
+$L__BB7_74:
+	sub.s64 	%rd107, %rd891, %rd104;
+	shr.u64 	%rd108, %rd107, 2;
+	setp.ge.u64 	%p89, %rd15, %rd108;
+	mov.u64 	%rd2059, %rd9;
+	@%p89 bra 	$L__BB7_77;
+
+	mul.lo.s64 	%rd985, %rd6, %rd7;
+	shl.b64 	%rd986, %rd985, 2;
+	shl.b64 	%rd987, %rd8, 2;
+	add.s64 	%rd988, %rd986, %rd987;
+	add.s64 	%rd989, %rd988, -1;
+	not.b64 	%rd990, %rd891;
+	not.b64 	%rd991, %rd103;
+	max.u64 	%rd992, %rd991, %rd990;
+	sub.s64 	%rd993, %rd989, %rd992;
+	add.s64 	%rd2057, %rd3, %rd993;
+	mul.lo.s64 	%rd994, %rd10, %rd7;
+	shl.b64 	%rd110, %rd994, 2;
+	add.s64 	%rd2058, %rd63, %rd993;
+	mov.u64 	%rd2059, %rd9;
+
+$L__BB7_76:
+	ld.global.u32 	%r113, [%rd2057];
+	add.s64 	%rd995, %rd2057, %rd110;
+	ld.global.u32 	%r114, [%rd995];
+	add.s64 	%rd996, %rd995, %rd110;
+	ld.global.u32 	%r115, [%rd996];
+	add.s64 	%rd997, %rd996, %rd110;
+	add.s64 	%rd2057, %rd997, %rd110;
+	ld.global.u32 	%r116, [%rd997];
+	st.u32 	[%rd2058], %r113;
+	add.s64 	%rd998, %rd2058, %rd110;
+	st.u32 	[%rd998], %r114;
+	add.s64 	%rd999, %rd998, %rd110;
+	st.u32 	[%rd999], %r115;
+	add.s64 	%rd1000, %rd999, %rd110;
+	add.s64 	%rd2058, %rd1000, %rd110;
+	st.u32 	[%rd1000], %r116;
+	add.s64 	%rd1001, %rd2059, %rd11;
+	add.s64 	%rd2059, %rd14, %rd1001;
+	add.s64 	%rd1002, %rd2059, %rd14;
+	setp.lt.u64 	%p90, %rd1002, %rd108;
+	@%p90 bra 	$L__BB7_76;
+
+$L__BB7_77:
+	setp.ge.u64 	%p91, %rd2059, %rd108;
+	@%p91 bra 	$L__BB7_80;
+
+	add.s64 	%rd119, %rd63, %rd104;
+	add.s64 	%rd120, %rd3, %rd104;
+
+$L__BB7_79:
+	shl.b64 	%rd1003, %rd2059, 2;
+	add.s64 	%rd1004, %rd120, %rd1003;
+	ld.global.u32 	%r117, [%rd1004];
+	add.s64 	%rd1005, %rd119, %rd1003;
+	st.u32 	[%rd1005], %r117;
+	add.s64 	%rd2059, %rd2059, %rd11;
+	setp.lt.u64 	%p92, %rd2059, %rd108;
+	@%p92 bra 	$L__BB7_79;
+
+$L__BB7_80:
+	and.b64  	%rd1006, %rd107, -4;
+	add.s64 	%rd1007, %rd104, %rd9;
+	add.s64 	%rd2061, %rd1007, %rd1006;
+	setp.ge.u64 	%p93, %rd2061, %rd891;
+	@%p93 bra 	$L__BB7_583;
+
+$L__BB7_81:
+	add.s64 	%rd1008, %rd3, %rd2061;
+	ld.global.u8 	%rs35, [%rd1008];
+	add.s64 	%rd1009, %rd63, %rd2061;
+	st.u8 	[%rd1009], %rs35;
+	add.s64 	%rd2061, %rd2061, %rd11;
+	setp.lt.u64 	%p94, %rd2061, %rd891;
+	@%p94 bra 	$L__BB7_81;
+	bra.uni 	$L__BB7_583;
+
+$L__BB7_53:
+	mov.u64 	%rd2045, %rd9;
+	@%p36 bra 	$L__BB7_56;
+
+	add.s64 	%rd2043, %rd3, %rd9;
+	mul.lo.s64 	%rd66, %rd10, %rd7;
+	add.s64 	%rd2044, %rd63, %rd9;
+	mov.u64 	%rd2045, %rd9;
+
+$L__BB7_55:
+	ld.global.u8 	%rs21, [%rd2043];
+	add.s64 	%rd943, %rd2043, %rd66;
+	ld.global.u8 	%rs22, [%rd943];
+	add.s64 	%rd944, %rd943, %rd66;
+	ld.global.u8 	%rs23, [%rd944];
+	add.s64 	%rd945, %rd944, %rd66;
+	add.s64 	%rd2043, %rd945, %rd66;
+	ld.global.u8 	%rs24, [%rd945];
+	st.u8 	[%rd2044], %rs21;
+	add.s64 	%rd946, %rd2044, %rd66;
+	st.u8 	[%rd946], %rs22;
+	add.s64 	%rd947, %rd946, %rd66;
+	st.u8 	[%rd947], %rs23;
+	add.s64 	%rd948, %rd947, %rd66;
+	add.s64 	%rd2044, %rd948, %rd66;
+	st.u8 	[%rd948], %rs24;
+	add.s64 	%rd949, %rd2045, %rd11;
+	add.s64 	%rd2045, %rd14, %rd949;
+	add.s64 	%rd950, %rd2045, %rd14;
+	setp.lt.u64 	%p74, %rd950, %rd891;
+	@%p74 bra 	$L__BB7_55;
+
+$L__BB7_56:
+	setp.ge.u64 	%p75, %rd2045, %rd891;
+	@%p75 bra 	$L__BB7_58;
+
+$L__BB7_57:
+	add.s64 	%rd951, %rd3, %rd2045;
+	ld.global.u8 	%rs25, [%rd951];
+	add.s64 	%rd952, %rd63, %rd2045;
+	st.u8 	[%rd952], %rs25;
+	add.s64 	%rd2045, %rd2045, %rd11;
+	setp.lt.u64 	%p76, %rd2045, %rd891;
+	@%p76 bra 	$L__BB7_57;
+
+$L__BB7_58:
+	add.s64 	%rd2047, %rd9, %rd891;
+	setp.ge.u64 	%p77, %rd2047, %rd9;
+	@%p77 bra 	$L__BB7_583;
+
+$L__BB7_59:
+	add.s64 	%rd953, %rd3, %rd2047;
+	ld.global.u8 	%rs26, [%rd953];
+	add.s64 	%rd954, %rd63, %rd2047;
+	st.u8 	[%rd954], %rs26;
+	add.s64 	%rd2047, %rd2047, %rd11;
+	setp.lt.u64 	%p78, %rd2047, %rd891;
+	@%p78 bra 	$L__BB7_59;
+
+$L__BB7_583:
+	mov.u32 	%r612, %tid.x;
+	membar.gl;
+	bar.sync 	0;
+	setp.ne.s32 	%p477, %r612, 0;
+	@%p477 bra 	$L__BB7_586;
+
+	add.s64 	%rd1929, %rd4, 128;
+	atom.global.add.u64 	%rd1930, [%rd1929], 1;
+	mov.u32 	%r613, %nctaid.x;
+	add.s32 	%r614, %r613, -1;
+	cvt.u64.u32 	%rd1931, %r614;
+	setp.ne.s64 	%p478, %rd1930, %rd1931;
+	@%p478 bra 	$L__BB7_586;
+
+	add.s64 	%rd1940, %rd4, 144;
+	mov.u64 	%rd1932, 0;
+	st.global.u64 	[%rd1940+-16], %rd1932;
+	st.global.u64 	[%rd1940+-8], %rd1932;
+	st.global.u64 	[%rd1940], %rd1932;
+	membar.sys;
+	ld.volatile.global.u64 	%rd1933, [%rd1940+-24];
+	mov.u64 	%rd1934, 1;
+	st.volatile.u64 	[%rd1933], %rd1934;
+	membar.sys;
+
+$L__BB7_586:
+	ret;
+
+}
+	// .globl	jaxvmm_fused_reload
+.visible .entry jaxvmm_fused_reload(
+	.param .u64 jaxvmm_fused_reload_param_0,
+	.param .u64 jaxvmm_fused_reload_param_1,
+	.param .u64 jaxvmm_fused_reload_param_2,
+	.param .u64 jaxvmm_fused_reload_param_3,
+	.param .u64 jaxvmm_fused_reload_param_4,
+	.param .u64 jaxvmm_fused_reload_param_5,
+	.param .u64 jaxvmm_fused_reload_param_6
+)
+{
+	.reg .pred 	%p<98>;
+	.reg .b16 	%rs<20>;
+	.reg .b32 	%r<105>;
+	.reg .b64 	%rd<423>;
+	// demoted variable
+	.shared .align 8 .u64 _ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell;
+
+	ld.param.u64 	%rd181, [jaxvmm_fused_reload_param_0];
+	ld.param.u64 	%rd176, [jaxvmm_fused_reload_param_1];
+	ld.param.u64 	%rd177, [jaxvmm_fused_reload_param_2];
+	ld.param.u64 	%rd178, [jaxvmm_fused_reload_param_3];
+	ld.param.u64 	%rd179, [jaxvmm_fused_reload_param_4];
+	ld.param.u64 	%rd180, [jaxvmm_fused_reload_param_5];
+	ld.param.u64 	%rd182, [jaxvmm_fused_reload_param_6];
+	cvta.to.global.u64 	%rd1, %rd182;
+	mov.u32 	%r1, %tid.x;
+	setp.ne.s32 	%p1, %r1, 0;
+	cvta.to.global.u64 	%rd2, %rd181;
+	@%p1 bra 	$L__BB8_38;
+
+	add.s64 	%rd183, %rd2, 136;
+	atom.global.add.u64 	%rd184, [%rd183], 1;
+	setp.eq.s64 	%p2, %rd184, 0;
+	@%p2 bra 	$L__BB8_8;
+
+	ld.volatile.global.u64 	%rd389, [%rd2+144];
+	setp.ne.s64 	%p3, %rd389, 0;
+	@%p3 bra 	$L__BB8_7;
+
+	mov.u32 	%r101, 0;
+	mov.u32 	%r102, 32;
+
+$L__BB8_4:
+	add.s32 	%r101, %r101, 1;
+	setp.lt.u32 	%p4, %r101, 64;
+	@%p4 bra 	$L__BB8_6;
+
+	// begin inline asm
+	nanosleep.u32 %r102;
+	// end inline asm
+	setp.lt.u32 	%p5, %r102, 256;
+	selp.u32 	%r13, 1, 0, %p5;
+	shl.b32 	%r102, %r102, %r13;
+
+$L__BB8_6:
+	ld.volatile.global.u64 	%rd389, [%rd2+144];
+	setp.eq.s64 	%p6, %rd389, 0;
+	@%p6 bra 	$L__BB8_4;
+
+$L__BB8_7:
+	membar.gl;
+	bra.uni 	$L__BB8_37;
+
+$L__BB8_8:
+	cvta.to.global.u64 	%rd185, %rd178;
+	ld.global.u32 	%rd186, [%rd185];
+	ld.volatile.global.u64 	%rd8, [%rd2+96];
+	ld.global.u32 	%rd187, [%rd185+4];
+	ld.volatile.global.u64 	%rd9, [%rd2];
+	ld.volatile.global.u64 	%rd10, [%rd2+8];
+	ld.volatile.global.u64 	%rd11, [%rd2+16];
+	ld.volatile.global.u64 	%rd12, [%rd2+24];
+	bfi.b64 	%rd13, %rd187, %rd186, 32, 32;
+	ld.volatile.global.u64 	%rd14, [%rd2+152];
+	ld.volatile.global.u64 	%rd15, [%rd2+32];
+	ld.volatile.global.u64 	%rd16, [%rd2+64];
+	ld.volatile.global.u64 	%rd17, [%rd2+40];
+	ld.volatile.global.u64 	%rd18, [%rd2+72];
+	ld.volatile.global.u64 	%rd19, [%rd2+48];
+	ld.volatile.global.u64 	%rd20, [%rd2+80];
+	ld.volatile.global.u64 	%rd21, [%rd2+56];
+	ld.volatile.global.u64 	%rd22, [%rd2+88];
+	setp.eq.s64 	%p7, %rd13, 0;
+	@%p7 bra 	$L__BB8_21;
+
+	setp.eq.s64 	%p8, %rd8, 0;
+	setp.ne.s64 	%p9, %rd9, %rd13;
+	or.pred  	%p10, %p9, %p8;
+	@%p10 bra 	$L__BB8_11;
+
+	mov.u64 	%rd385, 0;
+	atom.global.cas.b64 	%rd189, [%rd2], %rd9, %rd385;
+	setp.eq.s64 	%p11, %rd189, %rd9;
+	mov.u32 	%r103, 0;
+	@%p11 bra 	$L__BB8_30;
+
+$L__BB8_11:
+	setp.lt.u64 	%p12, %rd8, 2;
+	setp.ne.s64 	%p13, %rd10, %rd13;
+	or.pred  	%p14, %p12, %p13;
+	@%p14 bra 	$L__BB8_13;
+
+	add.s64 	%rd191, %rd2, 8;
+	mov.u64 	%rd192, 0;
+	atom.global.cas.b64 	%rd193, [%rd191], %rd10, %rd192;
+	setp.eq.s64 	%p15, %rd193, %rd10;
+	mov.u64 	%rd385, 1;
+	mov.u32 	%r103, 1;
+	@%p15 bra 	$L__BB8_30;
+
+$L__BB8_13:
+	setp.lt.u64 	%p16, %rd8, 3;
+	setp.ne.s64 	%p17, %rd11, %rd13;
+	or.pred  	%p18, %p16, %p17;
+	@%p18 bra 	$L__BB8_15;
+
+	add.s64 	%rd195, %rd2, 16;
+	mov.u64 	%rd196, 0;
+	atom.global.cas.b64 	%rd197, [%rd195], %rd11, %rd196;
+	setp.eq.s64 	%p19, %rd197, %rd11;
+	mov.u64 	%rd385, 2;
+	mov.u32 	%r103, 2;
+	@%p19 bra 	$L__BB8_30;
+
+$L__BB8_15:
+	setp.lt.u64 	%p20, %rd8, 4;
+	setp.ne.s64 	%p21, %rd12, %rd13;
+	or.pred  	%p22, %p20, %p21;
+	@%p22 bra 	$L__BB8_17;
+
+	add.s64 	%rd199, %rd2, 24;
+	mov.u64 	%rd200, 0;
+	atom.global.cas.b64 	%rd201, [%rd199], %rd12, %rd200;
+	setp.eq.s64 	%p23, %rd201, %rd12;
+	mov.u64 	%rd385, 3;
+	mov.u32 	%r103, 3;
+	@%p23 bra 	$L__BB8_30;
+	bra.uni 	$L__BB8_17;
+
+$L__BB8_30:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	setp.eq.s64 	%p34, %rd14, 0;
+	@%p34 bra 	$L__BB8_32;
+
+	setp.eq.s32 	%p35, %r103, 1;
+	selp.b64 	%rd214, %rd17, %rd15, %p35;
+	setp.eq.s32 	%p36, %r103, 2;
+	selp.b64 	%rd215, %rd19, %rd214, %p36;
+	setp.eq.s32 	%p37, %r103, 3;
+	selp.b64 	%rd389, %rd21, %rd215, %p37;
+	bra.uni 	$L__BB8_33;
+
+$L__BB8_17:
+	@%p8 bra 	$L__BB8_21;
+
+	mov.u64 	%rd202, 0;
+	mov.u64 	%rd383, %rd202;
+
+$L__BB8_19:
+	shl.b64 	%rd203, %rd383, 3;
+	add.s64 	%rd204, %rd2, %rd203;
+	atom.global.cas.b64 	%rd206, [%rd204], %rd13, %rd202;
+	setp.eq.s64 	%p25, %rd206, %rd13;
+	@%p25 bra 	$L__BB8_26;
+
+	add.s64 	%rd383, %rd383, 1;
+	setp.lt.u64 	%p26, %rd383, %rd8;
+	@%p26 bra 	$L__BB8_19;
+
+$L__BB8_21:
+	cvta.to.global.u64 	%rd221, %rd179;
+	st.volatile.global.u64 	[%rd221], %rd13;
+	membar.sys;
+	cvta.to.global.u64 	%rd222, %rd180;
+	mov.u64 	%rd223, 1;
+	st.volatile.global.u64 	[%rd222], %rd223;
+	membar.sys;
+	ld.volatile.global.u64 	%rd387, [%rd1];
+	setp.ne.s64 	%p41, %rd387, 0;
+	@%p41 bra 	$L__BB8_24;
+
+	mov.u32 	%r104, 32;
+
+$L__BB8_23:
+	// begin inline asm
+	nanosleep.u32 %r104;
+	// end inline asm
+	setp.lt.u32 	%p42, %r104, 2048;
+	selp.u32 	%r20, 1, 0, %p42;
+	shl.b32 	%r104, %r104, %r20;
+	ld.volatile.global.u64 	%rd387, [%rd1];
+	setp.eq.s64 	%p43, %rd387, 0;
+	@%p43 bra 	$L__BB8_23;
+
+$L__BB8_24:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	mov.u64 	%rd224, 0;
+	st.volatile.global.u64 	[%rd1], %rd224;
+	membar.sys;
+	add.s64 	%rd35, %rd387, -1;
+	setp.eq.s64 	%p44, %rd14, 0;
+	@%p44 bra 	$L__BB8_34;
+
+	setp.eq.s64 	%p45, %rd35, 1;
+	selp.b64 	%rd225, %rd17, %rd15, %p45;
+	setp.eq.s64 	%p46, %rd35, 2;
+	selp.b64 	%rd226, %rd19, %rd225, %p46;
+	setp.eq.s64 	%p47, %rd35, 3;
+	selp.b64 	%rd389, %rd21, %rd226, %p47;
+	bra.uni 	$L__BB8_35;
+
+$L__BB8_34:
+	shl.b64 	%rd227, %rd387, 3;
+	add.s64 	%rd228, %rd2, %rd227;
+	ld.volatile.global.u64 	%rd389, [%rd228+24];
+
+$L__BB8_35:
+	st.global.u64 	[%rd2+112], %rd389;
+	setp.eq.s64 	%p48, %rd35, 1;
+	selp.b64 	%rd229, %rd18, %rd16, %p48;
+	setp.eq.s64 	%p49, %rd35, 2;
+	selp.b64 	%rd230, %rd20, %rd229, %p49;
+	setp.eq.s64 	%p50, %rd35, 3;
+	selp.b64 	%rd231, %rd22, %rd230, %p50;
+	st.global.u64 	[%rd2+120], %rd231;
+	bra.uni 	$L__BB8_36;
+
+$L__BB8_32:
+	shl.b64 	%rd216, %rd385, 3;
+	add.s64 	%rd217, %rd2, %rd216;
+	ld.volatile.global.u64 	%rd389, [%rd217+32];
+
+$L__BB8_33:
+	st.global.u64 	[%rd2+112], %rd389;
+	setp.eq.s32 	%p38, %r103, 1;
+	selp.b64 	%rd218, %rd18, %rd16, %p38;
+	setp.eq.s32 	%p39, %r103, 2;
+	selp.b64 	%rd219, %rd20, %rd218, %p39;
+	setp.eq.s32 	%p40, %r103, 3;
+	selp.b64 	%rd220, %rd22, %rd219, %p40;
+	st.global.u64 	[%rd2+120], %rd220;
+
+$L__BB8_36:
+	membar.gl;
+	add.s64 	%rd232, %rd2, 144;
+	atom.global.exch.b64 	%rd233, [%rd232], %rd389;
+
+$L__BB8_37:
+	st.shared.u64 	[_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell], %rd389;
+
+$L__BB8_38:
+	bar.sync 	0;
+	cvta.to.global.u64 	%rd41, %rd176;
+	ld.shared.u64 	%rd42, [_ZZ10fused_takeIZ19jaxvmm_fused_reloadP5CellsyyPKjPVyS5_S5_EUlvE_EPcS1_T_E4cell];
+	xor.b64  	%rd43, %rd42, %rd176;
+	and.b64  	%rd234, %rd43, 15;
+	setp.eq.s64 	%p51, %rd234, 0;
+	@%p51 bra 	$L__BB8_82;
+
+	and.b64  	%rd235, %rd43, 7;
+	setp.eq.s64 	%p52, %rd235, 0;
+	@%p52 bra 	$L__BB8_71;
+
+	and.b64  	%rd236, %rd43, 3;
+	setp.eq.s64 	%p53, %rd236, 0;
+	@%p53 bra 	$L__BB8_60;
+
+	and.b64  	%rd237, %rd43, 1;
+	setp.eq.b64 	%p54, %rd237, 1;
+	mov.pred 	%p55, 0;
+	xor.pred  	%p56, %p54, %p55;
+	not.pred 	%p57, %p56;
+	mov.u32 	%r21, %ctaid.x;
+	cvt.u64.u32 	%rd44, %r21;
+	mov.u32 	%r22, %ntid.x;
+	cvt.u64.u32 	%rd45, %r22;
+	mul.wide.u32 	%rd238, %r21, %r22;
+	cvt.u64.u32 	%rd46, %r1;
+	add.s64 	%rd47, %rd238, %rd46;
+	mov.u32 	%r23, %nctaid.x;
+	cvt.u64.u32 	%rd48, %r23;
+	mul.wide.u32 	%rd49, %r23, %r22;
+	@%p57 bra 	$L__BB8_49;
+	bra.uni 	$L__BB8_42;
+
+$L__BB8_49:
+	and.b64  	%rd66, %rd176, 1;
+	min.u64 	%rd67, %rd66, %rd177;
+	setp.ge.u64 	%p64, %rd47, %rd67;
+	@%p64 bra 	$L__BB8_52;
+
+	mov.u64 	%rd397, %rd47;
+
+$L__BB8_51:
+	add.s64 	%rd252, %rd42, %rd397;
+	ld.u8 	%rs7, [%rd252];
+	add.s64 	%rd253, %rd41, %rd397;
+	st.global.u8 	[%rd253], %rs7;
+	add.s64 	%rd397, %rd397, %rd49;
+	setp.lt.u64 	%p65, %rd397, %rd67;
+	@%p65 bra 	$L__BB8_51;
+
+$L__BB8_52:
+	sub.s64 	%rd70, %rd177, %rd67;
+	shr.u64 	%rd71, %rd70, 1;
+	mul.lo.s64 	%rd72, %rd49, 3;
+	add.s64 	%rd254, %rd47, %rd72;
+	setp.ge.u64 	%p66, %rd254, %rd71;
+	mov.u64 	%rd401, %rd47;
+	@%p66 bra 	$L__BB8_55;
+
+	mul.lo.s64 	%rd255, %rd44, %rd45;
+	shl.b64 	%rd256, %rd255, 1;
+	shl.b64 	%rd257, %rd46, 1;
+	add.s64 	%rd258, %rd256, %rd257;
+	add.s64 	%rd259, %rd258, -1;
+	not.b64 	%rd260, %rd177;
+	not.b64 	%rd261, %rd66;
+	max.u64 	%rd262, %rd261, %rd260;
+	sub.s64 	%rd263, %rd259, %rd262;
+	add.s64 	%rd399, %rd42, %rd263;
+	mul.lo.s64 	%rd264, %rd48, %rd45;
+	shl.b64 	%rd74, %rd264, 1;
+	add.s64 	%rd400, %rd41, %rd263;
+	mov.u64 	%rd401, %rd47;
+
+$L__BB8_54:
+	ld.u16 	%rs8, [%rd399];
+	add.s64 	%rd265, %rd399, %rd74;
+	ld.u16 	%rs9, [%rd265];
+	add.s64 	%rd266, %rd265, %rd74;
+	ld.u16 	%rs10, [%rd266];
+	add.s64 	%rd267, %rd266, %rd74;
+	add.s64 	%rd399, %rd267, %rd74;
+	ld.u16 	%rs11, [%rd267];
+	st.global.u16 	[%rd400], %rs8;
+	add.s64 	%rd268, %rd400, %rd74;
+	st.global.u16 	[%rd268], %rs9;
+	add.s64 	%rd269, %rd268, %rd74;
+	st.global.u16 	[%rd269], %rs10;
+	add.s64 	%rd270, %rd269, %rd74;
+	add.s64 	%rd400, %rd270, %rd74;
+	st.global.u16 	[%rd270], %rs11;
+	add.s64 	%rd271, %rd401, %rd49;
+	add.s64 	%rd401, %rd72, %rd271;
+	add.s64 	%rd272, %rd401, %rd72;
+	setp.lt.u64 	%p67, %rd272, %rd71;
+	@%p67 bra 	$L__BB8_54;
+
+$L__BB8_55:
+	setp.ge.u64 	%p68, %rd401, %rd71;
+	@%p68 bra 	$L__BB8_58;
+
+	add.s64 	%rd83, %rd41, %rd67;
+	add.s64 	%rd84, %rd42, %rd67;
+
+$L__BB8_57:
+	shl.b64 	%rd273, %rd401, 1;
+	add.s64 	%rd274, %rd84, %rd273;
+	ld.u16 	%rs12, [%rd274];
+	add.s64 	%rd275, %rd83, %rd273;
+	st.global.u16 	[%rd275], %rs12;
+	add.s64 	%rd401, %rd401, %rd49;
+	setp.lt.u64 	%p69, %rd401, %rd71;
+	@%p69 bra 	$L__BB8_57;
+
+$L__BB8_58:
+	and.b64  	%rd276, %rd70, -2;
+	add.s64 	%rd277, %rd67, %rd47;
+	add.s64 	%rd403, %rd277, %rd276;
+	setp.ge.u64 	%p70, %rd403, %rd177;
+	@%p70 bra 	$L__BB8_93;
+
+$L__BB8_59:
+	add.s64 	%rd278, %rd42, %rd403;
+	ld.u8 	%rs13, [%rd278];
+	add.s64 	%rd279, %rd41, %rd403;
+	st.global.u8 	[%rd279], %rs13;
+	add.s64 	%rd403, %rd403, %rd49;
+	setp.lt.u64 	%p71, %rd403, %rd177;
+	@%p71 bra 	$L__BB8_59;
+	bra.uni 	$L__BB8_93;
+
+$L__BB8_82:
+	mov.u32 	%r55, %ctaid.x;
+	cvt.u64.u32 	%rd148, %r55;
+	mov.u32 	%r56, %ntid.x;
+	cvt.u64.u32 	%rd149, %r56;
+	mul.wide.u32 	%rd342, %r55, %r56;
+	cvt.u64.u32 	%rd150, %r1;
+	add.s64 	%rd151, %rd342, %rd150;
+	mov.u32 	%r57, %nctaid.x;
+	cvt.u64.u32 	%rd152, %r57;
+	mul.wide.u32 	%rd153, %r57, %r56;
+	neg.s64 	%rd343, %rd176;
+	and.b64  	%rd154, %rd343, 15;
+	min.u64 	%rd155, %rd154, %rd177;
+	setp.ge.u64 	%p88, %rd151, %rd155;
+	@%p88 bra 	$L__BB8_85;
+
+	mov.u64 	%rd417, %rd151;
+
+$L__BB8_84:
+	add.s64 	%rd344, %rd42, %rd417;
+	ld.u8 	%rs18, [%rd344];
+	add.s64 	%rd345, %rd41, %rd417;
+	st.global.u8 	[%rd345], %rs18;
+	add.s64 	%rd417, %rd417, %rd153;
+	setp.lt.u64 	%p89, %rd417, %rd155;
+	@%p89 bra 	$L__BB8_84;
+
+$L__BB8_85:
+	sub.s64 	%rd158, %rd177, %rd155;
+	shr.u64 	%rd159, %rd158, 4;
+	add.s64 	%rd160, %rd42, %rd155;
+	mul.lo.s64 	%rd161, %rd153, 3;
+	add.s64 	%rd346, %rd151, %rd161;
+	setp.ge.u64 	%p90, %rd346, %rd159;
+	mov.u64 	%rd420, %rd151;
+	@%p90 bra 	$L__BB8_88;
+
+	mul.lo.s64 	%rd347, %rd152, %rd149;
+	shl.b64 	%rd162, %rd347, 4;
+	mul.lo.s64 	%rd348, %rd148, %rd149;
+	shl.b64 	%rd349, %rd348, 4;
+	shl.b64 	%rd350, %rd150, 4;
+	add.s64 	%rd351, %rd349, %rd350;
+	add.s64 	%rd352, %rd351, -1;
+	not.b64 	%rd353, %rd177;
+	not.b64 	%rd354, %rd154;
+	max.u64 	%rd355, %rd354, %rd353;
+	sub.s64 	%rd356, %rd352, %rd355;
+	add.s64 	%rd419, %rd41, %rd356;
+	mul.lo.s64 	%rd164, %rd347, -48;
+	mov.u64 	%rd420, %rd151;
+
+$L__BB8_87:
+	shl.b64 	%rd357, %rd420, 4;
+	add.s64 	%rd358, %rd160, %rd357;
+	shl.b64 	%rd359, %rd153, 2;
+	shl.b64 	%rd360, %rd153, 4;
+	add.s64 	%rd361, %rd358, %rd360;
+	ld.v4.u32 	{%r58, %r59, %r60, %r61}, [%rd361];
+	add.s64 	%rd362, %rd361, %rd162;
+	ld.v4.u32 	{%r66, %r67, %r68, %r69}, [%rd362];
+	add.s64 	%rd363, %rd362, %rd162;
+	ld.v4.u32 	{%r74, %r75, %r76, %r77}, [%rd363];
+	add.s64 	%rd364, %rd363, %rd164;
+	ld.v4.u32 	{%r82, %r83, %r84, %r85}, [%rd364];
+	st.global.v4.u32 	[%rd419], {%r82, %r83, %r84, %r85};
+	add.s64 	%rd365, %rd419, %rd162;
+	st.global.v4.u32 	[%rd365], {%r58, %r59, %r60, %r61};
+	add.s64 	%rd366, %rd365, %rd162;
+	st.global.v4.u32 	[%rd366], {%r66, %r67, %r68, %r69};
+	add.s64 	%rd367, %rd366, %rd162;
+	add.s64 	%rd419, %rd367, %rd162;
+	st.global.v4.u32 	[%rd367], {%r74, %r75, %r76, %r77};
+	add.s64 	%rd420, %rd359, %rd420;
+	add.s64 	%rd368, %rd420, %rd161;
+	setp.lt.u64 	%p91, %rd368, %rd159;
+	@%p91 bra 	$L__BB8_87;
+
+$L__BB8_88:
+	setp.ge.u64 	%p92, %rd420, %rd159;
+	@%p92 bra 	$L__BB8_91;
+
+	add.s64 	%rd170, %rd41, %rd155;
+
+$L__BB8_90:
+	shl.b64 	%rd369, %rd420, 4;
+	add.s64 	%rd370, %rd170, %rd369;
+	add.s64 	%rd371, %rd160, %rd369;
+	ld.v4.u32 	{%r90, %r91, %r92, %r93}, [%rd371];
+	st.global.v4.u32 	[%rd370], {%r90, %r91, %r92, %r93};
+	add.s64 	%rd420, %rd420, %rd153;
+	setp.lt.u64 	%p93, %rd420, %rd159;
+	@%p93 bra 	$L__BB8_90;
+
+$L__BB8_91:
+	and.b64  	%rd372, %rd158, -16;
+	add.s64 	%rd373, %rd155, %rd151;
+	add.s64 	%rd422, %rd373, %rd372;
+	setp.ge.u64 	%p94, %rd422, %rd177;
+	@%p94 bra 	$L__BB8_93;
+
+$L__BB8_92:
+	add.s64 	%rd374, %rd42, %rd422;
+	ld.u8 	%rs19, [%rd374];
+	add.s64 	%rd375, %rd41, %rd422;
+	st.global.u8 	[%rd375], %rs19;
+	add.s64 	%rd422, %rd422, %rd153;
+	setp.lt.u64 	%p95, %rd422, %rd177;
+	@%p95 bra 	$L__BB8_92;
+	bra.uni 	$L__BB8_93;
+
+$L__BB8_71:
+	mov.u32 	%r32, %ctaid.x;
+	cvt.u64.u32 	%rd120, %r32;
+	mov.u32 	%r33, %ntid.x;
+	cvt.u64.u32 	%rd121, %r33;
+	mul.wide.u32 	%rd310, %r32, %r33;
+	cvt.u64.u32 	%rd122, %r1;
+	add.s64 	%rd123, %rd310, %rd122;
+	mov.u32 	%r34, %nctaid.x;
+	cvt.u64.u32 	%rd124, %r34;
+	mul.wide.u32 	%rd125, %r34, %r33;
+	neg.s64 	%rd311, %rd176;
+	and.b64  	%rd126, %rd311, 7;
+	min.u64 	%rd127, %rd126, %rd177;
+	setp.ge.u64 	%p80, %rd123, %rd127;
+	@%p80 bra 	$L__BB8_74;
+
+	mov.u64 	%rd411, %rd123;
+
+$L__BB8_73:
+	add.s64 	%rd312, %rd42, %rd411;
+	ld.u8 	%rs16, [%rd312];
+	add.s64 	%rd313, %rd41, %rd411;
+	st.global.u8 	[%rd313], %rs16;
+	add.s64 	%rd411, %rd411, %rd125;
+	setp.lt.u64 	%p81, %rd411, %rd127;
+	@%p81 bra 	$L__BB8_73;
+
+$L__BB8_74:
+	sub.s64 	%rd130, %rd177, %rd127;
+	shr.u64 	%rd131, %rd130, 3;
+	add.s64 	%rd132, %rd42, %rd127;
+	mul.lo.s64 	%rd133, %rd125, 3;
+	add.s64 	%rd314, %rd123, %rd133;
+	setp.ge.u64 	%p82, %rd314, %rd131;
+	mov.u64 	%rd414, %rd123;
+	@%p82 bra 	$L__BB8_77;
+
+	mul.lo.s64 	%rd315, %rd124, %rd121;
+	shl.b64 	%rd134, %rd315, 3;
+	mul.lo.s64 	%rd316, %rd120, %rd121;
+	shl.b64 	%rd317, %rd316, 3;
+	shl.b64 	%rd318, %rd122, 3;
+	add.s64 	%rd319, %rd317, %rd318;
+	add.s64 	%rd320, %rd319, -1;
+	not.b64 	%rd321, %rd177;
+	not.b64 	%rd322, %rd126;
+	max.u64 	%rd323, %rd322, %rd321;
+	sub.s64 	%rd324, %rd320, %rd323;
+	add.s64 	%rd413, %rd41, %rd324;
+	mul.lo.s64 	%rd136, %rd315, -24;
+	mov.u64 	%rd414, %rd123;
+
+$L__BB8_76:
+	add.s64 	%rd325, %rd414, %rd125;
+	shl.b64 	%rd326, %rd325, 3;
+	add.s64 	%rd327, %rd132, %rd326;
+	ld.v2.u32 	{%r35, %r36}, [%rd327];
+	add.s64 	%rd328, %rd327, %rd134;
+	ld.v2.u32 	{%r39, %r40}, [%rd328];
+	add.s64 	%rd329, %rd328, %rd134;
+	ld.v2.u32 	{%r43, %r44}, [%rd329];
+	add.s64 	%rd330, %rd329, %rd136;
+	ld.v2.u32 	{%r47, %r48}, [%rd330];
+	st.global.v2.u32 	[%rd413], {%r47, %r48};
+	add.s64 	%rd331, %rd413, %rd134;
+	st.global.v2.u32 	[%rd331], {%r35, %r36};
+	add.s64 	%rd332, %rd331, %rd134;
+	st.global.v2.u32 	[%rd332], {%r39, %r40};
+	add.s64 	%rd333, %rd332, %rd134;
+	add.s64 	%rd413, %rd333, %rd134;
+	st.global.v2.u32 	[%rd333], {%r43, %r44};
+	add.s64 	%rd414, %rd133, %rd325;
+	add.s64 	%rd334, %rd414, %rd133;
+	setp.lt.u64 	%p83, %rd334, %rd131;
+	@%p83 bra 	$L__BB8_76;
+
+$L__BB8_77:
+	setp.ge.u64 	%p84, %rd414, %rd131;
+	@%p84 bra 	$L__BB8_80;
+
+	add.s64 	%rd142, %rd41, %rd127;
+
+$L__BB8_79:
+	shl.b64 	%rd335, %rd414, 3;
+	add.s64 	%rd336, %rd132, %rd335;
+	ld.v2.u32 	{%r51, %r52}, [%rd336];
+	add.s64 	%rd337, %rd142, %rd335;
+	st.global.v2.u32 	[%rd337], {%r51, %r52};
+	add.s64 	%rd414, %rd414, %rd125;
+	setp.lt.u64 	%p85, %rd414, %rd131;
+	@%p85 bra 	$L__BB8_79;
+
+$L__BB8_80:
+	and.b64  	%rd338, %rd130, -8;
+	add.s64 	%rd339, %rd127, %rd123;
+	add.s64 	%rd416, %rd339, %rd338;
+	setp.ge.u64 	%p86, %rd416, %rd177;
+	@%p86 bra 	$L__BB8_93;
+
+$L__BB8_81:
+	add.s64 	%rd340, %rd42, %rd416;
+	ld.u8 	%rs17, [%rd340];
+	add.s64 	%rd341, %rd41, %rd416;
+	st.global.u8 	[%rd341], %rs17;
+	add.s64 	%rd416, %rd416, %rd125;
+	setp.lt.u64 	%p87, %rd416, %rd177;
+	@%p87 bra 	$L__BB8_81;
+	bra.uni 	$L__BB8_93;
+
+$L__BB8_60:
+	mov.u32 	%r24, %ctaid.x;
+	cvt.u64.u32 	%rd90, %r24;
+	mov.u32 	%r25, %ntid.x;
+	cvt.u64.u32 	%rd91, %r25;
+	mul.wide.u32 	%rd280, %r24, %r25;
+	cvt.u64.u32 	%rd92, %r1;
+	add.s64 	%rd93, %rd280, %rd92;
+	mov.u32 	%r26, %nctaid.x;
+	cvt.u64.u32 	%rd94, %r26;
+	mul.wide.u32 	%rd95, %r26, %r25;
+	neg.s64 	%rd281, %rd176;
+	and.b64  	%rd96, %rd281, 3;
+	min.u64 	%rd97, %rd96, %rd177;
+	setp.ge.u64 	%p72, %rd93, %rd97;
+	@%p72 bra 	$L__BB8_63;
+
+	mov.u64 	%rd404, %rd93;
+
+$L__BB8_62:
+	add.s64 	%rd282, %rd42, %rd404;
+	ld.u8 	%rs14, [%rd282];
+	add.s64 	%rd283, %rd41, %rd404;
+	st.global.u8 	[%rd283], %rs14;
+	add.s64 	%rd404, %rd404, %rd95;
+	setp.lt.u64 	%p73, %rd404, %rd97;
+	@%p73 bra 	$L__BB8_62;
+
+$L__BB8_63:
+	sub.s64 	%rd100, %rd177, %rd97;
+	shr.u64 	%rd101, %rd100, 2;
+	mul.lo.s64 	%rd102, %rd95, 3;
+	add.s64 	%rd284, %rd93, %rd102;
+	setp.ge.u64 	%p74, %rd284, %rd101;
+	mov.u64 	%rd408, %rd93;
+	@%p74 bra 	$L__BB8_66;
+
+	mul.lo.s64 	%rd285, %rd90, %rd91;
+	shl.b64 	%rd286, %rd285, 2;
+	shl.b64 	%rd287, %rd92, 2;
+	add.s64 	%rd288, %rd286, %rd287;
+	add.s64 	%rd289, %rd288, -1;
+	not.b64 	%rd290, %rd177;
+	not.b64 	%rd291, %rd96;
+	max.u64 	%rd292, %rd291, %rd290;
+	sub.s64 	%rd293, %rd289, %rd292;
+	add.s64 	%rd406, %rd42, %rd293;
+	mul.lo.s64 	%rd294, %rd94, %rd91;
+	shl.b64 	%rd104, %rd294, 2;
+	add.s64 	%rd407, %rd41, %rd293;
+	mov.u64 	%rd408, %rd93;
+
+$L__BB8_65:
+	ld.u32 	%r27, [%rd406];
+	add.s64 	%rd295, %rd406, %rd104;
+	ld.u32 	%r28, [%rd295];
+	add.s64 	%rd296, %rd295, %rd104;
+	ld.u32 	%r29, [%rd296];
+	add.s64 	%rd297, %rd296, %rd104;
+	add.s64 	%rd406, %rd297, %rd104;
+	ld.u32 	%r30, [%rd297];
+	st.global.u32 	[%rd407], %r27;
+	add.s64 	%rd298, %rd407, %rd104;
+	st.global.u32 	[%rd298], %r28;
+	add.s64 	%rd299, %rd298, %rd104;
+	st.global.u32 	[%rd299], %r29;
+	add.s64 	%rd300, %rd299, %rd104;
+	add.s64 	%rd407, %rd300, %rd104;
+	st.global.u32 	[%rd300], %r30;
+	add.s64 	%rd301, %rd408, %rd95;
+	add.s64 	%rd408, %rd102, %rd301;
+	add.s64 	%rd302, %rd408, %rd102;
+	setp.lt.u64 	%p75, %rd302, %rd101;
+	@%p75 bra 	$L__BB8_65;
+
+$L__BB8_66:
+	setp.ge.u64 	%p76, %rd408, %rd101;
+	@%p76 bra 	$L__BB8_69;
+
+	add.s64 	%rd113, %rd41, %rd97;
+	add.s64 	%rd114, %rd42, %rd97;
+
+$L__BB8_68:
+	shl.b64 	%rd303, %rd408, 2;
+	add.s64 	%rd304, %rd114, %rd303;
+	ld.u32 	%r31, [%rd304];
+	add.s64 	%rd305, %rd113, %rd303;
+	st.global.u32 	[%rd305], %r31;
+	add.s64 	%rd408, %rd408, %rd95;
+	setp.lt.u64 	%p77, %rd408, %rd101;
+	@%p77 bra 	$L__BB8_68;
+
+$L__BB8_69:
+	and.b64  	%rd306, %rd100, -4;
+	add.s64 	%rd307, %rd97, %rd93;
+	add.s64 	%rd410, %rd307, %rd306;
+	setp.ge.u64 	%p78, %rd410, %rd177;
+	@%p78 bra 	$L__BB8_93;
+
+$L__BB8_70:
+	add.s64 	%rd308, %rd42, %rd410;
+	ld.u8 	%rs15, [%rd308];
+	add.s64 	%rd309, %rd41, %rd410;
+	st.global.u8 	[%rd309], %rs15;
+	add.s64 	%rd410, %rd410, %rd95;
+	setp.lt.u64 	%p79, %rd410, %rd177;
+	@%p79 bra 	$L__BB8_70;
+	bra.uni 	$L__BB8_93;
+
+$L__BB8_42:
+	mul.lo.s64 	%rd50, %rd49, 3;
+	add.s64 	%rd239, %rd47, %rd50;
+	setp.ge.u64 	%p58, %rd239, %rd177;
+	mov.u64 	%rd394, %rd47;
+	@%p58 bra 	$L__BB8_45;
+
+	add.s64 	%rd392, %rd42, %rd47;
+	mul.lo.s64 	%rd52, %rd48, %rd45;
+	add.s64 	%rd393, %rd41, %rd47;
+	mov.u64 	%rd394, %rd47;
+
+$L__BB8_44:
+	ld.u8 	%rs1, [%rd392];
+	add.s64 	%rd240, %rd392, %rd52;
+	ld.u8 	%rs2, [%rd240];
+	add.s64 	%rd241, %rd240, %rd52;
+	ld.u8 	%rs3, [%rd241];
+	add.s64 	%rd242, %rd241, %rd52;
+	add.s64 	%rd392, %rd242, %rd52;
+	ld.u8 	%rs4, [%rd242];
+	st.global.u8 	[%rd393], %rs1;
+	add.s64 	%rd243, %rd393, %rd52;
+	st.global.u8 	[%rd243], %rs2;
+	add.s64 	%rd244, %rd243, %rd52;
+	st.global.u8 	[%rd244], %rs3;
+	add.s64 	%rd245, %rd244, %rd52;
+	add.s64 	%rd393, %rd245, %rd52;
+	st.global.u8 	[%rd245], %rs4;
+	add.s64 	%rd246, %rd394, %rd49;
+	add.s64 	%rd394, %rd50, %rd246;
+	add.s64 	%rd247, %rd394, %rd50;
+	setp.lt.u64 	%p59, %rd247, %rd177;
+	@%p59 bra 	$L__BB8_44;
+
+$L__BB8_45:
+	setp.ge.u64 	%p60, %rd394, %rd177;
+	@%p60 bra 	$L__BB8_47;
+
+$L__BB8_46:
+	add.s64 	%rd248, %rd42, %rd394;
+	ld.u8 	%rs5, [%rd248];
+	add.s64 	%rd249, %rd41, %rd394;
+	st.global.u8 	[%rd249], %rs5;
+	add.s64 	%rd394, %rd394, %rd49;
+	setp.lt.u64 	%p61, %rd394, %rd177;
+	@%p61 bra 	$L__BB8_46;
+
+$L__BB8_47:
+	add.s64 	%rd396, %rd47, %rd177;
+	setp.ge.u64 	%p62, %rd396, %rd47;
+	@%p62 bra 	$L__BB8_93;
+
+$L__BB8_48:
+	add.s64 	%rd250, %rd42, %rd396;
+	ld.u8 	%rs6, [%rd250];
+	add.s64 	%rd251, %rd41, %rd396;
+	st.global.u8 	[%rd251], %rs6;
+	add.s64 	%rd396, %rd396, %rd49;
+	setp.lt.u64 	%p63, %rd396, %rd177;
+	@%p63 bra 	$L__BB8_48;
+
+$L__BB8_93:
+	membar.gl;
+	bar.sync 	0;
+	@%p1 bra 	$L__BB8_96;
+
+	add.s64 	%rd376, %rd2, 128;
+	atom.global.add.u64 	%rd377, [%rd376], 1;
+	mov.u32 	%r98, %nctaid.x;
+	add.s32 	%r99, %r98, -1;
+	cvt.u64.u32 	%rd378, %r99;
+	setp.ne.s64 	%p97, %rd377, %rd378;
+	@%p97 bra 	$L__BB8_96;
+
+	mov.u64 	%rd379, 0;
+	st.global.u64 	[%rd2+128], %rd379;
+	st.global.u64 	[%rd2+136], %rd379;
+	st.global.u64 	[%rd2+144], %rd379;
+	membar.sys;
+	ld.volatile.global.u64 	%rd380, [%rd2+120];
+	mov.u64 	%rd381, 1;
+	st.volatile.u64 	[%rd380], %rd381;
+	membar.sys;
+
+$L__BB8_96:
+	ret;
+
+$L__BB8_26:
+	// begin inline asm
+	griddepcontrol.launch_dependents;
+	// end inline asm
+	membar.gl;
+	setp.eq.s64 	%p27, %rd14, 0;
+	@%p27 bra 	$L__BB8_28;
+
+	setp.eq.s64 	%p28, %rd383, 1;
+	selp.b64 	%rd207, %rd17, %rd15, %p28;
+	setp.eq.s64 	%p29, %rd383, 2;
+	selp.b64 	%rd208, %rd19, %rd207, %p29;
+	setp.eq.s64 	%p30, %rd383, 3;
+	selp.b64 	%rd389, %rd21, %rd208, %p30;
+	bra.uni 	$L__BB8_29;
+
+$L__BB8_28:
+	ld.volatile.global.u64 	%rd389, [%rd204+32];
+
+$L__BB8_29:
+	st.global.u64 	[%rd2+112], %rd389;
+	setp.eq.s64 	%p31, %rd383, 1;
+	selp.b64 	%rd211, %rd18, %rd16, %p31;
+	setp.eq.s64 	%p32, %rd383, 2;
+	selp.b64 	%rd212, %rd20, %rd211, %p32;
+	setp.eq.s64 	%p33, %rd383, 3;
+	selp.b64 	%rd213, %rd22, %rd212, %p33;
+	st.global.u64 	[%rd2+120], %rd213;
+	bra.uni 	$L__BB8_36;
+
+}
+
+)ptx";
+
 }  // namespace jaxvmm

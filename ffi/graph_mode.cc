@@ -1516,6 +1516,7 @@ GraphStats GraphMode::Stats() {
   s.cells = r.cells;
   s.spares = r.spares;
   s.fused_captures = r.fused_captures;
+  s.early_captures = r.early_captures;
   s.bounce_copies = round_host_.copies();
   s.host_fallbacks = round_host_.fallbacks();
   s.xla_in_order = xla_in_order_ ? 1 : 0;

@@ -167,8 +167,10 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
   if (st.ok()) st = WriteDevice(setup, g0, 1, stage);
   if (st.ok()) st = kernels_.TakeOffload(setup, c.dw, g0, WordAddr(w.knock));
   if (st.ok()) st = kernels_.TakeReload(setup, c.dw, g0, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go));
-  if (st.ok()) st = kernels_.CellCopy(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), /*out=*/true);
-  if (st.ok()) st = kernels_.Publish(setup, c.dw, stage);
+  // Launched as rounds launch them (early on sm_90), so the warm-up also tries that launch.
+  const bool early = kernels_.can_launch_early() && EngineConfig::GraphEarlyLaunch();
+  if (st.ok()) st = kernels_.CellCopy(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), /*out=*/true, early);
+  if (st.ok()) st = kernels_.Publish(setup, c.dw, stage, early);
   if (st.ok()) st = kernels_.Revoke(setup, g0, 0, WordAddr(w.result));
   // The op ring's copy: filled[0] (1 by now) into `unused`, and a value with both 32-bit halves set into
   // `arm` (not used by kernel grants).
@@ -217,8 +219,14 @@ Status GraphRecorder::RecordCopyAndPublish(CUstream stream, Channel& c, CUdevice
     const CUdeviceptr flag = WordAddr(out ? c.w->done[0] : c.w->filled[0]);
     return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, flag, 1, 0); });
   }
-  JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out));
-  return kernels_.Publish(stream, c.dw, stage);
+  // On sm_90: the copy and the publish launched early, each waiting on the device for the kernel
+  // before it (programmatic edges in the captured graph), so neither pays a full launch after the
+  // kernel before it has drained.
+  const bool early = kernels_.can_launch_early() && EngineConfig::GraphEarlyLaunch();
+  JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out, early));
+  JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c.dw, stage, early));
+  if (early) ++stats_.early_captures;
+  return Status();
 }
 
 Status GraphRecorder::RecordOffload(CUstream stream, Channel& c, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out) {

@@ -606,6 +606,7 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_bounce_copies"] = s.graph.bounce_copies;
     d["graph_cells"] = s.graph.cells;
     d["graph_fused_captures"] = s.graph.fused_captures;
+    d["graph_early_captures"] = s.graph.early_captures;
     d["graph_spares"] = s.graph.spares;
     d["graph_lends"] = s.graph.lends;
     d["graph_lent_reads"] = s.graph.lent_reads;
@@ -790,6 +791,12 @@ NB_MODULE(_jaxvmm, m) {
   m.def("graph_fused", [](int on) {
     if (on >= 0) EngineConfig::SetGraphFused(on != 0);
     return static_cast<int>(EngineConfig::GraphFused());
+  });
+  // Graph-mode rounds' copy and publish launched early on sm_90 from now on (1) or not (0); -1 leaves
+  // it. Returns the value in force.
+  m.def("graph_early_launch", [](int on) {
+    if (on >= 0) EngineConfig::SetGraphEarlyLaunch(on != 0);
+    return static_cast<int>(EngineConfig::GraphEarlyLaunch());
   });
   // Which graph-mode offload cells are held after their round: "spares" or "large" (validated in
   // Python first); "" leaves it. Returns the value in force.

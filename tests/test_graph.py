@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxvmm
+import jaxvmm.testing as T
 from jaxvmm.testing import Replay
 from jaxvmm._native import lib
 from jaxvmm._devices import target_of
@@ -143,6 +144,43 @@ def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, eng
     assert after["reloads"] - before["reloads"] == 50
     assert after["tickets_live"] == before["tickets_live"]
     assert after["errors"] == before["errors"]
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "plain"])
+def test_separate_node_rounds_launch_their_copy_and_publish_early_on_sm90(platform_device, slots, engine_hygiene,
+                                                                         round_kernels, early):
+    """Rounds in separate nodes on an sm_90 device (the cpu backend stands for one) record their copy and
+    publish kernels with cuLaunchKernelEx (programmatic dependent launch) unless JAXVMM_GRAPH_PDL is off,
+    and replay bit-exact either way. Fused rounds and the take kernels launch as before."""
+    cc = None
+    if platform_device != "cpu":
+        import jax
+        cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+    old = lib.graph_early_launch(int(early))
+    try:
+        x, y, tok = slots(N), slots(N), slots(8)
+        with Replay(platform_device) as r:
+            off, rel = prepared_sites(r)  # the kernels' warm-up (an engine's first) runs here
+            before, calls0 = stats(platform_device), T.driver_counters(platform_device)["calls"]
+            with r.capture() as g:
+                r.offload(off, x.address, N, tok.address)
+                r.reload(rel, tok.address, y.address, N)
+            g = g[0]
+            captured, calls1 = stats(platform_device), T.driver_counters(platform_device)["calls"]
+            for i in range(20):
+                x.write(data(i))
+                r.launch(g)
+                r.synchronize()
+                assert np.array_equal(read(y), data(i)), f"replay {i}"
+        sm90 = platform_device == "cpu" or (cc is not None and float(cc) >= 9.0)
+        assert kernels_on(platform_device)
+        want = 2 if early and not round_kernels and sm90 else 0
+        assert captured["graph_early_captures"] - before["graph_early_captures"] == want, (before, captured)
+        ex = calls1.get("cuLaunchKernelEx", 0) - calls0.get("cuLaunchKernelEx", 0)
+        assert ex == 2 * want, (calls0, calls1)  # a copy and a publish per round
+        assert stats(platform_device)["graph_early_captures"] == captured["graph_early_captures"]  # replays record nothing
+    finally:
+        lib.graph_early_launch(old)
 
 
 def test_tickets_cross_graphs_and_reloads_are_predicted(platform_device, slots, engine_hygiene):

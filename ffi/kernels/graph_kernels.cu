@@ -36,6 +36,24 @@ struct Cells {
 };
 static_assert(sizeof(Cells) == 256, "Cells layout (graph_words.h)");
 
+// Programmatic dependent launch (sm_90 and later; tools/gen_ptx.sh builds a compute_90 module with
+// these and a compute_80 one without). A round's copy and publish kernels are launched early
+// (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, graph_kernels.cc): their blocks may be
+// scheduled once every block of the kernel before them has run pdl_trigger() (or exited), and
+// pdl_wait() returns once that kernel has completed and its memory operations are performed and
+// visible: what the kernel boundary gave before, without the launch latency of the next kernel.
+// Without an early launch (compute_80, or a launch without the attribute) both do nothing.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void backoff(unsigned* ns) {
   __nanosleep(*ns);
   if (*ns < 2048) *ns *= 2;
@@ -111,6 +129,7 @@ __device__ __forceinline__ u64 take_offload(Cells* c, unsigned* token_out, volat
     *knock = 0;
     __threadfence_system();
   }
+  pdl_trigger();  // the round's copy may be scheduled now (it waits for this kernel's end)
   __threadfence();
   c->next = (i + 1) % k;
   store_token(token_out, t);
@@ -139,11 +158,13 @@ __device__ __forceinline__ u64 take_reload(Cells* c, const unsigned* token_in, v
 #pragma unroll
     for (int j = 0; j < JAXVMM_MAX_CELLS; ++j)
       if ((u64)j < k && grants[j] == t && atomicCAS(&c->grant[j], t, 0ull) == t) {
+        pdl_trigger();
         __threadfence();
         return choose(c, j, cw);
       }
     for (u64 i = 0; i < k; ++i) {
       if (atomicCAS(&c->grant[i], t, 0ull) == t) {
+        pdl_trigger();
         __threadfence();
         return choose(c, i, cw);
       }
@@ -156,6 +177,7 @@ __device__ __forceinline__ u64 take_reload(Cells* c, const unsigned* token_in, v
   unsigned ns = 32;
   u64 g;
   while ((g = *go) == 0) backoff(&ns);
+  pdl_trigger();  // only once the host has answered: an early copy's blocks never wait beside a take that waits
   *go = 0;
   __threadfence_system();
   return choose(c, g - 1, cw);
@@ -279,8 +301,16 @@ __device__ __forceinline__ void offload_into(GetCell get_cell, u64 src, u64 n) {
 // publishes nothing: the next node (jaxvmm_publish) does, after the kernel boundary, which orders every
 // block's stores before it without the fences and block count a grid-wide "last block" needs (measured
 // on the H200: ~1.8 us of a ~4.6 us fused 1 MiB round; tools/micro/round_pieces.py).
+// Launched early (sm_90): it may start while the take kernel ends, so it reads `ptr` and touches the
+// cell only after pdl_wait(). An offload's first loads of XLA's buffer may come before it: the take
+// kernel started after everything before it on XLA's stream had completed, and this grid starts after
+// the take started.
 extern "C" __global__ void jaxvmm_cell_copy(Cells* c, u64 other, u64 n, u64 out) {
-  auto cell = [&] { return (char*)*(volatile u64*)&c->ptr; };
+  pdl_trigger();  // the publish node may be scheduled (one thread; it waits for this grid's end)
+  auto cell = [&] {
+    pdl_wait();
+    return (char*)*(volatile u64*)&c->ptr;
+  };
   if (out) copy_cell(cell(), other, n, 1);
   else offload_into(cell, other, n);  // the source's loads in flight while `ptr` is read
 }
@@ -288,7 +318,10 @@ extern "C" __global__ void jaxvmm_cell_copy(Cells* c, u64 other, u64 n, u64 out)
 // A round's last node (separate nodes): one thread writes 1 into the chosen cell's filled/done word.
 // The copy before it is a finished kernel of the same stream, so its bytes are visible device-wide
 // (the poller's D2H or the XLA reader that follows) before the poller can see the flag.
+// Launched early (sm_90): pdl_wait() returns once the copy has completed and its stores are performed,
+// as the kernel boundary did.
 extern "C" __global__ void jaxvmm_publish(Cells* c) {
+  pdl_wait();
   *(volatile u64*)*(volatile u64*)&c->publish = 1;
 }
 
