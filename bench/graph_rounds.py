@@ -1,7 +1,10 @@
 """Device time of graph-mode rounds, fused (one kernel node per round; JAXVMM_GRAPH_FUSED=1) against
-separate nodes (a take kernel, a copy kernel, a publish kernel; the default), the latter with the copy
-and the publish launched early on sm_90 (programmatic dependent launch; JAXVMM_GRAPH_PDL, the default)
-and without, measured in one process without XLA.
+separate nodes (a take kernel, a copy kernel, a publish kernel; the default), the latter also with the
+copy and the publish launched early (programmatic dependent launch; sm_90 or later, and only with
+JAXVMM_GRAPH_PDL=1 in the environment: the engine loads the module that can, compute_90, only then),
+measured in one process without XLA.
+
+    JAXVMM_GRAPH_PDL=1 python bench/graph_rounds.py   # all three modes
 
     python bench/graph_rounds.py                      # 64 offload rounds of 1 MiB per replay, 30 replays
     python bench/graph_rounds.py --rounds 128 --size 256K --reps 50
@@ -56,11 +59,11 @@ def main() -> int:
         with Replay(args.device) as r:
             for mode, fused, early in (("fused", 1, 0), ("nodes", 0, 0), ("nodes, early launch", 0, 1)):
                 lib.graph_fused(fused)
-                lib.graph_early_launch(early)
                 sites = [base + i for i in range(args.rounds)]
                 base += args.rounds
-                for s in sites:
+                for s in sites:  # the first loads the kernels, as JAXVMM_GRAPH_PDL says
                     r.prepare(s, r.OFFLOAD, n)
+                lib.graph_early_launch(early)
                 before = st()
                 with r.capture() as g:
                     for s, tok in zip(sites, toks):
@@ -70,8 +73,8 @@ def main() -> int:
                 assert after["graph_fused_captures"] - before["graph_fused_captures"] == (args.rounds if fused else 0), mode
                 n_early = after["graph_early_captures"] - before["graph_early_captures"]
                 if early and not n_early:
-                    del graphs[mode]  # not an sm_90 device (the POSIX backend stands for one): same as "nodes"
-                    print(f"({mode}: not available on {args.device})")
+                    del graphs[mode]  # same as "nodes": no compute_90 module (JAXVMM_GRAPH_PDL off, or not sm_90)
+                    print(f"({mode}: not available: set JAXVMM_GRAPH_PDL=1 on an sm_90 or later device)")
                 else:
                     assert n_early == (args.rounds if early else 0), (mode, n_early)
             if not st()["graph_kernels"]:

@@ -4,6 +4,8 @@ offload and jaxvmm, on an MLP-block scan and a GPT-style block stack.
     python bench/train_step.py                        # full shapes on GPU, tiny ones (--small) on cpu
     python bench/train_step.py --small --steps 3      # tiny shapes anywhere: checks the harness
     python bench/train_step.py --models mlp --targets mlp_hidden --variants save,jaxvmm --steps 30
+    python bench/train_step.py --models mlp --targets mlp_hidden --mlp-shape 256,512,64 --variants save,jaxvmm \
+        --repeat 5 --autotune-cache /tmp/autotune   # five alternating runs of each, the same GEMM algorithms
 
 Models (bf16, layers stacked and run by ``lax.scan``; loss = mean(y**2) in float32; plain SGD):
 
@@ -30,6 +32,14 @@ median step time over --steps steps after --warmup steps (block_until_ready each
 allocator + jaxvmm's ``peak_mapped_bytes``; n/a on cpu), host bytes (jaxvmm: pinned pool in use at peak
 / pool size; native: XLA's ``host_temp_size_in_bytes``) and jaxvmm's prefetch hits/misses. A variant
 that fails is recorded in the table, not fatal.
+
+--repeat N runs every variant's process N times, alternating (save, jaxvmm, save, jaxvmm, ...), and
+reports the median run of each (its step time the median of the N); a note lists each offload variant's
+N ratios to the save-on-device run next to it and their median. A process's step time varies from one
+process to the next by several percent on small rows (each compiles and autotunes its own GEMMs);
+--autotune-cache DIR has every child share XLA's autotune results (--xla_gpu_per_fusion_autotune_cache_dir;
+the first process to compile a fusion tunes it, the others load its choice), so both sides of a ratio
+run the same algorithms.
 
 Goals (offload variants, against save-on-device of the same model and target): step time <= 1.02x when
 block inputs are offloaded, <= 1.05x for MLP hidden activations; device memory reduced by >= 95% of the
@@ -438,9 +448,12 @@ def child_cmd(args, extra: list[str]) -> list[str]:
     return cmd
 
 
-def spawn(cmd: list[str], timeout: float) -> dict:
+def spawn(cmd: list[str], timeout: float, autotune_cache: str | None = None) -> dict:
     env = dict(os.environ)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    if autotune_cache:
+        flag = f"--xla_gpu_per_fusion_autotune_cache_dir={autotune_cache}"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
     if "--timeline" in cmd:
         env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
     env["PYTHONUNBUFFERED"] = "1"
@@ -459,6 +472,37 @@ def spawn(cmd: list[str], timeout: float) -> dict:
     errs = [ln for ln in lines if ("Error" in ln or "error" in ln) and not ln.startswith(("File ", "^"))]
     why = (errs or lines or [f"exit status {proc.returncode}, no output"])[-1]
     return {"error": f"exit {proc.returncode}: {why}", "wall_s": wall, "stderr_tail": proc.stderr[-4000:]}
+
+
+def median_run(rs: list[dict]) -> dict:
+    """The run of median step time among the successful ones (its other figures with it), its step time
+    the median of them all; the first failure when none succeeded."""
+    ok = sorted((r for r in rs if "error" not in r), key=lambda r: r["step_s"])
+    if not ok:
+        return rs[0]
+    out = dict(ok[(len(ok) - 1) // 2])
+    out["step_s"] = statistics.median(r["step_s"] for r in ok)
+    out["runs"] = len(ok)
+    return out
+
+
+def repeat_notes(runs: dict, models, targets, variants) -> list[str]:
+    """With --repeat: each offload variant's step-time ratio to the save-on-device process run just
+    before it, per repetition, and their median."""
+    notes = []
+    for m in models:
+        for t in targets:
+            base = runs.get((m, t, "save"), [])
+            for v in variants:
+                if v == "save":
+                    continue
+                ratios = [r["step_s"] / b["step_s"] for b, r in zip(base, runs.get((m, t, v), []))
+                          if "error" not in b and "error" not in r]
+                if ratios:
+                    notes.append(f"{m}/{t}/{v}: per-run ratios to save on device "
+                                 + ", ".join(f"{x:.3f}x" for x in ratios)
+                                 + f" (median {statistics.median(ratios):.3f}x, {len(ratios)} pairs)")
+    return notes
 
 
 def mem_measure(r: dict) -> int | None:
@@ -634,6 +678,10 @@ def main(argv=None) -> int:
                     help="peak device = driver-level used memory sampled every 100 us (jaxvmm.memory_timeline), "
                          "children run with XLA_PYTHON_CLIENT_ALLOCATOR=platform so XLA returns what it frees")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per child process (default 900)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="processes per variant, alternating variants; the median run of each is reported (default 1)")
+    ap.add_argument("--autotune-cache", default=None, metavar="DIR",
+                    help="children share XLA's autotune results through DIR (--xla_gpu_per_fusion_autotune_cache_dir)")
     ap.add_argument("--out", default=DEFAULT_OUT,
                     help="markdown output (default bench/results/train_step.md)")
     ap.add_argument("--plot", default=None, help="PNG output (default: --out with .png)")
@@ -661,8 +709,8 @@ def main(argv=None) -> int:
         args.small = not on_gpu
     if args.steps is None:
         args.steps = 20 if on_gpu else 5
-    if args.steps < 1 or args.warmup < 0:
-        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.repeat < 1:
+        ap.error("--steps and --repeat must be >= 1 and --warmup >= 0")
     variants = ["save"] + [v for v in VARIANTS if v in args.variants and v != "save"]
 
     header = [f"jaxvmm {probe.get('jaxvmm', '?')} training step: remat residuals saved, recomputed or "
@@ -672,7 +720,9 @@ def main(argv=None) -> int:
     for m in args.models:
         header.append(f"{m + ':':11s} {describe(m, shapes_for(m, args.small, args.gpt_batch, args.mlp_shape))}")
     header.append(f"timing:     median of {args.steps} steps after {args.warmup} warm-up steps "
-                  f"(jitted value_and_grad + SGD, params donated, block_until_ready each step)")
+                  f"(jitted value_and_grad + SGD, params donated, block_until_ready each step)"
+                  + (f"; median of {args.repeat} alternating processes per variant" if args.repeat > 1 else "")
+                  + (f"; children share XLA autotune results ({args.autotune_cache})" if args.autotune_cache else ""))
     if args.timeline:
         header.append("memory:     driver-level timeline (jaxvmm.memory_timeline, cuMemGetInfo every 100 us), "
                       "children run with XLA_PYTHON_CLIENT_ALLOCATOR=platform and XLA_PYTHON_CLIENT_PREALLOCATE=false")
@@ -682,17 +732,22 @@ def main(argv=None) -> int:
                       f"{k['prefetch_depth']}")
     print("\n".join(header), flush=True)
 
-    results: dict = {}
+    runs: dict = {}
     for m in args.models:
         for t in args.targets:
-            for v in variants:
-                print(f"  {m} / {t} / {v} ...", end="", file=sys.stderr, flush=True)
-                r = spawn(child_cmd(args, ["--child", m, t, v]), args.timeout)
-                results[(m, t, v)] = r
-                msg = r["error"] if "error" in r else f"{r['step_s'] * 1e3:,.2f} ms"
-                print(f" {msg} ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+            for i in range(args.repeat):
+                for v in variants:
+                    tag = f" #{i + 1}" if args.repeat > 1 else ""
+                    print(f"  {m} / {t} / {v}{tag} ...", end="", file=sys.stderr, flush=True)
+                    r = spawn(child_cmd(args, ["--child", m, t, v]), args.timeout, args.autotune_cache)
+                    runs.setdefault((m, t, v), []).append(r)
+                    msg = r["error"] if "error" in r else f"{r['step_s'] * 1e3:,.2f} ms"
+                    print(f" {msg} ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    results = {key: median_run(rs) for key, rs in runs.items()}
 
     rows, notes, verdicts = [], [], []
+    if args.repeat > 1:
+        notes += repeat_notes(runs, args.models, args.targets, variants)
     failed_required = False
     for m in args.models:
         for t in args.targets:

@@ -33,7 +33,9 @@ struct EngineConfig {
   static bool GraphFused();
   // Graph mode, rounds in separate nodes on an sm_90 or later device: launch each round's copy and
   // publish kernels early (programmatic dependent launch: each may be scheduled while the kernel before
-  // it ends, and waits for that kernel's end on the device; default on). Read at each capture.
+  // it ends, and waits for that kernel's end on the device). Default off (opt in: one unexplained hang
+  // on the H200, DESIGN.md). Read when the engine loads its kernels (on: the compute_90 module, whose
+  // round kernels can be launched so; off: the compute_80 one) and at each capture.
   static void SetGraphEarlyLaunch(bool on);
   static bool GraphEarlyLaunch();
   // Graph mode with grant kernels: which offload cells are *held* after their round (no grant out, their

@@ -7,7 +7,7 @@ namespace jaxvmm {
 
 GraphKernels::~GraphKernels() { Unload(); }
 
-Status GraphKernels::Load(int device) {
+Status GraphKernels::Load(int device, bool early) {
   if (tried_) return module_ ? Status() : Status(Code::kUnavailable, why_);
   tried_ = true;
   const DriverTable& d = Driver(backend_);
@@ -19,8 +19,9 @@ Status GraphKernels::Load(int device) {
       sms_ = static_cast<unsigned>(sms);
     if (d.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev) != CUDA_SUCCESS) major = 0;
   }
-  // sm_90 and later: the compute_90 module, whose round kernels can be launched early.
-  sm90_ = major >= 9;
+  // sm_90 and later with early launches asked for: the compute_90 module, whose round kernels can be
+  // launched early. Otherwise the compute_80 one (its kernels have no griddepcontrol).
+  sm90_ = major >= 9 && early;
   const char* stage = "graph kernels";
   Status st = Call(-1, stage, Entry::kModuleLoadData,
                    [&] { return d.ModuleLoadData(&module_, sm90_ ? kGraphKernelsPtx90 : kGraphKernelsPtx); });

@@ -27,9 +27,11 @@ class GraphKernels {
   GraphKernels(const GraphKernels&) = delete;
   GraphKernels& operator=(const GraphKernels&) = delete;
 
-  // Loads the module in the current context (device `device`'s). Failure is remembered (why()) and not
-  // retried. Also reads the device's SM count, which bounds the fused kernels' grid.
-  Status Load(int device);
+  // Loads the module in the current context (device `device`'s): the compute_90 one when `early` (early
+  // launches wanted: EngineConfig::GraphEarlyLaunch) and the device is sm_90 or later, else the
+  // compute_80 one. Failure is remembered (why()) and not retried. Also reads the device's SM count,
+  // which bounds the fused kernels' grid.
+  Status Load(int device, bool early);
   bool loaded() const { return module_ != nullptr; }
   bool tried() const { return tried_; }
   // Every kernel has run once (GraphMode::WarmKernels): under lazy module loading a first launch may
@@ -52,8 +54,9 @@ class GraphKernels {
   // jaxvmm_publish(cells): one thread writes 1 into the chosen cell's filled/done word (`early`: as
   // CellCopy's; it waits for the copy's end before it writes).
   Status Publish(CUstream s, CUdeviceptr cells, const char* stage, bool early = false) const;
-  // The loaded module is the compute_90 one (an sm_90 or later device), whose round kernels wait for
-  // the kernel before them when launched early. Otherwise `early` launches as usual.
+  // The loaded module is the compute_90 one (an sm_90 or later device, and `early` when it loaded),
+  // whose round kernels wait for the kernel before them when launched early.
+  // Otherwise `early` launches as usual.
   bool can_launch_early() const { return sm90_; }
   // The copy kernel's grid for nbytes: 256 threads a block, enough blocks for four 16-byte units a
   // thread, at most kMaxCopyBlocks (grid-stride beyond).

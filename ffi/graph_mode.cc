@@ -1512,6 +1512,7 @@ GraphStats GraphMode::Stats() {
   GraphStats s = stats_;
   const RecordStats& r = recorder_.stats();
   s.kernels = r.kernels;
+  s.early_launch = r.early_launch;
   s.kernels_error = r.kernels_error;
   s.cells = r.cells;
   s.spares = r.spares;

@@ -50,6 +50,7 @@ struct GraphStats {
   // Kernel grants (DESIGN.md, "Graph mode"): rounds whose grant the device took by itself (a pre-armed
   // offload grant, a reload whose prefetched token matched) vs rounds that waited for the poller.
   bool kernels = false;        // this engine's captures use the grant kernels
+  bool early_launch = false;   // their module can launch a round's copy and publish early (JAXVMM_GRAPH_PDL)
   std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
   int64_t grants_device = 0, grants_host = 0;
   int64_t revokes = 0;         // grants taken back (idle release, trim, budget) before the device used them

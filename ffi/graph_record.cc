@@ -23,7 +23,7 @@ void GraphRecorder::PrepareKernels(CUstream setup, Channel& c, bool first, bool 
   if (!first && !(use_kernels_ && !kernels_.warmed() && !any_captured)) return;
   Status ks = LoadKernels(setup, c, any_captured);
   if (!ks.ok()) {
-    use_kernels_ = stats_.kernels = false;
+    use_kernels_ = stats_.kernels = stats_.early_launch = false;
     stats_.kernels_error = ks.ToString();
     std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ks.ToString().c_str());
   }
@@ -35,8 +35,9 @@ Status GraphRecorder::LoadKernels(CUstream setup, Channel& first, bool any_captu
   if (!kernels_.tried()) {
     use_kernels_ = false;
     if (EngineConfig::GraphKernels()) {
-      JAXVMM_RETURN_IF_ERROR(kernels_.Load(device_));
+      JAXVMM_RETURN_IF_ERROR(kernels_.Load(device_, EngineConfig::GraphEarlyLaunch()));
       use_kernels_ = stats_.kernels = true;
+      stats_.early_launch = kernels_.can_launch_early();
     }
   }
   if (!use_kernels_ || kernels_.warmed() || any_captured) return Status();

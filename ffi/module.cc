@@ -597,6 +597,7 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_pages_mapped"] = s.graph.pages_mapped;
     d["graph_pages_returned"] = s.graph.pages_returned;
     d["graph_kernels"] = static_cast<int64_t>(s.graph.kernels);
+    d["graph_early_launch"] = static_cast<int64_t>(s.graph.early_launch);
     d["graph_grants_device"] = s.graph.grants_device;
     d["graph_grants_host"] = s.graph.grants_host;
     d["graph_revokes"] = s.graph.revokes;

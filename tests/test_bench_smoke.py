@@ -116,14 +116,34 @@ def test_train_step_engine_totals_sum_the_counters_only():
     assert after["offloads"] - before["offloads"] == 1 and after["reloads"] - before["reloads"] == 1
 
 
-def test_graph_rounds_runs_on_cpu():
-    """bench/graph_rounds.py (fused against separate-node rounds) end to end on the POSIX backend: both
-    modes replayed, and no round waited for the host (every cell armed ahead)."""
+def test_train_step_repeat_alternates_processes_and_reports_each_ratio(tmp_path):
+    """bench/train_step.py --repeat 2: two processes per variant (save, jaxvmm, save, jaxvmm), the
+    median of each in the table, and a note with the two per-run ratios; --autotune-cache reaches the
+    children's XLA_FLAGS (a flag XLA does not know would stop them)."""
+    out = tmp_path / "ts.md"
+    proc = subprocess.run([sys.executable, str(BENCH / "train_step.py"), "--small", "--models", "mlp", "--targets",
+                           "mlp_hidden", "--variants", "save,jaxvmm", "--mlp-shape", "16,32,2", "--steps", "2",
+                           "--warmup", "1", "--repeat", "2", "--autotune-cache", str(tmp_path / "at"),
+                           "--out", str(out), "--plot", str(tmp_path / "ts.png")],
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300,
+                          cwd=tempfile.gettempdir())
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.stderr.count("mlp / mlp_hidden / save #") == 2 and proc.stderr.count("mlp / mlp_hidden / jaxvmm #") == 2
+    notes = [ln for ln in proc.stdout.splitlines() if "per-run ratios" in ln]
+    assert len(notes) == 1 and "2 pairs" in notes[0], proc.stdout
+    assert "median of 2 alternating processes" in proc.stdout
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_graph_rounds_runs_on_cpu(pdl):
+    """bench/graph_rounds.py (fused against separate-node rounds, and with JAXVMM_GRAPH_PDL=1 separate
+    nodes launched early: the cpu backend stands for an sm_90 device) end to end on the POSIX backend:
+    every mode replayed, and no round waited for the host (every cell armed ahead)."""
     proc = subprocess.run([sys.executable, str(BENCH / "graph_rounds.py"), "--device", "cpu", "--rounds", "4",
                            "--reps", "3", "--size", "16K"],
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=120,
-                          cwd=tempfile.gettempdir())
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_PDL": pdl}, capture_output=True,
+                          text=True, timeout=120, cwd=tempfile.gettempdir())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| fused |") or ln.startswith("| nodes |")]
-    assert len(rows) == 2, proc.stdout
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("| fused |", "| nodes |", "| nodes, early launch |"))]
+    assert len(rows) == (3 if pdl == "1" else 2), proc.stdout
     assert all(ln.rstrip().endswith("| 0 |") for ln in rows), proc.stdout

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import jaxvmm
-import jaxvmm.testing as T
 from jaxvmm.testing import Replay
 from jaxvmm._native import lib
 from jaxvmm._devices import target_of
@@ -146,41 +145,59 @@ def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, eng
     assert after["errors"] == before["errors"]
 
 
-@pytest.mark.parametrize("early", [True, False], ids=["early", "plain"])
-def test_separate_node_rounds_launch_their_copy_and_publish_early_on_sm90(platform_device, slots, engine_hygiene,
-                                                                         round_kernels, early):
-    """Rounds in separate nodes on an sm_90 device (the cpu backend stands for one) record their copy and
-    publish kernels with cuLaunchKernelEx (programmatic dependent launch) unless JAXVMM_GRAPH_PDL is off,
-    and replay bit-exact either way. Fused rounds and the take kernels launch as before."""
-    cc = None
-    if platform_device != "cpu":
+_EARLY_LAUNCH = textwrap.dedent('''
+    import json, numpy as np, jaxvmm
+    import jaxvmm.testing as T
+    from jaxvmm.testing import Replay
+    from jaxvmm._native import lib
+    N = 3 * 4096 + 100
+    dev = "cuda:0" if DEVICE == "gpu" else "cpu"
+    mk = lambda n: jaxvmm.Slot(n, device=dev)
+    x, y, tok = mk(N), mk(N), mk(8)
+    st = lambda: lib.engine_stats(T.backend_of(dev), 0)
+    with Replay(dev) as r:
+        r.prepare(1 << 40, r.OFFLOAD, N); r.prepare((1 << 40) + 1, r.RELOAD, N)  # loads and warms the kernels
+        before, calls0 = st(), T.driver_counters(dev)["calls"]
+        with r.capture() as g:
+            r.offload(1 << 40, x.address, N, tok.address)
+            r.reload((1 << 40) + 1, tok.address, y.address, N)
+        captured, calls1 = st(), T.driver_counters(dev)["calls"]
+        for i in range(20):
+            x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
+            assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
+    jaxvmm.synchronize()
+    print("RESULT", json.dumps(dict(
+        module_early=captured["graph_early_launch"], kernels=captured["graph_kernels"],
+        early=captured["graph_early_captures"] - before["graph_early_captures"],
+        after=st()["graph_early_captures"] - captured["graph_early_captures"],
+        ex=calls1.get("cuLaunchKernelEx", 0) - calls0.get("cuLaunchKernelEx", 0),
+        ptx90="griddepcontrol" in lib.graph_kernels_ptx())))
+''')
+
+
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_separate_node_rounds_launch_their_copy_and_publish_early_on_sm90_when_asked(platform_device, round_kernels, pdl):
+    """JAXVMM_GRAPH_PDL=1 on an sm_90 device (the cpu backend stands for one): the engine loads the
+    compute_90 module, and rounds in separate nodes record their copy and publish with cuLaunchKernelEx
+    (programmatic dependent launch); they replay bit-exact. Off (the default): the compute_80 module and
+    plain launches. Fused rounds launch as before either way."""
+    import json
+    dev = "gpu" if platform_device != "cpu" else "cpu"
+    env = {"JAXVMM_GRAPH_PDL": pdl, "JAXVMM_GRAPH_KERNELS": "1"}
+    if dev == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    proc = run_in_subprocess(f"DEVICE = {dev!r}\n" + _EARLY_LAUNCH, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.split("RESULT", 1)[1])
+    sm90 = True
+    if dev == "gpu":
         import jax
-        cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
-    old = lib.graph_early_launch(int(early))
-    try:
-        x, y, tok = slots(N), slots(N), slots(8)
-        with Replay(platform_device) as r:
-            off, rel = prepared_sites(r)  # the kernels' warm-up (an engine's first) runs here
-            before, calls0 = stats(platform_device), T.driver_counters(platform_device)["calls"]
-            with r.capture() as g:
-                r.offload(off, x.address, N, tok.address)
-                r.reload(rel, tok.address, y.address, N)
-            g = g[0]
-            captured, calls1 = stats(platform_device), T.driver_counters(platform_device)["calls"]
-            for i in range(20):
-                x.write(data(i))
-                r.launch(g)
-                r.synchronize()
-                assert np.array_equal(read(y), data(i)), f"replay {i}"
-        sm90 = platform_device == "cpu" or (cc is not None and float(cc) >= 9.0)
-        assert kernels_on(platform_device)
-        want = 2 if early and not round_kernels and sm90 else 0
-        assert captured["graph_early_captures"] - before["graph_early_captures"] == want, (before, captured)
-        ex = calls1.get("cuLaunchKernelEx", 0) - calls0.get("cuLaunchKernelEx", 0)
-        assert ex == 2 * want, (calls0, calls1)  # a copy and a publish per round
-        assert stats(platform_device)["graph_early_captures"] == captured["graph_early_captures"]  # replays record nothing
-    finally:
-        lib.graph_early_launch(old)
+        sm90 = float(jax.devices("gpu")[0].compute_capability) >= 9.0
+    on = pdl == "1" and sm90
+    assert r["kernels"] == 1 and r["module_early"] == int(on), r
+    want = 0 if round_kernels or not on else 2  # offload and reload rounds
+    assert r["early"] == want and r["ex"] == 2 * want and r["after"] == 0, r  # a copy and a publish each; replays record nothing
+    assert not r["ptx90"]  # graph_kernels_ptx() is the compute_80 module's text
 
 
 def test_tickets_cross_graphs_and_reloads_are_predicted(platform_device, slots, engine_hygiene):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import json
+import pathlib
+import tempfile
 import textwrap
 
 import pytest
@@ -114,14 +116,27 @@ MODES = {
 DETERMINISTIC = "--xla_gpu_autotune_level=0"
 
 
+WATCHDOG = pathlib.Path(__file__).resolve().parent.parent / "tools" / "watchdog.py"
+
+
 def _result(script: str, mode: str, timeout: int, **env) -> dict:
     """Runs `script` in a fresh process under the XLA flags of `mode` (deterministic autotuning) and the
-    extra environment; returns the JSON of its last RESULT line."""
+    extra environment; returns the JSON of its last RESULT line. The script runs under tools/watchdog.py:
+    still running 15 s before `timeout`, it prints every Python and native thread's stack and the
+    engine's stats and exits 3, so a hang fails with its diagnosis rather than a bare timeout."""
     flags = f"{MODES[mode]} {DETERMINISTIC}".strip()
-    proc = run_in_subprocess(script, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **env},
-                             timeout=timeout)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(script)
+    runner = (f"import runpy, sys; sys.argv = ['watchdog.py', '{timeout - 15}', {f.name!r}]; "
+              f"runpy.run_path({str(WATCHDOG)!r}, run_name='__main__')")
+    try:
+        proc = run_in_subprocess(runner, env={"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **env},
+                                 timeout=timeout)
+    finally:
+        os.unlink(f.name)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    tail = 60000 if proc.returncode == 3 else 6000  # the watchdog's stacks whole
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-tail:]}"
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -241,10 +256,10 @@ SCAN_K = _train_prelude(L=16, STEPS=4, B=129, D=509) + textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "two_node"])
+@pytest.mark.parametrize("fused,pdl", [("1", "0"), ("0", "0"), ("0", "1")], ids=["fused", "two_node", "two_node_early"])
 @pytest.mark.parametrize("mode", ["default", "while"])
-def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused):
-    r = _result(SCAN_K, mode, 180, JAXVMM_GRAPH_FUSED=fused)
+def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused, pdl):
+    r = _result(SCAN_K, mode, 180, JAXVMM_GRAPH_FUSED=fused, JAXVMM_GRAPH_PDL=pdl)
     assert r["graph_kernels"] == 1, r
     for k, got in r["out"].items():
         s = got["stats"]
@@ -264,9 +279,9 @@ def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused):
             assert 0 < s["graph_fused_captures"] < s["graph_captures"], (k, s)
         else:
             assert s["graph_fused_captures"] == 0, (k, s)
-        # On sm_90 (an H100/H200) every round in separate kernels launches its copy and publish early
-        # (JAXVMM_GRAPH_PDL, on by default), and these rounds matched jax.checkpoint with it.
-        if r["sm90"] and os.environ.get("JAXVMM_GRAPH_PDL", "1") != "0":
+        # With JAXVMM_GRAPH_PDL=1 on sm_90 (an H100/H200) every round in separate kernels launches its
+        # copy and publish early, and these rounds matched jax.checkpoint with it.
+        if r["sm90"] and pdl == "1":
             kernel_rounds = s["graph_captures"] - s["graph_fused_captures"]
             if int(k) > 1 and kernel_rounds > 0:
                 assert s["graph_early_captures"] > 0, (k, s)
