@@ -168,10 +168,9 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
   if (st.ok()) st = WriteDevice(setup, g0, 1, stage);
   if (st.ok()) st = kernels_.TakeOffload(setup, c.dw, g0, WordAddr(w.knock));
   if (st.ok()) st = kernels_.TakeReload(setup, c.dw, g0, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go));
-  // Launched as rounds launch them (early on sm_90), so the warm-up also tries that launch.
-  const bool early = kernels_.can_launch_early() && EngineConfig::GraphEarlyLaunch();
-  if (st.ok()) st = kernels_.CellCopy(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), /*out=*/true, early);
-  if (st.ok()) st = kernels_.Publish(setup, c.dw, stage, early);
+  // Launched as rounds launch them (early, when asked for), so the warm-up also tries that launch.
+  if (st.ok()) st = kernels_.CellCopy(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), /*out=*/true, EarlyLaunch());
+  if (st.ok()) st = kernels_.Publish(setup, c.dw, stage, EarlyLaunch());
   if (st.ok()) st = kernels_.Revoke(setup, g0, 0, WordAddr(w.result));
   // The op ring's copy: filled[0] (1 by now) into `unused`, and a value with both 32-bit halves set into
   // `arm` (not used by kernel grants).
@@ -208,6 +207,8 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
 
 // ---------------------------------------------------------------- the execute stage, under capture
 
+bool GraphRecorder::EarlyLaunch() const { return kernels_.can_launch_early() && EngineConfig::GraphEarlyLaunch(); }
+
 Status GraphRecorder::RecordCopyAndPublish(CUstream stream, Channel& c, CUdeviceptr other, size_t nbytes, bool out,
                                            const char* stage) {
   if (c.FixedCell()) {
@@ -220,10 +221,10 @@ Status GraphRecorder::RecordCopyAndPublish(CUstream stream, Channel& c, CUdevice
     const CUdeviceptr flag = WordAddr(out ? c.w->done[0] : c.w->filled[0]);
     return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, flag, 1, 0); });
   }
-  // On sm_90: the copy and the publish launched early, each waiting on the device for the kernel
-  // before it (programmatic edges in the captured graph), so neither pays a full launch after the
-  // kernel before it has drained.
-  const bool early = kernels_.can_launch_early() && EngineConfig::GraphEarlyLaunch();
+  // With JAXVMM_GRAPH_PDL=1 on sm_90: the copy and the publish launched early, each waiting on the
+  // device for the kernel before it (programmatic edges in the captured graph), so neither pays a
+  // full launch after the kernel before it has drained.
+  const bool early = EarlyLaunch();
   JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out, early));
   JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c.dw, stage, early));
   if (early) ++stats_.early_captures;

@@ -66,6 +66,8 @@ class GraphRecorder {
   const RecordStats& stats() const { return stats_; }
 
  private:
+  // A round's copy and publish are launched early: the loaded module can, and JAXVMM_GRAPH_PDL is on now.
+  bool EarlyLaunch() const;
   Status LoadKernels(CUstream setup, Channel& first, bool any_captured);
   Status WarmKernels(CUstream setup, Channel& c);  // each kernel launched once (loaded), at the first initialize
   Status SetUpCells(CUstream setup, Channel& c);   // the channel's constant device words (K, cells, flags, stable)
