@@ -59,6 +59,18 @@ mlp_row() {
   echo "=== row $label $shape $* ($((SECONDS - ${T0:-0})) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-400
 }
 
+# mlp_rows LABEL SHAPE N [VAR=value ...]: as mlp_row, but N processes of each side, alternating, every
+# process sharing one XLA autotune cache (bench/train_step.py --repeat N --autotune-cache); then its two
+# table lines and the per-run ratios. ROW_TIMEOUT (60 s) is per process.
+mlp_rows() {
+  local label=$1 shape=$2 n=$3 to=${ROW_TIMEOUT:-60}; shift 3
+  env "$@" timeout $((2 * n * to)) python3 bench/train_step.py --models mlp --targets mlp_hidden ${shape:+--mlp-shape "$shape"} \
+    --variants save,jaxvmm --steps "${STEPS:-20}" --warmup "${WARMUP:-3}" --timeout $((to - 5)) --repeat "$n" \
+    --autotune-cache /tmp/jaxvmm_autotune >> "$OUT/rows.txt" 2>&1
+  echo "=== rows $label $shape x$n $* ($((SECONDS - ${T0:-0})) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-110
+  grep -E "per-run ratios" "$OUT/rows.txt" | tail -1
+}
+
 # spare_rows "CELLS:SPARES:SHAPE[:while] ...": mlp_row for each (graph_cells, graph_spares, --mlp-shape;
 # `while`: XLA's +WHILE command buffers, else its default), 60 s each, into $OUT/rows.txt.
 spare_rows() {
