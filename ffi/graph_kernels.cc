@@ -52,12 +52,12 @@ void GraphKernels::Unload() {
   module_ = nullptr;
 }
 
-Status GraphKernels::Launch(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks, unsigned threads) const {
+Status GraphKernels::Launch(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks, unsigned threads,
+                            bool early) const {
   const DriverTable& d = Driver(backend_);
-  return Call(-1, stage, Entry::kLaunchKernel, [&] { return d.LaunchKernel(f, blocks, 1, 1, threads, 1, 1, 0, s, params, nullptr); });
-}
-
-Status GraphKernels::LaunchEarly(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks, unsigned threads) const {
+  // Early only with the compute_90 module: its round kernels wait for the kernel before them.
+  if (!(early && sm90_))
+    return Call(-1, stage, Entry::kLaunchKernel, [&] { return d.LaunchKernel(f, blocks, 1, 1, threads, 1, 1, 0, s, params, nullptr); });
   CUlaunchAttribute attr{};
   attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
   attr.value.programmaticStreamSerializationAllowed = 1;
@@ -70,7 +70,6 @@ Status GraphKernels::LaunchEarly(CUfunction f, CUstream s, void** params, const 
   cfg.hStream = s;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  const DriverTable& d = Driver(backend_);
   return Call(-1, stage, Entry::kLaunchKernelEx, [&] { return d.LaunchKernelEx(&cfg, f, params, nullptr); });
 }
 
@@ -94,14 +93,12 @@ unsigned GraphKernels::CopyBlocks(size_t nbytes) {
 Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out, bool early) const {
   unsigned long long n = nbytes, o = out ? 1 : 0;
   void* p[] = {&cells, &other, &n, &o};
-  const char* stage = out ? "reload (capture)" : "offload (capture)";
-  return early && sm90_ ? LaunchEarly(cell_copy_, s, p, stage, CopyBlocks(nbytes), kCopyThreads)
-                        : Launch(cell_copy_, s, p, stage, CopyBlocks(nbytes), kCopyThreads);
+  return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads, early);
 }
 
 Status GraphKernels::Publish(CUstream s, CUdeviceptr cells, const char* stage, bool early) const {
   void* p[] = {&cells};
-  return early && sm90_ ? LaunchEarly(publish_, s, p, stage) : Launch(publish_, s, p, stage);
+  return Launch(publish_, s, p, stage, 1, 1, early);
 }
 
 unsigned GraphKernels::FusedBlocks(size_t nbytes) const {

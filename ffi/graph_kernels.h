@@ -92,10 +92,11 @@ class GraphKernels {
   Status Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const;
 
  private:
-  Status Launch(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks = 1, unsigned threads = 1) const;
-  // cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (captured as a
-  // programmatic edge from the node before).
-  Status LaunchEarly(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks = 1, unsigned threads = 1) const;
+  // cuLaunchKernel; with `early` and the compute_90 module loaded, cuLaunchKernelEx with
+  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION instead (captured as a programmatic edge from
+  // the node before).
+  Status Launch(CUfunction f, CUstream s, void** params, const char* stage, unsigned blocks = 1, unsigned threads = 1,
+                bool early = false) const;
   const Backend backend_;
   bool tried_ = false;
   std::string why_;
