@@ -1,10 +1,8 @@
 """Device time of graph-mode rounds, fused (one kernel node per round; JAXVMM_GRAPH_FUSED=1) against
 separate nodes (a take kernel, a copy kernel, a publish kernel; the default), the latter also with the
-copy and the publish launched early (programmatic dependent launch; sm_90 or later, and only with
-JAXVMM_GRAPH_PDL=1 in the environment: the engine loads the module that can, compute_90, only then),
-measured in one process without XLA.
-
-    JAXVMM_GRAPH_PDL=1 python bench/graph_rounds.py   # all three modes
+copy and the publish launched early (programmatic dependent launch; sm_90 or later, unless
+JAXVMM_GRAPH_PDL=0 in the environment made the engine load the compute_80 module, which cannot),
+measured in one process without XLA (JAXVMM_GRAPH_PDL=0: the first two modes only).
 
     python bench/graph_rounds.py                      # 64 offload rounds of 1 MiB per replay, 30 replays
     python bench/graph_rounds.py --rounds 128 --size 256K --reps 50
@@ -74,7 +72,7 @@ def main() -> int:
                 n_early = after["graph_early_captures"] - before["graph_early_captures"]
                 if early and not n_early:
                     del graphs[mode]  # same as "nodes": no compute_90 module (JAXVMM_GRAPH_PDL off, or not sm_90)
-                    print(f"({mode}: not available: set JAXVMM_GRAPH_PDL=1 on an sm_90 or later device)")
+                    print(f"({mode}: not available: JAXVMM_GRAPH_PDL=0, or not an sm_90 or later device)")
                 else:
                     assert n_early == (args.rounds if early else 0), (mode, n_early)
             if not st()["graph_kernels"]:

@@ -21,7 +21,7 @@ std::atomic<bool> g_graph_kernels{true};
 std::atomic<int> g_graph_cells{2};
 std::atomic<int> g_graph_spares{0};
 std::atomic<bool> g_graph_fused{false};
-std::atomic<bool> g_graph_early{false};
+std::atomic<bool> g_graph_early{true};
 std::atomic<int> g_graph_hold{static_cast<int>(EngineConfig::GraphHold::kLarge)};
 std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 

@@ -142,7 +142,7 @@ VARIABLES = {
         EnvVar("JAXVMM_GRAPH_PDL", "bool",
                doc="graph mode, rounds in separate nodes, sm_90 or later: launch each round's copy and publish kernels early "
                    "(programmatic dependent launch; each waits on the device for the kernel before it); read when the "
-                   "engine loads its kernels and at each capture (off: opt in)"),
+                   "engine loads its kernels and at each capture (on; 0: the compute_80 module and plain launches)"),
         EnvVar("JAXVMM_GRAPH_HOLD", "choice",
                doc="graph mode with grant kernels: which offload cells are held after their round, their bytes readable "
                    "on the device, instead of armed behind their D2H: spares (only while every spare is lent) or large "
@@ -200,7 +200,7 @@ def apply(lib, values: dict) -> None:
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
     lib.set_graph_kernels(bool(values.get("JAXVMM_GRAPH_KERNELS", True)))
     lib.graph_fused(int(bool(values.get("JAXVMM_GRAPH_FUSED", False))))
-    lib.graph_early_launch(int(bool(values.get("JAXVMM_GRAPH_PDL", False))))
+    lib.graph_early_launch(int(bool(values.get("JAXVMM_GRAPH_PDL", True))))
     if "JAXVMM_GRAPH_HOLD" in values:
         lib.graph_hold(values["JAXVMM_GRAPH_HOLD"])
     if "JAXVMM_GRAPH_CELLS" in values:
