@@ -385,6 +385,7 @@ def run_child(args) -> dict:
         res["graph_holds_per_step"] = d.get("graph_holds", 0) / args.steps
         res["graph_lent_reads_per_step"] = d.get("graph_lent_reads", 0) / args.steps
         res["graph_kept_reads_per_step"] = d.get("graph_kept_reads", 0) / args.steps
+        res["graph_spare_peak_bytes"] = after.get("graph_spare_bytes_peak", 0)  # graph_spare_budget caps it
         res["pinned_bytes"] = after["pinned_bytes"]
         res["pinned_peak_in_use_bytes"] = after["pinned_peak_in_use_bytes"]
         res["tickets_live"] = after["tickets_live"]
@@ -573,6 +574,8 @@ def evaluate(results: dict, model: str, target: str, variant: str) -> tuple[list
                 hits += (f", {r['graph_lends_per_step']:.0f} lends/{r.get('graph_holds_per_step', 0):.0f} holds/"
                          f"{r['graph_lent_reads_per_step']:.0f} lent reads ({r.get('graph_kept_reads_per_step', 0):.0f} "
                          f"after their D2H) per step")
+            if r.get("graph_spare_peak_bytes"):
+                hits += f", spares mapped at most {human(r['graph_spare_peak_bytes'])}"
             if not r.get("handler_calls_per_step"):
                 hits += " (no handler call)"
     peak = human(r["device_bytes"]) if r.get("device_bytes") is not None else "n/a"

@@ -20,6 +20,7 @@ std::atomic<int> g_keep{0};
 std::atomic<bool> g_graph_kernels{true};
 std::atomic<int> g_graph_cells{2};
 std::atomic<int> g_graph_spares{0};
+std::atomic<size_t> g_graph_spare_budget{0};
 std::atomic<bool> g_graph_fused{false};
 std::atomic<bool> g_graph_early{true};
 std::atomic<int> g_graph_hold{static_cast<int>(EngineConfig::GraphHold::kLarge)};
@@ -35,6 +36,12 @@ void EngineConfig::SetGraphCells(int k) { g_graph_cells.store(std::clamp(k, 1, k
 int EngineConfig::GraphCells() { return g_graph_cells.load(); }
 void EngineConfig::SetGraphSpares(int n) { g_graph_spares.store(std::clamp(n, 0, kMaxSpares)); }
 int EngineConfig::GraphSpares() { return g_graph_spares.load(); }
+void EngineConfig::SetGraphSpareBudget(size_t bytes) { g_graph_spare_budget.store(bytes); }
+size_t EngineConfig::GraphSpareBudget() { return g_graph_spare_budget.load(); }
+int EngineConfig::GraphSparesPerChannel() {
+  const int n = GraphSpares();
+  return n > 0 ? n : GraphSpareBudget() > 0 ? kMaxSpares : 0;
+}
 void EngineConfig::SetGraphFused(bool on) { g_graph_fused.store(on); }
 bool EngineConfig::GraphFused() { return g_graph_fused.load(); }
 void EngineConfig::SetGraphEarlyLaunch(bool on) { g_graph_early.store(on); }

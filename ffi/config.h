@@ -25,6 +25,15 @@ struct EngineConfig {
   // device until a later lend reuses the spare. Read when a channel is first prepared.
   static void SetGraphSpares(int n);
   static int GraphSpares();
+  // Graph mode with grant kernels: device memory that mapped spare cells may hold at once, over every
+  // offload channel of an engine (0: no cap but the staging budget; default 0). A lend that would pass
+  // it finds no spare (the cell is held or armed behind its D2H instead), so the forward's newest
+  // activations stay on the device only as far as the user lets them. Read at each lend.
+  static void SetGraphSpareBudget(size_t bytes);
+  static size_t GraphSpareBudget();
+  // Spare cells an offload channel prepared now reserves (VA only): graph_spares when set, else
+  // kMaxSpares when a spare budget is set (the budget, not a count, then bounds them), else none.
+  static int GraphSparesPerChannel();
   // Graph mode with grant kernels and K > 1 cells: record each round as one fused take + copy kernel
   // instead of three nodes, a take kernel, a copy kernel and a publish kernel (default off: the three
   // nodes take less device time, no grid-wide handshake or last-block fences). Read at each capture (a channel's rounds
@@ -33,9 +42,9 @@ struct EngineConfig {
   static bool GraphFused();
   // Graph mode, rounds in separate nodes on an sm_90 or later device: launch each round's copy and
   // publish kernels early (programmatic dependent launch: each may be scheduled while the kernel before
-  // it ends, and waits for that kernel's end on the device). Default off (opt in: one unexplained hang
-  // on the H200, DESIGN.md). Read when the engine loads its kernels (on: the compute_90 module, whose
-  // round kernels can be launched so; off: the compute_80 one) and at each capture.
+  // it ends, and waits for that kernel's end on the device). Default on. Read when the engine loads its
+  // kernels (on: the compute_90 module, whose round kernels can be launched so; off: the compute_80
+  // one) and at each capture.
   static void SetGraphEarlyLaunch(bool on);
   static bool GraphEarlyLaunch();
   // Graph mode with grant kernels: which offload cells are *held* after their round (no grant out, their

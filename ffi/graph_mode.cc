@@ -1022,18 +1022,28 @@ bool GraphMode::TakeHeldPages(Channel& c, int j, const std::shared_ptr<Ticket>& 
 }
 
 bool GraphMode::MapSpare(Channel& c, Spare& sp) {
-  // Device pages within the staging budget, or none: a spare is an optimization, never waited for.
+  // Device pages within the spare budget and the staging budget, or none: a spare is an optimization,
+  // never waited for.
   if (sp.mapped) return true;
+  const size_t cap = EngineConfig::GraphSpareBudget();
+  const auto bytes = static_cast<int64_t>(c.cell_size);
+  if (cap > 0 && static_cast<size_t>(stats_.spare_bytes + bytes) > cap) return false;
   if (!staging_.Charge(c.cell_size)) return false;
   if (!Registry::Get().Remap(sp.slot_id).ok()) {
     staging_.Uncharge(c.cell_size);
     return false;
   }
   Mapped(c, &sp);
+  stats_.spare_bytes += bytes;
+  stats_.spare_bytes_peak = std::max(stats_.spare_bytes_peak, stats_.spare_bytes);
   return true;
 }
 
-void GraphMode::UnmapSpare(Channel& c, Spare& sp) { UnmapPages(c, &sp, "graph-mode spare cell kept"); }
+void GraphMode::UnmapSpare(Channel& c, Spare& sp) {
+  if (!sp.mapped) return;
+  UnmapPages(c, &sp, "graph-mode spare cell kept");
+  if (!sp.mapped) stats_.spare_bytes -= static_cast<int64_t>(c.cell_size);
+}
 
 bool GraphMode::ReturnSpares() {
   // Caller holds mu_. A lent spare is free again once its ticket's D2H is done. It keeps the bytes

@@ -70,6 +70,8 @@ struct GraphStats {
   // the one cell of a large call site until its next round.
   // trades: pages passed between the cells of large call sites of opposite directions (TradePages).
   int64_t spares = 0, lends = 0, lent_reads = 0, kept_reads = 0, holds = 0, trades = 0;
+  // Device memory of mapped spares now and at its most (graph_spare_budget caps it when set).
+  int64_t spare_bytes = 0, spare_bytes_peak = 0;
   // Reload rounds that waited for the poller (and the guesses staged with them) whose ticket's bytes
   // were copied device to device out of the offload cell that still held them, not from the host.
   int64_t cell_reads = 0;

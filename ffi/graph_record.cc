@@ -83,10 +83,10 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
   c.trades = use_kernels_ && k == 1 && spec.nbytes > kMultiCellBytes &&
              EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge;
   if (st.ok() && use_kernels_ && kind == ChannelKind::kOffload) {
-    // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares. (A
-    // channel with spares records its rounds as kernels even with one cell: the cell's address is
-    // read from the device words, where a lend changes it.)
-    for (int n = EngineConfig::GraphSpares(); n > 0; --n) {
+    // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares (or
+    // kMaxSpares under a spare budget). (A channel with spares records its rounds as kernels even with
+    // one cell: the cell's address is read from the device words, where a lend changes it.)
+    for (int n = EngineConfig::GraphSparesPerChannel(); n > 0; --n) {
       Spare sp;
       if (!ReservePages(spec, &sp).ok()) break;
       c.spares.push_back(std::move(sp));

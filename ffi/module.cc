@@ -613,6 +613,8 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_lent_reads"] = s.graph.lent_reads;
     d["graph_kept_reads"] = s.graph.kept_reads;
     d["graph_holds"] = s.graph.holds;
+    d["graph_spare_bytes"] = s.graph.spare_bytes;
+    d["graph_spare_bytes_peak"] = s.graph.spare_bytes_peak;
     d["graph_trades"] = s.graph.trades;
     d["graph_offload_cell_reads"] = s.graph.cell_reads;
     d["graph_xla_in_order"] = s.graph.xla_in_order;
@@ -812,6 +814,12 @@ NB_MODULE(_jaxvmm, m) {
   m.def("graph_spares", [](int n) {
     if (n >= 0) EngineConfig::SetGraphSpares(n);
     return EngineConfig::GraphSpares();
+  });
+  // Device memory mapped spares may hold at once, per engine (0: no cap); < 0 leaves it. Returns the
+  // value in force.
+  m.def("graph_spare_budget", [](int64_t bytes) {
+    if (bytes >= 0) EngineConfig::SetGraphSpareBudget(static_cast<size_t>(bytes));
+    return static_cast<int64_t>(EngineConfig::GraphSpareBudget());
   });
   m.def("graph_max_cells", [] { return kMaxCells; });
   m.def("graph_max_spares", [] { return kMaxSpares; });

@@ -137,6 +137,9 @@ VARIABLES = {
                "graph mode with grant kernels: staging cells per call site, so consecutive rounds overlap their copies (2)"),
         EnvVar("JAXVMM_GRAPH_SPARES", "int", 0, MAX_GRAPH_SPARES,
                "graph mode with grant kernels: spare cells per offload call site, lent while PCIe is behind (0)"),
+        EnvVar("JAXVMM_GRAPH_SPARE_BUDGET", "size", 0, INT64_MAX,
+               "graph mode with grant kernels: device memory spare cells may hold at once per device; set, it gives "
+               "every offload call site spares (up to JAXVMM_GRAPH_SPARES when that is set, else 64) (0: no cap)"),
         EnvVar("JAXVMM_GRAPH_FUSED", "bool",
                doc="graph mode with grant kernels and several cells: each round is one fused take + copy kernel (on) or a take, a copy and a publish kernel (off, the default)"),
         EnvVar("JAXVMM_GRAPH_PDL", "bool",
@@ -207,6 +210,8 @@ def apply(lib, values: dict) -> None:
         lib.graph_cells(values["JAXVMM_GRAPH_CELLS"])
     if "JAXVMM_GRAPH_SPARES" in values:
         lib.graph_spares(values["JAXVMM_GRAPH_SPARES"])
+    if "JAXVMM_GRAPH_SPARE_BUDGET" in values:
+        lib.graph_spare_budget(values["JAXVMM_GRAPH_SPARE_BUDGET"])
     if "JAXVMM_COPY_CHUNK" in values:
         lib.copy_chunk(values["JAXVMM_COPY_CHUNK"])
     if "JAXVMM_HOST_STORE" in values:

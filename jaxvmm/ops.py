@@ -699,7 +699,7 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
               staging_budget: int | str | None = None, staging_idle_ms: int | None = None,
               host_store: str | None = None, copy_chunk: int | str | None = None,
               graph_cells: int | None = None, graph_spares: int | None = None,
-              graph_hold: str | None = None) -> dict:
+              graph_hold: str | None = None, graph_spare_budget: int | str | None = None) -> dict:
     """Set engine knobs (process-wide); returns the values in force.
 
     host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
@@ -750,6 +750,14 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
       does not free: a trade of memory for time where PCIe is the limit; ``engine_stats()``:
       ``graph_lends``, ``graph_lent_reads``, ``graph_kept_reads``, ``graph_holds``.
       Applies to call sites prepared from now on.
+    graph_spare_budget: graph mode with grant kernels: device memory that spare cells may hold at once,
+      over every offload call site of a device (default 0: no cap but ``staging_budget``; env
+      ``JAXVMM_GRAPH_SPARE_BUDGET``), an int or a size string such as ``"2G"``. Setting it gives every
+      offload call site prepared from then on spares (``graph_spares`` of them when that is set, else
+      64), so the engine keeps the forward's newest activations on the device whenever PCIe is behind,
+      as far as this budget goes, whichever call sites need it; a lend that would pass it finds no
+      spare (the cell then waits for its copy to the host, as without spares). ``engine_stats()``:
+      ``graph_spare_bytes`` (now), ``graph_spare_bytes_peak``. The cap applies from the next lend on.
     graph_hold: graph mode with grant kernels: which offload cells are *held* after their round (no
       grant out, their bytes readable on the device) instead of armed behind their copy to the host
       (env ``JAXVMM_GRAPH_HOLD``). ``"large"`` (the default): the one cell of a call site whose arrays
@@ -773,6 +781,8 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
             raise _type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
     if copy_chunk is not None:
         copy_chunk = _config.parse_size(copy_chunk, where + "copy_chunk", lo=0)
+    if graph_spare_budget is not None:
+        graph_spare_budget = _config.parse_size(graph_spare_budget, where + "graph_spare_budget", lo=0)
     if host_store is not None:
         if not isinstance(host_store, str):
             raise _type_error(f"jaxvmm: configure: host_store={host_store!r} is invalid: expected one of "
@@ -811,6 +821,7 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
     out["graph_cells"] = int(lib.graph_cells(0 if graph_cells is None else graph_cells))
     out["graph_spares"] = int(lib.graph_spares(-1 if graph_spares is None else graph_spares))
     out["graph_hold"] = str(lib.graph_hold("" if graph_hold is None else graph_hold))
+    out["graph_spare_budget"] = int(lib.graph_spare_budget(-1 if graph_spare_budget is None else graph_spare_budget))
     return out
 
 

@@ -83,13 +83,13 @@ def test_valid_environment_values_reach_the_core_subprocess():
            "JAXVMM_KEEP_RESIDENT": "1", "JAXVMM_TRACE": "0", "JAXVMM_PREDICT": "true",
            "JAXVMM_STAGING_BUDGET": "96MiB", "JAXVMM_STAGING_IDLE_MS": "75", "JAXVMM_HOST_STORE": "host_numa",
            "JAXVMM_COPY_CHUNK": "8M", "JAXVMM_GRAPH_CELLS": "3", "JAXVMM_GRAPH_SPARES": "5",
-           "JAXVMM_GRAPH_HOLD": "Spares"}
+           "JAXVMM_GRAPH_HOLD": "Spares", "JAXVMM_GRAPH_SPARE_BUDGET": "1G"}
     r = run_in_subprocess(code, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     want = sorted({"host_pool_limit": 3 * GiB, "host_pool_chunk": 64 * MiB, "prefetch_depth": 3,
                    "keep_resident": 1, "staging_budget": 96 * MiB, "staging_idle_ms": 75,
                    "host_store": "host_numa", "copy_chunk": 8 * MiB, "graph_cells": 3,
-                   "graph_spares": 5, "graph_hold": "spares"}.items())
+                   "graph_spares": 5, "graph_hold": "spares", "graph_spare_budget": GiB}.items())
     assert str(want) in r.stdout, r.stdout
 
 
@@ -150,6 +150,7 @@ def test_configure_accepts_size_strings():
     {"prefetch_depth": 0}, {"keep_resident": -1}, {"prefetch_depth": True}, {"prefetch_depth": 2.0},
     {"graph_cells": 0}, {"graph_cells": 5}, {"graph_cells": "2"}, {"graph_cells": True}, {"graph_cells": 2.0},
     {"graph_spares": -1}, {"graph_spares": 65}, {"graph_spares": "8"}, {"graph_hold": "all"}, {"graph_hold": 1},
+    {"graph_spare_budget": -1}, {"graph_spare_budget": "2Q"}, {"graph_spare_budget": True}, {"graph_spare_budget": 1 << 63},
 ])
 def test_configure_refuses_values_the_core_cannot_hold(kwargs):
     before = jaxvmm.configure()
@@ -186,6 +187,19 @@ def test_lowering_the_pool_limit_is_enforced_and_shrinks_the_pool_subprocess():
     """)
     r = run_in_subprocess(code, env=ENV)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_configure_graph_spare_budget_round_trips_and_reads_the_environment():
+    before = jaxvmm.configure()["graph_spare_budget"]
+    try:
+        assert jaxvmm.configure(graph_spare_budget="2G")["graph_spare_budget"] == 2 * GiB
+        assert jaxvmm.configure()["graph_spare_budget"] == 2 * GiB
+        assert jaxvmm.configure(graph_spare_budget=0)["graph_spare_budget"] == 0
+    finally:
+        jaxvmm.configure(graph_spare_budget=before)
+    code = "import jaxvmm; print('BUDGET', jaxvmm.configure()['graph_spare_budget'])"
+    r = run_in_subprocess(code, env={**ENV, "JAXVMM_GRAPH_SPARE_BUDGET": "512M"})
+    assert r.returncode == 0 and "BUDGET 536870912" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 def test_configure_graph_cells_round_trips():

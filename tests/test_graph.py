@@ -1332,6 +1332,43 @@ def test_the_newest_offloads_are_read_on_the_device_after_every_spare_is_lent():
     _run_with_spares(code, cells=2, spares=2, link_us=40000)
 
 
+@pytest.mark.parametrize("spares,budget", [(6, 0), (6, 2), (0, 2), (0, 0)])
+def test_the_spare_budget_caps_the_device_memory_spares_hold(spares, budget):
+    """graph_spare_budget (JAXVMM_GRAPH_SPARE_BUDGET): the device memory mapped spares may hold at once,
+    over every offload call site. A forward of eight rounds over a 40 ms link (2 cells) lends a spare
+    whenever its D2H queue is as long as the cells. Uncapped, six spares map up to six cells' worth;
+    with a budget of `budget` cells the spares never hold more than that, the rounds that find no room
+    wait for their cell's D2H, and every byte is reloaded exactly. A budget alone (graph_spares unset)
+    gives each offload call site its spares (64); with neither there are none."""
+    code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
+        SPARES, BUDGET_CELLS = {spares}, {budget}
+        cell = x.size  # N rounded up to the granularity, as a cell is
+        cfg = jaxvmm.configure(staging_idle_ms=600000, graph_spare_budget=BUDGET_CELLS * cell)
+        assert cfg["graph_spare_budget"] == BUDGET_CELLS * cell, cfg
+        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+        with Replay("cpu") as r:
+            fwd, bwd = forward_backward(r)
+            toks = offload_replays(r, fwd, 10, 8)
+            s0 = lib.engine_stats("posix", 0)
+            for i in reversed(range(8)):
+                reload_replay(r, bwd, toks[i], 10 + i)
+            s = st()
+            assert s["errors"] == 0 and s["graph_spares"] == (SPARES or (64 if BUDGET_CELLS else 0)), s
+            peak = s["graph_spare_bytes_peak"]
+            if not (SPARES or BUDGET_CELLS):
+                assert s["graph_lends"] == 0 and peak == 0, s
+            elif BUDGET_CELLS:
+                assert s0["graph_lends"] >= 1 and 0 < peak <= BUDGET_CELLS * cell, (s0, s)
+            else:  # uncapped: more than the capped runs allow, so the cap is what held them
+                assert peak > 2 * cell, s
+        jaxvmm.collect()
+        jaxvmm.trim()
+        assert st()["graph_spare_bytes"] == 0, st()
+        print("OK")
+    ''')
+    _run_with_spares(code, cells=2, spares=spares, link_us=40000)
+
+
 @pytest.mark.parametrize("mib,hold,held", [(40, None, True), (40, "spares", False), (1, None, False)])
 def test_the_forward_s_last_large_offload_is_reloaded_device_to_device(mib, hold, held):
     """A call site of arrays above 32 MiB has one cell, and armed it behind the D2H out of it, so the
