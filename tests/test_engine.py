@@ -237,20 +237,24 @@ def test_steady_state_maps_no_staging_pages():
 
 
 def test_idle_staging_goes_back_to_the_driver_by_itself():
+    # The driver's live mappings are compared with those before the op: sampled after it, they could
+    # already be back there (a loaded CI machine once took over 50 ms between the op and the sample).
     ok(sub("""
         import time
         jaxvmm.configure(staging_idle_ms=50)
         x = jnp.arange(100000, dtype=jnp.float32)
+        jax.block_until_ready(x)
+        jaxvmm.engine_stats()  # makes the cpu engine (and whatever it maps for itself) first
+        c0 = jt.driver_counters()["live_mappings"]
         assert np.array_equal(np.asarray(jaxvmm.reload(jaxvmm.offload(x))), np.asarray(x))
         jaxvmm.synchronize()
-        c0 = jt.driver_counters()["live_mappings"]
         deadline = time.time() + 5
         while jaxvmm.engine_stats()["cpu:0"]["staging_mapped_bytes"] and time.time() < deadline:
             time.sleep(0.01)
         s = jaxvmm.engine_stats()["cpu:0"]
-        assert s["staging_mapped_bytes"] == 0 and s["staging_pages_returned"] >= 1, s
+        assert s["staging_mapped_bytes"] == 0 and s["staging_pages_mapped"] >= 1 and s["staging_pages_returned"] >= 1, s
         assert jaxvmm.stats()["mapped_bytes"] == 0
-        assert jt.driver_counters()["live_mappings"] < c0
+        assert jt.driver_counters()["live_mappings"] <= c0, (jt.driver_counters(), c0)
         print("OK")
     """))
 

@@ -1112,9 +1112,10 @@ def test_configure_rejects_bad_values(knob, value):
 def test_configure_returns_values_in_force():
     cur = jaxvmm.configure()
     assert set(cur) == {"host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
-                        "staging_idle_ms", "host_store", "copy_chunk", "graph_cells", "graph_spares", "graph_hold"}
+                        "staging_idle_ms", "host_store", "copy_chunk", "graph_cells", "graph_spares", "graph_hold",
+                        "graph_spare_budget"}
     assert cur["host_store"] in ("pinned", "host_numa") and cur["graph_hold"] in ("large", "spares")
-    assert all(isinstance(v, int) and v >= (0 if k in ("keep_resident", "copy_chunk", "graph_spares") else 1)
+    assert all(isinstance(v, int) and v >= (0 if k in ("keep_resident", "copy_chunk", "graph_spares", "graph_spare_budget") else 1)
                for k, v in cur.items() if k not in ("host_store", "graph_hold"))
     try:
         assert jaxvmm.configure(prefetch_depth=np.int64(5))["prefetch_depth"] == 5
