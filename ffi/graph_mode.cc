@@ -1522,7 +1522,7 @@ GraphStats GraphMode::Stats() {
   GraphStats s = stats_;
   const RecordStats& r = recorder_.stats();
   s.kernels = r.kernels;
-  s.early_launch = r.early_launch;
+  s.early_launch = r.kernels && kernels_.can_launch_early();  // the recorder loaded them (GraphKernels::Load)
   s.kernels_error = r.kernels_error;
   s.cells = r.cells;
   s.spares = r.spares;

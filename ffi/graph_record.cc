@@ -23,7 +23,7 @@ void GraphRecorder::PrepareKernels(CUstream setup, Channel& c, bool first, bool 
   if (!first && !(use_kernels_ && !kernels_.warmed() && !any_captured)) return;
   Status ks = LoadKernels(setup, c, any_captured);
   if (!ks.ok()) {
-    use_kernels_ = stats_.kernels = stats_.early_launch = false;
+    use_kernels_ = stats_.kernels = false;
     stats_.kernels_error = ks.ToString();
     std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ks.ToString().c_str());
   }
@@ -37,7 +37,6 @@ Status GraphRecorder::LoadKernels(CUstream setup, Channel& first, bool any_captu
     if (EngineConfig::GraphKernels()) {
       JAXVMM_RETURN_IF_ERROR(kernels_.Load(device_, EngineConfig::GraphEarlyLaunch()));
       use_kernels_ = stats_.kernels = true;
-      stats_.early_launch = kernels_.can_launch_early();
     }
   }
   if (!use_kernels_ || kernels_.warmed() || any_captured) return Status();
@@ -221,9 +220,9 @@ Status GraphRecorder::RecordCopyAndPublish(CUstream stream, Channel& c, CUdevice
     const CUdeviceptr flag = WordAddr(out ? c.w->done[0] : c.w->filled[0]);
     return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, flag, 1, 0); });
   }
-  // With JAXVMM_GRAPH_PDL=1 on sm_90: the copy and the publish launched early, each waiting on the
-  // device for the kernel before it (programmatic edges in the captured graph), so neither pays a
-  // full launch after the kernel before it has drained.
+  // Early launches (sm_90, unless JAXVMM_GRAPH_PDL=0): the copy and the publish launched early, each
+  // waiting on the device for the kernel before it (programmatic edges in the captured graph), so
+  // neither pays a full launch after the kernel before it has drained.
   const bool early = EarlyLaunch();
   JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out, early));
   JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c.dw, stage, early));

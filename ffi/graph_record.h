@@ -35,7 +35,6 @@ Status WriteDeviceWord(Backend b, CUstream s, CUdeviceptr word, uint64_t value, 
 
 struct RecordStats {
   bool kernels = false;        // captures record the grant kernels
-  bool early_launch = false;   // their module can launch a round's copy and publish early (JAXVMM_GRAPH_PDL)
   std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
   int64_t spares = 0;          // spare cells reserved (VAs only)
