@@ -7,6 +7,11 @@
 
 namespace jaxvmm {
 
+Status WriteDeviceWord(Backend b, CUstream s, CUdeviceptr word, uint64_t value, const char* stage) {
+  const DriverTable& d = Driver(b);
+  return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(s, word, value, 0); });
+}
+
 ChannelTable::~ChannelTable() {
   ScopedContext ctx(backend_, device_);  // cuMemFree needs the device's context (the engine's is gone by now)
   const DriverTable& d = Driver(backend_);

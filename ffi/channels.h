@@ -30,6 +30,16 @@ namespace jaxvmm {
 
 enum class ChannelKind : int { kOffload = 0, kReload = 1 };
 
+// Call sites whose arrays are larger get one cell whatever graph_cells says (GraphRecorder::ReserveCells).
+constexpr size_t kMultiCellBytes = 32ull << 20;
+
+// A pinned word's address as the device sees it (host memory mapped for the device, unified addressing).
+inline CUdeviceptr WordAddr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CUdeviceptr>(&word); }
+
+// `value` into the 64-bit device word `word`, ordered on `s` (a memory barrier before it: copies
+// enqueued earlier on `s` are visible first).
+Status WriteDeviceWord(Backend b, CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
+
 // One line of pinned, device-mapped words per channel. Each word has one writer at a time: the
 // device writes a flag to 1 (knock, filled, request, done) and the poller resets it; the poller grants
 // (arm, go) and the device takes the grant back by writing 0.
@@ -83,12 +93,12 @@ struct Cell : CellPages {
   CUstream grant_stream = nullptr; // kArmed: the stream that wrote grant[i] (a revoke runs there)
   std::shared_ptr<Ticket> draining;  // offload: the ticket whose D2H out of this cell may still run
   bool until_knock = false;          // offload, kHeld: armed only once a round knocks (GraphHold::kLarge)
-  // Reload: the pages came from a held offload cell whose D2H may still read them (GraphMode::
+  // Reload: the pages came from a held offload cell whose D2H may still read them (GraphCells::
   // TakeHeldPages): they stay mapped here until the graph D2H clock reaches this (0: nothing reads them).
   uint64_t d2h_reads = 0;
   // Offload: the round ticket whose bytes the cell holds (its last round served), until its next round
   // or until its pages go. A reload round that waits for the poller may copy them device to device
-  // (GraphMode::CellHolding): its go follows that copy, so no later round of XLA's stream can refill the
+  // (ReloadRounds::CellHolding): its go follows that copy, so no later round of XLA's stream can refill the
   // cell first.
   std::weak_ptr<Ticket> holds;
   // Offload: the reload cell such a copy went into (on gfix_, its event recorded behind it): the pages
@@ -104,7 +114,7 @@ struct Cell : CellPages {
 struct Spare : CellPages {
   std::shared_ptr<Ticket> lent;
   std::weak_ptr<Ticket> kept;
-  uint64_t returned = 0;  // when it was last freed (GraphMode's return clock): the order of reuse
+  uint64_t returned = 0;  // when it was last freed (GraphCells' return clock): the order of reuse
 };
 
 struct Channel {
@@ -127,7 +137,7 @@ struct Channel {
   std::chrono::steady_clock::time_point last_use;
   int64_t rounds = 0;
   // The one cell of a large call site (GraphHold::kLarge): its pages may pass to and from a call site
-  // of the other direction with cells of the same size (GraphMode::TradePages), so its address is
+  // of the other direction with cells of the same size (GraphCells::TradePages), so its address is
   // read from the device words, as a lend changes it with spares.
   bool trades = false;
 

@@ -5,7 +5,7 @@
 // node) a grid.
 //
 // Owned by the engine; graph mode loads and warms it at the engine's first initialize stage, outside any
-// capture (GraphMode::LoadKernels), and the op ring launches its copy only once warmed() says so.
+// capture (GraphRecorder::LoadKernels), and the op ring launches its copy only once warmed() says so.
 // Unload only after every stream that may still run one of its kernels is synchronized. A driver that
 // cannot load it (no PTX JIT, too old for the PTX ISA) leaves graph mode on the host-granted protocol
 // and the op ring on driver copies.
@@ -34,7 +34,7 @@ class GraphKernels {
   Status Load(int device, bool early);
   bool loaded() const { return module_ != nullptr; }
   bool tried() const { return tried_; }
-  // Every kernel has run once (GraphMode::WarmKernels): under lazy module loading a first launch may
+  // Every kernel has run once (GraphRecorder::WarmKernels): under lazy module loading a first launch may
   // wait for the device to drain, which must never happen once anything waits on the device. Any thread.
   bool warmed() const { return warmed_.load(std::memory_order_acquire); }
   void MarkWarmed() { warmed_.store(true, std::memory_order_release); }

@@ -12,11 +12,6 @@
 
 namespace jaxvmm {
 
-Status WriteDeviceWord(Backend b, CUstream s, CUdeviceptr word, uint64_t value, const char* stage) {
-  const DriverTable& d = Driver(b);
-  return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(s, word, value, 0); });
-}
-
 // ---------------------------------------------------------------- the initialize stage
 
 void GraphRecorder::PrepareKernels(CUstream setup, Channel& c, bool first, bool any_captured) {

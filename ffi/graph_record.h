@@ -23,16 +23,6 @@
 
 namespace jaxvmm {
 
-// Call sites whose arrays are larger get one cell whatever graph_cells says (ReserveCells).
-constexpr size_t kMultiCellBytes = 32ull << 20;
-
-// A pinned word's address as the device sees it (host memory mapped for the device, unified addressing).
-inline CUdeviceptr WordAddr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CUdeviceptr>(&word); }
-
-// `value` into the 64-bit device word `word`, ordered on `s` (a memory barrier before it: copies
-// enqueued earlier on `s` are visible first).
-Status WriteDeviceWord(Backend b, CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
-
 struct RecordStats {
   bool kernels = false;        // captures record the grant kernels
   std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)

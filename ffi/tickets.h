@@ -57,7 +57,7 @@ struct Ticket {
   StagingLease resident;
   // Graph mode: the round's bytes in a lent or kept spare, or a held cell, of its offload channel
   // (complete: its round finished before the poller lent or held it), until a lend reuses that spare or
-  // its pages go back (GraphMode::Forget), or the held cell is armed or goes idle (GraphMode::Unhold).
+  // its pages go back (GraphCells::Forget), or the held cell is armed or goes idle (GraphCells::Unhold).
   // The channel owns the cell; this is a view, set and cleared under Ledger::mu_.
   CUdeviceptr lent_cell = 0;
   int lent_readers = 0;  // copies out of lent_cell still running: the cell keeps the bytes until they end

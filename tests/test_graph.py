@@ -2031,7 +2031,7 @@ def test_an_offload_round_between_prefetches_of_held_cells_and_their_reloads():
 
 
 def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
-    """A lent spare holds a round's bytes until that round's D2H is done (GraphMode::ReturnSpares), and
+    """A lent spare holds a round's bytes until that round's D2H is done (GraphCells::ReturnSpares), and
     keeps them after that until no copy out of it still runs (Ticket::lent_readers). The rule had no test
     that failed without it: readers of a lent cell (a reload's device-to-device correction, a prefetch)
     used to finish long before the D2H they race. Here
