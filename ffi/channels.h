@@ -30,8 +30,10 @@ namespace jaxvmm {
 
 enum class ChannelKind : int { kOffload = 0, kReload = 1 };
 
-// Call sites whose arrays are larger get one cell whatever graph_cells says (GraphRecorder::ReserveCells).
-constexpr size_t kMultiCellBytes = 32ull << 20;
+// A *large* call site: its cell (the array rounded up to the VMM granularity) has at least this many
+// bytes. It gets one cell whatever graph_cells says (GraphRecorder::ReserveCells), held after each
+// round until the next one knocks, its pages passed between the two directions (Channel::trades).
+constexpr size_t kLargeCellBytes = 32ull << 20;
 
 // A pinned word's address as the device sees it (host memory mapped for the device, unified addressing).
 inline CUdeviceptr WordAddr(const std::atomic<uint64_t>& word) { return reinterpret_cast<CUdeviceptr>(&word); }

@@ -149,7 +149,7 @@ VARIABLES = {
         EnvVar("JAXVMM_GRAPH_HOLD", "choice",
                doc="graph mode with grant kernels: which offload cells are held after their round, their bytes readable "
                    "on the device, instead of armed behind their D2H: spares (only while every spare is lent) or large "
-                   "(also the one cell of a call site whose arrays are above 32 MiB, until its next round; the default)",
+                   "(also the one cell of a call site whose arrays are 32 MiB or more, until its next round; the default)",
                choices=GRAPH_HOLDS),
         EnvVar("JAXVMM_PREDICT", "bool", doc="predict which ticket a reload holds (on)"),
         EnvVar("JAXVMM_WORKER_SPIN_US", "int", 0, 100_000,

@@ -761,7 +761,7 @@ def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int 
     graph_hold: graph mode with grant kernels: which offload cells are *held* after their round (no
       grant out, their bytes readable on the device) instead of armed behind their copy to the host
       (env ``JAXVMM_GRAPH_HOLD``). ``"large"`` (the default): the one cell of a call site whose arrays
-      are above 32 MiB is held until that call site's next round, so the backward pass's first reload,
+      are 32 MiB or more is held until that call site's next round, so the backward pass's first reload,
       of the forward's last offload, copies it device to device instead of waiting for its copy to the
       host and back (on the H200 ~5 ms for a 256 MiB activation); each later round of the call site
       then waits for a poller round trip, small beside the compute that makes such an array.

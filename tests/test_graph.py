@@ -1204,7 +1204,7 @@ def _run_with_spares(code: str, cells: int, spares: int, link_us: int, **env) ->
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-# Call sites of arrays above 32 MiB (one cell each, held and trading pages unless JAXVMM_GRAPH_HOLD
+# Call sites of arrays of 32 MiB or more (one cell each, held and trading pages unless JAXVMM_GRAPH_HOLD
 # says otherwise), with no idle release during the test; `st()` reads the cpu engine's counters.
 _LARGE_PRELUDE = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
     N = 40 << 20
@@ -1214,10 +1214,12 @@ _LARGE_PRELUDE = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
 ''')
 
 
-def _run_large(code: str, link_us: int, hold: str | None = None, spares: int = 0) -> None:
-    """Runs `code` (it prints OK) after _LARGE_PRELUDE, JAXVMM_GRAPH_HOLD=hold unless None."""
+def _run_large(code: str, link_us: int, hold: str | None = None, spares: int = 0, cells: int = 1, mib: int = 40) -> None:
+    """Runs `code` (it prints OK) after _LARGE_PRELUDE with arrays of `mib` MiB, JAXVMM_GRAPH_HOLD=hold
+    unless None, JAXVMM_GRAPH_CELLS=cells (a large call site gets one cell whatever it says)."""
     env = {"JAXVMM_GRAPH_HOLD": hold} if hold else {}
-    _run_with_spares(_LARGE_PRELUDE + textwrap.dedent(code), cells=1, spares=spares, link_us=link_us, **env)
+    prelude = _LARGE_PRELUDE.replace("N = 40 << 20", f"N = {mib} << 20")
+    _run_with_spares(prelude + textwrap.dedent(code), cells=cells, spares=spares, link_us=link_us, **env)
 
 
 @pytest.mark.parametrize("cells,spares", [(2, 0), (2, 6), (1, 3)])
@@ -1371,7 +1373,7 @@ def test_the_spare_budget_caps_the_device_memory_spares_hold(spares, budget):
 
 @pytest.mark.parametrize("mib,hold,held", [(40, None, True), (40, "spares", False), (1, None, False)])
 def test_the_forward_s_last_large_offload_is_reloaded_device_to_device(mib, hold, held):
-    """A call site of arrays above 32 MiB has one cell, and armed it behind the D2H out of it, so the
+    """A call site of arrays of 32 MiB or more has one cell, and armed it behind the D2H out of it, so the
     backward's first reload, of the forward's last offload, waited for that D2H (if still running) and
     then for an H2D of the same bytes: on the H200, ~5 ms each for a 256 MiB activation. Now that cell is
     held after its round until the next round knocks (JAXVMM_GRAPH_HOLD=large, the default; `spares`
@@ -1407,16 +1409,17 @@ def test_the_forward_s_last_large_offload_is_reloaded_device_to_device(mib, hold
     _run_large(code, link_us=150000, hold=hold)
 
 
-@pytest.mark.parametrize("hold", [None, "spares"])
-def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold):
+@pytest.mark.parametrize("hold,cells,mib", [(None, 1, 40), ("spares", 1, 40), (None, 2, 32)])
+def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold, cells, mib):
     """On the H200 the MLP hidden row kept 512 MiB mapped through the whole step: the offload call site's
     256 MiB cell through the backward, the reload call site's through the forward (each until its idle
     release), so the step freed 86% of what it offloaded. Now the cells of large call sites (arrays
-    above 32 MiB, one cell each) pass their pages between directions: the backward's first reload takes
+    of 32 MiB or more, one cell each) pass their pages between directions: the backward's first reload takes
     the held offload cell's pages, with the forward's last bytes in them (no copy), and the forward's
     first round takes the idle reload cell's. Each step here maps no new pages and never has more than
     one cell mapped; every byte is checked. With JAXVMM_GRAPH_HOLD=spares (no holds, no trades) both
-    cells stay mapped."""
+    cells stay mapped. Arrays of exactly 32 MiB are large too, whatever graph_cells says (the GPT
+    row's 32 MiB block inputs had K = 2 cells per direction, four cells mapped at the turn)."""
     code = f'''
         TRADES = {hold is None}
         CELL = N  # a multiple of the 2 MiB granularity
@@ -1447,7 +1450,7 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold):
         jaxvmm.collect()
         print("OK")
     '''
-    _run_large(code, link_us=20000, hold=hold)
+    _run_large(code, link_us=20000, hold=hold, cells=cells, mib=mib)
 
 
 @pytest.mark.parametrize("rounds,trim", [(3, False), (1, True)])
@@ -2282,7 +2285,7 @@ def test_gpu_large_unaligned_copy_uses_the_grid_stride_loop(platform_device, slo
     both ends, and a mutually misaligned pair."""
     if platform_device == "cpu":
         pytest.skip("the copy kernel's grid runs on a GPU")
-    n = (24 << 20) + 3  # <= 32 MiB: a K-cell call site (larger ones get one cell and a memcpy node)
+    n = (24 << 20) + 3  # < 32 MiB: a K-cell call site (larger ones get one cell and a memcpy node)
     for src_off, dst_off in ((1, 1), (0, 4)):
         x, y, tok = slots(n + 64), slots(n + 64), slots(8)
         off, rel = next(_sites), next(_sites)
