@@ -4,9 +4,9 @@
 //
 // Owns: the choice of protocol (kernel grants or host grants), fixed at the engine's first initialize
 // stage, and its own counters. Handed: the engine's grant kernels (loaded and warmed here), the
-// channels it sets up or records (GraphMode's), and the stream that carries the setup writes (GraphMode's
-// gd2h_, which never waits on XLA's streams). Never maps pages: a capture that must name a mapped cell
-// is given one by GraphMode first.
+// channels it sets up or records (GraphMode's), and the stream that carries the setup writes (graph
+// mode's gd2h, which never waits on XLA's streams). Never maps pages: a capture that must name a mapped
+// cell is given one by GraphCells first.
 //
 // No lock of its own: every call is made with GraphMode::mu_ held (it sits inside GraphMode's lock order).
 #pragma once
