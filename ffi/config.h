@@ -50,9 +50,9 @@ struct EngineConfig {
   // Graph mode with grant kernels: which offload cells are *held* after their round (no grant out, their
   // bytes readable device to device) instead of armed behind their D2H. kSpares: only when every spare
   // of the channel is lent (channels with graph_spares), until a spare is free or the D2H is done.
-  // kLarge (the default): also the one cell of a call site whose cell is 32 MiB or more (kLargeCellBytes), until its
-  // next round knocks, so the backward's first reload, of the forward's last offload, copies it device
-  // to device instead of waiting for its D2H and an H2D. Read at each offload round.
+  // kLarge (the default): also the one cell of a call site whose cell is 32 MiB or more (kLargeCellBytes),
+  // until its next round knocks, so the backward's first reload, of the forward's last offload, copies it
+  // device to device instead of waiting for its D2H and an H2D. Read at each offload round.
   enum class GraphHold { kSpares = 0, kLarge = 1 };
   static void SetGraphHold(GraphHold h);
   static GraphHold GraphHoldPolicy();
