@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the next session's first call: the spare budget in the gpu suites and at the PCIe limit.
+# Session 33's second call (prepared in session 32): the spare budget in the gpu suites and at the PCIe limit.
 # 1) test_graph_xla.py's training tests with JAXVMM_GRAPH_SPARE_BUDGET=256M in the environment (every
 #    offload call site then has spares, capped at 256 MiB a device; the other graph tests assume none); 2) the GPT every-dot trial
 #    (bench/capacity.py --trial jaxvmm-dots 16, 120 GiB budget) and the MLP-hidden row with budgets
