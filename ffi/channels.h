@@ -146,6 +146,9 @@ struct Channel {
   // Lends (spares) and page trades rewrite a cell's address word; without either the addresses are
   // constant (the device words' `stable`).
   bool AddressesMove() const { return !spares.empty() || trades; }
+  // A large call site (kLargeCellBytes): one cell whatever graph_cells says, held and trading pages
+  // under GraphHold::kLarge.
+  bool Large() const { return cell_size >= kLargeCellBytes; }
   // Rounds recorded as copies that name cell 0 (its address never changes) instead of kernels that
   // read the cell's address from the device words.
   bool FixedCell() const { return ncells == 1 && !AddressesMove(); }

@@ -226,7 +226,7 @@ bool OffloadRounds::Arm(Channel& c, int i, bool host, bool settled) {
 }
 
 bool OffloadRounds::HoldsUntilKnock(const Channel& c) {
-  return EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge && c.ncells == 1 && c.cell_size >= kLargeCellBytes;
+  return EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge && c.ncells == 1 && c.Large();
 }
 
 void OffloadRounds::Hold(Channel& c, int i, bool host, bool until_knock) {

@@ -62,11 +62,11 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
                                           " bytes (jaxvmm.configure(staging_budget=...) or JAXVMM_STAGING_BUDGET)");
   spec.map_on_create = false;
   spec.internal = true;
-  // More than one cell only for cells below kLargeCellBytes: a second cell of a large activation
+  c.cell_size = spec.nbytes;
+  // More than one cell only below kLargeCellBytes (Channel::Large): a second cell of a large activation
   // costs as much device memory as the activation (what offloading is meant to free), and a large
   // activation comes with enough compute per iteration to hide the previous round's copy.
-  const bool large = spec.nbytes >= kLargeCellBytes;
-  const int k = use_kernels_ && !large ? EngineConfig::GraphCells() : 1;
+  const int k = use_kernels_ && !c.Large() ? EngineConfig::GraphCells() : 1;
   Status st;
   for (int made = 0; made < k && st.ok(); ++made) {
     Cell& cell = c.cells[made];
@@ -74,8 +74,7 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
     if (st.ok() && !cell.event)
       st = Call(cell.slot_id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&cell.event, CU_EVENT_DISABLE_TIMING); });
   }
-  c.cell_size = spec.nbytes;
-  c.trades = use_kernels_ && large &&
+  c.trades = use_kernels_ && c.Large() &&
              EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge;
   if (st.ok() && use_kernels_ && kind == ChannelKind::kOffload) {
     // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares (or
