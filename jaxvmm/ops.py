@@ -624,15 +624,11 @@ def _live_arrays() -> list:
 
 
 def synchronize() -> None:
-    """Block until every dispatched jax computation whose outputs are still alive has finished (all
-    live arrays are ready), then until every offload/reload enqueued so far has completed and jaxvmm's
-    workers are idle. A computation whose outputs were all discarded is not waited for: keep one of
-    its outputs (or block on it) before reading statistics. Tickets whose tokens never reach Python
-    are freed by :func:`collect`, which reads every live token array (kept out of this call, which
-    benchmarks and tests use on hot paths)."""
-    for a in _live_arrays():
-        if not a.is_deleted():
-            a.block_until_ready()
+    """Block until every jax computation dispatched so far has finished, those whose outputs were all
+    discarded included, then until every offload/reload enqueued so far has completed and jaxvmm's
+    workers are idle. Tickets whose tokens never reach Python are freed by :func:`collect`, which
+    reads every live token array (kept out of this call, which benchmarks and tests use on hot paths)."""
+    _drain_dispatched()
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
     for _ in range(3):  # a drop can release the last reference that kept another token alive
@@ -641,14 +637,37 @@ def synchronize() -> None:
         lib.engine_sync(backend, device)
 
 
+@functools.lru_cache(maxsize=None)
+def _fence(device):
+    return jax.jit(lambda: jnp.zeros((), jnp.uint8), out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+
+def _drain_dispatched() -> None:
+    """Wait for every computation dispatched so far on this process's devices, including one whose
+    outputs were all dropped (no live array leads to it): jax runs a device's computations in the order
+    they were dispatched, so a trivial one dispatched now on each device is ready only after them."""
+    fences = []
+    for a in _live_arrays():  # transfers (device_put) run outside that order
+        if not a.is_deleted():
+            a.block_until_ready()
+    for platform in ("cpu", "gpu"):
+        try:
+            devices = jax.local_devices(backend=platform)
+        except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
+            continue
+        fences += [_fence(d)() for d in devices]
+    for f in fences:
+        f.block_until_ready()
+
+
 def _is_token_array(a) -> bool:
     # float32: the bits of a token (jaxvmm.checkpoint's tangent tickets travel that way)
     return a.dtype in (jnp.uint32, jnp.float32) and a.ndim >= 1 and a.shape[-1] == 2 and not a.is_deleted()
 
 
 def _sweep_unreachable() -> int:
-    """Drops every ticket no live jax array holds. Call only with no computation in flight whose
-    outputs are alive (synchronize() and collect() block on them first)."""
+    """Drops every ticket no live jax array holds. Call only with no computation in flight
+    (synchronize() and collect() drain them first)."""
     issued = {}
     for backend, device in lib.engine_devices():
         issued[(backend, device)] = int(lib.engine_stats(backend, device)["seq_issued"])
@@ -677,15 +696,13 @@ def collect() -> int:
     residuals inside a ``jax.vjp`` function) is alive, and until it is reloaded. Tickets whose tokens
     never leave a jitted computation (offloaded, then reloaded in only one branch of a ``lax.cond``),
     or whose last holder died inside jax (a ``vjp_fn`` dropped uncalled), are found here: after every
-    live computation has finished, each live ticket that no reload consumed and whose token no live
+    computation dispatched so far has finished, each live ticket that no reload consumed and whose token no live
     jax array holds is dropped (its host memory is freed once the GPU has passed every op enqueued so
     far). Call it between steps of a loop whose tickets do not reach Python (every few steps), to keep
-    host memory constant; it waits for the live computations and reads every live token array, so it
+    host memory constant; it waits for the computations in flight and reads every live token array, so it
     is not free. A token copied out of jax (to numpy, or to another
     process) is not seen: keep tickets in jax arrays. Returns how many tickets were dropped."""
-    for a in _live_arrays():
-        if not a.is_deleted():
-            a.block_until_ready()
+    _drain_dispatched()
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
     n = _sweep_unreachable()

@@ -46,6 +46,41 @@ def test_ticket_reloaded_in_one_cond_branch_is_freed_when_unreachable():
     """)
 
 
+def test_collect_waits_for_a_dropped_computation_that_still_reloads_its_ticket():
+    """A computation whose outputs were all dropped may still be between an offload and its reload when
+    collect() runs: the ticket's token lives only inside it, and collect() must wait for it rather
+    than free the ticket under the reload."""
+    ok("""
+        import time
+        from jaxvmm.ops import Ticket
+        def body(x):
+            t = jaxvmm.offload(x)
+            y = x + (t.token[0] * 0).astype(x.dtype)   # after the offload
+            for _ in range(6):
+                y = jnp.sort(y * 1.0001)               # hundreds of ms between the offload and the reload
+            dep = (y[0] * 0).astype(jnp.uint32)         # the reload comes after the sorts
+            return jaxvmm.reload(Ticket(t.token + dep, t.shape, t.dtype)) + 0 * y
+        f = jax.jit(body)
+        x = jnp.asarray(np.random.default_rng(0).standard_normal(1 << 21).astype(np.float32))
+        want = np.asarray(x)
+        assert np.array_equal(np.asarray(f(x)), want)
+        jaxvmm.synchronize()
+        for _ in range(3):
+            before = jaxvmm.engine_stats()["cpu:0"]
+            f(x)                                        # dropped at once
+            deadline = time.monotonic() + 60
+            while jaxvmm.engine_stats()["cpu:0"]["offloads"] == before["offloads"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            jaxvmm.collect()                            # the offload ran; its reload has not
+            after = jaxvmm.engine_stats()["cpu:0"]
+            assert after["reloads"] == before["reloads"] + 1, (before, after)
+            assert live() == 0, live()
+            jaxvmm.check()
+        print("OK")
+    """)
+
+
 def test_dropped_vjp_fn_frees_its_tickets_and_a_kept_one_keeps_them():
     ok("""
         layer = jaxvmm.checkpoint(lambda x: jnp.sin(jnp.sin(x) * 2),

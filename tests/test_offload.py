@@ -4,9 +4,6 @@ On the jax ``cpu`` platform the offload engine runs over the POSIX backend (stre
 host functions run inline, the worker threads are the same), so everything except real GPU overlap and
 driver memory is exercised here. Tests taking ``platform_device`` also run on ``cuda:0`` (gpu-marked,
 skipped without a GPU); the ``gpu``-marked section at the end is GPU-only.
-
-Tests marked ``xfail(strict=True)`` pin down library bugs found while writing this file (see the
-reason strings); they turn into failures once the bug is fixed, so that the marker gets removed.
 """
 
 from __future__ import annotations
@@ -1035,7 +1032,7 @@ def test_reload_of_non_ticket_raises_type_error(bad):
 @pytest.mark.parametrize("token", [np.array([1, 2, 3], np.uint32), np.array([1, 2], np.int32),
                                    np.array([[1, 2, 3]], np.uint32)], ids=["3_words", "int32", "2d"])
 def test_ticket_with_malformed_token_raises(token):
-    # A numpy token: the Ticket is not tracked for dropping (see the xfail test below for jax arrays).
+    # A numpy token: the Ticket is not tracked for dropping (a malformed jax array token is covered by the subprocess test below).
     with pytest.raises(jaxvmm.InvalidArgumentError, match="uint32\\[2\\]"):
         jaxvmm.reload(jaxvmm.Ticket(token, (4,), np.float32))
 

@@ -6,9 +6,6 @@ and moves the saved residuals through the offload engine, so its gradients must 
 ``jax.checkpoint`` *bit for bit* (``np.array_equal`` on every leaf). On the jax ``cpu`` platform the
 engine runs over the POSIX backend; tests taking ``platform_device`` also run on ``cuda:0``
 (gpu-marked, skipped without a GPU).
-
-Tests marked ``xfail(strict=True)`` pin down library bugs found while writing this file (see the
-reason strings); they turn into failures once the bug is fixed, so that the marker gets removed.
 """
 
 from __future__ import annotations
@@ -314,7 +311,7 @@ def test_names_policy_offloads_and_reloads_once_per_layer_per_step():
     prev = base
     for i in range(3):
         x = x + 0.01 * i  # fresh inputs every step
-        out = step(params, x)  # kept alive: synchronize() waits for live arrays (see the xfail below)
+        out = step(params, x)
         jaxvmm.synchronize()
         now = estats()
         d = delta(now, prev)
@@ -331,11 +328,6 @@ def _slow_roundtrip(x):
     return jaxvmm.reload(jaxvmm.offload(jnp.sort(x))) * 2  # the sort takes tens of ms; synchronize() < 1 ms
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "documented limitation (see jaxvmm.synchronize): it waits for computations whose outputs are alive; "
-    "it only waits for live arrays: a step whose outputs were all dropped (`step(params, x)` without keeping "
-    "the result) is still running when it returns, so engine_stats() right after it misses that step's "
-    "offloads/reloads"))
 def test_synchronize_waits_for_a_computation_whose_outputs_were_dropped():
     x = jnp.asarray(np.random.default_rng(4).standard_normal((1 << 20,)).astype(np.float32))
     _slow_roundtrip(x).block_until_ready()  # compiled, engine warm
@@ -543,7 +535,7 @@ def _shared_weight_loss(ckpt):
 
 def test_loop_invariant_residuals_in_scan_gradients_bit_equal():
     """jax's scan partial evaluation hoists residuals that depend on scan constants only out of the loop,
-    offloads included (one ticket, used by every backward iteration). Works today (see the xfail below)."""
+    offloads included (one ticket, used by every backward iteration). Works today."""
     rng = np.random.default_rng(2)
     w = jnp.asarray(rng.standard_normal((8, 8)).astype(np.float32) * 0.3)
     x = jnp.asarray(rng.standard_normal((4, 8)).astype(np.float32))
