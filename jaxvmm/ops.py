@@ -197,8 +197,11 @@ def _collect() -> None:
                 _kept.discard(key)
             del token
         if dead:
-            # Weak references: the barrier must not keep arrays (tracked tokens among them) alive.
-            inflight = [weakref.ref(a) for a in jax.live_arrays() if not (a.is_deleted() or a.is_ready())]
+            # The barrier: every computation dispatched so far (one may still reload a dying token, its
+            # outputs dropped or not). Weak references to the live arrays in flight: the barrier must
+            # not keep arrays (tracked tokens among them) alive; the fences are the barrier's own.
+            inflight = [weakref.ref(a) for a in _live_arrays() if not (a.is_deleted() or a.is_ready())]
+            inflight += [(lambda f=f: f) for f in _fences()]
             _dying.extend((t, inflight) for t in dead)
         if not _dying:
             return
@@ -611,6 +614,28 @@ def check() -> None:
             raise _named(e) from None
 
 
+@functools.lru_cache(maxsize=None)
+def _fence(device):
+    # Compiled: calling it inside a trace (offload/reload under jit run _collect) runs it, not stages it.
+    return jax.jit(lambda: jnp.zeros((), jnp.uint8),
+                   out_shardings=jax.sharding.SingleDeviceSharding(device)).lower().compile()
+
+
+def _fences() -> list:
+    """A trivial computation dispatched now on each of this process's devices. jax runs a device's
+    computations in the order they were dispatched, so each is ready only after every computation
+    dispatched before it on its device, one whose outputs were all dropped (no live array leads to it)
+    included."""
+    out = []
+    for platform in ("cpu", "gpu"):
+        try:
+            devices = jax.local_devices(backend=platform)
+        except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
+            continue
+        out += [_fence(d)() for d in devices]
+    return out
+
+
 def _live_arrays() -> list:
     """Live arrays of every platform jax has: ``jax.live_arrays()`` alone sees only the default one, so on a
     GPU machine it would miss computations that run on the cpu devices."""
@@ -637,26 +662,13 @@ def synchronize() -> None:
         lib.engine_sync(backend, device)
 
 
-@functools.lru_cache(maxsize=None)
-def _fence(device):
-    return jax.jit(lambda: jnp.zeros((), jnp.uint8), out_shardings=jax.sharding.SingleDeviceSharding(device))
-
-
 def _drain_dispatched() -> None:
     """Wait for every computation dispatched so far on this process's devices, including one whose
-    outputs were all dropped (no live array leads to it): jax runs a device's computations in the order
-    they were dispatched, so a trivial one dispatched now on each device is ready only after them."""
-    fences = []
-    for a in _live_arrays():  # transfers (device_put) run outside that order
+    outputs were all dropped (see _fences)."""
+    for a in _live_arrays():  # transfers (device_put) run outside the devices' order of computations
         if not a.is_deleted():
             a.block_until_ready()
-    for platform in ("cpu", "gpu"):
-        try:
-            devices = jax.local_devices(backend=platform)
-        except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
-            continue
-        fences += [_fence(d)() for d in devices]
-    for f in fences:
+    for f in _fences():
         f.block_until_ready()
 
 

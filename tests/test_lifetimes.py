@@ -81,6 +81,38 @@ def test_collect_waits_for_a_dropped_computation_that_still_reloads_its_ticket()
     """)
 
 
+def test_ticket_dropped_by_python_outlives_a_dropped_computation_that_reloads_it():
+    """A Ticket passed to a computation whose outputs were all dropped, then dropped by Python: the
+    computation still reloads it, so it must stay alive until that computation has finished."""
+    ok("""
+        import time
+        from jaxvmm.ops import Ticket
+        def body(tok, x):
+            y = x
+            for _ in range(6):
+                y = jnp.sort(y * 1.0001)               # hundreds of ms before the reload
+            dep = (y[0] * 0).astype(jnp.uint32)
+            return jaxvmm.reload(Ticket(tok + dep, x.shape, x.dtype)) + 0 * y
+        f = jax.jit(body)
+        x = jnp.asarray(np.random.default_rng(1).standard_normal(1 << 21).astype(np.float32))
+        t = jaxvmm.offload(x)
+        assert np.array_equal(np.asarray(f(t.token, x)), np.asarray(x))
+        for _ in range(3):
+            t = jaxvmm.offload(x)
+            jaxvmm.synchronize()
+            before = jaxvmm.engine_stats()["cpu:0"]
+            f(t.token, x)                               # dropped at once; it reloads t
+            del t
+            jaxvmm.check()                              # a jaxvmm call: tickets whose tokens died are handled
+            jaxvmm.synchronize()
+            after = jaxvmm.engine_stats()["cpu:0"]
+            assert after["reloads"] == before["reloads"] + 1 and after["drops"] == before["drops"], (before, after)
+            assert live() == 0, live()
+            jaxvmm.check()
+        print("OK")
+    """)
+
+
 def test_dropped_vjp_fn_frees_its_tickets_and_a_kept_one_keeps_them():
     ok("""
         layer = jaxvmm.checkpoint(lambda x: jnp.sin(jnp.sin(x) * 2),
