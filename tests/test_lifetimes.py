@@ -11,14 +11,20 @@ PRELUDE = textwrap.dedent("""
     import gc, jax, jax.numpy as jnp, numpy as np, jaxvmm
     from jax import lax
     def live():
-        return jaxvmm.engine_stats()["cpu:0"]["tickets_live"]
+        return jaxvmm.engine_stats()[DEV]["tickets_live"]
     def pinned():
-        return jaxvmm.engine_stats()["cpu:0"]["pinned_in_use_bytes"]
+        return jaxvmm.engine_stats()[DEV]["pinned_in_use_bytes"]
 """)
 
 
-def ok(code):
-    r = run_in_subprocess(PRELUDE + textwrap.dedent(code), env={"JAX_PLATFORMS": "cpu"}, timeout=240)
+def ok(code, device="cpu"):
+    """Runs ``code`` after PRELUDE in a fresh process whose default device is ``device`` ("cpu" or
+    "cuda:0", named ``DEV`` there as its key in engine_stats()); it must print OK. ``SORTS``: how many
+    sorts of 2M floats there take 0.1-1 s (a window between an offload and its reload)."""
+    dev = {"cpu": "cpu:0"}.get(device, device)
+    env = {"JAX_PLATFORMS": "cpu" if dev == "cpu:0" else "cuda"}
+    head = f"DEV = {dev!r}\nSORTS = {6 if dev == 'cpu:0' else 400}\n"
+    r = run_in_subprocess(head + PRELUDE + textwrap.dedent(code), env=env, timeout=240)
     assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert "OK" in r.stdout, r.stdout
 
@@ -46,7 +52,7 @@ def test_ticket_reloaded_in_one_cond_branch_is_freed_when_unreachable():
     """)
 
 
-def test_collect_waits_for_a_dropped_computation_that_still_reloads_its_ticket():
+def test_collect_waits_for_a_dropped_computation_that_still_reloads_its_ticket(platform_device):
     """A computation whose outputs were all dropped may still be between an offload and its reload when
     collect() runs: the ticket's token lives only inside it, and collect() must wait for it rather
     than free the ticket under the reload."""
@@ -56,8 +62,7 @@ def test_collect_waits_for_a_dropped_computation_that_still_reloads_its_ticket()
         def body(x):
             t = jaxvmm.offload(x)
             y = x + (t.token[0] * 0).astype(x.dtype)   # after the offload
-            for _ in range(6):
-                y = jnp.sort(y * 1.0001)               # hundreds of ms between the offload and the reload
+            y = lax.fori_loop(0, SORTS, lambda i, y: jnp.sort(y * 1.0001), y)  # 0.1-1 s to the reload
             dep = (y[0] * 0).astype(jnp.uint32)         # the reload comes after the sorts
             return jaxvmm.reload(Ticket(t.token + dep, t.shape, t.dtype)) + 0 * y
         f = jax.jit(body)
@@ -66,31 +71,29 @@ def test_collect_waits_for_a_dropped_computation_that_still_reloads_its_ticket()
         assert np.array_equal(np.asarray(f(x)), want)
         jaxvmm.synchronize()
         for _ in range(3):
-            before = jaxvmm.engine_stats()["cpu:0"]
+            before = jaxvmm.engine_stats()[DEV]
             f(x)                                        # dropped at once
             deadline = time.monotonic() + 60
-            while jaxvmm.engine_stats()["cpu:0"]["offloads"] == before["offloads"]:
+            while jaxvmm.engine_stats()[DEV]["offloads"] == before["offloads"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.001)
             jaxvmm.collect()                            # the offload ran; its reload has not
-            after = jaxvmm.engine_stats()["cpu:0"]
+            after = jaxvmm.engine_stats()[DEV]
             assert after["reloads"] == before["reloads"] + 1, (before, after)
             assert live() == 0, live()
             jaxvmm.check()
         print("OK")
-    """)
+    """, platform_device)
 
 
-def test_ticket_dropped_by_python_outlives_a_dropped_computation_that_reloads_it():
+def test_ticket_dropped_by_python_outlives_a_dropped_computation_that_reloads_it(platform_device):
     """A Ticket passed to a computation whose outputs were all dropped, then dropped by Python: the
     computation still reloads it, so it must stay alive until that computation has finished."""
     ok("""
         import time
         from jaxvmm.ops import Ticket
         def body(tok, x):
-            y = x
-            for _ in range(6):
-                y = jnp.sort(y * 1.0001)               # hundreds of ms before the reload
+            y = lax.fori_loop(0, SORTS, lambda i, y: jnp.sort(y * 1.0001), x)  # 0.1-1 s before the reload
             dep = (y[0] * 0).astype(jnp.uint32)
             return jaxvmm.reload(Ticket(tok + dep, x.shape, x.dtype)) + 0 * y
         f = jax.jit(body)
@@ -100,17 +103,17 @@ def test_ticket_dropped_by_python_outlives_a_dropped_computation_that_reloads_it
         for _ in range(3):
             t = jaxvmm.offload(x)
             jaxvmm.synchronize()
-            before = jaxvmm.engine_stats()["cpu:0"]
+            before = jaxvmm.engine_stats()[DEV]
             f(t.token, x)                               # dropped at once; it reloads t
             del t
             jaxvmm.check()                              # a jaxvmm call: tickets whose tokens died are handled
             jaxvmm.synchronize()
-            after = jaxvmm.engine_stats()["cpu:0"]
+            after = jaxvmm.engine_stats()[DEV]
             assert after["reloads"] == before["reloads"] + 1 and after["drops"] == before["drops"], (before, after)
             assert live() == 0, live()
             jaxvmm.check()
         print("OK")
-    """)
+    """, platform_device)
 
 
 def test_dropped_vjp_fn_frees_its_tickets_and_a_kept_one_keeps_them():
