@@ -187,7 +187,16 @@ def _cached_values(token):
         return v or []
 
 
-def _collect() -> None:
+def _collect(wait: bool = False) -> None:
+    """Hands the tickets of tokens that died to their engines once their barrier is ready (see
+    ffi/DESIGN.md, *Lifetimes*); with ``wait``, first blocks until the barriers of those that died
+    before this call are ready."""
+    if wait:
+        with _lock:
+            barriers = [r() for entry in _dying for r in entry[1]]
+        for a in barriers:
+            if a is not None and not a.is_deleted():
+                a.block_until_ready()
     with _lock:
         dead = []
         for key in list(_tracked):
@@ -657,7 +666,7 @@ def synchronize() -> None:
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
     for _ in range(3):  # a drop can release the last reference that kept another token alive
-        _collect()
+        _collect(wait=True)
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
 

@@ -390,6 +390,7 @@ def test_cells_of_a_site_never_captured_go_back_when_idle(platform_device):
         def mapped():
             jaxvmm.synchronize()
             return lib.engine_stats({t.backend!r}, {t.ordinal})["graph_mapped_bytes"]
+        jaxvmm.synchronize()  # its first call compiles a fence per device: longer than the idle timeout
         with Replay({platform_device!r}) as r:
             r.prepare(1 << 40, r.OFFLOAD, {N})
             r.prepare((1 << 40) + 1, r.RELOAD, {N})

@@ -330,16 +330,17 @@ def _slow_roundtrip(x):
 
 def test_synchronize_waits_for_a_computation_whose_outputs_were_dropped():
     x = jnp.asarray(np.random.default_rng(4).standard_normal((1 << 20,)).astype(np.float32))
+    key = dkey(jax.devices()[0])  # where _slow_roundtrip runs: cpu:0 in CI, cuda:0 on a GPU runner
     _slow_roundtrip(x).block_until_ready()  # compiled, engine warm
-    before = estats()
+    before = estats(key)
     _slow_roundtrip(x)  # the result is dropped at once
     try:
         jaxvmm.synchronize()
-        after = jaxvmm.engine_stats()[dkey()]
-        assert after["offloads"] - before["offloads"] == 1
+        after = jaxvmm.engine_stats()[key]  # read as synchronize() left it
+        assert after["offloads"] - before["offloads"] == 1 and after["reloads"] - before["reloads"] == 1
     finally:  # let the computation finish before the next test counts
         deadline = time.monotonic() + 30
-        while jaxvmm.engine_stats()[dkey()]["reloads"] == before["reloads"] and time.monotonic() < deadline:
+        while jaxvmm.engine_stats()[key]["reloads"] == before["reloads"] and time.monotonic() < deadline:
             time.sleep(0.01)
 
 
