@@ -13,7 +13,7 @@ gpu_suites remat
 JAXVMM_REQUIRE_GPU=1 gpu_tests fixed 150 tests/test_lifetimes.py tests/test_graph.py -k "never_captured_go_back or dropped"
 JAXVMM_REQUIRE_GPU=1 ring_tests
 JAXVMM_REQUIRE_GPU=1 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE gpu_tests graph_while 320 tests/test_graph.py tests/test_graph_xla.py
-for spec in ${TRIALS:-"jaxvmm-hidden:29 jaxvmm-hidden:30 jaxvmm-dots:27 jaxvmm-dots:28"}; do
+for spec in ${TRIALS:-jaxvmm-hidden:29 jaxvmm-hidden:30 jaxvmm-dots:27 jaxvmm-dots:28}; do
   (( SECONDS - T0 > ${STOP_AT:-560} )) && break
   capacity_trial "${spec/:/_}" "${spec%%:*}" "${spec##*:}"
 done
