@@ -25,22 +25,47 @@ from ._native import lib
 
 _sites = itertools.count(1)
 _SITE_LINES: "collections.OrderedDict[int, str]" = collections.OrderedDict()  # site -> "op at file:line (fn)"
+_eager_sites: "collections.OrderedDict[tuple, int]" = collections.OrderedDict()  # (op, line, key) -> site
 _MAX_SITES = 1 << 14
 _OWN = (os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep, os.sep + "jaxvmm" + os.sep, os.sep + "flax" + os.sep)
 
 
-def _new_site(op: str) -> int:
-    """A new call-site number, remembered with the first user frame that made it (errors name it)."""
-    n = next(_sites)
+def _new_site(op: str, eager_key=None) -> int:
+    """A call-site number, remembered with the first user frame that made it (errors name it).
+
+    A traced call gets a new number (one per trace: the number is an attribute, which also keeps XLA
+    from merging two offloads of one value). An eager call (``eager_key``: the call's shape, dtype and
+    placement) runs as a one-op program with the number among its attributes: it reuses the number of
+    the calls from the same source line with the same key, so that program compiles once rather than
+    at every call."""
     f = sys._getframe(1)
     while f is not None and (any(o in f.f_code.co_filename for o in _OWN) or f.f_code.co_filename.startswith("<")):
         f = f.f_back
     where = f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})" if f is not None else "unknown"
     with _lock:
+        key = (op, where, eager_key)
+        n = _eager_sites.get(key) if eager_key is not None else None
+        if n is None:
+            n = next(_sites)
+            if eager_key is not None:
+                _eager_sites[key] = n
+                if len(_eager_sites) > _MAX_SITES:
+                    _eager_sites.popitem(last=False)
+        else:
+            _eager_sites.move_to_end(key)
         _SITE_LINES[n] = f"{op} at {where}"
+        _SITE_LINES.move_to_end(n)
         if len(_SITE_LINES) > _MAX_SITES:
             _SITE_LINES.popitem(last=False)
     return n
+
+
+def _eager_key(*arrays):
+    """What an eager call's one-op program is compiled for, besides its attributes (see _new_site);
+    None when any of ``arrays`` is traced (inside jit, vmap, grad: a new site each call)."""
+    if any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return None
+    return tuple((tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None))) for a in arrays)
 
 
 def _name_sites(msg: str) -> str:
@@ -380,10 +405,11 @@ def offload(x) -> Ticket:
     mesh = _mesh_for(x)
     try:
         v = x if wide == x.dtype else x.astype(wide)
+        site = _new_site("offload", _eager_key(v))
         if mesh is not None:  # sharded over several devices under plain jit: each device offloads its shard
-            token = _offload_sharded(v, _signature(x.shape, x.dtype), _new_site("offload"), mesh)
+            token = _offload_sharded(v, _signature(x.shape, x.dtype), site, mesh)
         else:
-            token = _offload(v, _signature(x.shape, x.dtype), _new_site("offload"))
+            token = _offload(v, _signature(x.shape, x.dtype), site)
     except jax.errors.JaxRuntimeError as e:  # eager: the handler's error, as the jaxvmm error it is
         raise _translate(e) from e
     return Ticket(token, x.shape, x.dtype, mesh is not None)
@@ -575,12 +601,12 @@ def reload(ticket: Ticket, *, after=None) -> jax.Array:
     _collect()
     wide = _storage_dtype(ticket.dtype)  # sub-byte dtypes travel widened (see _storage_dtype)
     try:
+        site = _new_site("reload", _ticket_key(ticket))
         if ticket.sharded:  # sharded under plain jit: each device reloads its own shard
-            y = _sharded.reload(ticket.token, ticket.shape, wide, _signature(ticket.shape, ticket.dtype),
-                                _new_site("reload"))
+            y = _sharded.reload(ticket.token, ticket.shape, wide, _signature(ticket.shape, ticket.dtype), site)
         else:
             y = jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, wide), vmap_method="sequential")(
-                ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(_new_site("reload")))
+                ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(site))
     except Exception as e:
         for tgt, v in reserved:  # the eager reload never ran: the ticket may be reloaded again
             lib.engine_unreserve(tgt.backend, tgt.ordinal, v)
@@ -593,6 +619,12 @@ def reload(ticket: Ticket, *, after=None) -> jax.Array:
 _after = after  # reload's keyword argument shadows the name
 
 
+def _ticket_key(ticket: Ticket):
+    """_eager_key of a ticket's token, with the shape and dtype it reloads to."""
+    key = _eager_key(ticket.token)
+    return None if key is None else key + ((tuple(ticket.shape), str(ticket.dtype), ticket.sharded),)
+
+
 def prefetch(ticket: Ticket) -> Ticket:
     """Hint: start bringing ``ticket``'s data back to the device now (at this point of the program).
 
@@ -601,11 +633,11 @@ def prefetch(ticket: Ticket) -> Ticket:
     _posix_ready()
     _check_ticket(ticket, "prefetch", reserve=False)
     try:
+        site = _new_site("prefetch", _ticket_key(ticket))
         if ticket.sharded:
-            token = _sharded.prefetch(ticket.token, _new_site("prefetch"))
+            token = _sharded.prefetch(ticket.token, site)
         else:
-            token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(
-                ticket.token, site=np.int64(_new_site("prefetch")))
+            token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(ticket.token, site=np.int64(site))
     except jax.errors.JaxRuntimeError as e:
         raise _translate(e) from e
     return Ticket(token, ticket.shape, ticket.dtype, ticket.sharded)

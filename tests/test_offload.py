@@ -1124,6 +1124,46 @@ def test_configure_returns_values_in_force():
     assert jaxvmm.configure() == cur
 
 
+def test_eager_calls_from_one_line_compile_once(platform_device):
+    """Outside jit each offload/reload/prefetch runs as a one-op program whose attributes include its
+    call-site number: a call from the same source line with the same shape, dtype and device reuses its
+    number, so the program compiles once, not at every call (it cost a compile per call, ~10 ms on cpu,
+    and on a GPU a new graph-mode channel and a drain of pending rounds each). Another shape, another
+    line: another site."""
+    from jax import monitoring
+    compiles = []
+
+    def listen(event, *a, **k):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        _eager_round_trips(platform_device, compiles)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+
+
+def _eager_round_trips(platform_device, compiles):
+    xs = [put(random_array((4, 257), np.float32, seed=90 + i), platform_device) for i in range(12)]
+    other = put(random_array((3, 5), np.float32, seed=99), platform_device)
+
+    def roundtrip(x):
+        return jaxvmm.reload(jaxvmm.prefetch(jaxvmm.offload(x)))
+
+    assert_bits_equal(roundtrip(xs[0]), np.asarray(xs[0]))  # compiles each op once
+    n0 = len(compiles)
+    for x in xs[1:]:
+        assert_bits_equal(roundtrip(x), np.asarray(x))
+    assert len(compiles) == n0, f"{len(compiles) - n0} compiles in {len(xs) - 1} eager round trips"
+    assert_bits_equal(roundtrip(other), np.asarray(other))  # another shape: its own programs
+    assert len(compiles) > n0
+    t1, t2 = jaxvmm.offload(xs[0]), jaxvmm.offload(xs[1])  # one line each: two sites
+    assert_bits_equal(jaxvmm.reload(t2), np.asarray(xs[1]))
+    assert_bits_equal(jaxvmm.reload(t1), np.asarray(xs[0]))
+    jaxvmm.check()
+
+
 # ---------------------------------------------------------------------------------------------------
 # prefetch
 # ---------------------------------------------------------------------------------------------------
