@@ -161,12 +161,19 @@ class Ticket:
 # values get copied (a jit that passes a ticket through returns a new token array with the same value),
 # and jit dispatch is asynchronous (a reload may not have reached the engine yet), so a value is
 # dropped only when (1) no token array that jaxvmm has seen in a Ticket is alive anywhere (CPython
-# refcount: only this registry holds it), (2) every computation in flight when it died has finished,
-# and (3) no live tracked token holds the same value.
+# refcount: only this registry holds it), (2) every computation dispatched before it died has finished
+# (its barrier: a fence per device, see _fences), and (3) no holder holds the same value. Holders are
+# the live tracked tokens and the dead ones whose barrier is not ready yet (copies of them may still
+# be on their way). A holder's values are read once it is ready; while one is not (a copy on its way,
+# whose source may have died since), every drop waits, since it may hold any value. A holder deleted
+# before it was read (donated) holds nothing jaxvmm can see: what a donating computation returns is
+# tracked and read in its turn; what it does not return is found by collect().
 _lock = threading.RLock()
 _tracked: dict[int, jax.Array] = {}  # id -> token array seen in a concrete Ticket (strong reference)
-_values: dict[int, list] = {}  # id -> [(device, uint64 values)], read once the array is ready
-_dying: list[tuple[jax.Array, list]] = []  # (dead token array, arrays in flight when it died)
+_values: dict[int, list] = {}  # id -> [(device, uint64 values)] of a holder, read once it was ready
+_unread: set[int] = set()  # ids of holders whose values are not read yet (ids only: no extra reference)
+_held: collections.Counter = collections.Counter()  # (device, value) -> how many holders' values have it
+_dying: list[tuple[jax.Array, list]] = []  # (dead token array, its barrier: fences, one per device)
 _kept: set[int] = set()  # ids of tracked token arrays whose tickets _keep marked kept
 
 
@@ -185,9 +192,32 @@ def _refcount_when_unreferenced() -> int:
 _UNREFERENCED = _refcount_when_unreferenced()
 
 
+def _finished(a) -> bool:
+    """Whether ``a`` needs no more waiting for: gone, deleted (donated), or ready (its computation
+    finished, failed included). Another thread may delete it between the two checks."""
+    if a is None:
+        return True
+    try:
+        return a.is_deleted() or a.is_ready()
+    except Exception:  # noqa: BLE001  (deleted in between: "Array has been deleted")
+        return True
+
+
+def _wait_quietly(a) -> None:
+    """Blocks until ``a`` is finished (see _finished). A failed computation's error is its array's, raised
+    where that array is used, not here."""
+    try:
+        if a is not None and not a.is_deleted():
+            a.block_until_ready()
+    except Exception:  # noqa: BLE001  (failed, or deleted by another thread meanwhile)
+        pass
+
+
 def _track(token) -> None:
     with _lock:
-        _tracked.setdefault(id(token), token)
+        if id(token) not in _tracked:
+            _tracked[id(token)] = token
+            _unread.add(id(token))
     _collect()
 
 
@@ -200,62 +230,82 @@ def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
         host = (host.view(np.uint32) if host.dtype == np.float32 else host.astype(np.uint32)).reshape(-1, 2)
         vals = host.view(np.uint64).reshape(-1)
         # A sharded ticket's block repeats its device's ticket in every cell: each value once.
-        out.append((shard.device, vals if len(vals) <= 1 else np.array(list(dict.fromkeys(vals.tolist())), np.uint64)))
+        out.append((shard.device, vals if len(vals) <= 1 else np.unique(vals)))
     return out
 
 
-def _cached_values(token):
-    with _lock:
-        v = _values.get(id(token))
-        if v is None and not token.is_deleted():
-            v = _values[id(token)] = _token_values(token)
-        return v or []
+def _read_holders() -> bool:
+    """Reads the values of every holder that is ready now (call with _lock held). Returns whether all
+    holders' values are known (a holder deleted unread counts as holding nothing)."""
+    known = True
+    dying = {id(token): token for token, _ in _dying}
+    for key in list(_unread):
+        token = _tracked.get(key)
+        if token is None:
+            token = dying.get(key)
+        if token is not None and not _finished(token):
+            known = False
+            continue
+        _unread.discard(key)
+        if token is None:
+            continue
+        try:
+            vals = [(d, int(v)) for d, vs in _token_values(token) for v in vs]
+        except Exception:  # noqa: BLE001  (deleted, by donation, before it could be read)
+            continue
+        _values[key] = vals
+        _held.update(vals)
+    return known
+
+
+def _forget(key: int) -> list:
+    """A holder is no longer one: its values leave _held; returns them (call with _lock held)."""
+    _unread.discard(key)
+    vals = _values.pop(key, [])
+    _held.subtract(vals)
+    for v in vals:
+        if _held[v] <= 0:
+            del _held[v]
+    return vals
 
 
 def _collect(wait: bool = False) -> None:
-    """Hands the tickets of tokens that died to their engines once their barrier is ready (see
-    ffi/DESIGN.md, *Lifetimes*); with ``wait``, first blocks until the barriers of those that died
-    before this call are ready."""
+    """Hands the tickets of tokens that died to their engines once nothing can reload them any more
+    (see the rules above and ffi/DESIGN.md, *Lifetimes*); with ``wait``, first blocks until the
+    barriers of those that died before this call are ready and every holder is."""
     if wait:
         with _lock:
-            barriers = [r() for entry in _dying for r in entry[1]]
-        for a in barriers:
-            if a is not None and not a.is_deleted():
-                a.block_until_ready()
+            dying = {id(token): token for token, _ in _dying}
+            pending = [r() for entry in _dying for r in entry[1]]
+            pending += [_tracked.get(key, dying.get(key)) for key in _unread]
+        for a in pending:
+            _wait_quietly(a)
     with _lock:
         dead = []
         for key in list(_tracked):
             token = _tracked[key]
             if sys.getrefcount(token) <= _UNREFERENCED:  # only this registry holds it
-                dead.append(_tracked.pop(key))
-                _kept.discard(key)
+                dead.append(key)
             del token
         if dead:
-            # The barrier: every computation dispatched so far (one may still reload a dying token, its
-            # outputs dropped or not). Weak references to the live arrays in flight: the barrier must
-            # not keep arrays (tracked tokens among them) alive; the fences are the barrier's own.
-            inflight = [weakref.ref(a) for a in _live_arrays() if not (a.is_deleted() or a.is_ready())]
-            inflight += [(lambda f=f: f) for f in _fences()]
-            _dying.extend((t, inflight) for t in dead)
+            # The barrier first (should it fail, the dead stay tracked and are found again next time):
+            # the fences, and weak references to the live arrays in flight (the barrier must not keep
+            # arrays, tracked tokens among them, alive): on the cpu platform a fence is ordered only
+            # after the computations its own thread dispatched.
+            barrier = [weakref.ref(a) for a in _live_arrays() if not _finished(a)]
+            barrier += [(lambda f=f: f) for f in _fences()]
+            for key in dead:
+                _dying.append((_tracked.pop(key), barrier))
+                _kept.discard(key)
         if not _dying:
             return
-        done = lambda a: a is None or a.is_deleted() or a.is_ready()  # noqa: E731
-        ready = [entry for entry in _dying if done(entry[0]) and all(done(r()) for r in entry[1])]
-        if not ready:
+        ready = [entry for entry in _dying if _finished(entry[0]) and all(_finished(r()) for r in entry[1])]
+        if not ready or not _read_holders():
             return
-        # Values still held by live tokens. A live token that is not ready yet comes from a computation
-        # dispatched after the dying token's barrier was taken; it can only copy a value that some
-        # other live token holds, and that one is counted here.
-        live = {(d, int(v)) for t in _tracked.values() if done(t) for d, vals in _cached_values(t) for v in vals}
-        # By identity: list.remove compares with ==, which for two entries holding different token
-        # arrays of one shape is an array comparison (ValueError: ambiguous truth value).
-        taken = {id(entry) for entry in ready}
+        taken = {id(entry) for entry in ready}  # by identity: == on token arrays compares them
         _dying[:] = [entry for entry in _dying if id(entry) not in taken]
-        drops = []
-        for token, _ in ready:
-            for device, vals in _cached_values(token):  # token values are per device
-                drops.extend((device, int(v)) for v in vals if (device, int(v)) not in live)
-            _values.pop(id(token), None)
+        freed = {v for token, _ in ready for v in _forget(id(token))}
+        drops = [v for v in freed if _held[v] <= 0]
     for device, v in drops:
         tgt = target_of(device)
         lib.engine_drop(tgt.backend, tgt.ordinal, v)
@@ -666,14 +716,16 @@ def _fences() -> list:
     """A trivial computation dispatched now on each of this process's devices. jax runs a device's
     computations in the order they were dispatched, so each is ready only after every computation
     dispatched before it on its device, one whose outputs were all dropped (no live array leads to it)
-    included."""
+    included. On the cpu platform that order holds per dispatching thread only (a fence does not wait
+    for a computation another thread dispatched): the live arrays not ready yet cover those."""
     out = []
-    for platform in ("cpu", "gpu"):
-        try:
-            devices = jax.local_devices(backend=platform)
-        except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
-            continue
-        out += [_fence(d)() for d in devices]
+    with jax.disable_jit(False):  # under jax.disable_jit() a compiled program refuses to run
+        for platform in ("cpu", "gpu"):
+            try:
+                devices = jax.local_devices(backend=platform)
+            except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
+                continue
+            out += [_fence(d)() for d in devices]
     return out
 
 
@@ -694,23 +746,28 @@ def synchronize() -> None:
     discarded included, then until every offload/reload enqueued so far has completed and jaxvmm's
     workers are idle. Tickets whose tokens never reach Python are freed by :func:`collect`, which
     reads every live token array (kept out of this call, which benchmarks and tests use on hot paths)."""
+    _settle()
+    for backend, device in lib.engine_devices():
+        lib.engine_sync(backend, device)
+
+
+def _settle() -> None:
+    """Waits for every computation dispatched so far and the engines, then hands the engines the
+    tickets of every token that died before (see _collect)."""
     _drain_dispatched()
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
     for _ in range(3):  # a drop can release the last reference that kept another token alive
         _collect(wait=True)
-    for backend, device in lib.engine_devices():
-        lib.engine_sync(backend, device)
 
 
 def _drain_dispatched() -> None:
     """Wait for every computation dispatched so far on this process's devices, including one whose
-    outputs were all dropped (see _fences)."""
+    outputs were all dropped (see _fences; on the cpu platform, one that this thread dispatched)."""
     for a in _live_arrays():  # transfers (device_put) run outside the devices' order of computations
-        if not a.is_deleted():
-            a.block_until_ready()
+        _wait_quietly(a)
     for f in _fences():
-        f.block_until_ready()
+        _wait_quietly(f)
 
 
 def _is_token_array(a) -> bool:
@@ -718,26 +775,34 @@ def _is_token_array(a) -> bool:
     return a.dtype in (jnp.uint32, jnp.float32) and a.ndim >= 1 and a.shape[-1] == 2 and not a.is_deleted()
 
 
-def _sweep_unreachable() -> int:
-    """Drops every ticket no live jax array holds. Call only with no computation in flight
-    (synchronize() and collect() drain them first)."""
-    issued = {}
-    for backend, device in lib.engine_devices():
-        issued[(backend, device)] = int(lib.engine_stats(backend, device)["seq_issued"])
+def _sweep_unreachable(issued: dict) -> int:
+    """Drops every ticket issued by ``issued[(backend, device)]`` (sequence numbers read before the
+    computations in flight were drained) that no reload consumed and no live jax array holds. Reads
+    token-like arrays only when such a ticket exists."""
+    candidates = {}
+    for (backend, device), last in issued.items():
+        mine = [int(token) for token, seq in lib.engine_unclaimed_tickets(backend, device) if seq <= last]
+        if mine:
+            candidates[(backend, device)] = np.array(mine, np.uint64)
+    if not candidates:
+        return 0
     held = set()
     for a in _live_arrays():
         try:
-            if _is_token_array(a):
-                for dev, vals in _token_values(a):
-                    tgt = target_of(dev)
-                    held.update((tgt.backend, tgt.ordinal, int(v)) for v in vals)
-        except Exception:  # deleted (donated) between the check and the read: it holds nothing any more
+            if not _is_token_array(a):
+                continue
+            for dev, vals in _token_values(a):
+                tgt = target_of(dev)
+                mine = candidates.get((tgt.backend, tgt.ordinal))
+                if mine is not None:
+                    held.update((tgt.backend, tgt.ordinal, int(v)) for v in mine[np.isin(mine, vals)])
+        except Exception:  # noqa: BLE001  (deleted (donated) between the check and the read: it holds nothing any more)
             continue
     dropped = 0
-    for (backend, device), last in issued.items():
-        for token, seq in lib.engine_unclaimed_tickets(backend, device):
-            if seq <= last and (backend, device, int(token)) not in held:
-                lib.engine_drop(backend, device, int(token))
+    for (backend, device), mine in candidates.items():
+        for token in mine.tolist():
+            if (backend, device, token) not in held:
+                lib.engine_drop(backend, device, token)
                 dropped += 1
     return dropped
 
@@ -755,10 +820,19 @@ def collect() -> int:
     host memory constant; it waits for the computations in flight and reads every live token array, so it
     is not free. A token copied out of jax (to numpy, or to another
     process) is not seen: keep tickets in jax arrays. Returns how many tickets were dropped."""
+    # Only tickets issued before the call: once the computations dispatched so far have finished, so
+    # has every computation that issued one of them (its reload of it included). One issued while this
+    # waits may come from a computation another thread dispatched meanwhile, still running: the next
+    # call judges it. (On the cpu platform a fence waits only for its own thread's computations, and
+    # another thread's computation may issue a ticket before its output is a live array: the second
+    # drain waits for that output.)
+    issued = {(backend, device): int(lib.engine_stats(backend, device)["seq_issued"])
+              for backend, device in lib.engine_devices()}
+    _settle()
     _drain_dispatched()
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
-    n = _sweep_unreachable()
+    n = _sweep_unreachable(issued)
     for backend, device in lib.engine_devices():
         lib.engine_sync(backend, device)
     return n
