@@ -269,17 +269,22 @@ def _forget(key: int) -> list:
     return vals
 
 
+def _wait_for_pending() -> None:
+    """Blocks until the barriers of the dying tokens and every holder not read yet are finished."""
+    with _lock:
+        dying = {id(token): token for token, _ in _dying}
+        pending = [r() for entry in _dying for r in entry[1]]
+        pending += [_tracked.get(key, dying.get(key)) for key in _unread]
+    for a in pending:
+        _wait_quietly(a)
+
+
 def _collect(wait: bool = False) -> None:
     """Hands the tickets of tokens that died to their engines once nothing can reload them any more
     (see the rules above and ffi/DESIGN.md, *Lifetimes*); with ``wait``, first blocks until the
     barriers of those that died before this call are ready and every holder is."""
     if wait:
-        with _lock:
-            dying = {id(token): token for token, _ in _dying}
-            pending = [r() for entry in _dying for r in entry[1]]
-            pending += [_tracked.get(key, dying.get(key)) for key in _unread]
-        for a in pending:
-            _wait_quietly(a)
+        _wait_for_pending()  # its own frame: no reference to a tracked token outlives it
     with _lock:
         dead = []
         for key in list(_tracked):

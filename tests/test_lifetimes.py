@@ -269,6 +269,27 @@ def test_a_failed_computation_does_not_make_synchronize_raise():
     """)
 
 
+def test_synchronize_frees_a_ticket_python_dropped_before_it(platform_device):
+    """After del and synchronize() the engine itself (read without a jaxvmm call that would collect
+    again) holds no ticket: synchronize()'s own waiting must not keep the dead token referenced."""
+    ok("""
+        from jaxvmm._native import lib
+        from jaxvmm._devices import target_of
+        tgt = target_of(DEV)
+        x = jnp.ones((3, 1001), jnp.float32)
+        f = jax.jit(jaxvmm.offload)
+        for _ in range(3):
+            t = f(x)
+            jax.block_until_ready(t.token)
+            jaxvmm.synchronize()
+            assert lib.engine_stats(tgt.backend, tgt.ordinal)["tickets_live"] == 1
+            del t
+            jaxvmm.synchronize()
+            assert lib.engine_stats(tgt.backend, tgt.ordinal)["tickets_live"] == 0
+        print("OK")
+    """, platform_device)
+
+
 def test_dropped_vjp_fn_frees_its_tickets_and_a_kept_one_keeps_them():
     ok("""
         layer = jaxvmm.checkpoint(lambda x: jnp.sin(jnp.sin(x) * 2),
