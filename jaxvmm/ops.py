@@ -162,7 +162,8 @@ class Ticket:
 # and jit dispatch is asynchronous (a reload may not have reached the engine yet), so a value is
 # dropped only when (1) no token array that jaxvmm has seen in a Ticket is alive anywhere (CPython
 # refcount: only this registry holds it), (2) every computation dispatched before it died has finished
-# (its barrier: a fence per device, see _fences), and (3) no holder holds the same value. Holders are
+# (its barrier: a fence per device, see _fences, and the live arrays in flight then), and (3) no holder
+# holds the same value. Holders are
 # the live tracked tokens and the dead ones whose barrier is not ready yet (copies of them may still
 # be on their way). A holder's values are read once it is ready; while one is not (a copy on its way,
 # whose source may have died since), every drop waits, since it may hold any value. A holder deleted
@@ -173,7 +174,7 @@ _tracked: dict[int, jax.Array] = {}  # id -> token array seen in a concrete Tick
 _values: dict[int, list] = {}  # id -> [(device, uint64 values)] of a holder, read once it was ready
 _unread: set[int] = set()  # ids of holders whose values are not read yet (ids only: no extra reference)
 _held: collections.Counter = collections.Counter()  # (device, value) -> how many holders' values have it
-_dying: list[tuple[jax.Array, list]] = []  # (dead token array, its barrier: fences, one per device)
+_dying: list[tuple[jax.Array, list]] = []  # (dead token array, its barrier: callables giving arrays)
 _kept: set[int] = set()  # ids of tracked token arrays whose tickets _keep marked kept
 
 
