@@ -163,17 +163,19 @@ class Ticket:
 # dropped only when (1) no token array that jaxvmm has seen in a Ticket is alive anywhere (CPython
 # refcount: only this registry holds it), (2) every computation dispatched before it died has finished
 # (its barrier: a fence per device, see _fences, and the live arrays in flight then), and (3) no holder
-# holds the same value. Holders are
-# the live tracked tokens and the dead ones whose barrier is not ready yet (copies of them may still
-# be on their way). A holder's values are read once it is ready; while one is not (a copy on its way,
-# whose source may have died since), every drop waits, since it may hold any value. A holder deleted
-# before it was read (donated) holds nothing jaxvmm can see: what a donating computation returns is
-# tracked and read in its turn; what it does not return is found by collect().
+# holds the same value. Holders are the live tracked tokens and the dead ones whose barrier is not
+# ready yet (copies of them may still be on their way); a holder's values are read once it is ready.
+# A copy still on its way needs no reading: the token it copies was a holder when it was dispatched
+# and stays one, ready, until it is (alive, or dead with the copy in its barrier). Except where that
+# token was deleted (donated) before it was read: its values went into the donating computation, and
+# until that computation's outputs are ready (the lost holder's own barrier), no value is dropped
+# while any holder is not ready. What a donating computation does not return is found by collect().
 _lock = threading.RLock()
 _tracked: dict[int, jax.Array] = {}  # id -> token array seen in a concrete Ticket (strong reference)
 _values: dict[int, list] = {}  # id -> [(device, uint64 values)] of a holder, read once it was ready
 _unread: set[int] = set()  # ids of holders whose values are not read yet (ids only: no extra reference)
 _held: collections.Counter = collections.Counter()  # (device, value) -> how many holders' values have it
+_lost: dict[int, list] = {}  # id -> barrier of a holder deleted before it was read (see above)
 _dying: list[tuple[jax.Array, list]] = []  # (dead token array, its barrier: callables giving arrays)
 _kept: set[int] = set()  # ids of tracked token arrays whose tickets _keep marked kept
 
@@ -236,16 +238,19 @@ def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
 
 
 def _read_holders() -> bool:
-    """Reads the values of every holder that is ready now (call with _lock held). Returns whether all
-    holders' values are known (a holder deleted unread counts as holding nothing)."""
-    known = True
+    """Reads the values of every holder that is ready now (call with _lock held). Returns False while
+    a holder lost unread (donated) may still have copies on their way and a holder is not ready."""
+    for key, barrier in list(_lost.items()):
+        if all(_finished(r()) for r in barrier):
+            del _lost[key]  # the donating computation's outputs are ready: read below if tracked
+    waiting = False
     dying = {id(token): token for token, _ in _dying}
     for key in list(_unread):
         token = _tracked.get(key)
         if token is None:
             token = dying.get(key)
         if token is not None and not _finished(token):
-            known = False
+            waiting = True
             continue
         _unread.discard(key)
         if token is None:
@@ -253,15 +258,26 @@ def _read_holders() -> bool:
         try:
             vals = [(d, int(v)) for d, vs in _token_values(token) for v in vs]
         except Exception:  # noqa: BLE001  (deleted, by donation, before it could be read)
+            _lost[key] = _barrier()
+            waiting = True
             continue
         _values[key] = vals
         _held.update(vals)
-    return known
+    return not (waiting and _lost)
+
+
+def _barrier() -> list:
+    """What a death (or a loss) waits for: every computation dispatched so far. The fences, and weak
+    references to the live arrays in flight (a barrier must not keep arrays, tracked tokens among
+    them, alive): on the cpu platform a fence is ordered only after its own thread's computations."""
+    barrier = [weakref.ref(a) for a in _live_arrays() if not _finished(a)]
+    return barrier + [(lambda f=f: f) for f in _fences()]
 
 
 def _forget(key: int) -> list:
     """A holder is no longer one: its values leave _held; returns them (call with _lock held)."""
     _unread.discard(key)
+    _lost.pop(key, None)
     vals = _values.pop(key, [])
     _held.subtract(vals)
     for v in vals:
@@ -271,10 +287,11 @@ def _forget(key: int) -> list:
 
 
 def _wait_for_pending() -> None:
-    """Blocks until the barriers of the dying tokens and every holder not read yet are finished."""
+    """Blocks until the barriers of the dying tokens and of the lost holders, and every holder not read
+    yet, are finished."""
     with _lock:
         dying = {id(token): token for token, _ in _dying}
-        pending = [r() for entry in _dying for r in entry[1]]
+        pending = [r() for entry in _dying for r in entry[1]] + [r() for b in _lost.values() for r in b]
         pending += [_tracked.get(key, dying.get(key)) for key in _unread]
     for a in pending:
         _wait_quietly(a)
@@ -294,12 +311,7 @@ def _collect(wait: bool = False) -> None:
                 dead.append(key)
             del token
         if dead:
-            # The barrier first (should it fail, the dead stay tracked and are found again next time):
-            # the fences, and weak references to the live arrays in flight (the barrier must not keep
-            # arrays, tracked tokens among them, alive): on the cpu platform a fence is ordered only
-            # after the computations its own thread dispatched.
-            barrier = [weakref.ref(a) for a in _live_arrays() if not _finished(a)]
-            barrier += [(lambda f=f: f) for f in _fences()]
+            barrier = _barrier()  # first: should it fail, the dead stay tracked and are found next time
             for key in dead:
                 _dying.append((_tracked.pop(key), barrier))
                 _kept.discard(key)
