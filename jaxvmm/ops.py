@@ -244,11 +244,9 @@ def _read_holders() -> bool:
         if all(_finished(r()) for r in barrier):
             del _lost[key]  # the donating computation's outputs are ready: read below if tracked
     waiting = False
-    dying = {id(token): token for token, _ in _dying}
+    holders = _holders()
     for key in list(_unread):
-        token = _tracked.get(key)
-        if token is None:
-            token = dying.get(key)
+        token = holders.get(key)
         if token is not None and not _finished(token):
             waiting = True
             continue
@@ -264,6 +262,11 @@ def _read_holders() -> bool:
         _values[key] = vals
         _held.update(vals)
     return not (waiting and _lost)
+
+
+def _holders() -> dict:
+    """id -> token array of every holder: the tracked tokens and the dying ones (call with _lock held)."""
+    return {**{id(token): token for token, _ in _dying}, **_tracked}
 
 
 def _barrier() -> list:
@@ -290,9 +293,9 @@ def _wait_for_pending() -> None:
     """Blocks until the barriers of the dying tokens and of the lost holders, and every holder not read
     yet, are finished."""
     with _lock:
-        dying = {id(token): token for token, _ in _dying}
+        holders = _holders()
         pending = [r() for entry in _dying for r in entry[1]] + [r() for b in _lost.values() for r in b]
-        pending += [_tracked.get(key, dying.get(key)) for key in _unread]
+        pending += [holders.get(key) for key in _unread]
     for a in pending:
         _wait_quietly(a)
 
@@ -736,27 +739,25 @@ def _fences() -> list:
     dispatched before it on its device, one whose outputs were all dropped (no live array leads to it)
     included. On the cpu platform that order holds per dispatching thread only (a fence does not wait
     for a computation another thread dispatched): the live arrays not ready yet cover those."""
-    out = []
     with jax.disable_jit(False):  # under jax.disable_jit() a compiled program refuses to run
-        for platform in ("cpu", "gpu"):
-            try:
-                devices = jax.local_devices(backend=platform)
-            except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
-                continue
-            out += [_fence(d)() for d in devices]
+        return [_fence(d)() for d in _per_platform(lambda platform: jax.local_devices(backend=platform))]
+
+
+def _per_platform(get) -> list:
+    """``get(platform)`` of every platform jax has, concatenated (cpu and gpu: jax's own calls of that
+    kind see only the default platform, so on a GPU machine they would miss the cpu devices)."""
+    out = []
+    for platform in ("cpu", "gpu"):
+        try:
+            out += get(platform)
+        except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
+            continue
     return out
 
 
 def _live_arrays() -> list:
-    """Live arrays of every platform jax has: ``jax.live_arrays()`` alone sees only the default one, so on a
-    GPU machine it would miss computations that run on the cpu devices."""
-    out = []
-    for platform in ("cpu", "gpu"):
-        try:
-            out += jax.live_arrays(platform)
-        except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
-            continue
-    return out
+    """Live arrays of every platform jax has (see _per_platform)."""
+    return _per_platform(jax.live_arrays)
 
 
 def synchronize() -> None:
@@ -781,11 +782,10 @@ def _settle() -> None:
 
 def _drain_dispatched() -> None:
     """Wait for every computation dispatched so far on this process's devices, including one whose
-    outputs were all dropped (see _fences; on the cpu platform, one that this thread dispatched)."""
-    for a in _live_arrays():  # transfers (device_put) run outside the devices' order of computations
-        _wait_quietly(a)
-    for f in _fences():
-        _wait_quietly(f)
+    outputs were all dropped (see _fences; on the cpu platform, one that this thread dispatched): what
+    a death waits for (_barrier), waited for now."""
+    for r in _barrier():
+        _wait_quietly(r())
 
 
 def _is_token_array(a) -> bool:
