@@ -24,6 +24,7 @@
 #include "host_pool.h"
 #include "ledger.h"
 #include "op_ring.h"
+#include "stat_fields.h"
 #include "staging.h"
 #include "status.h"
 #include "tickets.h"
@@ -40,6 +41,12 @@ struct EngineStats {
   HostStoreKind host_store = HostStoreKind::kPinned;  // the store new offloads draw from
   StagingStats staging;
   GraphStats graph;
+};
+
+// engine_stats() keys of the engine's own (each part's table names the rest).
+inline constexpr StatField<EngineStats> kEngineStatsFields[] = {
+    {"tickets_live", &EngineStats::tickets_live},
+    {"ticket_host_bytes", &EngineStats::ticket_host_bytes},
 };
 
 class Engine {

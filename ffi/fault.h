@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "driver.h"
+#include "stat_fields.h"
 
 namespace jaxvmm {
 
@@ -18,6 +19,14 @@ struct DriverCounters {
   int64_t live_mappings = 0;      // cuMemMap minus cuMemUnmap
   int64_t injected = 0;           // failures returned by armed rules
   std::vector<int64_t> calls;     // per Entry, every call including injected failures
+};
+
+// driver_counters() keys (and calls: per entry).
+inline constexpr StatField<DriverCounters> kDriverCountersFields[] = {
+    {"live_handles", &DriverCounters::live_handles},
+    {"live_reservations", &DriverCounters::live_reservations},
+    {"live_mappings", &DriverCounters::live_mappings},
+    {"injected", &DriverCounters::injected},
 };
 
 // Fail calls of `entry` on backend `b` with `error`: skip the first `nth - 1` calls, then fail `times`

@@ -22,6 +22,7 @@
 #include "host_pool.h"
 #include "ledger.h"
 #include "round_host.h"
+#include "stat_fields.h"
 #include "staging.h"
 #include "status.h"
 #include "transfers.h"
@@ -68,6 +69,42 @@ struct GraphStats {
   // 1 when XLA keeps the order of recorded commands (XLA_FLAGS, read when the engine was made), which
   // those reads rely on; 0 under CONCURRENT scheduling: no offload cell is read.
   int64_t xla_in_order = 1;
+};
+
+// engine_stats() keys after graph_ (kernels_error is not a count: Engine.graph_kernels_error()).
+inline constexpr StatField<GraphStats> kGraphStatsFields[] = {
+    {"channels", &GraphStats::channels},
+    {"prepares", &GraphStats::prepares},
+    {"captures", &GraphStats::captures},
+    {"offload_rounds", &GraphStats::offload_rounds},
+    {"reload_rounds", &GraphStats::reload_rounds},
+    {"hits", &GraphStats::hits},
+    {"misses", &GraphStats::misses},
+    {"mapped_bytes", &GraphStats::mapped_bytes},
+    {"pages_mapped", &GraphStats::pages_mapped},
+    {"pages_returned", &GraphStats::pages_returned},
+    {"kernels", &GraphStats::kernels},
+    {"early_launch", &GraphStats::early_launch},
+    {"grants_device", &GraphStats::grants_device},
+    {"grants_host", &GraphStats::grants_host},
+    {"revokes", &GraphStats::revokes},
+    {"revokes_lost", &GraphStats::revokes_lost},
+    {"cells_host", &GraphStats::host_cells},
+    {"cells", &GraphStats::cells},
+    {"host_fallbacks", &GraphStats::host_fallbacks},
+    {"bounce_copies", &GraphStats::bounce_copies},
+    {"fused_captures", &GraphStats::fused_captures},
+    {"early_captures", &GraphStats::early_captures},
+    {"spares", &GraphStats::spares},
+    {"lends", &GraphStats::lends},
+    {"lent_reads", &GraphStats::lent_reads},
+    {"kept_reads", &GraphStats::kept_reads},
+    {"holds", &GraphStats::holds},
+    {"trades", &GraphStats::trades},
+    {"spare_bytes", &GraphStats::spare_bytes},
+    {"spare_bytes_peak", &GraphStats::spare_bytes_peak},
+    {"offload_cell_reads", &GraphStats::cell_reads},
+    {"xla_in_order", &GraphStats::xla_in_order},
 };
 
 // What graph mode's parts are handed and share, guarded by GraphMode::mu_ (the objects referred to have

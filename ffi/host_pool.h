@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "driver.h"
+#include "stat_fields.h"
 #include "status.h"
 
 namespace jaxvmm {
@@ -62,6 +63,18 @@ struct HostPoolStats {
   int64_t alloc_ns = 0;       // host time spent taking chunks from the driver, in total
   int64_t limit_bytes = 0;
   int64_t chunks = 0;
+};
+
+// engine_stats() keys after the store's prefix (pinned_, host_numa_).
+inline constexpr StatField<HostPoolStats> kHostPoolStatsFields[] = {
+    {"bytes", &HostPoolStats::chunk_bytes},
+    {"in_use_bytes", &HostPoolStats::in_use_bytes},
+    {"peak_in_use_bytes", &HostPoolStats::peak_in_use_bytes},
+    {"window_peak_bytes", &HostPoolStats::window_peak_in_use_bytes},
+    {"allocs", &HostPoolStats::driver_allocs},
+    {"frees", &HostPoolStats::driver_frees},
+    {"alloc_ns", &HostPoolStats::alloc_ns},
+    {"limit_bytes", &HostPoolStats::limit_bytes},
 };
 
 class HostPool {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "host_pool.h"
+#include "stat_fields.h"
 #include "staging.h"
 #include "status.h"
 #include "tickets.h"
@@ -34,6 +35,17 @@ struct LedgerCounts {
   int64_t offloads = 0, reloads = 0, prefetches = 0;
   int64_t prefetch_hits = 0, prefetch_misses = 0;
   int64_t errors = 0, drops = 0;
+};
+
+// engine_stats() keys.
+inline constexpr StatField<LedgerCounts> kLedgerCountsFields[] = {
+    {"offloads", &LedgerCounts::offloads},
+    {"reloads", &LedgerCounts::reloads},
+    {"prefetches", &LedgerCounts::prefetches},
+    {"prefetch_hits", &LedgerCounts::prefetch_hits},
+    {"prefetch_misses", &LedgerCounts::prefetch_misses},
+    {"errors", &LedgerCounts::errors},
+    {"drops", &LedgerCounts::drops},
 };
 
 // Asynchronous errors (found by a worker or the poller after the handler returned). Each is reported

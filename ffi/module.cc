@@ -29,6 +29,7 @@
 #include "sampler.h"
 #include "share.h"
 #include "slot.h"
+#include "stat_fields.h"
 #include "status.h"
 #include "vmm.h"
 
@@ -76,53 +77,23 @@ std::string Hex(uint64_t v) {
   return buf;
 }
 
-nb::dict CountsDict(const SlotCounts& c) {
+// ---- stats dicts, from the field tables next to the stats structs ----
+template <typename T, size_t N>
+void PutFields(nb::dict& d, const T& s, const StatField<T> (&fields)[N], const std::string& prefix = "") {
+  for (const StatField<T>& f : fields) d[(prefix + f.key).c_str()] = f.Get(s);
+}
+
+template <typename T, size_t N>
+nb::dict FieldsDict(const T& s, const StatField<T> (&fields)[N]) {
   nb::dict d;
-  d["slots"] = c.slots;
-  d["reserved_bytes"] = c.reserved_bytes;
-  d["mapped_bytes"] = c.mapped_bytes;
-  d["peak_mapped_bytes"] = c.peak_mapped_bytes;
+  PutFields(d, s, fields);
   return d;
 }
 
-nb::dict InfoDict(const SlotInfo& i) {
-  nb::dict d;
-  d["id"] = i.id;
-  d["backend"] = BackendName(i.backend);
-  d["device"] = i.device;
-  d["location"] = i.location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA ? "host_numa" : "device";
-  d["location_id"] = i.location.id;
-  d["address"] = static_cast<uint64_t>(i.address);
-  d["nbytes"] = i.nbytes;
-  d["size"] = i.size;
-  d["generation"] = i.generation;
-  d["state"] = SlotStateName(i.state);
-  d["mapped"] = i.mapped;
-  d["mapped_bytes"] = i.mapped_bytes;
-  d["last_error"] = i.last_error;
-  d["imported"] = i.imported;
-  d["shareable"] = i.handle_types == CU_MEM_HANDLE_TYPE_NONE ? "" : ShareableName(static_cast<CUmemAllocationHandleType>(i.handle_types));
-  d["views"] = i.views;
-  return d;
-}
-
-nb::dict StatsDict() {
-  RegistryStats s;
-  {
-    nb::gil_scoped_release nogil;
-    s = Registry::Get().Stats();
-  }
-  nb::dict d;
-  d["slots"] = s.slots;
-  d["reserved_bytes"] = s.reserved_bytes;
-  d["mapped_bytes"] = s.mapped_bytes;
-  d["peak_mapped_bytes"] = s.peak_mapped_bytes;
-  d["created"] = s.created;
-  d["closed"] = s.closed;
-  d["releases"] = s.releases;
-  d["remaps"] = s.remaps;
-  d["user"] = CountsDict(s.user);
-  d["internal"] = CountsDict(s.internal);
+nb::dict StatsDict(const RegistryStats& s) {
+  nb::dict d = FieldsDict(s, kRegistryStatsFields);
+  d["user"] = FieldsDict(s.user, kSlotCountsFields);
+  d["internal"] = FieldsDict(s.internal, kSlotCountsFields);
   d["leaked"] = LeakCount();
   int64_t qbytes = 0;
   nb::list q;
@@ -144,16 +115,53 @@ nb::dict StatsDict() {
   d["quarantine"] = q;
   nb::dict devs;
   for (const auto& [key, ds] : s.devices) {
-    nb::dict dd;
-    dd["slots"] = ds.slots;
-    dd["reserved_bytes"] = ds.reserved_bytes;
-    dd["mapped_bytes"] = ds.mapped_bytes;
-    dd["peak_mapped_bytes"] = ds.peak_mapped_bytes;
-    dd["user"] = CountsDict(ds.user);
-    dd["internal"] = CountsDict(ds.internal);
+    nb::dict dd = FieldsDict(ds, kDeviceStatsFields);
+    dd["user"] = FieldsDict(ds.user, kSlotCountsFields);
+    dd["internal"] = FieldsDict(ds.internal, kSlotCountsFields);
     devs[nb::make_tuple(BackendName(static_cast<Backend>(key.first)), key.second)] = dd;
   }
   d["devices"] = devs;
+  return d;
+}
+
+nb::dict EngineStatsDict(const EngineStats& s) {
+  nb::dict d = FieldsDict(s.counts, kLedgerCountsFields);
+  PutFields(d, s, kEngineStatsFields);
+  PutFields(d, s.ring, kRingStatsFields);
+  PutFields(d, s.staging, kStagingStatsFields, "staging_");
+  PutFields(d, s.host, kHostPoolStatsFields, "pinned_");
+  PutFields(d, s.host_numa, kHostPoolStatsFields, "host_numa_");
+  d["host_store"] = HostStoreName(s.host_store);
+  d["host_store_bytes"] = (s.host_store == HostStoreKind::kHostNuma ? s.host_numa : s.host).chunk_bytes;
+  PutFields(d, s.graph, kGraphStatsFields, "graph_");
+  if (!s.ring.offload_sections.empty() || !s.ring.reload_sections.empty()) {  // JAXVMM_RING_PROFILE=1
+    nb::dict off, rel;
+    for (const auto& [name, ns] : s.ring.offload_sections) off[name.c_str()] = ns;
+    for (const auto& [name, ns] : s.ring.reload_sections) rel[name.c_str()] = ns;
+    d["handler_offload_sections_ns"] = off;
+    d["handler_reload_sections_ns"] = rel;
+  }
+  return d;
+}
+
+nb::dict InfoDict(const SlotInfo& i) {
+  nb::dict d;
+  d["id"] = i.id;
+  d["backend"] = BackendName(i.backend);
+  d["device"] = i.device;
+  d["location"] = i.location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA ? "host_numa" : "device";
+  d["location_id"] = i.location.id;
+  d["address"] = static_cast<uint64_t>(i.address);
+  d["nbytes"] = i.nbytes;
+  d["size"] = i.size;
+  d["generation"] = i.generation;
+  d["state"] = SlotStateName(i.state);
+  d["mapped"] = i.mapped;
+  d["mapped_bytes"] = i.mapped_bytes;
+  d["last_error"] = i.last_error;
+  d["imported"] = i.imported;
+  d["shareable"] = i.handle_types == CU_MEM_HANDLE_TYPE_NONE ? "" : ShareableName(static_cast<CUmemAllocationHandleType>(i.handle_types));
+  d["views"] = i.views;
   return d;
 }
 
@@ -399,16 +407,7 @@ NB_MODULE(_jaxvmm, m) {
     }
   });
 
-  m.def("share_stats", [] {
-    ShareStats s = ReadShareStats();
-    nb::dict d;
-    d["exports"] = s.exports;
-    d["imports"] = s.imports;
-    d["imported_slots"] = s.imported_slots;
-    d["views"] = s.views;
-    d["channel_fds"] = s.channel_fds;
-    return d;
-  });
+  m.def("share_stats", [] { return FieldsDict(ReadShareStats(), kShareStatsFields); });
 
   // Seconds per copy of `nbytes` from slot `src_id` to slot `dst_id` (offset 0) on a stream of `device`,
   // one entry per iteration (bench/share_bw.py). Both slots must be mapped and accessible from `device`.
@@ -496,7 +495,14 @@ NB_MODULE(_jaxvmm, m) {
     return id;
   });
 
-  m.def("stats", &StatsDict);
+  m.def("stats", [] {
+    RegistryStats s;
+    {
+      nb::gil_scoped_release nogil;
+      s = Registry::Get().Stats();
+    }
+    return StatsDict(s);
+  });
   m.def("reset_peak", [] { Registry::Get().ResetPeak(); });
   m.def("retry_quarantine", [] {
     nb::gil_scoped_release nogil;
@@ -529,96 +535,7 @@ NB_MODULE(_jaxvmm, m) {
     return e;
   };
   m.def("engine_stats", [engine](const std::string& backend, int device) {
-    EngineStats s = engine(backend, device)->Stats();
-    nb::dict d;
-    d["offloads"] = s.counts.offloads;
-    d["reloads"] = s.counts.reloads;
-    d["prefetches"] = s.counts.prefetches;
-    d["prefetch_hits"] = s.counts.prefetch_hits;
-    d["prefetch_misses"] = s.counts.prefetch_misses;
-    d["tickets_live"] = s.tickets_live;
-    d["ticket_host_bytes"] = s.ticket_host_bytes;
-    d["errors"] = s.counts.errors;
-    d["drops"] = s.counts.drops;
-    d["seq_issued"] = s.ring.seq_issued;
-    d["seq_completed"] = s.ring.seq_completed;
-    d["handler_calls"] = s.ring.handler_calls;
-    d["handler_median_ns"] = s.ring.handler_median_ns;
-    d["handler_p99_ns"] = s.ring.handler_p99_ns;
-    d["handler_offload_median_ns"] = s.ring.offload_median_ns;
-    d["handler_reload_median_ns"] = s.ring.reload_median_ns;
-    if (!s.ring.offload_sections.empty() || !s.ring.reload_sections.empty()) {  // JAXVMM_RING_PROFILE=1
-      nb::dict off, rel;
-      for (const auto& [name, ns] : s.ring.offload_sections) off[name.c_str()] = ns;
-      for (const auto& [name, ns] : s.ring.reload_sections) rel[name.c_str()] = ns;
-      d["handler_offload_sections_ns"] = off;
-      d["handler_reload_sections_ns"] = rel;
-    }
-    d["ring_copy_kernel"] = s.ring.copy_kernel ? 1 : 0;
-    d["staging_budget_bytes"] = s.staging.budget_bytes;
-    d["staging_mapped_bytes"] = s.staging.mapped_bytes;
-    d["staging_peak_bytes"] = s.staging.peak_mapped_bytes;
-    d["staging_cells"] = s.staging.cells;
-    d["staging_acquires"] = s.staging.acquires;
-    d["staging_device_waits"] = s.staging.device_waits;
-    d["staging_host_waits"] = s.staging.host_waits;
-    d["staging_direct_reloads"] = s.staging.direct_reloads;
-    d["staging_pages_mapped"] = s.staging.pages_mapped;
-    d["staging_pages_returned"] = s.staging.pages_returned;
-    d["staging_shared_pages"] = s.staging.shared_pages;
-    d["ops_in_flight"] = s.ring.ops_in_flight;
-    d["pinned_bytes"] = s.host.chunk_bytes;
-    d["pinned_in_use_bytes"] = s.host.in_use_bytes;
-    d["pinned_peak_in_use_bytes"] = s.host.peak_in_use_bytes;
-    d["pinned_window_peak_bytes"] = s.host.window_peak_in_use_bytes;
-    d["staging_window_peak_bytes"] = s.staging.window_peak_mapped_bytes;
-    d["pinned_allocs"] = s.host.driver_allocs;
-    d["pinned_limit_bytes"] = s.host.limit_bytes;
-    d["pinned_alloc_ns"] = s.host.alloc_ns;
-    d["host_numa_bytes"] = s.host_numa.chunk_bytes;
-    d["host_numa_in_use_bytes"] = s.host_numa.in_use_bytes;
-    d["host_numa_peak_in_use_bytes"] = s.host_numa.peak_in_use_bytes;
-    d["host_numa_window_peak_bytes"] = s.host_numa.window_peak_in_use_bytes;
-    d["host_numa_allocs"] = s.host_numa.driver_allocs;
-    d["host_numa_frees"] = s.host_numa.driver_frees;
-    d["host_numa_alloc_ns"] = s.host_numa.alloc_ns;
-    d["host_store"] = HostStoreName(s.host_store);
-    d["host_store_bytes"] = s.host_store == HostStoreKind::kHostNuma ? s.host_numa.chunk_bytes : s.host.chunk_bytes;
-    d["staging_offload_cells"] = s.staging.offload_cells;
-    d["staging_reload_cells"] = s.staging.reload_cells;
-    d["graph_channels"] = s.graph.channels;
-    d["graph_prepares"] = s.graph.prepares;
-    d["graph_captures"] = s.graph.captures;
-    d["graph_offload_rounds"] = s.graph.offload_rounds;
-    d["graph_reload_rounds"] = s.graph.reload_rounds;
-    d["graph_hits"] = s.graph.hits;
-    d["graph_misses"] = s.graph.misses;
-    d["graph_mapped_bytes"] = s.graph.mapped_bytes;
-    d["graph_pages_mapped"] = s.graph.pages_mapped;
-    d["graph_pages_returned"] = s.graph.pages_returned;
-    d["graph_kernels"] = static_cast<int64_t>(s.graph.kernels);
-    d["graph_early_launch"] = static_cast<int64_t>(s.graph.early_launch);
-    d["graph_grants_device"] = s.graph.grants_device;
-    d["graph_grants_host"] = s.graph.grants_host;
-    d["graph_revokes"] = s.graph.revokes;
-    d["graph_revokes_lost"] = s.graph.revokes_lost;
-    d["graph_cells_host"] = s.graph.host_cells;
-    d["graph_host_fallbacks"] = s.graph.host_fallbacks;
-    d["graph_bounce_copies"] = s.graph.bounce_copies;
-    d["graph_cells"] = s.graph.cells;
-    d["graph_fused_captures"] = s.graph.fused_captures;
-    d["graph_early_captures"] = s.graph.early_captures;
-    d["graph_spares"] = s.graph.spares;
-    d["graph_lends"] = s.graph.lends;
-    d["graph_lent_reads"] = s.graph.lent_reads;
-    d["graph_kept_reads"] = s.graph.kept_reads;
-    d["graph_holds"] = s.graph.holds;
-    d["graph_spare_bytes"] = s.graph.spare_bytes;
-    d["graph_spare_bytes_peak"] = s.graph.spare_bytes_peak;
-    d["graph_trades"] = s.graph.trades;
-    d["graph_offload_cell_reads"] = s.graph.cell_reads;
-    d["graph_xla_in_order"] = s.graph.xla_in_order;
-    return d;
+    return EngineStatsDict(engine(backend, device)->Stats());
   });
   // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in
   // engine_stats(), whose values are all integers.
@@ -935,17 +852,11 @@ NB_MODULE(_jaxvmm, m) {
     s.reset();
   });
   m.def("sampler_summary", [sampler](int64_t id) {
-    MemorySamplerSummary m = sampler(id)->Summary();
+    MemorySamplerSummary s = sampler(id)->Summary();
     auto sample = [](const MemorySample& x) { return nb::make_tuple(x.t_ns, x.used, x.mapped, x.internal); };
-    nb::dict d;
-    d["taken"] = m.taken;
-    d["kept"] = m.kept;
-    d["errors"] = m.errors;
-    d["total"] = m.total;
-    d["first"] = sample(m.first);
-    d["peak"] = sample(m.peak);
-    d["peak_mapped"] = m.peak_mapped;
-    d["elapsed_ns"] = m.elapsed_ns;
+    nb::dict d = FieldsDict(s, kSamplerSummaryFields);
+    d["first"] = sample(s.first);
+    d["peak"] = sample(s.peak);
     return d;
   });
   // The ring, oldest first, as raw int64 quadruples (t_ns, used, mapped, internal).
@@ -970,11 +881,7 @@ NB_MODULE(_jaxvmm, m) {
   m.def("fault_clear", [](const std::string& backend) { ClearFaults(ParseBackend(backend)); });
   m.def("fault_counters", [](const std::string& backend) {
     DriverCounters c = ReadCounters(ParseBackend(backend));
-    nb::dict d;
-    d["live_handles"] = c.live_handles;
-    d["live_reservations"] = c.live_reservations;
-    d["live_mappings"] = c.live_mappings;
-    d["injected"] = c.injected;
+    nb::dict d = FieldsDict(c, kDriverCountersFields);
     nb::dict calls;
     for (int i = 0; i < kEntryCount; ++i) calls[EntryName(static_cast<Entry>(i))] = c.calls[i];
     d["calls"] = calls;

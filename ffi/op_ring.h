@@ -29,6 +29,7 @@
 #include "graph_kernels.h"
 #include "host_pool.h"
 #include "ledger.h"
+#include "stat_fields.h"
 #include "staging.h"
 #include "status.h"
 #include "transfers.h"
@@ -52,6 +53,19 @@ struct RingStats {
   // The ring copies with the engine's jaxvmm_copy kernel (false: cuMemcpyDtoDAsync and a token copy,
   // until graph mode has loaded and warmed the kernels, or for good where they did not load).
   bool copy_kernel = false;
+};
+
+// engine_stats() keys (the sections are a dict of their own).
+inline constexpr StatField<RingStats> kRingStatsFields[] = {
+    {"ops_in_flight", &RingStats::ops_in_flight},
+    {"seq_issued", &RingStats::seq_issued},
+    {"seq_completed", &RingStats::seq_completed},
+    {"handler_calls", &RingStats::handler_calls},
+    {"handler_median_ns", &RingStats::handler_median_ns},
+    {"handler_p99_ns", &RingStats::handler_p99_ns},
+    {"handler_offload_median_ns", &RingStats::offload_median_ns},
+    {"handler_reload_median_ns", &RingStats::reload_median_ns},
+    {"ring_copy_kernel", &RingStats::copy_kernel},
 };
 
 class OpRing {

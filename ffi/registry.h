@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "slot.h"
+#include "stat_fields.h"
 
 namespace jaxvmm {
 
@@ -33,12 +34,28 @@ struct SlotCounts {
   int64_t peak_mapped_bytes = 0;
 };
 
+// stats() keys (and of each device, each owner).
+inline constexpr StatField<SlotCounts> kSlotCountsFields[] = {
+    {"slots", &SlotCounts::slots},
+    {"reserved_bytes", &SlotCounts::reserved_bytes},
+    {"mapped_bytes", &SlotCounts::mapped_bytes},
+    {"peak_mapped_bytes", &SlotCounts::peak_mapped_bytes},
+};
+
 struct DeviceStats {  // totals over both owners, then each owner
   int64_t slots = 0;
   int64_t reserved_bytes = 0;
   int64_t mapped_bytes = 0;
   int64_t peak_mapped_bytes = 0;
   SlotCounts user, internal;
+};
+
+// stats()["devices"] keys.
+inline constexpr StatField<DeviceStats> kDeviceStatsFields[] = {
+    {"slots", &DeviceStats::slots},
+    {"reserved_bytes", &DeviceStats::reserved_bytes},
+    {"mapped_bytes", &DeviceStats::mapped_bytes},
+    {"peak_mapped_bytes", &DeviceStats::peak_mapped_bytes},
 };
 
 struct RegistryStats {
@@ -50,6 +67,18 @@ struct RegistryStats {
   SlotCounts user, internal;  // the same, split by SlotSpec::internal (peaks are per owner)
   std::vector<QuarantineEntry> quarantine;
   std::map<std::pair<int, int>, DeviceStats> devices;  // (backend, device)
+};
+
+// stats() keys.
+inline constexpr StatField<RegistryStats> kRegistryStatsFields[] = {
+    {"slots", &RegistryStats::slots},
+    {"reserved_bytes", &RegistryStats::reserved_bytes},
+    {"mapped_bytes", &RegistryStats::mapped_bytes},
+    {"peak_mapped_bytes", &RegistryStats::peak_mapped_bytes},
+    {"created", &RegistryStats::created},
+    {"closed", &RegistryStats::closed},
+    {"releases", &RegistryStats::releases},
+    {"remaps", &RegistryStats::remaps},
 };
 
 class Registry {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "driver.h"
+#include "stat_fields.h"
 #include "status.h"
 
 namespace jaxvmm {
@@ -41,6 +42,16 @@ struct MemorySamplerSummary {
   MemorySample first, peak;  // the first sample, and the one with the most `used`
   int64_t peak_mapped = 0;   // the most `mapped` of any sample
   int64_t elapsed_ns = 0;
+};
+
+// MemorySampler.summary() keys (and first, peak: samples).
+inline constexpr StatField<MemorySamplerSummary> kSamplerSummaryFields[] = {
+    {"taken", &MemorySamplerSummary::taken},
+    {"kept", &MemorySamplerSummary::kept},
+    {"errors", &MemorySamplerSummary::errors},
+    {"total", &MemorySamplerSummary::total},
+    {"peak_mapped", &MemorySamplerSummary::peak_mapped},
+    {"elapsed_ns", &MemorySamplerSummary::elapsed_ns},
 };
 
 class MemorySampler {

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "stat_fields.h"
 #include "status.h"
 
 namespace jaxvmm {
@@ -51,6 +52,15 @@ struct ShareStats {
   int64_t imported_slots = 0; // imported slots not yet torn down
   int64_t views = 0;          // live zero-copy views (DLPack tensors not yet deleted)
   int64_t channel_fds = 0;    // channel descriptors jaxvmm holds (one per shareable slot)
+};
+
+// share_stats() keys.
+inline constexpr StatField<ShareStats> kShareStatsFields[] = {
+    {"exports", &ShareStats::exports},
+    {"imports", &ShareStats::imports},
+    {"imported_slots", &ShareStats::imported_slots},
+    {"views", &ShareStats::views},
+    {"channel_fds", &ShareStats::channel_fds},
 };
 ShareStats ReadShareStats();
 

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "registry.h"
+#include "stat_fields.h"
 #include "status.h"
 
 namespace jaxvmm {
@@ -48,6 +49,24 @@ struct StagingStats {
   int64_t pages_returned = 0; // such slots whose pages went back to the driver (idle, budget, trim)
   int64_t shared_pages = 0;   // page slots small cells share, now
   int64_t direct_reloads = 0; // Acquiring::kReload leases left empty: reloads copied straight into XLA's buffer
+};
+
+// engine_stats() keys after staging_.
+inline constexpr StatField<StagingStats> kStagingStatsFields[] = {
+    {"budget_bytes", &StagingStats::budget_bytes},
+    {"mapped_bytes", &StagingStats::mapped_bytes},
+    {"peak_bytes", &StagingStats::peak_mapped_bytes},
+    {"window_peak_bytes", &StagingStats::window_peak_mapped_bytes},
+    {"cells", &StagingStats::cells},
+    {"offload_cells", &StagingStats::offload_cells},
+    {"reload_cells", &StagingStats::reload_cells},
+    {"acquires", &StagingStats::acquires},
+    {"device_waits", &StagingStats::device_waits},
+    {"host_waits", &StagingStats::host_waits},
+    {"pages_mapped", &StagingStats::pages_mapped},
+    {"pages_returned", &StagingStats::pages_returned},
+    {"shared_pages", &StagingStats::shared_pages},
+    {"direct_reloads", &StagingStats::direct_reloads},
 };
 
 // How Acquire may hand a cell out.

@@ -6,9 +6,10 @@ The core is layered, each layer seeing only the ones below it:
     (op_ring | graph_record, graph_cells -> graph_offload, graph_reload -> graph_mode) -> engine ->
     handlers -> module.cc
 
-``fault.*`` sits beside the driver seam (it may include driver.h only); ``host_pool.*`` sits beside
+``fault.*`` sits beside the driver seam (it may include driver.h and stat_fields.h only); ``host_pool.*`` sits beside
 slot (vmm.h and below), ``host_numa.cc`` (its HOST_NUMA chunks) above it and slot; ``bench.*`` may include the core up to registry.h. Files may include headers
-of lower layers only; a .cc file may also include the headers of its own group. ``*.md`` files are
+of lower layers only; a .cc file may also include the headers of its own group. ``stat_fields.h`` (the
+stats structs' field tables) includes nothing of ours. ``*.md`` files are
 prose. Only module.cc sees nanobind, only handlers*.cc see the XLA FFI headers, nothing includes the
 CUDA runtime, and nothing links libcuda/libcudart (the driver is resolved at run time).
 
@@ -44,18 +45,20 @@ LAYERS: dict[str, Group] = {
     "driver": Group(0, ("driver.h", "driver.cc", "driver_posix.cc", "driver_cuda.cc", "graph_words.h")),
     # hang diagnostics: every thread's native stack from a signal handler (plain POSIX, includes nothing of ours)
     "debug_stacks": Group(0, ("debug_stacks.h", "debug_stacks.cc"), only=frozenset()),
-    "fault": Group(0, ("fault.h", "fault.cc"), only=frozenset({"driver.h"})),  # beside the driver seam
+    # the stats structs' field tables (key, member): plain data, includes nothing of ours
+    "stat_fields": Group(0, ("stat_fields.h",), only=frozenset()),
+    "fault": Group(0, ("fault.h", "fault.cc"), only=frozenset({"driver.h", "stat_fields.h"})),  # beside the driver seam
     "status": Group(1, ("status.h", "status.cc")),
     "vmm": Group(2, ("vmm.h", "vmm.cc")),
     # the exporter's generation channel and the share counters: plain POSIX, beside vmm
-    "share": Group(2, ("share.h", "share.cc"), only=frozenset({"status.h", "driver.h"})),
+    "share": Group(2, ("share.h", "share.cc"), only=frozenset({"status.h", "driver.h", "stat_fields.h"})),
     "slot": Group(3, ("slot.h", "slot.cc")),
     "registry": Group(4, ("registry.h", "registry.cc")),
     "bench": Group(5, ("bench.h", "bench.cc"),
                    only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
     # the memory sampler: a thread reading the driver's used memory and the registry's gauges
     "sampler": Group(5, ("sampler.h", "sampler.cc"),
-                     only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
+                     only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h", "stat_fields.h"})),
     "host_pool": Group(3, ("host_pool.h", "host_pool.cc")),  # pinned host memory, built on vmm (beside slot)
     "bounce": Group(3, ("bounce.h", "bounce.cc")),  # pinned bounce buffers for pageable copies, built on vmm
     # the host store's host_numa chunks: vmm handles and slot's capability checks (above both)
@@ -64,7 +67,7 @@ LAYERS: dict[str, Group] = {
     "workers": Group(5, ("worker.h", "worker.cc", "workers.h", "workers.cc")),
     # the staging area: mapped cells over registry slots (beside the workers, never above them)
     "staging": Group(5, ("staging.h", "staging.cc"),
-                     only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
+                     only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h", "stat_fields.h"})),
     # tickets: plain data over the host pool and staging leases; no workers, no engine
     "tickets": Group(6, ("tickets.h", "tickets.cc"),
                      only=frozenset({"host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h", "status.h",
@@ -85,7 +88,7 @@ LAYERS: dict[str, Group] = {
                                        "config.h", "vmm.h", "status.h", "driver.h"})),
     "ledger": Group(7, ("ledger.h", "ledger.cc"),
                     only=frozenset({"tickets.h", "host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h",
-                                    "status.h", "driver.h"})),
+                                    "status.h", "driver.h", "stat_fields.h"})),
     # graph-mode round tickets' host blocks: the pool, else pageable memory and its bounce buffers, the grower
     "round_host": Group(6, ("round_host.h", "round_host.cc"),
                         only=frozenset({"bounce.h", "host_pool.h", "worker.h", "status.h", "driver.h"})),
@@ -94,7 +97,7 @@ LAYERS: dict[str, Group] = {
                      only=frozenset({"ledger.h", "transfers.h", "worker.h", "graph_kernels.h", "tickets.h", "bounce.h",
                                      "host_pool.h",
                                      "staging.h", "registry.h", "slot.h", "config.h", "vmm.h", "status.h",
-                                     "driver.h"})),
+                                     "driver.h", "stat_fields.h"})),
     # graph-mode recording: a channel's one-time setup and its rounds' recorded work (no poller, no pages)
     "graph_record": Group(8, ("graph_record.h", "graph_record.cc"),
                           only=frozenset({"channels.h", "graph_kernels.h", "graph_words.h", "tickets.h", "host_pool.h",
@@ -105,7 +108,7 @@ LAYERS: dict[str, Group] = {
     "graph_cells": Group(8, ("graph_cells.h", "graph_cells.cc"),
                          only=frozenset({"ledger.h", "transfers.h", "channels.h", "graph_kernels.h", "graph_words.h",
                                          "round_host.h", "tickets.h", "host_pool.h", "staging.h", "registry.h",
-                                         "slot.h", "config.h", "vmm.h", "status.h", "driver.h"})),
+                                         "slot.h", "config.h", "vmm.h", "status.h", "driver.h", "stat_fields.h"})),
     "graph_rounds": Group(9, ("graph_offload.h", "graph_offload.cc", "graph_reload.h", "graph_reload.cc"),
                           only=frozenset({"graph_cells.h", "graph_record.h", "ledger.h", "transfers.h", "channels.h",
                                           "graph_kernels.h", "graph_words.h", "round_host.h", "tickets.h",
