@@ -52,7 +52,7 @@ def main() -> int:
     toks = [jaxvmm.Slot(8, device=args.device) for _ in range(args.rounds)]
     base = 1 << 44
     graphs = {}
-    st = lambda: (jaxvmm.synchronize(), lib.engine_stats(t.backend, t.ordinal))[1]
+    st = lambda: (jaxvmm.synchronize(), lib.engine(t.backend, t.ordinal).stats())[1]
     try:
         with Replay(args.device) as r:
             for mode, fused, early in (("fused", 1, 0), ("nodes", 0, 0), ("nodes, early launch", 0, 1)):
@@ -76,7 +76,7 @@ def main() -> int:
                 else:
                     assert n_early == (args.rounds if early else 0), (mode, n_early)
             if not st()["graph_kernels"]:
-                print(f"grant kernels unavailable: {lib.engine_graph_kernels_error(t.backend, t.ordinal)}")
+                print(f"grant kernels unavailable: {lib.engine(t.backend, t.ordinal).graph_kernels_error()}")
                 return 1
             for mode in graphs:  # the first replay of each knocks; then every cell is armed
                 for _ in range(2):

@@ -1,21 +1,35 @@
-// The Python module `jaxvmm._jaxvmm`: the only file that sees nanobind. Thin: decode arguments, call the
-// core with the GIL released, turn a failed Status into the Python exception built by jaxvmm.errors.
-#include <nanobind/nanobind.h>
+// The Python module `jaxvmm._jaxvmm`: with module.h, the only files that see nanobind. Thin: decode arguments, call the core without the GIL, turn a failed Status into the Python
+// exception built by jaxvmm.errors.
+//
+// What Python sees, in the order bound below:
+//   errors        _set_error_factory
+//   driver seam   backend_status, set_posix_device_count/_ids, granularity, shareable_check, memory_info,
+//                 fault_counters, debug_thread_stacks
+//   slots         Slot (a handle by id: info, release, remap, close, close_when_unviewed, write, read_into,
+//                 export, dlpack), slot(id), create_slot, import_slot, find_range
+//   accounting    stats, reset_peak, retry_quarantine, close_all, share_stats
+//   engines       Engine (stats, graph_kernels_error, reset_peaks, take_error, sync, drop, check, unreserve,
+//                 keep, reserve_host, trim, unclaimed_tickets), engine(backend, device), engine_devices,
+//                 engines_quiesce_for_module_load, handlers, ffi_api_version
+//   timeline      MemorySampler (stop, close, summary, series), start_sampler
+//   settings      configure, set_trace, set_host_store, copy_chunk, graph_* ...
+//   hooks         test, replay and benchmark hooks (jaxvmm.testing, tests/, bench/)
+#include "module.h"
+
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <mutex>
+#include <memory>
 #include <string>
 #include <thread>
-#include <unistd.h>
+#include <vector>
 
 #include "bench.h"
 #include "debug_stacks.h"
@@ -33,29 +47,12 @@
 #include "status.h"
 #include "vmm.h"
 
-namespace nb = nanobind;
-
 namespace jaxvmm {
 namespace {
-
-struct StatusError {
-  Status status;
-};
 
 nb::object& ErrorFactory() {
   static nb::object* f = new nb::object();
   return *f;
-}
-
-void Check(const Status& st) {
-  if (!st.ok()) throw StatusError{st};
-}
-
-Backend ParseBackend(const std::string& name) {
-  if (name == "cuda") return Backend::kCuda;
-  if (name == "posix") return Backend::kPosix;
-  Check(Status(Code::kInvalidArgument, "unknown backend '" + name + "' (expected 'cuda' or 'posix')"));
-  return Backend::kPosix;
 }
 
 Location ParseLocation(const std::string& kind, int id) {
@@ -63,6 +60,14 @@ Location ParseLocation(const std::string& kind, int id) {
   if (kind == "host_numa") return Location{CU_MEM_LOCATION_TYPE_HOST_NUMA, id};
   Check(Status(Code::kInvalidArgument, "unknown location '" + kind + "' (expected 'device' or 'host_numa')"));
   return {};
+}
+
+CUmemAllocationHandleType ParseShareable(const std::string& kind) {
+  if (kind.empty() || kind == "none") return CU_MEM_HANDLE_TYPE_NONE;
+  if (kind == "posix_fd") return CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  if (kind == "fabric") return CU_MEM_HANDLE_TYPE_FABRIC;
+  Check(Status(Code::kInvalidArgument, "unknown shareable handle type '" + kind + "' (expected 'posix_fd' or 'fabric')"));
+  return CU_MEM_HANDLE_TYPE_NONE;
 }
 
 Entry ParseEntry(const std::string& name) {
@@ -165,13 +170,25 @@ nb::dict InfoDict(const SlotInfo& i) {
   return d;
 }
 
-CUmemAllocationHandleType ParseShareable(const std::string& kind) {
-  if (kind.empty() || kind == "none") return CU_MEM_HANDLE_TYPE_NONE;
-  if (kind == "posix_fd") return CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  if (kind == "fabric") return CU_MEM_HANDLE_TYPE_FABRIC;
-  Check(Status(Code::kInvalidArgument, "unknown shareable handle type '" + kind + "' (expected 'posix_fd' or 'fabric')"));
-  return CU_MEM_HANDLE_TYPE_NONE;
+// ---- slots ----
+// A slot by id as Python holds it (`Slot`): each call looks the slot up, so a closed one raises NotFound.
+struct SlotRef {
+  int64_t id;
+
+  std::shared_ptr<Slot> Get() const {
+    std::shared_ptr<Slot> s;
+    Check(Registry::Get().Lookup(id, &s));
+    return s;
+  }
+};
+
+// A Registry operation on the slot's id, as a method of `Slot`.
+auto RegistryOp(Status (Registry::*op)(int64_t)) {
+  return [op](const SlotRef& ref) { Run([&] { return (Registry::Get().*op)(ref.id); }); };
 }
+
+using ConstBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // ---- DLPack (the v0.x ABI every consumer accepts: an unversioned DLManagedTensor in a "dltensor" capsule) ----
 struct DLDevice {
@@ -230,8 +247,45 @@ void DestroyViewCapsule(PyObject* capsule) {
   }
 }
 
-using ConstBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+// A DLPack capsule aliasing [offset, offset + nbytes) of the slot; counts as a view until deleted.
+nb::object MakeView(const std::shared_ptr<Slot>& s, uint64_t offset, const std::vector<int64_t>& shape, int code,
+                    int bits, int device_type, int device_id) {
+  uint64_t n = static_cast<uint64_t>(bits) / 8;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  Check(s->AddView(offset, n));
+  auto* ctx = new ViewContext{s, shape, std::vector<int64_t>(shape.size(), 1), {}};
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) ctx->strides[i] = ctx->strides[i + 1] * shape[i + 1];
+  DLTensor& t = ctx->tensor.dl_tensor;
+  t.data = reinterpret_cast<void*>(static_cast<uintptr_t>(s->address() + offset));
+  t.device = DLDevice{device_type, device_id};
+  t.ndim = static_cast<int32_t>(shape.size());
+  t.dtype = DLDataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+  t.shape = ctx->shape.data();
+  t.strides = ctx->strides.data();
+  t.byte_offset = 0;
+  ctx->tensor.manager_ctx = ctx;
+  ctx->tensor.deleter = &DeleteView;
+  PyObject* cap = PyCapsule_New(&ctx->tensor, "dltensor", &DestroyViewCapsule);
+  if (cap == nullptr) {
+    DeleteView(&ctx->tensor);
+    throw nb::python_error();
+  }
+  return nb::steal(cap);
+}
+
+// ---- memory timeline ----
+// A memory sampler Python owns (`MemorySampler`): close(), or the object's death, stops and frees it.
+// Shared: a concurrent close() cannot free it under a call that runs without the GIL.
+struct SamplerRef {
+  std::shared_ptr<MemorySampler> sampler;
+
+  std::shared_ptr<MemorySampler> Get() const {
+    if (!sampler) Check(Status(Code::kNotFound, "the memory sampler is closed"));
+    return sampler;
+  }
+};
+
+nb::tuple SampleTuple(const MemorySample& x) { return nb::make_tuple(x.t_ns, x.used, x.mapped, x.internal); }
 
 }  // namespace
 }  // namespace jaxvmm
@@ -239,7 +293,11 @@ using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu
 NB_MODULE(_jaxvmm, m) {
   using namespace jaxvmm;
   m.doc() = "jaxvmm native core (driver seam, slots, registry). Use the jaxvmm package, not this module.";
+  // Handles (Slot, Engine, ...) that jax's caches or a dying thread still hold at interpreter exit are
+  // no leak worth a report: close_all() at exit already returned what they name.
+  nb::set_leak_warnings(false);
 
+  // ---- errors ----
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -254,38 +312,107 @@ NB_MODULE(_jaxvmm, m) {
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
-
   m.def("_set_error_factory", [](nb::object f) { ErrorFactory() = std::move(f); });
 
+  // ---- the driver seam and devices ----
   m.def("backend_status", [](const std::string& backend) {
     Backend b = ParseBackend(backend);
-    DriverAvailability a;
-    {
-      nb::gil_scoped_release nogil;
-      a = Availability(b);
-    }
+    DriverAvailability a = NoGil([&] { return Availability(b); });
     return nb::make_tuple(a.ok, a.reason, a.driver_version);
   });
-
   m.def("set_posix_device_count", [](int n) { SetPosixDeviceCount(n); });
   m.def("set_posix_device_ids", [](std::vector<int64_t> ids) {
     SetPosixDeviceIds(ids.data(), static_cast<int>(ids.size()));
   });
-
   m.def("granularity", [](const std::string& backend, int device, const std::string& loc, int loc_id) {
-    size_t g = 0;
     Backend b = ParseBackend(backend);
     Location l = ParseLocation(loc, loc_id);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = Granularity(b, device, l, &g);
-    }
-    Check(st);
+    size_t g = 0;
+    Run([&] { return Granularity(b, device, l, &g); });
     return g;
   });
+  // Raises unless (backend, device) can make slots at `loc` exportable as `kind` (jaxvmm/share.py).
+  m.def("shareable_check", [](const std::string& backend, int device, const std::string& loc, int loc_id,
+                              const std::string& kind) {
+    Backend b = ParseBackend(backend);
+    Location l = ParseLocation(loc, loc_id);
+    CUmemAllocationHandleType t = ParseShareable(kind);
+    Status st = NoGil([&] { return CheckShareable(b, device, l, t); });
+    Check(st.ok() ? st : Status(st).At(-1, "create"));
+  });
+  m.def("memory_info", [](const std::string& backend, int device) {
+    Backend b = ParseBackend(backend);
+    size_t free_b = 0, total = 0;
+    Run([&]() -> Status {
+      JAXVMM_RETURN_IF_ERROR(CheckCapability(b, device, Location{CU_MEM_LOCATION_TYPE_DEVICE, device}));
+      ScopedContext ctx(b, device);
+      JAXVMM_RETURN_IF_ERROR(ctx.status());
+      CUresult r = Driver(b).MemGetInfo(&free_b, &total);
+      return r == CUDA_SUCCESS ? Status() : Status::Driver(r, Entry::kMemGetInfo).At(-1, "memory_info");
+    });
+    return nb::make_tuple(free_b, total);
+  });
+  // The seam's live handles, reservations and mappings, armed faults' failures and per-entry calls.
+  m.def("fault_counters", [](const std::string& backend) {
+    DriverCounters c = ReadCounters(ParseBackend(backend));
+    nb::dict d = FieldsDict(c, kDriverCountersFields);
+    nb::dict calls;
+    for (int i = 0; i < kEntryCount; ++i) calls[EntryName(static_cast<Entry>(i))] = c.calls[i];
+    d["calls"] = calls;
+    return d;
+  });
+  // Every thread's native stack to stderr (tools/watchdog.py, for hangs); returns how many answered.
+  m.def("debug_thread_stacks", [] {
+    nb::gil_scoped_release nogil;
+    std::fflush(stderr);
+    return DumpThreadStacks(2);
+  });
 
-  m.def("slot_create", [](const std::string& backend, int device, const std::string& loc, int loc_id,
+  // ---- slots ----
+  nb::class_<SlotRef>(m, "Slot", "A registry slot by id (jaxvmm.Slot holds one); made by create_slot, import_slot "
+                                 "or slot(id).")
+      .def_ro("id", &SlotRef::id)
+      .def("info", [](const SlotRef& ref) {
+        std::shared_ptr<Slot> s = ref.Get();
+        return InfoDict(NoGil([&] { return s->Info(); }));
+      })
+      .def("release", RegistryOp(&Registry::Release))
+      .def("remap", RegistryOp(&Registry::Remap))
+      .def("close", RegistryOp(&Registry::Close))
+      // The Python object died while views live: the last view closes the slot.
+      .def("close_when_unviewed", [](const SlotRef& ref) {
+        std::shared_ptr<Slot> s;
+        if (!Registry::Get().Lookup(ref.id, &s).ok()) return;
+        s->RequestCloseWhenUnviewed();
+        if (s->views() == 0)  // the last view died in between
+          (void)NoGil([&] { return Registry::Get().Close(ref.id); });
+      })
+      .def("write", [](const SlotRef& ref, uint64_t offset, ConstBytes data) {
+        std::shared_ptr<Slot> s = ref.Get();
+        Run([&] { return s->Write(offset, data.data(), data.shape(0)); });
+      })
+      .def("read_into", [](const SlotRef& ref, uint64_t offset, MutBytes out) {
+        std::shared_ptr<Slot> s = ref.Get();
+        Run([&] { return s->Read(offset, out.data(), out.shape(0)); });
+      })
+      // Returns (fd, fabric bytes, channel fd, generation, size); the descriptors are new and the caller's.
+      .def("export", [](const SlotRef& ref, const std::string& kind) {
+        std::shared_ptr<Slot> s = ref.Get();
+        CUmemAllocationHandleType t = ParseShareable(kind);
+        if (t == CU_MEM_HANDLE_TYPE_NONE)
+          Check(Status(Code::kInvalidArgument, "export needs a handle type").At(ref.id, "export"));
+        ExportedHandle h;
+        Run([&] { return s->Export(t, &h); });
+        nb::bytes fabric(reinterpret_cast<const char*>(h.fabric.data),
+                         t == CU_MEM_HANDLE_TYPE_FABRIC ? sizeof(h.fabric.data) : 0);
+        return nb::make_tuple(h.fd, fabric, h.channel_fd, h.generation, h.size);
+      })
+      .def("dlpack", [](const SlotRef& ref, uint64_t offset, std::vector<int64_t> shape, int code, int bits,
+                        int device_type, int device_id) {
+        return MakeView(ref.Get(), offset, shape, code, bits, device_type, device_id);
+      });
+  m.def("slot", [](int64_t id) { return SlotRef{id}; });
+  m.def("create_slot", [](const std::string& backend, int device, const std::string& loc, int loc_id,
                           std::vector<int> access, uint64_t nbytes, const std::string& shareable) {
     SlotSpec spec;
     spec.backend = ParseBackend(backend);
@@ -294,51 +421,13 @@ NB_MODULE(_jaxvmm, m) {
     spec.access = std::move(access);
     spec.nbytes = nbytes;
     spec.handle_types = ParseShareable(shareable);
-    int64_t id = -1;
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = Registry::Get().Create(spec, &id);
-    }
-    Check(st);
-    return id;
+    SlotRef ref{-1};
+    Run([&] { return Registry::Get().Create(spec, &ref.id); });
+    return ref;
   }, nb::arg("backend"), nb::arg("device"), nb::arg("loc"), nb::arg("loc_id"), nb::arg("access"), nb::arg("nbytes"),
      nb::arg("shareable") = "");
-
-  // ---- sharing (jaxvmm/share.py) ----
-  m.def("shareable_check", [](const std::string& backend, int device, const std::string& loc, int loc_id,
-                              const std::string& kind) {
-    Backend b = ParseBackend(backend);
-    Location l = ParseLocation(loc, loc_id);
-    CUmemAllocationHandleType t = ParseShareable(kind);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = CheckShareable(b, device, l, t);
-    }
-    Check(st.ok() ? st : Status(st).At(-1, "create"));
-  });
-
-  // Returns (fd, fabric bytes, channel fd, generation, size); the descriptors are new and the caller's.
-  m.def("slot_export", [](int64_t id, const std::string& kind) {
-    std::shared_ptr<Slot> s;
-    Check(Registry::Get().Lookup(id, &s));
-    CUmemAllocationHandleType t = ParseShareable(kind);
-    if (t == CU_MEM_HANDLE_TYPE_NONE) Check(Status(Code::kInvalidArgument, "export needs a handle type").At(id, "export"));
-    ExportedHandle h;
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = s->Export(t, &h);
-    }
-    Check(st);
-    nb::bytes fabric(reinterpret_cast<const char*>(h.fabric.data),
-                     t == CU_MEM_HANDLE_TYPE_FABRIC ? sizeof(h.fabric.data) : 0);
-    return nb::make_tuple(h.fd, fabric, h.channel_fd, h.generation, h.size);
-  });
-
   // Maps the pages a handle names as a new slot of this process. `fd` is borrowed (never closed here).
-  m.def("slot_import", [](const std::string& backend, int device, std::vector<int> access, const std::string& kind,
+  m.def("import_slot", [](const std::string& backend, int device, std::vector<int> access, const std::string& kind,
                           int fd, nb::bytes fabric, uint64_t size, uint64_t granularity, uint64_t generation) {
     SlotSpec spec;
     spec.backend = ParseBackend(backend);
@@ -359,162 +448,82 @@ NB_MODULE(_jaxvmm, m) {
     } else if (src.type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
       Check(Status(Code::kInvalidArgument, "import needs a handle type").At(-1, "import"));
     }
-    int64_t id = -1;
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = Registry::Get().Import(spec, src, &id);
-    }
-    Check(st);
-    return id;
+    SlotRef ref{-1};
+    Run([&] { return Registry::Get().Import(spec, src, &ref.id); });
+    return ref;
   });
-
-  // A DLPack capsule aliasing [offset, offset + nbytes) of the slot; counts as a view until deleted.
-  m.def("slot_dlpack", [](int64_t id, uint64_t offset, std::vector<int64_t> shape, int code, int bits,
-                          int device_type, int device_id) {
-    std::shared_ptr<Slot> s;
-    Check(Registry::Get().Lookup(id, &s));
-    uint64_t n = static_cast<uint64_t>(bits) / 8;
-    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
-    Check(s->AddView(offset, n));
-    auto* ctx = new ViewContext{s, shape, std::vector<int64_t>(shape.size(), 1), {}};
-    for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) ctx->strides[i] = ctx->strides[i + 1] * shape[i + 1];
-    DLTensor& t = ctx->tensor.dl_tensor;
-    t.data = reinterpret_cast<void*>(static_cast<uintptr_t>(s->address() + offset));
-    t.device = DLDevice{device_type, device_id};
-    t.ndim = static_cast<int32_t>(shape.size());
-    t.dtype = DLDataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
-    t.shape = ctx->shape.data();
-    t.strides = ctx->strides.data();
-    t.byte_offset = 0;
-    ctx->tensor.manager_ctx = ctx;
-    ctx->tensor.deleter = &DeleteView;
-    PyObject* cap = PyCapsule_New(&ctx->tensor, "dltensor", &DestroyViewCapsule);
-    if (cap == nullptr) {
-      DeleteView(&ctx->tensor);
-      throw nb::python_error();
-    }
-    return nb::steal(cap);
-  });
-
-  m.def("slot_close_when_unviewed", [](int64_t id) {
-    std::shared_ptr<Slot> s;
-    if (!Registry::Get().Lookup(id, &s).ok()) return;
-    s->RequestCloseWhenUnviewed();
-    if (s->views() == 0) {  // the last view died in between
-      nb::gil_scoped_release nogil;
-      (void)Registry::Get().Close(id);
-    }
-  });
-
-  m.def("share_stats", [] { return FieldsDict(ReadShareStats(), kShareStatsFields); });
-
-  // Seconds per copy of `nbytes` from slot `src_id` to slot `dst_id` (offset 0) on a stream of `device`,
-  // one entry per iteration (bench/share_bw.py). Both slots must be mapped and accessible from `device`.
-  m.def("bench_slot_copy", [](const std::string& backend, int device, int64_t dst_id, int64_t src_id, uint64_t nbytes,
-                              int iters) {
-    std::shared_ptr<Slot> dst, src;
-    Check(Registry::Get().Lookup(dst_id, &dst));
-    Check(Registry::Get().Lookup(src_id, &src));
-    if (nbytes > dst->spec().nbytes || nbytes > src->spec().nbytes)
-      Check(Status(Code::kInvalidArgument, "nbytes exceeds a slot"));
-    Backend b = ParseBackend(backend);
-    std::vector<double> out;
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      ScopedContext ctx(b, device);
-      st = ctx.status();
-      const DriverTable& d = Driver(b);
-      CUstream stream = nullptr;
-      if (st.ok()) st = Call(-1, "bench", Entry::kStreamCreateWithPriority,
-                             [&] { return d.StreamCreateWithPriority(&stream, CU_STREAM_NON_BLOCKING, 0); });
-      for (int i = 0; st.ok() && i < iters; ++i) {
-        auto t0 = std::chrono::steady_clock::now();
-        st = Call(-1, "bench", Entry::kMemcpyDtoDAsync,
-                  [&] { return d.MemcpyDtoDAsync(dst->address(), src->address(), nbytes, stream); });
-        if (st.ok()) st = Call(-1, "bench", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(stream); });
-        out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      }
-      if (stream != nullptr) d.StreamDestroy(stream);
-    }
-    Check(st);
-    return out;
-  });
-
-  m.def("slot_info", [](int64_t id) {
-    std::shared_ptr<Slot> s;
-    Check(Registry::Get().Lookup(id, &s));
-    SlotInfo i;
-    {
-      nb::gil_scoped_release nogil;
-      i = s->Info();
-    }
-    return InfoDict(i);
-  });
-
-  auto by_id = [](Status (Registry::*op)(int64_t)) {
-    return [op](int64_t id) {
-      Status st;
-      {
-        nb::gil_scoped_release nogil;
-        st = (Registry::Get().*op)(id);
-      }
-      Check(st);
-    };
-  };
-  m.def("slot_release", by_id(&Registry::Release));
-  m.def("slot_remap", by_id(&Registry::Remap));
-  m.def("slot_close", by_id(&Registry::Close));
-
-  m.def("slot_write", [](int64_t id, uint64_t offset, ConstBytes data) {
-    std::shared_ptr<Slot> s;
-    Check(Registry::Get().Lookup(id, &s));
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = s->Write(offset, data.data(), data.shape(0));
-    }
-    Check(st);
-  });
-
-  m.def("slot_read_into", [](int64_t id, uint64_t offset, MutBytes out) {
-    std::shared_ptr<Slot> s;
-    Check(Registry::Get().Lookup(id, &s));
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = s->Read(offset, out.data(), out.shape(0));
-    }
-    Check(st);
-  });
-
+  // The id of the slot holding [base, base + length).
   m.def("find_range", [](uint64_t base, uint64_t length) {
     int64_t id = -1;
     Check(Registry::Get().FindRange(base, length, &id));
     return id;
   });
 
-  m.def("stats", [] {
-    RegistryStats s;
-    {
-      nb::gil_scoped_release nogil;
-      s = Registry::Get().Stats();
-    }
-    return StatsDict(s);
-  });
+  // ---- accounting ----
+  m.def("stats", [] { return StatsDict(NoGil([] { return Registry::Get().Stats(); })); });
   m.def("reset_peak", [] { Registry::Get().ResetPeak(); });
-  m.def("retry_quarantine", [] {
-    nb::gil_scoped_release nogil;
-    return Registry::Get().RetryQuarantine();
-  });
+  m.def("retry_quarantine", [] { return NoGil([] { return Registry::Get().RetryQuarantine(); }); });
   m.def("close_all", [](bool final) {
     nb::gil_scoped_release nogil;
     Engine::ShutdownAll(final);
     Registry::Get().CloseAll();
   }, nb::arg("final") = false);
+  m.def("share_stats", [] { return FieldsDict(ReadShareStats(), kShareStatsFields); });
 
-  // ---- offload engine ----
+  // ---- offload engines ----
+  nb::class_<EngineRef>(m, "Engine", "The offload engine of (backend, device), made by engine(); started on first use.")
+      .def("stats", [](const EngineRef& ref) {
+        Engine* e = ref.Get();
+        return EngineStatsDict(NoGil([&] { return e->Stats(); }));
+      })
+      // Why the grant kernels did not load ("" when they did or were never tried); not a count of stats().
+      .def("graph_kernels_error", [](const EngineRef& ref) {
+        Engine* e = ref.Get();
+        return NoGil([&] { return e->Stats(); }).graph.kernels_error;
+      })
+      .def("reset_peaks", EngineMethod(&Engine::ResetPeaks))
+      .def("take_error", EngineMethod(&Engine::TakeError))
+      .def("sync", EngineMethod(&Engine::Synchronize))
+      // Best effort (Python finalizers): nothing to drop once the engines are gone.
+      .def("drop", [](const EngineRef& ref, uint64_t token) {
+        NoGil([&] {
+          Engine* e = nullptr;
+          if (Engine::For(ref.backend, ref.device, &e).ok()) e->Drop(token);
+        });
+      })
+      // May wait for the poller to serve the round that made the token.
+      .def("check", [](const EngineRef& ref, uint64_t token, uint64_t nbytes, int64_t signature, bool reserve) {
+        Engine* e = ref.Get();
+        Run([&] { return e->CheckTicket(token, ArrayMeta{nbytes, signature}, reserve); });
+      })
+      .def("unreserve", EngineMethod(&Engine::Unreserve))
+      .def("keep", EngineMethod(&Engine::Keep))
+      .def("reserve_host", EngineMethod(&Engine::ReserveHost))
+      .def("trim", EngineMethod(&Engine::Trim))
+      .def("unclaimed_tickets", EngineMethod(&Engine::UnclaimedTickets));
+  m.def("engine", [](const std::string& backend, int device) { return EngineRef{ParseBackend(backend), device}; });
+  m.def("engine_devices", [] {
+    nb::list out;
+    for (Engine* e : Engine::All()) out.append(nb::make_tuple(BackendName(e->backend()), e->device()));
+    return out;
+  });
+  // Every engine whose call sites were captured: wait for the device to drain (no engine lock held), so
+  // that a module load (the first run of a newly compiled program) never waits for rounds that need
+  // the poller's driver calls. Returns how many engines waited.
+  m.def("engines_quiesce_for_module_load", []() {
+    int waited = 0;
+    Run([&] {
+      Status first;
+      for (Engine* e : Engine::All()) {
+        bool w = false;
+        Status st = e->QuiesceForModuleLoad(&w);
+        if (!st.ok() && first.ok()) first = st;
+        waited += w ? 1 : 0;
+      }
+      return first;
+    });
+    return waited;
+  });
   m.def("handlers", [] {
     nb::list out;
     auto cap = [](void* f) -> nb::object { return f ? nb::object(nb::capsule(f)) : nb::none(); };
@@ -523,178 +532,40 @@ NB_MODULE(_jaxvmm, m) {
     return out;
   });
   m.def("ffi_api_version", &FfiApiVersion);
-  auto engine = [](const std::string& backend, int device) {
-    Engine* e = nullptr;
+
+  // ---- memory timeline (jaxvmm.memory_timeline) ----
+  nb::class_<SamplerRef>(m, "MemorySampler", "A device's memory timeline, made by start_sampler().")
+      .def("stop", [](const SamplerRef& ref) {
+        std::shared_ptr<MemorySampler> s = ref.Get();
+        NoGil([&] { s->Stop(); });
+      })
+      .def("close", [](SamplerRef& ref) {
+        std::shared_ptr<MemorySampler> s = std::move(ref.sampler);
+        NoGil([&] { s.reset(); });
+      })
+      .def("summary", [](const SamplerRef& ref) {
+        MemorySamplerSummary s = ref.Get()->Summary();
+        nb::dict d = FieldsDict(s, kSamplerSummaryFields);
+        d["first"] = SampleTuple(s.first);
+        d["peak"] = SampleTuple(s.peak);
+        return d;
+      })
+      // The ring, oldest first, as raw int64 quadruples (t_ns, used, mapped, internal).
+      .def("series", [](const SamplerRef& ref) {
+        std::vector<MemorySample> v = ref.Get()->Series();
+        static_assert(sizeof(MemorySample) == 4 * sizeof(int64_t), "packed int64 quadruples");
+        return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(MemorySample));
+      });
+  m.def("start_sampler", [](const std::string& backend, int device, uint64_t capacity, int64_t interval_ns) {
     Backend b = ParseBackend(backend);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = Engine::For(b, device, &e);
-    }
-    Check(st);
-    return e;
-  };
-  m.def("engine_stats", [engine](const std::string& backend, int device) {
-    return EngineStatsDict(engine(backend, device)->Stats());
-  });
-  // Why the engine's grant kernels did not load ("" when they did or were never tried). Not in
-  // engine_stats(), whose values are all integers.
-  m.def("engine_graph_kernels_error", [engine](const std::string& backend, int device) {
-    return engine(backend, device)->Stats().graph.kernels_error;
-  });
-  m.def("engine_reset_peaks", [engine](const std::string& backend, int device) {
-    engine(backend, device)->ResetPeaks();
-  });
-  m.def("engine_devices", [] {
-    nb::list out;
-    for (Engine* e : Engine::All()) out.append(nb::make_tuple(BackendName(e->backend()), e->device()));
-    return out;
-  });
-  m.def("engine_take_error", [engine](const std::string& backend, int device) {
-    Engine* e = engine(backend, device);
-    Check(e->TakeError());
-  });
-  m.def("engine_sync", [engine](const std::string& backend, int device) {
-    Engine* e = engine(backend, device);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = e->Synchronize();
-    }
-    Check(st);
-  });
-  m.def("engine_drop", [](const std::string& backend, int device, uint64_t token) {
-    // Best effort (Python finalizers): nothing to drop once the engines are gone.
-    Engine* e = nullptr;
-    if (Engine::For(ParseBackend(backend), device, &e).ok()) e->Drop(token);
-  });
-  m.def("engine_check", [engine](const std::string& backend, int device, uint64_t token, uint64_t nbytes,
-                                 int64_t signature, bool reserve) {
-    Engine* e = engine(backend, device);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;  // it may wait for the poller to serve the round that made the token
-      st = e->CheckTicket(token, ArrayMeta{nbytes, signature}, reserve);
-    }
-    Check(st);
-  });
-  m.def("engine_unreserve", [engine](const std::string& backend, int device, uint64_t token) {
-    engine(backend, device)->Unreserve(token);
-  });
-  m.def("engine_keep", [engine](const std::string& backend, int device, uint64_t token) {
-    Engine* e = engine(backend, device);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;  // it may wait for the poller to serve the round that made the token
-      st = e->Keep(token);
-    }
-    Check(st);
-  });
-  m.def("set_trace", [](bool on) { SetTrace(on); });
-  // Every thread's native stack to stderr (tools/watchdog.py, for hangs); returns how many answered.
-  m.def("debug_thread_stacks", [] {
-    nb::gil_scoped_release nogil;
-    std::fflush(stderr);
-    return DumpThreadStacks(2);
+    std::unique_ptr<MemorySampler> s;
+    Run([&] { return MemorySampler::Start(b, device, static_cast<size_t>(capacity), interval_ns, &s); });
+    return SamplerRef{std::move(s)};
   });
 
-  // ---- capture and replay without XLA (tests): the engine's entry points on raw addresses ----
-  m.def("engine_prepare", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, int kind,
-                                   uint64_t nbytes, int64_t signature) {
-    Engine* e = engine(backend, device);
-    nb::gil_scoped_release nogil;
-    Check(e->Prepare(reinterpret_cast<CUstream>(stream), site, static_cast<ChannelKind>(kind), ArrayMeta{nbytes, signature}));
-  });
-  m.def("engine_offload", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t src,
-                                   uint64_t nbytes, int64_t signature, uint64_t token_out) {
-    Engine* e = engine(backend, device);
-    nb::gil_scoped_release nogil;
-    Check(e->Offload(reinterpret_cast<CUstream>(stream), site, src, ArrayMeta{nbytes, signature}, token_out));
-  });
-  m.def("engine_reload", [engine](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t token_in,
-                                  uint64_t dst, uint64_t nbytes, int64_t signature) {
-    Engine* e = engine(backend, device);
-    nb::gil_scoped_release nogil;
-    Check(e->Reload(reinterpret_cast<CUstream>(stream), site, token_in, dst, ArrayMeta{nbytes, signature}));
-  });
-  m.def("replay_stream_create", [](const std::string& backend, int device) {
-    uint64_t s = 0;
-    Backend b = ParseBackend(backend);
-    Check(ReplayStreamCreate(b, device, &s));
-    return s;
-  });
-  using StreamFn = Status (*)(Backend, int, uint64_t);
-  for (auto [name, fn] : {std::pair<const char*, StreamFn>{"replay_stream_destroy", &ReplayStreamDestroy},
-                          {"replay_stream_sync", &ReplayStreamSynchronize},
-                          {"replay_begin", &ReplayBeginCapture},
-                          {"replay_destroy", &ReplayDestroy}})
-    m.def(name, [fn](const std::string& backend, int device, uint64_t handle) {
-      Backend b = ParseBackend(backend);
-      Status st;
-      {
-        nb::gil_scoped_release nogil;
-        st = fn(b, device, handle);
-      }
-      Check(st);
-    });
-  m.def("replay_end", [](const std::string& backend, int device, uint64_t stream) {
-    uint64_t x = 0;
-    Backend b = ParseBackend(backend);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = ReplayEndCapture(b, device, stream, &x);
-    }
-    Check(st);
-    return x;
-  });
-  m.def("replay_launch", [](const std::string& backend, int device, uint64_t exec, uint64_t stream) {
-    Backend b = ParseBackend(backend);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = ReplayLaunch(b, device, exec, stream);
-    }
-    Check(st);
-  });
-  // Every engine whose call sites were captured: wait for the device to drain (no engine lock held), so
-  // that a module load (the first run of a newly compiled program) never waits for rounds that need
-  // the poller's driver calls. Returns how many engines waited.
-  m.def("engines_quiesce_for_module_load", []() {
-    int waited = 0;
-    Status first;
-    {
-      nb::gil_scoped_release nogil;
-      for (Engine* e : Engine::All()) {
-        bool w = false;
-        Status st = e->QuiesceForModuleLoad(&w);
-        if (!st.ok() && first.ok()) first = st;
-        waited += w ? 1 : 0;
-      }
-    }
-    Check(first);
-    return waited;
-  });
-  m.def("engine_reserve_host", [engine](const std::string& backend, int device, size_t bytes) {
-    Engine* e = engine(backend, device);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = e->ReserveHost(bytes);
-    }
-    Check(st);
-  });
-  m.def("engine_trim", [engine](const std::string& backend, int device) {
-    Engine* e = engine(backend, device);
-    nb::gil_scoped_release nogil;
-    return e->Trim();
-  });
-  m.def("engine_unclaimed_tickets", [engine](const std::string& backend, int device) {
-    return engine(backend, device)->UnclaimedTickets();
-  });
-  m.def("engine_set_next_ticket", [engine](const std::string& backend, int device, uint32_t n) {
-    engine(backend, device)->SetNextTicketNumber(n);
-  });
+  // ---- settings ----
+  m.def("set_trace", [](bool on) { SetTrace(on); });
+
   // Negative (or 0 where 0 is meaningless) leaves a knob as it is; returns every knob's value in force.
   m.def("set_graph_kernels", [](bool on) { EngineConfig::SetGraphKernels(on); });
   // Graph-mode cells per channel for channels prepared from now on (validated in Python first); 0
@@ -740,27 +611,7 @@ NB_MODULE(_jaxvmm, m) {
   });
   m.def("graph_max_cells", [] { return kMaxCells; });
   m.def("graph_max_spares", [] { return kMaxSpares; });
-  m.def("graph_kernels_ptx", [] { return std::string(kGraphKernelsPtx); });
-  // Test hook (cpu): right after the next offload round's take kernel took its grant, trim() the cpu
-  // engine of `device` (a revocation ordered after a take, deterministically).
-  // Test hook: pause (or resume) the graph-mode poller of the engine of (backend, device).
-  m.def("testing_pause_poller", [engine](const std::string& backend, int device, bool paused) {
-    engine(backend, device)->PausePoller(paused);
-  });
-  // Test hook (cpu): device-location pages beyond `bytes` fail to be created (out of memory); < 0: no limit.
-  m.def("testing_posix_device_limit", [](int64_t bytes) { SetPosixDeviceMemoryLimit(bytes); });
-  m.def("testing_posix_pageable_copies", [] { return PosixPageableCopies(); });
-  m.def("testing_posix_device_bytes", [] { return PosixDeviceBytes(); });
-  m.def("testing_trim_after_next_take", [](int device) {
-    static int dev = 0;
-    dev = device;
-    SetPosixAfterTakeHook(
-        [](void* arg) {
-          Engine* e = nullptr;
-          if (Engine::For(Backend::kPosix, *static_cast<int*>(arg), &e).ok()) e->Trim();
-        },
-        &dev);
-  });
+
   m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth, int keep_resident,
                         int64_t staging_budget, int64_t staging_idle_ms) {
     nb::gil_scoped_release nogil;  // lowering the limit may return pinned chunks to the driver
@@ -790,83 +641,7 @@ NB_MODULE(_jaxvmm, m) {
     return static_cast<int64_t>(EngineConfig::CopyChunk());
   });
 
-  m.def("memory_info", [](const std::string& backend, int device) {
-    Backend b = ParseBackend(backend);
-    size_t free_b = 0, total = 0;
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = CheckCapability(b, device, Location{CU_MEM_LOCATION_TYPE_DEVICE, device});
-      if (st.ok()) {
-        ScopedContext ctx(b, device);
-        st = ctx.status();
-        if (st.ok()) {
-          CUresult r = Driver(b).MemGetInfo(&free_b, &total);
-          if (r != CUDA_SUCCESS) st = Status::Driver(r, Entry::kMemGetInfo).At(-1, "memory_info");
-        }
-      }
-    }
-    Check(st);
-    return nb::make_tuple(free_b, total);
-  });
-
-  // ---- memory timeline (jaxvmm.memory_timeline): samplers by id ----
-  static std::mutex sampler_mu;
-  static auto* samplers = new std::map<int64_t, std::shared_ptr<MemorySampler>>();
-  static int64_t next_sampler = 1;
-  auto sampler = [](int64_t id) {
-    std::lock_guard<std::mutex> lock(sampler_mu);
-    auto it = samplers->find(id);
-    if (it == samplers->end()) Check(Status(Code::kNotFound, "memory sampler " + std::to_string(id) + " is closed"));
-    return it->second;  // shared: a concurrent close cannot free it under the caller
-  };
-  m.def("sampler_start", [](const std::string& backend, int device, uint64_t capacity, int64_t interval_ns) {
-    Backend b = ParseBackend(backend);
-    std::unique_ptr<MemorySampler> s;
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = MemorySampler::Start(b, device, static_cast<size_t>(capacity), interval_ns, &s);
-    }
-    Check(st);
-    std::lock_guard<std::mutex> lock(sampler_mu);
-    int64_t id = next_sampler++;
-    (*samplers)[id] = std::move(s);
-    return id;
-  });
-  m.def("sampler_stop", [sampler](int64_t id) {
-    std::shared_ptr<MemorySampler> s = sampler(id);
-    nb::gil_scoped_release nogil;
-    s->Stop();
-  });
-  m.def("sampler_close", [](int64_t id) {
-    std::shared_ptr<MemorySampler> s;
-    {
-      std::lock_guard<std::mutex> lock(sampler_mu);
-      auto it = samplers->find(id);
-      if (it == samplers->end()) return;
-      s = std::move(it->second);
-      samplers->erase(it);
-    }
-    nb::gil_scoped_release nogil;
-    s.reset();
-  });
-  m.def("sampler_summary", [sampler](int64_t id) {
-    MemorySamplerSummary s = sampler(id)->Summary();
-    auto sample = [](const MemorySample& x) { return nb::make_tuple(x.t_ns, x.used, x.mapped, x.internal); };
-    nb::dict d = FieldsDict(s, kSamplerSummaryFields);
-    d["first"] = sample(s.first);
-    d["peak"] = sample(s.peak);
-    return d;
-  });
-  // The ring, oldest first, as raw int64 quadruples (t_ns, used, mapped, internal).
-  m.def("sampler_series", [sampler](int64_t id) {
-    std::vector<MemorySample> v = sampler(id)->Series();
-    static_assert(sizeof(MemorySample) == 4 * sizeof(int64_t), "packed int64 quadruples");
-    return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(MemorySample));
-  });
-
-  // ---- test and benchmark hooks (jaxvmm.testing) ----
+  // ---- test, replay and benchmark hooks (jaxvmm.testing, tests/, bench/) ----
   m.def("driver_entries", [] {
     std::vector<std::string> names;
     for (int i = 0; i < kEntryCount; ++i) names.push_back(EntryName(static_cast<Entry>(i)));
@@ -879,23 +654,106 @@ NB_MODULE(_jaxvmm, m) {
     ArmFault(ParseBackend(backend), ParseEntry(entry), nth, times, r);
   });
   m.def("fault_clear", [](const std::string& backend) { ClearFaults(ParseBackend(backend)); });
-  m.def("fault_counters", [](const std::string& backend) {
-    DriverCounters c = ReadCounters(ParseBackend(backend));
-    nb::dict d = FieldsDict(c, kDriverCountersFields);
-    nb::dict calls;
-    for (int i = 0; i < kEntryCount; ++i) calls[EntryName(static_cast<Entry>(i))] = c.calls[i];
-    d["calls"] = calls;
-    return d;
+  // Test hook: pause (or resume) the graph-mode poller of the engine of (backend, device).
+  m.def("testing_pause_poller", [](const std::string& backend, int device, bool paused) {
+    EngineRef{ParseBackend(backend), device}.Get()->PausePoller(paused);
+  });
+  m.def("engine_set_next_ticket", [](const std::string& backend, int device, uint32_t n) {
+    EngineRef{ParseBackend(backend), device}.Get()->SetNextTicketNumber(n);
+  });
+  // Test hook (cpu): right after the next offload round's take kernel took its grant, trim() the cpu
+  // engine of `device` (a revocation ordered after a take, deterministically).
+  m.def("testing_trim_after_next_take", [](int device) {
+    static int dev = 0;
+    dev = device;
+    SetPosixAfterTakeHook(
+        [](void* arg) {
+          Engine* e = nullptr;
+          if (Engine::For(Backend::kPosix, *static_cast<int*>(arg), &e).ok()) e->Trim();
+        },
+        &dev);
+  });
+  // Test hook (cpu): device-location pages beyond `bytes` fail to be created (out of memory); < 0: no limit.
+  m.def("testing_posix_device_limit", [](int64_t bytes) { SetPosixDeviceMemoryLimit(bytes); });
+  m.def("testing_posix_pageable_copies", [] { return PosixPageableCopies(); });
+  m.def("testing_posix_device_bytes", [] { return PosixDeviceBytes(); });
+  m.def("graph_kernels_ptx", [] { return std::string(kGraphKernelsPtx); });
+  // Capture and replay without XLA (tests): the engine's entry points on raw addresses.
+  m.def("engine_prepare", [](const std::string& backend, int device, uint64_t stream, int64_t site, int kind,
+                             uint64_t nbytes, int64_t signature) {
+    Engine* e = EngineRef{ParseBackend(backend), device}.Get();
+    Run([&] {
+      return e->Prepare(reinterpret_cast<CUstream>(stream), site, static_cast<ChannelKind>(kind),
+                        ArrayMeta{nbytes, signature});
+    });
+  });
+  m.def("engine_offload", [](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t src,
+                             uint64_t nbytes, int64_t signature, uint64_t token_out) {
+    Engine* e = EngineRef{ParseBackend(backend), device}.Get();
+    Run([&] { return e->Offload(reinterpret_cast<CUstream>(stream), site, src, ArrayMeta{nbytes, signature}, token_out); });
+  });
+  m.def("engine_reload", [](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t token_in,
+                            uint64_t dst, uint64_t nbytes, int64_t signature) {
+    Engine* e = EngineRef{ParseBackend(backend), device}.Get();
+    Run([&] { return e->Reload(reinterpret_cast<CUstream>(stream), site, token_in, dst, ArrayMeta{nbytes, signature}); });
+  });
+  m.def("replay_stream_create", [](const std::string& backend, int device) {
+    uint64_t s = 0;
+    Backend b = ParseBackend(backend);
+    Run([&] { return ReplayStreamCreate(b, device, &s); });
+    return s;
+  });
+  using StreamFn = Status (*)(Backend, int, uint64_t);
+  for (auto [name, fn] : {std::pair<const char*, StreamFn>{"replay_stream_destroy", &ReplayStreamDestroy},
+                          {"replay_stream_sync", &ReplayStreamSynchronize},
+                          {"replay_begin", &ReplayBeginCapture},
+                          {"replay_destroy", &ReplayDestroy}})
+    m.def(name, [fn](const std::string& backend, int device, uint64_t handle) {
+      Backend b = ParseBackend(backend);
+      Run([&] { return fn(b, device, handle); });
+    });
+  m.def("replay_end", [](const std::string& backend, int device, uint64_t stream) {
+    uint64_t x = 0;
+    Backend b = ParseBackend(backend);
+    Run([&] { return ReplayEndCapture(b, device, stream, &x); });
+    return x;
+  });
+  m.def("replay_launch", [](const std::string& backend, int device, uint64_t exec, uint64_t stream) {
+    Backend b = ParseBackend(backend);
+    Run([&] { return ReplayLaunch(b, device, exec, stream); });
   });
   m.def("bench_ops", [](const std::string& backend, int device, uint64_t nbytes, int iters) {
     std::map<std::string, double> out;
     Backend b = ParseBackend(backend);
-    Status st;
-    {
-      nb::gil_scoped_release nogil;
-      st = BenchOps(b, device, nbytes, iters, &out);
-    }
-    Check(st);
+    Run([&] { return BenchOps(b, device, nbytes, iters, &out); });
+    return out;
+  });
+  // Seconds per copy of `nbytes` from slot `src_id` to slot `dst_id` (offset 0) on a stream of `device`,
+  // one entry per iteration (bench/share_bw.py). Both slots must be mapped and accessible from `device`.
+  m.def("bench_slot_copy", [](const std::string& backend, int device, int64_t dst_id, int64_t src_id, uint64_t nbytes,
+                              int iters) {
+    std::shared_ptr<Slot> dst = SlotRef{dst_id}.Get(), src = SlotRef{src_id}.Get();
+    if (nbytes > dst->spec().nbytes || nbytes > src->spec().nbytes)
+      Check(Status(Code::kInvalidArgument, "nbytes exceeds a slot"));
+    Backend b = ParseBackend(backend);
+    std::vector<double> out;
+    Run([&]() -> Status {
+      ScopedContext ctx(b, device);
+      Status st = ctx.status();
+      const DriverTable& d = Driver(b);
+      CUstream stream = nullptr;
+      if (st.ok()) st = Call(-1, "bench", Entry::kStreamCreateWithPriority,
+                             [&] { return d.StreamCreateWithPriority(&stream, CU_STREAM_NON_BLOCKING, 0); });
+      for (int i = 0; st.ok() && i < iters; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        st = Call(-1, "bench", Entry::kMemcpyDtoDAsync,
+                  [&] { return d.MemcpyDtoDAsync(dst->address(), src->address(), nbytes, stream); });
+        if (st.ok()) st = Call(-1, "bench", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(stream); });
+        out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      if (stream != nullptr) d.StreamDestroy(stream);
+      return st;
+    });
     return out;
   });
 }

@@ -57,23 +57,23 @@ class MemoryTimeline:
         self.interval_us = float(interval_us)
         self.capacity = capacity
         self.source = "cuMemGetInfo (total - free)" if t.backend == "cuda" else "jaxvmm mapped bytes (POSIX backend)"
-        self._id: int | None = None
+        self._sampler = None  # the native MemorySampler while it runs
         self._final: dict | None = None
 
     def start(self) -> MemoryTimeline:
-        if self._id is not None or self._final is not None:
+        if self._sampler is not None or self._final is not None:
             raise RuntimeError("jaxvmm: this memory timeline was already started")
-        self._id = int(lib.sampler_start(self.backend, self.ordinal, self.capacity, int(self.interval_us * 1000)))
+        self._sampler = lib.start_sampler(self.backend, self.ordinal, self.capacity, int(self.interval_us * 1000))
         return self
 
     def stop(self) -> None:
         """Stops sampling (one last sample is taken now); the results stay readable."""
-        if self._id is not None and self._final is None:
-            lib.sampler_stop(self._id)
+        if self._sampler is not None and self._final is None:
+            self._sampler.stop()
             self._final = self._summary()
-            self._series = bytes(lib.sampler_series(self._id))
-            lib.sampler_close(self._id)
-            self._id = None
+            self._series = bytes(self._sampler.series())
+            self._sampler.close()
+            self._sampler = None
 
     close = stop
 
@@ -85,17 +85,17 @@ class MemoryTimeline:
 
     def __del__(self):
         try:
-            if self._id is not None:
-                lib.sampler_close(self._id)
+            if self._sampler is not None:
+                self._sampler.close()
         except Exception:  # noqa: BLE001 (interpreter exit)
             pass
 
     def _summary(self) -> dict:
         if self._final is not None:
             return self._final
-        if self._id is None:
+        if self._sampler is None:
             raise RuntimeError("jaxvmm: this memory timeline was never started")
-        return dict(lib.sampler_summary(self._id))
+        return dict(self._sampler.summary())
 
     # ---- results (live while running, final after stop) ----
     @property
@@ -150,7 +150,7 @@ class MemoryTimeline:
         ``t_ns, used_bytes, mapped_bytes, internal_bytes`` (``t_ns``: nanoseconds since :meth:`start`)."""
         import numpy as np
 
-        raw = self._series if self._final is not None else bytes(lib.sampler_series(self._id))
+        raw = self._series if self._final is not None else bytes(self._sampler.series())
         return np.frombuffer(raw, dtype=np.int64).reshape(-1, 4)
 
     def samples(self) -> list[Sample]:
@@ -213,7 +213,7 @@ def reset_peaks() -> None:
     counterparts) and the slots' ``peak_mapped_bytes`` (as :func:`jaxvmm.reset_peak_stats`). Peaks since
     start (``pinned_peak_in_use_bytes``, ``staging_peak_bytes``) are kept."""
     for backend, device in lib.engine_devices():
-        lib.engine_reset_peaks(backend, device)
+        lib.engine(backend, device).reset_peaks()
     lib.reset_peak()
 
 
@@ -235,21 +235,21 @@ class Ballast:
         gran = int(lib.granularity("cuda", ordinal, "device", ordinal))
         n = max(0, (free - leave_free) // gran * gran)
         self.ordinal, self.total_bytes, self.free_before_bytes = ordinal, total, free
-        self._ids: list[int] = []
+        self._slots = []
         try:
             while n > 0:  # in pieces of at most CHUNK: one huge physical allocation is needlessly fragile
                 piece = min(n, self.CHUNK)
-                self._ids.append(int(lib.slot_create("cuda", ordinal, "device", ordinal, [ordinal], piece, "")))
+                self._slots.append(lib.create_slot("cuda", ordinal, "device", ordinal, [ordinal], piece, ""))
                 n -= piece
         except BaseException:
             self.close()
             raise
-        self.nbytes = sum(int(lib.slot_info(i)["mapped_bytes"]) for i in self._ids)
+        self.nbytes = sum(int(s.info()["mapped_bytes"]) for s in self._slots)
         self.free_after_bytes = int(lib.memory_info("cuda", ordinal)[0])
 
     def close(self) -> None:
-        while self._ids:
-            lib.slot_close(self._ids.pop())
+        while self._slots:
+            self._slots.pop().close()
         self.nbytes = 0
 
     def __enter__(self):

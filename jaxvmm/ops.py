@@ -329,7 +329,7 @@ def _collect(wait: bool = False) -> None:
         drops = [v for v in freed if _held[v] <= 0]
     for device, v in drops:
         tgt = target_of(device)
-        lib.engine_drop(tgt.backend, tgt.ordinal, v)
+        lib.engine(tgt.backend, tgt.ordinal).drop(v)
 
 
 def _keep(token) -> bool:
@@ -350,7 +350,7 @@ def _keep(token) -> bool:
     for device, values in _token_values(token):
         tgt = target_of(device)
         for v in values:
-            lib.engine_keep(tgt.backend, tgt.ordinal, int(v))
+            lib.engine(tgt.backend, tgt.ordinal).keep(int(v))
     with _lock:
         if _tracked.get(id(token)) is token:
             _kept.add(id(token))
@@ -513,7 +513,7 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
         for device, values in _token_values(tok):
             tgt = target_of(device)
             for v in values:
-                lib.engine_check(tgt.backend, tgt.ordinal, int(v), t.nbytes, sig, reserve)
+                lib.engine(tgt.backend, tgt.ordinal).check(int(v), t.nbytes, sig, reserve)
                 checked.append((tgt, int(v)))
         return checked
     return []
@@ -541,11 +541,11 @@ def _check_sharded_ticket(t: Ticket, what: str, reserve: bool) -> list:
         for device, values in _token_values(tok):
             tgt = target_of(device)
             for v in values:
-                lib.engine_check(tgt.backend, tgt.ordinal, int(v), t._local_nbytes(blocks[device]), sig, reserve)
+                lib.engine(tgt.backend, tgt.ordinal).check(int(v), t._local_nbytes(blocks[device]), sig, reserve)
                 checked.append((tgt, int(v)))
     except Exception:
         for tgt, v in checked if reserve else ():
-            lib.engine_unreserve(tgt.backend, tgt.ordinal, v)
+            lib.engine(tgt.backend, tgt.ordinal).unreserve(v)
         raise
     return checked
 
@@ -680,7 +680,7 @@ def reload(ticket: Ticket, *, after=None) -> jax.Array:
                 ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(site))
     except Exception as e:
         for tgt, v in reserved:  # the eager reload never ran: the ticket may be reloaded again
-            lib.engine_unreserve(tgt.backend, tgt.ordinal, v)
+            lib.engine(tgt.backend, tgt.ordinal).unreserve(v)
         if isinstance(e, jax.errors.JaxRuntimeError):
             raise _translate(e) from e
         raise
@@ -721,7 +721,7 @@ def check() -> None:
     _collect()
     for backend, device in lib.engine_devices():
         try:
-            lib.engine_take_error(backend, device)
+            lib.engine(backend, device).take_error()
         except errors.VmmError as e:
             raise _named(e) from None
 
@@ -767,7 +767,7 @@ def synchronize() -> None:
     reads every live token array (kept out of this call, which benchmarks and tests use on hot paths)."""
     _settle()
     for backend, device in lib.engine_devices():
-        lib.engine_sync(backend, device)
+        lib.engine(backend, device).sync()
 
 
 def _settle() -> None:
@@ -775,7 +775,7 @@ def _settle() -> None:
     tickets of every token that died before (see _collect)."""
     _drain_dispatched()
     for backend, device in lib.engine_devices():
-        lib.engine_sync(backend, device)
+        lib.engine(backend, device).sync()
     for _ in range(3):  # a drop can release the last reference that kept another token alive
         _collect(wait=True)
 
@@ -799,7 +799,7 @@ def _sweep_unreachable(issued: dict) -> int:
     token-like arrays only when such a ticket exists."""
     candidates = {}
     for (backend, device), last in issued.items():
-        mine = [int(token) for token, seq in lib.engine_unclaimed_tickets(backend, device) if seq <= last]
+        mine = [int(token) for token, seq in lib.engine(backend, device).unclaimed_tickets() if seq <= last]
         if mine:
             candidates[(backend, device)] = np.array(mine, np.uint64)
     if not candidates:
@@ -820,7 +820,7 @@ def _sweep_unreachable(issued: dict) -> int:
     for (backend, device), mine in candidates.items():
         for token in mine.tolist():
             if (backend, device, token) not in held:
-                lib.engine_drop(backend, device, token)
+                lib.engine(backend, device).drop(token)
                 dropped += 1
     return dropped
 
@@ -844,15 +844,15 @@ def collect() -> int:
     # call judges it. (On the cpu platform a fence waits only for its own thread's computations, and
     # another thread's computation may issue a ticket before its output is a live array: the second
     # drain waits for that output.)
-    issued = {(backend, device): int(lib.engine_stats(backend, device)["seq_issued"])
+    issued = {(backend, device): int(lib.engine(backend, device).stats()["seq_issued"])
               for backend, device in lib.engine_devices()}
     _settle()
     _drain_dispatched()
     for backend, device in lib.engine_devices():
-        lib.engine_sync(backend, device)
+        lib.engine(backend, device).sync()
     n = _sweep_unreachable(issued)
     for backend, device in lib.engine_devices():
-        lib.engine_sync(backend, device)
+        lib.engine(backend, device).sync()
     return n
 
 
@@ -1001,7 +1001,7 @@ def reserve_host(nbytes: int | str, device=None) -> None:
     ``host_pool_limit``."""
     n = _config.parse_size(nbytes, "jaxvmm.reserve_host: nbytes")
     tgt = target_of(device)
-    lib.engine_reserve_host(tgt.backend, tgt.ordinal, n)
+    lib.engine(tgt.backend, tgt.ordinal).reserve_host(n)
 
 
 def trim() -> int:
@@ -1010,7 +1010,7 @@ def trim() -> int:
     reserved; the pinned pool keeps its chunks). Returns the bytes returned."""
     n = 0
     for backend, device in lib.engine_devices():
-        n += int(lib.engine_trim(backend, device))
+        n += int(lib.engine(backend, device).trim())
     return n
 
 
@@ -1033,5 +1033,5 @@ def engine_stats() -> dict:
     _collect()
     out = {}
     for backend, device in lib.engine_devices():
-        out[f"{'cuda' if backend == 'cuda' else 'cpu'}:{device}"] = dict(lib.engine_stats(backend, device))
+        out[f"{'cuda' if backend == 'cuda' else 'cpu'}:{device}"] = dict(lib.engine(backend, device).stats())
     return out

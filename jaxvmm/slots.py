@@ -169,17 +169,17 @@ class _DLPackProducer:
 VIEW_DRAIN_SECONDS = 1.0
 
 
-def _wait_for_dead_views(sid: int) -> None:
+def _wait_for_dead_views(native) -> None:
     """jax frees an unreferenced view's buffer asynchronously, just after the last computation that read
     it: give such views a moment (at most VIEW_DRAIN_SECONDS) to go before a release or close is refused."""
-    if not lib.slot_info(sid)["views"]:
+    if not native.info()["views"]:
         return
     import gc
     import time
 
     gc.collect()
     deadline = time.monotonic() + VIEW_DRAIN_SECONDS
-    while lib.slot_info(sid)["views"] and time.monotonic() < deadline:
+    while native.info()["views"] and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
@@ -227,33 +227,35 @@ class Slot:
         loc_id = target.ordinal if kind == "device" else node
         self._lock = threading.Lock()
         self._target: Target = target
-        self._id: int | None = None
+        self._native = None  # the core's slot (lib.Slot) until closed
         self._channel_fd: int | None = None  # imported slots: the exporter's generation channel
         self._import_generation = 0
         if shareable:
             lib.shareable_check(target.backend, target.ordinal, kind, loc_id, shareable)
-        self._id = lib.slot_create(target.backend, target.ordinal, kind, loc_id, ordinals, n, shareable or "")
+        self._native = lib.create_slot(target.backend, target.ordinal, kind, loc_id, ordinals, n, shareable or "")
         self._shareable = shareable
         self._nbytes = n
         self._location = kind if kind == "device" else f"host_numa:{node}"
-        self._size = int(lib.slot_info(self._id)["size"])
-        self._address = int(lib.slot_info(self._id)["address"])
+        info = self._native.info()
+        self._size = int(info["size"])
+        self._address = int(info["address"])
 
     # ---- properties ----
-    def _live_id(self) -> int:
-        if self._id is None:
+    def _live(self):
+        """The core's slot; raises once this one is closed."""
+        if self._native is None:
             raise errors.SlotStateError("jaxvmm: the slot is closed", code="state", stage="use")
-        return self._id
+        return self._native
 
     @property
     def id(self) -> int:
         """Process-unique slot id (also the allocation id that caches keyed by address should use)."""
-        return self._live_id()
+        return self._live().id
 
     @property
     def address(self) -> int:
         """The fixed virtual address; identical across every release/remap of this slot."""
-        self._live_id()
+        self._live()
         return self._address
 
     @property
@@ -282,7 +284,7 @@ class Slot:
 
     def info(self) -> dict:
         """A snapshot of the native slot record (state, generation, mapped bytes, last error)."""
-        return dict(lib.slot_info(self._live_id()))
+        return dict(self._live().info())
 
     @property
     def generation(self) -> int:
@@ -292,28 +294,28 @@ class Slot:
     @property
     def mapped(self) -> bool:
         """True while physical pages are mapped and accessible."""
-        return self._id is not None and bool(self.info()["mapped"])
+        return self._native is not None and bool(self.info()["mapped"])
 
     @property
     def state(self) -> str:
         """``"mapped"``, ``"released"`` or ``"closed"``."""
-        return "closed" if self._id is None else str(self.info()["state"])
+        return "closed" if self._native is None else str(self.info()["state"])
 
     @property
     def closed(self) -> bool:
-        return self._id is None
+        return self._native is None
 
     # ---- lifecycle ----
     def release(self) -> None:
         """Unmap and release the physical pages; the address stays reserved (touching it faults).
         Refused (``SlotStateError``) while zero-copy views from :meth:`as_array` live."""
-        sid = self._live_id()
-        _wait_for_dead_views(sid)
-        lib.slot_release(sid)
+        native = self._live()
+        _wait_for_dead_views(native)
+        native.release()
 
     def remap(self) -> None:
         """Map fresh physical pages at the same address (contents are undefined) and bump ``generation``."""
-        lib.slot_remap(self._live_id())
+        self._live().remap()
 
     def close(self) -> None:
         """Return pages and reservation to the driver. A teardown that fails is quarantined (the
@@ -321,19 +323,19 @@ class Slot:
 
         Refused (``SlotStateError``, the slot stays open) while zero-copy views from :meth:`as_array` live."""
         with self._lock:
-            sid = self._id
-            if sid is None:
+            native = self._native
+            if native is None:
                 raise errors.SlotStateError("jaxvmm: the slot is already closed", code="state", stage="close")
-            _wait_for_dead_views(sid)
+            _wait_for_dead_views(native)
             try:
-                lib.slot_close(sid)
+                native.close()
             except errors.SlotStateError:
                 raise  # live views: nothing was done, the slot stays open
             except BaseException:
-                self._id = None
+                self._native = None
                 self._drop_channel()
                 raise
-            self._id = None
+            self._native = None
             self._drop_channel()
 
     def _drop_channel(self) -> None:
@@ -345,19 +347,19 @@ class Slot:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._id is not None:
+        if self._native is not None:
             self.close()
 
     def __del__(self):
-        sid = getattr(self, "_id", None)
-        if sid is not None:
-            self._id = None
+        native = getattr(self, "_native", None)
+        if native is not None:
+            self._native = None
             try:
-                lib.slot_close(sid)
+                native.close()
             except Exception as e:  # noqa: BLE001 - quarantined and logged by the core
                 if getattr(e, "code", None) == "state":  # views outlive the object: the last one closes the slot
                     try:
-                        lib.slot_close_when_unviewed(sid)
+                        native.close_when_unviewed()
                     except Exception:  # noqa: BLE001
                         pass
         if getattr(self, "_channel_fd", None) is not None:
@@ -371,7 +373,7 @@ class Slot:
         """Copy ``data`` (bytes-like or array-like, taken as raw bytes) into the slot at ``offset``."""
         buf = _as_bytes(data)
         offset = self._check_range(offset, buf.nbytes)
-        lib.slot_write(self._live_id(), offset, buf)
+        self._live().write(offset, buf)
 
     def read(self, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
         """Copy ``nbytes`` (default: to the end) starting at ``offset`` out of the slot as ``uint8``."""
@@ -385,7 +387,7 @@ class Slot:
                 raise _type_error(f"jaxvmm: nbytes must be an int, not {type(nbytes).__name__}") from None
         self._check_range(off, n)
         out = np.empty(n, dtype=np.uint8)
-        lib.slot_read_into(self._live_id(), off, out)
+        self._live().read_into(off, out)
         return out
 
     def _check_range(self, offset, n: int) -> int:
@@ -416,7 +418,7 @@ class Slot:
         slot's pages stay valid, and this process's, until it closes them; they are just no longer the
         exporter's). None when the exporter cannot be asked (a fabric handle from bytes). Always False
         for a slot this process created."""
-        self._live_id()
+        self._live()
         if not self.imported:
             return False
         if self._channel_fd is None:
@@ -428,12 +430,13 @@ class Slot:
 
         The slot must be mapped and created with ``shareable=``. Each call returns a new handle with new
         descriptors, owned by the handle: close it (or use ``with``) once it has been sent."""
-        sid = self._live_id()
+        native = self._live()
+        sid = native.id
         kind = _check_shareable(kind) or self._shareable
         if not kind:
             raise errors.SlotStateError("jaxvmm: the slot was not created shareable; pass shareable='posix_fd' "
                                         "(or 'fabric') to jaxvmm.Slot", code="state", slot=sid, stage="export")
-        fd, fabric, channel, generation, size = lib.slot_export(sid, kind)
+        fd, fabric, channel, generation, size = native.export(kind)
         return _share.ShareHandle(
             kind=kind, backend=self.backend, size=int(size), nbytes=self._nbytes, granularity=_granularity_of(self),
             location=self._location, device=self._target.ordinal, generation=int(generation), pid=os.getpid(),
@@ -481,8 +484,8 @@ class Slot:
         if handle.channel_fd is not None:
             channel = _share._own(os.dup(handle.channel_fd))
         try:
-            sid = lib.slot_import(target.backend, target.ordinal, ordinals, handle.kind, fd,
-                                  handle.fabric or b"", handle.size, handle.granularity, handle.generation)
+            native = lib.import_slot(target.backend, target.ordinal, ordinals, handle.kind, fd,
+                                     handle.fabric or b"", handle.size, handle.granularity, handle.generation)
         except BaseException as e:
             if channel is not None:
                 _share._close(channel)
@@ -497,13 +500,13 @@ class Slot:
         self = cls.__new__(cls)
         self._lock = threading.Lock()
         self._target = target
-        self._id = sid
+        self._native = native
         self._channel_fd = channel
         self._import_generation = handle.generation
         self._shareable = handle.kind
         self._nbytes = handle.nbytes if 0 < handle.nbytes <= handle.size else handle.size
         self._location = handle.location
-        info = lib.slot_info(sid)
+        info = native.info()
         self._size = int(info["size"])
         self._address = int(info["address"])
         return self
@@ -520,7 +523,8 @@ class Slot:
 
         ``offset`` must be a multiple of 256 bytes (XLA's buffer alignment on cpu and CUDA). 64-bit dtypes
         need ``jax_enable_x64`` (jax would otherwise convert, i.e. copy)."""
-        sid = self._live_id()
+        native = self._live()
+        sid = native.id
         shp = _check_view_shape(shape)
         dt = _check_view_dtype(dtype)
         off = self._check_range(offset, 0)
@@ -533,7 +537,7 @@ class Slot:
             code = 4
         dev = self._target.device
         dl_type = 2 if self.backend == "cuda" else 1
-        capsule = lib.slot_dlpack(sid, off, list(shp), code, bits, dl_type, int(dev.local_hardware_id or 0))
+        capsule = native.dlpack(off, list(shp), code, bits, dl_type, int(dev.local_hardware_id or 0))
         producer = _DLPackProducer(capsule, dl_type, int(dev.local_hardware_id or 0))
         try:
             arr = jax.dlpack.from_dlpack(producer, device=dev, copy=False)
@@ -555,8 +559,8 @@ class Slot:
         return int(self.info()["views"])
 
     def __repr__(self) -> str:
-        if self._id is None:
+        if self._native is None:
             return f"<jaxvmm.Slot closed nbytes={self._nbytes}>"
         i = self.info()
-        return (f"<jaxvmm.Slot id={self._id} {self._target.name} {self._location} address=0x{self._address:x} "
+        return (f"<jaxvmm.Slot id={self._native.id} {self._target.name} {self._location} address=0x{self._address:x} "
                 f"nbytes={self._nbytes} size={self._size} generation={i['generation']} state={i['state']}>")

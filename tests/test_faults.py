@@ -194,7 +194,7 @@ def test_fault_matrix(op, entry, error, no_leaks):
     if op == "create":
         assert acc == base_acc
         with pytest.raises(jaxvmm.NotFoundError):
-            lib.slot_info(err.slot)  # the failed id was never registered
+            lib.slot(err.slot).info()  # the failed id was never registered
         with perform(op, None) as s2:
             assert s2.id != err.slot and s2.generation == 1
             s2.write(DATA)
@@ -507,7 +507,7 @@ def test_create_rollback_failure_is_quarantined(forever, owned, no_leaks):
         check_error(err, op="create", entry="cuMemSetAccess", error="CUDA_ERROR_OUT_OF_MEMORY", slot_id=None)
         assert "rollback failed and was quarantined" in msg and forever in msg, msg
         with pytest.raises(jaxvmm.NotFoundError):
-            lib.slot_info(err.slot)  # never became a slot
+            lib.slot(err.slot).info()  # never became a slot
         st = jaxvmm.stats()
         assert st["slots"] == base_acc["slots"]
         assert st["quarantined"] == 1

@@ -32,7 +32,7 @@ N = 3 * 4096 + 100  # not a multiple of any page size
 def stats(device) -> dict:
     t = target_of(device)
     jaxvmm.synchronize()
-    return lib.engine_stats(t.backend, t.ordinal)
+    return lib.engine(t.backend, t.ordinal).stats()
 
 
 def data(i: int, n: int = N) -> np.ndarray:
@@ -154,7 +154,7 @@ _EARLY_LAUNCH = textwrap.dedent('''
     dev = "cuda:0" if DEVICE == "gpu" else "cpu"
     mk = lambda n: jaxvmm.Slot(n, device=dev)
     x, y, tok = mk(N), mk(N), mk(8)
-    st = lambda: lib.engine_stats(T.backend_of(dev), 0)
+    st = lambda: lib.engine(T.backend_of(dev), 0).stats()
     with Replay(dev) as r:
         r.prepare(1 << 40, r.OFFLOAD, N); r.prepare((1 << 40) + 1, r.RELOAD, N)  # loads and warms the kernels
         before, calls0 = st(), T.driver_counters(dev)["calls"]
@@ -304,7 +304,7 @@ def test_rounds_are_bit_exact_when_the_cpu_streams_run_asynchronously(round_kern
                     tok.write(np.frombuffer(tokens[i], np.uint8)); r.launch(bwd[0]); r.synchronize()
                     assert np.array_equal(np.frombuffer(bytes(y.read()), np.uint8), data(i)), i
         jaxvmm.synchronize()
-        s = lib.engine_stats("posix", 0)
+        s = lib.engine("posix", 0).stats()
         assert s["graph_host_fallbacks"] > 0 and s["errors"] == 0 and s["tickets_live"] == 0, s
         print("OK")
     ''')
@@ -389,7 +389,7 @@ def test_cells_of_a_site_never_captured_go_back_when_idle(platform_device):
         jaxvmm.configure(staging_idle_ms=50)
         def mapped():
             jaxvmm.synchronize()
-            return lib.engine_stats({t.backend!r}, {t.ordinal})["graph_mapped_bytes"]
+            return lib.engine({t.backend!r}, {t.ordinal}).stats()["graph_mapped_bytes"]
         jaxvmm.synchronize()  # its first call compiles a fence per device: longer than the idle timeout
         with Replay({platform_device!r}) as r:
             r.prepare(1 << 40, r.OFFLOAD, {N})
@@ -417,7 +417,7 @@ def test_channel_cells_stay_within_the_staging_budget(platform_device, slots, en
     jaxvmm.configure(staging_budget=4 * g)
     try:
         t = target_of(platform_device)
-        lib.engine_stats(t.backend, t.ordinal)  # the engine exists before its peak is read
+        lib.engine(t.backend, t.ordinal).stats()  # the engine exists before its peak is read
         sites = [next(_sites) for _ in xs]
         with Replay(platform_device) as r:
             for s in sites:
@@ -558,7 +558,7 @@ def test_rounds_take_pre_armed_grants_on_the_device(platform_device, slots, engi
         fwd, bwd = forward_backward_graphs(r, x, y, tok)
         if not kernels_on(platform_device):
             t = target_of(platform_device)
-            why = f"grant kernels unavailable: {lib.engine_graph_kernels_error(t.backend, t.ordinal)}"
+            why = f"grant kernels unavailable: {lib.engine(t.backend, t.ordinal).graph_kernels_error()}"
             if platform_device != "cpu":
                 pytest.fail(why)  # a GPU with a CUDA 12+/13 driver must load the checked-in PTX
             pytest.skip(why)
@@ -682,7 +682,7 @@ def test_a_cell_the_device_has_no_memory_for_is_mapped_with_host_pages():
     on (bit-exact), and the next mapping after an idle release is on the device again."""
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         import threading
-        stats = lambda: lib.engine_stats("posix", 0)
+        stats = lambda: lib.engine("posix", 0).stats()
         with Replay("cpu") as r:
             g = round_trip(r)
             replay_rounds(r, g, 2)
@@ -724,13 +724,13 @@ def test_gpu_cells_get_host_pages_when_the_device_is_full():
         for _ in range(3):  # compiled and recorded; XLA's pool keeps what the pair needs
             assert float(bwd(fwd(h))) == want
         jaxvmm.synchronize(); jaxvmm.trim()
-        s0 = lib.engine_stats("cuda", 0)
+        s0 = lib.engine("cuda", 0).stats()
         assert s0["graph_mapped_bytes"] == 0 and s0["graph_captures"] > 0, s0
         with jaxvmm.Ballast(8 << 20):  # less than one cell stays free
             for _ in range(2):
                 assert float(bwd(fwd(h))) == want
             jaxvmm.synchronize()
-            s = lib.engine_stats("cuda", 0)
+            s = lib.engine("cuda", 0).stats()
         assert s["graph_cells_host"] > 0 and s["graph_offload_rounds"] > s0["graph_offload_rounds"], s
         print("OK", s["graph_cells_host"])
     ''')
@@ -747,7 +747,7 @@ _GUESS_PRELUDE = textwrap.dedent('''
     jaxvmm.configure(staging_idle_ms=60000)   # no idle release to hide a stale guess
     N = 3 * 4096 + 100
     mk = lambda n: jaxvmm.Slot(n, device="cpu")
-    stats = lambda: lib.engine_stats("posix", 0)
+    stats = lambda: lib.engine("posix", 0).stats()
     def offload_site_and_reload_sites(r, base, outs):
         """One offload call site at `base` and a reload call site per (token slot, output slot) in
         `outs`, each captured alone; two offload rounds of 1s and 2s: (x, its token slot, offload graph,
@@ -879,7 +879,7 @@ def test_a_guess_whose_ticket_is_dropped_is_taken_back_at_once():
             assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == 2)
             s = stats()
             assert s["tickets_live"] == 1 and s["errors"] == 0, s     # T1, held by the guess
-            lib.engine_drop("posix", 0, int(np.frombuffer(tokens[0], np.uint64)[0]))  # T1's token died
+            lib.engine("posix", 0).drop(int(np.frombuffer(tokens[0], np.uint64)[0]))  # T1's token died
             jaxvmm.synchronize()
             s = stats()
             assert s["tickets_live"] == 0 and s["errors"] == 0, s
@@ -933,7 +933,7 @@ def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
             jaxvmm.collect()  # round 3's ticket: its token never reached a jax array
             jaxvmm.synchronize()
             jaxvmm.check()
-            assert lib.engine_stats("posix", 0)["graph_grants_device"] >= 1  # round 2 took an armed grant
+            assert lib.engine("posix", 0).stats()["graph_grants_device"] >= 1  # round 2 took an armed grant
         print("OK")
     ''')
     proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=120)
@@ -947,7 +947,7 @@ def test_a_revoke_after_the_device_took_the_grant_keeps_the_round(k):
     bit-exact; with K = 3 cells the other two cells' grants are taken back."""
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
         K = {k}
-        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+        st = lambda: (jaxvmm.synchronize(), lib.engine("posix", 0).stats())[1]
         with Replay("cpu") as r:
             g = round_trip(r)
             replay_rounds(r, g, 3)
@@ -987,10 +987,10 @@ def test_grant_kernels_are_warmed_at_the_first_initialize_and_a_failed_warm_up_f
                 g = round_trip(r)
             replay_rounds(r, g, 4)
         jaxvmm.synchronize()
-        s = lib.engine_stats("posix", 0)
+        s = lib.engine("posix", 0).stats()
         assert s["graph_kernels"] == 0 and s["graph_grants_device"] == 0, s
         assert s["graph_offload_rounds"] == 4 and s["graph_reload_rounds"] == 4 and s["errors"] == 0, s
-        why = lib.engine_graph_kernels_error("posix", 0)
+        why = lib.engine("posix", 0).graph_kernels_error()
         assert "warm-up" in why and "cuLaunchKernel" in why, why
         jaxvmm.collect()
         print("OK")
@@ -1003,7 +1003,7 @@ def test_grant_kernels_are_warmed_at_the_first_initialize_and_a_failed_warm_up_f
             g = round_trip(r)
             replay_rounds(r, g, 4)
         jaxvmm.synchronize()
-        s = lib.engine_stats("posix", 0)
+        s = lib.engine("posix", 0).stats()
         assert s["graph_kernels"] == 1 and s["errors"] == 0 and s["tickets_live"] == 0, s
         assert s["graph_offload_rounds"] == 4 and s["graph_grants_device"] >= 3, s
         jaxvmm.collect()
@@ -1058,8 +1058,8 @@ def test_the_warm_up_runs_even_when_the_first_initialize_stage_failed():
                 g = round_trip(r)
             replay_rounds(r, g, 3)
         jaxvmm.synchronize()
-        s = lib.engine_stats("posix", 0)
-        why = lib.engine_graph_kernels_error("posix", 0)
+        s = lib.engine("posix", 0).stats()
+        why = lib.engine("posix", 0).graph_kernels_error()
         assert s["graph_kernels"] == 0 and "warm-up" in why, (s["graph_kernels"], why)
         jaxvmm.check()
         jaxvmm.collect()
@@ -1076,7 +1076,7 @@ def test_without_grant_kernels_the_host_grants_every_round():
             g = round_trip(r)
             replay_rounds(r, g, 5)
         jaxvmm.synchronize()
-        s = lib.engine_stats("posix", 0)
+        s = lib.engine("posix", 0).stats()
         assert s["graph_kernels"] == 0 and s["graph_grants_device"] == 0, s
         assert s["graph_offload_rounds"] == 5 and s["graph_reload_rounds"] == 5, s
         jaxvmm.collect()
@@ -1137,7 +1137,7 @@ def graph_cells():
 def need_kernels(device):
     if not kernels_on(device):
         t = target_of(device)
-        why = f"grant kernels unavailable: {lib.engine_graph_kernels_error(t.backend, t.ordinal)}"
+        why = f"grant kernels unavailable: {lib.engine(t.backend, t.ordinal).graph_kernels_error()}"
         if device != "cpu":
             pytest.fail(why)
         pytest.skip(why)
@@ -1151,7 +1151,7 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
         K = {k}
         jaxvmm.configure(staging_idle_ms=600000)  # no cell goes back by time: mapped bytes are exact
-        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+        st = lambda: (jaxvmm.synchronize(), lib.engine("posix", 0).stats())[1]
         cell = jaxvmm.Slot(N, device="cpu").size  # one cell: N rounded up to the granularity
         with Replay("cpu") as r:
             g = round_trip(r)
@@ -1211,7 +1211,7 @@ _LARGE_PRELUDE = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
     N = 40 << 20
     x, y = mk(N), mk(N)
     jaxvmm.configure(staging_idle_ms=600000)
-    st = lambda: lib.engine_stats("posix", 0)
+    st = lambda: lib.engine("posix", 0).stats()
 ''')
 
 
@@ -1236,7 +1236,7 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
         import time
         SPARES = {spares}
         assert jaxvmm.configure()["graph_spares"] == SPARES
-        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+        st = lambda: (jaxvmm.synchronize(), lib.engine("posix", 0).stats())[1]
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             R = 10
@@ -1254,7 +1254,7 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
             # of the newest ticket is followed by two offloads, so the D2H queue stays long, offloads
             # keep lending spares while reloads read lent cells (guesses and corrections), and H2D
             # copies (3 ms each too) hold back the copies queued behind them.
-            before = lib.engine_stats("posix", 0)
+            before = lib.engine("posix", 0).stats()
             stack = []
             for i in range(R):
                 x.write(np.full(N, 100 + i, np.uint8)); r.launch(fwd[0]); r.synchronize()
@@ -1268,7 +1268,7 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
                     v = 150 + (2 * k + j) % 100
                     x.write(np.full(N, v, np.uint8)); r.launch(fwd[0]); r.synchronize()
                     stack.append((v, bytes(tok.read())))
-            inter = lib.engine_stats("posix", 0)
+            inter = lib.engine("posix", 0).stats()
             while stack:
                 v, t = stack.pop()
                 tok.write(np.frombuffer(t, np.uint8)); r.launch(bwd[0]); r.synchronize()
@@ -1306,7 +1306,7 @@ def test_the_newest_offloads_are_read_on_the_device_after_every_spare_is_lent():
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         import time
         jaxvmm.configure(staging_idle_ms=600000)  # idle release would take the kept bytes
-        st = lambda: lib.engine_stats("posix", 0)
+        st = lambda: lib.engine("posix", 0).stats()
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             forward = lambda base, n: offload_replays(r, fwd, base, n)
@@ -1348,11 +1348,11 @@ def test_the_spare_budget_caps_the_device_memory_spares_hold(spares, budget):
         cell = x.size  # N rounded up to the granularity, as a cell is
         cfg = jaxvmm.configure(staging_idle_ms=600000, graph_spare_budget=BUDGET_CELLS * cell)
         assert cfg["graph_spare_budget"] == BUDGET_CELLS * cell, cfg
-        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+        st = lambda: (jaxvmm.synchronize(), lib.engine("posix", 0).stats())[1]
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             toks = offload_replays(r, fwd, 10, 8)
-            s0 = lib.engine_stats("posix", 0)
+            s0 = lib.engine("posix", 0).stats()
             for i in reversed(range(8)):
                 reload_replay(r, bwd, toks[i], 10 + i)
             s = st()
@@ -1478,7 +1478,7 @@ def test_the_first_reload_takes_held_pages_while_their_d2h_still_runs(rounds, tr
                 s1 = st()
                 assert s1["graph_trades"] - s0["graph_trades"] == 1, (s0, s1)
                 if TRIM:
-                    assert lib.engine_trim("posix", 0) == 0 and st()["graph_mapped_bytes"] == CELL, st()
+                    assert lib.engine("posix", 0).trim() == 0 and st()["graph_mapped_bytes"] == CELL, st()
                 for i in reversed(range(R - 1)):
                     reload_replay(r, bwd, toks[i], 10 * step + i, note)
                 jaxvmm.synchronize()  # the last D2H is done: the next forward takes the pages again
@@ -1554,7 +1554,7 @@ def test_a_kept_ticket_s_held_pages_are_not_taken_while_its_d2h_runs():
             jaxvmm.synchronize()
             b2 = off(r, fb, 20); a2 = off(r, fa, 10)  # A's D2H runs for 300 ms
             for t in (a2, b2):
-                lib.engine_keep("posix", 0, int.from_bytes(t, "little"))
+                lib.engine("posix", 0).keep(int.from_bytes(t, "little"))
             assert rel(r, bwd, a2) == {10} and rel(r, bwd, b2) == {20}
             jaxvmm.synchronize()
             assert rel(r, bwd, a2) == {10} and rel(r, bwd, b2) == {20}  # the function called again
@@ -1722,7 +1722,7 @@ def test_the_backward_s_first_reloads_read_small_offload_cells_device_to_device(
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         import time
         jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
+        st = lambda: lib.engine("posix", 0).stats()
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             toks = offload_replays(r, fwd, 10, 4)
@@ -1768,7 +1768,7 @@ def test_a_reload_s_go_follows_the_guesses_staged_from_offload_cells():
     failed in every run). Now go follows the staged copies on gfix_."""
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
+        st = lambda: lib.engine("posix", 0).stats()
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             for it in range(20):
@@ -1832,7 +1832,7 @@ def test_an_offload_round_beside_a_waiting_reload_never_refills_the_cell_it_read
     CONCURRENT on the H200 that wait hung in 3 of about 50 runs.)"""
     code = _ROUND_TRIP_PRELUDE + _BESIDE_A_WAITING_RELOAD + textwrap.dedent('''
         jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
+        st = lambda: lib.engine("posix", 0).stats()
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             beside_a_waiting_reload(r, fwd, bwd, miss=0)
@@ -1999,7 +1999,7 @@ def test_an_offload_round_between_prefetches_of_held_cells_and_their_reloads():
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         import threading, time
         jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
+        st = lambda: lib.engine("posix", 0).stats()
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             r.prepare((1 << 41) + 2, r.RELOAD, N)
@@ -2061,7 +2061,7 @@ def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
             for i in range(4):
                 x.write(np.full(N, 10 + i, np.uint8)); rf.launch(fwd[0]); rf.synchronize()
                 toks.append(bytes(tok.read()))
-            s0 = lib.engine_stats("posix", 0)
+            s0 = lib.engine("posix", 0).stats()
             assert s0["graph_lends"] >= 2, s0
             tok2.write(np.frombuffer(toks[1], np.uint8)); rb.launch(bwd[0])   # reload B
             time.sleep(0.1)                                                   # B's D2H ends
@@ -2069,7 +2069,7 @@ def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
                 x.write(np.full(N, 100 + i, np.uint8)); rf.launch(fwd[0]); rf.synchronize()
             rb.synchronize()
             got = np.frombuffer(bytes(y.read()), np.uint8)
-            s = lib.engine_stats("posix", 0)
+            s = lib.engine("posix", 0).stats()
             assert s["graph_lent_reads"] - s0["graph_lent_reads"] >= 1, (s0, s)   # B was read from its lent cell
             assert s["graph_lends"] > s0["graph_lends"], (s0, s)                   # and spares were lent again
             assert np.all(got == 11), np.unique(got)
@@ -2089,7 +2089,7 @@ def test_a_waiting_round_gets_the_device_pages_of_its_own_free_spare():
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         import time
         jaxvmm.configure(staging_idle_ms=600000)
-        st = lambda: lib.engine_stats("posix", 0)
+        st = lambda: lib.engine("posix", 0).stats()
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
             tokens = []
@@ -2228,7 +2228,7 @@ def test_a_budget_smaller_than_k_cells_runs_on_fewer(budget_cells):
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
         cell = jaxvmm.Slot(N, device="cpu").size
         jaxvmm.configure(staging_budget={budget_cells} * cell)
-        st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+        st = lambda: (jaxvmm.synchronize(), lib.engine("posix", 0).stats())[1]
         with Replay("cpu") as r:
             g = round_trip(r)
             for i in range(12):
@@ -2317,7 +2317,7 @@ _FRESH_ENGINE_GRAPHS = textwrap.dedent('''
     import time, numpy as np, jaxvmm
     from jaxvmm.testing import Replay
     from jaxvmm._native import lib
-    stats = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
+    stats = lambda: (jaxvmm.synchronize(), lib.engine("posix", 0).stats())[1]
     def graphs(r, n, x, y, tok):
         r.prepare(1 << 40, r.OFFLOAD, n)
         r.prepare((1 << 40) + 1, r.RELOAD, n)

@@ -282,10 +282,10 @@ def test_synchronize_frees_a_ticket_python_dropped_before_it(platform_device):
             t = f(x)
             jax.block_until_ready(t.token)
             jaxvmm.synchronize()
-            assert lib.engine_stats(tgt.backend, tgt.ordinal)["tickets_live"] == 1
+            assert lib.engine(tgt.backend, tgt.ordinal).stats()["tickets_live"] == 1
             del t
             jaxvmm.synchronize()
-            assert lib.engine_stats(tgt.backend, tgt.ordinal)["tickets_live"] == 0
+            assert lib.engine(tgt.backend, tgt.ordinal).stats()["tickets_live"] == 0
         print("OK")
     """, platform_device)
 
@@ -304,11 +304,11 @@ def test_tickets_dropped_in_a_loop_that_blocks_each_step_are_freed_as_it_runs(pl
         for i in range(30):
             t, loss = step(x)       # the previous step's ticket dies here, never reloaded
             float(loss)
-            most = max(most, lib.engine_stats(tgt.backend, tgt.ordinal)["tickets_live"])
+            most = max(most, lib.engine(tgt.backend, tgt.ordinal).stats()["tickets_live"])
         assert most <= 8, most  # a few steps behind at most (29 if every drop waited for the newest token)
         del t
         jaxvmm.synchronize()
-        assert lib.engine_stats(tgt.backend, tgt.ordinal)["tickets_live"] == 0
+        assert lib.engine(tgt.backend, tgt.ordinal).stats()["tickets_live"] == 0
         print("OK")
     """, platform_device)
 

@@ -138,9 +138,9 @@ def test_closed_slot_raises(platform_device, no_leaks):
         with pytest.raises(jaxvmm.SlotStateError, match="jaxvmm:"):
             op()
     # the native record is gone too
-    for native in (lib.slot_info, lib.slot_release, lib.slot_remap, lib.slot_close):
+    for op in ("info", "release", "remap", "close"):
         with pytest.raises(jaxvmm.NotFoundError, match=f"jaxvmm: slot {sid}:"):
-            native(sid)
+            getattr(lib.slot(sid), op)()
 
 
 def test_double_close_raises(platform_device, no_leaks):
@@ -162,7 +162,7 @@ def test_context_manager_closes(platform_device, no_leaks):
     with pytest.raises(jaxvmm.NotFoundError):
         lib.find_range(addr, size)
     with pytest.raises(jaxvmm.NotFoundError):
-        lib.slot_info(sid)
+        lib.slot(sid).info()
     # an exception inside the block still closes the slot and propagates
     with pytest.raises(KeyError, match="boom"):
         with jaxvmm.Slot(4096, device=platform_device) as s2:
@@ -179,7 +179,7 @@ def test_del_closes(platform_device, no_leaks):
     del s
     gc.collect()
     with pytest.raises(jaxvmm.NotFoundError):
-        lib.slot_info(sid)
+        lib.slot(sid).info()
     after = jaxvmm.stats()
     assert after["slots"] == base["slots"]
     assert after["closed"] == base["closed"] + 1
@@ -367,9 +367,9 @@ def test_bad_nbytes(nbytes, exc, no_leaks):
 def test_native_rejects_zero_nbytes(no_leaks):
     """The core checks again what Python validated."""
     with pytest.raises(jaxvmm.InvalidArgumentError, match="nbytes must be > 0"):
-        lib.slot_create("posix", 0, "device", 0, [0], 0)
+        lib.create_slot("posix", 0, "device", 0, [0], 0)
     with pytest.raises(jaxvmm.InvalidArgumentError, match="2\\*\\*48"):
-        lib.slot_create("posix", 0, "device", 0, [0], 2**60)
+        lib.create_slot("posix", 0, "device", 0, [0], 2**60)
 
 
 @pytest.mark.parametrize(
@@ -420,7 +420,7 @@ def test_huge_request_is_out_of_memory(platform_device, no_leaks):
     assert err.driver_error == "CUDA_ERROR_OUT_OF_MEMORY"
     assert err.stage == "create" and isinstance(err.slot, int) and f"slot {err.slot}: create:" in msg
     with pytest.raises(jaxvmm.NotFoundError):
-        lib.slot_info(err.slot)
+        lib.slot(err.slot).info()
     after = jaxvmm.stats()
     for k in ("slots", "reserved_bytes", "mapped_bytes", "created", "quarantined"):
         assert after[k] == before[k], k
@@ -447,11 +447,11 @@ def test_write_and_read_past_the_end(platform_device, no_leaks):
         assert s.read(1, offset=99).tobytes() == b"z"
         # the core rejects out-of-range copies on its own, including offsets that would overflow
         with pytest.raises(jaxvmm.InvalidArgumentError, match="exceeds the slot's 100 bytes"):
-            lib.slot_write(s.id, 90, np.zeros(20, dtype=np.uint8))
+            lib.slot(s.id).write(90, np.zeros(20, dtype=np.uint8))
         with pytest.raises(jaxvmm.InvalidArgumentError, match="exceeds"):
-            lib.slot_write(s.id, 2**64 - 1, np.zeros(2, dtype=np.uint8))
+            lib.slot(s.id).write(2**64 - 1, np.zeros(2, dtype=np.uint8))
         with pytest.raises(jaxvmm.InvalidArgumentError, match="exceeds"):
-            lib.slot_read_into(s.id, 100, np.empty(1, dtype=np.uint8))
+            lib.slot(s.id).read_into(100, np.empty(1, dtype=np.uint8))
         # nothing was written by the rejected calls
         assert s.read().tobytes() == data[:99] + b"z"
 
@@ -582,20 +582,20 @@ def test_concurrent_release_remap_of_one_slot_keeps_accounting():
         """
         import threading, time, jaxvmm
         from jaxvmm._native import lib
-        sid = lib.slot_create("posix", 0, "device", 0, [0], 4096)
+        slot = lib.create_slot("posix", 0, "device", 0, [0], 4096)
         def hammer(op):
             for _ in range(1000):
                 try:
-                    op(sid)
+                    op()
                 except jaxvmm.SlotStateError:
                     pass
         deadline = time.monotonic() + 4
         while True:
-            ops = (lib.slot_release, lib.slot_remap) * 4
+            ops = (slot.release, slot.remap) * 4
             ts = [threading.Thread(target=hammer, args=(op,)) for op in ops]
             for t in ts: t.start()
             for t in ts: t.join()
-            slot_mapped = lib.slot_info(sid)["mapped_bytes"]
+            slot_mapped = slot.info()["mapped_bytes"]
             st = jaxvmm.stats()
             drifted = st["mapped_bytes"] != slot_mapped or st["peak_mapped_bytes"] > 4096
             if drifted or time.monotonic() > deadline:

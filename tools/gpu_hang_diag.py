@@ -115,7 +115,7 @@ EXPERIMENTS = {
         jaxvmm.configure(staging_idle_ms=50)
         def mapped(tag):
             print(tag, "synchronize...", flush=True); jaxvmm.synchronize()
-            print(tag, "stats...", flush=True); s = lib.engine_stats("cuda", 0)
+            print(tag, "stats...", flush=True); s = lib.engine("cuda", 0).stats()
             print(tag, {k: s[k] for k in ("graph_mapped_bytes", "graph_kernels", "graph_channels")}, flush=True)
             return s["graph_mapped_bytes"]
         with Replay("cuda:0") as r:

@@ -65,7 +65,7 @@ with Replay(a.device) as r:
     if ctx:
         ctx.__exit__(None, None, None)
     jaxvmm.synchronize()
-s = lib.engine_stats(t.backend, t.ordinal)
+s = lib.engine(t.backend, t.ordinal).stats()
 keys = ("graph_host_fallbacks", "graph_bounce_copies", "graph_hits", "graph_misses", "errors", "tickets_live")
 print("RESULT", "bad=%d/%d" % (len(bad), a.rounds), {k: s.get(k) for k in keys})
 sys.exit(0)
