@@ -75,7 +75,7 @@ def main() -> None:
     import numpy as np
 
     import jaxvmm
-    from jaxvmm._native import lib
+    from jaxvmm.testing import hooks
 
     try:
         gpus = jax.devices("gpu")
@@ -114,9 +114,9 @@ def main() -> None:
             try:
                 for n in sizes:
                     def copy(dst, src):
-                        lib.bench_slot_copy(ti.backend, ti.ordinal, dst.id, src.id, n, 2)  # warm
-                        return median_seconds(lib.bench_slot_copy(ti.backend, ti.ordinal, dst.id, src.id, n,
-                                                                  a.iters))
+                        hooks.bench_slot_copy(ti.backend, ti.ordinal, dst.id, src.id, n, 2)  # warm
+                        return median_seconds(hooks.bench_slot_copy(ti.backend, ti.ordinal, dst.id, src.id, n,
+                                                                    a.iters))
 
                     t = {
                         ("imported", "read"): copy(local, imported),

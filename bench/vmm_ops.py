@@ -26,6 +26,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jaxvmm  # noqa: E402
 from jaxvmm._devices import target_of
 from jaxvmm._native import lib  # noqa: E402
+from jaxvmm.testing import hooks  # noqa: E402
 
 from _common import emit, human, parse_size, parse_sizes, render  # noqa: E402  (bench/ is on sys.path when run as a script)
 
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
             continue
         print(f"  measuring {human(size)} ...", file=sys.stderr, flush=True)
         try:
-            native = lib.bench_ops(backend, ordinal, size, iters)
+            native = hooks.bench_ops(backend, ordinal, size, iters)
             py = python_ops(target, size, iters)
         except jaxvmm.VmmError as e:
             notes.append(f"{human(size)} failed: {type(e).__name__}: {e}")

@@ -1,10 +1,11 @@
-// The Python module `jaxvmm._jaxvmm`: with module.h, the only files that see nanobind. Thin: decode arguments, call the core without the GIL, turn a failed Status into the Python
+// The Python module `jaxvmm._jaxvmm`: with module.h and module_testing.cc, the only files that see
+// nanobind. Thin: decode arguments, call the core without the GIL, turn a failed Status into the Python
 // exception built by jaxvmm.errors.
 //
 // What Python sees, in the order bound below:
 //   errors        _set_error_factory
 //   driver seam   backend_status, set_posix_device_count/_ids, granularity, shareable_check, memory_info,
-//                 fault_counters, debug_thread_stacks
+//                 driver_counters, debug_thread_stacks
 //   slots         Slot (a handle by id: info, release, remap, close, close_when_unviewed, write, read_into,
 //                 export, dlpack), slot(id), create_slot, import_slot, find_range
 //   accounting    stats, reset_peak, retry_quarantine, close_all, share_stats
@@ -13,33 +14,27 @@
 //                 engines_quiesce_for_module_load, handlers, ffi_api_version
 //   timeline      MemorySampler (stop, close, summary, series), start_sampler
 //   settings      configure, set_trace, set_host_store, copy_chunk, graph_* ...
-//   hooks         test, replay and benchmark hooks (jaxvmm.testing, tests/, bench/)
+//   hooks         load_testing() binds jaxvmm._jaxvmm._testing (module_testing.cc) on first use
 #include "module.h"
 
 #include <nanobind/ndarray.h>
-#include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "bench.h"
 #include "debug_stacks.h"
 #include "driver.h"
 #include "engine.h"
 #include "fault.h"
-#include "graph_kernels_ptx.h"
 #include "handlers.h"
 #include "registry.h"
-#include "replay.h"
 #include "sampler.h"
 #include "share.h"
 #include "slot.h"
@@ -68,12 +63,6 @@ CUmemAllocationHandleType ParseShareable(const std::string& kind) {
   if (kind == "fabric") return CU_MEM_HANDLE_TYPE_FABRIC;
   Check(Status(Code::kInvalidArgument, "unknown shareable handle type '" + kind + "' (expected 'posix_fd' or 'fabric')"));
   return CU_MEM_HANDLE_TYPE_NONE;
-}
-
-Entry ParseEntry(const std::string& name) {
-  int e = EntryFromName(name);
-  if (e < 0) Check(Status(Code::kInvalidArgument, "unknown driver entry '" + name + "'"));
-  return static_cast<Entry>(e);
 }
 
 std::string Hex(uint64_t v) {
@@ -353,7 +342,7 @@ NB_MODULE(_jaxvmm, m) {
     return nb::make_tuple(free_b, total);
   });
   // The seam's live handles, reservations and mappings, armed faults' failures and per-entry calls.
-  m.def("fault_counters", [](const std::string& backend) {
+  m.def("driver_counters", [](const std::string& backend) {
     DriverCounters c = ReadCounters(ParseBackend(backend));
     nb::dict d = FieldsDict(c, kDriverCountersFields);
     nb::dict calls;
@@ -641,119 +630,10 @@ NB_MODULE(_jaxvmm, m) {
     return static_cast<int64_t>(EngineConfig::CopyChunk());
   });
 
-  // ---- test, replay and benchmark hooks (jaxvmm.testing, tests/, bench/) ----
-  m.def("driver_entries", [] {
-    std::vector<std::string> names;
-    for (int i = 0; i < kEntryCount; ++i) names.push_back(EntryName(static_cast<Entry>(i)));
-    return names;
-  });
-  m.def("fault_arm", [](const std::string& backend, const std::string& entry, int64_t nth, int64_t times,
-                        const std::string& error) {
-    CUresult r;
-    if (!ResultFromName(error, &r)) Check(Status(Code::kInvalidArgument, "unknown CUresult name '" + error + "'"));
-    ArmFault(ParseBackend(backend), ParseEntry(entry), nth, times, r);
-  });
-  m.def("fault_clear", [](const std::string& backend) { ClearFaults(ParseBackend(backend)); });
-  // Test hook: pause (or resume) the graph-mode poller of the engine of (backend, device).
-  m.def("testing_pause_poller", [](const std::string& backend, int device, bool paused) {
-    EngineRef{ParseBackend(backend), device}.Get()->PausePoller(paused);
-  });
-  m.def("engine_set_next_ticket", [](const std::string& backend, int device, uint32_t n) {
-    EngineRef{ParseBackend(backend), device}.Get()->SetNextTicketNumber(n);
-  });
-  // Test hook (cpu): right after the next offload round's take kernel took its grant, trim() the cpu
-  // engine of `device` (a revocation ordered after a take, deterministically).
-  m.def("testing_trim_after_next_take", [](int device) {
-    static int dev = 0;
-    dev = device;
-    SetPosixAfterTakeHook(
-        [](void* arg) {
-          Engine* e = nullptr;
-          if (Engine::For(Backend::kPosix, *static_cast<int*>(arg), &e).ok()) e->Trim();
-        },
-        &dev);
-  });
-  // Test hook (cpu): device-location pages beyond `bytes` fail to be created (out of memory); < 0: no limit.
-  m.def("testing_posix_device_limit", [](int64_t bytes) { SetPosixDeviceMemoryLimit(bytes); });
-  m.def("testing_posix_pageable_copies", [] { return PosixPageableCopies(); });
-  m.def("testing_posix_device_bytes", [] { return PosixDeviceBytes(); });
-  m.def("graph_kernels_ptx", [] { return std::string(kGraphKernelsPtx); });
-  // Capture and replay without XLA (tests): the engine's entry points on raw addresses.
-  m.def("engine_prepare", [](const std::string& backend, int device, uint64_t stream, int64_t site, int kind,
-                             uint64_t nbytes, int64_t signature) {
-    Engine* e = EngineRef{ParseBackend(backend), device}.Get();
-    Run([&] {
-      return e->Prepare(reinterpret_cast<CUstream>(stream), site, static_cast<ChannelKind>(kind),
-                        ArrayMeta{nbytes, signature});
-    });
-  });
-  m.def("engine_offload", [](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t src,
-                             uint64_t nbytes, int64_t signature, uint64_t token_out) {
-    Engine* e = EngineRef{ParseBackend(backend), device}.Get();
-    Run([&] { return e->Offload(reinterpret_cast<CUstream>(stream), site, src, ArrayMeta{nbytes, signature}, token_out); });
-  });
-  m.def("engine_reload", [](const std::string& backend, int device, uint64_t stream, int64_t site, uint64_t token_in,
-                            uint64_t dst, uint64_t nbytes, int64_t signature) {
-    Engine* e = EngineRef{ParseBackend(backend), device}.Get();
-    Run([&] { return e->Reload(reinterpret_cast<CUstream>(stream), site, token_in, dst, ArrayMeta{nbytes, signature}); });
-  });
-  m.def("replay_stream_create", [](const std::string& backend, int device) {
-    uint64_t s = 0;
-    Backend b = ParseBackend(backend);
-    Run([&] { return ReplayStreamCreate(b, device, &s); });
-    return s;
-  });
-  using StreamFn = Status (*)(Backend, int, uint64_t);
-  for (auto [name, fn] : {std::pair<const char*, StreamFn>{"replay_stream_destroy", &ReplayStreamDestroy},
-                          {"replay_stream_sync", &ReplayStreamSynchronize},
-                          {"replay_begin", &ReplayBeginCapture},
-                          {"replay_destroy", &ReplayDestroy}})
-    m.def(name, [fn](const std::string& backend, int device, uint64_t handle) {
-      Backend b = ParseBackend(backend);
-      Run([&] { return fn(b, device, handle); });
-    });
-  m.def("replay_end", [](const std::string& backend, int device, uint64_t stream) {
-    uint64_t x = 0;
-    Backend b = ParseBackend(backend);
-    Run([&] { return ReplayEndCapture(b, device, stream, &x); });
-    return x;
-  });
-  m.def("replay_launch", [](const std::string& backend, int device, uint64_t exec, uint64_t stream) {
-    Backend b = ParseBackend(backend);
-    Run([&] { return ReplayLaunch(b, device, exec, stream); });
-  });
-  m.def("bench_ops", [](const std::string& backend, int device, uint64_t nbytes, int iters) {
-    std::map<std::string, double> out;
-    Backend b = ParseBackend(backend);
-    Run([&] { return BenchOps(b, device, nbytes, iters, &out); });
-    return out;
-  });
-  // Seconds per copy of `nbytes` from slot `src_id` to slot `dst_id` (offset 0) on a stream of `device`,
-  // one entry per iteration (bench/share_bw.py). Both slots must be mapped and accessible from `device`.
-  m.def("bench_slot_copy", [](const std::string& backend, int device, int64_t dst_id, int64_t src_id, uint64_t nbytes,
-                              int iters) {
-    std::shared_ptr<Slot> dst = SlotRef{dst_id}.Get(), src = SlotRef{src_id}.Get();
-    if (nbytes > dst->spec().nbytes || nbytes > src->spec().nbytes)
-      Check(Status(Code::kInvalidArgument, "nbytes exceeds a slot"));
-    Backend b = ParseBackend(backend);
-    std::vector<double> out;
-    Run([&]() -> Status {
-      ScopedContext ctx(b, device);
-      Status st = ctx.status();
-      const DriverTable& d = Driver(b);
-      CUstream stream = nullptr;
-      if (st.ok()) st = Call(-1, "bench", Entry::kStreamCreateWithPriority,
-                             [&] { return d.StreamCreateWithPriority(&stream, CU_STREAM_NON_BLOCKING, 0); });
-      for (int i = 0; st.ok() && i < iters; ++i) {
-        auto t0 = std::chrono::steady_clock::now();
-        st = Call(-1, "bench", Entry::kMemcpyDtoDAsync,
-                  [&] { return d.MemcpyDtoDAsync(dst->address(), src->address(), nbytes, stream); });
-        if (st.ok()) st = Call(-1, "bench", Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(stream); });
-        out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      }
-      if (stream != nullptr) d.StreamDestroy(stream);
-      return st;
-    });
-    return out;
+  // ---- hooks: the test, replay, benchmark and fault hooks (module_testing.cc), bound into the submodule
+  // _testing on the first call (jaxvmm.testing); `import jaxvmm` never binds them ----
+  m.def("load_testing", [mod = nb::handle(m)] {
+    if (!nb::hasattr(mod, "_testing")) BindTesting(nb::borrow<nb::module_>(mod).def_submodule("_testing"));
+    return nb::borrow<nb::module_>(mod.attr("_testing"));
   });
 }

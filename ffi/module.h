@@ -1,6 +1,7 @@
-// What the bindings share (module.cc, jaxvmm._jaxvmm): with it, the only file that sees nanobind. A
-// failed Status is thrown as a StatusError, which module.cc's translator raises as the jaxvmm error it
-// names; the core is called without the GIL (it never touches Python).
+// What the bindings share: module.cc (jaxvmm._jaxvmm) and module_testing.cc (its _testing hooks), the
+// only files besides this one that see nanobind. A failed Status is thrown as a StatusError, which
+// module.cc's translator raises as the jaxvmm error it names; the core is called without the GIL (it
+// never touches Python).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -71,5 +72,8 @@ auto EngineMethod(R (Engine::*op)(A...)) {
     }
   };
 }
+
+// The test, replay, benchmark and fault hooks (module_testing.cc), bound into `m` by load_testing().
+void BindTesting(nb::module_ m);
 
 }  // namespace jaxvmm

@@ -88,7 +88,7 @@ def stats() -> dict:
     s["devices"] = {f"{_platform_name(b)}:{d}": dict(v) for (b, d), v in s["devices"].items()}
     driver = {}
     for backend in ("posix", "cuda"):
-        c = _lib.fault_counters(backend)
+        c = _lib.driver_counters(backend)
         if any(c["calls"].values()):
             driver[_platform_name(backend)] = {k: c[k] for k in ("live_handles", "live_reservations", "live_mappings")}
     s["driver"] = driver

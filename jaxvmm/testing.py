@@ -3,6 +3,9 @@
 Every driver call jaxvmm makes goes through a wrapper that can fail the Nth call of a named entry
 point with a chosen ``CUresult`` and counts live physical handles, reservations and mappings. These
 hooks are for tests and debugging; they are cheap when nothing is armed.
+
+Importing this module binds the native hooks (``hooks``: the submodule ``jaxvmm._jaxvmm._testing``, from
+``ffi/module_testing.cc``); ``import jaxvmm`` alone neither imports this module nor binds them.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import contextlib
 
 from ._devices import target_of
 from ._native import lib
+
+# The native test, replay, benchmark and fault hooks (jaxvmm._jaxvmm._testing), bound now: `import jaxvmm`
+# does not bind them.
+hooks = lib.load_testing()
 
 # Driver entry points each lifecycle operation calls, in order.
 LIFECYCLE_ENTRIES = {
@@ -34,7 +41,7 @@ def backend_of(device=None) -> str:
 
 def driver_entries() -> list[str]:
     """Every driver entry point in the seam's table."""
-    return list(lib.driver_entries())
+    return list(hooks.driver_entries())
 
 
 def arm_fault(entry: str, *, nth: int = 1, times: int = 1, error: str = "CUDA_ERROR_OUT_OF_MEMORY", device=None) -> None:
@@ -43,11 +50,11 @@ def arm_fault(entry: str, *, nth: int = 1, times: int = 1, error: str = "CUDA_ER
         raise ValueError("jaxvmm: nth must be >= 1")
     if times == 0 or times < -1:
         raise ValueError("jaxvmm: times must be >= 1 or -1 (forever)")
-    lib.fault_arm(backend_of(device), entry, nth, times, error)
+    hooks.arm_fault(backend_of(device), entry, nth, times, error)
 
 
 def clear_faults(device=None) -> None:
-    lib.fault_clear(backend_of(device))
+    hooks.clear_faults(backend_of(device))
 
 
 @contextlib.contextmanager
@@ -62,7 +69,7 @@ def fault(entry: str, *, nth: int = 1, times: int = 1, error: str = "CUDA_ERROR_
 
 def driver_counters(device=None) -> dict:
     """``live_handles``, ``live_reservations``, ``live_mappings``, ``injected`` and per-entry ``calls``."""
-    c = dict(lib.fault_counters(backend_of(device)))
+    c = dict(lib.driver_counters(backend_of(device)))
     c["calls"] = dict(c["calls"])
     return c
 
@@ -82,42 +89,42 @@ class Replay:
     def __init__(self, device=None):
         t = target_of(device)
         self.backend, self.device = t.backend, t.ordinal
-        self.stream = lib.replay_stream_create(self.backend, self.device)
+        self.stream = hooks.replay_stream(self.backend, self.device)
         self.graphs: list[int] = []
 
     def prepare(self, site: int, kind: int, nbytes: int, signature: int = 0) -> None:
-        lib.engine_prepare(self.backend, self.device, self.stream, site, kind, nbytes, signature)
+        self.stream.prepare(site, kind, nbytes, signature)
 
     def offload(self, site: int, src: int, nbytes: int, token_out: int, signature: int = 0) -> None:
-        lib.engine_offload(self.backend, self.device, self.stream, site, src, nbytes, signature, token_out)
+        self.stream.offload(site, src, nbytes, signature, token_out)
 
     def reload(self, site: int, token_in: int, dst: int, nbytes: int, signature: int = 0) -> None:
-        lib.engine_reload(self.backend, self.device, self.stream, site, token_in, dst, nbytes, signature)
+        self.stream.reload(site, token_in, dst, nbytes, signature)
 
     @contextlib.contextmanager
     def capture(self):
         """Calls inside the block are recorded; yields a list that receives the graph handle."""
         out: list[int] = []
-        lib.replay_begin(self.backend, self.device, self.stream)
+        self.stream.begin()
         try:
             yield out
         finally:
-            graph = lib.replay_end(self.backend, self.device, self.stream)
+            graph = self.stream.end()
             self.graphs.append(graph)
             out.append(graph)
 
     def launch(self, graph: int) -> None:
-        lib.replay_launch(self.backend, self.device, graph, self.stream)
+        self.stream.launch(graph)
 
     def synchronize(self) -> None:
-        lib.replay_stream_sync(self.backend, self.device, self.stream)
+        self.stream.sync()
 
     def close(self) -> None:
         self.synchronize()
         for g in self.graphs:
-            lib.replay_destroy(self.backend, self.device, g)
+            self.stream.destroy(g)
         self.graphs.clear()
-        lib.replay_stream_destroy(self.backend, self.device, self.stream)
+        self.stream.close()
 
     def __enter__(self):
         return self

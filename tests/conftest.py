@@ -82,7 +82,7 @@ BACKENDS = ("posix", "cuda")
 
 def clear_all_faults() -> None:
     for backend in BACKENDS:
-        lib.fault_clear(backend)  # works without a driver: it only edits the wrapper's rule list
+        jaxvmm.testing.hooks.clear_faults(backend)  # works without a driver: it only edits the wrapper's rule list
 
 
 @pytest.fixture(autouse=True)

@@ -301,9 +301,10 @@ def test_failed_prefetch_hint_fails_no_later_op():
 def test_ticket_numbers_wrap_without_aliasing_a_live_ticket():
     ok(sub("""
         from jaxvmm._native import lib
+        from jaxvmm.testing import hooks
         first = jaxvmm.offload(jnp.full((100,), -1.0, jnp.float32))  # ticket number 1 stays live
         jaxvmm.synchronize()
-        lib.engine_set_next_ticket("posix", 0, 0xFFFFFFFE)
+        hooks.set_next_ticket(lib.engine("posix", 0), 0xFFFFFFFE)
         ts = [jaxvmm.offload(jnp.full((100,), float(i), jnp.float32)) for i in range(4)]
         numbers = [int(np.asarray(t.token)[0]) for t in ts]
         assert numbers == [0xFFFFFFFE, 0xFFFFFFFF, 2, 3], numbers  # 0 is never a number, 1 is live

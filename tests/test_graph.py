@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxvmm
-from jaxvmm.testing import Replay
+from jaxvmm.testing import Replay, hooks
 from jaxvmm._native import lib
 from jaxvmm._devices import target_of
 
@@ -148,7 +148,7 @@ def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, eng
 _EARLY_LAUNCH = textwrap.dedent('''
     import json, numpy as np, jaxvmm
     import jaxvmm.testing as T
-    from jaxvmm.testing import Replay
+    from jaxvmm.testing import Replay, hooks
     from jaxvmm._native import lib
     N = 3 * 4096 + 100
     dev = "cuda:0" if DEVICE == "gpu" else "cpu"
@@ -171,7 +171,7 @@ _EARLY_LAUNCH = textwrap.dedent('''
         early=captured["graph_early_captures"] - before["graph_early_captures"],
         after=st()["graph_early_captures"] - captured["graph_early_captures"],
         ex=calls1.get("cuLaunchKernelEx", 0) - calls0.get("cuLaunchKernelEx", 0),
-        ptx90="griddepcontrol" in lib.graph_kernels_ptx())))
+        ptx90="griddepcontrol" in hooks.graph_kernels_ptx())))
 ''')
 
 
@@ -257,7 +257,7 @@ def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_d
     jaxvmm.configure(host_pool_limit=1 << 20)  # empty pinned chunks go back to the driver now
     jaxvmm.configure(host_pool_limit=limit)
     before = stats(platform_device)
-    pageable_copies = lib.testing_posix_pageable_copies()
+    pageable_copies = hooks.posix_pageable_copies()
     with Replay(platform_device) as r:
         fwd, bwd = forward_backward_graphs(r, x, y, tok, n)
         with jaxvmm.testing.fault("cuMemHostAlloc", times=-1, device=platform_device):
@@ -270,7 +270,7 @@ def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_d
     assert after["graph_bounce_copies"] > before["graph_bounce_copies"]
     assert after["tickets_live"] == before["tickets_live"]
     if platform_device.startswith("cpu"):  # the driver never got a pageable pointer
-        assert lib.testing_posix_pageable_copies() == pageable_copies
+        assert hooks.posix_pageable_copies() == pageable_copies
 
 
 @pytest.mark.parametrize("cells", ["1", "2"])
@@ -637,7 +637,7 @@ def test_idle_release_revokes_armed_grants_and_the_next_round_knocks(platform_de
 # A fresh cpu process with one offload/reload site pair recorded as one graph (`round_trip(r)`).
 _ROUND_TRIP_PRELUDE = textwrap.dedent('''
     import os, numpy as np, jaxvmm
-    from jaxvmm.testing import Replay
+    from jaxvmm.testing import Replay, hooks
     from jaxvmm._native import lib
     N = 3 * 4096 + 100
     mk = lambda n: jaxvmm.Slot(n, device="cpu")
@@ -688,7 +688,7 @@ def test_a_cell_the_device_has_no_memory_for_is_mapped_with_host_pages():
             replay_rounds(r, g, 2)
             jaxvmm.synchronize(); jaxvmm.trim()
             assert stats()["graph_mapped_bytes"] == 0, stats()
-            lib.testing_posix_device_limit(0)   # no device page can be created any more
+            hooks.posix_device_limit(0)   # no device page can be created any more
             try:
                 r.prepare((1 << 40) + 7, r.OFFLOAD, N)  # an initialize stage: no round waits, no host pages
                 assert stats()["graph_cells_host"] == 0, stats()
@@ -696,7 +696,7 @@ def test_a_cell_the_device_has_no_memory_for_is_mapped_with_host_pages():
                 threading.Thread(target=lambda: (replay_rounds(r, g, 3), done.set()), daemon=True).start()
                 assert done.wait(30), "the rounds waited forever for device pages"
             finally:
-                lib.testing_posix_device_limit(-1)
+                hooks.posix_device_limit(-1)
             s = stats()
             assert s["graph_cells_host"] == 2 and s["errors"] == 0, s   # the offload and the reload cell
             jaxvmm.synchronize(); jaxvmm.trim()
@@ -897,7 +897,7 @@ def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
     the forward one) must wait for the poller, not report an unknown ticket and return 0xFF bytes."""
     code = textwrap.dedent('''
         import threading, time, numpy as np, jax, jax.numpy as jnp, jaxvmm
-        from jaxvmm.testing import Replay
+        from jaxvmm.testing import Replay, hooks
         from jaxvmm._native import lib
         from jaxvmm.ops import _signature
         shape, dtype = (3 * 1024 + 25,), np.float32
@@ -912,10 +912,10 @@ def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
             x.write(data(1)); r.launch(g[0]); r.synchronize()
             t1 = bytes(tok.read())
             time.sleep(0.1)  # the poller served round 1 and armed round 2's grant behind its D2H
-            lib.testing_pause_poller("posix", 0, True)
+            hooks.pause_poller(lib.engine("posix", 0), True)
             x.write(data(2)); r.launch(g[0]); r.synchronize()  # takes the armed grant: no poller needed
             t2 = bytes(tok.read())
-            threading.Timer(0.3, lambda: lib.testing_pause_poller("posix", 0, False)).start()
+            threading.Timer(0.3, lambda: hooks.pause_poller(lib.engine("posix", 0), False)).start()
             inside_jit = jax.jit(lambda t: jaxvmm.reload(jaxvmm.Ticket(t, shape, dtype)))  # the resolver's path
             for t, i, reload in ((t2, 2, inside_jit), (t1, 1, inside_jit)):
                 y = reload(jnp.asarray(np.frombuffer(t, np.uint32)))
@@ -924,10 +924,10 @@ def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
             # The eager path checks a concrete token synchronously: the same wait for the poller.
             x.write(data(3)); r.launch(g[0]); r.synchronize()
             time.sleep(0.1)  # served, and round 4's grant armed
-            lib.testing_pause_poller("posix", 0, True)
+            hooks.pause_poller(lib.engine("posix", 0), True)
             x.write(data(4)); r.launch(g[0]); r.synchronize()
             t4 = bytes(tok.read())
-            threading.Timer(0.3, lambda: lib.testing_pause_poller("posix", 0, False)).start()
+            threading.Timer(0.3, lambda: hooks.pause_poller(lib.engine("posix", 0), False)).start()
             y = jaxvmm.reload(jaxvmm.Ticket(jnp.asarray(np.frombuffer(t4, np.uint32)), shape, dtype))
             assert np.array_equal(np.asarray(y).view(np.uint8), data(4))
             jaxvmm.collect()  # round 3's ticket: its token never reached a jax array
@@ -955,7 +955,7 @@ def test_a_revoke_after_the_device_took_the_grant_keeps_the_round(k):
             assert b["graph_kernels"] == 1 and b["graph_cells"] == 2 * K, b
             assert b["graph_fused_captures"] == (2 if FUSED and K > 1 else 0), b  # the hook runs inside the fused round
             for i in range(3, 6):
-                lib.testing_trim_after_next_take(0)
+                hooks.trim_after_next_take(0)
                 x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
                 assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == i), i
                 st()
@@ -1800,21 +1800,21 @@ _BESIDE_A_WAITING_RELOAD = textwrap.dedent('''
         x2, tok2 = mk(N), mk(8)
         with r.capture() as fwd2:  # the same call site, another branch's buffers
             r.offload(1 << 41, x2.address, N, tok2.address)
-        s2 = lib.replay_stream_create("posix", 0)
+        s2 = hooks.replay_stream("posix", 0)
         for it in range(3):
             b = it * 10
             toks = offload_replays(r, fwd, b, 2)
             time.sleep(0.05)  # their D2Hs are done, the cells armed again (or held)
             tok.write(np.frombuffer(toks[miss], np.uint8)); r.launch(bwd[0])  # a miss: waits for go
             time.sleep(0.01)
-            x2.write(np.full(N, 99, np.uint8)); lib.replay_launch("posix", 0, fwd2[0], s2)
-            lib.replay_stream_sync("posix", 0, s2); r.synchronize()
+            x2.write(np.full(N, 99, np.uint8)); s2.launch(fwd2[0])
+            s2.sync(); r.synchronize()
             got = np.unique(np.frombuffer(bytes(y.read()), np.uint8))
             assert list(got) == [b + miss], (it, b + miss, got)
             for t, v in ((bytes(tok2.read()), 99), (toks[1 - miss], b + 1 - miss)):
                 reload_replay(r, bwd, t, v)
         jaxvmm.synchronize()
-        lib.replay_stream_destroy("posix", 0, s2)
+        s2.close()
 ''')
 
 
@@ -1962,13 +1962,13 @@ def test_host_pages_of_a_large_call_site_are_not_passed_to_the_other_direction()
     would cross PCIe for good. Now host pages are never traded: once the device has room, the reload
     takes new device pages (and copies the held bytes), and the offload's host pages go back when idle."""
     code = '''
-        lib.testing_posix_device_limit(0)  # no device page: the offload cell gets host pages
+        hooks.posix_device_limit(0)  # no device page: the offload cell gets host pages
         try:
             with Replay("cpu") as r:
                 fwd, bwd = forward_backward(r)
                 toks = offload_replays(r, fwd, 10, 2)
                 jaxvmm.synchronize()
-                lib.testing_posix_device_limit(-1)
+                hooks.posix_device_limit(-1)
                 s0 = st()
                 assert s0["graph_cells_host"] == 1, s0
                 reload_replay(r, bwd, toks[1], 11)
@@ -1979,7 +1979,7 @@ def test_host_pages_of_a_large_call_site_are_not_passed_to_the_other_direction()
                 jaxvmm.synchronize()
                 assert st()["errors"] == 0, st()
         finally:
-            lib.testing_posix_device_limit(-1)
+            hooks.posix_device_limit(-1)
         jaxvmm.collect()
         print("OK")
     '''
@@ -2100,13 +2100,13 @@ def test_a_waiting_round_gets_the_device_pages_of_its_own_free_spare():
                 time.sleep(0.001)
             assert st()["graph_lends"] == 1, st()
             jaxvmm.trim()  # the armed cell goes back; the lent spare (its D2H still runs) stays
-            lib.testing_posix_device_limit(lib.testing_posix_device_bytes())
+            hooks.posix_device_limit(hooks.posix_device_bytes())
             try:
                 time.sleep(0.6)  # the D2H ends; the poller frees the spare (still mapped)
                 x.write(np.full(N, 8, np.uint8)); r.launch(fwd[0]); r.synchronize()
                 tokens.append(bytes(tok.read()))
             finally:
-                lib.testing_posix_device_limit(-1)
+                hooks.posix_device_limit(-1)
             for i in reversed(range(2)):
                 tok.write(np.frombuffer(tokens[i], np.uint8)); r.launch(bwd[0]); r.synchronize()
                 assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == 7 + i), i
@@ -2160,13 +2160,13 @@ def test_k_armed_grants_are_taken_with_the_poller_paused(platform_device, slots,
             except Exception as e:  # reported by the main thread
                 errors.append(e)
 
-        lib.testing_pause_poller(t.backend, t.ordinal, True)
+        hooks.pause_poller(lib.engine(t.backend, t.ordinal), True)
         worker = threading.Thread(target=replay)
         try:
             worker.start()
             finished_paused = finished.wait(3.0)
         finally:
-            lib.testing_pause_poller(t.backend, t.ordinal, False)
+            hooks.pause_poller(lib.engine(t.backend, t.ordinal), False)
             worker.join(60)
         assert not errors and finished.is_set(), errors
         after = stats(platform_device)

@@ -26,6 +26,8 @@ import re
 
 import pytest
 
+from conftest import run_in_subprocess
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FFI = ROOT / "ffi"
 CMAKE = ROOT / "CMakeLists.txt"
@@ -124,7 +126,7 @@ LAYERS: dict[str, Group] = {
     # capture and replay of engine work without XLA (tests): the driver seam only
     "replay": Group(5, ("replay.h", "replay.cc"), only=frozenset({"vmm.h", "status.h", "driver.h"})),
     "handlers": Group(12, ("handlers*.h", "handlers*.cc")),
-    # the bindings (jaxvmm._jaxvmm) and what they share (module.h)
+    # the bindings (jaxvmm._jaxvmm), its test hooks (module_testing.cc) and what they share (module.h)
     "module": Group(13, ("module*.h", "module*.cc"), only=ANY),
 }
 
@@ -306,6 +308,17 @@ def test_ffi_include_graph_is_layered():
 def test_every_ffi_file_is_in_the_table():
     unknown = [n for n in ffi_files() if group_of(n) is None and not matches(n, DOCS)]
     assert not unknown, f"add these ffi/ files to LAYERS in tests/test_layering.py: {unknown}"
+
+
+def test_import_jaxvmm_binds_no_test_hooks():
+    """The test, replay, bench and fault hooks (ffi/module_testing.cc) are bound by jaxvmm.testing only."""
+    proc = run_in_subprocess("import sys, jaxvmm\n"
+                             "print('testing' in dir(jaxvmm), 'jaxvmm.testing' in sys.modules,\n"
+                             "      hasattr(jaxvmm._native.lib, '_testing'))\n"
+                             "import jaxvmm.testing\n"
+                             "print(jaxvmm.testing.hooks is jaxvmm._native.lib._testing)\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False", "False", "True"], proc.stdout
 
 
 def test_cmake_does_not_link_the_cuda_libraries():
