@@ -899,7 +899,7 @@ def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
         import threading, time, numpy as np, jax, jax.numpy as jnp, jaxvmm
         from jaxvmm.testing import Replay
         from jaxvmm._native import lib
-        from jaxvmm.ops import _signature
+        from jaxvmm._ticket import signature as _signature
         shape, dtype = (3 * 1024 + 25,), np.float32
         N = 4 * shape[0]
         sig = _signature(shape, dtype)

@@ -49,7 +49,8 @@ from jax._src.util import partition_list as _partition_list, split_list as _spli
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
-from .. import errors, ops
+from .. import _lifetimes, _order, errors, ops
+from .._ticket import Ticket
 
 _HOST = _core.MemorySpace.Host
 _DEVICE = _core.MemorySpace.Device
@@ -106,7 +107,7 @@ tie_p = jax.extend.core.Primitive("jaxvmm_tie")
 tie_p.def_impl(lambda x, *deps: x)
 tie_p.def_abstract_eval(lambda x, *deps: x)
 _mlir.register_lowering(tie_p, _mlir.lower_fun(
-    lambda x, *deps: ops._tie([x], list(deps), small=True)[0], multiple_results=False))
+    lambda x, *deps: _order.tie([x], list(deps), small=True)[0], multiple_results=False))
 _batching.primitive_batchers[tie_p] = lambda args, dims: (tie_p.bind(*args), dims[0])
 _ad.primitive_jvps[tie_p] = lambda primals, tangents: (tie_p.bind(*primals), tangents[0])
 
@@ -265,12 +266,12 @@ def _tangent_offload(x):
             code="invalid_argument")
     bits = jax.lax.bitcast_convert_type(token, np.float32)
     if isinstance(bits, jax.Array) and not isinstance(bits, _core.Tracer):
-        ops._track(bits)  # evaluated eagerly: the ticket lives while its (float) token array does
+        _lifetimes.track(bits)  # evaluated eagerly: the ticket lives while its (float) token array does
     return bits
 
 
 def _tangent_reload(t, *, shape, dtype):
-    return ops.reload(ops.Ticket(jax.lax.bitcast_convert_type(t, np.uint32), shape, dtype))
+    return ops.reload(Ticket(jax.lax.bitcast_convert_type(t, np.uint32), shape, dtype))
 
 
 tangent_offload_p.def_impl(_tangent_offload)
@@ -343,7 +344,7 @@ def _offload(residuals, tagged, spec, inputs):
                 # An eager jax.vjp / jax.linearize: the token reaches Python inside the returned function,
                 # which may be called (or jitted and called) any number of times: its ticket is kept, not
                 # consumed by a reload, and freed when the function (the last array holding the token) dies.
-                ops._keep(tok)
+                _lifetimes.keep(tok)
             sharded = jax.numpy.ndim(tok) > 1  # uint32[*dims, 2]: one ticket per shard (jaxvmm._sharded)
             out.append(tok)
             if traced:
@@ -382,8 +383,8 @@ def _reload_impl(token, *shadow, shape, dtype, sharded=False):
     # Evaluated eagerly: the token is a Python-held array (a VJP or linearized function's residual) that
     # may be reloaded again; keep its ticket (freed when the token's last array dies).
     try:
-        ops._keep(token)
-        return ops.reload(ops.Ticket(token, shape, dtype, sharded))
+        _lifetimes.keep(token)
+        return ops.reload(Ticket(token, shape, dtype, sharded))
     except errors.InvalidArgumentError as e:
         if "already reloaded" in str(e) or "reserved" in str(e):
             raise errors.InvalidArgumentError(f"{_CALLED_TWICE} ({e})", code="invalid_argument") from e
@@ -394,7 +395,7 @@ def _reload_batch(args, dims, *, shape, dtype, sharded=False):
     (token, *shadow), (d, *_) = args, dims
     if d is None:
         return reload_p.bind(token, *shadow, shape=shape, dtype=dtype, sharded=sharded), None
-    out = jax.vmap(lambda t: ops.reload(ops.Ticket(t, shape, dtype, sharded)), in_axes=d)(token)
+    out = jax.vmap(lambda t: ops.reload(Ticket(t, shape, dtype, sharded)), in_axes=d)(token)
     return out, 0
 
 
@@ -412,7 +413,7 @@ def _reload_abstract(token, *shadow, shape, dtype, sharded=False):
 reload_p.def_impl(_reload_impl)
 reload_p.def_abstract_eval(_reload_abstract)
 _mlir.register_lowering(reload_p, _mlir.lower_fun(
-    lambda token, *shadow, shape, dtype, sharded=False: ops.reload(ops.Ticket(token, shape, dtype, sharded)),
+    lambda token, *shadow, shape, dtype, sharded=False: ops.reload(Ticket(token, shape, dtype, sharded)),
     multiple_results=False))
 _batching.primitive_batchers[reload_p] = _reload_batch
 
@@ -576,7 +577,7 @@ def _residual_tokens(jaxpr, consts) -> list:
 def _keep_residual_tokens(jaxpr, consts) -> None:
     for token in _residual_tokens(jaxpr, consts):
         try:
-            ops._keep(token)
+            _lifetimes.keep(token)
         except errors.VmmError:  # not (or no longer) a live ticket: its reload raises the error
             pass
 
@@ -584,7 +585,7 @@ def _keep_residual_tokens(jaxpr, consts) -> None:
 def _linearize(*args, **kwargs):
     """JAX's ``ad.linearize`` (behind ``jax.vjp``, ``jax.linearize`` and ``jax.grad``), keeping the tickets
     whose tokens reach Python among the residuals of the function it returns."""
-    ops._collect()  # the tickets of a function that died since (the last training step's) go first
+    _lifetimes._collect()  # the tickets of a function that died since (the last training step's) go first
     out = _jax_linearize(*args, **kwargs)
     try:
         jaxpr, consts = out[2], out[3]
