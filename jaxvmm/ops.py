@@ -77,6 +77,10 @@ def offload(x) -> Ticket:
             token = _offload_sharded(v, signature(x.shape, x.dtype), site, mesh)
         else:
             token = _offload(v, signature(x.shape, x.dtype), site)
+        if not isinstance(token, jax.core.Tracer):
+            # Eager: the offload's own failure (the host pool's cap, say) is this call's, as a jaxvmm error,
+            # whether or not x was computed yet (jax would raise it later, where the token is first used).
+            token.block_until_ready()
     except jax.errors.JaxRuntimeError as e:  # eager: the handler's error, as the jaxvmm error it is
         raise _translate(e) from e
     return Ticket(token, x.shape, x.dtype, mesh is not None)

@@ -1089,6 +1089,35 @@ def test_host_pool_exhausted_is_a_clear_error_subprocess():
     assert "raised eager" in r.stdout and "raised jit" in r.stdout
 
 
+def test_eager_offload_past_the_host_pool_cap_is_one_error_whatever_the_timing_subprocess():
+    """An eager offload past host_pool_limit raised jaxvmm.OutOfMemoryError when its input was already
+    computed, and jax's JaxRuntimeError (later, where the token was used) when it was not."""
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, jaxvmm
+        jaxvmm.configure(host_pool_limit=1 << 20)
+        big = jnp.zeros((1 << 20,), jnp.float32)      # 4 MiB
+        big.block_until_ready()
+        m = jnp.ones((2000, 2000), jnp.float32)
+        inputs = [("computed", lambda: big)] + [("in flight", lambda: (m @ m @ m @ m).sum() * 0 + big)] * 3
+        for name, make in inputs:
+            x = make()
+            try:
+                t = jaxvmm.offload(x)
+                jax.block_until_ready(t.token)
+            except jaxvmm.VmmError as e:
+                assert isinstance(e, jaxvmm.OutOfMemoryError), (name, type(e))
+                assert "host_pool_limit" in str(e), str(e)
+                print("raised", name)
+            else:
+                raise SystemExit("no error for an input " + name)
+        jaxvmm.synchronize(); jaxvmm.check()
+        print("OK")
+    """)
+    r = run_in_subprocess(code, env=subprocess_env())
+    assert_clean_subprocess(r)
+    assert "raised computed" in r.stdout and "raised in flight" in r.stdout
+
+
 @pytest.mark.parametrize("knob", ["host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident",
                                   "staging_budget", "staging_idle_ms"])
 @pytest.mark.parametrize("value", [0, -1, True, False, 1.5, "4", np.float32(2)])
