@@ -300,7 +300,7 @@ __device__ __forceinline__ void offload_into(GetCell get_cell, u64 src, u64 n) {
 // The copy of a round in separate nodes: copies into or out of the cell the take kernel chose. It
 // publishes nothing: the next node (jaxvmm_publish) does, after the kernel boundary, which orders every
 // block's stores before it without the fences and block count a grid-wide "last block" needs (measured
-// on the H200: ~1.8 us of a ~4.6 us fused 1 MiB round; tools/micro/round_pieces.py).
+// on the H200: ~1.8 us of a ~4.6 us fused 1 MiB round; tools/micro/round_pieces.py at e047c8e).
 // Launched early (sm_90): it may start while the take kernel ends, so it reads `ptr` and touches the
 // cell only after pdl_wait(). An offload's first loads of XLA's buffer may come before it: the take
 // kernel started after everything before it on XLA's stream had completed, and this grid starts after
