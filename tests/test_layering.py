@@ -418,3 +418,76 @@ def test_cmake_checker_ignores_comments():
     text = '# never link libcudart or -lcuda\n#[[ CUDA::cuda_driver ]]\nmessage(STATUS "#not a comment")\n'
     assert check_cmake(text) == []
     assert check_cmake('message(STATUS "x") # fine\ntarget_link_libraries(x cudart) # bad\n')
+
+
+# ---- the Python package: no import circle ----
+PKG = ROOT / "jaxvmm"
+
+
+def python_imports(path: pathlib.Path, package: str) -> set[str]:
+    """The jaxvmm modules ``path`` imports (at module level or inside functions: a lazy import that
+    closes a circle is still a circle), as dotted names."""
+    import ast
+
+    here = package.split(".")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - node.level + 1]
+            mod = ".".join(base + ([node.module] if node.module else []))
+            if node.module:
+                found.add(mod)
+            else:  # from . import x, y: each may be a module of that package
+                found.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxvmm"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("jaxvmm"))
+    return found
+
+
+def python_graph(pkg: pathlib.Path = PKG) -> dict[str, set[str]]:
+    modules = {}
+    for path in pkg.rglob("*.py"):
+        rel = path.relative_to(pkg.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        package = name if rel.name == "__init__" else name.rsplit(".", 1)[0]
+        modules[name] = (path, package)
+    return {name: {m for m in python_imports(path, package) if m in modules and m != name}
+            for name, (path, package) in modules.items()}
+
+
+def python_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle among the package's modules (the package's __init__ excepted as a target:
+    importing a submodule runs it first, but a submodule importing its own package is what a circle
+    through __init__ looks like, and that is counted)."""
+    cycles, state, stack = [], {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                cycles.append(stack[stack.index(m):] + [m])
+            elif m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    return cycles
+
+
+def test_python_package_has_no_import_circle():
+    assert python_cycles(python_graph()) == []
+
+
+def test_python_cycle_checker_finds_a_lazy_circle(tmp_path):
+    pkg = tmp_path / "jaxvmm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import a\n")
+    (pkg / "a.py").write_text("from .b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    assert python_cycles(python_graph(pkg)) == [["jaxvmm.a", "jaxvmm.b", "jaxvmm.a"]]
