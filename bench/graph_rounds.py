@@ -1,8 +1,7 @@
-"""Device time of graph-mode rounds, fused (one kernel node per round; JAXVMM_GRAPH_FUSED=1) against
-separate nodes (a take kernel, a copy kernel, a publish kernel; the default), the latter also with the
-copy and the publish launched early (programmatic dependent launch; sm_90 or later, unless
+"""Device time of graph-mode rounds (a take kernel, a copy kernel, a publish kernel), with the copy and
+the publish launched plainly and launched early (programmatic dependent launch; sm_90 or later, unless
 JAXVMM_GRAPH_PDL=0 in the environment made the engine load the compute_80 module, which cannot),
-measured in one process without XLA (JAXVMM_GRAPH_PDL=0: the first two modes only).
+measured in one process without XLA (JAXVMM_GRAPH_PDL=0: plain launches only).
 
     python bench/graph_rounds.py                      # 64 offload rounds of 1 MiB per replay, 30 replays
     python bench/graph_rounds.py --rounds 128 --size 256K --reps 50
@@ -47,7 +46,7 @@ def main() -> int:
     n = parse_size(args.size)
     t = target_of(args.device)
     assert jaxvmm.configure()["graph_cells"] >= 2, "needs K >= 2 cells per call site (JAXVMM_GRAPH_CELLS)"
-    old, old_early = lib.graph_fused(-1), lib.graph_early_launch(-1)
+    old_early = lib.graph_early_launch(-1)
     x = jaxvmm.Slot(n, device=args.device)
     toks = [jaxvmm.Slot(8, device=args.device) for _ in range(args.rounds)]
     base = 1 << 44
@@ -55,8 +54,7 @@ def main() -> int:
     st = lambda: (jaxvmm.synchronize(), lib.engine_stats(t.backend, t.ordinal))[1]
     try:
         with Replay(args.device) as r:
-            for mode, fused, early in (("fused", 1, 0), ("nodes", 0, 0), ("nodes, early launch", 0, 1)):
-                lib.graph_fused(fused)
+            for mode, early in (("nodes", 0), ("nodes, early launch", 1)):
                 sites = [base + i for i in range(args.rounds)]
                 base += args.rounds
                 for s in sites:  # the first loads the kernels, as JAXVMM_GRAPH_PDL says
@@ -68,7 +66,6 @@ def main() -> int:
                         r.offload(s, x.address, n, tok.address)
                 graphs[mode] = g[0]
                 after = st()
-                assert after["graph_fused_captures"] - before["graph_fused_captures"] == (args.rounds if fused else 0), mode
                 n_early = after["graph_early_captures"] - before["graph_early_captures"]
                 if early and not n_early:
                     del graphs[mode]  # same as "nodes": no compute_90 module (JAXVMM_GRAPH_PDL off, or not sm_90)
@@ -98,7 +95,6 @@ def main() -> int:
                 if i % 8 == 7:
                     jaxvmm.collect()  # the rounds' tickets (no reload takes them)
     finally:
-        lib.graph_fused(old)
         lib.graph_early_launch(old_early)
         jaxvmm.collect()
     print(f"device {args.device}, {args.rounds} offload rounds of {n} bytes per replay, {args.reps} replays per mode")

@@ -34,12 +34,6 @@ struct EngineConfig {
   // Spare cells an offload channel prepared now reserves (VA only): graph_spares when set, else
   // kMaxSpares when a spare budget is set (the budget, not a count, then bounds them), else none.
   static int GraphSparesPerChannel();
-  // Graph mode with grant kernels and K > 1 cells: record each round as one fused take + copy kernel
-  // instead of three nodes, a take kernel, a copy kernel and a publish kernel (default off: the three
-  // nodes take less device time, no grid-wide handshake or last-block fences). Read at each capture (a channel's rounds
-  // may be recorded either way: each round leaves the channel's words as it found them).
-  static void SetGraphFused(bool on);
-  static bool GraphFused();
   // Graph mode, rounds in separate nodes on an sm_90 or later device: launch each round's copy and
   // publish kernels early (programmatic dependent launch: each may be scheduled while the kernel before
   // it ends, and waits for that kernel's end on the device). Default on. Read when the engine loads its

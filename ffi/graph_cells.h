@@ -49,7 +49,6 @@ struct GraphStats {
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
   int64_t host_fallbacks = 0;  // round tickets put in pageable memory: the host pool had no room (it grows behind them)
   int64_t bounce_copies = 0;   // pieces (<= 4 MiB) copied through the pinned bounce buffers to or from those tickets
-  int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
   int64_t early_captures = 0;  // rounds whose copy and publish were recorded as early launches (JAXVMM_GRAPH_PDL)
   // Spare cells (graph_spares): offload rounds whose cell was re-armed with a spare while its D2H was
   // still queued (the cell's bytes lent to its ticket), and reload copies served from such a lent cell

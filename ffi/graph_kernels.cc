@@ -31,7 +31,6 @@ Status GraphKernels::Load(int device, bool early) {
   };
   for (Want w : {Want{"jaxvmm_take_offload", &take_offload_}, Want{"jaxvmm_take_reload", &take_reload_},
                  Want{"jaxvmm_revoke", &revoke_}, Want{"jaxvmm_cell_copy", &cell_copy_},
-                 Want{"jaxvmm_fused_offload", &fused_offload_}, Want{"jaxvmm_fused_reload", &fused_reload_},
                  Want{"jaxvmm_publish", &publish_}, Want{"jaxvmm_copy", &copy_},
                  Want{"jaxvmm_ring_reload", &ring_reload_}}) {
     if (!st.ok()) break;
@@ -101,26 +100,6 @@ Status GraphKernels::Publish(CUstream s, CUdeviceptr cells, const char* stage, b
   return Launch(publish_, s, p, stage, 1, 1, early);
 }
 
-unsigned GraphKernels::FusedBlocks(size_t nbytes) const {
-  unsigned b = CopyBlocks(nbytes);
-  if (b > kMaxFusedBlocks) b = kMaxFusedBlocks;
-  return sms_ && b > sms_ ? sms_ : b;
-}
-
-Status GraphKernels::FusedOffload(CUstream s, CUdeviceptr cells, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out,
-                                  CUdeviceptr knock) const {
-  unsigned long long n = nbytes;
-  void* p[] = {&cells, &src, &n, &token_out, &knock};
-  return Launch(fused_offload_, s, p, "offload (capture)", FusedBlocks(nbytes), kCopyThreads);
-}
-
-Status GraphKernels::FusedReload(CUstream s, CUdeviceptr cells, CUdeviceptr dst, size_t nbytes, CUdeviceptr token_in,
-                                 CUdeviceptr probe, CUdeviceptr request, CUdeviceptr go) const {
-  unsigned long long n = nbytes;
-  void* p[] = {&cells, &dst, &n, &token_in, &probe, &request, &go};
-  return Launch(fused_reload_, s, p, "reload (capture)", FusedBlocks(nbytes), kCopyThreads);
-}
-
 Status GraphKernels::Copy(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr word, uint64_t value,
                           const char* stage) const {
   unsigned long long n = nbytes, v = value;
@@ -132,7 +111,13 @@ Status GraphKernels::RingReload(CUstream s, CUdeviceptr dst, CUdeviceptr src, si
                                 CUdeviceptr probe, CUdeviceptr seen, uint64_t seq, CUdeviceptr ready) const {
   unsigned long long n = nbytes, t = tag, q = seq;
   void* p[] = {&dst, &src, &n, &token_in, &t, &probe, &seen, &q, &ready};
-  return Launch(ring_reload_, s, p, "reload", FusedBlocks(nbytes), kCopyThreads);
+  return Launch(ring_reload_, s, p, "reload", RingReloadBlocks(nbytes), kCopyThreads);
+}
+
+unsigned GraphKernels::RingReloadBlocks(size_t nbytes) const {
+  unsigned b = CopyBlocks(nbytes);
+  if (b > kMaxRingReloadBlocks) b = kMaxRingReloadBlocks;
+  return sms_ && b > sms_ ? sms_ : b;
 }
 
 Status GraphKernels::Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const {

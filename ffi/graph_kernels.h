@@ -1,8 +1,7 @@
 // The engine's kernels: graph mode's grant kernels and the op ring's copy, a module loaded at run time
 // from checked-in PTX (graph_kernels_ptx.h, made by tools/gen_ptx.sh from ffi/kernels/graph_kernels.cu),
 // so building jaxvmm needs no CUDA toolkit. Each launch is capturable (XLA's capture records it as a
-// kernel node); the grant kernels are one thread, the copies and the fused rounds (take + copy in one
-// node) a grid.
+// kernel node); the grant kernels are one thread, the copies a grid.
 //
 // Owned by the engine; graph mode loads and warms it at the engine's first initialize stage, outside any
 // capture (GraphRecorder::LoadKernels), and the op ring launches its copy only once warmed() says so.
@@ -30,7 +29,7 @@ class GraphKernels {
   // Loads the module in the current context (device `device`'s): the compute_90 one when `early` (early
   // launches wanted: EngineConfig::GraphEarlyLaunch) and the device is sm_90 or later, else the
   // compute_80 one. Failure is remembered (why()) and not retried. Also reads the device's SM count,
-  // which bounds the fused kernels' grid.
+  // which bounds the ring reload's grid (RingReloadBlocks).
   Status Load(int device, bool early);
   bool loaded() const { return module_ != nullptr; }
   bool tried() const { return tried_; }
@@ -62,32 +61,25 @@ class GraphKernels {
   // thread, at most kMaxCopyBlocks (grid-stride beyond).
   static unsigned CopyBlocks(size_t nbytes);
   static constexpr unsigned kCopyThreads = 256, kMaxCopyBlocks = 1024;
-  // jaxvmm_fused_offload(cells, src, nbytes, token_out, knock): a whole offload round in one node (the
-  // first block to arrive takes the grant as TakeOffload does, every block copies its share into the
-  // chosen cell, the last publishes filled).
-  Status FusedOffload(CUstream s, CUdeviceptr cells, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out, CUdeviceptr knock) const;
-  // jaxvmm_fused_reload(cells, dst, nbytes, token_in, probe, request, go): a whole reload round.
-  Status FusedReload(CUstream s, CUdeviceptr cells, CUdeviceptr dst, size_t nbytes, CUdeviceptr token_in, CUdeviceptr probe,
-                     CUdeviceptr request, CUdeviceptr go) const;
-  // The fused kernels' grid: CopyBlocks, at most kMaxFusedBlocks and at most one block per SM. Its
-  // blocks wait for the taker while it waits for the host, and the poller may meanwhile launch a kernel
-  // of its own and wait for it (a revocation): one 256-thread block per SM leaves every SM room for it
-  // (a 16-SM MIG slice would otherwise be filled by 128 waiting blocks). Progress does not need
-  // residency (the taker is a block that runs; blocks not yet scheduled wait for nothing).
-  unsigned FusedBlocks(size_t nbytes) const;
-  static constexpr unsigned kMaxFusedBlocks = 128;
   // jaxvmm_copy(dst, src, nbytes, word, value): the op ring's copy of nbytes (CopyBlocks' grid), and
   // with `word` != 0 `value` written there (an offload's token into XLA's output).
   Status Copy(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr word, uint64_t value,
               const char* stage) const;
   // jaxvmm_ring_reload(dst, src, nbytes, token_in, tag, probe, seen, seq, ready): the op ring's reload
   // copy out of its cell, which also publishes the token it holds (probe, then seen = seq) and, unless
-  // that token is `tag` (!= 0, the prediction), first waits for ready >= seq. FusedBlocks' grid.
+  // that token is `tag` (!= 0, the prediction), first waits for ready >= seq. RingReloadBlocks' grid.
   Status RingReload(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr token_in, uint64_t tag,
                     CUdeviceptr probe, CUdeviceptr seen, uint64_t seq, CUdeviceptr ready) const;
+  // The ring reload's grid: CopyBlocks, at most kMaxRingReloadBlocks and at most one block per SM. Its
+  // blocks may wait for the resolver, whose release may need a kernel of its own to run (the copy into
+  // the cell, a driver memset of a 0xFF fill): one 256-thread block per SM leaves every SM room for it
+  // (a 16-SM MIG slice would otherwise be filled by 128 waiting blocks). Progress does not need
+  // residency (every block waits only for the resolver).
+  unsigned RingReloadBlocks(size_t nbytes) const;
+  static constexpr unsigned kMaxRingReloadBlocks = 128;
   // The waiting reload's grid is the copy's own (CopyBlocks, not capped to one block per SM): the op
   // ring uses RingReload for such sizes only (on the H200, up to 2 MiB), a copy with a memop wait above.
-  bool RingReloadFullGrid(size_t nbytes) const { return FusedBlocks(nbytes) == CopyBlocks(nbytes); }
+  bool RingReloadFullGrid(size_t nbytes) const { return RingReloadBlocks(nbytes) == CopyBlocks(nbytes); }
   // jaxvmm_revoke(word, expect, result).
   Status Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const;
 
@@ -102,10 +94,9 @@ class GraphKernels {
   std::string why_;
   CUmodule module_ = nullptr;
   CUfunction take_offload_ = nullptr, take_reload_ = nullptr, revoke_ = nullptr, cell_copy_ = nullptr;
-  CUfunction fused_offload_ = nullptr, fused_reload_ = nullptr, publish_ = nullptr, copy_ = nullptr;
-  CUfunction ring_reload_ = nullptr;
+  CUfunction publish_ = nullptr, copy_ = nullptr, ring_reload_ = nullptr;
   std::atomic<bool> warmed_{false};
-  unsigned sms_ = 0;  // the device's SM count (0: unknown; the grid is then kMaxFusedBlocks at most)
+  unsigned sms_ = 0;  // the device's SM count (0: unknown; the grid is then kMaxRingReloadBlocks at most)
   bool sm90_ = false;  // the compute_90 module is loaded
 };
 

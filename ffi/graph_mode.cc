@@ -8,9 +8,7 @@
 // Kernel grants (the default): a channel has K cells; a round (K > 1) is three nodes: a one-thread take
 // kernel takes a cell's pre-armed grant (or knocks/requests and waits for the poller) and leaves the
 // cell's address in a device word, a copy kernel copies into/out of that address, and a one-thread
-// publish kernel writes the cell's filled/done word. JAXVMM_GRAPH_FUSED=1 records one fused kernel
-// instead, whose first block to arrive takes and hands the cell to the other blocks, all of which then
-// copy; its last block publishes.
+// publish kernel writes the cell's filled/done word.
 // The poller arms each offload cell behind its own D2H (or holds it, its bytes readable on the device:
 // spares all lent, or the one cell of a large call site until its next round; large call sites of the
 // two directions trade their cells' pages) and prefetches the next predictions into the idle reload
@@ -300,7 +298,6 @@ GraphStats GraphMode::Stats() {
   s.kernels_error = r.kernels_error;
   s.cells = r.cells;
   s.spares = r.spares;
-  s.fused_captures = r.fused_captures;
   s.early_captures = r.early_captures;
   s.bounce_copies = g_.round_host.copies();
   s.host_fallbacks = g_.round_host.fallbacks();

@@ -143,9 +143,7 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
   // with one cell (its "cell" the pinned word `token`, its flag `filled[0]`) whose grant[0] = 1,
   // take_offload takes the grant and writes the token into grant[0]; take_reload finds grant[0] naming
   // the token it reads from grant[0] and takes it; the copy kernel copies the cell into `probe` and
-  // the publish kernel writes filled[0]; revoke finds grant[0] empty. The fused kernels first, alike (one block each):
-  // fused_offload takes grant[0] = 1, writes token 1 into grant[0] and copies `probe` into the cell;
-  // fused_reload takes grant[0] (it names token 1) and copies the cell into `probe`.
+  // the publish kernel writes filled[0]; revoke finds grant[0] empty.
   const DriverTable& d = Driver(backend_);
   const char* stage = "graph kernels (warm-up)";
   ChannelWords& w = *c.w;
@@ -155,10 +153,6 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
   Status st = WriteDevice(setup, ncells, 1, stage);
   if (st.ok()) st = WriteDevice(setup, cell0, WordAddr(w.token), stage);
   if (st.ok()) st = WriteDevice(setup, flag0, WordAddr(w.filled[0]), stage);
-  if (st.ok()) st = WriteDevice(setup, g0, 1, stage);
-  if (st.ok()) st = kernels_.FusedOffload(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), g0, WordAddr(w.knock));
-  if (st.ok()) st = kernels_.FusedReload(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), g0, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go));
-  if (st.ok()) st = WriteDevice(setup, WordAddr(w.filled[0]), 0, stage);  // only the publish kernel below sets it again
   if (st.ok()) st = WriteDevice(setup, g0, 1, stage);
   if (st.ok()) st = kernels_.TakeOffload(setup, c.dw, g0, WordAddr(w.knock));
   if (st.ok()) st = kernels_.TakeReload(setup, c.dw, g0, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go));
@@ -191,8 +185,7 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
     word->store(0, std::memory_order_relaxed);
   // Leave the device words as a new channel's (SetUpCells writes the constants).
   for (CUdeviceptr word : {g0, ncells, cell0, flag0, c.Word(offsetof(DeviceWords, next)), c.Word(offsetof(DeviceWords, ptr)),
-                           c.Word(offsetof(DeviceWords, publish)), c.Word(offsetof(DeviceWords, blocks)),
-                           c.Word(offsetof(DeviceWords, arrive)), c.Word(offsetof(DeviceWords, ready))})
+                           c.Word(offsetof(DeviceWords, publish))})
     (void)WriteDevice(setup, word, 0, stage);
   d.StreamSynchronize(setup);
   if (!st.ok()) st = Status(st.code(), st.ToString() + " (warm-up of the grant kernels at the engine's first initialize stage)");
@@ -230,15 +223,8 @@ Status GraphRecorder::RecordOffload(CUstream stream, Channel& c, CUdeviceptr src
   ChannelWords& w = *c.w;
   const char* stage = "offload (capture)";
   if (use_kernels_) {
-    if (!c.FixedCell() && EngineConfig::GraphFused()) {
-      // One node: the fused kernel takes a cell's grant and copies x into it (its last block publishes
-      // the cell's filled word).
-      JAXVMM_RETURN_IF_ERROR(kernels_.FusedOffload(stream, c.dw, src, nbytes, token_out, WordAddr(w.knock)));
-      ++stats_.fused_captures;
-      return Status();
-    }
-    // Separate nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that
-    // cell, publish the cell's filled word.
+    // Take a cell's grant (its address into the channel's `ptr`), copy x into that cell, publish the
+    // cell's filled word.
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c.dw, token_out, WordAddr(w.knock)));
     return RecordCopyAndPublish(stream, c, src, nbytes, /*out=*/false, stage);
   }
@@ -258,12 +244,6 @@ Status GraphRecorder::RecordReload(CUstream stream, Channel& c, CUdeviceptr toke
   ChannelWords& w = *c.w;
   const char* stage = "reload (capture)";
   if (use_kernels_) {
-    if (c.ncells > 1 && EngineConfig::GraphFused()) {
-      JAXVMM_RETURN_IF_ERROR(
-          kernels_.FusedReload(stream, c.dw, dst, nbytes, token_in, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go)));
-      ++stats_.fused_captures;
-      return Status();
-    }
     JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, c.dw, token_in, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go)));
     return RecordCopyAndPublish(stream, c, dst, nbytes, /*out=*/true, stage);
   }

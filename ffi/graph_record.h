@@ -28,7 +28,6 @@ struct RecordStats {
   std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
   int64_t spares = 0;          // spare cells reserved (VAs only)
-  int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
   int64_t early_captures = 0;  // rounds whose copy and publish were recorded as early launches (JAXVMM_GRAPH_PDL)
 };
 

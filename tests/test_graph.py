@@ -43,19 +43,6 @@ def read(slot) -> np.ndarray:
     return np.frombuffer(bytes(slot.read()), np.uint8)
 
 
-@pytest.fixture(autouse=True, params=["fused", "two_node"])
-def round_kernels(request, monkeypatch) -> bool:
-    """Every test runs twice: rounds of K > 1 cells recorded as one fused take + copy kernel
-    (JAXVMM_GRAPH_FUSED=1) and as a take, a copy and a publish kernel (the default), in this process (read at
-    each capture) and in the subprocesses the test starts (the environment). True: fused."""
-    fused = request.param == "fused"
-    monkeypatch.setenv("JAXVMM_GRAPH_FUSED", "1" if fused else "0")
-    old = lib.graph_fused(-1)
-    lib.graph_fused(int(fused))
-    yield fused
-    lib.graph_fused(old)
-
-
 @pytest.fixture
 def slots(platform_device):
     made = []
@@ -117,7 +104,7 @@ def reload_rounds_in_reverse(r: Replay, bwd, y, tok, tokens, n: int = N) -> None
         assert np.array_equal(read(y), data(i, n)), f"ticket {i}"
 
 
-def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, engine_hygiene, round_kernels):
+def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, engine_hygiene):
     assert jaxvmm.configure()["graph_cells"] == 2
     x, y, tok = slots(N), slots(N), slots(8)
     before = stats(platform_device)
@@ -131,9 +118,6 @@ def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, eng
             assert np.array_equal(read(y), data(i)), f"replay {i}"
     after = stats(platform_device)
     assert captured["graph_captures"] - before["graph_captures"] == 2
-    # Both rounds are one fused node each (K = 2 cells), or none is (JAXVMM_GRAPH_FUSED=0, host grants).
-    fused = 2 if round_kernels and kernels_on(platform_device) else 0
-    assert captured["graph_fused_captures"] - before["graph_fused_captures"] == fused, (before, captured)
     assert after["graph_captures"] == captured["graph_captures"]  # replays record nothing
     assert after["handler_calls"] == before["handler_calls"]  # nor run the ring path
     assert after["graph_offload_rounds"] - before["graph_offload_rounds"] == 50
@@ -176,11 +160,11 @@ _EARLY_LAUNCH = textwrap.dedent('''
 
 
 @pytest.mark.parametrize("pdl", ["1", "0", "unset"])
-def test_separate_node_rounds_launch_their_copy_and_publish_early_on_sm90(platform_device, round_kernels, pdl):
+def test_separate_node_rounds_launch_their_copy_and_publish_early_on_sm90(platform_device, pdl):
     """JAXVMM_GRAPH_PDL=1 (the default) on an sm_90 device (the cpu backend stands for one): the engine
     loads the compute_90 module, and rounds in separate nodes record their copy and publish with
     cuLaunchKernelEx (programmatic dependent launch); they replay bit-exact. JAXVMM_GRAPH_PDL=0: the
-    compute_80 module and plain launches. Fused rounds launch as before either way."""
+    compute_80 module and plain launches."""
     import json
     dev = "gpu" if platform_device != "cpu" else "cpu"
     env = {"JAXVMM_GRAPH_KERNELS": "1"}
@@ -198,7 +182,7 @@ def test_separate_node_rounds_launch_their_copy_and_publish_early_on_sm90(platfo
         sm90 = float(jax.devices("gpu")[0].compute_capability) >= 9.0
     on = pdl != "0" and sm90
     assert r["kernels"] == 1 and r["module_early"] == int(on), r
-    want = 0 if round_kernels or not on else 2  # offload and reload rounds
+    want = 2 if on else 0  # offload and reload rounds
     assert r["early"] == want and r["ex"] == 2 * want and r["after"] == 0, r  # a copy and a publish each; replays record nothing
     assert not r["ptx90"]  # graph_kernels_ptx() is the compute_80 module's text
 
@@ -274,7 +258,7 @@ def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_d
 
 
 @pytest.mark.parametrize("cells", ["1", "2"])
-def test_rounds_are_bit_exact_when_the_cpu_streams_run_asynchronously(round_kernels, cells):
+def test_rounds_are_bit_exact_when_the_cpu_streams_run_asynchronously(cells):
     """JAXVMM_POSIX_ASYNC=3000: every driver stream of the cpu backend runs its operations on a thread
     of its own, in order, each after a random delay of up to 3 ms, as a busy GPU's streams do, so only
     jaxvmm's ordering between its streams keeps the bytes right (the D2H word,
@@ -667,7 +651,6 @@ _ROUND_TRIP_PRELUDE = textwrap.dedent('''
         got = np.frombuffer(bytes(y.read()), np.uint8)
         assert np.all(got == v), (v, np.unique(got))
         if after: after()
-    FUSED = os.environ.get("JAXVMM_GRAPH_FUSED", "0") != "0"  # the round_kernels fixture's choice
     def replay_rounds(r, g, n):  # n replays, each bit-exact
         for i in range(n):
             x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
@@ -953,7 +936,6 @@ def test_a_revoke_after_the_device_took_the_grant_keeps_the_round(k):
             replay_rounds(r, g, 3)
             b = st()
             assert b["graph_kernels"] == 1 and b["graph_cells"] == 2 * K, b
-            assert b["graph_fused_captures"] == (2 if FUSED and K > 1 else 0), b  # the hook runs inside the fused round
             for i in range(3, 6):
                 lib.testing_trim_after_next_take(0)
                 x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
@@ -1158,7 +1140,6 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
             replay_rounds(r, g, 20)
             s = st()
             assert s["graph_kernels"] == 1 and s["graph_cells"] == 2 * K, s
-            assert s["graph_fused_captures"] == (2 if FUSED and K > 1 else 0), s
             # The offload channel arms all K cells behind their D2H; the reload channel used one (no
             # ticket is left to predict after a round trip).
             assert s["graph_mapped_bytes"] == (K + 1) * cell, (s["graph_mapped_bytes"], cell)
@@ -2256,10 +2237,10 @@ _ODD_COPIES = [(1, 0, 0), (3, 1, 0), (15, 0, 1), (16, 0, 0), (17, 3, 3), (4095, 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_device, slots, engine_hygiene, graph_cells, k):
-    """Each round trip goes through the fused kernel (or, two_node, the cell-copy kernel) in both
-    directions (K = 2, 3; K = 1 records plain copies of its one cell); the bytes come back exact and
-    nothing outside the destination range is written. Each size is a new channel, so its first
-    offload round knocks and its first reload round requests while the grid's other blocks wait."""
+    """Each round trip goes through the cell-copy kernel in both directions (K = 2, 3; K = 1 records
+    plain copies of its one cell); the bytes come back exact and nothing outside the destination range
+    is written. Each size is a new channel, so its first offload round knocks and its first reload
+    round requests."""
     graph_cells(k)
     pad = 64
     for n, src_off, dst_off in _ODD_COPIES:
@@ -2285,8 +2266,7 @@ def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_devi
 @pytest.mark.gpu
 def test_gpu_large_unaligned_copy_uses_the_grid_stride_loop(platform_device, slots, engine_hygiene):
     """More bytes than one pass of the copy kernel's largest grid covers (1024 blocks x 256 threads x
-    4 x 16 bytes = 16 MiB; the fused kernel's 128 blocks cover 2 MiB a pass), unaligned by one byte at
-    both ends, and a mutually misaligned pair."""
+    4 x 16 bytes = 16 MiB), unaligned by one byte at both ends, and a mutually misaligned pair."""
     if platform_device == "cpu":
         pytest.skip("the copy kernel's grid runs on a GPU")
     n = (24 << 20) + 3  # < 32 MiB: a K-cell call site (larger ones get one cell and a memcpy node)

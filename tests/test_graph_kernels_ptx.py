@@ -13,8 +13,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADER = ROOT / "ffi" / "graph_kernels_ptx.h"
-ENTRIES = ("jaxvmm_take_offload", "jaxvmm_take_reload", "jaxvmm_revoke", "jaxvmm_cell_copy", "jaxvmm_fused_offload",
-           "jaxvmm_fused_reload", "jaxvmm_publish", "jaxvmm_copy", "jaxvmm_ring_reload")
+ENTRIES = ("jaxvmm_take_offload", "jaxvmm_take_reload", "jaxvmm_revoke", "jaxvmm_cell_copy", "jaxvmm_publish",
+           "jaxvmm_copy", "jaxvmm_ring_reload")
 
 
 def modules(header_text: str) -> dict[str, str]:
