@@ -21,7 +21,6 @@ std::atomic<bool> g_graph_kernels{true};
 std::atomic<int> g_graph_cells{2};
 std::atomic<int> g_graph_spares{0};
 std::atomic<size_t> g_graph_spare_budget{0};
-std::atomic<bool> g_graph_early{true};
 std::atomic<int> g_graph_hold{static_cast<int>(EngineConfig::GraphHold::kLarge)};
 std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
@@ -41,8 +40,6 @@ int EngineConfig::GraphSparesPerChannel() {
   const int n = GraphSpares();
   return n > 0 ? n : GraphSpareBudget() > 0 ? kMaxSpares : 0;
 }
-void EngineConfig::SetGraphEarlyLaunch(bool on) { g_graph_early.store(on); }
-bool EngineConfig::GraphEarlyLaunch() { return g_graph_early.load(); }
 void EngineConfig::SetGraphHold(GraphHold h) { g_graph_hold.store(static_cast<int>(h)); }
 EngineConfig::GraphHold EngineConfig::GraphHoldPolicy() { return static_cast<GraphHold>(g_graph_hold.load()); }
 void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }

@@ -34,13 +34,6 @@ struct EngineConfig {
   // Spare cells an offload channel prepared now reserves (VA only): graph_spares when set, else
   // kMaxSpares when a spare budget is set (the budget, not a count, then bounds them), else none.
   static int GraphSparesPerChannel();
-  // Graph mode, rounds in separate nodes on an sm_90 or later device: launch each round's copy and
-  // publish kernels early (programmatic dependent launch: each may be scheduled while the kernel before
-  // it ends, and waits for that kernel's end on the device). Default on. Read when the engine loads its
-  // kernels (on: the compute_90 module, whose round kernels can be launched so; off: the compute_80
-  // one) and at each capture.
-  static void SetGraphEarlyLaunch(bool on);
-  static bool GraphEarlyLaunch();
   // Graph mode with grant kernels: which offload cells are *held* after their round (no grant out, their
   // bytes readable device to device) instead of armed behind their D2H. kSpares: only when every spare
   // of the channel is lent (channels with graph_spares), until a spare is free or the D2H is done.

@@ -40,7 +40,7 @@ struct GraphStats {
   // Kernel grants (DESIGN.md, "Graph mode"): rounds whose grant the device took by itself (a pre-armed
   // offload grant, a reload whose prefetched token matched) vs rounds that waited for the poller.
   bool kernels = false;        // this engine's captures use the grant kernels
-  bool early_launch = false;   // their module can launch a round's copy and publish early (JAXVMM_GRAPH_PDL)
+  bool early_launch = false;   // their module launches a round's copy and publish early (sm_90 and later)
   std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
   int64_t grants_device = 0, grants_host = 0;
   int64_t revokes = 0;         // grants taken back (idle release, trim, budget) before the device used them
@@ -49,7 +49,7 @@ struct GraphStats {
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
   int64_t host_fallbacks = 0;  // round tickets put in pageable memory: the host pool had no room (it grows behind them)
   int64_t bounce_copies = 0;   // pieces (<= 4 MiB) copied through the pinned bounce buffers to or from those tickets
-  int64_t early_captures = 0;  // rounds whose copy and publish were recorded as early launches (JAXVMM_GRAPH_PDL)
+  int64_t early_captures = 0;  // rounds whose copy and publish were recorded as early launches (sm_90 and later)
   // Spare cells (graph_spares): offload rounds whose cell was re-armed with a spare while its D2H was
   // still queued (the cell's bytes lent to its ticket), and reload copies served from such a lent cell
   // (device to device, without waiting for PCIe); kept_reads: those among them whose D2H had already

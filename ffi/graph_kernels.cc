@@ -7,7 +7,7 @@ namespace jaxvmm {
 
 GraphKernels::~GraphKernels() { Unload(); }
 
-Status GraphKernels::Load(int device, bool early) {
+Status GraphKernels::Load(int device) {
   if (tried_) return module_ ? Status() : Status(Code::kUnavailable, why_);
   tried_ = true;
   const DriverTable& d = Driver(backend_);
@@ -19,9 +19,9 @@ Status GraphKernels::Load(int device, bool early) {
       sms_ = static_cast<unsigned>(sms);
     if (d.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev) != CUDA_SUCCESS) major = 0;
   }
-  // sm_90 and later with early launches asked for: the compute_90 module, whose round kernels can be
-  // launched early. Otherwise the compute_80 one (its kernels have no griddepcontrol).
-  sm90_ = major >= 9 && early;
+  // sm_90 and later: the compute_90 module, whose round kernels can be launched early. Otherwise the
+  // compute_80 one (its kernels have no griddepcontrol).
+  sm90_ = major >= 9;
   const char* stage = "graph kernels";
   Status st = Call(-1, stage, Entry::kModuleLoadData,
                    [&] { return d.ModuleLoadData(&module_, sm90_ ? kGraphKernelsPtx90 : kGraphKernelsPtx); });
@@ -89,15 +89,16 @@ unsigned GraphKernels::CopyBlocks(size_t nbytes) {
   return static_cast<unsigned>(b < 1 ? 1 : b > kMaxCopyBlocks ? kMaxCopyBlocks : b);
 }
 
-Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out, bool early) const {
+Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out) const {
   unsigned long long n = nbytes, o = out ? 1 : 0;
   void* p[] = {&cells, &other, &n, &o};
-  return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads, early);
+  return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads,
+                /*early=*/true);
 }
 
-Status GraphKernels::Publish(CUstream s, CUdeviceptr cells, const char* stage, bool early) const {
+Status GraphKernels::Publish(CUstream s, CUdeviceptr cells, const char* stage) const {
   void* p[] = {&cells};
-  return Launch(publish_, s, p, stage, 1, 1, early);
+  return Launch(publish_, s, p, stage, 1, 1, /*early=*/true);
 }
 
 Status GraphKernels::Copy(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr word, uint64_t value,

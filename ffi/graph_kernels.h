@@ -26,11 +26,11 @@ class GraphKernels {
   GraphKernels(const GraphKernels&) = delete;
   GraphKernels& operator=(const GraphKernels&) = delete;
 
-  // Loads the module in the current context (device `device`'s): the compute_90 one when `early` (early
-  // launches wanted: EngineConfig::GraphEarlyLaunch) and the device is sm_90 or later, else the
-  // compute_80 one. Failure is remembered (why()) and not retried. Also reads the device's SM count,
-  // which bounds the ring reload's grid (RingReloadBlocks).
-  Status Load(int device, bool early);
+  // Loads the module in the current context (device `device`'s): the compute_90 one when the device is
+  // sm_90 or later (its round kernels can be launched early), else the compute_80 one. Failure is
+  // remembered (why()) and not retried. Also reads the device's SM count, which bounds the ring
+  // reload's grid (RingReloadBlocks).
+  Status Load(int device);
   bool loaded() const { return module_ != nullptr; }
   bool tried() const { return tried_; }
   // Every kernel has run once (GraphRecorder::WarmKernels): under lazy module loading a first launch may
@@ -46,16 +46,16 @@ class GraphKernels {
   Status TakeReload(CUstream s, CUdeviceptr cells, CUdeviceptr token_in, CUdeviceptr probe, CUdeviceptr request,
                     CUdeviceptr go) const;
   // jaxvmm_cell_copy(cells, other, nbytes, out): the round's copy into (out false) or out of the cell
-  // the take kernel chose. Publishes nothing: Publish, the next node, does. `early` (and can_launch_early()):
-  // launched with programmatic stream serialization, so its blocks may start while the kernel before it
-  // (the take) ends; the kernel waits for that kernel's end before it reads `ptr` (griddepcontrol).
-  Status CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out, bool early = false) const;
-  // jaxvmm_publish(cells): one thread writes 1 into the chosen cell's filled/done word (`early`: as
-  // CellCopy's; it waits for the copy's end before it writes).
-  Status Publish(CUstream s, CUdeviceptr cells, const char* stage, bool early = false) const;
-  // The loaded module is the compute_90 one (an sm_90 or later device, and `early` when it loaded),
-  // whose round kernels wait for the kernel before them when launched early.
-  // Otherwise `early` launches as usual.
+  // the take kernel chose. Publishes nothing: Publish, the next node, does. Launched early where the
+  // module can (can_launch_early()): with programmatic stream serialization, so its blocks may start
+  // while the kernel before it (the take) ends; the kernel waits for that kernel's end before it reads
+  // `ptr` (griddepcontrol).
+  Status CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out) const;
+  // jaxvmm_publish(cells): one thread writes 1 into the chosen cell's filled/done word (launched as
+  // CellCopy is; early, it waits for the copy's end before it writes).
+  Status Publish(CUstream s, CUdeviceptr cells, const char* stage) const;
+  // The loaded module is the compute_90 one (an sm_90 or later device), whose round kernels wait for
+  // the kernel before them: CellCopy and Publish are launched early.
   bool can_launch_early() const { return sm90_; }
   // The copy kernel's grid for nbytes: 256 threads a block, enough blocks for four 16-byte units a
   // thread, at most kMaxCopyBlocks (grid-stride beyond).

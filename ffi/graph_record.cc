@@ -30,7 +30,7 @@ Status GraphRecorder::LoadKernels(CUstream setup, Channel& first, bool any_captu
   if (!kernels_.tried()) {
     use_kernels_ = false;
     if (EngineConfig::GraphKernels()) {
-      JAXVMM_RETURN_IF_ERROR(kernels_.Load(device_, EngineConfig::GraphEarlyLaunch()));
+      JAXVMM_RETURN_IF_ERROR(kernels_.Load(device_));
       use_kernels_ = stats_.kernels = true;
     }
   }
@@ -156,9 +156,9 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
   if (st.ok()) st = WriteDevice(setup, g0, 1, stage);
   if (st.ok()) st = kernels_.TakeOffload(setup, c.dw, g0, WordAddr(w.knock));
   if (st.ok()) st = kernels_.TakeReload(setup, c.dw, g0, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go));
-  // Launched as rounds launch them (early, when asked for), so the warm-up also tries that launch.
-  if (st.ok()) st = kernels_.CellCopy(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), /*out=*/true, EarlyLaunch());
-  if (st.ok()) st = kernels_.Publish(setup, c.dw, stage, EarlyLaunch());
+  // Launched as rounds launch them (early, where the module can), so the warm-up also tries that launch.
+  if (st.ok()) st = kernels_.CellCopy(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), /*out=*/true);
+  if (st.ok()) st = kernels_.Publish(setup, c.dw, stage);
   if (st.ok()) st = kernels_.Revoke(setup, g0, 0, WordAddr(w.result));
   // The op ring's copy: filled[0] (1 by now) into `unused`, and a value with both 32-bit halves set into
   // `arm` (not used by kernel grants).
@@ -194,8 +194,6 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
 
 // ---------------------------------------------------------------- the execute stage, under capture
 
-bool GraphRecorder::EarlyLaunch() const { return kernels_.can_launch_early() && EngineConfig::GraphEarlyLaunch(); }
-
 Status GraphRecorder::RecordCopyAndPublish(CUstream stream, Channel& c, CUdeviceptr other, size_t nbytes, bool out,
                                            const char* stage) {
   if (c.FixedCell()) {
@@ -208,13 +206,12 @@ Status GraphRecorder::RecordCopyAndPublish(CUstream stream, Channel& c, CUdevice
     const CUdeviceptr flag = WordAddr(out ? c.w->done[0] : c.w->filled[0]);
     return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, flag, 1, 0); });
   }
-  // Early launches (sm_90, unless JAXVMM_GRAPH_PDL=0): the copy and the publish launched early, each
-  // waiting on the device for the kernel before it (programmatic edges in the captured graph), so
-  // neither pays a full launch after the kernel before it has drained.
-  const bool early = EarlyLaunch();
-  JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out, early));
-  JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c.dw, stage, early));
-  if (early) ++stats_.early_captures;
+  // On sm_90 and later the copy and the publish are launched early, each waiting on the device for
+  // the kernel before it (programmatic edges in the captured graph), so neither pays a full launch
+  // after the kernel before it has drained.
+  JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out));
+  JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c.dw, stage));
+  if (kernels_.can_launch_early()) ++stats_.early_captures;
   return Status();
 }
 

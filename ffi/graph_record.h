@@ -28,7 +28,7 @@ struct RecordStats {
   std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
   int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
   int64_t spares = 0;          // spare cells reserved (VAs only)
-  int64_t early_captures = 0;  // rounds whose copy and publish were recorded as early launches (JAXVMM_GRAPH_PDL)
+  int64_t early_captures = 0;  // rounds whose copy and publish were recorded as early launches (sm_90 and later)
 };
 
 class GraphRecorder {
@@ -54,8 +54,6 @@ class GraphRecorder {
   const RecordStats& stats() const { return stats_; }
 
  private:
-  // A round's copy and publish are launched early: the loaded module can, and JAXVMM_GRAPH_PDL is on now.
-  bool EarlyLaunch() const;
   Status LoadKernels(CUstream setup, Channel& first, bool any_captured);
   Status WarmKernels(CUstream setup, Channel& c);  // each kernel launched once (loaded), at the first initialize
   Status SetUpCells(CUstream setup, Channel& c);   // the channel's constant device words (K, cells, flags, stable)

@@ -788,12 +788,6 @@ NB_MODULE(_jaxvmm, m) {
   // Whether XLA keeps the order of recorded commands, as XLA_FLAGS says now (an engine asks once, when
   // it is made: graph mode reads another call site's offload cell only then).
   m.def("xla_keeps_command_order", [] { return EngineConfig::XlaKeepsCommandOrder(); });
-  // Graph-mode rounds' copy and publish launched early on sm_90 from now on (1) or not (0); -1 leaves
-  // it. Returns the value in force.
-  m.def("graph_early_launch", [](int on) {
-    if (on >= 0) EngineConfig::SetGraphEarlyLaunch(on != 0);
-    return static_cast<int>(EngineConfig::GraphEarlyLaunch());
-  });
   // Which graph-mode offload cells are held after their round: "spares" or "large" (validated in
   // Python first); "" leaves it. Returns the value in force.
   m.def("graph_hold", [](const std::string& h) {

@@ -140,10 +140,6 @@ VARIABLES = {
         EnvVar("JAXVMM_GRAPH_SPARE_BUDGET", "size", 0, INT64_MAX,
                "graph mode with grant kernels: device memory spare cells may hold at once per device; set, it gives "
                "every offload call site spares (up to JAXVMM_GRAPH_SPARES when that is set, else 64) (0: no cap)"),
-        EnvVar("JAXVMM_GRAPH_PDL", "bool",
-               doc="graph mode, rounds in separate nodes, sm_90 or later: launch each round's copy and publish kernels early "
-                   "(programmatic dependent launch; each waits on the device for the kernel before it); read when the "
-                   "engine loads its kernels and at each capture (on; 0: the compute_80 module and plain launches)"),
         EnvVar("JAXVMM_GRAPH_HOLD", "choice",
                doc="graph mode with grant kernels: which offload cells are held after their round, their bytes readable "
                    "on the device, instead of armed behind their D2H: spares (only while every spare is lent) or large "
@@ -200,7 +196,6 @@ def apply(lib, values: dict) -> None:
                   values.get("JAXVMM_STAGING_BUDGET", 0), values.get("JAXVMM_STAGING_IDLE_MS", 0))
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
     lib.set_graph_kernels(bool(values.get("JAXVMM_GRAPH_KERNELS", True)))
-    lib.graph_early_launch(int(bool(values.get("JAXVMM_GRAPH_PDL", True))))
     if "JAXVMM_GRAPH_HOLD" in values:
         lib.graph_hold(values["JAXVMM_GRAPH_HOLD"])
     if "JAXVMM_GRAPH_CELLS" in values:

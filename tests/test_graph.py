@@ -159,28 +159,22 @@ _EARLY_LAUNCH = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("pdl", ["1", "0", "unset"])
-def test_separate_node_rounds_launch_their_copy_and_publish_early_on_sm90(platform_device, pdl):
-    """JAXVMM_GRAPH_PDL=1 (the default) on an sm_90 device (the cpu backend stands for one): the engine
-    loads the compute_90 module, and rounds in separate nodes record their copy and publish with
-    cuLaunchKernelEx (programmatic dependent launch); they replay bit-exact. JAXVMM_GRAPH_PDL=0: the
-    compute_80 module and plain launches."""
+def test_rounds_launch_their_copy_and_publish_early_on_sm90(platform_device):
+    """On an sm_90 or later device (the cpu backend stands for one) the engine loads the compute_90
+    module, and rounds record their copy and publish with cuLaunchKernelEx (programmatic dependent
+    launch); they replay bit-exact. An older GPU gets the compute_80 module and plain launches."""
     import json
     dev = "gpu" if platform_device != "cpu" else "cpu"
     env = {"JAXVMM_GRAPH_KERNELS": "1"}
-    if pdl != "unset":
-        env["JAXVMM_GRAPH_PDL"] = pdl
     if dev == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
-    unset = "import os; os.environ.pop('JAXVMM_GRAPH_PDL', None)\n" if pdl == "unset" else ""
-    proc = run_in_subprocess(unset + f"DEVICE = {dev!r}\n" + _EARLY_LAUNCH, env=env, timeout=120)
+    proc = run_in_subprocess(f"DEVICE = {dev!r}\n" + _EARLY_LAUNCH, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.split("RESULT", 1)[1])
-    sm90 = True
+    on = True
     if dev == "gpu":
         import jax
-        sm90 = float(jax.devices("gpu")[0].compute_capability) >= 9.0
-    on = pdl != "0" and sm90
+        on = float(jax.devices("gpu")[0].compute_capability) >= 9.0
     assert r["kernels"] == 1 and r["module_early"] == int(on), r
     want = 2 if on else 0  # offload and reload rounds
     assert r["early"] == want and r["ex"] == 2 * want and r["after"] == 0, r  # a copy and a publish each; replays record nothing

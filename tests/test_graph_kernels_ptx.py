@@ -41,7 +41,7 @@ def test_ptx_is_loadable_by_a_cuda_13_driver(arch):
 
 
 def test_only_the_sm90_round_kernels_wait_for_the_kernel_before_them():
-    """Early-launched kernels (a round's copy and publish, JAXVMM_GRAPH_PDL) must wait on the device for
+    """Early-launched kernels (a round's copy and publish, on sm_90 and later) must wait on the device for
     the kernel before them (griddepcontrol.wait) before they read what it wrote; the take kernels let
     them be scheduled (launch_dependents). compute_80 has neither instruction."""
     m = modules(HEADER.read_text())

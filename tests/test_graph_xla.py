@@ -256,10 +256,9 @@ SCAN_K = _train_prelude(L=16, STEPS=4, B=129, D=509) + textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "early"])
 @pytest.mark.parametrize("mode", ["default", "while"])
-def test_rounds_of_one_to_three_cells_are_bit_exact(mode, pdl):
-    r = _result(SCAN_K, mode, 180, JAXVMM_GRAPH_PDL=pdl)
+def test_rounds_of_one_to_three_cells_are_bit_exact(mode):
+    r = _result(SCAN_K, mode, 180)
     assert r["graph_kernels"] == 1, r
     for k, got in r["out"].items():
         s = got["stats"]
@@ -270,9 +269,9 @@ def test_rounds_of_one_to_three_cells_are_bit_exact(mode, pdl):
         if mode == "while":
             assert s["graph_captures"] > 0 and s["graph_offload_rounds"] >= 16, (k, s)
             assert s["graph_cells"] >= 2 * int(k) and s["graph_cells"] % int(k) == 0, (k, s)  # K per channel
-        # With JAXVMM_GRAPH_PDL=1 on sm_90 (an H100/H200) every round in kernels launches its copy and
-        # publish early, and these rounds matched jax.checkpoint with it.
-        if r["sm90"] and pdl == "1":
+        # On sm_90 (an H100/H200) every round in kernels launches its copy and publish early, and these
+        # rounds matched jax.checkpoint with it.
+        if r["sm90"]:
             if int(k) > 1 and s["graph_captures"] > 0:
                 assert s["graph_early_captures"] > 0, (k, s)
         else:
