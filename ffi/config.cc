@@ -17,7 +17,6 @@ namespace jaxvmm {
 namespace {
 
 std::atomic<int> g_keep{0};
-std::atomic<bool> g_graph_kernels{true};
 std::atomic<int> g_graph_cells{2};
 std::atomic<int> g_graph_spares{0};
 std::atomic<size_t> g_graph_spare_budget{0};
@@ -28,8 +27,6 @@ std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
 void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
 int EngineConfig::KeepResident() { return g_keep.load(); }
-void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
-bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
 void EngineConfig::SetGraphCells(int k) { g_graph_cells.store(std::clamp(k, 1, kMaxCells)); }
 int EngineConfig::GraphCells() { return g_graph_cells.load(); }
 void EngineConfig::SetGraphSpares(int n) { g_graph_spares.store(std::clamp(n, 0, kMaxSpares)); }

@@ -4,10 +4,10 @@
 // kernel node); the grant kernels are one thread, the copies a grid.
 //
 // Owned by the engine; graph mode loads and warms it at the engine's first initialize stage, outside any
-// capture (GraphRecorder::LoadKernels), and the op ring launches its copy only once warmed() says so.
-// Unload only after every stream that may still run one of its kernels is synchronized. A driver that
-// cannot load it (no PTX JIT, too old for the PTX ISA) leaves graph mode on the host-granted protocol
-// and the op ring on driver copies.
+// capture (GraphRecorder::PrepareKernels), and the op ring launches its copy only once warmed() says
+// so. Unload only after every stream that may still run one of its kernels is synchronized. A driver
+// that cannot load it (no PTX JIT, too old for the PTX ISA) leaves graph mode unable to capture any
+// call site (GraphRecorder::Ready) and the op ring on driver copies.
 #pragma once
 
 #include <atomic>

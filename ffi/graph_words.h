@@ -12,7 +12,7 @@ inline constexpr int kMaxCells = 4;
 // At most this many spare cells per offload channel (jaxvmm.configure(graph_spares=N)).
 inline constexpr int kMaxSpares = 64;
 
-// Kernel grants: the words the device takes grants from, in device memory (cuMemAlloc), one line per
+// The words the device takes grants from, in device memory (cuMemAlloc), one line per
 // channel. The poller writes them only with cuStreamWriteValue64 on a copy stream, ordered after the
 // copy that makes the grant true; the device (or jaxvmm_revoke) takes grants back with an atomic.
 struct DeviceWords {

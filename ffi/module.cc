@@ -778,7 +778,6 @@ NB_MODULE(_jaxvmm, m) {
     engine(backend, device)->SetNextTicketNumber(n);
   });
   // Negative (or 0 where 0 is meaningless) leaves a knob as it is; returns every knob's value in force.
-  m.def("set_graph_kernels", [](bool on) { EngineConfig::SetGraphKernels(on); });
   // Graph-mode cells per channel for channels prepared from now on (validated in Python first); 0
   // leaves it. Returns the value in force.
   m.def("graph_cells", [](int k) {
