@@ -56,8 +56,8 @@ bool OffloadRounds::Serve(Channel& c) {
 }
 
 std::shared_ptr<Ticket> OffloadRounds::MakeRoundTicket(const Channel& c, uint64_t token, Status* st) {
-  // A graph-mode offload round's ticket, with its host block (its D2H completion is a gd2h sequence number), for the
-  // reserved token the device took. Null, and *st says why, when it cannot be made.
+  // A graph-mode offload round's ticket, with its host block (its D2H completion is a gd2h sequence
+  // number), for the reserved token the device took. Null, and *st says why, when it cannot be made.
   HostBlock host;
   *st = g_.round_host.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
   Held h = g_.ledger.Lock();

@@ -2,12 +2,11 @@
 // channel's cells and constant device words) and the fixed device work its execute stage records into
 // XLA's command buffer. DESIGN.md, "Graph mode".
 //
-// Owns: whether graph mode can record rounds at all (its kernels loaded and warmed at the engine's first
-// initialize stage, or why not, for the engine's life) and its own counters. Handed: the engine's
-// grant kernels (loaded and warmed here), the
-// channels it sets up or records (GraphMode's), and the stream that carries the setup writes (graph
-// mode's gd2h, which never waits on XLA's streams). Never maps pages: a capture that must name a mapped
-// cell is given one by GraphCells first.
+// Owns: whether graph mode can record rounds at all (its kernels loaded and warmed at the engine's
+// first initialize stage, or why not, for the engine's life) and its own counters. Handed: the engine's
+// grant kernels (loaded and warmed here), the channels it sets up or records (GraphMode's), and the
+// stream that carries the setup writes (graph mode's gd2h, which never waits on XLA's streams). Never
+// maps pages: a capture that must name a mapped cell is given one by GraphCells first.
 //
 // No lock of its own: every call is made with GraphMode::mu_ held (it sits inside GraphMode's lock order).
 #pragma once
