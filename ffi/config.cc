@@ -17,12 +17,9 @@ namespace jaxvmm {
 namespace {
 
 std::atomic<int> g_keep{0};
-std::atomic<bool> g_graph_kernels{true};
 std::atomic<int> g_graph_cells{2};
 std::atomic<int> g_graph_spares{0};
 std::atomic<size_t> g_graph_spare_budget{0};
-std::atomic<bool> g_graph_fused{false};
-std::atomic<bool> g_graph_early{true};
 std::atomic<int> g_graph_hold{static_cast<int>(EngineConfig::GraphHold::kLarge)};
 std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
@@ -30,8 +27,6 @@ std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
 
 void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
 int EngineConfig::KeepResident() { return g_keep.load(); }
-void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
-bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
 void EngineConfig::SetGraphCells(int k) { g_graph_cells.store(std::clamp(k, 1, kMaxCells)); }
 int EngineConfig::GraphCells() { return g_graph_cells.load(); }
 void EngineConfig::SetGraphSpares(int n) { g_graph_spares.store(std::clamp(n, 0, kMaxSpares)); }
@@ -42,10 +37,6 @@ int EngineConfig::GraphSparesPerChannel() {
   const int n = GraphSpares();
   return n > 0 ? n : GraphSpareBudget() > 0 ? kMaxSpares : 0;
 }
-void EngineConfig::SetGraphFused(bool on) { g_graph_fused.store(on); }
-bool EngineConfig::GraphFused() { return g_graph_fused.load(); }
-void EngineConfig::SetGraphEarlyLaunch(bool on) { g_graph_early.store(on); }
-bool EngineConfig::GraphEarlyLaunch() { return g_graph_early.load(); }
 void EngineConfig::SetGraphHold(GraphHold h) { g_graph_hold.store(static_cast<int>(h)); }
 EngineConfig::GraphHold EngineConfig::GraphHoldPolicy() { return static_cast<GraphHold>(g_graph_hold.load()); }
 void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }

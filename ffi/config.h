@@ -11,48 +11,31 @@ struct EngineConfig {
   // so that their reloads copy device to device instead of waiting for an H2D. Default 0.
   static void SetKeepResident(int n);
   static int KeepResident();
-  // Graph mode: grant rounds on the device with the grant kernels (default on). Read by an engine at
-  // its first initialize stage; its captures keep that protocol.
-  static void SetGraphKernels(bool on);
-  static bool GraphKernels();
-  // Graph mode with grant kernels: staging cells per channel (1..kMaxCells, default 2), so consecutive
-  // rounds of one call site overlap their copies. Read when a channel is first prepared.
+  // Graph mode: staging cells per channel (1..kMaxCells, default 2), so consecutive rounds of one call
+  // site overlap their copies. Read when a channel is first prepared.
   static void SetGraphCells(int k);
   static int GraphCells();
-  // Graph mode with grant kernels: spare cells per offload channel (0..kMaxSpares, default 0). An
-  // offload cell whose D2H is still queued is re-armed with a free spare at once, so a scan's forward
-  // runs ahead of PCIe; the queued bytes stay in the lent cell, and a reload of them copies device to
-  // device until a later lend reuses the spare. Read when a channel is first prepared.
+  // Graph mode: spare cells per offload channel (0..kMaxSpares, default 0). An offload cell whose D2H is
+  // still queued is re-armed with a free spare at once, so a scan's forward runs ahead of PCIe; the
+  // queued bytes stay in the lent cell, and a reload of them copies device to device until a later lend
+  // reuses the spare. Read when a channel is first prepared.
   static void SetGraphSpares(int n);
   static int GraphSpares();
-  // Graph mode with grant kernels: device memory that mapped spare cells may hold at once, over every
-  // offload channel of an engine (0: no cap but the staging budget; default 0). A lend that would pass
-  // it finds no spare (the cell is held or armed behind its D2H instead), so the forward's newest
-  // activations stay on the device only as far as the user lets them. Read at each lend.
+  // Graph mode: device memory that mapped spare cells may hold at once, over every offload channel of an
+  // engine (0: no cap but the staging budget; default 0). A lend that would pass it finds no spare (the
+  // cell is held or armed behind its D2H instead), so the forward's newest activations stay on the
+  // device only as far as the user lets them. Read at each lend.
   static void SetGraphSpareBudget(size_t bytes);
   static size_t GraphSpareBudget();
   // Spare cells an offload channel prepared now reserves (VA only): graph_spares when set, else
   // kMaxSpares when a spare budget is set (the budget, not a count, then bounds them), else none.
   static int GraphSparesPerChannel();
-  // Graph mode with grant kernels and K > 1 cells: record each round as one fused take + copy kernel
-  // instead of three nodes, a take kernel, a copy kernel and a publish kernel (default off: the three
-  // nodes take less device time, no grid-wide handshake or last-block fences). Read at each capture (a channel's rounds
-  // may be recorded either way: each round leaves the channel's words as it found them).
-  static void SetGraphFused(bool on);
-  static bool GraphFused();
-  // Graph mode, rounds in separate nodes on an sm_90 or later device: launch each round's copy and
-  // publish kernels early (programmatic dependent launch: each may be scheduled while the kernel before
-  // it ends, and waits for that kernel's end on the device). Default on. Read when the engine loads its
-  // kernels (on: the compute_90 module, whose round kernels can be launched so; off: the compute_80
-  // one) and at each capture.
-  static void SetGraphEarlyLaunch(bool on);
-  static bool GraphEarlyLaunch();
-  // Graph mode with grant kernels: which offload cells are *held* after their round (no grant out, their
-  // bytes readable device to device) instead of armed behind their D2H. kSpares: only when every spare
-  // of the channel is lent (channels with graph_spares), until a spare is free or the D2H is done.
-  // kLarge (the default): also the one cell of a call site whose cell is 32 MiB or more (kLargeCellBytes),
-  // until its next round knocks, so the backward's first reload, of the forward's last offload, copies it
-  // device to device instead of waiting for its D2H and an H2D. Read at each offload round.
+  // Graph mode: which offload cells are *held* after their round (no grant out, their bytes readable
+  // device to device) instead of armed behind their D2H. kSpares: only when every spare of the channel
+  // is lent (channels with graph_spares), until a spare is free or the D2H is done. kLarge (the
+  // default): also the one cell of a call site whose cell is 32 MiB or more (kLargeCellBytes), until its
+  // next round knocks, so the backward's first reload, of the forward's last offload, copies it device
+  // to device instead of waiting for its D2H and an H2D. Read at each offload round.
   enum class GraphHold { kSpares = 0, kLarge = 1 };
   static void SetGraphHold(GraphHold h);
   static GraphHold GraphHoldPolicy();

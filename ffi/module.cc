@@ -606,7 +606,6 @@ NB_MODULE(_jaxvmm, m) {
     d["graph_host_fallbacks"] = s.graph.host_fallbacks;
     d["graph_bounce_copies"] = s.graph.bounce_copies;
     d["graph_cells"] = s.graph.cells;
-    d["graph_fused_captures"] = s.graph.fused_captures;
     d["graph_early_captures"] = s.graph.early_captures;
     d["graph_spares"] = s.graph.spares;
     d["graph_lends"] = s.graph.lends;
@@ -779,7 +778,6 @@ NB_MODULE(_jaxvmm, m) {
     engine(backend, device)->SetNextTicketNumber(n);
   });
   // Negative (or 0 where 0 is meaningless) leaves a knob as it is; returns every knob's value in force.
-  m.def("set_graph_kernels", [](bool on) { EngineConfig::SetGraphKernels(on); });
   // Graph-mode cells per channel for channels prepared from now on (validated in Python first); 0
   // leaves it. Returns the value in force.
   m.def("graph_cells", [](int k) {
@@ -789,18 +787,6 @@ NB_MODULE(_jaxvmm, m) {
   // Whether XLA keeps the order of recorded commands, as XLA_FLAGS says now (an engine asks once, when
   // it is made: graph mode reads another call site's offload cell only then).
   m.def("xla_keeps_command_order", [] { return EngineConfig::XlaKeepsCommandOrder(); });
-  // Graph-mode rounds recorded from now on as one fused kernel (1), separate nodes (0); -1 leaves it.
-  // Returns the value in force.
-  m.def("graph_fused", [](int on) {
-    if (on >= 0) EngineConfig::SetGraphFused(on != 0);
-    return static_cast<int>(EngineConfig::GraphFused());
-  });
-  // Graph-mode rounds' copy and publish launched early on sm_90 from now on (1) or not (0); -1 leaves
-  // it. Returns the value in force.
-  m.def("graph_early_launch", [](int on) {
-    if (on >= 0) EngineConfig::SetGraphEarlyLaunch(on != 0);
-    return static_cast<int>(EngineConfig::GraphEarlyLaunch());
-  });
   // Which graph-mode offload cells are held after their round: "spares" or "large" (validated in
   // Python first); "" leaves it. Returns the value in force.
   m.def("graph_hold", [](const std::string& h) {

@@ -564,7 +564,7 @@ void OpRing::ResolveTask(uint64_t seq) {
     return;
   }
   // The token may name a graph-mode offload round the device finished before this op (stream order)
-  // whose `filled` the poller has not served: wait for it, else the ticket is "unknown" (kernel grants)
+  // whose `filled` the poller has not served: wait for it, else the ticket is "unknown" (not made yet)
   // or its D2H is not enqueued yet and a copy from its host block would read stale bytes.
   h.unlock();
   ledger_.WaitUntilServed(token);

@@ -131,23 +131,15 @@ VARIABLES = {
         EnvVar("JAXVMM_KEEP_RESIDENT", "int", 0, INT32_MAX, "newest offloads that keep a device copy (0)"),
         EnvVar("JAXVMM_TRACE", "bool", doc="log every lifecycle driver call (off)"),
         EnvVar("JAXVMM_GRAPH", "bool", doc="let XLA capture the CUDA handlers into command buffers (on)"),
-        EnvVar("JAXVMM_GRAPH_KERNELS", "bool",
-               doc="graph mode: rounds take their grants on the device with tiny kernels (on; off: the host grants every round)"),
         EnvVar("JAXVMM_GRAPH_CELLS", "int", 1, MAX_GRAPH_CELLS,
-               "graph mode with grant kernels: staging cells per call site, so consecutive rounds overlap their copies (2)"),
+               "graph mode: staging cells per call site, so consecutive rounds overlap their copies (2)"),
         EnvVar("JAXVMM_GRAPH_SPARES", "int", 0, MAX_GRAPH_SPARES,
-               "graph mode with grant kernels: spare cells per offload call site, lent while PCIe is behind (0)"),
+               "graph mode: spare cells per offload call site, lent while PCIe is behind (0)"),
         EnvVar("JAXVMM_GRAPH_SPARE_BUDGET", "size", 0, INT64_MAX,
-               "graph mode with grant kernels: device memory spare cells may hold at once per device; set, it gives "
+               "graph mode: device memory spare cells may hold at once per device; set, it gives "
                "every offload call site spares (up to JAXVMM_GRAPH_SPARES when that is set, else 64) (0: no cap)"),
-        EnvVar("JAXVMM_GRAPH_FUSED", "bool",
-               doc="graph mode with grant kernels and several cells: each round is one fused take + copy kernel (on) or a take, a copy and a publish kernel (off, the default)"),
-        EnvVar("JAXVMM_GRAPH_PDL", "bool",
-               doc="graph mode, rounds in separate nodes, sm_90 or later: launch each round's copy and publish kernels early "
-                   "(programmatic dependent launch; each waits on the device for the kernel before it); read when the "
-                   "engine loads its kernels and at each capture (on; 0: the compute_80 module and plain launches)"),
         EnvVar("JAXVMM_GRAPH_HOLD", "choice",
-               doc="graph mode with grant kernels: which offload cells are held after their round, their bytes readable "
+               doc="graph mode: which offload cells are held after their round, their bytes readable "
                    "on the device, instead of armed behind their D2H: spares (only while every spare is lent) or large "
                    "(also the one cell of a call site whose arrays are 32 MiB or more, until its next round; the default)",
                choices=GRAPH_HOLDS),
@@ -201,9 +193,6 @@ def apply(lib, values: dict) -> None:
                   values.get("JAXVMM_PREFETCH_DEPTH", 0), values.get("JAXVMM_KEEP_RESIDENT", -1),
                   values.get("JAXVMM_STAGING_BUDGET", 0), values.get("JAXVMM_STAGING_IDLE_MS", 0))
     lib.set_trace(bool(values.get("JAXVMM_TRACE", False)))
-    lib.set_graph_kernels(bool(values.get("JAXVMM_GRAPH_KERNELS", True)))
-    lib.graph_fused(int(bool(values.get("JAXVMM_GRAPH_FUSED", False))))
-    lib.graph_early_launch(int(bool(values.get("JAXVMM_GRAPH_PDL", True))))
     if "JAXVMM_GRAPH_HOLD" in values:
         lib.graph_hold(values["JAXVMM_GRAPH_HOLD"])
     if "JAXVMM_GRAPH_CELLS" in values:
