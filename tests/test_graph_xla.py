@@ -257,10 +257,10 @@ SCAN_K = _train_prelude(L=16, STEPS=4, B=129, D=509) + textwrap.dedent("""
 
 
 def _spares_in_environment() -> bool:
-    """Offload call sites have spares: JAXVMM_GRAPH_SPARES, or a spare budget (which gives them 64)."""
+    """Offload call sites have spares: JAXVMM_DEBUG_GRAPH_SPARES, or a spare budget (which gives them 64)."""
     from jaxvmm import _config
     v = _config.read_environment()
-    return v.get("JAXVMM_GRAPH_SPARES", 0) > 0 or v.get("JAXVMM_GRAPH_SPARE_BUDGET", 0) > 0
+    return v.get("graph_spares", 0) > 0 or v.get("graph_spare_budget", 0) > 0
 
 
 @pytest.mark.parametrize("fused,pdl", [("1", "0"), ("0", "0"), ("0", "1")], ids=["fused", "two_node", "two_node_early"])
@@ -278,7 +278,7 @@ def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused, pdl):
             assert s["graph_captures"] > 0 and s["graph_offload_rounds"] >= 16, (k, s)
             assert s["graph_cells"] >= 2 * int(k) and s["graph_cells"] % int(k) == 0, (k, s)  # K per channel
         # Fused nodes exactly when K > 1 and JAXVMM_GRAPH_FUSED is on (every capture of such a round);
-        # with one cell, an offload call site with spares (JAXVMM_GRAPH_SPARES in the environment) has no
+        # with one cell, an offload call site with spares (JAXVMM_DEBUG_GRAPH_SPARES in the environment) has no
         # fixed cell either, so its rounds are fused and its reloads' are not.
         if int(k) > 1 and fused == "1":
             assert s["graph_fused_captures"] == s["graph_captures"], (k, s)
@@ -305,14 +305,15 @@ def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused, pdl):
 # their D2H is queued (the cell's address in the device words changes under the recorded kernels), the
 # first reloads of the backward copy from lent cells, and the training matches jax.checkpoint bit for bit.
 SPARES = _train_prelude(L=64, STEPS=4, B=8192, D=256) + textwrap.dedent("""
-    assert jaxvmm.configure()["graph_spares"] == 32
+    import jaxvmm.testing
+    assert jaxvmm.testing.configure_debug()["graph_spares"] == 32
     print("RESULT", json.dumps(against(train(REF))))
 """)
 
 
 @pytest.mark.parametrize("mode", ["default", "while"])
 def test_spare_cells_under_xla_are_bit_exact(mode):
-    r = _result(SPARES, mode, 240, JAXVMM_GRAPH_CELLS="2", JAXVMM_GRAPH_SPARES="32")
+    r = _result(SPARES, mode, 240, JAXVMM_GRAPH_CELLS="2", JAXVMM_DEBUG_GRAPH_SPARES="32")
     s = r["stats"]
     print(mode, {k: s[k] for k in ("graph_offload_rounds", "graph_reload_rounds", "graph_lends", "graph_lent_reads",
                                    "graph_grants_device", "graph_grants_host", "graph_captures")})
