@@ -7,7 +7,7 @@ source "$(dirname "$0")/gpu_prelude.sh"  # builds and installs this tree
 ab_rows() {  # ab_rows LABEL
   mlp_row "$1" 256,512,64
   mlp_row "$1" 256,512,64
-  mlp_row "$1" 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_GRAPH_SPARES=64
+  mlp_row "$1" 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_DEBUG_GRAPH_SPARES=64
 }
 : > "$OUT/rows.txt"
 (cd ab_old && python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build_old.txt" 2>&1) || tail -5 "$OUT/build_old.txt"

@@ -13,7 +13,7 @@ for p in ${POLICIES:-save remat jaxvmm-dots}; do
 done
 : > "$OUT/rows.txt"
 for n in ${SPARES:-0 3 7}; do
-  JAXVMM_GRAPH_SPARES=$n timeout 100 python3 bench/train_step.py --models mlp --targets mlp_hidden \
+  JAXVMM_DEBUG_GRAPH_SPARES=$n timeout 100 python3 bench/train_step.py --models mlp --targets mlp_hidden \
     --variants save,jaxvmm --steps 10 --warmup 3 --timeline --timeout 90 >> "$OUT/rows.txt" 2>&1
   echo "=== mlp_hidden spares=$n ($((SECONDS - T0)) s)"; grep -E "^\| mlp" "$OUT/rows.txt" | tail -2 | cut -c1-460
 done

@@ -7,7 +7,7 @@ T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
 gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
-JAXVMM_GRAPH_SPARES=2 gpu_tests graph_spares 200 tests/test_graph.py tests/test_graph_xla.py
+JAXVMM_DEBUG_GRAPH_SPARES=2 gpu_tests graph_spares 200 tests/test_graph.py tests/test_graph_xla.py
 gpu_tests rest 150 $REST_TESTS
 gpu_tests offload 120 tests/test_offload.py
 timeout 120 python3 -P -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_remat.py > "$OUT/remat.txt" 2>&1

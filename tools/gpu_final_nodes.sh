@@ -15,4 +15,4 @@ XLA_FLAGS=--xla_gpu_enable_command_buffer= gpu_tests offload_off 120 tests/test_
 mlp_row nodes 256,512,64
 mlp_row nodes 256,512,64
 mlp_row nodes_w 256,512,64 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE
-mlp_row nodes 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_GRAPH_SPARES=64
+mlp_row nodes 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_DEBUG_GRAPH_SPARES=64

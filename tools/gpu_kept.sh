@@ -11,5 +11,5 @@ source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
 spare_rows "${ROWS:-2:0:1024,512,64 2:8:1024,512,64 2:16:1024,512,64 2:32:1024,512,64 2:64:1024,512,64 2:16:256,512,64}"
 [[ ${TESTS:-1} == 1 ]] || exit 0
-JAXVMM_GRAPH_SPARES=${TEST_SPARES:-2} gpu_tests graph_spares 200 tests/test_graph.py tests/test_graph_xla.py
+JAXVMM_DEBUG_GRAPH_SPARES=${TEST_SPARES:-2} gpu_tests graph_spares 200 tests/test_graph.py tests/test_graph_xla.py
 ring_tests

@@ -11,4 +11,4 @@ prof4() {
   echo "=== profile $label $v $* ($((SECONDS - T0)) s)"; grep -v "^\s*$" "$OUT/prof_$label.txt" | grep -v "longest" | tail -40 | cut -c1-260
 }
 prof4 save save
-for n in ${SPARES:-0 32}; do prof4 "s$n" jaxvmm JAXVMM_GRAPH_CELLS=2 JAXVMM_GRAPH_SPARES=$n; done
+for n in ${SPARES:-0 32}; do prof4 "s$n" jaxvmm JAXVMM_GRAPH_CELLS=2 JAXVMM_DEBUG_GRAPH_SPARES=$n; done

@@ -12,4 +12,4 @@ round_prof k jaxvmm
 mlp_row acq_rel 256,512,64
 mlp_row acq_rel 256,512,64
 mlp_row acq_rel 256,512,64 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE
-mlp_row acq_rel 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_GRAPH_SPARES=64
+mlp_row acq_rel 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_DEBUG_GRAPH_SPARES=64

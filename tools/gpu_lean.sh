@@ -13,7 +13,7 @@ side() {  # side LABEL
   timeout 60 python3 bench/graph_rounds.py --size 4M --reps 40 > "$OUT/rounds4_$1.txt" 2>&1
   grep -E "^\|" "$OUT/rounds4_$1.txt" | tail -2
   mlp_row "$1" 256,512,64
-  mlp_row "$1" 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_GRAPH_SPARES=64
+  mlp_row "$1" 1024,512,64 JAXVMM_GRAPH_CELLS=4 JAXVMM_DEBUG_GRAPH_SPARES=64
 }
 : > "$OUT/rows.txt"
 side new

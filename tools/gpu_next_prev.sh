@@ -10,7 +10,7 @@ T0=$SECONDS
 source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
 gpu_tests graph 200 tests/test_graph.py tests/test_graph_xla.py
-JAXVMM_GRAPH_SPARES=8 gpu_tests graph_spares8 120 tests/test_graph.py
+JAXVMM_DEBUG_GRAPH_SPARES=8 gpu_tests graph_spares8 120 tests/test_graph.py
 XLA_FLAGS=--xla_gpu_enable_command_buffer= gpu_tests offload_off 100 tests/test_offload.py
 XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE gpu_tests offload_while 100 tests/test_offload.py
 capacity_trial dots26 jaxvmm-dots 26 --warmup 1

@@ -28,10 +28,10 @@ ring_tests() {
   return 0
 }
 
-# ring_breakdown [LINES]: tools/ring_cost.py under JAXVMM_TRACE=1 (command buffers off, 20 runs), then
+# ring_breakdown [LINES]: tools/ring_cost.py under JAXVMM_DEBUG_TRACE=1 (command buffers off, 20 runs), then
 # its per (stage, driver call) summary into $OUT/ring_breakdown.txt; prints the first LINES (24) rows.
 ring_breakdown() {
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= JAXVMM_TRACE=1 timeout 120 python3 tools/ring_cost.py --reps 20 \
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= JAXVMM_DEBUG_TRACE=1 timeout 120 python3 tools/ring_cost.py --reps 20 \
     > "$OUT/ring_traced.txt" 2> "$OUT/ring_trace.txt"
   timeout 60 python3 tools/ring_cost.py --reps 20 --trace "$OUT/ring_trace.txt" > "$OUT/ring_breakdown.txt" 2>&1
   echo "=== breakdown ($((SECONDS - ${T0:-0})) s)"; head -"${1:-24}" "$OUT/ring_breakdown.txt"
@@ -79,7 +79,7 @@ spare_rows() {
   for spec in $1; do
     IFS=: read -r c n shape mode <<< "$spec"
     flags=""; [[ $mode == while ]] && flags="--xla_gpu_enable_command_buffer=+WHILE"
-    ROW_TIMEOUT=60 mlp_row "cells=$c,spares=$n${mode:+,$mode}" "$shape" JAXVMM_GRAPH_CELLS="$c" JAXVMM_GRAPH_SPARES="$n" XLA_FLAGS="$flags"
+    ROW_TIMEOUT=60 mlp_row "cells=$c,spares=$n${mode:+,$mode}" "$shape" JAXVMM_GRAPH_CELLS="$c" JAXVMM_DEBUG_GRAPH_SPARES="$n" XLA_FLAGS="$flags"
   done
 }
 

@@ -6,7 +6,7 @@ v() { echo "=== $*"; local e=$1; shift; shift; env $e timeout 40 python3 -P tool
 v A=default -- --fault
 v A=nofault -- 
 v JAXVMM_GRAPH_CELLS=1 -- --fault
-v JAXVMM_PREDICT=0 -- --fault
+v JAXVMM_DEBUG_PREDICT=0 -- --fault
 v A=forward -- --fault --forward
 v JAXVMM_GRAPH_FUSED=0 -- --fault
 v A=small -- --fault --n 1M --rounds 300

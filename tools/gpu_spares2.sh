@@ -6,4 +6,4 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_prelude.sh"
 export JAXVMM_REQUIRE_GPU=1
 spare_rows "2:64:1024,512,64 4:64:1024,512,64 4:0:1024,512,64 2:64:256,512,64 4:64:256,512,64 4:64:1024,512,64:while"
-JAXVMM_GRAPH_SPARES=8 gpu_tests graph_spares8 150 tests/test_graph.py tests/test_graph_xla.py
+JAXVMM_DEBUG_GRAPH_SPARES=8 gpu_tests graph_spares8 150 tests/test_graph.py tests/test_graph_xla.py

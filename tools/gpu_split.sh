@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine split (ledger / transfers / op ring / graph mode) on the H200: the graph-mode and ring-path
 # gpu tests, the offload suite with command buffers off, the spare-cell XLA test's new workload, where a
-# ring-path handler's host time goes (tools/ring_cost.py under JAXVMM_TRACE), then the 1 MiB row with
+# ring-path handler's host time goes (tools/ring_cost.py under JAXVMM_DEBUG_TRACE), then the 1 MiB row with
 # the grant kernels as they are and without the trailing system fence of a round's publish. Logs under $OUT.
 set -uo pipefail
 T0=$SECONDS
@@ -11,7 +11,7 @@ gpu_tests graph 240 tests/test_graph.py tests/test_graph_xla.py
 gpu_tests ring 150 tests/test_offload.py tests/test_engine.py tests/test_dropin.py
 XLA_FLAGS=--xla_gpu_enable_command_buffer= gpu_tests offload_off 100 tests/test_offload.py
 XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 60 python3 tools/ring_cost.py > "$OUT/ring_cost.txt" 2>&1
-XLA_FLAGS=--xla_gpu_enable_command_buffer= JAXVMM_TRACE=1 timeout 60 python3 tools/ring_cost.py > "$OUT/ring_cost_traced.txt" 2> "$OUT/trace.txt"
+XLA_FLAGS=--xla_gpu_enable_command_buffer= JAXVMM_DEBUG_TRACE=1 timeout 60 python3 tools/ring_cost.py > "$OUT/ring_cost_traced.txt" 2> "$OUT/trace.txt"
 python3 tools/ring_cost.py --trace "$OUT/trace.txt" >> "$OUT/ring_cost_traced.txt"; rm -f "$OUT/trace.txt"
 echo "=== ring cost ($((SECONDS - T0)) s)"; cat "$OUT/ring_cost.txt" | tail -2; head -22 "$OUT/ring_cost_traced.txt"
 : > "$OUT/rows.txt"

@@ -3,7 +3,7 @@ each wrong reload where its bytes differ and whose bytes they are. Usage (one va
 
     python3 -P tools/probe_reload_race.py [--device cuda:0] [--n 8M] [--rounds 40] [--fault] [--forward]
 
-The environment picks the variant (JAXVMM_GRAPH_CELLS, JAXVMM_PREDICT, JAXVMM_GRAPH_FUSED)."""
+The environment picks the variant (JAXVMM_GRAPH_CELLS, JAXVMM_DEBUG_PREDICT, JAXVMM_GRAPH_FUSED)."""
 import argparse
 import itertools
 import sys
