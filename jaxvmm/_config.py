@@ -24,6 +24,7 @@ import operator
 import os
 import re
 import sys
+import textwrap
 import warnings
 
 from . import errors
@@ -367,7 +368,8 @@ def keywords_doc(audience: str) -> str:
     lines = []
     for key in keywords(audience):
         s = SETTINGS[key]
-        lines.append(f"    {key}: {s.doc} ({accepted_values(s)}; default {shown_default(s)}; env ``{s.env}``).")
+        lines.append(textwrap.fill(f"{key}: {s.doc} ({accepted_values(s)}; default {shown_default(s)}; env "
+                                   f"``{s.env}``).", width=104, initial_indent="    ", subsequent_indent="      "))
     return "\n".join(lines)
 
 
