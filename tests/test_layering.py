@@ -311,6 +311,15 @@ def test_cmake_does_not_link_the_cuda_libraries():
     assert not problems, "\n".join(problems)
 
 
+def test_jax_internals_are_used_in_the_compat_module_only():
+    """Every use of JAX's private modules (``jax._src``) is named in jaxvmm/_jax_compat.py, which says the
+    JAX versions it is tested on; no other file of the package imports them."""
+    package = ROOT / "jaxvmm"
+    users = sorted(str(p.relative_to(ROOT)) for p in package.rglob("*.py")
+                   if re.search(r"\bjax\._src\b|from jax import _src", p.read_text()))
+    assert users == ["jaxvmm/_jax_compat.py"], users
+
+
 def test_layering_of_the_table_itself():
     ranks = {name: LAYERS[name].rank for name in ("driver", "status", "vmm", "slot", "registry", "workers",
                                                    "engine", "handlers", "module")}
