@@ -43,6 +43,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "config.h"
 #include "driver.h"
 #include "graph_words.h"  // DeviceWords: the grant kernels' words
 
@@ -482,20 +483,16 @@ CUresult PosixMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CU
 // A stream that captures records its operations instead of running them; an instantiated graph runs
 // the recorded operations in order, inline, on each launch. So a test can record the device work of a
 // handler once and replay it N times without calling the handler again, as XLA's command buffers do.
-// JAXVMM_POSIX_ASYNC=1 (read at each stream's creation): the stream runs its operations on a worker
-// thread of its own, in order, as a GPU stream does, instead of inline in the calling thread. Events
-// complete when their stream reaches them; a wait on an event or a value blocks that stream only. This
-// exposes ordering between streams that the synchronous default hides (tests opt in per process).
-// JAXVMM_POSIX_ASYNC=N > 1 also delays each operation by a random 0..N microseconds first, as a busy
-// GPU delays a stream: an order that holds only by luck of timing shows.
-// The cpu backend's test knobs: an integer environment variable, 0 when unset or empty (Python
-// validated it at import: jaxvmm/_config.py).
-int EnvInt(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : 0;
-}
+// The posix_async setting (JAXVMM_DEBUG_POSIX_ASYNC) = 1 (read at each stream's creation): the stream
+// runs its operations on a worker thread of its own, in order, as a GPU stream does, instead of inline
+// in the calling thread. Events complete when their stream reaches them; a wait on an event or a value
+// blocks that stream only. This exposes ordering between streams that the synchronous default hides
+// (tests opt in per process). N > 1 also delays each operation by a random 0..N microseconds first, as
+// a busy GPU delays a stream: an order that holds only by luck of timing shows.
+// The cpu backend's test knobs are settings (config.h), validated in Python (jaxvmm/_config.py).
+int SettingInt(Setting s) { return static_cast<int>(std::clamp<int64_t>(EngineConfig::Get(s), 0, 10'000'000)); }
 
-int AsyncStreams() { return EnvInt("JAXVMM_POSIX_ASYNC"); }
+int AsyncStreams() { return SettingInt(Setting::kPosixAsync); }
 
 // Bytes a copy read at its call and that reach their destination later, at Land() (the models of the
 // driver's staged copies below).
@@ -657,14 +654,11 @@ bool IsPinnedHost(const void* p, size_t n) {
 }
 std::atomic<int64_t> g_pageable_copies{0};  // async copies given a pageable host pointer (PosixPageableCopies)
 
-// JAXVMM_POSIX_LINK_US=N (with JAXVMM_POSIX_ASYNC): every async copy between pinned memory and the
-// device (D2H, H2D) takes N more microseconds on its stream before it reads its source, as a PCIe link
-// slower than the device: copies queue up behind one another, and a source overwritten before its copy
-// runs shows in the bytes.
-int LinkMicros() {
-  static const int us = EnvInt("JAXVMM_POSIX_LINK_US");
-  return us;
-}
+// posix_link_us = N (JAXVMM_DEBUG_POSIX_LINK_US, with async streams): every async copy between pinned
+// memory and the device (D2H, H2D) takes N more microseconds on its stream before it reads its source,
+// as a PCIe link slower than the device: copies queue up behind one another, and a source overwritten
+// before its copy runs shows in the bytes.
+int LinkMicros() { return SettingInt(Setting::kPosixLinkUs); }
 
 // An async copy that waits `us` microseconds on its stream before it reads its source, where that
 // applies (an async stream, not capturing), else as any other copy.
@@ -699,13 +693,11 @@ CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) 
     return CUDA_SUCCESS;
   });
 }
-// JAXVMM_POSIX_DTOD_US=N (with JAXVMM_POSIX_ASYNC): every cuMemcpyDtoDAsync on a side stream (not
-// capturing) waits N microseconds on its stream before it reads its source: a device-to-device copy
-// queued behind a busy device, so a source reused before its copy runs shows in the bytes.
-int DtoDMicros() {
-  static const int us = EnvInt("JAXVMM_POSIX_DTOD_US");
-  return us;
-}
+// posix_dtod_us = N (JAXVMM_DEBUG_POSIX_DTOD_US, with async streams): every cuMemcpyDtoDAsync on a
+// side stream (not capturing) waits N microseconds on its stream before it reads its source: a
+// device-to-device copy queued behind a busy device, so a source reused before its copy runs shows in
+// the bytes.
+int DtoDMicros() { return SettingInt(Setting::kPosixDtodUs); }
 
 CUresult PosixMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
   return DelayedCopyAsync(dst, src, n, s, DtoDMicros());

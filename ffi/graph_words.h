@@ -9,7 +9,7 @@ namespace jaxvmm {
 
 // At most this many cells per channel (jaxvmm.configure(graph_cells=K), validated in Python).
 inline constexpr int kMaxCells = 4;
-// At most this many spare cells per offload channel (jaxvmm.configure(graph_spares=N)).
+// At most this many spare cells per offload channel (the graph_spares setting, validated in Python).
 inline constexpr int kMaxSpares = 64;
 
 // The words the device takes grants from, in device memory (cuMemAlloc), one line per

@@ -92,8 +92,7 @@ Status OpRing::Init() {
     for (CUevent* e : {&op.tok, &op.done, &op.filled})
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventCreate, [&] { return d.EventCreate(e, CU_EVENT_DISABLE_TIMING); }));
   }
-  const char* prof = std::getenv("JAXVMM_RING_PROFILE");
-  profile_ = prof && *prof && *prof != '0';
+  profile_ = EngineConfig::Get(Setting::kRingProfile) != 0;
   resolver_ = std::make_unique<Worker>("jaxvmm-resolve", backend_, device_);
   releaser_ = std::make_unique<Worker>("jaxvmm-release", backend_, device_);
   return Status();

@@ -219,135 +219,19 @@ def check() -> None:
             raise errors.named(e) from None
 
 
-def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int | str | None = None,
-              prefetch_depth: int | None = None, keep_resident: int | None = None,
-              staging_budget: int | str | None = None, staging_idle_ms: int | None = None,
-              host_store: str | None = None, copy_chunk: int | str | None = None,
-              graph_cells: int | None = None, graph_spares: int | None = None,
-              graph_hold: str | None = None, graph_spare_budget: int | str | None = None) -> dict:
-    """Set engine knobs (process-wide); returns the values in force.
+def configure(**settings) -> dict:
+    """Set engine settings (process-wide) at run time; returns the values in force, read back from the
+    core. A keyword left out (or ``None``) keeps its setting. Every value is validated before any is
+    set: a bad one raises ``InvalidArgumentError`` (``InvalidArgumentTypeError`` for a value of the
+    wrong type) naming it. Sizes are ints or strings such as ``"512M"`` or ``"1GiB"`` (K, M, G, T, with
+    or without B/iB, all powers of 1024). The keywords, their defaults and environment variables (read
+    at ``import jaxvmm``) come from one table, jaxvmm/_config.py:
 
-    host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
-      ``JAXVMM_HOST_POOL_LIMIT``): bytes as an int, or a size string such as ``"512M"`` or ``"1GiB"``
-      (K, M, G, T, with or without B/iB, all powers of 1024). Offloading past it raises
-      ``OutOfMemoryError``. Lowering it below what the pool pins returns the pool's empty chunks at once
-      and the others as their tickets are freed.
-    host_pool_chunk: bytes pinned per driver allocation (default 256 MiB; larger requests get their own);
-      an int or a size string.
-    prefetch_depth: staging cells per array size that copies may use at once (default 2; env
-      ``JAXVMM_PREFETCH_DEPTH``): how far offload D2H copies and reload prefetches of one size run
-      ahead of XLA's stream, and how many cells of that size stay mapped while ops flow.
-    keep_resident: how many of the newest offloaded tickets keep a device copy after their D2H, so
-      their reloads copy device to device and never wait for PCIe (default 0; env
-      ``JAXVMM_KEEP_RESIDENT``). In training, the last layers offloaded are the first reloaded:
-      keeping them resident avoids a stall at the start of the backward pass, for that many cells of
-      device memory (counted in the staging budget).
-    staging_budget: cap on mapped staging bytes per device (default 8 GiB; env
-      ``JAXVMM_STAGING_BUDGET``), an int or a size string: offloads still copying out, reload
-      prefetches, kept copies and prefetch hints included. An array larger than the budget cannot be
-      offloaded.
-    staging_idle_ms: how long the staging area stays mapped with no op before its pages go back to the
-      driver (default 200 ms; env ``JAXVMM_STAGING_IDLE_MS``). ``jaxvmm.trim()`` returns them at once.
-    host_store: where offloaded bytes live on the host (env ``JAXVMM_HOST_STORE``): ``"pinned"`` (the
-      default: page-locked chunks from ``cuMemHostAlloc``) or ``"host_numa"`` (VMM pages created on the
-      device's host NUMA node, mapped at reserved host addresses and granted to the device; their empty
-      chunks go back on ``jaxvmm.trim()``). Applies to offloads from now on; tickets already offloaded
-      keep their store. ``host_pool_limit`` and ``host_pool_chunk`` apply to each store. Where the
-      driver cannot create HOST_NUMA pages, an offload raises ``NotSupportedError``.
-    copy_chunk: the D2H and H2D copies between staging cells and host blocks are issued in pieces of at
-      most this many bytes (default 64 MiB; ``0``: one copy per op; env ``JAXVMM_COPY_CHUNK``), an int
-      or a size string, so that other copies sharing the copy engines (the other direction, XLA's
-      snapshots) interleave with a large one instead of waiting for all of it.
-    graph_cells: graph mode with grant kernels (command buffers): staging cells per call site and
-      direction, 1 to 4 (default 2; env ``JAXVMM_GRAPH_CELLS``). Consecutive rounds of one call site
-      (the iterations of a scan) take turns on them, so a round's copy into or out of its cell overlaps
-      the next iterations' compute; each cell is device memory counted in the staging budget (a channel
-      runs on fewer when the budget has no room). Applies to call sites prepared from now on; ``1`` is
-      the single-cell protocol.
-    graph_spares: graph mode with grant kernels: spare cells per offload call site,
-      0 to 64 (default 0; env ``JAXVMM_GRAPH_SPARES``). When a scan's iterations produce activations
-      faster than PCIe carries them to the host, an offload cell whose copy to the host is still queued
-      is swapped for a free spare and the next iteration goes on at once; the queued bytes stay on the
-      device, and reloads of them (the backward pass's first layers) copy them device to device, also
-      after their copy to the host has ended, until a later lend reuses the spare (oldest first). Spares
-      get pages only when lent (within the staging budget, never waited for; as many as were lent at
-      once) and return them when idle. Each mapped spare is one activation of device memory the offload
-      does not free: a trade of memory for time where PCIe is the limit; ``engine_stats()``:
-      ``graph_lends``, ``graph_lent_reads``, ``graph_kept_reads``, ``graph_holds``.
-      Applies to call sites prepared from now on.
-    graph_spare_budget: graph mode with grant kernels: device memory that spare cells may hold at once,
-      over every offload call site of a device (default 0: no cap but ``staging_budget``; env
-      ``JAXVMM_GRAPH_SPARE_BUDGET``), an int or a size string such as ``"2G"``. Setting it gives every
-      offload call site prepared from then on spares (``graph_spares`` of them when that is set, else
-      64), so the engine keeps the forward's newest activations on the device whenever PCIe is behind,
-      as far as this budget goes, whichever call sites need it; a lend that would pass it finds no
-      spare (the cell then waits for its copy to the host, as without spares). ``engine_stats()``:
-      ``graph_spare_bytes`` (now), ``graph_spare_bytes_peak``. The cap applies from the next lend on.
-    graph_hold: graph mode with grant kernels: which offload cells are *held* after their round (no
-      grant out, their bytes readable on the device) instead of armed behind their copy to the host
-      (env ``JAXVMM_GRAPH_HOLD``). ``"large"`` (the default): the one cell of a call site whose arrays
-      are 32 MiB or more is held until that call site's next round, so the backward pass's first reload,
-      of the forward's last offload, copies it device to device instead of waiting for its copy to the
-      host and back (on the H200 ~5 ms for a 256 MiB activation); each later round of the call site
-      then waits for a poller round trip, small beside the compute that makes such an array.
-      ``"spares"``: only cells of call sites whose spares are all lent (see ``graph_spares``). Applies
-      from the next offload round on."""
-    where = "configure: "
-    if host_pool_limit is not None:
-        host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
-    if host_pool_chunk is not None:
-        host_pool_chunk = _config.parse_size(host_pool_chunk, where + "host_pool_chunk")
-    if staging_budget is not None:
-        staging_budget = _config.parse_size(staging_budget, where + "staging_budget")
-    for name, v in (("prefetch_depth", prefetch_depth), ("keep_resident", keep_resident),
-                    ("staging_idle_ms", staging_idle_ms), ("graph_cells", graph_cells),
-                    ("graph_spares", graph_spares)):
-        if isinstance(v, str):  # env strings are parsed by _config; the Python API takes ints
-            raise type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
-    if copy_chunk is not None:
-        copy_chunk = _config.parse_size(copy_chunk, where + "copy_chunk", lo=0)
-    if graph_spare_budget is not None:
-        graph_spare_budget = _config.parse_size(graph_spare_budget, where + "graph_spare_budget", lo=0)
-    if host_store is not None:
-        if not isinstance(host_store, str):
-            raise type_error(f"jaxvmm: configure: host_store={host_store!r} is invalid: expected one of "
-                              f"{', '.join(repr(c) for c in _config.HOST_STORES)}")
-        host_store = _config.parse_choice(host_store, where + "host_store", _config.HOST_STORES)
-    if graph_hold is not None:
-        if not isinstance(graph_hold, str):
-            raise type_error(f"jaxvmm: configure: graph_hold={graph_hold!r} is invalid: expected one of "
-                              f"{', '.join(repr(c) for c in _config.GRAPH_HOLDS)}")
-        graph_hold = _config.parse_choice(graph_hold, where + "graph_hold", _config.GRAPH_HOLDS)
-    if prefetch_depth is not None:
-        prefetch_depth = _config.parse_int(prefetch_depth, where + "prefetch_depth", lo=1,
-                                           hi=_config.MAX_PREFETCH_DEPTH)
-    if keep_resident is not None:
-        keep_resident = _config.parse_int(keep_resident, where + "keep_resident", lo=0, hi=_config.INT32_MAX)
-    if staging_idle_ms is not None:
-        staging_idle_ms = _config.parse_int(staging_idle_ms, where + "staging_idle_ms", lo=1, hi=_config.INT64_MAX)
-    if graph_cells is not None:
-        graph_cells = _config.parse_int(graph_cells, where + "graph_cells", lo=1, hi=_config.MAX_GRAPH_CELLS)
-    if graph_spares is not None:
-        graph_spares = _config.parse_int(graph_spares, where + "graph_spares", lo=0, hi=_config.MAX_GRAPH_SPARES)
-    vals = lib.configure(-1 if host_pool_limit is None else host_pool_limit,
-                         0 if host_pool_chunk is None else host_pool_chunk,
-                         0 if prefetch_depth is None else prefetch_depth,
-                         -1 if keep_resident is None else keep_resident,
-                         0 if staging_budget is None else staging_budget,
-                         0 if staging_idle_ms is None else staging_idle_ms)
-    if host_store is not None:
-        lib.set_host_store(host_store)
-    chunk = int(lib.copy_chunk(-1 if copy_chunk is None else copy_chunk))
-    names = ("host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
-             "staging_idle_ms")
-    out = {name: int(v) for name, v in zip(names, vals)}
-    out["host_store"] = str(lib.host_store())
-    out["copy_chunk"] = chunk
-    out["graph_cells"] = int(lib.graph_cells(0 if graph_cells is None else graph_cells))
-    out["graph_spares"] = int(lib.graph_spares(-1 if graph_spares is None else graph_spares))
-    out["graph_hold"] = str(lib.graph_hold("" if graph_hold is None else graph_hold))
-    out["graph_spare_budget"] = int(lib.graph_spare_budget(-1 if graph_spare_budget is None else graph_spare_budget))
-    return out
+"""
+    return _config.configure(lib, "user", "configure", settings)
+
+
+configure.__doc__ = (configure.__doc__ or "") + _config.keywords_doc("user")
 
 
 def reserve_host(nbytes: int | str, device=None) -> None:

@@ -251,7 +251,7 @@ def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_d
 
 @pytest.mark.parametrize("cells", ["1", "2"])
 def test_rounds_are_bit_exact_when_the_cpu_streams_run_asynchronously(cells):
-    """JAXVMM_POSIX_ASYNC=3000: every driver stream of the cpu backend runs its operations on a thread
+    """JAXVMM_DEBUG_POSIX_ASYNC=3000: every driver stream of the cpu backend runs its operations on a thread
     of its own, in order, each after a random delay of up to 3 ms, as a busy GPU's streams do, so only
     jaxvmm's ordering between its streams keeps the bytes right (the D2H word,
     events, grants written behind copies, the bounce buffers) is what keeps the bytes right. Large
@@ -263,7 +263,7 @@ def test_rounds_are_bit_exact_when_the_cpu_streams_run_asynchronously(cells):
         n, K = 3 << 20, 24
         data = lambda i: np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
         x, y, tok = (jaxvmm.Slot(m, device="cpu") for m in (n, n, 8))
-        jaxvmm.configure(host_pool_chunk=12 * n)   # K // 2 tickets fit the first chunk
+        jaxvmm.testing.configure_debug(host_pool_chunk=12 * n)   # K // 2 tickets fit the first chunk
         with Replay("cpu") as r:
             r.prepare(1, r.OFFLOAD, n)
             r.prepare(2, r.RELOAD, n)
@@ -284,7 +284,7 @@ def test_rounds_are_bit_exact_when_the_cpu_streams_run_asynchronously(cells):
         assert s["graph_host_fallbacks"] > 0 and s["errors"] == 0 and s["tickets_live"] == 0, s
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_POSIX_ASYNC": "3000",
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_DEBUG_POSIX_ASYNC": "3000",
                                         "JAXVMM_GRAPH_CELLS": cells}, timeout=180)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
@@ -1171,7 +1171,7 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
     ''')
     # Synchronous streams whatever the environment says: the exact grant counts assume them.
     proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_CELLS": str(k),
-                                        "JAXVMM_POSIX_ASYNC": "0"}, timeout=120)
+                                        "JAXVMM_DEBUG_POSIX_ASYNC": "0"}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -1180,13 +1180,13 @@ def _run_with_spares(code: str, cells: int, spares: int, link_us: int, **env) ->
     asynchronous posix streams and a link of `link_us` per pinned D2H or H2D (and no XLA_FLAGS of the
     caller's: CONCURRENT scheduling there would turn off reads some of these tests count)."""
     proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAXVMM_GRAPH_CELLS": str(cells),
-                                        "JAXVMM_GRAPH_SPARES": str(spares), "JAXVMM_POSIX_ASYNC": "1",
-                                        "JAXVMM_POSIX_LINK_US": str(link_us), **{k: str(v) for k, v in env.items()}},
+                                        "JAXVMM_DEBUG_GRAPH_SPARES": str(spares), "JAXVMM_DEBUG_POSIX_ASYNC": "1",
+                                        "JAXVMM_DEBUG_POSIX_LINK_US": str(link_us), **{k: str(v) for k, v in env.items()}},
                              timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-# Call sites of arrays of 32 MiB or more (one cell each, held and trading pages unless JAXVMM_GRAPH_HOLD
+# Call sites of arrays of 32 MiB or more (one cell each, held and trading pages unless JAXVMM_DEBUG_GRAPH_HOLD
 # says otherwise), with no idle release during the test; `st()` reads the cpu engine's counters.
 _LARGE_PRELUDE = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
     N = 40 << 20
@@ -1197,9 +1197,9 @@ _LARGE_PRELUDE = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
 
 
 def _run_large(code: str, link_us: int, hold: str | None = None, spares: int = 0, cells: int = 1, mib: int = 40) -> None:
-    """Runs `code` (it prints OK) after _LARGE_PRELUDE with arrays of `mib` MiB, JAXVMM_GRAPH_HOLD=hold
+    """Runs `code` (it prints OK) after _LARGE_PRELUDE with arrays of `mib` MiB, JAXVMM_DEBUG_GRAPH_HOLD=hold
     unless None, JAXVMM_GRAPH_CELLS=cells (a large call site gets one cell whatever it says)."""
-    env = {"JAXVMM_GRAPH_HOLD": hold} if hold else {}
+    env = {"JAXVMM_DEBUG_GRAPH_HOLD": hold} if hold else {}
     prelude = _LARGE_PRELUDE.replace("N = 40 << 20", f"N = {mib} << 20")
     _run_with_spares(prelude + textwrap.dedent(code), cells=cells, spares=spares, link_us=link_us, **env)
 
@@ -1216,7 +1216,7 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
         import time
         SPARES = {spares}
-        assert jaxvmm.configure()["graph_spares"] == SPARES
+        assert jaxvmm.testing.configure_debug()["graph_spares"] == SPARES
         st = lambda: (jaxvmm.synchronize(), lib.engine_stats("posix", 0))[1]
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
@@ -1358,7 +1358,7 @@ def test_the_forward_s_last_large_offload_is_reloaded_device_to_device(mib, hold
     """A call site of arrays of 32 MiB or more has one cell, and armed it behind the D2H out of it, so the
     backward's first reload, of the forward's last offload, waited for that D2H (if still running) and
     then for an H2D of the same bytes: on the H200, ~5 ms each for a 256 MiB activation. Now that cell is
-    held after its round until the next round knocks (JAXVMM_GRAPH_HOLD=large, the default; `spares`
+    held after its round until the next round knocks (JAXVMM_DEBUG_GRAPH_HOLD=large, the default; `spares`
     holds only when a channel's spares are all lent, as before), and a reload meanwhile copies its bytes
     device to device. Here each D2H takes 150 ms: the newest offload is reloaded on the device, every
     byte is checked, and each round after a hold knocks and gets its cell once its D2H is done. Small
@@ -1399,7 +1399,7 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold, cells
     of 32 MiB or more, one cell each) pass their pages between directions: the backward's first reload takes
     the held offload cell's pages, with the forward's last bytes in them (no copy), and the forward's
     first round takes the idle reload cell's. Each step here maps no new pages and never has more than
-    one cell mapped; every byte is checked. With JAXVMM_GRAPH_HOLD=spares (no holds, no trades) both
+    one cell mapped; every byte is checked. With JAXVMM_DEBUG_GRAPH_HOLD=spares (no holds, no trades) both
     cells stay mapped. Arrays of exactly 32 MiB are large too, whatever graph_cells says (the GPT
     row's 32 MiB block inputs had K = 2 cells per direction, four cells mapped at the turn)."""
     code = f'''
@@ -1736,7 +1736,7 @@ def test_the_backward_s_first_reloads_read_small_offload_cells_device_to_device(
         assert st()["tickets_live"] == 0, st()
         print("OK")
     ''')
-    _run_with_spares(code, cells=2, spares=0, link_us=600000, JAXVMM_POSIX_DTOD_US=20000)
+    _run_with_spares(code, cells=2, spares=0, link_us=600000, JAXVMM_DEBUG_POSIX_DTOD_US=20000)
 
 
 def test_a_reload_s_go_follows_the_guesses_staged_from_offload_cells():
@@ -1768,7 +1768,7 @@ def test_a_reload_s_go_follows_the_guesses_staged_from_offload_cells():
         jaxvmm.collect()
         print("OK")
     ''')
-    _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_POSIX_DTOD_US=50000)
+    _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_DEBUG_POSIX_DTOD_US=50000)
 
 
 # For the two tests below: three times, two offload replays, then a reload of the `miss`th of their
@@ -1824,7 +1824,7 @@ def test_an_offload_round_beside_a_waiting_reload_never_refills_the_cell_it_read
         assert st()["tickets_live"] == 0, st()
         print("OK")
     ''')
-    _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_POSIX_DTOD_US=50000,
+    _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_DEBUG_POSIX_DTOD_US=50000,
                      XLA_FLAGS="--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
 
 
@@ -1843,7 +1843,7 @@ def test_an_offload_round_beside_a_waiting_reload_of_a_large_call_site_is_bit_ex
         jaxvmm.collect()
         print("OK")
     ''')
-    _run_with_spares(code, cells=cells, spares=spares, link_us=30000, JAXVMM_POSIX_DTOD_US=50000)
+    _run_with_spares(code, cells=cells, spares=spares, link_us=30000, JAXVMM_DEBUG_POSIX_DTOD_US=50000)
 
 
 @pytest.mark.parametrize("link_us", [0, 60000])
@@ -2023,7 +2023,7 @@ def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
     keeps them after that until no copy out of it still runs (Ticket::lent_readers). The rule had no test
     that failed without it: readers of a lent cell (a reload's device-to-device correction, a prefetch)
     used to finish long before the D2H they race. Here
-    every side-stream D2D waits 300 ms (JAXVMM_POSIX_DTOD_US) and every D2H 20 ms: forward rounds A..D
+    every side-stream D2D waits 300 ms (JAXVMM_DEBUG_POSIX_DTOD_US) and every D2H 20 ms: forward rounds A..D
     on one stream lend two spares (A's and B's bytes); a reload of B on a second stream copies from B's
     lent cell, slowly; B's D2H ends meanwhile; more forward rounds on the first stream lend spares
     again. Without the rule B's spare is lent to one of them and overwritten before the reload's copy
@@ -2056,7 +2056,7 @@ def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
             assert np.all(got == 11), np.unique(got)
         print("OK")
     ''')
-    _run_with_spares(code, cells=2, spares=2, link_us=20000, JAXVMM_POSIX_DTOD_US=300000)
+    _run_with_spares(code, cells=2, spares=2, link_us=20000, JAXVMM_DEBUG_POSIX_DTOD_US=300000)
 
 
 def test_a_waiting_round_gets_the_device_pages_of_its_own_free_spare():

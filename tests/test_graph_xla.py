@@ -287,14 +287,14 @@ def test_rounds_of_one_to_three_cells_are_bit_exact(mode):
 # their D2H is queued (the cell's address in the device words changes under the recorded kernels), the
 # first reloads of the backward copy from lent cells, and the training matches jax.checkpoint bit for bit.
 SPARES = _train_prelude(L=64, STEPS=4, B=8192, D=256) + textwrap.dedent("""
-    assert jaxvmm.configure()["graph_spares"] == 32
+    assert jaxvmm.testing.configure_debug()["graph_spares"] == 32
     print("RESULT", json.dumps(against(train(REF))))
 """)
 
 
 @pytest.mark.parametrize("mode", ["default", "while"])
 def test_spare_cells_under_xla_are_bit_exact(mode):
-    r = _result(SPARES, mode, 240, JAXVMM_GRAPH_CELLS="2", JAXVMM_GRAPH_SPARES="32")
+    r = _result(SPARES, mode, 240, JAXVMM_GRAPH_CELLS="2", JAXVMM_DEBUG_GRAPH_SPARES="32")
     s = r["stats"]
     print(mode, {k: s[k] for k in ("graph_offload_rounds", "graph_reload_rounds", "graph_lends", "graph_lent_reads",
                                    "graph_grants_device", "graph_grants_host", "graph_captures")})

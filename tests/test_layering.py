@@ -6,7 +6,8 @@ The core is layered, each layer seeing only the ones below it:
     (op_ring | graph_record, graph_cells -> graph_offload, graph_reload -> graph_mode) -> engine ->
     handlers -> module.cc
 
-``fault.*`` sits beside the driver seam (it may include driver.h only); ``host_pool.*`` sits beside
+``config.*`` (the process-wide settings, plain atomics) sits under everything, so that any part, the
+driver seam's cpu model included, reads them. ``fault.*`` sits beside the driver seam (it may include driver.h only); ``host_pool.*`` sits beside
 slot (vmm.h and below), ``host_numa.cc`` (its HOST_NUMA chunks) above it and slot; ``bench.*`` may include the core up to registry.h. Files may include headers
 of lower layers only; a .cc file may also include the headers of its own group. ``*.md`` files are
 prose. Only module.cc sees nanobind, only handlers*.cc see the XLA FFI headers, nothing includes the
@@ -64,11 +65,11 @@ LAYERS: dict[str, Group] = {
     "workers": Group(5, ("worker.h", "worker.cc", "workers.h", "workers.cc")),
     # the staging area: mapped cells over registry slots (beside the workers, never above them)
     "staging": Group(5, ("staging.h", "staging.cc"),
-                     only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h"})),
+                     only=frozenset({"registry.h", "slot.h", "config.h", "vmm.h", "status.h", "driver.h"})),
     # tickets: plain data over the host pool and staging leases; no workers, no engine
     "tickets": Group(6, ("tickets.h", "tickets.cc"),
-                     only=frozenset({"host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h", "status.h",
-                                     "driver.h"})),
+                     only=frozenset({"host_pool.h", "staging.h", "registry.h", "slot.h", "config.h", "vmm.h",
+                                     "status.h", "driver.h"})),
     # graph-mode channels: plain data (pinned words, cell addresses) over tickets; no workers, no engine
     "channels": Group(7, ("channels.h", "channels.cc"),
                       only=frozenset({"tickets.h", "host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h",
@@ -76,8 +77,9 @@ LAYERS: dict[str, Group] = {
     # the graph-mode grant kernels: run-time loaded PTX (graph_kernels_ptx.h, generated) over the driver seam
     "graph_kernels": Group(5, ("graph_kernels.h", "graph_kernels.cc", "graph_kernels_ptx.h"),
                            only=frozenset({"vmm.h", "status.h", "driver.h"})),
-    # process-wide engine settings (plain atomics), clamped to the channel limits of graph_words.h
-    "config": Group(1, ("config.h", "config.cc"), only=frozenset({"graph_words.h"})),
+    # process-wide settings (plain atomics) under everything, read by any part (the driver seam's cpu
+    # model included); clamped to the channel limits of graph_words.h (plain constants)
+    "config": Group(-1, ("config.h", "config.cc"), only=frozenset({"graph_words.h"})),
     # the engine's parts (DESIGN.md, "Engine parts"), each handed what it needs:
     # copies of a ticket's bytes and the graph D2H clock; the ledger (tickets, counters, errors)
     "transfers": Group(7, ("transfers.h", "transfers.cc"),
@@ -307,6 +309,15 @@ def test_every_ffi_file_is_in_the_table():
 def test_cmake_does_not_link_the_cuda_libraries():
     problems = check_cmake(CMAKE.read_text())
     assert not problems, "\n".join(problems)
+
+
+def test_jax_internals_are_used_in_the_compat_module_only():
+    """Every use of JAX's private modules (``jax._src``) is named in jaxvmm/_jax_compat.py, which says the
+    JAX versions it is tested on; no other file of the package imports them."""
+    package = ROOT / "jaxvmm"
+    users = sorted(str(p.relative_to(ROOT)) for p in package.rglob("*.py")
+                   if re.search(r"\bjax\._src\b|from jax import _src", p.read_text()))
+    assert users == ["jaxvmm/_jax_compat.py"], users
 
 
 def test_layering_of_the_table_itself():

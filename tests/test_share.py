@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import jaxvmm
+from jaxvmm import _config
 import jaxvmm.testing as jt
 from conftest import gpu_unavailable_reason, live_counters
 
@@ -64,7 +65,7 @@ def two_gpus_reason() -> str | None:
 
 # JAXVMM_REQUIRE_GPU=1 alone does not turn these into failures (a 1-GPU runner runs the gpu suite with it);
 # JAXVMM_REQUIRE_2GPU=1 does.
-two_gpus = pytest.mark.skipif(two_gpus_reason() is not None and os.environ.get("JAXVMM_REQUIRE_2GPU") != "1",
+two_gpus = pytest.mark.skipif(two_gpus_reason() is not None and not _config.read_at_import("require_2gpu"),
                               reason=f"2-GPU test: {two_gpus_reason()} (set JAXVMM_REQUIRE_2GPU=1 to fail instead)")
 
 

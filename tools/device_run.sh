@@ -33,7 +33,7 @@
 # Environment: OUT (logs, default out/), MODES, SHARDS, REPEAT, VARIANTS (save,jaxvmm), STEPS, WARMUP,
 # the time limits TESTS_TIMEOUT (420 s per mode), ROW_TIMEOUT (120 s per process), TRIAL_TIMEOUT (110 s),
 # PY_TIMEOUT (300 s), and DRY_RUN=1 (print each command instead of running it). Everything else in the
-# environment (JAXVMM_GRAPH_SPARES=8, JAXVMM_GRAPH_SPARE_BUDGET=1G, XLA_FLAGS, ...) reaches every step.
+# environment (JAXVMM_DEBUG_GRAPH_SPARES=8, JAXVMM_GRAPH_SPARE_BUDGET=1G, XLA_FLAGS, ...) reaches every step.
 # Each step prints a line starting with "===" (its name, exit status, time since the start), then its
 # summary: the test counts and failures, the rows' table lines, the trial's result line.
 set -uo pipefail
