@@ -1,18 +1,15 @@
-"""Device time of graph-mode rounds, fused (one kernel node per round; JAXVMM_GRAPH_FUSED=1) against
-separate nodes (a take kernel, a copy kernel, a publish kernel; the default), the latter also with the
-copy and the publish launched early (programmatic dependent launch; sm_90 or later, unless
-JAXVMM_GRAPH_PDL=0 in the environment made the engine load the compute_80 module, which cannot),
-measured in one process without XLA (JAXVMM_GRAPH_PDL=0: the first two modes only).
+"""Device time of graph-mode rounds (a take kernel, a copy kernel, a publish kernel; on sm_90 and later
+the copy and the publish are launched early), measured in one process without XLA.
 
     python bench/graph_rounds.py                      # 64 offload rounds of 1 MiB per replay, 30 replays
     python bench/graph_rounds.py --rounds 128 --size 256K --reps 50
 
-One graph per mode (``jaxvmm.testing.Replay``) holds ``rounds`` offload rounds, each of its own call
-site (a channel of K = 2 cells, so every round takes a grant armed ahead of time and never waits for
-the host or for a copy). The two graphs are replayed in turn; each replay is timed from launch to the
-end of its stream, after a pause that lets the poller arm every cell again. Reports the median time
-per round of each mode and how many rounds had to wait for the host (should be 0). On cpu (the POSIX
-backend) it runs too, as a smoke test; the numbers mean nothing there.
+One graph (``jaxvmm.testing.Replay``) holds ``rounds`` offload rounds, each of its own call site (a
+channel of K = 2 cells, so every round takes a grant armed ahead of time and never waits for the host
+or for a copy). Each replay is timed from launch to the end of its stream, after a pause that lets the
+poller arm every cell again. Reports the median time per round and how many rounds had to wait for the
+host (should be 0). On cpu (the POSIX backend) it runs too, as a smoke test; the numbers mean nothing
+there.
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ def main() -> int:
     ap.add_argument("--device", default=None, help="jaxvmm device (default: cuda:0 if jax has a GPU, else cpu)")
     ap.add_argument("--rounds", type=int, default=64, help="offload rounds per replay (one call site each)")
     ap.add_argument("--size", default="1M", help="bytes per round (default 1M)")
-    ap.add_argument("--reps", type=int, default=30, help="timed replays per mode")
+    ap.add_argument("--reps", type=int, default=30, help="timed replays")
     ap.add_argument("--pause-ms", type=float, default=5.0, help="pause before each replay (the poller re-arms)")
     args = ap.parse_args()
     if args.device is None:
@@ -47,66 +44,45 @@ def main() -> int:
     n = parse_size(args.size)
     t = target_of(args.device)
     assert jaxvmm.configure()["graph_cells"] >= 2, "needs K >= 2 cells per call site (JAXVMM_GRAPH_CELLS)"
-    old, old_early = lib.graph_fused(-1), lib.graph_early_launch(-1)
     x = jaxvmm.Slot(n, device=args.device)
     toks = [jaxvmm.Slot(8, device=args.device) for _ in range(args.rounds)]
-    base = 1 << 44
-    graphs = {}
+    sites = [(1 << 44) + i for i in range(args.rounds)]
     st = lambda: (jaxvmm.synchronize(), lib.engine(t.backend, t.ordinal).stats())[1]
     try:
         with Replay(args.device) as r:
-            for mode, fused, early in (("fused", 1, 0), ("nodes", 0, 0), ("nodes, early launch", 0, 1)):
-                lib.graph_fused(fused)
-                sites = [base + i for i in range(args.rounds)]
-                base += args.rounds
-                for s in sites:  # the first loads the kernels, as JAXVMM_GRAPH_PDL says
-                    r.prepare(s, r.OFFLOAD, n)
-                lib.graph_early_launch(early)
-                before = st()
-                with r.capture() as g:
-                    for s, tok in zip(sites, toks):
-                        r.offload(s, x.address, n, tok.address)
-                graphs[mode] = g[0]
-                after = st()
-                assert after["graph_fused_captures"] - before["graph_fused_captures"] == (args.rounds if fused else 0), mode
-                n_early = after["graph_early_captures"] - before["graph_early_captures"]
-                if early and not n_early:
-                    del graphs[mode]  # same as "nodes": no compute_90 module (JAXVMM_GRAPH_PDL off, or not sm_90)
-                    print(f"({mode}: not available: JAXVMM_GRAPH_PDL=0, or not an sm_90 or later device)")
-                else:
-                    assert n_early == (args.rounds if early else 0), (mode, n_early)
-            if not st()["graph_kernels"]:
-                print(f"grant kernels unavailable: {lib.engine(t.backend, t.ordinal).graph_kernels_error()}")
-                return 1
-            for mode in graphs:  # the first replay of each knocks; then every cell is armed
-                for _ in range(2):
-                    r.launch(graphs[mode])
-                    r.synchronize()
-                    st()
-                    time.sleep(args.pause_ms / 1e3)
-            times = {m: [] for m in graphs}
-            waited = {m: 0 for m in graphs}
+            for s in sites:  # the first loads and warms the kernels
+                r.prepare(s, r.OFFLOAD, n)
+            before = st()
+            with r.capture() as g:
+                for s, tok in zip(sites, toks):
+                    r.offload(s, x.address, n, tok.address)
+            after = st()
+            early = bool(after["graph_early_launch"])
+            assert after["graph_early_captures"] - before["graph_early_captures"] == (args.rounds if early else 0)
+            for _ in range(2):  # the first replay knocks; then every cell is armed
+                r.launch(g[0])
+                r.synchronize()
+                st()
+                time.sleep(args.pause_ms / 1e3)
+            times, waited = [], 0
             for i in range(args.reps):
-                for mode in graphs:
-                    b = st()
-                    time.sleep(args.pause_ms / 1e3)
-                    t0 = time.perf_counter()
-                    r.launch(graphs[mode])
-                    r.synchronize()
-                    times[mode].append(time.perf_counter() - t0)
-                    waited[mode] += st()["graph_grants_host"] - b["graph_grants_host"]
+                b = st()
+                time.sleep(args.pause_ms / 1e3)
+                t0 = time.perf_counter()
+                r.launch(g[0])
+                r.synchronize()
+                times.append(time.perf_counter() - t0)
+                waited += st()["graph_grants_host"] - b["graph_grants_host"]
                 if i % 8 == 7:
                     jaxvmm.collect()  # the rounds' tickets (no reload takes them)
     finally:
-        lib.graph_fused(old)
-        lib.graph_early_launch(old_early)
         jaxvmm.collect()
-    print(f"device {args.device}, {args.rounds} offload rounds of {n} bytes per replay, {args.reps} replays per mode")
-    print("| mode | median replay | per round | rounds that waited for the host |")
+    print(f"device {args.device}, {args.rounds} offload rounds of {n} bytes per replay, {args.reps} replays")
+    print("| rounds | median replay | per round | rounds that waited for the host |")
     print("|---|---|---|---|")
-    for mode, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {mode} | {med * 1e6:.1f} us | {med * 1e6 / args.rounds:.2f} us | {waited[mode]} |")
+    med = statistics.median(times)
+    launch = "early launches" if early else "plain launches"
+    print(f"| {launch} | {med * 1e6:.1f} us | {med * 1e6 / args.rounds:.2f} us | {waited} |")
     return 0
 
 

@@ -53,6 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxvmm  # noqa: E402
+import jaxvmm.testing  # noqa: E402
 from jaxvmm._devices import target_of  # noqa: E402
 
 from _common import emit, human, parse_size, parse_sizes, render  # noqa: E402  (bench/ is on sys.path when run as a script)
@@ -344,7 +345,7 @@ COLD_RIGHT = {2, 3, 4, 5, 6}
 
 def bw_rows(size: int, store: str, res: dict, raw: dict, on_gpu: bool) -> list[list[str]]:
     rows = []
-    chunk = jaxvmm.configure()["copy_chunk"]
+    chunk = jaxvmm.testing.configure_debug()["copy_chunk"]
     both_label = f"both at once ({human(chunk)} pieces)" if 0 < chunk < size else "both at once"
     keys = [("d2h", "offload (D2H)"), ("h2d", "reload (H2D)"), ("both", both_label)]
     if "both_whole" in res:
@@ -405,7 +406,7 @@ def main(argv=None) -> int:
 
     work, a, work_desc = make_work(on_gpu, device)
     baseline = pick_baseline(on_gpu, ordinal)
-    knobs = jaxvmm.configure()
+    knobs = {**jaxvmm.configure(), **jaxvmm.testing.configure_debug()}
     host_budget = min(knobs["host_pool_limit"] * 3 // 4, HOST_BUDGET_CAP)
     free, total = jaxvmm.driver_memory_info(device)
     notes: list[str] = []
@@ -493,15 +494,15 @@ def main(argv=None) -> int:
                 s0 = jaxvmm.engine_stats()[target.name]
                 res["both"] = both_phase(off, both, x, size, iters, depth, lag)
                 res["hits_both"] = hits(s0, jaxvmm.engine_stats()[target.name])
-                chunk = jaxvmm.configure()["copy_chunk"]
+                chunk = jaxvmm.testing.configure_debug()["copy_chunk"]
                 if 0 < chunk < size:  # the same with each D2H/H2D issued as one copy, for comparison
-                    jaxvmm.configure(copy_chunk=0)
+                    jaxvmm.testing.configure_debug(copy_chunk=0)
                     try:
                         s0 = jaxvmm.engine_stats()[target.name]
                         res["both_whole"] = both_phase(off, both, x, size, iters, depth, lag)
                         res["hits_both_whole"] = hits(s0, jaxvmm.engine_stats()[target.name])
                     finally:
-                        jaxvmm.configure(copy_chunk=chunk)
+                        jaxvmm.testing.configure_debug(copy_chunk=chunk)
                 cost = stream_cost(work, a, x, iters)
                 del x
                 settle()

@@ -56,7 +56,8 @@ Status ChannelTable::GetOrCreate(int64_t site, ChannelKind kind, const ArrayMeta
   const CUdeviceptr dw = device_chunks_[used_ / kWordsPerChunk] + sizeof(DeviceWords) * (used_ % kWordsPerChunk);
   c->dw = dw;
   ++used_;
-  for (auto* word : {&c->w->knock, &c->w->arm, &c->w->token, &c->w->probe, &c->w->request, &c->w->go, &c->w->result})
+  for (auto* word : {&c->w->knock, &c->w->probe, &c->w->request, &c->w->go, &c->w->result, &c->w->scratch[0],
+                     &c->w->scratch[1], &c->w->scratch[2]})
     word->store(0, std::memory_order_relaxed);
   for (int i = 0; i < kMaxCells; ++i) {
     c->w->filled[i].store(0, std::memory_order_relaxed);

@@ -43,18 +43,20 @@ inline CUdeviceptr WordAddr(const std::atomic<uint64_t>& word) { return reinterp
 Status WriteDeviceWord(Backend b, CUstream s, CUdeviceptr word, uint64_t value, const char* stage);
 
 // One line of pinned, device-mapped words per channel. Each word has one writer at a time: the
-// device writes a flag to 1 (knock, filled, request, done) and the poller resets it; the poller grants
-// (arm, go) and the device takes the grant back by writing 0.
+// device writes a flag (knock, filled, request, done) and the poller resets it (knock: the device
+// clears the level it holds); the poller answers a request with `go` and the device takes it back by
+// writing 0.
 struct alignas(64) ChannelWords {
-  // offload: knock (device: a round waits for a grant), arm (host grants: the cell is free and `token`
-  // is this round's), token (poller -> device, host grants).
-  std::atomic<uint64_t> knock, arm, token;
+  // offload: knock (device: a round waits for a grant, a level held while it waits).
+  std::atomic<uint64_t> knock;
   // reload: probe (device: the token it holds), request (device: a round waits for `go`), go (poller:
   // 1 + the cell that holds the probed ticket's bytes, or 0xFF).
   std::atomic<uint64_t> probe, request, go;
-  // kernel grants: what jaxvmm_revoke found (nonzero: the grant was taken back before the device used it).
+  // What jaxvmm_revoke found (nonzero: the grant was taken back before the device used it).
   std::atomic<uint64_t> result;
-  std::atomic<uint64_t> unused;
+  // Only the kernels' warm-up uses these (GraphRecorder::WarmKernels): a stand-in cell, a copy's
+  // destination, a token.
+  std::atomic<uint64_t> scratch[3];
   // Per cell (device: the round that used cell i is through the cell): offload filled[i] (the cell
   // holds the round's bytes), reload done[i] (the device copied the cell out).
   std::atomic<uint64_t> filled[kMaxCells], done[kMaxCells];
@@ -74,9 +76,9 @@ struct CellPages {
 struct Cell : CellPages {
   enum class Round : int {
     kIdle = 0,     // no grant out: the device does not touch the cell
-    kGranted = 1,  // a round may be using the cell (host grant, or a device take a revoke found)
-    // Kernel grants only: offload: grant[i] holds grant_token (the device may have taken it: only a
-    // revoke tells); reload: grant[i] names `loaded`, whose bytes are in the cell.
+    kGranted = 1,  // a round may be using the cell (a request the poller answered, or a take a revoke found)
+    // Offload: grant[i] holds grant_token (the device may have taken it: only a revoke tells); reload:
+    // grant[i] names `loaded`, whose bytes are in the cell.
     kArmed = 2,
     // Offload: spares: the cell's D2H is queued behind others and no spare was free to take its bytes,
     // so it is not armed behind that D2H; or the one cell of a large call site, until its next round
@@ -88,7 +90,7 @@ struct Cell : CellPages {
   Round round = Round::kIdle;
   uint64_t grant_token = 0;        // offload, kArmed: the token in grant[i] (its ticket is made at filled[i])
   bool host_grant = false;         // the outstanding grant answered a knock/request (counted at the round's end)
-  std::shared_ptr<Ticket> ticket;  // offload (host grants): the granted round's ticket; reload: the round's ticket
+  std::shared_ptr<Ticket> ticket;  // reload: the ticket of the round the poller granted (a request)
   std::shared_ptr<Ticket> loaded;  // reload: the predicted ticket copied into the cell ahead of time
   CUevent event = nullptr;         // after the last side-stream copy into/out of the cell
   CUstream stream = nullptr;       // the stream that copy ran on (grants are ordered after it)
@@ -126,10 +128,10 @@ struct Channel {
   int64_t index = 0;  // position in the table; names the channel in claims and diagnostics
   ArrayMeta meta;
   ChannelWords* w = nullptr;
-  CUdeviceptr dw = 0;  // this channel's DeviceWords (kernel grants)
-  int ncells = 0;      // K: cells reserved (1 with host grants); fixed at the first initialize stage
+  CUdeviceptr dw = 0;  // this channel's DeviceWords
+  int ncells = 0;      // K: cells reserved (1 for a large call site); fixed at the first initialize stage
   Cell cells[kMaxCells];
-  std::vector<Spare> spares;  // offload, kernel grants: graph_spares of them (DESIGN.md, "Spare cells")
+  std::vector<Spare> spares;  // offload: graph_spares of them (DESIGN.md, "Spare cells")
   size_t cell_size = 0;
   int map_failures = 0;     // MapCell attempts failed in a row (reported once per streak)
   bool captured = false;  // some execute recorded this channel's device work

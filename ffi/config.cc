@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -16,40 +17,100 @@
 namespace jaxvmm {
 namespace {
 
-std::atomic<int> g_keep{0};
-std::atomic<bool> g_graph_kernels{true};
-std::atomic<int> g_graph_cells{2};
-std::atomic<int> g_graph_spares{0};
-std::atomic<size_t> g_graph_spare_budget{0};
-std::atomic<bool> g_graph_fused{false};
-std::atomic<bool> g_graph_early{true};
-std::atomic<int> g_graph_hold{static_cast<int>(EngineConfig::GraphHold::kLarge)};
-std::atomic<size_t> g_copy_chunk{size_t{64} << 20};
+// One row per Setting, in its order: the name jaxvmm/_config.py declares it under and, for a choice,
+// its names in the order of their values (nullptr-terminated; none for a number).
+struct Row {
+  Setting setting;
+  const char* name;
+  const char* choices[3];
+};
+constexpr Row kRows[] = {
+    {Setting::kHostPoolLimit, "host_pool_limit", {}},
+    {Setting::kHostStore, "host_store", {"pinned", "host_numa"}},  // HostStoreKind
+    {Setting::kHostPoolChunk, "host_pool_chunk", {}},
+    {Setting::kPrefetchDepth, "prefetch_depth", {}},
+    {Setting::kStagingBudget, "staging_budget", {}},
+    {Setting::kStagingIdleMs, "staging_idle_ms", {}},
+    {Setting::kKeepResident, "keep_resident", {}},
+    {Setting::kCopyChunk, "copy_chunk", {}},
+    {Setting::kGraphCells, "graph_cells", {}},
+    {Setting::kGraphSpares, "graph_spares", {}},
+    {Setting::kGraphSpareBudget, "graph_spare_budget", {}},
+    {Setting::kGraphHold, "graph_hold", {"spares", "large"}},  // EngineConfig::GraphHold
+    {Setting::kTrace, "trace", {}},
+    {Setting::kPredict, "predict", {}},
+    {Setting::kWorkerSpinUs, "worker_spin_us", {}},
+    {Setting::kRingProfile, "ring_profile", {}},
+    {Setting::kPosixAsync, "posix_async", {}},
+    {Setting::kPosixLinkUs, "posix_link_us", {}},
+    {Setting::kPosixDtodUs, "posix_dtod_us", {}},
+};
+constexpr int kSettings = static_cast<int>(Setting::kCount);
+static_assert(std::size(kRows) == kSettings, "one row per Setting");
+constexpr bool RowsInOrder() {
+  for (int i = 0; i < kSettings; ++i)
+    if (static_cast<int>(kRows[i].setting) != i) return false;
+  return true;
+}
+static_assert(RowsInOrder(), "kRows in the order of Setting");
+
+// The values in force; 0 until Python pushes every setting at import (jaxvmm/_config.py, load).
+std::atomic<int64_t> g_values[kSettings] = {};
+
+const Row& RowOf(Setting s) { return kRows[static_cast<int>(s)]; }
+int64_t ChoiceCount(Setting s) {
+  int64_t n = 0;
+  while (n < 3 && RowOf(s).choices[n]) ++n;
+  return n;
+}
 
 }  // namespace
 
-void EngineConfig::SetKeepResident(int n) { g_keep.store(std::max(n, 0)); }
-int EngineConfig::KeepResident() { return g_keep.load(); }
-void EngineConfig::SetGraphKernels(bool on) { g_graph_kernels.store(on); }
-bool EngineConfig::GraphKernels() { return g_graph_kernels.load(); }
-void EngineConfig::SetGraphCells(int k) { g_graph_cells.store(std::clamp(k, 1, kMaxCells)); }
-int EngineConfig::GraphCells() { return g_graph_cells.load(); }
-void EngineConfig::SetGraphSpares(int n) { g_graph_spares.store(std::clamp(n, 0, kMaxSpares)); }
-int EngineConfig::GraphSpares() { return g_graph_spares.load(); }
-void EngineConfig::SetGraphSpareBudget(size_t bytes) { g_graph_spare_budget.store(bytes); }
-size_t EngineConfig::GraphSpareBudget() { return g_graph_spare_budget.load(); }
+int64_t EngineConfig::Get(Setting s) { return g_values[static_cast<int>(s)].load(std::memory_order_relaxed); }
+
+bool EngineConfig::Find(std::string_view name, Setting* out) {
+  for (const Row& r : kRows)
+    if (name == r.name) {
+      *out = r.setting;
+      return true;
+    }
+  return false;
+}
+
+bool EngineConfig::Set(Setting s, int64_t value) {
+  if (ChoiceCount(s) > 0) return false;
+  g_values[static_cast<int>(s)].store(value);
+  return true;
+}
+
+bool EngineConfig::SetChoice(Setting s, std::string_view name) {
+  for (int64_t i = 0, n = ChoiceCount(s); i < n; ++i)
+    if (name == RowOf(s).choices[i]) {
+      g_values[static_cast<int>(s)].store(i);
+      return true;
+    }
+  return false;
+}
+
+const char* EngineConfig::ChoiceName(Setting s, int64_t index) {
+  return index >= 0 && index < ChoiceCount(s) ? RowOf(s).choices[index] : nullptr;
+}
+
+int EngineConfig::KeepResident() {
+  return static_cast<int>(std::clamp<int64_t>(Get(Setting::kKeepResident), 0, std::numeric_limits<int>::max()));
+}
+int EngineConfig::GraphCells() { return static_cast<int>(std::clamp<int64_t>(Get(Setting::kGraphCells), 1, kMaxCells)); }
+int EngineConfig::GraphSpares() { return static_cast<int>(std::clamp<int64_t>(Get(Setting::kGraphSpares), 0, kMaxSpares)); }
+size_t EngineConfig::GraphSpareBudget() { return static_cast<size_t>(std::max<int64_t>(Get(Setting::kGraphSpareBudget), 0)); }
 int EngineConfig::GraphSparesPerChannel() {
   const int n = GraphSpares();
   return n > 0 ? n : GraphSpareBudget() > 0 ? kMaxSpares : 0;
 }
-void EngineConfig::SetGraphFused(bool on) { g_graph_fused.store(on); }
-bool EngineConfig::GraphFused() { return g_graph_fused.load(); }
-void EngineConfig::SetGraphEarlyLaunch(bool on) { g_graph_early.store(on); }
-bool EngineConfig::GraphEarlyLaunch() { return g_graph_early.load(); }
-void EngineConfig::SetGraphHold(GraphHold h) { g_graph_hold.store(static_cast<int>(h)); }
-EngineConfig::GraphHold EngineConfig::GraphHoldPolicy() { return static_cast<GraphHold>(g_graph_hold.load()); }
-void EngineConfig::SetCopyChunk(size_t bytes) { g_copy_chunk.store(bytes); }
-size_t EngineConfig::CopyChunk() { return g_copy_chunk.load(); }
+EngineConfig::GraphHold EngineConfig::GraphHoldPolicy() {
+  return Get(Setting::kGraphHold) == static_cast<int64_t>(GraphHold::kSpares) ? GraphHold::kSpares : GraphHold::kLarge;
+}
+size_t EngineConfig::CopyChunk() { return static_cast<size_t>(std::max<int64_t>(Get(Setting::kCopyChunk), 0)); }
+
 
 namespace {
 

@@ -3,7 +3,7 @@
 // Three implementations share the table's signatures:
 //   * the real driver, resolved at run time (dlopen("libcuda.so.1") + cuGetProcAddress);
 //   * a POSIX host backend with the same VMM semantics (driver_posix.cc);
-//   * a fault-injecting, counting wrapper over either (driver_fault.cc). The engine only ever calls
+//   * a fault-injecting, counting wrapper over either (fault.cc). The engine only ever calls
 //     through the wrapper, so production and the fault-matrix tests run the same code path.
 //
 // This header is the bottom of the include graph: it sees only cuda.h / cudaTypedefs.h.

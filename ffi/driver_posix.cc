@@ -43,6 +43,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "config.h"
 #include "driver.h"
 #include "graph_words.h"  // DeviceWords: the grant kernels' words
 
@@ -219,8 +220,8 @@ CUresult PosixDeviceGetCount(int* n) {
   *n = g_device_count.load();
   return CUDA_SUCCESS;
 }
-// A small device, as a MIG slice is: the fused kernels' grid must fit one block per SM (graph_kernels.h),
-// and a fused launch past it is refused below.
+// A small device, as a MIG slice is: the ring reload's grid must fit one block per SM (graph_kernels.h),
+// and a launch of it past that is refused below.
 constexpr int kPosixSms = 16;
 
 CUresult PosixDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice dev) {
@@ -482,20 +483,16 @@ CUresult PosixMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CU
 // A stream that captures records its operations instead of running them; an instantiated graph runs
 // the recorded operations in order, inline, on each launch. So a test can record the device work of a
 // handler once and replay it N times without calling the handler again, as XLA's command buffers do.
-// JAXVMM_POSIX_ASYNC=1 (read at each stream's creation): the stream runs its operations on a worker
-// thread of its own, in order, as a GPU stream does, instead of inline in the calling thread. Events
-// complete when their stream reaches them; a wait on an event or a value blocks that stream only. This
-// exposes ordering between streams that the synchronous default hides (tests opt in per process).
-// JAXVMM_POSIX_ASYNC=N > 1 also delays each operation by a random 0..N microseconds first, as a busy
-// GPU delays a stream: an order that holds only by luck of timing shows.
-// The cpu backend's test knobs: an integer environment variable, 0 when unset or empty (Python
-// validated it at import: jaxvmm/_config.py).
-int EnvInt(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : 0;
-}
+// The posix_async setting (JAXVMM_DEBUG_POSIX_ASYNC) = 1 (read at each stream's creation): the stream
+// runs its operations on a worker thread of its own, in order, as a GPU stream does, instead of inline
+// in the calling thread. Events complete when their stream reaches them; a wait on an event or a value
+// blocks that stream only. This exposes ordering between streams that the synchronous default hides
+// (tests opt in per process). N > 1 also delays each operation by a random 0..N microseconds first, as
+// a busy GPU delays a stream: an order that holds only by luck of timing shows.
+// The cpu backend's test knobs are settings (config.h), validated in Python (jaxvmm/_config.py).
+int SettingInt(Setting s) { return static_cast<int>(std::clamp<int64_t>(EngineConfig::Get(s), 0, 10'000'000)); }
 
-int AsyncStreams() { return EnvInt("JAXVMM_POSIX_ASYNC"); }
+int AsyncStreams() { return SettingInt(Setting::kPosixAsync); }
 
 // Bytes a copy read at its call and that reach their destination later, at Land() (the models of the
 // driver's staged copies below).
@@ -657,14 +654,11 @@ bool IsPinnedHost(const void* p, size_t n) {
 }
 std::atomic<int64_t> g_pageable_copies{0};  // async copies given a pageable host pointer (PosixPageableCopies)
 
-// JAXVMM_POSIX_LINK_US=N (with JAXVMM_POSIX_ASYNC): every async copy between pinned memory and the
-// device (D2H, H2D) takes N more microseconds on its stream before it reads its source, as a PCIe link
-// slower than the device: copies queue up behind one another, and a source overwritten before its copy
-// runs shows in the bytes.
-int LinkMicros() {
-  static const int us = EnvInt("JAXVMM_POSIX_LINK_US");
-  return us;
-}
+// posix_link_us = N (JAXVMM_DEBUG_POSIX_LINK_US, with async streams): every async copy between pinned
+// memory and the device (D2H, H2D) takes N more microseconds on its stream before it reads its source,
+// as a PCIe link slower than the device: copies queue up behind one another, and a source overwritten
+// before its copy runs shows in the bytes.
+int LinkMicros() { return SettingInt(Setting::kPosixLinkUs); }
 
 // An async copy that waits `us` microseconds on its stream before it reads its source, where that
 // applies (an async stream, not capturing), else as any other copy.
@@ -699,13 +693,11 @@ CUresult PosixMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream s) 
     return CUDA_SUCCESS;
   });
 }
-// JAXVMM_POSIX_DTOD_US=N (with JAXVMM_POSIX_ASYNC): every cuMemcpyDtoDAsync on a side stream (not
-// capturing) waits N microseconds on its stream before it reads its source: a device-to-device copy
-// queued behind a busy device, so a source reused before its copy runs shows in the bytes.
-int DtoDMicros() {
-  static const int us = EnvInt("JAXVMM_POSIX_DTOD_US");
-  return us;
-}
+// posix_dtod_us = N (JAXVMM_DEBUG_POSIX_DTOD_US, with async streams): every cuMemcpyDtoDAsync on a
+// side stream (not capturing) waits N microseconds on its stream before it reads its source: a
+// device-to-device copy queued behind a busy device, so a source reused before its copy runs shows in
+// the bytes.
+int DtoDMicros() { return SettingInt(Setting::kPosixDtodUs); }
 
 CUresult PosixMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
   return DelayedCopyAsync(dst, src, n, s, DtoDMicros());
@@ -1073,47 +1065,6 @@ CUresult KPublish(const uint64_t* a) {  // (Cells* cells)
   return CUDA_SUCCESS;
 }
 
-// A fused round (jaxvmm_fused_offload / jaxvmm_fused_reload): the grid's first block to arrive takes
-// (the take kernel's function, after-take hook included), releases `ready` (the cell's address), then the whole grid's copy
-// (memmove), then the last block's reset of the round's words and publish. A round that finds the
-// words of the previous one still set fails (on a device its blocks would skip the take and copy
-// through a stale cell), so the cpu tests check that every replay leaves them as it found them.
-Word* Field(uint64_t& f) { return reinterpret_cast<Word*>(&f); }
-CUresult FusedRound(const uint64_t* a, CUresult (*take)(const uint64_t*), const uint64_t* take_args, bool out) {
-  DeviceWords* c = Cells(a);
-  if (Field(c->arrive)->fetch_add(1) != 0 || Field(c->ready)->load(std::memory_order_acquire) != 0 ||
-      Field(c->blocks)->load(std::memory_order_acquire) != 0)
-    return CUDA_ERROR_ILLEGAL_ADDRESS;
-  CUresult r = take(take_args);
-  if (r != CUDA_SUCCESS) {
-    Field(c->arrive)->store(0, std::memory_order_release);
-    return r;
-  }
-  Field(c->ready)->store(Field(c->ptr)->load(std::memory_order_relaxed), std::memory_order_release);
-  // The other blocks: `ready` (acquire) is the chosen cell.
-  void* cell = reinterpret_cast<void*>(Field(c->ready)->load(std::memory_order_acquire));
-  const uint64_t publish = Field(c->publish)->load(std::memory_order_relaxed);
-  if (!cell || !publish) return CUDA_ERROR_ILLEGAL_ADDRESS;
-  void* other = reinterpret_cast<void*>(a[1]);
-  if (out) std::memmove(other, cell, a[2]);
-  else std::memmove(cell, other, a[2]);
-  Field(c->blocks)->store(0, std::memory_order_relaxed);
-  Field(c->arrive)->store(0, std::memory_order_relaxed);
-  Field(c->ready)->store(0, std::memory_order_relaxed);
-  W(publish)->store(1, std::memory_order_release);
-  return CUDA_SUCCESS;
-}
-
-CUresult KFusedOffload(const uint64_t* a) {  // (Cells* cells, u64 src, u64 nbytes, u32* token_out, u64* knock)
-  const uint64_t take[] = {a[0], a[3], a[4]};
-  return FusedRound(a, KTakeOffload, take, /*out=*/false);
-}
-
-CUresult KFusedReload(const uint64_t* a) {  // (Cells* cells, u64 dst, u64 nbytes, u32* token_in, u64* probe, u64* request, u64* go)
-  const uint64_t take[] = {a[0], a[3], a[4], a[5], a[6]};
-  return FusedRound(a, KTakeReload, take, /*out=*/true);
-}
-
 CUresult KRevoke(const uint64_t* a) {  // (u64* word, u64 expect, u64* result)
   uint64_t old = 0;
   if (a[1]) {
@@ -1130,8 +1081,8 @@ struct PosixKernel {
   const char* name;
   int params;  // all 8 bytes wide
   CUresult (*fn)(const uint64_t*);
-  bool grid;   // launched as a grid (the copy and fused kernels); the grant kernels are one thread
-  bool fused = false;  // its grid may wait for the host (fused rounds, the ring reload): at most one block per SM
+  bool grid;   // launched as a grid (the copy kernels); the grant kernels are one thread
+  bool waits = false;  // its grid may wait for the host (the ring reload): at most one block per SM
 };
 constexpr PosixKernel kKernels[] = {
     {"jaxvmm_take_offload", 3, KTakeOffload, false},
@@ -1140,8 +1091,6 @@ constexpr PosixKernel kKernels[] = {
     {"jaxvmm_cell_copy", 4, KCellCopy, true},
     {"jaxvmm_publish", 1, KPublish, false},
     {"jaxvmm_copy", 5, KCopy, true},
-    {"jaxvmm_fused_offload", 5, KFusedOffload, true, true},
-    {"jaxvmm_fused_reload", 7, KFusedReload, true, true},
     {"jaxvmm_ring_reload", 9, KRingReload, true, true},
 };
 constexpr int kMaxParams = 9;
@@ -1182,7 +1131,7 @@ CUresult PosixLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, 
   if (gx == 0 || bx == 0 || gy != 1 || gz != 1 || by != 1 || bz != 1 || shared != 0 || bx > 1024)
     return CUDA_ERROR_INVALID_VALUE;
   if (!k->grid && (gx != 1 || bx != 1)) return CUDA_ERROR_INVALID_VALUE;  // the grant kernels are one thread
-  if (k->fused && gx > static_cast<unsigned>(kPosixSms)) return CUDA_ERROR_INVALID_VALUE;
+  if (k->waits && gx > static_cast<unsigned>(kPosixSms)) return CUDA_ERROR_INVALID_VALUE;
   std::array<uint64_t, kMaxParams> a{};
   for (int i = 0; i < k->params; ++i) std::memcpy(&a[i], params[i], sizeof(uint64_t));
   return Enqueue(s, [k, a] { return k->fn(a.data()); });

@@ -342,17 +342,19 @@ bool GraphCells::Forget(const Held& h, Spare& sp) {
 
 // ---------------------------------------------------------------- grants
 
-void GraphCells::Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value) {
-  // The device may go on once every copy into (or out of) cell i has finished: at once when the last
-  // one already has, else by a write ordered after it on its stream.
+void GraphCells::Go(Channel& c, int i) {
+  // The device may go on once every copy into cell i has finished: at once when the last one already
+  // has, else by a write ordered after it on its stream.
   const DriverTable& d = Driver(g_.backend);
   Cell& cell = c.cells[i];
+  std::atomic<uint64_t>& go = c.w->go;
+  const uint64_t value = static_cast<uint64_t>(i) + 1;
   if (CopyPending(cell)) {
-    Status st = Call(-1, "graph grant", Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(cell.stream, WordAddr(*word), value, 0); });
+    Status st = Call(-1, "graph grant", Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(cell.stream, WordAddr(go), value, 0); });
     if (st.ok()) return;
     d.StreamSynchronize(cell.stream);
   }
-  word->store(value, std::memory_order_seq_cst);
+  go.store(value, std::memory_order_seq_cst);
 }
 
 bool GraphCells::Revoke(Channel& c, int i) {
@@ -494,9 +496,8 @@ void GraphCells::ReturnAll() {
         Held h = g_.ledger.Lock();
         (void)Unhold(h, cell);
         Unload(h, c, i);
-        if (cell.ticket) {
-          if (c.kind == ChannelKind::kReload) cell.ticket->pins -= 1;
-          else cell.ticket->dropped = cell.ticket->on_host = true;
+        if (cell.ticket) {  // a reload round the poller granted
+          cell.ticket->pins -= 1;
           g_.ledger.Retire(h, cell.ticket);
           cell.ticket.reset();
         }

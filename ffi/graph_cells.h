@@ -38,20 +38,19 @@ struct GraphStats {
   int64_t hits = 0, misses = 0;                   // reload rounds whose cell already held the ticket
   int64_t mapped_bytes = 0;                       // channel cells with pages now
   int64_t pages_mapped = 0, pages_returned = 0;
-  // Kernel grants (DESIGN.md, "Graph mode"): rounds whose grant the device took by itself (a pre-armed
-  // offload grant, a reload whose prefetched token matched) vs rounds that waited for the poller.
-  bool kernels = false;        // this engine's captures use the grant kernels
-  bool early_launch = false;   // their module can launch a round's copy and publish early (JAXVMM_GRAPH_PDL)
-  std::string kernels_error;   // why not, when they failed to load (the host-granted protocol runs)
+  // The grant kernels (DESIGN.md, "Graph mode"), and rounds whose grant the device took by itself (a
+  // pre-armed offload grant, a reload whose prefetched token matched) vs rounds that waited for the poller.
+  bool kernels = false;        // the kernels are loaded and warmed: captures can record rounds
+  bool early_launch = false;   // their module launches a round's copy and publish early (sm_90 and later)
+  std::string kernels_error;   // why not, when they failed to load or warm up (every capture fails with it)
   int64_t grants_device = 0, grants_host = 0;
   int64_t revokes = 0;         // grants taken back (idle release, trim, budget) before the device used them
   int64_t revokes_lost = 0;    // revocations that found the grant already taken (the round went on)
   int64_t host_cells = 0;      // cells mapped with host pages because the device was out of memory
-  int64_t cells = 0;           // cells reserved over all channels (K per channel with kernel grants, else 1)
+  int64_t cells = 0;           // cells reserved over all channels (K per small call site, 1 per large one)
   int64_t host_fallbacks = 0;  // round tickets put in pageable memory: the host pool had no room (it grows behind them)
   int64_t bounce_copies = 0;   // pieces (<= 4 MiB) copied through the pinned bounce buffers to or from those tickets
-  int64_t fused_captures = 0;  // rounds recorded as one fused take + copy node (JAXVMM_GRAPH_FUSED)
-  int64_t early_captures = 0;  // rounds whose copy and publish were recorded as early launches (JAXVMM_GRAPH_PDL)
+  int64_t early_captures = 0;  // rounds whose copy and publish were recorded as early launches (sm_90 and later)
   // Spare cells (graph_spares): offload rounds whose cell was re-armed with a spare while its D2H was
   // still queued (the cell's bytes lent to its ticket), and reload copies served from such a lent cell
   // (device to device, without waiting for PCIe); kept_reads: those among them whose D2H had already
@@ -93,7 +92,6 @@ inline constexpr StatField<GraphStats> kGraphStatsFields[] = {
     {"cells", &GraphStats::cells},
     {"host_fallbacks", &GraphStats::host_fallbacks},
     {"bounce_copies", &GraphStats::bounce_copies},
-    {"fused_captures", &GraphStats::fused_captures},
     {"early_captures", &GraphStats::early_captures},
     {"spares", &GraphStats::spares},
     {"lends", &GraphStats::lends},
@@ -166,8 +164,9 @@ class GraphCells {
   bool ReturnSpares();  // lent spares whose ticket's D2H is done are free (they keep its bytes)
 
   // ---- grants
-  // Writes `value` into `word`, ordered after cell i's last side-stream copy.
-  void Grant(std::atomic<uint64_t>* word, Channel& c, int i, uint64_t value = 1);
+  // The reload round that waits for the poller may go with cell i: `go` = i + 1, ordered after cell i's
+  // last side-stream copy.
+  void Go(Channel& c, int i);
   bool Revoke(Channel& c, int i);  // takes cell i's armed grant back; true: none is outstanding any more
 
   // ---- what a cell holds (the caller holds the ledger's lock too: h)

@@ -7,7 +7,7 @@ namespace jaxvmm {
 
 GraphKernels::~GraphKernels() { Unload(); }
 
-Status GraphKernels::Load(int device, bool early) {
+Status GraphKernels::Load(int device) {
   if (tried_) return module_ ? Status() : Status(Code::kUnavailable, why_);
   tried_ = true;
   const DriverTable& d = Driver(backend_);
@@ -19,9 +19,9 @@ Status GraphKernels::Load(int device, bool early) {
       sms_ = static_cast<unsigned>(sms);
     if (d.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev) != CUDA_SUCCESS) major = 0;
   }
-  // sm_90 and later with early launches asked for: the compute_90 module, whose round kernels can be
-  // launched early. Otherwise the compute_80 one (its kernels have no griddepcontrol).
-  sm90_ = major >= 9 && early;
+  // sm_90 and later: the compute_90 module, whose round kernels can be launched early. Otherwise the
+  // compute_80 one (its kernels have no griddepcontrol).
+  sm90_ = major >= 9;
   const char* stage = "graph kernels";
   Status st = Call(-1, stage, Entry::kModuleLoadData,
                    [&] { return d.ModuleLoadData(&module_, sm90_ ? kGraphKernelsPtx90 : kGraphKernelsPtx); });
@@ -31,7 +31,6 @@ Status GraphKernels::Load(int device, bool early) {
   };
   for (Want w : {Want{"jaxvmm_take_offload", &take_offload_}, Want{"jaxvmm_take_reload", &take_reload_},
                  Want{"jaxvmm_revoke", &revoke_}, Want{"jaxvmm_cell_copy", &cell_copy_},
-                 Want{"jaxvmm_fused_offload", &fused_offload_}, Want{"jaxvmm_fused_reload", &fused_reload_},
                  Want{"jaxvmm_publish", &publish_}, Want{"jaxvmm_copy", &copy_},
                  Want{"jaxvmm_ring_reload", &ring_reload_}}) {
     if (!st.ok()) break;
@@ -90,35 +89,16 @@ unsigned GraphKernels::CopyBlocks(size_t nbytes) {
   return static_cast<unsigned>(b < 1 ? 1 : b > kMaxCopyBlocks ? kMaxCopyBlocks : b);
 }
 
-Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out, bool early) const {
+Status GraphKernels::CellCopy(CUstream s, CUdeviceptr cells, CUdeviceptr other, size_t nbytes, bool out) const {
   unsigned long long n = nbytes, o = out ? 1 : 0;
   void* p[] = {&cells, &other, &n, &o};
-  return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads, early);
+  return Launch(cell_copy_, s, p, out ? "reload (capture)" : "offload (capture)", CopyBlocks(nbytes), kCopyThreads,
+                /*early=*/true);
 }
 
-Status GraphKernels::Publish(CUstream s, CUdeviceptr cells, const char* stage, bool early) const {
+Status GraphKernels::Publish(CUstream s, CUdeviceptr cells, const char* stage) const {
   void* p[] = {&cells};
-  return Launch(publish_, s, p, stage, 1, 1, early);
-}
-
-unsigned GraphKernels::FusedBlocks(size_t nbytes) const {
-  unsigned b = CopyBlocks(nbytes);
-  if (b > kMaxFusedBlocks) b = kMaxFusedBlocks;
-  return sms_ && b > sms_ ? sms_ : b;
-}
-
-Status GraphKernels::FusedOffload(CUstream s, CUdeviceptr cells, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out,
-                                  CUdeviceptr knock) const {
-  unsigned long long n = nbytes;
-  void* p[] = {&cells, &src, &n, &token_out, &knock};
-  return Launch(fused_offload_, s, p, "offload (capture)", FusedBlocks(nbytes), kCopyThreads);
-}
-
-Status GraphKernels::FusedReload(CUstream s, CUdeviceptr cells, CUdeviceptr dst, size_t nbytes, CUdeviceptr token_in,
-                                 CUdeviceptr probe, CUdeviceptr request, CUdeviceptr go) const {
-  unsigned long long n = nbytes;
-  void* p[] = {&cells, &dst, &n, &token_in, &probe, &request, &go};
-  return Launch(fused_reload_, s, p, "reload (capture)", FusedBlocks(nbytes), kCopyThreads);
+  return Launch(publish_, s, p, stage, 1, 1, /*early=*/true);
 }
 
 Status GraphKernels::Copy(CUstream s, CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUdeviceptr word, uint64_t value,
@@ -132,7 +112,13 @@ Status GraphKernels::RingReload(CUstream s, CUdeviceptr dst, CUdeviceptr src, si
                                 CUdeviceptr probe, CUdeviceptr seen, uint64_t seq, CUdeviceptr ready) const {
   unsigned long long n = nbytes, t = tag, q = seq;
   void* p[] = {&dst, &src, &n, &token_in, &t, &probe, &seen, &q, &ready};
-  return Launch(ring_reload_, s, p, "reload", FusedBlocks(nbytes), kCopyThreads);
+  return Launch(ring_reload_, s, p, "reload", RingReloadBlocks(nbytes), kCopyThreads);
+}
+
+unsigned GraphKernels::RingReloadBlocks(size_t nbytes) const {
+  unsigned b = CopyBlocks(nbytes);
+  if (b > kMaxRingReloadBlocks) b = kMaxRingReloadBlocks;
+  return sms_ && b > sms_ ? sms_ : b;
 }
 
 Status GraphKernels::Revoke(CUstream s, CUdeviceptr word, uint64_t expect, CUdeviceptr result) const {

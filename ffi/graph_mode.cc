@@ -5,35 +5,16 @@
 // the poller through the channel's pinned and device words. The device never touches a cell without a
 // grant, and a grant is always ordered after every copy into or out of that cell.
 //
-// Kernel grants (the default): a channel has K cells; a round (K > 1) is three nodes: a one-thread take
-// kernel takes a cell's pre-armed grant (or knocks/requests and waits for the poller) and leaves the
-// cell's address in a device word, a copy kernel copies into/out of that address, and a one-thread
-// publish kernel writes the cell's filled/done word. JAXVMM_GRAPH_FUSED=1 records one fused kernel
-// instead, whose first block to arrive takes and hands the cell to the other blocks, all of which then
-// copy; its last block publishes.
-// The poller arms each offload cell behind its own D2H (or holds it, its bytes readable on the device:
-// spares all lent, or the one cell of a large call site until its next round; large call sites of the
-// two directions trade their cells' pages) and prefetches the next predictions into the idle reload
-// cells. The host is on the device's path only when there is no grant (first round, after a
-// revocation, a mispredicted reload): then the device knocks / requests and waits, as in the
-// host-granted protocol. Host grants (JAXVMM_GRAPH_KERNELS=0): one cell, and the host grants every
-// round:
-//
-//   offload round (XLA's stream)          poller
-//     write knock = 1                      sees knock: cell pages (within the budget), a new ticket,
-//     wait  arm == 1                       token = its token; arm = 1 after the cell's last D2H
-//     write arm = 0
-//     copy  token_out <- token
-//     copy  cell <- x
-//     write filled = 1                     sees filled: D2H cell -> the ticket's host block on gd2h
-//
-//   reload round (XLA's stream)
-//     copy  probe <- token_in              sees request: the ticket `probe` names; go = 1 after its
-//     write request = 1                    bytes are in the cell (a prefetched prediction: at once;
-//     wait  go == 1                        else an H2D on gfix), or after 0xFF for a bad token
-//     write go = 0
-//     copy  y <- cell
-//     write done = 1                       sees done: the ticket is consumed; prefetch the next guess
+// A channel has K cells; a round (K > 1) is three nodes: a one-thread take kernel takes a cell's
+// pre-armed grant (or knocks/requests and waits for the poller) and leaves the cell's address in a
+// device word, a copy kernel copies into/out of that address, and a one-thread publish kernel writes
+// the cell's filled/done word. The poller arms each offload cell behind its own D2H (or holds it, its
+// bytes readable on the device: spares all lent, or the one cell of a large call site until its next
+// round; large call sites of the two directions trade their cells' pages) and prefetches the next
+// predictions into the idle reload cells. The host is on the device's path only when there is no grant
+// (first round, after a revocation, a mispredicted reload): then the device knocks / requests and
+// waits for the poller's grant or go. Graph mode has no other protocol: where its kernels do not load
+// (or warm up), every capture fails with why and how to turn command buffers off (GraphRecorder::Ready).
 //
 // The poller's work is done by its parts: GraphCells (graph_cells.cc: pages, spares, grants),
 // OffloadRounds (graph_offload.cc) and ReloadRounds (graph_reload.cc). Nothing here runs on a
@@ -93,9 +74,10 @@ Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const
   ++g_.stats.prepares;
   Channel* c = nullptr;
   bool created = false;
-  const bool first = !g_.kernels.tried() && g_.channels.size() == 0;
   JAXVMM_RETURN_IF_ERROR(g_.channels.GetOrCreate(site, kind, meta, &c, &created));
-  recorder_.PrepareKernels(g_.gd2h, *c, first, any_captured_);
+  // Without its kernels graph mode can record no round: nothing to prepare (a capture fails, saying
+  // why; an execution XLA does not capture runs on the op ring).
+  if (!recorder_.PrepareKernels(g_.gd2h, *c).ok()) return Status();
   // Round tickets the pinned pool has no room for go to pageable memory, copied through bounce buffers
   // made here; without them such a round fails instead.
   g_.round_host.Prepare(readers_can_bounce);
@@ -110,8 +92,8 @@ Status GraphMode::Prepare(CUstream stream, int64_t site, ChannelKind kind, const
   if (c->ncells == 0) JAXVMM_RETURN_IF_ERROR(recorder_.ReserveCells(g_.gd2h, *c, meta, kind));
   if (created) ++g_.stats.channels;
   // XLA records a command buffer on the call site's second execution (the first is a warm-up): give
-  // cell 0 pages before then (host grants: the capture names it; kernel grants: the first round's grant
-  // needs no mapping). Later the poller maps on demand.
+  // cell 0 pages before then (a fixed cell's capture names it; otherwise the first round's grant needs
+  // no mapping). Later the poller maps on demand.
   // (Within the budget's free room and on the device only: no round waits for it yet, so a full device
   // is left to the capture, which must have pages and takes host pages if it has to.)
   // Not for call sites that trade pages (large arrays, one cell): their capture names no cell, and
@@ -128,14 +110,15 @@ Status GraphMode::CaptureChannel(int64_t site, ChannelKind kind, const ArrayMeta
   // Caller holds mu_. The channel the initialize stage prepared; a re-recording (XLA saw new
   // buffer addresses) may find its cell idle and returned: map it again so the capture names mapped
   // memory (page calls, not stream work).
+  JAXVMM_RETURN_IF_ERROR(recorder_.Ready());  // no kernels, no rounds
   const char* what = kind == ChannelKind::kOffload ? "offload" : "reload";
   Channel* c = g_.channels.Find(site, kind, meta);
   if (!c || c->ncells == 0)
     return Status(Code::kInternal, std::string(what) + " call site " + std::to_string(site) +
                                        " is being captured into a command buffer but its initialize stage never ran");
-  // Host grants and one cell record copies that name cell 0. K > 1 cells record no cell address: the
+  // A fixed cell's rounds record copies that name it. Otherwise the rounds record no cell address: the
   // device finds a cell through its grant, and the poller maps a cell before it grants it.
-  if ((!recorder_.use_kernels() || c->FixedCell()) && !c->cells[0].mapped && !cells_.MapCell(*c, 0))
+  if (c->FixedCell() && !c->cells[0].mapped && !cells_.MapCell(*c, 0))
     return Status(Code::kOutOfMemory, "graph-mode cell of call site " + std::to_string(site) +
                                           " could not be mapped for capture within the staging budget");
   *out = c;
@@ -189,10 +172,10 @@ void GraphMode::Poll() {
     bool busy = false;
     // Offloads first: a reload's token may name a ticket whose `filled` arrived in the same pass.
     g_.channels.ForEach([&](Channel& c) {
-      if (c.kind == ChannelKind::kOffload) busy |= recorder_.use_kernels() ? offloads_.ServeKernelGranted(c) : offloads_.ServeHostGranted(c);
+      if (c.kind == ChannelKind::kOffload) busy |= offloads_.Serve(c);
     });
     g_.channels.ForEach([&](Channel& c) {
-      if (c.kind == ChannelKind::kReload) busy |= recorder_.use_kernels() ? reloads_.ServeKernelGranted(c) : reloads_.ServeHostGranted(c);
+      if (c.kind == ChannelKind::kReload) busy |= reloads_.Serve(c);
     });
     busy |= offloads_.ReapOffloads();
     busy |= cells_.ReleaseLentReads();
@@ -300,7 +283,6 @@ GraphStats GraphMode::Stats() {
   s.kernels_error = r.kernels_error;
   s.cells = r.cells;
   s.spares = r.spares;
-  s.fused_captures = r.fused_captures;
   s.early_captures = r.early_captures;
   s.bounce_copies = g_.round_host.copies();
   s.host_fallbacks = g_.round_host.fallbacks();

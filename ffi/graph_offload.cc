@@ -5,48 +5,7 @@
 
 namespace jaxvmm {
 
-bool OffloadRounds::ServeHostGranted(Channel& c) {
-  // Host grants: one cell.
-  ChannelWords& w = *c.w;
-  Cell& cell = c.cells[0];
-  bool busy = false;
-  if (w.filled[0].load(std::memory_order_acquire) == 1) {
-    // The device copied x into the cell and handed out the round's token: D2H it on gd2h.
-    w.filled[0].store(0, std::memory_order_relaxed);
-    busy = true;
-    std::shared_ptr<Ticket> t = std::move(cell.ticket);
-    cell.ticket.reset();
-    cell.round = Channel::Round::kIdle;
-    c.last_use = std::chrono::steady_clock::now();
-    ++c.rounds;
-    ++g_.stats.offload_rounds;
-    if (t) {
-      Status st = CopyOutOfCell(c, 0, t);
-      if (!st.ok()) RecordOffloadError(c, st);
-    }
-  }
-  // A round waits for its grant. Only one grant is outstanding at a time: a knock that arrives while
-  // a grant is unused (its round never reached the device) is served by that grant.
-  if (cell.round == Channel::Round::kIdle && (c.waiting || w.knock.load(std::memory_order_acquire) == 1)) {
-    if (!c.waiting) w.knock.store(0, std::memory_order_relaxed);
-    c.waiting = true;
-    busy = true;
-    if (!cells_.MapCell(c, 0)) return busy;  // no room in the staging budget yet: the next pass retries
-    Status st;
-    std::shared_ptr<Ticket> t = MakeRoundTicket(c, /*token=*/0, &st);
-    // Without one the round hands out token 0, which no ticket has: its reload fills 0xFF and reports.
-    if (!t) RecordOffloadError(c, st);
-    w.token.store(t ? t->token : 0, std::memory_order_relaxed);
-    cell.ticket = t;
-    c.waiting = false;
-    cell.round = Channel::Round::kGranted;
-    c.last_use = std::chrono::steady_clock::now();
-    cells_.Grant(&w.arm, c, 0);  // after the cell's previous D2H
-  }
-  return busy;
-}
-
-bool OffloadRounds::ServeKernelGranted(Channel& c) {
+bool OffloadRounds::Serve(Channel& c) {
   ChannelWords& w = *c.w;
   bool busy = ServeHeld(c);
   for (int i = 0; i < c.ncells; ++i) {
@@ -97,15 +56,15 @@ bool OffloadRounds::ServeKernelGranted(Channel& c) {
 }
 
 std::shared_ptr<Ticket> OffloadRounds::MakeRoundTicket(const Channel& c, uint64_t token, Status* st) {
-  // A graph-mode offload round's ticket, with its host block (its D2H completion is a gd2h sequence number): a new token (0), or
-  // the reserved token the device took (kernel grants). Null, and *st says why, when it cannot be made.
+  // A graph-mode offload round's ticket, with its host block (its D2H completion is a gd2h sequence
+  // number), for the reserved token the device took. Null, and *st says why, when it cannot be made.
   HostBlock host;
   *st = g_.round_host.Allocate(c.meta.nbytes, &host).At(-1, "offload (graph)");
   Held h = g_.ledger.Lock();
-  if (token) g_.ledger.Disarm(h, token);  // from now on its ticket (or its absence) speaks for it
+  g_.ledger.Disarm(h, token);  // from now on its ticket (or its absence) speaks for it
   std::shared_ptr<Ticket> t;
   if (st->ok()) {
-    t = token ? g_.ledger.tickets(h).Create(c.meta, token) : g_.ledger.tickets(h).Create(c.meta);
+    t = g_.ledger.tickets(h).Create(c.meta, token);
     if (!t) *st = Status(Code::kInternal, TokenStr(token) + " was taken by another ticket before its round ended");
   }
   if (t) {

@@ -1,7 +1,7 @@
 // Graph mode's offload rounds, as the poller serves them (DESIGN.md, "Graph mode"): a round's ticket
 // and its host block, the D2H out of its cell on gd2h, and the cell's next grant: armed behind that
 // D2H, lent to a spare when PCIe is behind, or held with its bytes readable (every spare lent, or the
-// one cell of a large call site until its next round knocks). Host grants: one cell, a grant per knock.
+// one cell of a large call site until its next round knocks).
 //
 // No lock of its own: every call is made with GraphMode::mu_ held.
 #pragma once
@@ -22,15 +22,14 @@ class OffloadRounds {
 
   // One poller pass over offload channel c: its finished rounds (filled) and a waiting one (knock).
   // True when there was work.
-  bool ServeKernelGranted(Channel& c);
-  bool ServeHostGranted(Channel& c);
+  bool Serve(Channel& c);
   bool ReapOffloads();  // graph-mode D2H copies that finished: their tickets are on the host
   bool Draining() const { return !round_d2h_.empty(); }  // a graph-mode D2H may still run
 
  private:
   using Held = Ledger::Held;
-  // A graph-mode offload round's ticket with its host block: a new token (0), or the token the device
-  // took (kernel grants). Null, and *st says why, when it cannot be made. Takes the ledger lock.
+  // A graph-mode offload round's ticket with its host block, for the token the device took (its cell's
+  // grant_token). Null, and *st says why, when it cannot be made. Takes the ledger lock.
   std::shared_ptr<Ticket> MakeRoundTicket(const Channel& c, uint64_t token, Status* st);
   Status CopyOutOfCell(Channel& c, int i, const std::shared_ptr<Ticket>& t);  // D2H of cell i on gd2h
   void RecordOffloadError(const Channel& c, const Status& st);

@@ -14,40 +14,34 @@ namespace jaxvmm {
 
 // ---------------------------------------------------------------- the initialize stage
 
-void GraphRecorder::PrepareKernels(CUstream setup, Channel& c, bool first, bool any_captured) {
-  if (!first && !(use_kernels_ && !kernels_.warmed() && !any_captured)) return;
-  Status ks = LoadKernels(setup, c, any_captured);
-  if (!ks.ok()) {
-    use_kernels_ = stats_.kernels = false;
-    stats_.kernels_error = ks.ToString();
-    std::fprintf(stderr, "jaxvmm: graph-mode grant kernels unavailable, rounds are granted by the host: %s\n", ks.ToString().c_str());
-  }
-}
-
-Status GraphRecorder::LoadKernels(CUstream setup, Channel& first, bool any_captured) {
-  // Once per engine, outside any capture: the protocol its captures record. A driver that cannot load
-  // the PTX keeps the host-granted protocol (stats: graph_kernels = 0 and why).
-  if (!kernels_.tried()) {
-    use_kernels_ = false;
-    if (EngineConfig::GraphKernels()) {
-      JAXVMM_RETURN_IF_ERROR(kernels_.Load(device_, EngineConfig::GraphEarlyLaunch()));
-      use_kernels_ = stats_.kernels = true;
-    }
-  }
-  if (!use_kernels_ || kernels_.warmed() || any_captured) return Status();
+Status GraphRecorder::PrepareKernels(CUstream setup, Channel& c) {
+  // Once per engine, outside any capture. Failure (no PTX JIT, a driver older than the PTX ISA, a
+  // launch that fails) is not retried: what a capture would record is decided here.
+  if (kernels_.tried()) return ready_;
+  Status st = kernels_.Load(device_);
   // Before any round of this engine can wait on the device: under lazy module loading (the CUDA
   // default) a kernel's first launch may wait for the whole device to drain while holding the
   // context's lock. Launched first under a capture (mu_ held) or by a revocation (the poller) while
   // another channel's round waits for the poller, that wait never ends. Nothing of this engine waits
-  // on the device yet, so the loads end; if they fail, the host-granted protocol runs.
-  JAXVMM_RETURN_IF_ERROR(WarmKernels(setup, first));
-  kernels_.MarkWarmed();  // from here on the op ring copies with jaxvmm_copy too
-  return Status();
+  // on the device yet, so the loads end.
+  if (st.ok()) st = WarmKernels(setup, c);
+  if (st.ok()) {
+    kernels_.MarkWarmed();  // from here on the op ring copies with jaxvmm_copy too
+    stats_.kernels = true;
+    return ready_;
+  }
+  stats_.kernels_error = st.ToString();
+  ready_ = st.Append(
+      " (graph mode records its rounds with these kernels: no call site can be captured into a command buffer on "
+      "this device; turn command buffers off with XLA_FLAGS=--xla_gpu_enable_command_buffer= , or graph mode with "
+      "JAXVMM_GRAPH=0)");
+  std::fprintf(stderr, "%s\n", ready_.ToString().c_str());
+  return ready_;
 }
 
 Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& meta, ChannelKind kind) {
-  // The cells' VAs, reserved once (host grants: the captured copies name cell 0). K is fixed from here
-  // on: kernel grants record kernels that read it from the channel's device words.
+  // The cells' VAs, reserved once. K is fixed from here on: the recorded kernels read it from the
+  // channel's device words.
   Location loc{CU_MEM_LOCATION_TYPE_DEVICE, device_};
   size_t g = 0;
   JAXVMM_RETURN_IF_ERROR(Granularity(backend_, device_, loc, &g));
@@ -66,7 +60,7 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
   // More than one cell only below kLargeCellBytes (Channel::Large): a second cell of a large activation
   // costs as much device memory as the activation (what offloading is meant to free), and a large
   // activation comes with enough compute per iteration to hide the previous round's copy.
-  const int k = use_kernels_ && !c.Large() ? EngineConfig::GraphCells() : 1;
+  const int k = !c.Large() ? EngineConfig::GraphCells() : 1;
   Status st;
   for (int made = 0; made < k && st.ok(); ++made) {
     Cell& cell = c.cells[made];
@@ -74,9 +68,8 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
     if (st.ok() && !cell.event)
       st = Call(cell.slot_id, "graph channel", Entry::kEventCreate, [&] { return Driver(backend_).EventCreate(&cell.event, CU_EVENT_DISABLE_TIMING); });
   }
-  c.trades = use_kernels_ && c.Large() &&
-             EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge;
-  if (st.ok() && use_kernels_ && kind == ChannelKind::kOffload) {
+  c.trades = c.Large() && EngineConfig::GraphHoldPolicy() == EngineConfig::GraphHold::kLarge;
+  if (st.ok() && kind == ChannelKind::kOffload) {
     // Spare cells (VA only; pages when lent): as many as the slots allow, up to graph_spares (or
     // kMaxSpares under a spare budget). (A channel with spares records its rounds as kernels even with
     // one cell: the cell's address is read from the device words, where a lend changes it.)
@@ -88,7 +81,7 @@ Status GraphRecorder::ReserveCells(CUstream setup, Channel& c, const ArrayMeta& 
   }
   if (st.ok()) {
     c.ncells = k;
-    if (use_kernels_) st = SetUpCells(setup, c);
+    st = SetUpCells(setup, c);
   }
   if (!st.ok()) {
     for (Cell& cell : c.cells) {
@@ -138,14 +131,12 @@ Status GraphRecorder::SetUpCells(CUstream setup, Channel& c) {
 }
 
 Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
-  // `c` is the engine's first channel, its words all 0 and no round started.
+  // `c` is a channel no round has used (nothing of the engine was captured yet), its words all 0.
   // Each kernel runs once on `setup` with arguments that make it return at once, leaving the words at 0:
-  // with one cell (its "cell" the pinned word `token`, its flag `filled[0]`) whose grant[0] = 1,
+  // with one cell (its "cell" the pinned word scratch[0], its flag `filled[0]`) whose grant[0] = 1,
   // take_offload takes the grant and writes the token into grant[0]; take_reload finds grant[0] naming
   // the token it reads from grant[0] and takes it; the copy kernel copies the cell into `probe` and
-  // the publish kernel writes filled[0]; revoke finds grant[0] empty. The fused kernels first, alike (one block each):
-  // fused_offload takes grant[0] = 1, writes token 1 into grant[0] and copies `probe` into the cell;
-  // fused_reload takes grant[0] (it names token 1) and copies the cell into `probe`.
+  // the publish kernel writes filled[0]; revoke finds grant[0] empty.
   const DriverTable& d = Driver(backend_);
   const char* stage = "graph kernels (warm-up)";
   ChannelWords& w = *c.w;
@@ -153,46 +144,43 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
   const CUdeviceptr ncells = c.Word(offsetof(DeviceWords, ncells)), cell0 = c.Word(offsetof(DeviceWords, cell)),
                     flag0 = c.Word(offsetof(DeviceWords, flag));
   Status st = WriteDevice(setup, ncells, 1, stage);
-  if (st.ok()) st = WriteDevice(setup, cell0, WordAddr(w.token), stage);
+  if (st.ok()) st = WriteDevice(setup, cell0, WordAddr(w.scratch[0]), stage);
   if (st.ok()) st = WriteDevice(setup, flag0, WordAddr(w.filled[0]), stage);
-  if (st.ok()) st = WriteDevice(setup, g0, 1, stage);
-  if (st.ok()) st = kernels_.FusedOffload(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), g0, WordAddr(w.knock));
-  if (st.ok()) st = kernels_.FusedReload(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), g0, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go));
-  if (st.ok()) st = WriteDevice(setup, WordAddr(w.filled[0]), 0, stage);  // only the publish kernel below sets it again
   if (st.ok()) st = WriteDevice(setup, g0, 1, stage);
   if (st.ok()) st = kernels_.TakeOffload(setup, c.dw, g0, WordAddr(w.knock));
   if (st.ok()) st = kernels_.TakeReload(setup, c.dw, g0, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go));
-  // Launched as rounds launch them (early, when asked for), so the warm-up also tries that launch.
-  if (st.ok()) st = kernels_.CellCopy(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), /*out=*/true, EarlyLaunch());
-  if (st.ok()) st = kernels_.Publish(setup, c.dw, stage, EarlyLaunch());
+  // Launched as rounds launch them (early, where the module can), so the warm-up also tries that launch.
+  if (st.ok()) st = kernels_.CellCopy(setup, c.dw, WordAddr(w.probe), sizeof(uint64_t), /*out=*/true);
+  if (st.ok()) st = kernels_.Publish(setup, c.dw, stage);
   if (st.ok()) st = kernels_.Revoke(setup, g0, 0, WordAddr(w.result));
-  // The op ring's copy: filled[0] (1 by now) into `unused`, and a value with both 32-bit halves set into
-  // `arm` (not used by kernel grants).
+  // The op ring's copy: filled[0] (1 by now) into scratch[1], and a value with both 32-bit halves set
+  // into scratch[2].
   constexpr uint64_t kWarmToken = 0x0000000900000007ull;
-  if (st.ok()) st = kernels_.Copy(setup, WordAddr(w.unused), WordAddr(w.filled[0]), sizeof(uint64_t), WordAddr(w.arm), kWarmToken, stage);
-  // The op ring's reload, both ways, `unused` into `go` and the token (in `arm`) into `probe`: a hit
-  // (the tag is that token) publishing seq 5 in done[0], then a miss (tag 1) publishing seq 6 in
-  // done[1], whose wait for ready >= 6 passes at once (`arm` stands for the ready word: it holds the
-  // token, far above 6), so a kernel that waits where it must not cannot hang the warm-up.
+  const CUdeviceptr dst = WordAddr(w.scratch[1]), token = WordAddr(w.scratch[2]);
+  if (st.ok()) st = kernels_.Copy(setup, dst, WordAddr(w.filled[0]), sizeof(uint64_t), token, kWarmToken, stage);
+  // The op ring's reload, both ways, scratch[1] into `go` and the token (in scratch[2]) into `probe`: a
+  // hit (the tag is that token) publishing seq 5 in done[0], then a miss (tag 1) publishing seq 6 in
+  // done[1], whose wait for ready >= 6 passes at once (scratch[2] stands for the ready word: it holds
+  // the token, far above 6), so a kernel that waits where it must not cannot hang the warm-up.
   constexpr uint64_t kWarmSeq = 5;
   if (st.ok())
-    st = kernels_.RingReload(setup, WordAddr(w.go), WordAddr(w.unused), sizeof(uint64_t), WordAddr(w.arm), kWarmToken, WordAddr(w.probe),
-                             WordAddr(w.done[0]), kWarmSeq, WordAddr(w.arm));
+    st = kernels_.RingReload(setup, WordAddr(w.go), dst, sizeof(uint64_t), token, kWarmToken, WordAddr(w.probe), WordAddr(w.done[0]),
+                             kWarmSeq, token);
   if (st.ok())
-    st = kernels_.RingReload(setup, WordAddr(w.go), WordAddr(w.unused), sizeof(uint64_t), WordAddr(w.arm), 1, WordAddr(w.probe),
-                             WordAddr(w.done[1]), kWarmSeq + 1, WordAddr(w.arm));
+    st = kernels_.RingReload(setup, WordAddr(w.go), dst, sizeof(uint64_t), token, 1, WordAddr(w.probe), WordAddr(w.done[1]),
+                             kWarmSeq + 1, token);
   Status sync = Call(-1, stage, Entry::kStreamSynchronize, [&] { return d.StreamSynchronize(setup); });
   if (st.ok()) st = sync;
-  if (st.ok() && (w.knock.load() || w.request.load() || w.result.load() || w.filled[0].load() != 1 || w.unused.load() != 1 ||
-                  w.arm.load() != kWarmToken || w.go.load() != 1 || w.probe.load() != kWarmToken || w.done[0].load() != kWarmSeq ||
-                  w.done[1].load() != kWarmSeq + 1))
+  if (st.ok() && (w.knock.load() || w.request.load() || w.result.load() || w.filled[0].load() != 1 || w.scratch[1].load() != 1 ||
+                  w.scratch[2].load() != kWarmToken || w.go.load() != 1 || w.probe.load() != kWarmToken ||
+                  w.done[0].load() != kWarmSeq || w.done[1].load() != kWarmSeq + 1))
     st = Status(Code::kInternal, "graph-mode grant kernels misbehaved in their warm-up (a word was left set, or a copy did not land)");
-  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0], &w.done[0], &w.done[1], &w.unused, &w.arm})
+  for (auto* word : {&w.knock, &w.probe, &w.request, &w.go, &w.result, &w.filled[0], &w.done[0], &w.done[1], &w.scratch[0],
+                     &w.scratch[1], &w.scratch[2]})
     word->store(0, std::memory_order_relaxed);
   // Leave the device words as a new channel's (SetUpCells writes the constants).
   for (CUdeviceptr word : {g0, ncells, cell0, flag0, c.Word(offsetof(DeviceWords, next)), c.Word(offsetof(DeviceWords, ptr)),
-                           c.Word(offsetof(DeviceWords, publish)), c.Word(offsetof(DeviceWords, blocks)),
-                           c.Word(offsetof(DeviceWords, arrive)), c.Word(offsetof(DeviceWords, ready))})
+                           c.Word(offsetof(DeviceWords, publish))})
     (void)WriteDevice(setup, word, 0, stage);
   d.StreamSynchronize(setup);
   if (!st.ok()) st = Status(st.code(), st.ToString() + " (warm-up of the grant kernels at the engine's first initialize stage)");
@@ -200,8 +188,6 @@ Status GraphRecorder::WarmKernels(CUstream setup, Channel& c) {
 }
 
 // ---------------------------------------------------------------- the execute stage, under capture
-
-bool GraphRecorder::EarlyLaunch() const { return kernels_.can_launch_early() && EngineConfig::GraphEarlyLaunch(); }
 
 Status GraphRecorder::RecordCopyAndPublish(CUstream stream, Channel& c, CUdeviceptr other, size_t nbytes, bool out,
                                            const char* stage) {
@@ -215,67 +201,26 @@ Status GraphRecorder::RecordCopyAndPublish(CUstream stream, Channel& c, CUdevice
     const CUdeviceptr flag = WordAddr(out ? c.w->done[0] : c.w->filled[0]);
     return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, flag, 1, 0); });
   }
-  // Early launches (sm_90, unless JAXVMM_GRAPH_PDL=0): the copy and the publish launched early, each
-  // waiting on the device for the kernel before it (programmatic edges in the captured graph), so
-  // neither pays a full launch after the kernel before it has drained.
-  const bool early = EarlyLaunch();
-  JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out, early));
-  JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c.dw, stage, early));
-  if (early) ++stats_.early_captures;
+  // On sm_90 and later the copy and the publish are launched early, each waiting on the device for
+  // the kernel before it (programmatic edges in the captured graph), so neither pays a full launch
+  // after the kernel before it has drained.
+  JAXVMM_RETURN_IF_ERROR(kernels_.CellCopy(stream, c.dw, other, nbytes, out));
+  JAXVMM_RETURN_IF_ERROR(kernels_.Publish(stream, c.dw, stage));
+  if (kernels_.can_launch_early()) ++stats_.early_captures;
   return Status();
 }
 
 Status GraphRecorder::RecordOffload(CUstream stream, Channel& c, CUdeviceptr src, size_t nbytes, CUdeviceptr token_out) {
-  const DriverTable& d = Driver(backend_);
-  ChannelWords& w = *c.w;
-  const char* stage = "offload (capture)";
-  if (use_kernels_) {
-    if (!c.FixedCell() && EngineConfig::GraphFused()) {
-      // One node: the fused kernel takes a cell's grant and copies x into it (its last block publishes
-      // the cell's filled word).
-      JAXVMM_RETURN_IF_ERROR(kernels_.FusedOffload(stream, c.dw, src, nbytes, token_out, WordAddr(w.knock)));
-      ++stats_.fused_captures;
-      return Status();
-    }
-    // Separate nodes: take a cell's grant (its address into the channel's `ptr`), copy x into that
-    // cell, publish the cell's filled word.
-    JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c.dw, token_out, WordAddr(w.knock)));
-    return RecordCopyAndPublish(stream, c, src, nbytes, /*out=*/false, stage);
-  }
-  const CUdeviceptr cell = c.cells[0].addr;
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, WordAddr(w.knock), 1, 0); }));
-  JAXVMM_RETURN_IF_ERROR(
-      Call(-1, stage, Entry::kStreamWaitValue64, [&] { return d.StreamWaitValue64(stream, WordAddr(w.arm), 1, CU_STREAM_WAIT_VALUE_EQ); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, WordAddr(w.arm), 0, 0); }));
-  JAXVMM_RETURN_IF_ERROR(
-      Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(token_out, WordAddr(w.token), sizeof(uint64_t), stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(cell, src, nbytes, stream); }));
-  return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, WordAddr(w.filled[0]), 1, 0); });
+  // Take a cell's grant (its address into the channel's `ptr`), copy x into that cell, publish the
+  // cell's filled word.
+  JAXVMM_RETURN_IF_ERROR(kernels_.TakeOffload(stream, c.dw, token_out, WordAddr(c.w->knock)));
+  return RecordCopyAndPublish(stream, c, src, nbytes, /*out=*/false, "offload (capture)");
 }
 
 Status GraphRecorder::RecordReload(CUstream stream, Channel& c, CUdeviceptr token_in, CUdeviceptr dst, size_t nbytes) {
-  const DriverTable& d = Driver(backend_);
   ChannelWords& w = *c.w;
-  const char* stage = "reload (capture)";
-  if (use_kernels_) {
-    if (c.ncells > 1 && EngineConfig::GraphFused()) {
-      JAXVMM_RETURN_IF_ERROR(
-          kernels_.FusedReload(stream, c.dw, dst, nbytes, token_in, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go)));
-      ++stats_.fused_captures;
-      return Status();
-    }
-    JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, c.dw, token_in, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go)));
-    return RecordCopyAndPublish(stream, c, dst, nbytes, /*out=*/true, stage);
-  }
-  const CUdeviceptr cell = c.cells[0].addr;
-  JAXVMM_RETURN_IF_ERROR(
-      Call(-1, stage, Entry::kMemcpyAsync, [&] { return d.MemcpyAsync(WordAddr(w.probe), token_in, sizeof(uint64_t), stream); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, WordAddr(w.request), 1, 0); }));
-  JAXVMM_RETURN_IF_ERROR(
-      Call(-1, stage, Entry::kStreamWaitValue64, [&] { return d.StreamWaitValue64(stream, WordAddr(w.go), 1, CU_STREAM_WAIT_VALUE_EQ); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, WordAddr(w.go), 0, 0); }));
-  JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kMemcpyDtoDAsync, [&] { return d.MemcpyDtoDAsync(dst, cell, nbytes, stream); }));
-  return Call(-1, stage, Entry::kStreamWriteValue64, [&] { return d.StreamWriteValue64(stream, WordAddr(w.done[0]), 1, 0); });
+  JAXVMM_RETURN_IF_ERROR(kernels_.TakeReload(stream, c.dw, token_in, WordAddr(w.probe), WordAddr(w.request), WordAddr(w.go)));
+  return RecordCopyAndPublish(stream, c, dst, nbytes, /*out=*/true, "reload (capture)");
 }
 
 Status GraphRecorder::RecordPrefetch(CUstream stream, CUdeviceptr token_in, CUdeviceptr token_out) {

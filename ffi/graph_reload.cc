@@ -3,84 +3,7 @@
 
 namespace jaxvmm {
 
-bool ReloadRounds::ServeHostGranted(Channel& c) {
-  // Host grants: one cell.
-  ChannelWords& w = *c.w;
-  Cell& cell = c.cells[0];
-  const DriverTable& d = Driver(g_.backend);
-  bool busy = false;
-  if (w.done[0].load(std::memory_order_acquire) == 1) {
-    // The device copied the cell out: the round's ticket is consumed and the cell is free.
-    w.done[0].store(0, std::memory_order_relaxed);
-    busy = true;
-    {
-      Held h = g_.ledger.Lock();
-      if (cell.ticket) {
-        ++g_.ledger.counts(h).reloads;  // a ticket's bytes reached XLA's buffer (a 0xFF round had no ticket)
-        cell.ticket->pins -= 1;
-        g_.ledger.Retire(h, cell.ticket);
-        cell.ticket.reset();
-      }
-    }
-    cell.round = Channel::Round::kIdle;
-    c.last_use = std::chrono::steady_clock::now();
-    ++c.rounds;
-    ++g_.stats.reload_rounds;
-    PrefetchInto(c, /*kernels=*/false);
-  }
-  if (cell.round == Channel::Round::kIdle && (c.waiting || w.request.load(std::memory_order_acquire) == 1)) {
-    if (!c.waiting) w.request.store(0, std::memory_order_relaxed);
-    c.waiting = true;
-    busy = true;
-    if (!cells_.MapCell(c, 0)) return busy;
-    const uint64_t token = w.probe.load(std::memory_order_acquire);
-    std::string why;
-    Source src;
-    bool hit = false;
-    std::shared_ptr<Ticket> a;
-    {
-      Held h = g_.ledger.Lock();
-      a = FindForRound(h, c, token, &why);
-      // Its offload's `filled` is not served yet (it precedes this request on the device, so the
-      // next pass serves it): its bytes are not on their way to the host yet.
-      if (a && !a->enqueued) return busy;
-      hit = TakeForRound(h, c, 0, a, &src);
-    }
-    cell.ticket = a;
-    c.waiting = false;
-    cell.round = Channel::Round::kGranted;
-    c.last_use = std::chrono::steady_clock::now();
-    if (hit) {
-      ++g_.stats.hits;
-      cells_.Grant(&w.go, c, 0);  // after the prefetch copy
-      return busy;
-    }
-    ++g_.stats.misses;
-    if (!a) {
-      g_.ledger.Report(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
-                                                            "; the output was filled with 0xFF bytes"));
-      FillInvalid(c, 0);
-      cells_.Grant(&w.go, c, 0);
-      return busy;
-    }
-    // A correction on gfix, after any copy still running into the cell (a prefetch of another guess).
-    Status st;
-    if (cell.stream && cell.stream != g_.gfix)
-      st = Call(-1, "reload (graph)", Entry::kStreamWaitEvent, [&] { return d.StreamWaitEvent(g_.gfix, cell.event, 0); });
-    if (st.ok()) st = g_.transfers.CopyTicket(g_.gfix, src, cell.addr, c.meta.nbytes, g_.round_host.bounce(), "reload (graph)");
-    if (st.ok()) st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, g_.gfix); });
-    cell.stream = g_.gfix;
-    cells_.WatchLentRead(src, a, cell.event);
-    if (!st.ok()) {
-      g_.ledger.Report(c.stream, Status(st.code(), st.ToString() + " (graph-mode reload of " + TokenStr(token) + " failed; the output was filled with 0xFF bytes)"));
-      FillInvalid(c, 0);
-    }
-    cells_.Grant(&w.go, c, 0);
-  }
-  return busy;
-}
-
-bool ReloadRounds::ServeKernelGranted(Channel& c) {
+bool ReloadRounds::Serve(Channel& c) {
   ChannelWords& w = *c.w;
   const DriverTable& d = Driver(g_.backend);
   bool busy = false;
@@ -120,11 +43,10 @@ bool ReloadRounds::ServeKernelGranted(Channel& c) {
     ++c.rounds;
     ++g_.stats.reload_rounds;
   }
-  if (busy) PrefetchInto(c, /*kernels=*/true);
+  if (busy) PrefetchInto(c);
   if (c.waiting || w.request.load(std::memory_order_acquire) == 1) {
-    // The device found no cell whose grant names its token and waits for go: the host decides, as
-    // without kernels. A `done` that came in since this pass read it belongs to the previous round:
-    // serve it first.
+    // The device found no cell whose grant names its token and waits for go: the host decides. A
+    // `done` that came in since this pass read it belongs to the previous round: serve it first.
     for (int i = 0; i < c.ncells; ++i)
       if (w.done[i].load(std::memory_order_acquire) == 1) return true;
     if (!c.waiting) w.request.store(0, std::memory_order_relaxed);
@@ -166,7 +88,6 @@ bool ReloadRounds::ServeKernelGranted(Channel& c) {
     cell.round = Channel::Round::kGranted;
     cell.host_grant = true;
     c.last_use = std::chrono::steady_clock::now();
-    const uint64_t go = static_cast<uint64_t>(j) + 1;
     // On gfix, after every copy into the cell (a prefetch and its grant write): clear grant[j] (the
     // host decides what the cell holds now), put the bytes in, then go.
     Status st;
@@ -186,7 +107,7 @@ bool ReloadRounds::ServeKernelGranted(Channel& c) {
     }
     if (hit) {
       ++g_.stats.hits;
-      cells_.Grant(&w.go, c, j, go);
+      cells_.Go(c, j);
       return busy;
     }
     ++g_.stats.misses;
@@ -194,7 +115,7 @@ bool ReloadRounds::ServeKernelGranted(Channel& c) {
       g_.ledger.Report(c.stream, Status(Code::kInvalidArgument, "reload (graph-mode call site " + std::to_string(c.site) + "): " + why +
                                                             "; the output was filled with 0xFF bytes"));
       FillInvalid(c, j);
-      cells_.Grant(&w.go, c, j, go);
+      cells_.Go(c, j);
       return busy;
     }
     // The bytes may still be in the offload cell the round left them in (the backward's first reloads
@@ -220,11 +141,11 @@ bool ReloadRounds::ServeKernelGranted(Channel& c) {
     } else if (StageHeldGuesses(c, j)) {
       // go must follow the staged copies too (they read offload cells that XLA's stream may refill once
       // it goes on; CellHolding found them only where XLA keeps the recorded order): cell j's event
-      // again, behind them, so that Grant writes go on gfix.
+      // again, behind them, so that Go writes go on gfix.
       st = Call(-1, "reload (graph)", Entry::kEventRecord, [&] { return d.EventRecord(cell.event, g_.gfix); });
       if (!st.ok()) d.StreamSynchronize(g_.gfix);  // then go may be written at once
     }
-    cells_.Grant(&w.go, c, j, go);
+    cells_.Go(c, j);
   }
   return busy;
 }
@@ -267,7 +188,7 @@ bool ReloadRounds::TakeForRound(const Held& h, Channel& c, int i, const std::sha
   return hit;
 }
 
-void ReloadRounds::PrefetchInto(Channel& c, bool kernels) {
+void ReloadRounds::PrefetchInto(Channel& c) {
   // A round of the channel ended: fill each idle cell with a ticket a next round will most likely name
   // (the next predictions, each claimed by the channel so the next cell gets the one after), so their
   // grants need no copy on the device's path. Cells other than the one just freed are mapped only
@@ -289,7 +210,7 @@ void ReloadRounds::PrefetchInto(Channel& c, bool kernels) {
         Held h = g_.ledger.Lock();
         if (!g_.ledger.tickets(h).Predict(c.meta, usable)) return;  // nothing to guess: no pages for it
       }
-      if (!kernels || !cells_.MapCell(c, i, /*evict=*/false)) continue;
+      if (!cells_.MapCell(c, i, /*evict=*/false)) continue;
     }
     Source src;
     {
@@ -301,17 +222,17 @@ void ReloadRounds::PrefetchInto(Channel& c, bool kernels) {
       cell.loaded = t;
       src = cells_.RoundSourceOf(*t);
     }
-    if (!LoadGuess(c, i, src, g_.gh2d, kernels, "reload prefetch (graph)")) return;
+    if (!LoadGuess(c, i, src, g_.gh2d, "reload prefetch (graph)")) return;
   }
 }
 
-bool ReloadRounds::LoadGuess(Channel& c, int i, const Source& src, CUstream s, bool kernels, const char* stage, bool* copied) {
+bool ReloadRounds::LoadGuess(Channel& c, int i, const Source& src, CUstream s, const char* stage, bool* copied) {
   const DriverTable& d = Driver(g_.backend);
   Cell& cell = c.cells[i];
   Status st = g_.transfers.CopyTicket(s, src, cell.addr, c.meta.nbytes, g_.round_host.bounce(), stage);
   if (copied) *copied = st.ok();
   bool armed = false;
-  if (st.ok() && kernels) {
+  if (st.ok()) {
     // The device's grant: grant[i] names the token only once its bytes are in the cell (stream
     // order, and the write's default memory barrier makes the copy visible first).
     st = WriteDeviceWord(g_.backend, s, c.Grant(i), cell.loaded->token, stage);
@@ -391,7 +312,7 @@ bool ReloadRounds::StageHeldGuesses(Channel& c, int busy) {
     staged = true;  // (a copy may have been enqueued even when it failed)
     from->read_into = &cell;
     bool copied = false;
-    const bool ok = LoadGuess(c, k, src, g_.gfix, /*kernels=*/true, "reload guess (graph)", &copied);
+    const bool ok = LoadGuess(c, k, src, g_.gfix, "reload guess (graph)", &copied);
     if (copied) ++g_.stats.cell_reads;
     if (!ok) return staged;
   }
@@ -417,8 +338,8 @@ void ReloadRounds::FillInvalid(Channel& c, int i) {
 
 void ReloadRounds::DropStaleGuesses() {
   // A consumed ticket a cell still holds as its guess stays pinned (live, its
-  // host block held) until the cell goes idle: take the guess back now. An armed one is revoked first
-  // (its `ready` names the token); a revoke the device won leaves a live round, served as usual.
+  // host block held) until the cell goes idle: take the guess back now. Its grant is revoked first (it
+  // names the token); a revoke the device won leaves a live round, served as usual.
   if (!g_.ledger.TakeStale()) return;
   ScopedContext ctx(g_.backend, g_.device);  // Synchronize calls this from a user thread
   g_.channels.ForEach([&](Channel& c) {
@@ -430,15 +351,7 @@ void ReloadRounds::DropStaleGuesses() {
         Held h = g_.ledger.Lock();
         stale = cell.loaded && (cell.loaded->consumed || cell.loaded->dropped);
       }
-      if (!stale) continue;
-      if (cell.round == Channel::Round::kArmed) {
-        (void)cells_.Revoke(c, i);  // unloads on success
-      } else if (cell.round == Channel::Round::kIdle) {
-        // Host grants: an unarmed guess. Its prefetch may still read the ticket: Unload keeps the pin
-        // until that copy has ended (unpin_after_).
-        Held h = g_.ledger.Lock();
-        cells_.Unload(h, c, i);
-      }
+      if (stale && cell.round == Channel::Round::kArmed) (void)cells_.Revoke(c, i);  // unloads on success
     }
   });
 }

@@ -2,7 +2,7 @@
 // predictions copied into idle reload cells ahead of their rounds (prefetches on gh2d, each with its
 // grant), and a round that found no cell holding its token (a request): the cell chosen, its bytes put
 // in on gfix (from an offload cell that still holds them, device to device, else from the host; 0xFF
-// for a bad token), then go. Host grants: one cell, a grant per request.
+// for a bad token), then go.
 //
 // No lock of its own: every call is made with GraphMode::mu_ held.
 #pragma once
@@ -23,8 +23,7 @@ class ReloadRounds {
 
   // One poller pass over reload channel c: its finished rounds (done) and a waiting one (request).
   // True when there was work.
-  bool ServeKernelGranted(Channel& c);
-  bool ServeHostGranted(Channel& c);
+  bool Serve(Channel& c);
   void DropStaleGuesses();  // reload cells whose guess another reload consumed: revoke and unload
 
  private:
@@ -33,12 +32,12 @@ class ReloadRounds {
   // can reload it; the round consumes `a` in cell i (true: a hit, the cell holds it already).
   std::shared_ptr<Ticket> FindForRound(const Held& h, const Channel& c, uint64_t token, std::string* why);
   bool TakeForRound(const Held& h, Channel& c, int i, const std::shared_ptr<Ticket>& a, Source* src);
-  // The next predictions into the channel's idle reload cells (`kernels`: each with its grant).
-  void PrefetchInto(Channel& c, bool kernels);
-  // Reload cell i's guess (cell.loaded, claimed and pinned) from `src` on `s`: the copy, its grant
-  // (`kernels`) and the cell's event behind them. False on failure: `s` synchronized, the guess
-  // unloaded unless its grant is out. *copied: the copy was enqueued.
-  bool LoadGuess(Channel& c, int i, const Source& src, CUstream s, bool kernels, const char* stage, bool* copied = nullptr);
+  // The next predictions into the channel's idle reload cells, each with its grant.
+  void PrefetchInto(Channel& c);
+  // Reload cell i's guess (cell.loaded, claimed and pinned) from `src` on `s`: the copy, its grant and
+  // the cell's event behind them. False on failure: `s` synchronized, the guess unloaded unless its
+  // grant is out. *copied: the copy was enqueued.
+  bool LoadGuess(Channel& c, int i, const Source& src, CUstream s, const char* stage, bool* copied = nullptr);
   // A small offload call site's cell, of a site whose rounds run on `stream`, that still holds t's bytes
   // (Cell::holds: no later round refilled it, its pages stayed), if any. Only while XLA's stream waits
   // for a reload's go may it be read.

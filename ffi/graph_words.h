@@ -9,10 +9,10 @@ namespace jaxvmm {
 
 // At most this many cells per channel (jaxvmm.configure(graph_cells=K), validated in Python).
 inline constexpr int kMaxCells = 4;
-// At most this many spare cells per offload channel (jaxvmm.configure(graph_spares=N)).
+// At most this many spare cells per offload channel (the graph_spares setting, validated in Python).
 inline constexpr int kMaxSpares = 64;
 
-// Kernel grants: the words the device takes grants from, in device memory (cuMemAlloc), one line per
+// The words the device takes grants from, in device memory (cuMemAlloc), one line per
 // channel. The poller writes them only with cuStreamWriteValue64 on a copy stream, ordered after the
 // copy that makes the grant true; the device (or jaxvmm_revoke) takes grants back with an atomic.
 struct DeviceWords {
@@ -23,14 +23,11 @@ struct DeviceWords {
   uint64_t flag[kMaxCells];   // &filled[i] / &done[i] (idem)
   uint64_t ncells;            // K (idem)
   uint64_t next;              // offload: the cell the next take scans first (the device's round robin)
-  uint64_t ptr;               // the cell the round took (take kernel -> copy kernel; fused: taker -> other blocks)
-  uint64_t publish;           // that cell's flag (the publish kernel, or a fused kernel's last block, writes 1 there)
-  uint64_t blocks;            // fused kernels: blocks finished (the last one resets it)
-  uint64_t arrive;            // fused kernels: blocks arrived (the first takes; the last to finish resets it)
-  uint64_t ready;             // fused kernels: the chosen cell's address once the taker chose it (the last to finish resets it)
+  uint64_t ptr;               // the cell the round took (take kernel -> copy kernel)
+  uint64_t publish;           // that cell's flag (the publish kernel writes 1 there)
   uint64_t stable;            // 1: no cell address changes after the first initialize (no spares, no page trades),
                               // so a take may use the addresses it loaded before taking its grant (constant)
-  uint64_t pad[12];
+  uint64_t pad[15];
 };
 static_assert(sizeof(DeviceWords) == 256, "the layout of Cells in graph_kernels.cu");
 

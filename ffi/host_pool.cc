@@ -1,31 +1,17 @@
 #include "host_pool.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <set>
 
+#include "config.h"
 #include "vmm.h"
 
 namespace jaxvmm {
 namespace {
 
-// JAXVMM_HOST_POOL_LIMIT is parsed in Python (jaxvmm/_config.py, with size suffixes and errors for bad
-// values) and arrives through SetLimit; the core reads no environment variable for it.
-size_t DefaultLimit() {
-  // Half the machine's memory, read once: sysconf(_SC_PHYS_PAGES) is a sysinfo() system call, and
-  // every offload handler checks the limit (twice).
-  static const size_t limit = [] {
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 2 : size_t{16} << 30;
-  }();
-  return limit;
-}
-std::atomic<size_t> g_limit{0};
-std::atomic<size_t> g_chunk{size_t{256} << 20};
 size_t RoundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 // Every live pool, so that lowering the limit can give back what the pools hold beyond it right away.
@@ -34,8 +20,6 @@ std::set<HostPool*>& Pools() {
   static auto* p = new std::set<HostPool*>();
   return *p;
 }
-
-std::atomic<int> g_store{static_cast<int>(HostStoreKind::kPinned)};
 
 class PinnedSource : public HostChunkSource {
  public:
@@ -59,7 +43,9 @@ class PinnedSource : public HostChunkSource {
 
 }  // namespace
 
-const char* HostStoreName(HostStoreKind k) { return k == HostStoreKind::kHostNuma ? "host_numa" : "pinned"; }
+const char* HostStoreName(HostStoreKind k) {
+  return EngineConfig::ChoiceName(Setting::kHostStore, static_cast<int64_t>(k));  // the setting's choices
+}
 
 std::unique_ptr<HostChunkSource> MakePinnedSource(Backend b, int device) { return std::make_unique<PinnedSource>(b, device); }
 
@@ -72,18 +58,16 @@ HostPool::HostPool(Backend b, int device, HostStoreKind kind)
   Pools().insert(this);
 }
 
-void HostPool::SetLimit(size_t bytes) {
-  g_limit.store(bytes);
+void HostPool::ShrinkAllToLimit() {
   // Pools over the new limit return their empty chunks now; the rest follow as tickets free up (Free).
   std::lock_guard<std::mutex> lock(g_pools_mu);
   for (HostPool* p : Pools()) p->ShrinkToLimit();
 }
-void HostPool::SetChunkSize(size_t bytes) { g_chunk.store(std::max<size_t>(RoundUp(bytes, kAlign), kAlign)); }
-size_t HostPool::Limit() {
-  size_t l = g_limit.load();
-  return l ? l : DefaultLimit();
+size_t HostPool::Limit() { return static_cast<size_t>(std::max<int64_t>(EngineConfig::Get(Setting::kHostPoolLimit), 0)); }
+size_t HostPool::ChunkSize() {
+  return std::max<size_t>(RoundUp(static_cast<size_t>(std::max<int64_t>(EngineConfig::Get(Setting::kHostPoolChunk), 0)), kAlign),
+                          kAlign);
 }
-size_t HostPool::ChunkSize() { return g_chunk.load(); }
 
 HostPool::~HostPool() {
   {
@@ -214,7 +198,7 @@ void HostPool::Free(const HostBlock& block) {
   std::lock_guard<std::mutex> lock(mu_);
   FreeLocked(block);
   // Over a lowered limit: chunks emptied by this free leave the pool now. They are returned to the
-  // driver by the next host-side call (Allocate, SetLimit), not here: Free runs on the engine's workers,
+  // driver by the next host-side call (Allocate, ShrinkAllToLimit), not here: Free runs on the engine's workers,
   // and cuMemFreeHost may wait for the device, whose stream may be waiting for those workers.
   if (static_cast<size_t>(stats_.chunk_bytes) > Limit()) RetireEmptyChunks(Limit());
 }
@@ -305,8 +289,10 @@ HostPoolStats HostPool::Stats() const {
 
 HostStore::HostStore(Backend b, int device) : pinned_(b, device, HostStoreKind::kPinned), numa_(b, device, HostStoreKind::kHostNuma) {}
 
-void HostStore::SetCurrent(HostStoreKind k) { g_store.store(static_cast<int>(k)); }
-HostStoreKind HostStore::Current() { return static_cast<HostStoreKind>(g_store.load()); }
+HostStoreKind HostStore::Current() {
+  return EngineConfig::Get(Setting::kHostStore) == static_cast<int64_t>(HostStoreKind::kHostNuma) ? HostStoreKind::kHostNuma
+                                                                                                 : HostStoreKind::kPinned;
+}
 
 Status HostStore::Allocate(size_t nbytes, HostBlock* out) {
   HostStoreKind k = Current();

@@ -100,14 +100,14 @@ class HostPool {
   void ResetPeak();  // window_peak_in_use_bytes := in_use_bytes
   HostStoreKind kind() const { return kind_; }
 
-  // Process-wide knobs (bytes). The default limit is half of physical memory; the default chunk is
-  // 256 MiB (a larger request gets a chunk of its own size). The limit bounds the bytes handed out and
-  // the bytes pinned: lowering it below what a pool pins returns that pool's empty chunks at once and
-  // the others as their last block is freed; allocations past it fail with kOutOfMemory.
-  static void SetLimit(size_t bytes);
-  static void SetChunkSize(size_t bytes);
+  // Process-wide settings (bytes; config.h: host_pool_limit, host_pool_chunk). A request larger than
+  // a chunk gets a chunk of its own size. The limit bounds the bytes handed out and the bytes pinned:
+  // lowering it below what a pool pins returns that pool's empty chunks at once (ShrinkAllToLimit, called
+  // when the setting is set) and the others as their last block is freed; allocations past it fail with
+  // kOutOfMemory.
   static size_t Limit();
-  static size_t ChunkSize();
+  static size_t ChunkSize();  // rounded up to kAlign
+  static void ShrinkAllToLimit();
 
  private:
   struct Chunk {
@@ -141,9 +141,9 @@ class HostPool {
 };
 
 // What the engine uses: one pool per store kind (a pool takes nothing from the driver until used).
-// Allocate draws from the store in force (SetCurrent: jaxvmm.configure(host_store=...),
-// JAXVMM_HOST_STORE); Free returns a block to the pool it came from, so switching stores while tickets
-// live is safe. The limit (HostPool::SetLimit) applies to each pool.
+// Allocate draws from the store in force (Current: the host_store setting, config.h); Free returns a
+// block to the pool it came from, so switching stores while tickets live is safe. The limit
+// (HostPool::Limit) applies to each pool.
 class HostStore {
  public:
   HostStore(Backend b, int device);
@@ -164,7 +164,6 @@ class HostStore {
     numa_.ResetPeak();
   }
 
-  static void SetCurrent(HostStoreKind k);
   static HostStoreKind Current();
 
  private:

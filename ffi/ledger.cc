@@ -98,7 +98,7 @@ void Ledger::WaitUntilServed(uint64_t token) {
       Held h = Lock();
       std::string why;
       std::shared_ptr<Ticket> a = tickets_.Find(token, &why);
-      // Kernel grants: no ticket yet for an armed token; host grants: made at knock, D2H not enqueued.
+      // No ticket yet for an armed token (its round's filled not served), or its D2H not enqueued yet.
       const bool pending = a ? !a->enqueued : armed_.count(token) > 0;
       if (!pending) return;
     }

@@ -89,7 +89,7 @@ class Ledger {
   Status TakeFor(CUstream stream);
   Status TakeAny();
 
-  // Graph mode, kernel grants: a fresh token armed in a cell before its round's ticket exists (the
+  // Graph mode: a fresh token armed in a cell before its round's ticket exists (the
   // poller makes it when the round's `filled` arrives), and its end (made, or the grant revoked).
   uint64_t ArmToken();
   void Disarm(const Held& h, uint64_t token) { Checked(h, armed_).erase(token); }

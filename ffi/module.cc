@@ -13,13 +13,14 @@
 //                 keep, reserve_host, trim, unclaimed_tickets), engine(backend, device), engine_devices,
 //                 engines_quiesce_for_module_load, handlers, ffi_api_version
 //   timeline      MemorySampler (stop, close, summary, series), start_sampler
-//   settings      configure, set_trace, set_host_store, copy_chunk, graph_* ...
+//   settings      set_setting, get_setting (jaxvmm/_config.py), xla_keeps_command_order
 //   hooks         load_testing() binds jaxvmm._jaxvmm._testing (module_testing.cc) on first use
 #include "module.h"
 
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdio>
@@ -27,8 +28,10 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
+#include "config.h"
 #include "debug_stacks.h"
 #include "driver.h"
 #include "engine.h"
@@ -48,6 +51,12 @@ namespace {
 nb::object& ErrorFactory() {
   static nb::object* f = new nb::object();
   return *f;
+}
+
+Setting FindSetting(const std::string& name) {
+  Setting s{};
+  if (!EngineConfig::Find(name, &s)) Check(Status(Code::kInvalidArgument, "unknown setting '" + name + "'"));
+  return s;
 }
 
 Location ParseLocation(const std::string& kind, int id) {
@@ -553,81 +562,33 @@ NB_MODULE(_jaxvmm, m) {
   });
 
   // ---- settings ----
-  m.def("set_trace", [](bool on) { SetTrace(on); });
-
-  // Negative (or 0 where 0 is meaningless) leaves a knob as it is; returns every knob's value in force.
-  m.def("set_graph_kernels", [](bool on) { EngineConfig::SetGraphKernels(on); });
-  // Graph-mode cells per channel for channels prepared from now on (validated in Python first); 0
-  // leaves it. Returns the value in force.
-  m.def("graph_cells", [](int k) {
-    if (k > 0) EngineConfig::SetGraphCells(k);
-    return EngineConfig::GraphCells();
-  });
   // Whether XLA keeps the order of recorded commands, as XLA_FLAGS says now (an engine asks once, when
   // it is made: graph mode reads another call site's offload cell only then).
   m.def("xla_keeps_command_order", [] { return EngineConfig::XlaKeepsCommandOrder(); });
-  // Graph-mode rounds recorded from now on as one fused kernel (1), separate nodes (0); -1 leaves it.
-  // Returns the value in force.
-  m.def("graph_fused", [](int on) {
-    if (on >= 0) EngineConfig::SetGraphFused(on != 0);
-    return static_cast<int>(EngineConfig::GraphFused());
-  });
-  // Graph-mode rounds' copy and publish launched early on sm_90 from now on (1) or not (0); -1 leaves
-  // it. Returns the value in force.
-  m.def("graph_early_launch", [](int on) {
-    if (on >= 0) EngineConfig::SetGraphEarlyLaunch(on != 0);
-    return static_cast<int>(EngineConfig::GraphEarlyLaunch());
-  });
-  // Which graph-mode offload cells are held after their round: "spares" or "large" (validated in
-  // Python first); "" leaves it. Returns the value in force.
-  m.def("graph_hold", [](const std::string& h) {
-    static const char* const kNames[] = {"spares", "large"};
-    for (int i = 0; i < 2; ++i)
-      if (h == kNames[i]) EngineConfig::SetGraphHold(static_cast<EngineConfig::GraphHold>(i));
-    return std::string(kNames[static_cast<int>(EngineConfig::GraphHoldPolicy())]);
-  });
-  // Spare cells per offload channel for channels prepared from now on (validated in Python first); -1
-  // leaves it. Returns the value in force.
-  m.def("graph_spares", [](int n) {
-    if (n >= 0) EngineConfig::SetGraphSpares(n);
-    return EngineConfig::GraphSpares();
-  });
-  // Device memory mapped spares may hold at once, per engine (0: no cap); < 0 leaves it. Returns the
-  // value in force.
-  m.def("graph_spare_budget", [](int64_t bytes) {
-    if (bytes >= 0) EngineConfig::SetGraphSpareBudget(static_cast<size_t>(bytes));
-    return static_cast<int64_t>(EngineConfig::GraphSpareBudget());
-  });
+  // The core's bounds the settings table checks its ranges against (tests/test_config.py).
   m.def("graph_max_cells", [] { return kMaxCells; });
   m.def("graph_max_spares", [] { return kMaxSpares; });
-
-  m.def("configure", [](int64_t host_pool_limit, int64_t host_pool_chunk, int prefetch_depth, int keep_resident,
-                        int64_t staging_budget, int64_t staging_idle_ms) {
-    nb::gil_scoped_release nogil;  // lowering the limit may return pinned chunks to the driver
-    if (host_pool_limit >= 0) HostPool::SetLimit(static_cast<size_t>(host_pool_limit));
-    if (host_pool_chunk > 0) HostPool::SetChunkSize(static_cast<size_t>(host_pool_chunk));
-    if (prefetch_depth > 0) StagingArea::SetDepth(prefetch_depth);
-    if (keep_resident >= 0) EngineConfig::SetKeepResident(keep_resident);
-    if (staging_budget > 0) StagingArea::SetBudget(static_cast<size_t>(staging_budget));
-    if (staging_idle_ms > 0) StagingArea::SetIdleMillis(staging_idle_ms);
-    size_t limit = HostPool::Limit(), chunk = HostPool::ChunkSize(), budget = StagingArea::Budget();
-    int depth = StagingArea::Depth(), keep = EngineConfig::KeepResident();
-    int64_t idle = StagingArea::IdleMillis();
-    nb::gil_scoped_acquire gil;
-    return nb::make_tuple(limit, chunk, depth, keep, budget, idle);
+  // The one way settings arrive (jaxvmm/_config.py declares them, validates them first and pushes
+  // every one at import): by name, a number (an int; a switch as 0 or 1) or a choice's name.
+  m.def("set_setting", [](const std::string& name, std::variant<int64_t, std::string> value) {
+    const Setting s = FindSetting(name);
+    if (const auto* choice = std::get_if<std::string>(&value)) {
+      if (!EngineConfig::SetChoice(s, *choice))
+        Check(Status(Code::kInvalidArgument, "setting '" + name + "' has no choice '" + *choice + "'"));
+    } else if (!EngineConfig::Set(s, std::get<int64_t>(value))) {
+      Check(Status(Code::kInvalidArgument, "setting '" + name + "' takes the name of a choice"));
+    }
+    if (s == Setting::kHostPoolLimit) {
+      nb::gil_scoped_release nogil;  // pools over a lowered limit return their empty chunks to the driver now
+      HostPool::ShrinkAllToLimit();
+    }
   });
-
-  // The host store new offloads draw from: "pinned" or "host_numa" (validated in Python first).
-  m.def("set_host_store", [](const std::string& name) {
-    if (name == "pinned") HostStore::SetCurrent(HostStoreKind::kPinned);
-    else if (name == "host_numa") HostStore::SetCurrent(HostStoreKind::kHostNuma);
-    else Check(Status(Code::kInvalidArgument, "unknown host store '" + name + "' (expected 'pinned' or 'host_numa')"));
-  });
-  m.def("host_store", [] { return std::string(HostStoreName(HostStore::Current())); });
-  // Pieces of D2H/H2D copies (0: one copy); returns the value in force. Negative leaves it.
-  m.def("copy_chunk", [](int64_t bytes) {
-    if (bytes >= 0) EngineConfig::SetCopyChunk(static_cast<size_t>(bytes));
-    return static_cast<int64_t>(EngineConfig::CopyChunk());
+  // The value in force: an int, or a choice's name.
+  m.def("get_setting", [](const std::string& name) -> nb::object {
+    const Setting s = FindSetting(name);
+    const int64_t v = EngineConfig::Get(s);
+    if (const char* choice = EngineConfig::ChoiceName(s, v)) return nb::str(choice);
+    return nb::int_(v);
   });
 
   // ---- hooks: the test, replay, benchmark and fault hooks (module_testing.cc), bound into the submodule

@@ -92,8 +92,7 @@ Status OpRing::Init() {
     for (CUevent* e : {&op.tok, &op.done, &op.filled})
       JAXVMM_RETURN_IF_ERROR(Call(-1, stage, Entry::kEventCreate, [&] { return d.EventCreate(e, CU_EVENT_DISABLE_TIMING); }));
   }
-  const char* prof = std::getenv("JAXVMM_RING_PROFILE");
-  profile_ = prof && *prof && *prof != '0';
+  profile_ = EngineConfig::Get(Setting::kRingProfile) != 0;
   resolver_ = std::make_unique<Worker>("jaxvmm-resolve", backend_, device_);
   releaser_ = std::make_unique<Worker>("jaxvmm-release", backend_, device_);
   return Status();
@@ -564,7 +563,7 @@ void OpRing::ResolveTask(uint64_t seq) {
     return;
   }
   // The token may name a graph-mode offload round the device finished before this op (stream order)
-  // whose `filled` the poller has not served: wait for it, else the ticket is "unknown" (kernel grants)
+  // whose `filled` the poller has not served: wait for it, else the ticket is "unknown" (not made yet)
   // or its D2H is not enqueued yet and a copy from its host block would read stale bytes.
   h.unlock();
   ledger_.WaitUntilServed(token);

@@ -47,7 +47,7 @@ struct RingStats {
   int64_t handler_calls = 0, handler_median_ns = 0, handler_p99_ns = 0;
   // The same median per kind of call (0 when none among the last 4096).
   int64_t offload_median_ns = 0, reload_median_ns = 0;
-  // JAXVMM_RING_PROFILE=1: the median host time of each part of an offload / a reload handler, in
+  // JAXVMM_DEBUG_RING_PROFILE=1: the median host time of each part of an offload / a reload handler, in
   // handler order (name, ns); empty otherwise.
   std::vector<std::pair<std::string, int64_t>> offload_sections, reload_sections;
   // The ring copies with the engine's jaxvmm_copy kernel (false: cuMemcpyDtoDAsync and a token copy,
@@ -83,7 +83,7 @@ class OpRing {
   // The handlers' host time (outside any capture; `start`: when the handler began, for its timing).
   // `stream` is XLA's stream (null on the cpu platform).
   using Clock = std::chrono::steady_clock;
-  // Where a handler's host time goes (JAXVMM_RING_PROFILE=1): the time of each mark, in order.
+  // Where a handler's host time goes (JAXVMM_DEBUG_RING_PROFILE=1): the time of each mark, in order.
   enum Section { kEntry, kTake, kHostBlock, kStaging, kEvent, kBegin, kEnqueue, kReturn, kSections };
   struct Marks {
     Clock::time_point at[kSections];
@@ -183,7 +183,7 @@ class OpRing {
   std::vector<uint8_t> handler_kind_;  // their Op::Kind, same positions
   CUstream last_stream_ = nullptr;     // the stream of the newest op
   uint64_t stream_since_ = 0;          // the first op of the newest run of ops on last_stream_
-  bool profile_ = false;               // JAXVMM_RING_PROFILE=1 (read at Init)
+  bool profile_ = false;               // JAXVMM_DEBUG_RING_PROFILE=1 (read at Init)
   Timings section_ns_[2][kSections + 1];  // [offload, reload][section; the last: the rest up to the end]
 
   // Workers last: destroyed first, after Stop() has drained them.

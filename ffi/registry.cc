@@ -2,13 +2,76 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
+#include <string>
 
 namespace jaxvmm {
 
 namespace {
 constexpr auto kRetryInterval = std::chrono::milliseconds(100);
 std::pair<int, int> DeviceKey(const Slot& s) { return {static_cast<int>(s.spec().backend), s.spec().device}; }
+
+// Memory mappings. Linux refuses a process more than vm.max_map_count of them (65,530 by default), and
+// past that every mmap of the process fails: a thread XLA starts, the compiler's code. A slot takes
+// about two (its reservation and its mapped pages; the driver's own for device memory). A slot is
+// refused while the process still has kMapHeadroom of them, with a message that names the limit.
+constexpr int64_t kMapsPerSlot = 2;
+int64_t MapHeadroom(int64_t limit) { return std::max<int64_t>(4096, limit / 16); }
+
+int64_t MaxMapCount() {  // 0: no such limit here (not Linux)
+  static const int64_t limit = [] {
+    std::ifstream f("/proc/sys/vm/max_map_count");
+    int64_t n = 0;
+    return (f >> n) ? n : int64_t{0};
+  }();
+  return limit;
+}
+
+int64_t ProcessMaps() {  // -1 if /proc/self/maps cannot be read
+  std::ifstream f("/proc/self/maps");
+  if (!f) return -1;
+  int64_t n = 0;
+  std::string line;
+  while (std::getline(f, line)) ++n;
+  return n;
+}
 }  // namespace
+
+Status Registry::CheckMapHeadroom(int64_t id) {
+  const int64_t limit = MaxMapCount();
+  if (limit <= 0) return Status();
+  std::lock_guard<std::mutex> lock(maps_mu_);
+  const int64_t slots = static_cast<int64_t>(SlotsHeld());
+  // Far from the limit by jaxvmm's own count: no need to read /proc/self/maps (~3 ms per 10,000
+  // mappings). Near it, the process's count, estimated between reads as the last count plus
+  // kMapsPerSlot per slot created since: read again once those slots have used a quarter of what the
+  // last count left, and before refusing.
+  const int64_t headroom = MapHeadroom(limit);
+  if ((slots + 1) * kMapsPerSlot < limit / 2) return Status();
+  const int64_t since = slots - slots_counted_;
+  int64_t estimate = maps_counted_ + since * kMapsPerSlot;
+  if (maps_counted_ < 0 || since * kMapsPerSlot * 4 >= limit - headroom - maps_counted_ ||
+      estimate + kMapsPerSlot > limit - headroom) {
+    maps_counted_ = ProcessMaps();
+    slots_counted_ = slots;
+    estimate = maps_counted_;
+  }
+  if (estimate >= 0 && estimate + kMapsPerSlot > limit - headroom) {
+    return Status(Code::kOutOfMemory,
+                  "the process has " + std::to_string(estimate) + " memory mappings of vm.max_map_count=" +
+                      std::to_string(limit) + " (" + std::to_string(slots) +
+                      " slots open, about 2 each); jaxvmm keeps " + std::to_string(headroom) +
+                      " free for the rest of the process (past the limit every mmap fails, XLA's threads included): "
+                      "close slots, or raise the limit (sysctl vm.max_map_count)")
+        .At(id, "create");
+  }
+  return Status();
+}
+
+size_t Registry::SlotsHeld() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return by_id_.size() + quarantine_.size();
+}
 
 Registry& Registry::Get() {
   static Registry* r = new Registry();
@@ -47,6 +110,7 @@ Status Registry::Add(const SlotSpec& spec, const ImportSource* src, int64_t* id)
     std::lock_guard<std::mutex> lock(mu_);
     new_id = next_id_++;
   }
+  JAXVMM_RETURN_IF_ERROR(CheckMapHeadroom(new_id));
   std::vector<ByteGauge*> gauges;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -120,6 +120,10 @@ class Registry {
   ByteGauge* OwnerGauge(bool internal, int backend, int device);  // caller holds mu_; (-1, -1): process-wide
   void CountSlot(const Slot& s, int64_t slots, int64_t reserved_bytes);  // caller holds mu_
   void MaybeRetryQuarantine();
+  // kOutOfMemory while the process is within the headroom of vm.max_map_count (registry.cc). Takes
+  // maps_mu_, then mu_.
+  Status CheckMapHeadroom(int64_t id);
+  size_t SlotsHeld() const;  // open and quarantined slots; takes mu_
 
   mutable std::mutex mu_;
   int64_t next_id_ = 1;
@@ -138,6 +142,9 @@ class Registry {
   std::map<std::pair<int, int>, DeviceStats> devices_;  // slots and reserved bytes (total, user, internal)
   // mapped bytes per owner: key (internal, backend, device); (internal, -1, -1) is the process-wide gauge
   std::map<std::tuple<bool, int, int>, std::unique_ptr<ByteGauge>> owner_mapped_;
+  // Lock order: maps_mu_ before mu_. The process's mappings when last counted, and the slots then.
+  std::mutex maps_mu_;
+  int64_t maps_counted_ = -1, slots_counted_ = 0;
 };
 
 }  // namespace jaxvmm

@@ -2,24 +2,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 
+#include "config.h"
 #include "vmm.h"
 
 namespace jaxvmm {
-namespace {
 
-std::atomic<size_t> g_budget{size_t{8} << 30};  // 8 GiB; Python sets it from JAXVMM_STAGING_BUDGET
-std::atomic<int64_t> g_idle_ms{200};
-std::atomic<int> g_depth{2};
-
-}  // namespace
-
-void StagingArea::SetBudget(size_t bytes) { g_budget.store(bytes); }
-size_t StagingArea::Budget() { return g_budget.load(); }
-void StagingArea::SetIdleMillis(int64_t ms) { g_idle_ms.store(std::max<int64_t>(ms, 1)); }
-int64_t StagingArea::IdleMillis() { return g_idle_ms.load(); }
-void StagingArea::SetDepth(int cells) { g_depth.store(std::max(cells, 1)); }
-int StagingArea::Depth() { return g_depth.load(); }
+size_t StagingArea::Budget() { return static_cast<size_t>(std::max<int64_t>(EngineConfig::Get(Setting::kStagingBudget), 0)); }
+int64_t StagingArea::IdleMillis() { return std::max<int64_t>(EngineConfig::Get(Setting::kStagingIdleMs), 1); }
+int StagingArea::Depth() {
+  return static_cast<int>(std::clamp<int64_t>(EngineConfig::Get(Setting::kPrefetchDepth), 1, std::numeric_limits<int>::max()));
+}
 
 StagingArea::StagingArea(Backend b, int device)
     : backend_(b), device_(device), last_acquire_(std::chrono::steady_clock::now()), janitor_([this] { Janitor(); }) {}

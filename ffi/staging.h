@@ -99,15 +99,12 @@ class StagingArea {
   StagingArea(const StagingArea&) = delete;
   StagingArea& operator=(const StagingArea&) = delete;
 
-  // Process-wide budget for mapped staging bytes per engine (JAXVMM_STAGING_BUDGET, configure()).
-  static void SetBudget(size_t bytes);
+  // Process-wide settings (config.h). The budget for mapped staging bytes per engine (staging_budget).
   static size_t Budget();
-  // How long the area stays mapped with no acquire before its pages go back (JAXVMM_STAGING_IDLE_MS).
-  static void SetIdleMillis(int64_t ms);
+  // How long the area stays mapped with no acquire before its pages go back (staging_idle_ms).
   static int64_t IdleMillis();
-  // Cells per size that may be in flight at once (JAXVMM_PREFETCH_DEPTH, configure(prefetch_depth=)):
-  // how far copies of one size may run ahead of XLA's stream, and how many pages they hold.
-  static void SetDepth(int cells);
+  // Cells per size that may be in flight at once (prefetch_depth): how far copies of one size may run
+  // ahead of XLA's stream, and how many pages they hold.
   static int Depth();
 
   // A mapped cell of at least `nbytes` from `use`'s pool. Never blocks on the device except as described

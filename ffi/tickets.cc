@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <random>
 
+#include "config.h"
+
 namespace jaxvmm {
 namespace {
 
@@ -79,12 +81,8 @@ std::shared_ptr<Ticket> TicketTable::Find(uint64_t token, std::string* why) cons
 }
 
 std::shared_ptr<Ticket> TicketTable::Predict(const ArrayMeta& meta, const std::function<bool(const Ticket&)>& usable) const {
-  // JAXVMM_PREDICT=0 turns prediction off (diagnostics); Python validated and normalized the value.
-  static const bool enabled = [] {
-    const char* v = std::getenv("JAXVMM_PREDICT");
-    return !(v && std::string(v) == "0");
-  }();
-  if (!enabled) return nullptr;
+  // The predict setting off (a debug switch): every reload is corrected by the resolver.
+  if (EngineConfig::Get(Setting::kPredict) == 0) return nullptr;
   // Training reloads in reverse offload order (LIFO); a miss that hit the other end of the queue flips
   // the guess for that signature (Learn). Only tickets whose D2H is enqueued can be copied from.
   auto fits = [&](const std::shared_ptr<Ticket>& t) {

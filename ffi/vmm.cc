@@ -7,6 +7,8 @@
 #include <set>
 #include <string>
 
+#include "config.h"
+
 namespace jaxvmm {
 
 CUresult CopyToDeviceNow(const DriverTable& d, CUdeviceptr dst, const void* src, size_t n) {
@@ -15,21 +17,7 @@ CUresult CopyToDeviceNow(const DriverTable& d, CUdeviceptr dst, const void* src,
 }
 
 // ---- tracing and reports ----
-// JAXVMM_TRACE is parsed in Python (jaxvmm/_config.py) and set through SetTrace at import; before that
-// (the core used without the package) the environment decides as it always did.
-namespace {
-std::atomic<int> g_trace{-1};  // -1: not set
-}
-void SetTrace(bool on) { g_trace.store(on ? 1 : 0); }
-bool TraceEnabled() {
-  int t = g_trace.load(std::memory_order_relaxed);
-  if (t >= 0) return t == 1;
-  static const bool on = [] {
-    const char* v = std::getenv("JAXVMM_TRACE");
-    return v != nullptr && v[0] != '\0' && std::string(v) != "0";
-  }();
-  return on;
-}
+bool TraceEnabled() { return EngineConfig::Get(Setting::kTrace) != 0; }
 
 void TraceCall(int64_t slot, const char* stage, Entry entry, CUresult r, double micros) {
   std::fprintf(stderr, "jaxvmm-trace: slot %lld %s %s %s %.1f us\n", static_cast<long long>(slot), stage,

@@ -20,11 +20,10 @@
 namespace jaxvmm {
 
 // ---- traced driver calls ----
-bool TraceEnabled();  // SetTrace's value; before any SetTrace, JAXVMM_TRACE (non-empty, not "0"), read once
-void SetTrace(bool on);
+bool TraceEnabled();  // the trace setting (config.h)
 void TraceCall(int64_t slot, const char* stage, Entry entry, CUresult r, double micros);
 
-// Runs one driver call for `slot`'s `stage`; logs it under JAXVMM_TRACE; converts failure to Status.
+// Runs one driver call for `slot`'s `stage`; logs it while tracing (TraceEnabled); converts failure to Status.
 template <typename F>
 Status Call(int64_t slot, const char* stage, Entry entry, F&& fn) {
   CUresult r;

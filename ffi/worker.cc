@@ -6,6 +6,7 @@
 #include <optional>
 #include <thread>
 
+#include "config.h"
 #include "vmm.h"
 
 namespace jaxvmm {
@@ -45,11 +46,7 @@ void Worker::Enqueue(Queued q) {
 }
 
 int Worker::SpinMicros() {
-  static const int us = [] {
-    const char* v = std::getenv("JAXVMM_WORKER_SPIN_US");
-    return v && *v ? std::clamp(std::atoi(v), 0, 100000) : 50;
-  }();
-  return us;
+  return static_cast<int>(std::clamp<int64_t>(EngineConfig::Get(Setting::kWorkerSpinUs), 0, 100000));
 }
 
 Status Worker::WaitFor(const Queued& q) const {

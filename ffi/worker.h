@@ -43,7 +43,7 @@ class Worker {
   // kErrorPatience runs the task with it, since the device will never write the word.
   void PostWhen(const std::atomic<uint64_t>* word, uint64_t value, CUevent watch, std::function<void(const Status&)> task);
   static constexpr int kMaxNapMicros = 200;
-  // How long a poll spins (yielding) before its first nap: JAXVMM_WORKER_SPIN_US, default 50 µs.
+  // How long a poll spins (yielding) before its first nap: the worker_spin_us setting (JAXVMM_DEBUG_WORKER_SPIN_US), default 50 µs.
   static int SpinMicros();
   static constexpr std::chrono::milliseconds kErrorPatience{1000};
   // Blocks until every task posted before this call has run.

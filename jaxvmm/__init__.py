@@ -26,8 +26,10 @@ from .errors import (
     StaleHandleError,
     VmmError,
 )
-from .ops import (Ticket, after, check, collect, configure, engine_stats, offload, prefetch, reload, reserve_host,
-                  synchronize, trim)
+from ._lifetimes import collect, synchronize
+from ._order import after
+from ._ticket import Ticket
+from .ops import check, configure, engine_stats, offload, prefetch, reload, reserve_host, trim
 from .slots import Slot
 from . import memory
 from .memory import Ballast, MemoryTimeline, host_stats, memory_timeline, reset_peaks

@@ -8,10 +8,9 @@ execution and which prepares the call site's channel (``ffi/graph_mode.cc``)."""
 
 from __future__ import annotations
 
-import os
-
 import jax
 
+from . import _config
 from ._native import lib
 
 TARGETS = ("jaxvmm_offload", "jaxvmm_reload", "jaxvmm_prefetch")
@@ -19,7 +18,7 @@ TARGETS = ("jaxvmm_offload", "jaxvmm_reload", "jaxvmm_prefetch")
 
 def graph_mode() -> bool:
     """Whether the CUDA handlers were registered as capturable (``JAXVMM_GRAPH``, on by default)."""
-    return os.environ.get("JAXVMM_GRAPH", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _config.read_at_import("graph")
 
 
 def _register() -> None:

@@ -17,8 +17,8 @@ except ImportError as e:  # pragma: no cover - only on broken installs
 
 lib._set_error_factory(errors._from_native)
 
-# Every JAXVMM_* environment variable, parsed (a bad value raises InvalidArgumentError naming it) and
-# pushed into the core before anything else runs.
+# Every setting: the JAXVMM_* environment variables parsed (a bad value raises InvalidArgumentError
+# naming it), and every value the core reads, defaults included, pushed into it before anything else runs.
 from . import _config  # noqa: E402
 
 _config.load(lib)

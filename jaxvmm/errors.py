@@ -7,6 +7,8 @@ driver's error name (``CUDA_ERROR_OUT_OF_MEMORY``). The same fields are attribut
 
 from __future__ import annotations
 
+from . import _sites
+
 
 class VmmError(RuntimeError):
     """Base class of every jaxvmm error."""
@@ -118,10 +120,15 @@ def from_jax_error(e: BaseException) -> VmmError | None:
             break
     if cls is None:
         cls = DriverError if driver_error else VmmError
-    err = cls(text, code=_CODE_OF.get(cls, ""), driver_error=driver_error)
-    from . import ops  # the call-site numbers the engine writes, as source lines
+    return named(cls(text, code=_CODE_OF.get(cls, ""), driver_error=driver_error))
 
-    return ops._named(err)
+
+def named(e: BaseException) -> BaseException:
+    """``e`` with every ``[call site N]`` in a jaxvmm error's message spelled out as the Python line
+    that made that call."""
+    if isinstance(e, VmmError) and e.args and "[call site " in str(e.args[0]):
+        e.args = (_sites.name_sites(str(e.args[0])),) + e.args[1:]
+    return e
 
 
 def _from_native(code: str, message: str, driver_error: str, slot: int, stage: str) -> VmmError:

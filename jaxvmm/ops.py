@@ -1,439 +1,33 @@
 """``offload`` / ``reload`` / ``prefetch``: move an array out of device memory inside a jitted program
-and bring it back later, through fixed-address slots whose pages are returned in between."""
+and bring it back later, through fixed-address slots whose pages are returned in between; and the
+engine-wide calls (``check``, ``configure``, ``reserve_host``, ``trim``, ``engine_stats``)."""
 
 from __future__ import annotations
 
 import functools
-import collections
-import itertools
-import os
-import re
-import operator
-import sys
-import threading
-import weakref
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi  # noqa: F401  (registers the FFI targets)
-from . import _config, _sharded, errors
+from . import _config, _ffi, _lifetimes, _sharded, _sites, errors  # noqa: F401  (_ffi registers the FFI targets)
 from ._devices import _posix_ready, target_of
+from ._lifetimes import collect, synchronize  # noqa: F401  (part of this module's API)
 from ._native import lib
-
-_sites = itertools.count(1)
-_SITE_LINES: "collections.OrderedDict[int, str]" = collections.OrderedDict()  # site -> "op at file:line (fn)"
-_eager_sites: "collections.OrderedDict[tuple, int]" = collections.OrderedDict()  # (op, line, key) -> site
-_MAX_SITES = 1 << 14
-_OWN = (os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep, os.sep + "jaxvmm" + os.sep, os.sep + "flax" + os.sep)
-
-
-def _new_site(op: str, eager_key=None) -> int:
-    """A call-site number, remembered with the first user frame that made it (errors name it).
-
-    A traced call gets a new number (one per trace: the number is an attribute, which also keeps XLA
-    from merging two offloads of one value). An eager call (``eager_key``: the call's shape, dtype and
-    placement) runs as a one-op program with the number among its attributes: it reuses the number of
-    the calls from the same source line with the same key, so that program compiles once rather than
-    at every call."""
-    f = sys._getframe(1)
-    while f is not None and (any(o in f.f_code.co_filename for o in _OWN) or f.f_code.co_filename.startswith("<")):
-        f = f.f_back
-    where = f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})" if f is not None else "unknown"
-    with _lock:
-        key = (op, where, eager_key)
-        n = _eager_sites.get(key) if eager_key is not None else None
-        if n is None:
-            n = next(_sites)
-            if eager_key is not None:
-                _eager_sites[key] = n
-                if len(_eager_sites) > _MAX_SITES:
-                    _eager_sites.popitem(last=False)
-        else:
-            _eager_sites.move_to_end(key)
-        _SITE_LINES[n] = f"{op} at {where}"
-        _SITE_LINES.move_to_end(n)
-        if len(_SITE_LINES) > _MAX_SITES:
-            _SITE_LINES.popitem(last=False)
-    return n
-
-
-def _eager_key(*arrays):
-    """What an eager call's one-op program is compiled for, besides its attributes (see _new_site);
-    None when any of ``arrays`` is traced (inside jit, vmap, grad: a new site each call)."""
-    if any(isinstance(a, jax.core.Tracer) for a in arrays):
-        return None
-    return tuple((tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None))) for a in arrays)
-
-
-def _name_sites(msg: str) -> str:
-    """``msg`` with every ``[call site N]`` the engine wrote spelled out as the Python line that made it."""
-    def sub(m):
-        line = _SITE_LINES.get(int(m.group(1)))
-        return f"[call site {m.group(1)}: {line}]" if line else m.group(0)
-    return re.sub(r"\[call site (\d+)\]", sub, msg)
-
-
-def _named(e: Exception) -> Exception:
-    if isinstance(e, errors.VmmError) and e.args and "[call site " in str(e.args[0]):
-        e.args = (_name_sites(str(e.args[0])),) + e.args[1:]
-    return e
-_TOKEN = jax.ShapeDtypeStruct((2,), jnp.uint32)
-
-
-def _storage_dtype(dtype) -> np.dtype:
-    """The dtype jaxvmm moves for ``dtype``. Sub-byte dtypes (int1/2/4, uint1/2/4, float4_e2m1fn) travel
-    widened to one byte per element: XLA stores them packed while the FFI counts one byte per element,
-    so copying them as they are is not well defined. The widening is a value conversion that XLA does
-    exactly (int8/uint8 and float8_e4m3fn hold every value, -0 included), so the round trip is
-    bit-exact; the host copy costs one byte per element."""
-    dtype = np.dtype(dtype)
-    if jax.dtypes.itemsize_bits(dtype) >= 8:
-        return dtype
-    if jnp.issubdtype(dtype, jnp.signedinteger):
-        return np.dtype(jnp.int8)
-    if jnp.issubdtype(dtype, jnp.unsignedinteger):
-        return np.dtype(jnp.uint8)
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 4 and jnp.finfo(dtype).nexp <= 2:
-        return np.dtype(jnp.float8_e4m3fn)  # float4_e2m1fn: every value (and -0) exists in e4m3fn
-    raise errors.InvalidArgumentError(f"jaxvmm: sub-byte dtype {dtype} is not supported", code="invalid_argument")
-
-
-def _signature(shape, dtype) -> int:
-    """A 63-bit hash of (dtype, shape): a reload checks it against the ticket it resolves to."""
-    return zlib.crc32(repr((np.dtype(dtype).str, tuple(int(d) for d in shape))).encode()) & 0x7FFFFFFFFFFFFFFF
-
-
-@jax.tree_util.register_pytree_node_class
-class Ticket:
-    """What ``offload`` returns: a small ``uint32[2]`` token (the data dependency, a jax array that may
-    cross jit boundaries) plus the static shape and dtype of the offloaded array.
-
-    For an array sharded over several devices under plain ``jit`` (``sharded`` is True) the token is
-    ``uint32[*dims, 2]``, sharded like the array (``dims[i] = gcd(shape[i], devices)``): each device's
-    block holds its own ticket for its own shard (see ``jaxvmm._sharded``).
-
-    Reload a ticket exactly once. When no Python object references a ticket's token any more (and no
-    computation in flight can still reload it), its host memory is freed."""
-
-    __slots__ = ("token", "shape", "dtype", "sharded")
-
-    def __init__(self, token, shape, dtype, sharded=False):
-        self.token = token
-        self.shape = _check_shape(shape, "Ticket")
-        self.dtype = _check_dtype(dtype, "Ticket")
-        if not isinstance(sharded, (bool, np.bool_)):
-            raise _type_error(f"jaxvmm.Ticket: sharded must be a bool, got {type(sharded).__name__}")
-        self.sharded = bool(sharded)
-        if (isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer)
-                and token.dtype == jnp.uint32 and tuple(token.shape)[-1:] == (2,)):
-            _track(token)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes jaxvmm holds for the ticket (sub-byte dtypes: one byte per element)."""
-        return int(np.prod(self.shape, dtype=np.int64)) * _storage_dtype(self.dtype).itemsize
-
-    def _local_nbytes(self, token_shard_shape) -> int:
-        """Bytes one device holds for the ticket, given the shape of its block of the token."""
-        if not self.sharded:
-            return self.nbytes
-        dims = tuple(self.token.shape[:-1])
-        local = [d // (k // c) for d, k, c in zip(self.shape, dims, token_shard_shape[:-1])]
-        return int(np.prod(local, dtype=np.int64)) * _storage_dtype(self.dtype).itemsize
-
-    def tree_flatten(self):
-        return (self.token,), (self.shape, self.dtype, self.sharded)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
-
-    def __repr__(self) -> str:
-        extra = ", sharded" if self.sharded else ""
-        return f"Ticket(shape={self.shape}, dtype={self.dtype.name}{extra})"
-
-
-# ---- Python-side ticket lifetimes ----
-# A ticket that Python stops referencing without reloading it must give its pinned memory back. Token
-# values get copied (a jit that passes a ticket through returns a new token array with the same value),
-# and jit dispatch is asynchronous (a reload may not have reached the engine yet), so a value is
-# dropped only when (1) no token array that jaxvmm has seen in a Ticket is alive anywhere (CPython
-# refcount: only this registry holds it), (2) every computation dispatched before it died has finished
-# (its barrier: a fence per device, see _fences, and the live arrays in flight then), and (3) no holder
-# holds the same value. Holders are the live tracked tokens and the dead ones whose barrier is not
-# ready yet (copies of them may still be on their way); a holder's values are read once it is ready.
-# A copy still on its way needs no reading: the token it copies was a holder when it was dispatched
-# and stays one, ready, until it is (alive, or dead with the copy in its barrier). Except where that
-# token was deleted (donated) before it was read: its values went into the donating computation, and
-# until that computation's outputs are ready (the lost holder's own barrier), no value is dropped
-# while any holder is not ready. What a donating computation does not return is found by collect().
-_lock = threading.RLock()
-_tracked: dict[int, jax.Array] = {}  # id -> token array seen in a concrete Ticket (strong reference)
-_values: dict[int, list] = {}  # id -> [(device, uint64 values)] of a holder, read once it was ready
-_unread: set[int] = set()  # ids of holders whose values are not read yet (ids only: no extra reference)
-_held: collections.Counter = collections.Counter()  # (device, value) -> how many holders' values have it
-_lost: dict[int, list] = {}  # id -> barrier of a holder deleted before it was read (see above)
-_dying: list[tuple[jax.Array, list]] = []  # (dead token array, its barrier: callables giving arrays)
-_kept: set[int] = set()  # ids of tracked token arrays whose tickets _keep marked kept
-
-
-def _refcount_when_unreferenced() -> int:
-    # What sys.getrefcount reports, in _collect's loop, for an object only the registry holds. Measured
-    # rather than assumed: the count of temporary references differs between Python versions.
-    d = {0: object()}
-    n = 0
-    for key in list(d):
-        token = d[key]
-        n = sys.getrefcount(token)
-        del token
-    return n
-
-
-_UNREFERENCED = _refcount_when_unreferenced()
-
-
-def _finished(a) -> bool:
-    """Whether ``a`` needs no more waiting for: gone, deleted (donated), or ready (its computation
-    finished, failed included). Another thread may delete it between the two checks."""
-    if a is None:
-        return True
-    try:
-        return a.is_deleted() or a.is_ready()
-    except Exception:  # noqa: BLE001  (deleted in between: "Array has been deleted")
-        return True
-
-
-def _wait_quietly(a) -> None:
-    """Blocks until ``a`` is finished (see _finished). A failed computation's error is its array's, raised
-    where that array is used, not here."""
-    try:
-        if a is not None and not a.is_deleted():
-            a.block_until_ready()
-    except Exception:  # noqa: BLE001  (failed, or deleted by another thread meanwhile)
-        pass
-
-
-def _track(token) -> None:
-    with _lock:
-        if id(token) not in _tracked:
-            _tracked[id(token)] = token
-            _unread.add(id(token))
-    _collect()
-
-
-def _token_values(token) -> list[tuple[jax.Device, np.ndarray]]:
-    out = []
-    for shard in token.addressable_shards:
-        # A copy: on cpu np.asarray is a view that would keep the token array alive.
-        host = np.array(shard.data, copy=True)
-        # float32: the bits of a token (jaxvmm.checkpoint carries a residual's tangent ticket that way)
-        host = (host.view(np.uint32) if host.dtype == np.float32 else host.astype(np.uint32)).reshape(-1, 2)
-        vals = host.view(np.uint64).reshape(-1)
-        # A sharded ticket's block repeats its device's ticket in every cell: each value once.
-        out.append((shard.device, vals if len(vals) <= 1 else np.unique(vals)))
-    return out
-
-
-def _read_holders() -> bool:
-    """Reads the values of every holder that is ready now (call with _lock held). Returns False while
-    a holder lost unread (donated) may still have copies on their way and a holder is not ready."""
-    for key, barrier in list(_lost.items()):
-        if all(_finished(r()) for r in barrier):
-            del _lost[key]  # the donating computation's outputs are ready: read below if tracked
-    waiting = False
-    holders = _holders()
-    for key in list(_unread):
-        token = holders.get(key)
-        if token is not None and not _finished(token):
-            waiting = True
-            continue
-        _unread.discard(key)
-        if token is None:
-            continue
-        try:
-            vals = [(d, int(v)) for d, vs in _token_values(token) for v in vs]
-        except Exception:  # noqa: BLE001  (deleted, by donation, before it could be read)
-            _lost[key] = _barrier()
-            waiting = True
-            continue
-        _values[key] = vals
-        _held.update(vals)
-    return not (waiting and _lost)
-
-
-def _holders() -> dict:
-    """id -> token array of every holder: the tracked tokens and the dying ones (call with _lock held)."""
-    return {**{id(token): token for token, _ in _dying}, **_tracked}
-
-
-def _barrier() -> list:
-    """What a death (or a loss) waits for: every computation dispatched so far. The fences, and weak
-    references to the live arrays in flight (a barrier must not keep arrays, tracked tokens among
-    them, alive): on the cpu platform a fence is ordered only after its own thread's computations."""
-    barrier = [weakref.ref(a) for a in _live_arrays() if not _finished(a)]
-    return barrier + [(lambda f=f: f) for f in _fences()]
-
-
-def _forget(key: int) -> list:
-    """A holder is no longer one: its values leave _held; returns them (call with _lock held)."""
-    _unread.discard(key)
-    _lost.pop(key, None)
-    vals = _values.pop(key, [])
-    _held.subtract(vals)
-    for v in vals:
-        if _held[v] <= 0:
-            del _held[v]
-    return vals
-
-
-def _wait_for_pending() -> None:
-    """Blocks until the barriers of the dying tokens and of the lost holders, and every holder not read
-    yet, are finished."""
-    with _lock:
-        holders = _holders()
-        pending = [r() for entry in _dying for r in entry[1]] + [r() for b in _lost.values() for r in b]
-        pending += [holders.get(key) for key in _unread]
-    for a in pending:
-        _wait_quietly(a)
-
-
-def _collect(wait: bool = False) -> None:
-    """Hands the tickets of tokens that died to their engines once nothing can reload them any more
-    (see the rules above and ffi/DESIGN.md, *Lifetimes*); with ``wait``, first blocks until the
-    barriers of those that died before this call are ready and every holder is."""
-    if wait:
-        _wait_for_pending()  # its own frame: no reference to a tracked token outlives it
-    with _lock:
-        dead = []
-        for key in list(_tracked):
-            token = _tracked[key]
-            if sys.getrefcount(token) <= _UNREFERENCED:  # only this registry holds it
-                dead.append(key)
-            del token
-        if dead:
-            barrier = _barrier()  # first: should it fail, the dead stay tracked and are found next time
-            for key in dead:
-                _dying.append((_tracked.pop(key), barrier))
-                _kept.discard(key)
-        if not _dying:
-            return
-        ready = [entry for entry in _dying if _finished(entry[0]) and all(_finished(r()) for r in entry[1])]
-        if not ready or not _read_holders():
-            return
-        taken = {id(entry) for entry in ready}  # by identity: == on token arrays compares them
-        _dying[:] = [entry for entry in _dying if id(entry) not in taken]
-        freed = {v for token, _ in ready for v in _forget(id(token))}
-        drops = [v for v in freed if _held[v] <= 0]
-    for device, v in drops:
-        tgt = target_of(device)
-        lib.engine(tgt.backend, tgt.ordinal).drop(v)
-
-
-def _keep(token) -> bool:
-    """Marks the tickets of a concrete token array kept: reloads no longer consume them, so a function
-    holding the token (a ``jax.vjp`` function) may reload them any number of times, eagerly or inside
-    ``jax.jit``. They are freed when the last array holding the token dies (the lifetime registry
-    above tracks it from now on) or by :func:`collect`. Returns False for a traced token (inside a
-    trace a reload consumes its ticket: nothing outside the program can reload it again)."""
-    if not isinstance(token, jax.Array) or isinstance(token, jax.core.Tracer):
-        return False
-    # float32: the bits of a token (a residual's tangent ticket, see jaxvmm.remat._rules)
-    if token.dtype not in (jnp.uint32, jnp.float32) or tuple(token.shape)[-1:] != (2,):
-        raise _value_error(f"jaxvmm: internal: not a ticket token: {token.dtype}{list(token.shape)}")
-    with _lock:
-        if _tracked.get(id(token)) is token and id(token) in _kept:  # this very array was kept already
-            return True
-    _track(token)
-    for device, values in _token_values(token):
-        tgt = target_of(device)
-        for v in values:
-            lib.engine(tgt.backend, tgt.ordinal).keep(int(v))
-    with _lock:
-        if _tracked.get(id(token)) is token:
-            _kept.add(id(token))
-    return True
-
-
-# ---- validation ----
-def _type_error(msg: str) -> errors.InvalidArgumentTypeError:
-    return errors.InvalidArgumentTypeError(msg, code="invalid_argument")
-
-
-def _value_error(msg: str) -> errors.InvalidArgumentError:
-    return errors.InvalidArgumentError(msg, code="invalid_argument")
-
-
-def _check_dtype(dtype, what: str) -> np.dtype:
-    try:
-        extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-    except TypeError:
-        extended = False
-    if extended:
-        raise _type_error(f"jaxvmm.{what}: dtype {dtype} (an extended dtype such as PRNG keys) cannot be offloaded; "
-                          "offload jax.random.key_data(x) instead")
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise _type_error(f"jaxvmm.{what}: {dtype!r} is not a dtype") from None
-    if not (jnp.issubdtype(dt, jnp.number) or jnp.issubdtype(dt, jnp.bool_)):
-        raise _type_error(f"jaxvmm.{what}: unsupported dtype {dt} (numbers and bool only)")
-    return dt
-
-
-def _check_shape(shape, what: str) -> tuple:
-    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-        raise _type_error(f"jaxvmm.{what}: shape must be a tuple of ints, got {shape!r}")
-    out = []
-    for d in shape:
-        if isinstance(d, bool):
-            raise _type_error(f"jaxvmm.{what}: shape {tuple(shape)!r} has a bool dimension")
-        try:
-            d = operator.index(d)
-        except TypeError:
-            raise _type_error(f"jaxvmm.{what}: shape {tuple(shape)!r} must hold ints, got {type(d).__name__}") from None
-        if d < 0:
-            raise _value_error(f"jaxvmm.{what}: shape {tuple(shape)!r} has a negative dimension")
-        out.append(d)
-    if int(np.prod(out, dtype=object)) > _config.INT64_MAX:
-        raise _value_error(f"jaxvmm.{what}: shape {tuple(out)!r} has more elements than fit in int64")
-    return tuple(out)
-
-
-def _as_array(x, what: str):
-    """``x`` as a jax array: jax and numpy arrays and scalars, and objects with ``__jax_array__`` (taken
-    through ``jnp.asarray``, like every jax API). Anything else is refused."""
-    if isinstance(x, Ticket):
-        raise _type_error(f"jaxvmm.{what}: got a Ticket; offload arrays, reload tickets")
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic)) and not hasattr(x, "__jax_array__"):
-        raise _type_error(f"jaxvmm.{what}: expected an array, got {type(x).__name__}")
-    if not isinstance(x, jax.Array):
-        if isinstance(x, (np.ndarray, np.generic)):
-            _check_dtype(x.dtype, what)  # before jnp.asarray: it would turn object/str arrays into errors of its own
-        try:
-            x = jnp.asarray(x)
-        except (TypeError, ValueError) as e:
-            raise _type_error(f"jaxvmm.{what}: cannot convert {type(x).__name__} to a jax array ({e})") from None
-    return x
-
-
-def _check_array(x, what: str):
-    _check_dtype(x.dtype, what)
-    if int(np.prod(x.shape, dtype=np.int64)) == 0:
-        raise _value_error(f"jaxvmm.{what}: cannot offload a zero-size array (shape {x.shape})")
+from ._order import after as _after
+from ._ticket import TOKEN, Ticket, signature, storage_dtype
+from ._validate import as_array, check_array, type_error, value_error
 
 
 def _translate(e: Exception) -> Exception:
     """The jaxvmm error an eager ffi call's ``JaxRuntimeError`` carries (see ``errors.from_jax_error``)."""
-    return _named(errors.from_jax_error(e) or e)
+    return errors.from_jax_error(e) or e
 
 
 # ---- offload ----
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _offload(x, signature: int, site: int):
-    return jax.ffi.ffi_call("jaxvmm_offload", _TOKEN, vmap_method="sequential")(
+    return jax.ffi.ffi_call("jaxvmm_offload", TOKEN, vmap_method="sequential")(
         x, signature=np.int64(signature), site=np.int64(site))
 
 
@@ -468,19 +62,25 @@ def offload(x) -> Ticket:
     stream moves it to pinned host memory, and the cell is free for the next op once that copy is done
     (idle cells' pages go back to the driver after ``staging_idle_ms``, or on ``jaxvmm.trim()``). ``x``'s
     own buffer is free for XLA to reuse right after the call."""
-    x = _as_array(x, "offload")
-    _check_array(x, "offload")
+    if isinstance(x, Ticket):
+        raise type_error("jaxvmm.offload: got a Ticket; offload arrays, reload tickets")
+    x = as_array(x, "offload")
+    check_array(x, "offload")
     _posix_ready()  # the cpu engine serves every cpu device the handlers may run on
-    _collect()
-    wide = _storage_dtype(x.dtype)
+    _lifetimes._collect()
+    wide = storage_dtype(x.dtype)
     mesh = _mesh_for(x)
     try:
         v = x if wide == x.dtype else x.astype(wide)
-        site = _new_site("offload", _eager_key(v))
+        site = _sites.new_site("offload", _sites.eager_key(v))
         if mesh is not None:  # sharded over several devices under plain jit: each device offloads its shard
-            token = _offload_sharded(v, _signature(x.shape, x.dtype), site, mesh)
+            token = _offload_sharded(v, signature(x.shape, x.dtype), site, mesh)
         else:
-            token = _offload(v, _signature(x.shape, x.dtype), site)
+            token = _offload(v, signature(x.shape, x.dtype), site)
+        if not isinstance(token, jax.core.Tracer):
+            # Eager: the offload's own failure (the host pool's cap, say) is this call's, as a jaxvmm error,
+            # whether or not x was computed yet (jax would raise it later, where the token is first used).
+            token.block_until_ready()
     except jax.errors.JaxRuntimeError as e:  # eager: the handler's error, as the jaxvmm error it is
         raise _translate(e) from e
     return Ticket(token, x.shape, x.dtype, mesh is not None)
@@ -491,7 +91,7 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
     """Validates a ticket; for a concrete token also checks it with its engine now (and, with
     ``reserve``, reserves it for this eager reload). Returns the (target, token value) pairs checked."""
     if not isinstance(t, Ticket):
-        raise _type_error(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
+        raise type_error(f"jaxvmm.{what}: expected a jaxvmm.Ticket, got {type(t).__name__}")
     tok = t.token
     if t.sharded:
         return _check_sharded_ticket(t, what, reserve)
@@ -500,7 +100,7 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
                                           f"(got {getattr(tok, 'dtype', None)}{list(getattr(tok, 'shape', ()))}); "
                                           "was it built by jaxvmm.offload?", code="invalid_argument")
     if len(tok.shape) > 1:
-        raise _value_error(f"jaxvmm.{what}: the ticket's token has shape {tuple(tok.shape)}: it holds "
+        raise value_error(f"jaxvmm.{what}: the ticket's token has shape {tuple(tok.shape)}: it holds "
                            f"{int(np.prod(tok.shape[:-1]))} tickets, one per element of a jax.vmap batch. "
                            f"{what.capitalize()} it inside jax.vmap (e.g. jax.vmap(jaxvmm.{what})(ticket)), "
                            "with the same batch axes as the offload")
@@ -508,9 +108,9 @@ def _check_ticket(t: Ticket, what: str, reserve: bool) -> list:
         tok = jnp.asarray(tok)
     if isinstance(tok, jax.Array) and not isinstance(tok, jax.core.Tracer) and tok.ndim == 1:
         # Outside jit the token is concrete: check it now so a bad ticket raises here, synchronously.
-        sig = _signature(t.shape, t.dtype)
+        sig = signature(t.shape, t.dtype)
         checked = []
-        for device, values in _token_values(tok):
+        for device, values in _lifetimes.token_values(tok):
             tgt = target_of(device)
             for v in values:
                 lib.engine(tgt.backend, tgt.ordinal).check(int(v), t.nbytes, sig, reserve)
@@ -523,7 +123,7 @@ def _check_sharded_ticket(t: Ticket, what: str, reserve: bool) -> list:
     tok = t.token
     shape = tuple(getattr(tok, "shape", ()) or ())
     if getattr(tok, "dtype", None) == jnp.uint32 and len(shape) > len(t.shape) + 1 and shape[-1:] == (2,):
-        raise _value_error(f"jaxvmm.{what}: the sharded ticket's token has shape {shape}: it holds one ticket per "
+        raise value_error(f"jaxvmm.{what}: the sharded ticket's token has shape {shape}: it holds one ticket per "
                            f"element of a jax.vmap batch. {what.capitalize()} it inside jax.vmap (e.g. "
                            f"jax.vmap(jaxvmm.{what})(ticket)), with the same batch axes as the offload")
     if (getattr(tok, "dtype", None) != jnp.uint32 or len(shape) != len(t.shape) + 1 or shape[-1] != 2
@@ -534,11 +134,11 @@ def _check_sharded_ticket(t: Ticket, what: str, reserve: bool) -> list:
             f"{list(shape)}); was it built by jaxvmm.offload?", code="invalid_argument")
     if isinstance(tok, jax.core.Tracer) or not isinstance(tok, jax.Array):  # numpy: not on any device
         return []
-    sig = _signature(t.shape, t.dtype)
+    sig = signature(t.shape, t.dtype)
     checked = []
     try:
         blocks = {shard.device: tuple(shard.data.shape) for shard in tok.addressable_shards}
-        for device, values in _token_values(tok):
+        for device, values in _lifetimes.token_values(tok):
             tgt = target_of(device)
             for v in values:
                 lib.engine(tgt.backend, tgt.ordinal).check(int(v), t._local_nbytes(blocks[device]), sig, reserve)
@@ -548,112 +148,6 @@ def _check_sharded_ticket(t: Ticket, what: str, reserve: bool) -> list:
             lib.engine(tgt.backend, tgt.ordinal).unreserve(v)
         raise
     return checked
-
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def _dep_scalar(deps: list):
-    """A uint32 scalar that exists only once every array in ``deps`` does (the bits of each one's first
-    element, or-ed). Its value is meaningless: :func:`_tie_leaf` uses it so that the result does not
-    depend on it."""
-    s = None
-    for d in deps:
-        if jnp.issubdtype(d.dtype, jnp.complexfloating):
-            d = jnp.real(d)
-        if _explicitly_sharded(d):  # jax refuses to slice one element out of a dimension typed as sharded
-            e = jnp.max(d)
-        else:
-            e = d[(0,) * d.ndim] if d.ndim else d  # indexing, not ravel: ravel of a sharded array gathers it
-        if e.dtype == jnp.bool_ or e.dtype.itemsize not in _UINT or jax.dtypes.issubdtype(e.dtype, jax.dtypes.extended):
-            u = e.astype(jnp.uint32) if not jax.dtypes.issubdtype(e.dtype, jax.dtypes.extended) else None
-        else:
-            u = jax.lax.bitcast_convert_type(e, _UINT[e.dtype.itemsize]).astype(jnp.uint32)
-        if u is not None:
-            s = u if s is None else s | u
-    return s
-
-
-def _explicitly_sharded(d) -> bool:
-    """``d``'s type says it is sharded (a mesh with Explicit axes): jax checks slicing against it."""
-    try:
-        spec = getattr(getattr(_sharded._typeof(d), "sharding", None), "spec", None)
-    except TypeError:
-        return False
-    return any(e is not None for e in (spec or ()))
-
-
-def _tie_leaf(x, s):
-    """``x`` unchanged, computed from the scalar ``s``: ``min(b, b | s)`` is ``b`` for every unsigned ``b``
-    and ``s``, so the result is bit-exact whatever the values (inf, nan, -0.0 included), yet XLA must
-    compute ``s`` first. Arithmetic on purpose: XLA:CPU removes optimization barriers before it schedules.
-    Returns None for dtypes it cannot handle."""
-    dt = x.dtype
-    if dt == jnp.bool_:
-        return x & (x | s.astype(jnp.bool_))
-    if jax.dtypes.issubdtype(dt, jax.dtypes.extended) or jnp.issubdtype(dt, jnp.complexfloating):
-        return None
-    u = _UINT.get(dt.itemsize)
-    if u is None:
-        return None
-    b = x if dt == u else jax.lax.bitcast_convert_type(x, u)
-    b = jnp.minimum(b, b | s.astype(u))
-    return b if dt == u else jax.lax.bitcast_convert_type(b, dt)
-
-
-def _tie_cpu(x_leaves, deps):
-    s = _dep_scalar(deps)
-    if s is None:
-        return list(jax.lax.optimization_barrier((x_leaves, deps))[0])
-    out = []
-    for x in x_leaves:
-        t = _tie_leaf(x, s)
-        out.append(jax.lax.optimization_barrier((x, deps))[0] if t is None else t)
-    return out
-
-
-def _tie(x_leaves: list, deps: list, *, small: bool = False) -> list:
-    """``x_leaves`` with a value-independent dependency on ``deps``. On GPUs an optimization_barrier
-    (free; XLA:GPU removes barriers only after scheduling). On cpu, where XLA removes barriers before it
-    schedules, elementwise arithmetic that leaves the bits unchanged (:func:`_tie_leaf`). ``small``: the
-    leaves are tiny (ticket tokens), use the arithmetic everywhere."""
-    x_leaves = [jnp.asarray(x) for x in x_leaves]
-    deps = [d for d in deps if isinstance(d, (jax.Array, np.ndarray)) and d.dtype != jax.dtypes.float0 and d.size]
-    if not x_leaves or not deps:
-        return x_leaves
-    if small:
-        return _tie_cpu(x_leaves, deps)
-    return list(jax.lax.platform_dependent(
-        x_leaves, deps, cpu=_tie_cpu,
-        default=lambda xs, ds: list(jax.lax.optimization_barrier((xs, ds))[0])))
-
-
-def after(dep, x):
-    """``x``, ordered after ``dep``: inside jit, nothing that uses the returned ``x`` can run before every
-    array in ``dep`` (a pytree: arrays, :class:`Ticket` s, ...) exists. Values are bit-exact whatever
-    they are (inf and nan included): the dependency does not look at them. Gradients flow through
-    ``x``; ``x`` may be an array, a Ticket or a pytree of them.
-
-    Use it to make XLA run an offload where it is written::
-
-        t = jaxvmm.offload(y)
-        x = jaxvmm.after(t, x)         # what uses x below runs after the offload
-        z = heavy(x)
-        out = jaxvmm.reload(t, after=z) * z
-
-    Cost: nothing on GPUs (an ``optimization_barrier``); on cpu an elementwise pass over ``x`` (XLA:CPU
-    drops barriers before scheduling), so tie something small when you can."""
-    x_leaves, tree = jax.tree.flatten(x)
-    for v in x_leaves:
-        if not isinstance(v, (jax.Array, np.ndarray, np.generic)):
-            raise TypeError(f"jaxvmm.after: x must be an array, a Ticket or a pytree of them; got a leaf of type "
-                            f"{type(v).__name__}")
-    for d in jax.tree.leaves(dep):
-        if not isinstance(d, (jax.Array, np.ndarray, np.generic, int, float, complex)):  # Python numbers: no order
-            raise TypeError(f"jaxvmm.after: dep must be an array, a Ticket or a pytree of them; got a leaf of type "
-                            f"{type(d).__name__}")
-    small = isinstance(x, Ticket)
-    return jax.tree.unflatten(tree, _tie(x_leaves, jax.tree.leaves(dep), small=small))
 
 
 def reload(ticket: Ticket, *, after=None) -> jax.Array:
@@ -669,15 +163,15 @@ def reload(ticket: Ticket, *, after=None) -> jax.Array:
     if after is not None and isinstance(ticket, Ticket):
         ticket = _after(after, ticket)
     reserved = _check_ticket(ticket, "reload", reserve=True)
-    _collect()
-    wide = _storage_dtype(ticket.dtype)  # sub-byte dtypes travel widened (see _storage_dtype)
+    _lifetimes._collect()
+    wide = storage_dtype(ticket.dtype)  # sub-byte dtypes travel widened (see _storage_dtype)
     try:
-        site = _new_site("reload", _ticket_key(ticket))
+        site = _sites.new_site("reload", _ticket_key(ticket))
         if ticket.sharded:  # sharded under plain jit: each device reloads its own shard
-            y = _sharded.reload(ticket.token, ticket.shape, wide, _signature(ticket.shape, ticket.dtype), site)
+            y = _sharded.reload(ticket.token, ticket.shape, wide, signature(ticket.shape, ticket.dtype), site)
         else:
             y = jax.ffi.ffi_call("jaxvmm_reload", jax.ShapeDtypeStruct(ticket.shape, wide), vmap_method="sequential")(
-                ticket.token, signature=np.int64(_signature(ticket.shape, ticket.dtype)), site=np.int64(site))
+                ticket.token, signature=np.int64(signature(ticket.shape, ticket.dtype)), site=np.int64(site))
     except Exception as e:
         for tgt, v in reserved:  # the eager reload never ran: the ticket may be reloaded again
             lib.engine(tgt.backend, tgt.ordinal).unreserve(v)
@@ -687,12 +181,11 @@ def reload(ticket: Ticket, *, after=None) -> jax.Array:
     return y if wide == ticket.dtype else y.astype(ticket.dtype)
 
 
-_after = after  # reload's keyword argument shadows the name
 
 
 def _ticket_key(ticket: Ticket):
     """_eager_key of a ticket's token, with the shape and dtype it reloads to."""
-    key = _eager_key(ticket.token)
+    key = _sites.eager_key(ticket.token)
     return None if key is None else key + ((tuple(ticket.shape), str(ticket.dtype), ticket.sharded),)
 
 
@@ -704,11 +197,11 @@ def prefetch(ticket: Ticket) -> Ticket:
     _posix_ready()
     _check_ticket(ticket, "prefetch", reserve=False)
     try:
-        site = _new_site("prefetch", _ticket_key(ticket))
+        site = _sites.new_site("prefetch", _ticket_key(ticket))
         if ticket.sharded:
             token = _sharded.prefetch(ticket.token, site)
         else:
-            token = jax.ffi.ffi_call("jaxvmm_prefetch", _TOKEN, vmap_method="sequential")(ticket.token, site=np.int64(site))
+            token = jax.ffi.ffi_call("jaxvmm_prefetch", TOKEN, vmap_method="sequential")(ticket.token, site=np.int64(site))
     except jax.errors.JaxRuntimeError as e:
         raise _translate(e) from e
     return Ticket(token, ticket.shape, ticket.dtype, ticket.sharded)
@@ -718,273 +211,27 @@ def prefetch(ticket: Ticket) -> Ticket:
 def check() -> None:
     """Raise the first asynchronous error any engine recorded since the last check (for example a
     reload, inside jit, of a ticket that was already reloaded). Handlers also raise it on their next call."""
-    _collect()
+    _lifetimes._collect()
     for backend, device in lib.engine_devices():
         try:
             lib.engine(backend, device).take_error()
         except errors.VmmError as e:
-            raise _named(e) from None
+            raise errors.named(e) from None
 
 
-@functools.lru_cache(maxsize=None)
-def _fence(device):
-    # Compiled: calling it inside a trace (offload/reload under jit run _collect) runs it, not stages it.
-    return jax.jit(lambda: jnp.zeros((), jnp.uint8),
-                   out_shardings=jax.sharding.SingleDeviceSharding(device)).lower().compile()
+def configure(**settings) -> dict:
+    """Set engine settings (process-wide) at run time; returns the values in force, read back from the
+    core. A keyword left out (or ``None``) keeps its setting. Every value is validated before any is
+    set: a bad one raises ``InvalidArgumentError`` (``InvalidArgumentTypeError`` for a value of the
+    wrong type) naming it. Sizes are ints or strings such as ``"512M"`` or ``"1GiB"`` (K, M, G, T, with
+    or without B/iB, all powers of 1024). The keywords, their defaults and environment variables (read
+    at ``import jaxvmm``) come from one table, jaxvmm/_config.py:
+
+"""
+    return _config.configure(lib, "user", "configure", settings)
 
 
-def _fences() -> list:
-    """A trivial computation dispatched now on each of this process's devices. jax runs a device's
-    computations in the order they were dispatched, so each is ready only after every computation
-    dispatched before it on its device, one whose outputs were all dropped (no live array leads to it)
-    included. On the cpu platform that order holds per dispatching thread only (a fence does not wait
-    for a computation another thread dispatched): the live arrays not ready yet cover those."""
-    with jax.disable_jit(False):  # under jax.disable_jit() a compiled program refuses to run
-        return [_fence(d)() for d in _per_platform(lambda platform: jax.local_devices(backend=platform))]
-
-
-def _per_platform(get) -> list:
-    """``get(platform)`` of every platform jax has, concatenated (cpu and gpu: jax's own calls of that
-    kind see only the default platform, so on a GPU machine they would miss the cpu devices)."""
-    out = []
-    for platform in ("cpu", "gpu"):
-        try:
-            out += get(platform)
-        except RuntimeError:  # this platform is not initialized (JAX_PLATFORMS) or does not exist
-            continue
-    return out
-
-
-def _live_arrays() -> list:
-    """Live arrays of every platform jax has (see _per_platform)."""
-    return _per_platform(jax.live_arrays)
-
-
-def synchronize() -> None:
-    """Block until every jax computation dispatched so far has finished, those whose outputs were all
-    discarded included, then until every offload/reload enqueued so far has completed and jaxvmm's
-    workers are idle. Tickets whose tokens never reach Python are freed by :func:`collect`, which
-    reads every live token array (kept out of this call, which benchmarks and tests use on hot paths)."""
-    _settle()
-    for backend, device in lib.engine_devices():
-        lib.engine(backend, device).sync()
-
-
-def _settle() -> None:
-    """Waits for every computation dispatched so far and the engines, then hands the engines the
-    tickets of every token that died before (see _collect)."""
-    _drain_dispatched()
-    for backend, device in lib.engine_devices():
-        lib.engine(backend, device).sync()
-    for _ in range(3):  # a drop can release the last reference that kept another token alive
-        _collect(wait=True)
-
-
-def _drain_dispatched() -> None:
-    """Wait for every computation dispatched so far on this process's devices, including one whose
-    outputs were all dropped (see _fences; on the cpu platform, one that this thread dispatched): what
-    a death waits for (_barrier), waited for now."""
-    for r in _barrier():
-        _wait_quietly(r())
-
-
-def _is_token_array(a) -> bool:
-    # float32: the bits of a token (jaxvmm.checkpoint's tangent tickets travel that way)
-    return a.dtype in (jnp.uint32, jnp.float32) and a.ndim >= 1 and a.shape[-1] == 2 and not a.is_deleted()
-
-
-def _sweep_unreachable(issued: dict) -> int:
-    """Drops every ticket issued by ``issued[(backend, device)]`` (sequence numbers read before the
-    computations in flight were drained) that no reload consumed and no live jax array holds. Reads
-    token-like arrays only when such a ticket exists."""
-    candidates = {}
-    for (backend, device), last in issued.items():
-        mine = [int(token) for token, seq in lib.engine(backend, device).unclaimed_tickets() if seq <= last]
-        if mine:
-            candidates[(backend, device)] = np.array(mine, np.uint64)
-    if not candidates:
-        return 0
-    held = set()
-    for a in _live_arrays():
-        try:
-            if not _is_token_array(a):
-                continue
-            for dev, vals in _token_values(a):
-                tgt = target_of(dev)
-                mine = candidates.get((tgt.backend, tgt.ordinal))
-                if mine is not None:
-                    held.update((tgt.backend, tgt.ordinal, int(v)) for v in mine[np.isin(mine, vals)])
-        except Exception:  # noqa: BLE001  (deleted (donated) between the check and the read: it holds nothing any more)
-            continue
-    dropped = 0
-    for (backend, device), mine in candidates.items():
-        for token in mine.tolist():
-            if (backend, device, token) not in held:
-                lib.engine(backend, device).drop(token)
-                dropped += 1
-    return dropped
-
-
-def collect() -> int:
-    """Free the tickets that can no longer be reloaded: those whose token no live jax array holds.
-
-    A ticket normally lives while a ``Ticket`` (or any jax array holding its token, such as the
-    residuals inside a ``jax.vjp`` function) is alive, and until it is reloaded. Tickets whose tokens
-    never leave a jitted computation (offloaded, then reloaded in only one branch of a ``lax.cond``),
-    or whose last holder died inside jax (a ``vjp_fn`` dropped uncalled), are found here: after every
-    computation dispatched so far has finished, each live ticket that no reload consumed and whose token no live
-    jax array holds is dropped (its host memory is freed once the GPU has passed every op enqueued so
-    far). Call it between steps of a loop whose tickets do not reach Python (every few steps), to keep
-    host memory constant; it waits for the computations in flight and reads every live token array, so it
-    is not free. A token copied out of jax (to numpy, or to another
-    process) is not seen: keep tickets in jax arrays. Returns how many tickets were dropped."""
-    # Only tickets issued before the call: once the computations dispatched so far have finished, so
-    # has every computation that issued one of them (its reload of it included). One issued while this
-    # waits may come from a computation another thread dispatched meanwhile, still running: the next
-    # call judges it. (On the cpu platform a fence waits only for its own thread's computations, and
-    # another thread's computation may issue a ticket before its output is a live array: the second
-    # drain waits for that output.)
-    issued = {(backend, device): int(lib.engine(backend, device).stats()["seq_issued"])
-              for backend, device in lib.engine_devices()}
-    _settle()
-    _drain_dispatched()
-    for backend, device in lib.engine_devices():
-        lib.engine(backend, device).sync()
-    n = _sweep_unreachable(issued)
-    for backend, device in lib.engine_devices():
-        lib.engine(backend, device).sync()
-    return n
-
-
-def configure(*, host_pool_limit: int | str | None = None, host_pool_chunk: int | str | None = None,
-              prefetch_depth: int | None = None, keep_resident: int | None = None,
-              staging_budget: int | str | None = None, staging_idle_ms: int | None = None,
-              host_store: str | None = None, copy_chunk: int | str | None = None,
-              graph_cells: int | None = None, graph_spares: int | None = None,
-              graph_hold: str | None = None, graph_spare_budget: int | str | None = None) -> dict:
-    """Set engine knobs (process-wide); returns the values in force.
-
-    host_pool_limit: cap on pinned host bytes (default: half of physical memory; env
-      ``JAXVMM_HOST_POOL_LIMIT``): bytes as an int, or a size string such as ``"512M"`` or ``"1GiB"``
-      (K, M, G, T, with or without B/iB, all powers of 1024). Offloading past it raises
-      ``OutOfMemoryError``. Lowering it below what the pool pins returns the pool's empty chunks at once
-      and the others as their tickets are freed.
-    host_pool_chunk: bytes pinned per driver allocation (default 256 MiB; larger requests get their own);
-      an int or a size string.
-    prefetch_depth: staging cells per array size that copies may use at once (default 2; env
-      ``JAXVMM_PREFETCH_DEPTH``): how far offload D2H copies and reload prefetches of one size run
-      ahead of XLA's stream, and how many cells of that size stay mapped while ops flow.
-    keep_resident: how many of the newest offloaded tickets keep a device copy after their D2H, so
-      their reloads copy device to device and never wait for PCIe (default 0; env
-      ``JAXVMM_KEEP_RESIDENT``). In training, the last layers offloaded are the first reloaded:
-      keeping them resident avoids a stall at the start of the backward pass, for that many cells of
-      device memory (counted in the staging budget).
-    staging_budget: cap on mapped staging bytes per device (default 8 GiB; env
-      ``JAXVMM_STAGING_BUDGET``), an int or a size string: offloads still copying out, reload
-      prefetches, kept copies and prefetch hints included. An array larger than the budget cannot be
-      offloaded.
-    staging_idle_ms: how long the staging area stays mapped with no op before its pages go back to the
-      driver (default 200 ms; env ``JAXVMM_STAGING_IDLE_MS``). ``jaxvmm.trim()`` returns them at once.
-    host_store: where offloaded bytes live on the host (env ``JAXVMM_HOST_STORE``): ``"pinned"`` (the
-      default: page-locked chunks from ``cuMemHostAlloc``) or ``"host_numa"`` (VMM pages created on the
-      device's host NUMA node, mapped at reserved host addresses and granted to the device; their empty
-      chunks go back on ``jaxvmm.trim()``). Applies to offloads from now on; tickets already offloaded
-      keep their store. ``host_pool_limit`` and ``host_pool_chunk`` apply to each store. Where the
-      driver cannot create HOST_NUMA pages, an offload raises ``NotSupportedError``.
-    copy_chunk: the D2H and H2D copies between staging cells and host blocks are issued in pieces of at
-      most this many bytes (default 64 MiB; ``0``: one copy per op; env ``JAXVMM_COPY_CHUNK``), an int
-      or a size string, so that other copies sharing the copy engines (the other direction, XLA's
-      snapshots) interleave with a large one instead of waiting for all of it.
-    graph_cells: graph mode with grant kernels (command buffers): staging cells per call site and
-      direction, 1 to 4 (default 2; env ``JAXVMM_GRAPH_CELLS``). Consecutive rounds of one call site
-      (the iterations of a scan) take turns on them, so a round's copy into or out of its cell overlaps
-      the next iterations' compute; each cell is device memory counted in the staging budget (a channel
-      runs on fewer when the budget has no room). Applies to call sites prepared from now on; ``1`` is
-      the single-cell protocol.
-    graph_spares: graph mode with grant kernels: spare cells per offload call site,
-      0 to 64 (default 0; env ``JAXVMM_GRAPH_SPARES``). When a scan's iterations produce activations
-      faster than PCIe carries them to the host, an offload cell whose copy to the host is still queued
-      is swapped for a free spare and the next iteration goes on at once; the queued bytes stay on the
-      device, and reloads of them (the backward pass's first layers) copy them device to device, also
-      after their copy to the host has ended, until a later lend reuses the spare (oldest first). Spares
-      get pages only when lent (within the staging budget, never waited for; as many as were lent at
-      once) and return them when idle. Each mapped spare is one activation of device memory the offload
-      does not free: a trade of memory for time where PCIe is the limit; ``engine_stats()``:
-      ``graph_lends``, ``graph_lent_reads``, ``graph_kept_reads``, ``graph_holds``.
-      Applies to call sites prepared from now on.
-    graph_spare_budget: graph mode with grant kernels: device memory that spare cells may hold at once,
-      over every offload call site of a device (default 0: no cap but ``staging_budget``; env
-      ``JAXVMM_GRAPH_SPARE_BUDGET``), an int or a size string such as ``"2G"``. Setting it gives every
-      offload call site prepared from then on spares (``graph_spares`` of them when that is set, else
-      64), so the engine keeps the forward's newest activations on the device whenever PCIe is behind,
-      as far as this budget goes, whichever call sites need it; a lend that would pass it finds no
-      spare (the cell then waits for its copy to the host, as without spares). ``engine_stats()``:
-      ``graph_spare_bytes`` (now), ``graph_spare_bytes_peak``. The cap applies from the next lend on.
-    graph_hold: graph mode with grant kernels: which offload cells are *held* after their round (no
-      grant out, their bytes readable on the device) instead of armed behind their copy to the host
-      (env ``JAXVMM_GRAPH_HOLD``). ``"large"`` (the default): the one cell of a call site whose arrays
-      are 32 MiB or more is held until that call site's next round, so the backward pass's first reload,
-      of the forward's last offload, copies it device to device instead of waiting for its copy to the
-      host and back (on the H200 ~5 ms for a 256 MiB activation); each later round of the call site
-      then waits for a poller round trip, small beside the compute that makes such an array.
-      ``"spares"``: only cells of call sites whose spares are all lent (see ``graph_spares``). Applies
-      from the next offload round on."""
-    where = "configure: "
-    if host_pool_limit is not None:
-        host_pool_limit = _config.parse_size(host_pool_limit, where + "host_pool_limit")
-    if host_pool_chunk is not None:
-        host_pool_chunk = _config.parse_size(host_pool_chunk, where + "host_pool_chunk")
-    if staging_budget is not None:
-        staging_budget = _config.parse_size(staging_budget, where + "staging_budget")
-    for name, v in (("prefetch_depth", prefetch_depth), ("keep_resident", keep_resident),
-                    ("staging_idle_ms", staging_idle_ms), ("graph_cells", graph_cells),
-                    ("graph_spares", graph_spares)):
-        if isinstance(v, str):  # env strings are parsed by _config; the Python API takes ints
-            raise _type_error(f"jaxvmm: configure: {name}={v!r} is invalid: expected an int")
-    if copy_chunk is not None:
-        copy_chunk = _config.parse_size(copy_chunk, where + "copy_chunk", lo=0)
-    if graph_spare_budget is not None:
-        graph_spare_budget = _config.parse_size(graph_spare_budget, where + "graph_spare_budget", lo=0)
-    if host_store is not None:
-        if not isinstance(host_store, str):
-            raise _type_error(f"jaxvmm: configure: host_store={host_store!r} is invalid: expected one of "
-                              f"{', '.join(repr(c) for c in _config.HOST_STORES)}")
-        host_store = _config.parse_choice(host_store, where + "host_store", _config.HOST_STORES)
-    if graph_hold is not None:
-        if not isinstance(graph_hold, str):
-            raise _type_error(f"jaxvmm: configure: graph_hold={graph_hold!r} is invalid: expected one of "
-                              f"{', '.join(repr(c) for c in _config.GRAPH_HOLDS)}")
-        graph_hold = _config.parse_choice(graph_hold, where + "graph_hold", _config.GRAPH_HOLDS)
-    if prefetch_depth is not None:
-        prefetch_depth = _config.parse_int(prefetch_depth, where + "prefetch_depth", lo=1,
-                                           hi=_config.MAX_PREFETCH_DEPTH)
-    if keep_resident is not None:
-        keep_resident = _config.parse_int(keep_resident, where + "keep_resident", lo=0, hi=_config.INT32_MAX)
-    if staging_idle_ms is not None:
-        staging_idle_ms = _config.parse_int(staging_idle_ms, where + "staging_idle_ms", lo=1, hi=_config.INT64_MAX)
-    if graph_cells is not None:
-        graph_cells = _config.parse_int(graph_cells, where + "graph_cells", lo=1, hi=_config.MAX_GRAPH_CELLS)
-    if graph_spares is not None:
-        graph_spares = _config.parse_int(graph_spares, where + "graph_spares", lo=0, hi=_config.MAX_GRAPH_SPARES)
-    vals = lib.configure(-1 if host_pool_limit is None else host_pool_limit,
-                         0 if host_pool_chunk is None else host_pool_chunk,
-                         0 if prefetch_depth is None else prefetch_depth,
-                         -1 if keep_resident is None else keep_resident,
-                         0 if staging_budget is None else staging_budget,
-                         0 if staging_idle_ms is None else staging_idle_ms)
-    if host_store is not None:
-        lib.set_host_store(host_store)
-    chunk = int(lib.copy_chunk(-1 if copy_chunk is None else copy_chunk))
-    names = ("host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
-             "staging_idle_ms")
-    out = {name: int(v) for name, v in zip(names, vals)}
-    out["host_store"] = str(lib.host_store())
-    out["copy_chunk"] = chunk
-    out["graph_cells"] = int(lib.graph_cells(0 if graph_cells is None else graph_cells))
-    out["graph_spares"] = int(lib.graph_spares(-1 if graph_spares is None else graph_spares))
-    out["graph_hold"] = str(lib.graph_hold("" if graph_hold is None else graph_hold))
-    out["graph_spare_budget"] = int(lib.graph_spare_budget(-1 if graph_spare_budget is None else graph_spare_budget))
-    return out
+configure.__doc__ = (configure.__doc__ or "") + _config.keywords_doc("user")
 
 
 def reserve_host(nbytes: int | str, device=None) -> None:
@@ -1030,7 +277,7 @@ def engine_stats() -> dict:
     instead of through a new staging cell), and the host store: ``host_store`` (the
     store new offloads draw from), ``host_store_bytes`` (what it holds), ``pinned_*`` and ``host_numa_*``
     (bytes held, in use, peak in use, chunks taken and returned, host time spent taking them)."""
-    _collect()
+    _lifetimes._collect()
     out = {}
     for backend, device in lib.engine_devices():
         out[f"{'cuda' if backend == 'cuda' else 'cpu'}:{device}"] = dict(lib.engine(backend, device).stats())

@@ -14,7 +14,7 @@ from . import errors
 from . import share as _share
 from ._devices import Target, target_of
 from ._native import lib
-from .ops import _check_shape
+from ._validate import check_shape as _check_shape
 
 # A sanity bound, not a capability: the driver or the kernel reports out-of-memory for real requests.
 MAX_NBYTES = 1 << 48

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+from . import _config
 from ._devices import target_of
 from ._native import lib
 
@@ -33,6 +34,18 @@ SHARE_ENTRIES = {
                "cuMemMap", "cuMemSetAccess"),
     "export": ("cuMemExportToShareableHandle",),
 }
+
+
+def configure_debug(**settings) -> dict:
+    """Set debug settings (process-wide) at run time, as ``jaxvmm.configure`` sets the user ones; returns
+    the debug values in force, read back from the core. Each is also a ``JAXVMM_DEBUG_*`` environment
+    variable, read at ``import jaxvmm`` (jaxvmm/_config.py):
+
+"""
+    return _config.configure(lib, "debug", "configure_debug", settings)
+
+
+configure_debug.__doc__ = (configure_debug.__doc__ or "") + _config.keywords_doc("debug")
 
 
 def backend_of(device=None) -> str:

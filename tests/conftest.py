@@ -25,9 +25,10 @@ import pytest  # noqa: E402
 
 import jaxvmm  # noqa: E402
 import jaxvmm.testing  # noqa: E402
+from jaxvmm import _config  # noqa: E402
 from jaxvmm._native import lib  # noqa: E402
 
-REQUIRE_GPU_ENV = "JAXVMM_REQUIRE_GPU"
+REQUIRE_GPU_ENV = _config.SETTINGS["require_gpu"].env
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -51,7 +52,7 @@ def gpu_unavailable_reason() -> str | None:
 
 
 def gpu_required() -> bool:
-    return os.environ.get(REQUIRE_GPU_ENV, "") == "1"
+    return _config.read_at_import("require_gpu")  # a test switch of jaxvmm's settings table (jaxvmm/_config.py)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -161,7 +161,7 @@ def test_small_tensors_share_staging_pages(posix_async):
         assert s["tickets_live"] == 0, s
         jaxvmm.check()
         print("OK")
-    """, JAXVMM_POSIX_ASYNC=posix_async))
+    """, JAXVMM_DEBUG_POSIX_ASYNC=posix_async))
 
 
 def test_a_small_cell_takes_the_place_of_idle_ones_in_a_full_shared_page():
@@ -512,7 +512,7 @@ def test_ring_copies_are_one_call_and_predicted_reloads_make_no_memop_write(copy
             assert s["ring_copy_kernel"] == 0
         assert s["tickets_live"] == 0, s
         print("OK")
-    """, JAXVMM_POSIX_ASYNC="1"))
+    """, JAXVMM_DEBUG_POSIX_ASYNC="1"))
 
 
 def test_a_failing_event_poll_never_runs_the_resolver_early():
@@ -537,4 +537,4 @@ def test_a_failing_event_poll_never_runs_the_resolver_early():
         jaxvmm.synchronize()
         jaxvmm.check()
         print("OK")
-    """, JAXVMM_POSIX_ASYNC="3000"))
+    """, JAXVMM_DEBUG_POSIX_ASYNC="3000"))

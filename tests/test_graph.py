@@ -43,19 +43,6 @@ def read(slot) -> np.ndarray:
     return np.frombuffer(bytes(slot.read()), np.uint8)
 
 
-@pytest.fixture(autouse=True, params=["fused", "two_node"])
-def round_kernels(request, monkeypatch) -> bool:
-    """Every test runs twice: rounds of K > 1 cells recorded as one fused take + copy kernel
-    (JAXVMM_GRAPH_FUSED=1) and as a take, a copy and a publish kernel (the default), in this process (read at
-    each capture) and in the subprocesses the test starts (the environment). True: fused."""
-    fused = request.param == "fused"
-    monkeypatch.setenv("JAXVMM_GRAPH_FUSED", "1" if fused else "0")
-    old = lib.graph_fused(-1)
-    lib.graph_fused(int(fused))
-    yield fused
-    lib.graph_fused(old)
-
-
 @pytest.fixture
 def slots(platform_device):
     made = []
@@ -117,7 +104,7 @@ def reload_rounds_in_reverse(r: Replay, bwd, y, tok, tokens, n: int = N) -> None
         assert np.array_equal(read(y), data(i, n)), f"ticket {i}"
 
 
-def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, engine_hygiene, round_kernels):
+def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, engine_hygiene):
     assert jaxvmm.configure()["graph_cells"] == 2
     x, y, tok = slots(N), slots(N), slots(8)
     before = stats(platform_device)
@@ -131,9 +118,6 @@ def test_replays_are_bit_exact_without_handler_calls(platform_device, slots, eng
             assert np.array_equal(read(y), data(i)), f"replay {i}"
     after = stats(platform_device)
     assert captured["graph_captures"] - before["graph_captures"] == 2
-    # Both rounds are one fused node each (K = 2 cells), or none is (JAXVMM_GRAPH_FUSED=0, host grants).
-    fused = 2 if round_kernels and kernels_on(platform_device) else 0
-    assert captured["graph_fused_captures"] - before["graph_fused_captures"] == fused, (before, captured)
     assert after["graph_captures"] == captured["graph_captures"]  # replays record nothing
     assert after["handler_calls"] == before["handler_calls"]  # nor run the ring path
     assert after["graph_offload_rounds"] - before["graph_offload_rounds"] == 50
@@ -175,30 +159,22 @@ _EARLY_LAUNCH = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("pdl", ["1", "0", "unset"])
-def test_separate_node_rounds_launch_their_copy_and_publish_early_on_sm90(platform_device, round_kernels, pdl):
-    """JAXVMM_GRAPH_PDL=1 (the default) on an sm_90 device (the cpu backend stands for one): the engine
-    loads the compute_90 module, and rounds in separate nodes record their copy and publish with
-    cuLaunchKernelEx (programmatic dependent launch); they replay bit-exact. JAXVMM_GRAPH_PDL=0: the
-    compute_80 module and plain launches. Fused rounds launch as before either way."""
+def test_rounds_launch_their_copy_and_publish_early_on_sm90(platform_device):
+    """On an sm_90 or later device (the cpu backend stands for one) the engine loads the compute_90
+    module, and rounds record their copy and publish with cuLaunchKernelEx (programmatic dependent
+    launch); they replay bit-exact. An older GPU gets the compute_80 module and plain launches."""
     import json
     dev = "gpu" if platform_device != "cpu" else "cpu"
-    env = {"JAXVMM_GRAPH_KERNELS": "1"}
-    if pdl != "unset":
-        env["JAXVMM_GRAPH_PDL"] = pdl
-    if dev == "cpu":
-        env["JAX_PLATFORMS"] = "cpu"
-    unset = "import os; os.environ.pop('JAXVMM_GRAPH_PDL', None)\n" if pdl == "unset" else ""
-    proc = run_in_subprocess(unset + f"DEVICE = {dev!r}\n" + _EARLY_LAUNCH, env=env, timeout=120)
+    env = {"JAX_PLATFORMS": "cpu"} if dev == "cpu" else {}
+    proc = run_in_subprocess(f"DEVICE = {dev!r}\n" + _EARLY_LAUNCH, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.split("RESULT", 1)[1])
-    sm90 = True
+    on = True
     if dev == "gpu":
         import jax
-        sm90 = float(jax.devices("gpu")[0].compute_capability) >= 9.0
-    on = pdl != "0" and sm90
+        on = float(jax.devices("gpu")[0].compute_capability) >= 9.0
     assert r["kernels"] == 1 and r["module_early"] == int(on), r
-    want = 0 if round_kernels or not on else 2  # offload and reload rounds
+    want = 2 if on else 0  # offload and reload rounds
     assert r["early"] == want and r["ex"] == 2 * want and r["after"] == 0, r  # a copy and a publish each; replays record nothing
     assert not r["ptx90"]  # graph_kernels_ptx() is the compute_80 module's text
 
@@ -274,20 +250,20 @@ def test_rounds_without_pool_room_go_to_pageable_memory_never_pinning(platform_d
 
 
 @pytest.mark.parametrize("cells", ["1", "2"])
-def test_rounds_are_bit_exact_when_the_cpu_streams_run_asynchronously(round_kernels, cells):
-    """JAXVMM_POSIX_ASYNC=3000: every driver stream of the cpu backend runs its operations on a thread
+def test_rounds_are_bit_exact_when_the_cpu_streams_run_asynchronously(cells):
+    """JAXVMM_DEBUG_POSIX_ASYNC=3000: every driver stream of the cpu backend runs its operations on a thread
     of its own, in order, each after a random delay of up to 3 ms, as a busy GPU's streams do, so only
     jaxvmm's ordering between its streams keeps the bytes right (the D2H word,
     events, grants written behind copies, the bounce buffers) is what keeps the bytes right. Large
     arrays, reverse order, half of the tickets in pageable memory (the fallback), each reload bit-exact."""
     code = textwrap.dedent('''
         import numpy as np, jaxvmm
-        from jaxvmm.testing import Replay
+        from jaxvmm.testing import Replay, hooks
         from jaxvmm._native import lib
         n, K = 3 << 20, 24
         data = lambda i: np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
         x, y, tok = (jaxvmm.Slot(m, device="cpu") for m in (n, n, 8))
-        jaxvmm.configure(host_pool_chunk=12 * n)   # K // 2 tickets fit the first chunk
+        jaxvmm.testing.configure_debug(host_pool_chunk=12 * n)   # K // 2 tickets fit the first chunk
         with Replay("cpu") as r:
             r.prepare(1, r.OFFLOAD, n)
             r.prepare(2, r.RELOAD, n)
@@ -308,7 +284,7 @@ def test_rounds_are_bit_exact_when_the_cpu_streams_run_asynchronously(round_kern
         assert s["graph_host_fallbacks"] > 0 and s["errors"] == 0 and s["tickets_live"] == 0, s
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_POSIX_ASYNC": "3000",
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_DEBUG_POSIX_ASYNC": "3000",
                                         "JAXVMM_GRAPH_CELLS": cells}, timeout=180)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
@@ -384,7 +360,7 @@ def test_cells_of_a_site_never_captured_go_back_when_idle(platform_device):
     t = target_of(platform_device)
     code = textwrap.dedent(f"""
         import time, jaxvmm
-        from jaxvmm.testing import Replay
+        from jaxvmm.testing import Replay, hooks
         from jaxvmm._native import lib
         jaxvmm.configure(staging_idle_ms=50)
         def mapped():
@@ -449,7 +425,7 @@ def test_staged_predictions_never_starve_offload_rounds():
     ring staging cells once starved the offload rounds of cells, inside the poller.)"""
     code = textwrap.dedent('''
         import itertools, numpy as np, jaxvmm
-        from jaxvmm.testing import Replay
+        from jaxvmm.testing import Replay, hooks
         N = 3 * 4096
         sites = itertools.count(1 << 40)
         mk = lambda n: jaxvmm.Slot(n, device="cpu")
@@ -540,10 +516,6 @@ def test_one_call_site_compiled_for_two_shapes_gets_two_channels(platform_device
 
 # ---------------------------------------------------------------- kernel grants (DESIGN.md, "Graph mode")
 
-def kernels_on(device) -> bool:
-    return bool(stats(device)["graph_kernels"])
-
-
 def grants(device) -> tuple[int, int]:
     s = stats(device)  # synchronize() first: every round so far is served, the next grants are armed
     return s["graph_grants_device"], s["graph_grants_host"]
@@ -556,12 +528,7 @@ def test_rounds_take_pre_armed_grants_on_the_device(platform_device, slots, engi
     x, y, tok = slots(N), slots(N), slots(8)
     with Replay(platform_device) as r:
         fwd, bwd = forward_backward_graphs(r, x, y, tok)
-        if not kernels_on(platform_device):
-            t = target_of(platform_device)
-            why = f"grant kernels unavailable: {lib.engine(t.backend, t.ordinal).graph_kernels_error()}"
-            if platform_device != "cpu":
-                pytest.fail(why)  # a GPU with a CUDA 12+/13 driver must load the checked-in PTX
-            pytest.skip(why)
+        assert stats(platform_device)["graph_kernels"] == 1  # a GPU with a CUDA 12+/13 driver loads the checked-in PTX
         dev0, host0 = grants(platform_device)
         tokens = []
         for i in range(K):
@@ -617,9 +584,7 @@ def test_idle_release_revokes_armed_grants_and_the_next_round_knocks(platform_de
             r.launch(g)
             r.synchronize()
         before = stats(platform_device)
-        if not before["graph_kernels"]:
-            pytest.skip("grant kernels unavailable")
-        assert before["graph_mapped_bytes"] > 0
+        assert before["graph_kernels"] == 1 and before["graph_mapped_bytes"] > 0, before
         jaxvmm.trim()  # the offload channel holds a pre-armed grant: taken back, then the cell goes
         mid = stats(platform_device)
         assert mid["graph_mapped_bytes"] == 0
@@ -667,7 +632,6 @@ _ROUND_TRIP_PRELUDE = textwrap.dedent('''
         got = np.frombuffer(bytes(y.read()), np.uint8)
         assert np.all(got == v), (v, np.unique(got))
         if after: after()
-    FUSED = os.environ.get("JAXVMM_GRAPH_FUSED", "0") != "0"  # the round_kernels fixture's choice
     def replay_rounds(r, g, n):  # n replays, each bit-exact
         for i in range(n):
             x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
@@ -742,7 +706,7 @@ def test_gpu_cells_get_host_pages_when_the_device_is_full():
 _GUESS_PRELUDE = textwrap.dedent('''
     import time, numpy as np, jaxvmm
     import jaxvmm.testing as T
-    from jaxvmm.testing import Replay
+    from jaxvmm.testing import Replay, hooks
     from jaxvmm._native import lib
     jaxvmm.configure(staging_idle_ms=60000)   # no idle release to hide a stale guess
     N = 3 * 4096 + 100
@@ -796,16 +760,16 @@ def test_a_guess_another_call_site_consumed_is_dropped_at_once():
 
 
 def test_a_stale_guess_is_not_freed_while_its_prefetch_still_copies():
-    """Host grants (JAXVMM_GRAPH_KERNELS=0): a reload cell's guess is copied into the cell on gh2d_ with
-    no grant (the cell stays idle). Another call site then reloads that ticket, so the guess is stale.
-    Taking it back must wait for the cell's copy (its host block is the copy's source) as an idle
-    release does; it unloaded at once, freeing the block under the running copy. cuEventQuery is made
-    to say NOT_READY (a copy still running): the ticket stays until the copy ends, then goes."""
+    """A reload cell's guess is copied into the cell on gh2d_ and armed. Another call site then reloads
+    that ticket, so the guess is stale. Taking it back (a revocation, then the unload) must wait for the
+    cell's copy (its host block is the copy's source) as an idle release does; it once unloaded at once,
+    freeing the block under the running copy. cuEventQuery is made to say NOT_READY (a copy still
+    running): the ticket stays until the copy ends, then goes."""
     code = _GUESS_PRELUDE + textwrap.dedent('''
         ya, yb, ta, tb = mk(N), mk(N), mk(8), mk(8)
         with Replay("cpu") as r:
             x, tok, go, (ga, gb), tokens = offload_site_and_reload_sites(r, 1 << 43, [(ta, ya), (tb, yb)])
-            assert stats()["graph_kernels"] == 0
+            assert stats()["graph_kernels"] == 1
             ta.write(tokens[1]); r.launch(ga[0]); r.synchronize()   # A reloads T2; its guess: T1
             jaxvmm.synchronize()
             assert stats()["tickets_live"] == 1
@@ -824,16 +788,16 @@ def test_a_stale_guess_is_not_freed_while_its_prefetch_still_copies():
             assert s["tickets_live"] == 0 and s["errors"] == 0, s
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "0"}, timeout=120)
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def test_a_round_that_misses_keeps_the_old_guess_until_its_prefetch_ends():
     """Review finding: a request that misses unloads its cell's guess before fix_ waits for that cell's
     prefetch. When the guess was consumed elsewhere meanwhile (its take-back was held back because the
-    prefetch still copied), that unload freed the ticket's host block under the running copy. Host
-    grants; cuEventQuery says NOT_READY (every copy "still runs"): the ticket must stay live until the
-    prefetch ends."""
+    prefetch still copied), that unload freed the ticket's host block under the running copy.
+    cuEventQuery says NOT_READY (every copy "still runs"): the ticket must stay live until the prefetch
+    ends."""
     code = _GUESS_PRELUDE + textwrap.dedent('''
         ya, yb, ta, tb = mk(N), mk(N), mk(8), mk(8)
         with Replay("cpu") as r:
@@ -842,7 +806,7 @@ def test_a_round_that_misses_keeps_the_old_guess_until_its_prefetch_ends():
             x.write(np.full(N, 3, np.uint8)); r.launch(go[0]); r.synchronize()
             T3 = bytes(tok.read())
             jaxvmm.synchronize()
-            assert stats()["graph_kernels"] == 0 and stats()["tickets_live"] == 2, stats()   # T1 (A's guess), T3
+            assert stats()["graph_kernels"] == 1 and stats()["tickets_live"] == 2, stats()   # T1 (A's guess), T3
             T.arm_fault("cuEventQuery", times=-1, error="CUDA_ERROR_NOT_READY")  # every copy "still runs"
             try:
                 tb.write(tokens[0]); r.launch(gb[0]); r.synchronize()   # B reloads T1: A's guess is stale
@@ -860,7 +824,7 @@ def test_a_round_that_misses_keeps_the_old_guess_until_its_prefetch_ends():
             assert s["tickets_live"] == 0 and s["errors"] == 0, s
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "0"}, timeout=120)
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -886,7 +850,7 @@ def test_a_guess_whose_ticket_is_dropped_is_taken_back_at_once():
             assert s["graph_revokes"] >= 1, s                         # the armed guess was taken back
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=120)
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -899,7 +863,7 @@ def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
         import threading, time, numpy as np, jax, jax.numpy as jnp, jaxvmm
         from jaxvmm.testing import Replay, hooks
         from jaxvmm._native import lib
-        from jaxvmm.ops import _signature
+        from jaxvmm._ticket import signature as _signature
         shape, dtype = (3 * 1024 + 25,), np.float32
         N = 4 * shape[0]
         sig = _signature(shape, dtype)
@@ -936,7 +900,7 @@ def test_a_ring_path_reload_waits_for_a_round_the_poller_has_not_served():
             assert lib.engine("posix", 0).stats()["graph_grants_device"] >= 1  # round 2 took an armed grant
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=120)
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -953,7 +917,6 @@ def test_a_revoke_after_the_device_took_the_grant_keeps_the_round(k):
             replay_rounds(r, g, 3)
             b = st()
             assert b["graph_kernels"] == 1 and b["graph_cells"] == 2 * K, b
-            assert b["graph_fused_captures"] == (2 if FUSED and K > 1 else 0), b  # the hook runs inside the fused round
             for i in range(3, 6):
                 hooks.trim_after_next_take(0)
                 x.write(np.full(N, i, np.uint8)); r.launch(g[0]); r.synchronize()
@@ -970,33 +933,60 @@ def test_a_revoke_after_the_device_took_the_grant_keeps_the_round(k):
         jaxvmm.collect()
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(k)},
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_CELLS": str(k)},
                              timeout=60)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_grant_kernels_are_warmed_at_the_first_initialize_and_a_failed_warm_up_falls_back():
+# Kernels that failed to load or warm up: every capture of a call site fails, naming the cause and how to
+# run without command buffers; uncaptured executions still run (the op ring). `no_kernels(r, cause)`
+# checks that on the round-trip sites (their initialize stages already ran).
+_NO_KERNELS = textwrap.dedent('''
+    def no_kernels(r, *cause):
+        s = lib.engine("posix", 0).stats()
+        why = lib.engine("posix", 0).graph_kernels_error()
+        assert s["graph_kernels"] == 0 and s["graph_channels"] == 0 and all(c in why for c in cause), (s, why)
+        for record in (lambda: r.offload(1 << 40, x.address, N, tok.address),
+                       lambda: r.reload((1 << 40) + 1, tok.address, y.address, N)):
+            try:
+                with r.capture():
+                    record()
+            except Exception as e:
+                msg = str(e)
+            else:
+                raise AssertionError("a call site was captured without the graph kernels")
+            assert all(c in msg for c in cause), msg
+            assert "XLA_FLAGS=--xla_gpu_enable_command_buffer=" in msg and "JAXVMM_GRAPH=0" in msg, msg
+        assert lib.engine("posix", 0).stats()["graph_captures"] == 0
+        x.write(np.full(N, 9, np.uint8))   # uncaptured, the same call sites run on the op ring
+        r.offload(1 << 40, x.address, N, tok.address); r.reload((1 << 40) + 1, tok.address, y.address, N)
+        r.synchronize()
+        assert np.all(np.frombuffer(bytes(y.read()), np.uint8) == 9)
+''')
+
+
+def test_grant_kernels_are_warmed_at_the_first_initialize_and_a_failed_warm_up_fails_every_capture():
     """The engine's first initialize stage launches each grant kernel once (under lazy module loading a
     kernel's first launch may wait for the device to drain: it must never come while a round waits on
-    the device). A launch that fails there leaves the engine on the host-granted protocol, whose rounds
-    work, and says why."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+    the device). A launch that fails there leaves graph mode without kernels for the engine's life: the
+    initialize stages succeed, every capture fails saying why and how to turn command buffers off, and
+    executions that are not captured run as usual."""
+    code = _ROUND_TRIP_PRELUDE + _NO_KERNELS + textwrap.dedent('''
         import jaxvmm.testing as T
         with Replay("cpu") as r:
             with T.fault("cuLaunchKernel", nth=1, error="CUDA_ERROR_LAUNCH_FAILED"):
-                g = round_trip(r)
-            replay_rounds(r, g, 4)
+                r.prepare(1 << 40, r.OFFLOAD, N); r.prepare((1 << 40) + 1, r.RELOAD, N)
+            r.prepare(1 << 40, r.OFFLOAD, N)   # not tried again
+            no_kernels(r, "warm-up", "cuLaunchKernel", "CUDA_ERROR_LAUNCH_FAILED")
         jaxvmm.synchronize()
         s = lib.engine("posix", 0).stats()
-        assert s["graph_kernels"] == 0 and s["graph_grants_device"] == 0, s
-        assert s["graph_offload_rounds"] == 4 and s["graph_reload_rounds"] == 4 and s["errors"] == 0, s
-        why = lib.engine("posix", 0).graph_kernels_error()
-        assert "warm-up" in why and "cuLaunchKernel" in why, why
-        jaxvmm.collect()
+        assert s["graph_offload_rounds"] == 0 and s["errors"] == 0 and s["tickets_live"] == 0, s
+        jaxvmm.check()
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=60)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.count("XLA_FLAGS=--xla_gpu_enable_command_buffer=") == 1, proc.stderr[-3000:]  # said once
     # Without the fault the same warm-up succeeds and every round after it takes a device grant.
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
         with Replay("cpu") as r:
@@ -1006,11 +996,32 @@ def test_grant_kernels_are_warmed_at_the_first_initialize_and_a_failed_warm_up_f
         s = lib.engine("posix", 0).stats()
         assert s["graph_kernels"] == 1 and s["errors"] == 0 and s["tickets_live"] == 0, s
         assert s["graph_offload_rounds"] == 4 and s["graph_grants_device"] >= 3, s
+        assert lib.engine("posix", 0).graph_kernels_error() == ""
         jaxvmm.collect()
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=60)
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=60)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_module_that_does_not_load_fails_every_capture_with_the_driver_s_answer():
+    """A driver that cannot load the checked-in PTX (here: cuModuleLoadData answers
+    CUDA_ERROR_UNSUPPORTED_PTX_VERSION, as a driver older than the PTX ISA does): graph mode has no
+    other protocol, so every capture fails with the driver's answer and how to turn command buffers off
+    (XLA_FLAGS=--xla_gpu_enable_command_buffer=, or JAXVMM_GRAPH=0); nothing is retried."""
+    code = _ROUND_TRIP_PRELUDE + _NO_KERNELS + textwrap.dedent('''
+        import jaxvmm.testing as T
+        with Replay("cpu") as r:
+            with T.fault("cuModuleLoadData", times=-1, error="CUDA_ERROR_UNSUPPORTED_PTX_VERSION"):
+                r.prepare(1 << 40, r.OFFLOAD, N); r.prepare((1 << 40) + 1, r.RELOAD, N)
+                assert T.driver_counters("cpu")["calls"]["cuModuleLoadData"] == 1   # tried once
+            no_kernels(r, "cuModuleLoadData", "CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+        jaxvmm.synchronize()
+        jaxvmm.check()
+        print("OK")
+    ''')
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def test_a_new_program_waits_for_pending_rounds_before_its_first_run():
@@ -1041,10 +1052,10 @@ def test_a_new_program_waits_for_pending_rounds_before_its_first_run():
 
 
 def test_the_warm_up_runs_even_when_the_first_initialize_stage_failed():
-    """The first initialize stage loads the kernels, then fails to make its channel (device words):
-    the next initialize stage still warms the kernels before any round can wait (a failing launch
-    there shows it ran: the engine falls back to host grants and says the warm-up failed)."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
+    """The first initialize stage fails to make its channel (device words) before it tries the kernels:
+    the next initialize stage still loads and warms them before any round can wait (a failing launch
+    there shows it ran: every capture then fails, saying the warm-up failed)."""
+    code = _ROUND_TRIP_PRELUDE + _NO_KERNELS + textwrap.dedent('''
         import jaxvmm.testing as T
         with Replay("cpu") as r:
             with T.fault("cuMemAlloc", nth=1):
@@ -1055,35 +1066,15 @@ def test_the_warm_up_runs_even_when_the_first_initialize_stage_failed():
                 else:
                     raise AssertionError("the injected cuMemAlloc failure did not fail the initialize stage")
             with T.fault("cuLaunchKernel", nth=1, error="CUDA_ERROR_LAUNCH_FAILED"):
-                g = round_trip(r)
-            replay_rounds(r, g, 3)
+                r.prepare(1 << 40, r.OFFLOAD, N); r.prepare((1 << 40) + 1, r.RELOAD, N)
+            no_kernels(r, "warm-up", "cuLaunchKernel")
         jaxvmm.synchronize()
-        s = lib.engine("posix", 0).stats()
-        why = lib.engine("posix", 0).graph_kernels_error()
-        assert s["graph_kernels"] == 0 and "warm-up" in why, (s["graph_kernels"], why)
         jaxvmm.check()
         jaxvmm.collect()
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1"}, timeout=60)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
-
-
-def test_without_grant_kernels_the_host_grants_every_round():
-    """JAXVMM_GRAPH_KERNELS=0 (or a driver that cannot load the PTX): the host-granted protocol."""
-    code = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
-        with Replay("cpu") as r:
-            g = round_trip(r)
-            replay_rounds(r, g, 5)
-        jaxvmm.synchronize()
-        s = lib.engine("posix", 0).stats()
-        assert s["graph_kernels"] == 0 and s["graph_grants_device"] == 0, s
-        assert s["graph_offload_rounds"] == 5 and s["graph_reload_rounds"] == 5, s
-        jaxvmm.collect()
-        print("OK")
-    ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "0"}, timeout=60)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu"}, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def test_replays_racing_trim_lose_no_round(platform_device, slots, engine_hygiene):
@@ -1134,15 +1125,6 @@ def graph_cells():
     jaxvmm.configure(graph_cells=old)
 
 
-def need_kernels(device):
-    if not kernels_on(device):
-        t = target_of(device)
-        why = f"grant kernels unavailable: {lib.engine(t.backend, t.ordinal).graph_kernels_error()}"
-        if device != "cpu":
-            pytest.fail(why)
-        pytest.skip(why)
-
-
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
     """A fresh process per K: round trips and a forward/backward pass are bit-exact, each channel
@@ -1158,7 +1140,6 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
             replay_rounds(r, g, 20)
             s = st()
             assert s["graph_kernels"] == 1 and s["graph_cells"] == 2 * K, s
-            assert s["graph_fused_captures"] == (2 if FUSED and K > 1 else 0), s
             # The offload channel arms all K cells behind their D2H; the reload channel used one (no
             # ticket is left to predict after a round trip).
             assert s["graph_mapped_bytes"] == (K + 1) * cell, (s["graph_mapped_bytes"], cell)
@@ -1189,8 +1170,8 @@ def test_k_cells_replays_are_bit_exact_and_every_cell_is_used(k):
         print("OK")
     ''')
     # Synchronous streams whatever the environment says: the exact grant counts assume them.
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(k),
-                                        "JAXVMM_POSIX_ASYNC": "0"}, timeout=120)
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_CELLS": str(k),
+                                        "JAXVMM_DEBUG_POSIX_ASYNC": "0"}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -1198,14 +1179,14 @@ def _run_with_spares(code: str, cells: int, spares: int, link_us: int, **env) ->
     """Runs `code` (it prints OK) with kernel grants, `cells` cells and `spares` spares per call site,
     asynchronous posix streams and a link of `link_us` per pinned D2H or H2D (and no XLA_FLAGS of the
     caller's: CONCURRENT scheduling there would turn off reads some of these tests count)."""
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": str(cells),
-                                        "JAXVMM_GRAPH_SPARES": str(spares), "JAXVMM_POSIX_ASYNC": "1",
-                                        "JAXVMM_POSIX_LINK_US": str(link_us), **{k: str(v) for k, v in env.items()}},
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAXVMM_GRAPH_CELLS": str(cells),
+                                        "JAXVMM_DEBUG_GRAPH_SPARES": str(spares), "JAXVMM_DEBUG_POSIX_ASYNC": "1",
+                                        "JAXVMM_DEBUG_POSIX_LINK_US": str(link_us), **{k: str(v) for k, v in env.items()}},
                              timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-# Call sites of arrays of 32 MiB or more (one cell each, held and trading pages unless JAXVMM_GRAPH_HOLD
+# Call sites of arrays of 32 MiB or more (one cell each, held and trading pages unless JAXVMM_DEBUG_GRAPH_HOLD
 # says otherwise), with no idle release during the test; `st()` reads the cpu engine's counters.
 _LARGE_PRELUDE = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
     N = 40 << 20
@@ -1216,9 +1197,9 @@ _LARGE_PRELUDE = _ROUND_TRIP_PRELUDE + textwrap.dedent('''
 
 
 def _run_large(code: str, link_us: int, hold: str | None = None, spares: int = 0, cells: int = 1, mib: int = 40) -> None:
-    """Runs `code` (it prints OK) after _LARGE_PRELUDE with arrays of `mib` MiB, JAXVMM_GRAPH_HOLD=hold
+    """Runs `code` (it prints OK) after _LARGE_PRELUDE with arrays of `mib` MiB, JAXVMM_DEBUG_GRAPH_HOLD=hold
     unless None, JAXVMM_GRAPH_CELLS=cells (a large call site gets one cell whatever it says)."""
-    env = {"JAXVMM_GRAPH_HOLD": hold} if hold else {}
+    env = {"JAXVMM_DEBUG_GRAPH_HOLD": hold} if hold else {}
     prelude = _LARGE_PRELUDE.replace("N = 40 << 20", f"N = {mib} << 20")
     _run_with_spares(prelude + textwrap.dedent(code), cells=cells, spares=spares, link_us=link_us, **env)
 
@@ -1235,7 +1216,7 @@ def test_spare_cells_let_the_forward_run_ahead_of_a_slow_link(cells, spares):
     code = _ROUND_TRIP_PRELUDE + textwrap.dedent(f'''
         import time
         SPARES = {spares}
-        assert jaxvmm.configure()["graph_spares"] == SPARES
+        assert jaxvmm.testing.configure_debug()["graph_spares"] == SPARES
         st = lambda: (jaxvmm.synchronize(), lib.engine("posix", 0).stats())[1]
         with Replay("cpu") as r:
             fwd, bwd = forward_backward(r)
@@ -1377,7 +1358,7 @@ def test_the_forward_s_last_large_offload_is_reloaded_device_to_device(mib, hold
     """A call site of arrays of 32 MiB or more has one cell, and armed it behind the D2H out of it, so the
     backward's first reload, of the forward's last offload, waited for that D2H (if still running) and
     then for an H2D of the same bytes: on the H200, ~5 ms each for a 256 MiB activation. Now that cell is
-    held after its round until the next round knocks (JAXVMM_GRAPH_HOLD=large, the default; `spares`
+    held after its round until the next round knocks (JAXVMM_DEBUG_GRAPH_HOLD=large, the default; `spares`
     holds only when a channel's spares are all lent, as before), and a reload meanwhile copies its bytes
     device to device. Here each D2H takes 150 ms: the newest offload is reloaded on the device, every
     byte is checked, and each round after a hold knocks and gets its cell once its D2H is done. Small
@@ -1418,7 +1399,7 @@ def test_large_call_sites_of_both_directions_share_one_cell_of_pages(hold, cells
     of 32 MiB or more, one cell each) pass their pages between directions: the backward's first reload takes
     the held offload cell's pages, with the forward's last bytes in them (no copy), and the forward's
     first round takes the idle reload cell's. Each step here maps no new pages and never has more than
-    one cell mapped; every byte is checked. With JAXVMM_GRAPH_HOLD=spares (no holds, no trades) both
+    one cell mapped; every byte is checked. With JAXVMM_DEBUG_GRAPH_HOLD=spares (no holds, no trades) both
     cells stay mapped. Arrays of exactly 32 MiB are large too, whatever graph_cells says (the GPT
     row's 32 MiB block inputs had K = 2 cells per direction, four cells mapped at the turn)."""
     code = f'''
@@ -1755,7 +1736,7 @@ def test_the_backward_s_first_reloads_read_small_offload_cells_device_to_device(
         assert st()["tickets_live"] == 0, st()
         print("OK")
     ''')
-    _run_with_spares(code, cells=2, spares=0, link_us=600000, JAXVMM_POSIX_DTOD_US=20000)
+    _run_with_spares(code, cells=2, spares=0, link_us=600000, JAXVMM_DEBUG_POSIX_DTOD_US=20000)
 
 
 def test_a_reload_s_go_follows_the_guesses_staged_from_offload_cells():
@@ -1787,7 +1768,7 @@ def test_a_reload_s_go_follows_the_guesses_staged_from_offload_cells():
         jaxvmm.collect()
         print("OK")
     ''')
-    _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_POSIX_DTOD_US=50000)
+    _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_DEBUG_POSIX_DTOD_US=50000)
 
 
 # For the two tests below: three times, two offload replays, then a reload of the `miss`th of their
@@ -1843,7 +1824,7 @@ def test_an_offload_round_beside_a_waiting_reload_never_refills_the_cell_it_read
         assert st()["tickets_live"] == 0, st()
         print("OK")
     ''')
-    _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_POSIX_DTOD_US=50000,
+    _run_with_spares(code, cells=2, spares=0, link_us=0, JAXVMM_DEBUG_POSIX_DTOD_US=50000,
                      XLA_FLAGS="--xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
 
 
@@ -1862,7 +1843,7 @@ def test_an_offload_round_beside_a_waiting_reload_of_a_large_call_site_is_bit_ex
         jaxvmm.collect()
         print("OK")
     ''')
-    _run_with_spares(code, cells=cells, spares=spares, link_us=30000, JAXVMM_POSIX_DTOD_US=50000)
+    _run_with_spares(code, cells=cells, spares=spares, link_us=30000, JAXVMM_DEBUG_POSIX_DTOD_US=50000)
 
 
 @pytest.mark.parametrize("link_us", [0, 60000])
@@ -2042,7 +2023,7 @@ def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
     keeps them after that until no copy out of it still runs (Ticket::lent_readers). The rule had no test
     that failed without it: readers of a lent cell (a reload's device-to-device correction, a prefetch)
     used to finish long before the D2H they race. Here
-    every side-stream D2D waits 300 ms (JAXVMM_POSIX_DTOD_US) and every D2H 20 ms: forward rounds A..D
+    every side-stream D2D waits 300 ms (JAXVMM_DEBUG_POSIX_DTOD_US) and every D2H 20 ms: forward rounds A..D
     on one stream lend two spares (A's and B's bytes); a reload of B on a second stream copies from B's
     lent cell, slowly; B's D2H ends meanwhile; more forward rounds on the first stream lend spares
     again. Without the rule B's spare is lent to one of them and overwritten before the reload's copy
@@ -2075,7 +2056,7 @@ def test_a_lent_spare_is_not_given_back_while_a_reader_still_copies_from_it():
             assert np.all(got == 11), np.unique(got)
         print("OK")
     ''')
-    _run_with_spares(code, cells=2, spares=2, link_us=20000, JAXVMM_POSIX_DTOD_US=300000)
+    _run_with_spares(code, cells=2, spares=2, link_us=20000, JAXVMM_DEBUG_POSIX_DTOD_US=300000)
 
 
 def test_a_waiting_round_gets_the_device_pages_of_its_own_free_spare():
@@ -2140,7 +2121,6 @@ def test_k_armed_grants_are_taken_with_the_poller_paused(platform_device, slots,
                 r.offload(off, x.address, N, tok.address)
         with r.capture() as bwd:
             r.reload(rel, tok_in.address, y.address, N)
-        need_kernels(platform_device)
         for i, x in enumerate(xs):
             x.write(data(200 + i))
         r.launch(fwd[0])  # the first round knocks; the poller then arms every cell
@@ -2195,7 +2175,6 @@ def test_trim_revokes_every_armed_cell_and_the_next_round_knocks(platform_device
     cell.close()
     with Replay(platform_device) as r:
         g = round_trip_graph(r, x, y, tok)
-        need_kernels(platform_device)
         for i in range(4):
             x.write(data(60 + i))
             r.launch(g)
@@ -2243,7 +2222,7 @@ def test_a_budget_smaller_than_k_cells_runs_on_fewer(budget_cells):
         jaxvmm.collect()
         print("OK")
     ''')
-    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_KERNELS": "1", "JAXVMM_GRAPH_CELLS": "3"},
+    proc = run_in_subprocess(code, env={"JAX_PLATFORMS": "cpu", "JAXVMM_GRAPH_CELLS": "3"},
                              timeout=60)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
@@ -2256,10 +2235,10 @@ _ODD_COPIES = [(1, 0, 0), (3, 1, 0), (15, 0, 1), (16, 0, 0), (17, 3, 3), (4095, 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_device, slots, engine_hygiene, graph_cells, k):
-    """Each round trip goes through the fused kernel (or, two_node, the cell-copy kernel) in both
-    directions (K = 2, 3; K = 1 records plain copies of its one cell); the bytes come back exact and
-    nothing outside the destination range is written. Each size is a new channel, so its first
-    offload round knocks and its first reload round requests while the grid's other blocks wait."""
+    """Each round trip goes through the cell-copy kernel in both directions (K = 2, 3; K = 1 records
+    plain copies of its one cell); the bytes come back exact and nothing outside the destination range
+    is written. Each size is a new channel, so its first offload round knocks and its first reload
+    round requests."""
     graph_cells(k)
     pad = 64
     for n, src_off, dst_off in _ODD_COPIES:
@@ -2285,8 +2264,7 @@ def test_odd_sizes_and_unaligned_addresses_through_the_copy_kernel(platform_devi
 @pytest.mark.gpu
 def test_gpu_large_unaligned_copy_uses_the_grid_stride_loop(platform_device, slots, engine_hygiene):
     """More bytes than one pass of the copy kernel's largest grid covers (1024 blocks x 256 threads x
-    4 x 16 bytes = 16 MiB; the fused kernel's 128 blocks cover 2 MiB a pass), unaligned by one byte at
-    both ends, and a mutually misaligned pair."""
+    4 x 16 bytes = 16 MiB), unaligned by one byte at both ends, and a mutually misaligned pair."""
     if platform_device == "cpu":
         pytest.skip("the copy kernel's grid runs on a GPU")
     n = (24 << 20) + 3  # < 32 MiB: a K-cell call site (larger ones get one cell and a memcpy node)
@@ -2315,7 +2293,7 @@ def test_gpu_large_unaligned_copy_uses_the_grid_stride_loop(platform_device, slo
 # process-wide settings (host_pool_limit).
 _FRESH_ENGINE_GRAPHS = textwrap.dedent('''
     import time, numpy as np, jaxvmm
-    from jaxvmm.testing import Replay
+    from jaxvmm.testing import Replay, hooks
     from jaxvmm._native import lib
     stats = lambda: (jaxvmm.synchronize(), lib.engine("posix", 0).stats())[1]
     def graphs(r, n, x, y, tok):

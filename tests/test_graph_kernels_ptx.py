@@ -13,8 +13,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADER = ROOT / "ffi" / "graph_kernels_ptx.h"
-ENTRIES = ("jaxvmm_take_offload", "jaxvmm_take_reload", "jaxvmm_revoke", "jaxvmm_cell_copy", "jaxvmm_fused_offload",
-           "jaxvmm_fused_reload", "jaxvmm_publish", "jaxvmm_copy", "jaxvmm_ring_reload")
+ENTRIES = ("jaxvmm_take_offload", "jaxvmm_take_reload", "jaxvmm_revoke", "jaxvmm_cell_copy", "jaxvmm_publish",
+           "jaxvmm_copy", "jaxvmm_ring_reload")
 
 
 def modules(header_text: str) -> dict[str, str]:
@@ -41,7 +41,7 @@ def test_ptx_is_loadable_by_a_cuda_13_driver(arch):
 
 
 def test_only_the_sm90_round_kernels_wait_for_the_kernel_before_them():
-    """Early-launched kernels (a round's copy and publish, JAXVMM_GRAPH_PDL) must wait on the device for
+    """Early-launched kernels (a round's copy and publish, on sm_90 and later) must wait on the device for
     the kernel before them (griddepcontrol.wait) before they read what it wrote; the take kernels let
     them be scheduled (launch_dependents). compute_80 has neither instruction."""
     m = modules(HEADER.read_text())

@@ -238,9 +238,9 @@ def test_scan_of_32_with_two_cells_takes_most_grants_on_the_device(mode):
 
 # Rounds of K = 1, 2, 3 cells per call site in one process (configure(graph_cells=K), then a fresh layer
 # function so the program is traced again and its call sites get new channels). With K > 1 each round
-# is one fused take + copy kernel (JAXVMM_GRAPH_FUSED, on by default); K = 1 records the single-cell
-# nodes. The activation is 129 x 509 f32 (262644 bytes: not a multiple of 16, so the copy's tail
-# runs). Every K must match jax.checkpoint bit for bit.
+# is a take, a copy and a publish kernel; K = 1 records the single-cell nodes. The activation is
+# 129 x 509 f32 (262644 bytes: not a multiple of 16, so the copy's tail runs). Every K must match
+# jax.checkpoint bit for bit.
 SCAN_K = _train_prelude(L=16, STEPS=4, B=129, D=509) + textwrap.dedent("""
     _layer = layer
     ref = train(REF)
@@ -256,41 +256,23 @@ SCAN_K = _train_prelude(L=16, STEPS=4, B=129, D=509) + textwrap.dedent("""
 """)
 
 
-def _spares_in_environment() -> bool:
-    """Offload call sites have spares: JAXVMM_GRAPH_SPARES, or a spare budget (which gives them 64)."""
-    from jaxvmm import _config
-    v = _config.read_environment()
-    return v.get("JAXVMM_GRAPH_SPARES", 0) > 0 or v.get("JAXVMM_GRAPH_SPARE_BUDGET", 0) > 0
-
-
-@pytest.mark.parametrize("fused,pdl", [("1", "0"), ("0", "0"), ("0", "1")], ids=["fused", "two_node", "two_node_early"])
 @pytest.mark.parametrize("mode", ["default", "while"])
-def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused, pdl):
-    r = _result(SCAN_K, mode, 180, JAXVMM_GRAPH_FUSED=fused, JAXVMM_GRAPH_PDL=pdl)
+def test_rounds_of_one_to_three_cells_are_bit_exact(mode):
+    r = _result(SCAN_K, mode, 180)
     assert r["graph_kernels"] == 1, r
     for k, got in r["out"].items():
         s = got["stats"]
-        keys = ("graph_captures", "graph_fused_captures", "graph_early_captures", "graph_offload_rounds",
+        keys = ("graph_captures", "graph_early_captures", "graph_offload_rounds",
                 "graph_reload_rounds", "graph_grants_device", "graph_grants_host", "graph_cells")
-        print(mode, "fused" if fused == "1" else "two-node", "K", k, {key: s[key] for key in keys})
+        print(mode, "K", k, {key: s[key] for key in keys})
         assert got["losses_equal"] and got["weights_equal"], (k, got)
         if mode == "while":
             assert s["graph_captures"] > 0 and s["graph_offload_rounds"] >= 16, (k, s)
             assert s["graph_cells"] >= 2 * int(k) and s["graph_cells"] % int(k) == 0, (k, s)  # K per channel
-        # Fused nodes exactly when K > 1 and JAXVMM_GRAPH_FUSED is on (every capture of such a round);
-        # with one cell, an offload call site with spares (JAXVMM_GRAPH_SPARES in the environment) has no
-        # fixed cell either, so its rounds are fused and its reloads' are not.
-        if int(k) > 1 and fused == "1":
-            assert s["graph_fused_captures"] == s["graph_captures"], (k, s)
-        elif fused == "1" and _spares_in_environment():
-            assert 0 < s["graph_fused_captures"] < s["graph_captures"], (k, s)
-        else:
-            assert s["graph_fused_captures"] == 0, (k, s)
-        # With JAXVMM_GRAPH_PDL=1 on sm_90 (an H100/H200) every round in separate kernels launches its
-        # copy and publish early, and these rounds matched jax.checkpoint with it.
-        if r["sm90"] and pdl == "1":
-            kernel_rounds = s["graph_captures"] - s["graph_fused_captures"]
-            if int(k) > 1 and kernel_rounds > 0:
+        # On sm_90 (an H100/H200) every round in kernels launches its copy and publish early, and these
+        # rounds matched jax.checkpoint with it.
+        if r["sm90"]:
+            if int(k) > 1 and s["graph_captures"] > 0:
                 assert s["graph_early_captures"] > 0, (k, s)
         else:
             assert s["graph_early_captures"] == 0, (k, s)
@@ -305,14 +287,14 @@ def test_rounds_of_one_to_three_cells_are_bit_exact(mode, fused, pdl):
 # their D2H is queued (the cell's address in the device words changes under the recorded kernels), the
 # first reloads of the backward copy from lent cells, and the training matches jax.checkpoint bit for bit.
 SPARES = _train_prelude(L=64, STEPS=4, B=8192, D=256) + textwrap.dedent("""
-    assert jaxvmm.configure()["graph_spares"] == 32
+    assert jaxvmm.testing.configure_debug()["graph_spares"] == 32
     print("RESULT", json.dumps(against(train(REF))))
 """)
 
 
 @pytest.mark.parametrize("mode", ["default", "while"])
 def test_spare_cells_under_xla_are_bit_exact(mode):
-    r = _result(SPARES, mode, 240, JAXVMM_GRAPH_CELLS="2", JAXVMM_GRAPH_SPARES="32")
+    r = _result(SPARES, mode, 240, JAXVMM_GRAPH_CELLS="2", JAXVMM_DEBUG_GRAPH_SPARES="32")
     s = r["stats"]
     print(mode, {k: s[k] for k in ("graph_offload_rounds", "graph_reload_rounds", "graph_lends", "graph_lent_reads",
                                    "graph_grants_device", "graph_grants_host", "graph_captures")})

@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 import jaxvmm
+import jaxvmm.testing
 
 from conftest import run_in_subprocess
 
@@ -78,7 +79,8 @@ def test_host_numa_offload_reload_is_bit_exact_subprocess(platform):
 
 def test_host_numa_memory_goes_back_on_free_and_trim_subprocess():
     code = """
-    jaxvmm.configure(host_store="host_numa", host_pool_chunk="4M")
+    jaxvmm.configure(host_store="host_numa")
+    testing.configure_debug(host_pool_chunk="4M")
     base = testing.driver_counters()
     x = bits((1 << 18,), np.float32, 1)   # 1 MiB
     ts = [jaxvmm.offload(x) for _ in range(3)]
@@ -220,7 +222,7 @@ def test_copies_go_in_pieces_subprocess():
     # copy_chunk splits each D2H/H2D between a cell and a host block into pieces (odd sizes: the offsets
     # must add up); the bytes are the same, the copies counted at the driver seam are ceil(n / chunk).
     code = """
-    assert jaxvmm.configure(copy_chunk=12345)["copy_chunk"] == 12345
+    assert testing.configure_debug(copy_chunk=12345)["copy_chunk"] == 12345
     calls = lambda: testing.driver_counters()["calls"]
     x = bits((100003,), np.float32, 7)          # 400012 bytes: 33 pieces
     c0 = calls()
@@ -235,9 +237,9 @@ def test_copies_go_in_pieces_subprocess():
     assert same(y, x)
     jaxvmm.configure(host_store="host_numa")      # by unified address, in pieces too
     for chunk in (12345, 0, "1M"):
-        jaxvmm.configure(copy_chunk=chunk)
+        testing.configure_debug(copy_chunk=chunk)
         assert same(jaxvmm.reload(jaxvmm.offload(x)), x), chunk
-    assert jaxvmm.configure()["copy_chunk"] == 1 << 20
+    assert testing.configure_debug()["copy_chunk"] == 1 << 20
     print("OK")
     """
     _run(code)
@@ -246,10 +248,10 @@ def test_copies_go_in_pieces_subprocess():
 @pytest.mark.parametrize("value,exc", [(-1, jaxvmm.InvalidArgumentError), ("lots", jaxvmm.InvalidArgumentError),
                                        (1.5, jaxvmm.InvalidArgumentError)])
 def test_configure_copy_chunk_validation(value, exc):
-    before = jaxvmm.configure()
-    with pytest.raises(exc, match="configure: copy_chunk"):
-        jaxvmm.configure(copy_chunk=value)
-    assert jaxvmm.configure() == before
+    before = jaxvmm.testing.configure_debug()
+    with pytest.raises(exc, match="configure_debug: copy_chunk"):
+        jaxvmm.testing.configure_debug(copy_chunk=value)
+    assert jaxvmm.testing.configure_debug() == before
 
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -262,7 +264,8 @@ def test_copies_in_odd_pieces_are_bit_exact_subprocess(platform):
     for store in ("pinned", "host_numa"):
         for chunk in (1000003, 0):
             try:
-                jaxvmm.configure(host_store=store, copy_chunk=chunk)
+                jaxvmm.configure(host_store=store)
+                testing.configure_debug(copy_chunk=chunk)
                 t = jaxvmm.offload(x)
                 assert same(jaxvmm.reload(t), x), (store, chunk)
                 t = jax.jit(jaxvmm.offload)(x)

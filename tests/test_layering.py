@@ -6,7 +6,8 @@ The core is layered, each layer seeing only the ones below it:
     (op_ring | graph_record, graph_cells -> graph_offload, graph_reload -> graph_mode) -> engine ->
     handlers -> module.cc
 
-``fault.*`` sits beside the driver seam (it may include driver.h and stat_fields.h only); ``host_pool.*`` sits beside
+``config.*`` (the process-wide settings, plain atomics) sits under everything, so that any part, the
+driver seam's cpu model included, reads them. ``fault.*`` sits beside the driver seam (it may include driver.h and stat_fields.h only); ``host_pool.*`` sits beside
 slot (vmm.h and below), ``host_numa.cc`` (its HOST_NUMA chunks) above it and slot; ``bench.*`` may include the core up to registry.h. Files may include headers
 of lower layers only; a .cc file may also include the headers of its own group. ``stat_fields.h`` (the
 stats structs' field tables) includes nothing of ours. ``*.md`` files are
@@ -69,11 +70,12 @@ LAYERS: dict[str, Group] = {
     "workers": Group(5, ("worker.h", "worker.cc", "workers.h", "workers.cc")),
     # the staging area: mapped cells over registry slots (beside the workers, never above them)
     "staging": Group(5, ("staging.h", "staging.cc"),
-                     only=frozenset({"registry.h", "slot.h", "vmm.h", "status.h", "driver.h", "stat_fields.h"})),
+                     only=frozenset({"registry.h", "slot.h", "config.h", "vmm.h", "status.h", "driver.h",
+                                     "stat_fields.h"})),
     # tickets: plain data over the host pool and staging leases; no workers, no engine
     "tickets": Group(6, ("tickets.h", "tickets.cc"),
-                     only=frozenset({"host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h", "status.h",
-                                     "driver.h"})),
+                     only=frozenset({"host_pool.h", "staging.h", "registry.h", "slot.h", "config.h", "vmm.h",
+                                     "status.h", "driver.h"})),
     # graph-mode channels: plain data (pinned words, cell addresses) over tickets; no workers, no engine
     "channels": Group(7, ("channels.h", "channels.cc"),
                       only=frozenset({"tickets.h", "host_pool.h", "staging.h", "registry.h", "slot.h", "vmm.h",
@@ -81,8 +83,9 @@ LAYERS: dict[str, Group] = {
     # the graph-mode grant kernels: run-time loaded PTX (graph_kernels_ptx.h, generated) over the driver seam
     "graph_kernels": Group(5, ("graph_kernels.h", "graph_kernels.cc", "graph_kernels_ptx.h"),
                            only=frozenset({"vmm.h", "status.h", "driver.h"})),
-    # process-wide engine settings (plain atomics), clamped to the channel limits of graph_words.h
-    "config": Group(1, ("config.h", "config.cc"), only=frozenset({"graph_words.h"})),
+    # process-wide settings (plain atomics) under everything, read by any part (the driver seam's cpu
+    # model included); clamped to the channel limits of graph_words.h (plain constants)
+    "config": Group(-1, ("config.h", "config.cc"), only=frozenset({"graph_words.h"})),
     # the engine's parts (DESIGN.md, "Engine parts"), each handed what it needs:
     # copies of a ticket's bytes and the graph D2H clock; the ledger (tickets, counters, errors)
     "transfers": Group(7, ("transfers.h", "transfers.cc"),
@@ -326,6 +329,15 @@ def test_cmake_does_not_link_the_cuda_libraries():
     assert not problems, "\n".join(problems)
 
 
+def test_jax_internals_are_used_in_the_compat_module_only():
+    """Every use of JAX's private modules (``jax._src``) is named in jaxvmm/_jax_compat.py, which says the
+    JAX versions it is tested on; no other file of the package imports them."""
+    package = ROOT / "jaxvmm"
+    users = sorted(str(p.relative_to(ROOT)) for p in package.rglob("*.py")
+                   if re.search(r"\bjax\._src\b|from jax import _src", p.read_text()))
+    assert users == ["jaxvmm/_jax_compat.py"], users
+
+
 def test_layering_of_the_table_itself():
     ranks = {name: LAYERS[name].rank for name in ("driver", "status", "vmm", "slot", "registry", "workers",
                                                    "engine", "handlers", "module")}
@@ -435,3 +447,76 @@ def test_cmake_checker_ignores_comments():
     text = '# never link libcudart or -lcuda\n#[[ CUDA::cuda_driver ]]\nmessage(STATUS "#not a comment")\n'
     assert check_cmake(text) == []
     assert check_cmake('message(STATUS "x") # fine\ntarget_link_libraries(x cudart) # bad\n')
+
+
+# ---- the Python package: no import circle ----
+PKG = ROOT / "jaxvmm"
+
+
+def python_imports(path: pathlib.Path, package: str) -> set[str]:
+    """The jaxvmm modules ``path`` imports (at module level or inside functions: a lazy import that
+    closes a circle is still a circle), as dotted names."""
+    import ast
+
+    here = package.split(".")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - node.level + 1]
+            mod = ".".join(base + ([node.module] if node.module else []))
+            if node.module:
+                found.add(mod)
+            else:  # from . import x, y: each may be a module of that package
+                found.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxvmm"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("jaxvmm"))
+    return found
+
+
+def python_graph(pkg: pathlib.Path = PKG) -> dict[str, set[str]]:
+    modules = {}
+    for path in pkg.rglob("*.py"):
+        rel = path.relative_to(pkg.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        package = name if rel.name == "__init__" else name.rsplit(".", 1)[0]
+        modules[name] = (path, package)
+    return {name: {m for m in python_imports(path, package) if m in modules and m != name}
+            for name, (path, package) in modules.items()}
+
+
+def python_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle among the package's modules (the package's __init__ excepted as a target:
+    importing a submodule runs it first, but a submodule importing its own package is what a circle
+    through __init__ looks like, and that is counted)."""
+    cycles, state, stack = [], {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                cycles.append(stack[stack.index(m):] + [m])
+            elif m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    return cycles
+
+
+def test_python_package_has_no_import_circle():
+    assert python_cycles(python_graph()) == []
+
+
+def test_python_cycle_checker_finds_a_lazy_circle(tmp_path):
+    pkg = tmp_path / "jaxvmm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import a\n")
+    (pkg / "a.py").write_text("from .b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    assert python_cycles(python_graph(pkg)) == [["jaxvmm.a", "jaxvmm.b", "jaxvmm.a"]]

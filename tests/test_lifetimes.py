@@ -390,26 +390,33 @@ def test_failed_offload_in_jit_is_reported_once_and_leaves_other_tickets_alone()
 
 
 def test_a_ready_dying_token_behind_one_still_waiting_is_taken_out():
-    """The dying list holds a token still waiting for a computation in flight, then a ready one. Taking
-    the ready one out used list.remove, which compares entries with ==: against the waiting entry that
-    is an array comparison of two uint32[2] tokens (ValueError: the truth value of an array with more
-    than one element is ambiguous). Seen in CI once more tokens died together."""
+    """The dying tokens hold one still waiting for a computation in flight, then a ready one: the ready
+    one is taken out (its ticket freed) and the waiting one stays. (The dying list once took entries out
+    with list.remove, which compared two uint32[2] token arrays with ==: ValueError, seen in CI.)"""
     ok("""
         import weakref
-        from jaxvmm import ops
+        from jaxvmm import _lifetimes as lt
         class Pending:                                   # a computation that has not finished
             def is_deleted(self): return False
             def is_ready(self): return False
         waiting, ready = jaxvmm.offload(jnp.ones(64)), jaxvmm.offload(jnp.zeros(64))
         jaxvmm.synchronize()
         pending = Pending()
-        with ops._lock:
-            ops._dying.append((waiting.token, [weakref.ref(pending)]))
-            ops._dying.append((ready.token, []))
-        ops._collect()
-        with ops._lock:
-            assert [t is waiting.token for t, _ in ops._dying] == [True], ops._dying
-            ops._dying.clear()
+        with lt._lock:
+            for t in (waiting, ready):
+                lt._tracked.pop(id(t.token))
+                lt._dying[id(t.token)] = lt._Dying(t.token)  # dead: read, then donated
+            lt._dying[id(waiting.token)].barrier = [weakref.ref(pending)]  # dead, and waiting for ever
+        for _ in range(100):
+            lt._collect()
+            with lt._lock:
+                if len(lt._dying) == 1:
+                    break
+        with lt._lock:
+            assert list(lt._dying) == [id(waiting.token)], lt._dying
+            lt._dying.clear()
+        jaxvmm.synchronize()
+        assert live() == 1, live()
         print("OK")
     """)
 
@@ -430,5 +437,69 @@ def test_several_dropped_token_arrays_are_freed_by_one_collect():
         jaxvmm.collect()
         jaxvmm.synchronize()
         assert live() == 0, live()
+        print("OK")
+    """)
+
+
+def test_a_ticket_dropped_in_one_thread_outlives_its_reload_while_another_thread_calls_jaxvmm():
+    """Thread B offloads, dispatches a computation that reloads the ticket after some work, drops its
+    result and the ticket; thread A calls jaxvmm meanwhile. On the cpu platform a fence waits only for
+    its own thread's computations: a death processed by A once freed the ticket before B's reload ran
+    ("ticket N is gone", raised by B's next offload)."""
+    ok("""
+        import threading, time
+        x = jnp.arange(4096, dtype=jnp.float32)
+        big = jnp.ones((1200, 1200), jnp.float32)
+        @jax.jit
+        def consume(t, m):
+            return jaxvmm.reload(t, after=(m @ m @ m)).sum()
+        consume(jaxvmm.offload(x), big).block_until_ready()
+        jaxvmm.synchronize()
+        done, failures = threading.Event(), []
+        def b():
+            try:
+                for i in range(10):
+                    try:
+                        t = jaxvmm.offload(x)
+                        t.token.block_until_ready()
+                        consume(t, big)
+                        del t
+                        time.sleep(0.3)
+                    except Exception as e:
+                        failures.append(str(e)[:200])
+            finally:
+                done.set()
+        def a():
+            while not done.is_set():
+                jaxvmm.engine_stats()
+                time.sleep(0.001)
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert failures == [], failures
+        jaxvmm.synchronize()
+        assert live() == 0, live()
+        jaxvmm.check()
+        print("OK")
+    """)
+
+
+def test_one_collect_frees_the_tickets_of_steps_still_in_flight_when_it_is_called():
+    """Steps dispatched and still running when collect() is called abandon their tickets (offloaded,
+    reloaded only in the branch not taken): one call frees them all (it once judged only the tickets
+    issued before it was called, so a second call was needed)."""
+    ok("""
+        x = jnp.arange(1 << 16, dtype=jnp.float32)
+        m = jnp.ones((600, 600), jnp.float32)
+        f = jax.jit(lambda x, p, m: (lambda t: lax.cond(p, lambda: jaxvmm.reload(t),
+                                                        lambda: x * 0 + (m @ m @ m).sum()))(jaxvmm.offload(x)))
+        f(x, True, m).block_until_ready()
+        jaxvmm.synchronize()
+        for _ in range(10):
+            y = f(x, False, m)
+        assert jaxvmm.collect() == 10
+        assert live() == 0 and pinned() == 0, (live(), pinned())
         print("OK")
     """)

@@ -19,6 +19,7 @@ import pytest
 from jax import lax
 
 import jaxvmm
+import jaxvmm.testing
 from jaxvmm._devices import target_of
 from jaxvmm._native import lib
 
@@ -527,8 +528,8 @@ def test_steady_state_pinned_pool_with_small_chunks_subprocess():
     legitimately overlap (a ticket's block is freed on the engine's resolver thread, a little after the
     reload) and grow the pool once more."""
     code = textwrap.dedent("""
-        import jax, jax.numpy as jnp, numpy as np, jaxvmm
-        jaxvmm.configure(host_pool_chunk=2 << 20)
+        import jax, jax.numpy as jnp, numpy as np, jaxvmm, jaxvmm.testing
+        jaxvmm.testing.configure_debug(host_pool_chunk=2 << 20)
         a = jnp.arange(384 * 1024, dtype=jnp.float32)      # 1.5 MiB: one block per 2 MiB chunk
         b = -a
         @jax.jit
@@ -557,8 +558,9 @@ def test_reserve_host_pins_a_steps_worth_ahead_subprocess():
     nothing (with 2 MiB chunks, each 1.5 MiB ticket would otherwise take a chunk of its own as the pool
     grows). Past host_pool_limit it raises OutOfMemoryError and pins nothing; bad sizes are refused."""
     code = textwrap.dedent("""
-        import jax, jax.numpy as jnp, numpy as np, jaxvmm
-        jaxvmm.configure(host_pool_chunk=2 << 20, host_pool_limit=64 << 20)
+        import jax, jax.numpy as jnp, numpy as np, jaxvmm, jaxvmm.testing
+        jaxvmm.testing.configure_debug(host_pool_chunk=2 << 20)
+        jaxvmm.configure(host_pool_limit=64 << 20)
         xs = [jnp.full((384 * 1024,), float(i), jnp.float32) for i in range(6)]   # 1.5 MiB each
         step = jax.jit(lambda xs: [jaxvmm.reload(t) for t in reversed([jaxvmm.offload(x) for x in xs])])
         jaxvmm.reserve_host("12M", device="cpu:0")
@@ -622,7 +624,7 @@ assert peak() == 0
 # copying out makes XLA's stream wait for it (on the device), a reload's prefetch waits the same way.
 # A cell that was never reused, or staging that grows with the number of ops in flight, pushes the
 # peak past the bound. The bound is per direction: offloads and reloads draw from pools of their own,
-# and where the device runs behind the host (a GPU, or JAXVMM_POSIX_ASYNC) the reloads start while the
+# and where the device runs behind the host (a GPU, or JAXVMM_DEBUG_POSIX_ASYNC) the reloads start while the
 # offload cells are still copying out, so both pools hold DEPTH cells. Graph mode (CUDA) adds
 # graph_cells cells (2 by default) per call site an initialize stage prepared: a scan body captured
 # into a command buffer runs its rounds through them (its warm-up execution runs on the ring path).
@@ -1089,6 +1091,35 @@ def test_host_pool_exhausted_is_a_clear_error_subprocess():
     assert "raised eager" in r.stdout and "raised jit" in r.stdout
 
 
+def test_eager_offload_past_the_host_pool_cap_is_one_error_whatever_the_timing_subprocess():
+    """An eager offload past host_pool_limit raised jaxvmm.OutOfMemoryError when its input was already
+    computed, and jax's JaxRuntimeError (later, where the token was used) when it was not."""
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, jaxvmm
+        jaxvmm.configure(host_pool_limit=1 << 20)
+        big = jnp.zeros((1 << 20,), jnp.float32)      # 4 MiB
+        big.block_until_ready()
+        m = jnp.ones((2000, 2000), jnp.float32)
+        inputs = [("computed", lambda: big)] + [("in flight", lambda: (m @ m @ m @ m).sum() * 0 + big)] * 3
+        for name, make in inputs:
+            x = make()
+            try:
+                t = jaxvmm.offload(x)
+                jax.block_until_ready(t.token)
+            except jaxvmm.VmmError as e:
+                assert isinstance(e, jaxvmm.OutOfMemoryError), (name, type(e))
+                assert "host_pool_limit" in str(e), str(e)
+                print("raised", name)
+            else:
+                raise SystemExit("no error for an input " + name)
+        jaxvmm.synchronize(); jaxvmm.check()
+        print("OK")
+    """)
+    r = run_in_subprocess(code, env=subprocess_env())
+    assert_clean_subprocess(r)
+    assert "raised computed" in r.stdout and "raised in flight" in r.stdout
+
+
 @pytest.mark.parametrize("knob", ["host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident",
                                   "staging_budget", "staging_idle_ms"])
 @pytest.mark.parametrize("value", [0, -1, True, False, 1.5, "4", np.float32(2)])
@@ -1097,31 +1128,33 @@ def test_configure_rejects_bad_values(knob, value):
         pytest.skip("keep_resident=0 is valid (the default)")
     if knob in ("host_pool_limit", "host_pool_chunk", "staging_budget") and value == "4":
         pytest.skip("size strings are valid for the size knobs ('4' = 4 bytes; see tests/test_config.py)")
-    before = jaxvmm.configure()
+    setter = jaxvmm.testing.configure_debug if knob == "host_pool_chunk" else jaxvmm.configure  # a debug setting
+    before = setter()
     try:
         with pytest.raises(ValueError, match=knob):
-            jaxvmm.configure(**{knob: value})
+            setter(**{knob: value})
     finally:
-        after = jaxvmm.configure(**before)  # a value wrongly accepted must not leak into later tests
+        after = setter(**before)  # a value wrongly accepted must not leak into later tests
     assert after == before
 
 
 def test_configure_returns_values_in_force():
     cur = jaxvmm.configure()
-    assert set(cur) == {"host_pool_limit", "host_pool_chunk", "prefetch_depth", "keep_resident", "staging_budget",
-                        "staging_idle_ms", "host_store", "copy_chunk", "graph_cells", "graph_spares", "graph_hold",
-                        "graph_spare_budget"}
-    assert cur["host_store"] in ("pinned", "host_numa") and cur["graph_hold"] in ("large", "spares")
-    assert all(isinstance(v, int) and v >= (0 if k in ("keep_resident", "copy_chunk", "graph_spares", "graph_spare_budget") else 1)
-               for k, v in cur.items() if k not in ("host_store", "graph_hold"))
+    assert set(cur) == {"host_pool_limit", "prefetch_depth", "keep_resident", "staging_budget", "staging_idle_ms",
+                        "host_store", "graph_cells", "graph_spare_budget"}
+    assert cur["host_store"] in ("pinned", "host_numa")
+    assert all(isinstance(v, int) and v >= (0 if k in ("keep_resident", "graph_spare_budget") else 1)
+               for k, v in cur.items() if k != "host_store")
+    debug = jaxvmm.testing.configure_debug()
     try:
         assert jaxvmm.configure(prefetch_depth=np.int64(5))["prefetch_depth"] == 5
         assert jaxvmm.configure()["prefetch_depth"] == 5
-        assert jaxvmm.configure(graph_spares=7)["graph_spares"] == 7
-        assert jaxvmm.configure()["graph_spares"] == 7
+        assert jaxvmm.testing.configure_debug(graph_spares=7)["graph_spares"] == 7
+        assert jaxvmm.testing.configure_debug()["graph_spares"] == 7
     finally:
-        jaxvmm.configure(prefetch_depth=cur["prefetch_depth"], graph_spares=cur["graph_spares"])
-    assert jaxvmm.configure() == cur
+        jaxvmm.configure(prefetch_depth=cur["prefetch_depth"])
+        jaxvmm.testing.configure_debug(graph_spares=debug["graph_spares"])
+    assert jaxvmm.configure() == cur and jaxvmm.testing.configure_debug() == debug
 
 
 def test_eager_calls_from_one_line_compile_once(platform_device):
@@ -1626,8 +1659,8 @@ print("OK")
 
 
 def test_scans_of_offloads_and_reloads_are_bit_exact_when_the_cpu_streams_run_asynchronously():
-    """JAXVMM_POSIX_ASYNC=300: the cpu backend runs every driver stream on a thread of its own, each
+    """JAXVMM_DEBUG_POSIX_ASYNC=300: the cpu backend runs every driver stream on a thread of its own, each
     operation after a random delay of up to 300 us, as a busy GPU's streams do. Only the engine's
     ordering (events, value waits, host functions waking the workers) keeps the bytes right."""
-    env = dict(subprocess_env("cpu"), JAXVMM_POSIX_ASYNC="300")
+    env = dict(subprocess_env("cpu"), JAXVMM_DEBUG_POSIX_ASYNC="300")
     assert_clean_subprocess(run_in_subprocess(_ASYNC_CODE, env=env))

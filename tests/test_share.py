@@ -2,8 +2,8 @@
 views (Slot.as_array), and multi-process JAX.
 
 CPU tests run on the POSIX backend (memfd pages, SCM_RIGHTS between real processes). gpu-marked tests need
-CUDA; the ``two_gpus`` ones skip (with the reason) unless two GPUs are visible. tools/gpu_share.sh runs them
-on a 2-GPU machine together with bench/share_bw.py.
+CUDA; the ``two_gpus`` ones skip (with the reason) unless two GPUs are visible. On a 2-GPU machine:
+``JAXVMM_REQUIRE_2GPU=1 bash tools/device_run.sh build tests tests/test_share.py py bench/share_bw.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import jaxvmm
+from jaxvmm import _config
 import jaxvmm.testing as jt
 from conftest import gpu_unavailable_reason, live_counters
 
@@ -63,8 +64,8 @@ def two_gpus_reason() -> str | None:
 
 
 # JAXVMM_REQUIRE_GPU=1 alone does not turn these into failures (a 1-GPU runner runs the gpu suite with it);
-# JAXVMM_REQUIRE_2GPU=1 (tools/gpu_share.sh) does.
-two_gpus = pytest.mark.skipif(two_gpus_reason() is not None and os.environ.get("JAXVMM_REQUIRE_2GPU") != "1",
+# JAXVMM_REQUIRE_2GPU=1 does.
+two_gpus = pytest.mark.skipif(two_gpus_reason() is not None and not _config.read_at_import("require_2gpu"),
                               reason=f"2-GPU test: {two_gpus_reason()} (set JAXVMM_REQUIRE_2GPU=1 to fail instead)")
 
 

@@ -669,3 +669,38 @@ def test_write_is_visible_to_every_stream_when_it_returns(no_leaks):
             s.write(data)
             raw = np.frombuffer(ctypes.string_at(s.address, n), np.uint8)
             assert np.array_equal(raw, data), seed
+
+
+def _max_map_count() -> int:
+    try:
+        return int(open("/proc/sys/vm/max_map_count").read())
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.skipif(not 0 < _max_map_count() <= 200_000,
+                    reason="needs Linux with vm.max_map_count at most 200,000 (filling it takes too long past that)")
+def test_slots_are_refused_before_the_process_runs_out_of_memory_mappings():
+    """Slots until refused: about 32,500 of them once ran the process out of memory mappings, raising
+    'cuMemMap: CUDA_ERROR_OUT_OF_MEMORY' (the cause unnamed), and the next jax.jit compile aborted the
+    process (XLA could not start a thread). Now a slot is refused while the process still has headroom,
+    with a message that names the limit, and the process goes on."""
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, jaxvmm
+        slots = []
+        try:
+            for _ in range(200_000):
+                slots.append(jaxvmm.Slot(4096, device="cpu"))
+        except jaxvmm.OutOfMemoryError as e:
+            assert "vm.max_map_count" in str(e) and "close slots" in str(e), str(e)
+            print("refused after", len(slots))
+        else:
+            raise SystemExit("never refused")
+        assert float(jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).sum()) == 9.0   # XLA still compiles and runs
+        for s in slots[:100]:
+            s.close()
+        slots.append(jaxvmm.Slot(4096, device="cpu"))                        # room again
+        print("OK")
+    """)
+    r = run_in_subprocess(code, env=_SUBPROCESS_ENV, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])

@@ -1,5 +1,5 @@
 """JAX's own ``jax.checkpoint`` tests (``RematTest`` in JAX's ``tests/api_test.py``) with ``jax.checkpoint``
-and ``jax.remat`` replaced by ``jaxvmm.checkpoint`` (README, *Drop-in for jax.checkpoint*).
+and ``jax.remat`` replaced by ``jaxvmm.checkpoint`` (docs/remat.md, *JAX's own remat tests*).
 
     python3 tools/remat_test.py --api-test /path/to/jax/tests/api_test.py            # the tests' own policies
     python3 tools/remat_test.py --api-test /path/to/jax/tests/api_test.py --forced   # every saved value offloaded

@@ -1,8 +1,8 @@
 """Where a ring-path handler's host time goes (GPU; command buffers off so every call runs `execute`).
 
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= JAXVMM_TRACE=1 python tools/ring_cost.py 2> trace.txt
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= JAXVMM_DEBUG_TRACE=1 python tools/ring_cost.py 2> trace.txt
 
-With JAXVMM_RING_PROFILE=1 it also prints each part of an offload / reload handler's host time.
+With JAXVMM_DEBUG_RING_PROFILE=1 it also prints each part of an offload / reload handler's host time.
 
 Runs a jitted program of N offloads then N reloads of 1 MiB arrays, R times, then prints the engine's
 handler host time (median, p99) and, from the driver-call trace on stderr (read back from the file
@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--mib", type=int, default=1)
-    ap.add_argument("--trace", default=None, help="the stderr file of a JAXVMM_TRACE=1 run to summarize")
+    ap.add_argument("--trace", default=None, help="the stderr file of a JAXVMM_DEBUG_TRACE=1 run to summarize")
     args = ap.parse_args()
     if args.trace:
         return summarize(args.trace, args.n, args.reps)
@@ -53,7 +53,7 @@ def main() -> int:
           f"(graph captures {s['graph_captures']}, ring copy kernel {s['ring_copy_kernel']})")
     for kind in ("offload", "reload"):
         sec = s.get(f"handler_{kind}_sections_ns")
-        if sec:  # JAXVMM_RING_PROFILE=1
+        if sec:  # JAXVMM_DEBUG_RING_PROFILE=1
             print(f"{kind} sections (median us): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in sec.items()))
     return 0
 

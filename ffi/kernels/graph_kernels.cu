@@ -9,12 +9,9 @@
 // the poller only with cuStreamWriteValue64 on its copy streams, ordered after the copy that makes the
 // grant true, and taken back by the device or by jaxvmm_revoke with an atomic.
 //
-// A round (K > 1) is three nodes by default: the one-thread take kernel picks the cell whose grant it
-// took and leaves its address in `ptr` (and its flag in `publish`); jaxvmm_cell_copy copies into or out
-// of `*ptr`; the one-thread jaxvmm_publish writes the flag. With JAXVMM_GRAPH_FUSED=1 it is one node,
-// the fused kernel of its direction (jaxvmm_fused_offload / jaxvmm_fused_reload): the first block to
-// arrive takes the grant (the same take logic) and hands the chosen cell to the other blocks, which
-// then copy their share; the last block to finish publishes filled/done.
+// A round (K > 1) is three nodes: the one-thread take kernel picks the cell whose grant it took and
+// leaves its address in `ptr` (and its flag in `publish`); jaxvmm_cell_copy copies into or out of
+// `*ptr`; the one-thread jaxvmm_publish writes the flag.
 // knock/probe/request/go/result are pinned host words the poller reads.
 typedef unsigned long long u64;
 
@@ -28,11 +25,8 @@ struct Cells {
   u64 next;                     // offload: where the next scan starts (round robin)
   u64 ptr;                      // the chosen cell's address (take kernel -> copy kernel)
   u64 publish;                  // the chosen cell's flag word
-  u64 blocks;                   // fused kernels: blocks finished (the last one resets it)
-  u64 arrive;                   // fused kernels: blocks arrived (the first one takes; the last to finish resets it)
-  u64 ready;                    // fused kernels: the chosen cell's address, once the taker chose it (the last to finish resets it)
   u64 stable;                   // 1: no cell address ever changes (no spares, no page trades; constant)
-  u64 pad[12];
+  u64 pad[15];
 };
 static_assert(sizeof(Cells) == 256, "Cells layout (graph_words.h)");
 
@@ -239,30 +233,10 @@ __device__ __forceinline__ void copy_cell(char* cell, u64 other, u64 n, u64 out)
   else copy_as<unsigned char>(dst, src, n);
 }
 
-// After a block's share of the copy: the last block to finish publishes the cell's flag (filled/done)
-// after every block's stores are visible, and resets the round's words for the next launch (a graph
-// replays this node with no host work between replays; the next round of the channel is a later node
-// of the same stream, so it sees the reset).
-__device__ __forceinline__ void finish_round(Cells* c) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const u64 done = atomicAdd(&c->blocks, 1ull);
-    if (done == gridDim.x - 1) {
-      c->blocks = 0;
-      c->arrive = 0;
-      c->ready = 0;
-      __threadfence_system();
-      *(volatile u64*)*(volatile u64*)&c->publish = 1;
-      __threadfence_system();
-    }
-  }
-}
-
 // The copy of an offload round into the cell `get_cell()` returns (every thread calls it): the copy's
 // first loads do not depend on the cell, so every thread issues them before it and holds them in
-// registers (a 1 MiB round's whole source, at one block per SM), and the source's read latency
-// overlaps finding the cell (a fused round's take, or the load of `ptr` the take kernel wrote). A cell
+// registers (a 1 MiB round's whole source), and the source's read latency overlaps finding the cell
+// (the load of `ptr` the take kernel wrote). A cell
 // is a slot's start (aligned to the VMM granularity), so the unit V is set by the source's alignment alone.
 template <typename V, typename GetCell>
 __device__ __forceinline__ void offload_prefetched(GetCell get_cell, const char* src, u64 n) {
@@ -297,10 +271,10 @@ __device__ __forceinline__ void offload_into(GetCell get_cell, u64 src, u64 n) {
   else offload_prefetched<unsigned char>(get_cell, s, n);
 }
 
-// The copy of a round in separate nodes: copies into or out of the cell the take kernel chose. It
-// publishes nothing: the next node (jaxvmm_publish) does, after the kernel boundary, which orders every
-// block's stores before it without the fences and block count a grid-wide "last block" needs (measured
-// on the H200: ~1.8 us of a ~4.6 us fused 1 MiB round; tools/micro/round_pieces.py).
+// A round's copy: copies into or out of the cell the take kernel chose. It publishes nothing: the next
+// node (jaxvmm_publish) does, after the kernel boundary, which orders every block's stores before it
+// without the fences and block count a grid-wide "last block" needs (measured on the H200: ~1.8 us of a
+// ~4.6 us 1 MiB round that published from its last block; tools/micro/round_pieces.py at e047c8e).
 // Launched early (sm_90): it may start while the take kernel ends, so it reads `ptr` and touches the
 // cell only after pdl_wait(). An offload's first loads of XLA's buffer may come before it: the take
 // kernel started after everything before it on XLA's stream had completed, and this grid starts after
@@ -315,7 +289,7 @@ extern "C" __global__ void jaxvmm_cell_copy(Cells* c, u64 other, u64 n, u64 out)
   else offload_into(cell, other, n);  // the source's loads in flight while `ptr` is read
 }
 
-// A round's last node (separate nodes): one thread writes 1 into the chosen cell's filled/done word.
+// A round's last node: one thread writes 1 into the chosen cell's filled/done word.
 // The copy before it is a finished kernel of the same stream, so its bytes are visible device-wide
 // (the poller's D2H or the XLA reader that follows) before the poller can see the flag.
 // Launched early (sm_90): pdl_wait() returns once the copy has completed and its stores are performed,
@@ -344,8 +318,8 @@ extern "C" __global__ void jaxvmm_copy(u64 dst, u64 src, u64 n, unsigned* word, 
 // to the predicted `tag` (!= 0) is a hit: the prefetch is in the cell (XLA's stream waited for its
 // event before this launch) and the copy goes on at once. Anything else waits until the resolver has
 // put the right bytes (or 0xFF) in the cell and written ready >= seq on its stream, behind that copy.
-// Launched with at most one block per SM (as the fused rounds): while its blocks wait, every SM keeps
-// room for a kernel the release may depend on.
+// Launched with at most one block per SM (GraphKernels::RingReloadBlocks): while its blocks wait, every
+// SM keeps room for a kernel the release may depend on.
 extern "C" __global__ void jaxvmm_ring_reload(u64 dst, u64 src, u64 n, const unsigned* token_in, u64 tag,
                                               volatile u64* probe, volatile u64* seen, u64 seq, volatile u64* ready) {
   if (threadIdx.x == 0) {
@@ -365,55 +339,4 @@ extern "C" __global__ void jaxvmm_ring_reload(u64 dst, u64 src, u64 n, const uns
   }
   __syncthreads();
   copy_cell((char*)src, dst, n, 1);
-}
-
-// Fused rounds: the take and the copy in one grid. Thread 0 of each block counts its block in
-// `arrive`; the first block to arrive (so a block that is running, whatever order the blocks are
-// scheduled in) runs the take logic above, exactly as the one-thread take kernel does, then releases
-// `ready` with the chosen cell's address (its take's stores, `ptr` and `publish` included, are
-// visible first: __threadfence, then an atomic store), so one load both releases a waiting block and
-// tells it the cell. Every other block spins on `ready` (volatile loads; nanosleep backoff only after
-// the first spins, since in steady state the take is a few round trips), then fences (acquire: the
-// grid-sync pattern of cooperative groups) before any thread reads or writes the cell.
-// The taker waits only for the host (the poller's grant or go), never for another block, so blocks
-// not yet scheduled cannot hold it up; the waiters end once it publishes.
-// Returns the chosen cell's address to every thread of the block.
-template <typename Take>
-__device__ __forceinline__ char* fused_take(Cells* c, Take take) {
-  __shared__ u64 cell;
-  if (threadIdx.x == 0) {
-    u64 p;
-    if (atomicAdd(&c->arrive, 1ull) == 0) {
-      p = take();
-      __threadfence();
-      atomicExch(&c->ready, p);  // a cell's address is never 0
-    } else {
-      unsigned spins = 0, ns = 32;
-      while ((p = *(volatile u64*)&c->ready) == 0) {
-        if (++spins < 64) continue;
-        __nanosleep(ns);
-        if (ns < 256) ns *= 2;
-      }
-      __threadfence();
-    }
-    cell = p;
-  }
-  __syncthreads();
-  return (char*)cell;
-}
-
-// Offload round in one node: take a grant (take_offload), copy `src` (n bytes) into the chosen cell,
-// publish its filled word.
-extern "C" __global__ void jaxvmm_fused_offload(Cells* c, u64 src, u64 n, unsigned* token_out, volatile u64* knock) {
-  offload_into([&] { return fused_take(c, [&] { return take_offload(c, token_out, knock); }); }, src, n);
-  finish_round(c);
-}
-
-// Reload round in one node: take the cell holding the token (take_reload, requesting it on a miss),
-// copy it into `dst` (n bytes), publish its done word.
-extern "C" __global__ void jaxvmm_fused_reload(Cells* c, u64 dst, u64 n, const unsigned* token_in, volatile u64* probe,
-                                               volatile u64* request, volatile u64* go) {
-  char* cell = fused_take(c, [&] { return take_reload(c, token_in, probe, request, go); });
-  copy_cell(cell, dst, n, 1);
-  finish_round(c);
 }

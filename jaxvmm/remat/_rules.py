@@ -34,25 +34,20 @@ never leaves a compiled program (``jax.jit(jax.grad(f))``) is consumed by its re
 
 from __future__ import annotations
 
+import typing
+
 import jax
 import jax.extend.core
 import numpy as np
-from jax._src import ad_util as _ad_util
-from jax._src import core as _core
-from jax._src import dispatch as _dispatch
-from jax._src import effects as _effects
-from jax._src import ad_checkpoint as _adc
-from jax._src.dispatch import device_put_p as _device_put_p
-from jax._src.interpreters import ad as _ad
-from jax._src.interpreters import partial_eval as _pe
-from jax._src.util import partition_list as _partition_list, split_list as _split_list
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
-from .. import errors, ops
+from .. import _jax_compat as _jc
+from .. import _lifetimes, _order, errors, ops
+from .._ticket import Ticket
 
-_HOST = _core.MemorySpace.Host
-_DEVICE = _core.MemorySpace.Device
+_HOST = _jc.HOST_MEMORY
+_DEVICE = _jc.DEVICE_MEMORY
 
 
 class VmmPolicy:
@@ -95,7 +90,7 @@ class VmmPolicy:
         return f"jaxvmm.checkpoint policy {self.spec!r}"
 
 
-_TAG = _pe.Offloadable(src="device", dst="pinned_host")
+_TAG = _jc.Offloadable(src="device", dst="pinned_host")
 
 
 # ---- a dependency that vmap does not batch ----
@@ -106,13 +101,13 @@ tie_p = jax.extend.core.Primitive("jaxvmm_tie")
 tie_p.def_impl(lambda x, *deps: x)
 tie_p.def_abstract_eval(lambda x, *deps: x)
 _mlir.register_lowering(tie_p, _mlir.lower_fun(
-    lambda x, *deps: ops._tie([x], list(deps), small=True)[0], multiple_results=False))
+    lambda x, *deps: _order.tie([x], list(deps), small=True)[0], multiple_results=False))
 _batching.primitive_batchers[tie_p] = lambda args, dims: (tie_p.bind(*args), dims[0])
-_ad.primitive_jvps[tie_p] = lambda primals, tangents: (tie_p.bind(*primals), tangents[0])
+_jc.primitive_jvps[tie_p] = lambda primals, tangents: (tie_p.bind(*primals), tangents[0])
 
 
 def _tie(x, deps):
-    deps = [d for d in deps if isinstance(d, (jax.Array, _core.Tracer)) and getattr(d, "size", 0)
+    deps = [d for d in deps if isinstance(d, (jax.Array, _jc.Tracer)) and getattr(d, "size", 0)
             and getattr(d, "dtype", None) != jax.dtypes.float0]
     return tie_p.bind(x, *deps) if deps else x
 
@@ -126,9 +121,9 @@ def _retype_param(p):
     if isinstance(p, jax.extend.core.ClosedJaxpr):
         j = _retype(p.jaxpr)
         return p if j is p.jaxpr else jax.extend.core.ClosedJaxpr(j, p.consts)
-    if isinstance(p, _core.Jaxpr):
+    if isinstance(p, _jc.Jaxpr):
         return _retype(p)
-    if isinstance(p, (tuple, list)) and any(isinstance(q, (_core.Jaxpr, jax.extend.core.ClosedJaxpr)) for q in p):
+    if isinstance(p, (tuple, list)) and any(isinstance(q, (_jc.Jaxpr, jax.extend.core.ClosedJaxpr)) for q in p):
         new = [_retype_param(q) for q in p]
         return p if all(a is b for a, b in zip(new, p)) else type(p)(new)
     return p
@@ -144,7 +139,7 @@ def _retype(jaxpr):
 
     def new(v):
         nonlocal changed
-        if isinstance(v, _core.Literal):
+        if isinstance(v, _jc.Literal):
             return v
         got = env.get(v)
         if got is not None:
@@ -152,7 +147,7 @@ def _retype(jaxpr):
         nv = v
         if _is_host(v.aval):
             aval = v.aval.update(memory_space=_DEVICE)
-            nv = _core.DropVar(aval) if isinstance(v, _core.DropVar) else _core.Var(aval)
+            nv = _jc.DropVar(aval) if isinstance(v, _jc.DropVar) else _jc.Var(aval)
             changed = True
         env[v] = nv
         return nv
@@ -162,14 +157,14 @@ def _retype(jaxpr):
     eqns = []
     for eqn in jaxpr.eqns:
         ins = [new(v) for v in eqn.invars]
-        if eqn.primitive is _device_put_p:
+        if eqn.primitive is _jc.device_put_p:
             devices = eqn.params["devices"]
             to_host = all(d is _HOST for d in devices)
             back = all(d is _DEVICE for d in devices) and all(_is_host(v.aval) for v in eqn.invars)
             if to_host or back:
                 changed = True
                 for o, i in zip(eqn.outvars, ins):
-                    if not isinstance(o, _core.DropVar):
+                    if not isinstance(o, _jc.DropVar):
                         env[o] = i
                 continue
         params = {k: _retype_param(p) for k, p in eqn.params.items()}
@@ -188,8 +183,8 @@ def _retype(jaxpr):
 # ---- which residuals leave ----
 def _differentiated(x) -> bool:
     """Whether ``x`` carries a derivative of an outer transformation (then its ticket could not)."""
-    while isinstance(x, _core.Tracer):
-        if isinstance(x, (_ad.JVPTracer, getattr(_ad, "LinearizeTracer", _ad.JVPTracer))):
+    while isinstance(x, _jc.Tracer):
+        if isinstance(x, (_jc.JVPTracer, _jc.LinearizeTracer)):
             return True
         inner = getattr(x, "val", None)  # vmap's tracer wraps the value it batches
         if inner is None:
@@ -200,7 +195,7 @@ def _differentiated(x) -> bool:
 
 def _offloadable(x, spec) -> bool:
     aval = getattr(x, "aval", None)
-    if not isinstance(aval, _core.ShapedArray) or _differentiated(x):
+    if not isinstance(aval, _jc.ShapedArray) or _differentiated(x):
         return False
     dtype = aval.dtype
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or dtype == jax.dtypes.float0:
@@ -236,7 +231,7 @@ def _offload_token_jvp(primals, tangents):
 # tangent_offload_p(x_dot): the bits of the token of a second ticket holding x's tangent, offloaded where
 # x is; the reload's JVP gives tangent_reload_p(shadow_dot) as the residual's tangent. No tangent (a
 # symbolic zero) means the offload was not differentiated: the reloaded value's tangent is zero.
-_SHADOW = _core.ShapedArray((2,), np.dtype(np.float32))
+_SHADOW = _jc.ShapedArray((2,), np.dtype(np.float32))
 
 
 shadow_p = jax.extend.core.Primitive("jaxvmm_checkpoint_shadow")
@@ -264,13 +259,13 @@ def _tangent_offload(x):
             "outside the derivatives, or save that residual (jax.checkpoint_policies.save_only_these_names)",
             code="invalid_argument")
     bits = jax.lax.bitcast_convert_type(token, np.float32)
-    if isinstance(bits, jax.Array) and not isinstance(bits, _core.Tracer):
-        ops._track(bits)  # evaluated eagerly: the ticket lives while its (float) token array does
+    if isinstance(bits, jax.Array) and not isinstance(bits, _jc.Tracer):
+        _lifetimes.track(bits)  # evaluated eagerly: the ticket lives while its (float) token array does
     return bits
 
 
 def _tangent_reload(t, *, shape, dtype):
-    return ops.reload(ops.Ticket(jax.lax.bitcast_convert_type(t, np.uint32), shape, dtype))
+    return ops.reload(Ticket(jax.lax.bitcast_convert_type(t, np.uint32), shape, dtype))
 
 
 tangent_offload_p.def_impl(_tangent_offload)
@@ -280,7 +275,7 @@ _batching.primitive_batchers[tangent_offload_p] = lambda args, dims: (
     jax.vmap(_tangent_offload, in_axes=dims[0])(args[0]) if dims[0] is not None else tangent_offload_p.bind(args[0]),
     0 if dims[0] is not None else None)
 tangent_reload_p.def_impl(_tangent_reload)
-tangent_reload_p.def_abstract_eval(lambda t, *, shape, dtype: _core.ShapedArray(shape, dtype))
+tangent_reload_p.def_abstract_eval(lambda t, *, shape, dtype: _jc.ShapedArray(shape, dtype))
 _mlir.register_lowering(tangent_reload_p, _mlir.lower_fun(_tangent_reload, multiple_results=False))
 
 
@@ -294,19 +289,19 @@ _batching.primitive_batchers[tangent_reload_p] = _tangent_reload_batch
 
 
 def _tangent_offload_transpose(ct, x):
-    if isinstance(ct, _ad_util.Zero):
-        return [_ad_util.Zero(x.aval)]
+    if isinstance(ct, _jc.Zero):
+        return [_jc.Zero(x.aval)]
     return [tangent_reload_p.bind(ct, shape=tuple(x.aval.shape), dtype=np.dtype(x.aval.dtype))]
 
 
 def _tangent_reload_transpose(ct, t, *, shape, dtype):
-    if isinstance(ct, _ad_util.Zero):
-        return [_ad_util.Zero(_SHADOW)]
+    if isinstance(ct, _jc.Zero):
+        return [_jc.Zero(_SHADOW)]
     return [tangent_offload_p.bind(ct)]
 
 
-_ad.primitive_transposes[tangent_offload_p] = _tangent_offload_transpose
-_ad.primitive_transposes[tangent_reload_p] = _tangent_reload_transpose
+_jc.primitive_transposes[tangent_offload_p] = _tangent_offload_transpose
+_jc.primitive_transposes[tangent_reload_p] = _tangent_reload_transpose
 
 
 def _shadow_jvp(primals, tangents):
@@ -314,16 +309,26 @@ def _shadow_jvp(primals, tangents):
     return shadow_p.bind(x), tangent_offload_p.bind(x_dot)
 
 
-_ad.primitive_jvps[shadow_p] = _shadow_jvp
+_jc.primitive_jvps[shadow_p] = _shadow_jvp
+
+
+class _Offloaded(typing.NamedTuple):
+    """How a residual was offloaded (:func:`_offload`), for the reload that opens the staged remat."""
+
+    shape: tuple
+    dtype: np.dtype
+    sharded: bool  # one ticket per shard (jaxvmm._sharded): its token is uint32[*dims, 2]
+    token_aval: object  # the token's type: the staged body's input in the residual's place
+    shadow: bool  # traced: the token is followed by its shadow (see *derivatives of a staged first derivative*)
 
 
 def _offload(residuals, tagged, spec, inputs):
     """Offloads the tagged residuals that can leave; returns (residuals with tokens in their place, each
-    followed by its shadow when the offload is traced; per original residual the (shape, dtype, sharded,
-    token aval, has shadow) of an offloaded one or None)."""
+    followed by its shadow when the offload is traced; per original residual an :class:`_Offloaded`, or
+    None for one that stays)."""
     out, infos = [], []
     # stop_gradient: the tie is an ordering, not a data path; it must not give the residual a derivative
-    deps = [jax.lax.stop_gradient(x) for x in inputs if isinstance(getattr(x, "aval", None), _core.ShapedArray)
+    deps = [jax.lax.stop_gradient(x) for x in inputs if isinstance(getattr(x, "aval", None), _jc.ShapedArray)
             and not jax.dtypes.issubdtype(x.aval.dtype, jax.dtypes.extended)]
     for r, tag in zip(residuals, tagged):
         if tag and _offloadable(r, spec):
@@ -332,7 +337,7 @@ def _offload(residuals, tagged, spec, inputs):
                 # constants would otherwise be hoisted out of lax.scan (offloaded once) while its reload
                 # runs every iteration.
                 r = jax.lax.optimization_barrier((r, deps))[0]
-            traced = isinstance(r, _core.Tracer)
+            traced = isinstance(r, _jc.Tracer)
             if traced:  # may be differentiated again from outside this trace: with a shadow
                 # The token carries no derivative (stop_gradient: JAX drops custom_jvp rules from the known
                 # jaxprs it partially evaluates, so the offload must not be differentiated at all); x's
@@ -343,13 +348,12 @@ def _offload(residuals, tagged, spec, inputs):
                 # An eager jax.vjp / jax.linearize: the token reaches Python inside the returned function,
                 # which may be called (or jitted and called) any number of times: its ticket is kept, not
                 # consumed by a reload, and freed when the function (the last array holding the token) dies.
-                ops._keep(tok)
+                _lifetimes.keep(tok)
             sharded = jax.numpy.ndim(tok) > 1  # uint32[*dims, 2]: one ticket per shard (jaxvmm._sharded)
             out.append(tok)
             if traced:
                 out.append(shadow)
-            infos.append((tuple(r.shape), np.dtype(r.dtype), sharded,
-                          jax.typeof(tok) if hasattr(jax, "typeof") else _core.typeof(tok), traced))
+            infos.append(_Offloaded(tuple(r.shape), np.dtype(r.dtype), sharded, _jc.typeof(tok), traced))
         else:
             out.append(r)
             infos.append(None)
@@ -382,8 +386,8 @@ def _reload_impl(token, *shadow, shape, dtype, sharded=False):
     # Evaluated eagerly: the token is a Python-held array (a VJP or linearized function's residual) that
     # may be reloaded again; keep its ticket (freed when the token's last array dies).
     try:
-        ops._keep(token)
-        return ops.reload(ops.Ticket(token, shape, dtype, sharded))
+        _lifetimes.keep(token)
+        return ops.reload(Ticket(token, shape, dtype, sharded))
     except errors.InvalidArgumentError as e:
         if "already reloaded" in str(e) or "reserved" in str(e):
             raise errors.InvalidArgumentError(f"{_CALLED_TWICE} ({e})", code="invalid_argument") from e
@@ -394,25 +398,25 @@ def _reload_batch(args, dims, *, shape, dtype, sharded=False):
     (token, *shadow), (d, *_) = args, dims
     if d is None:
         return reload_p.bind(token, *shadow, shape=shape, dtype=dtype, sharded=sharded), None
-    out = jax.vmap(lambda t: ops.reload(ops.Ticket(t, shape, dtype, sharded)), in_axes=d)(token)
+    out = jax.vmap(lambda t: ops.reload(Ticket(t, shape, dtype, sharded)), in_axes=d)(token)
     return out, 0
 
 
 def _reload_abstract(token, *shadow, shape, dtype, sharded=False):
     if not sharded:
-        return _core.ShapedArray(shape, dtype)
+        return _jc.ShapedArray(shape, dtype)
     # A sharded ticket's token (uint32[*dims, 2]) is sharded like the data it reloads (jaxvmm._sharded).
     s = getattr(token, "sharding", None)
     spec = getattr(s, "spec", None)
     if s is None or spec is None:
-        return _core.ShapedArray(shape, dtype)
-    return _core.ShapedArray(shape, dtype, sharding=s.update(spec=type(spec)(*tuple(spec)[:len(shape)])))
+        return _jc.ShapedArray(shape, dtype)
+    return _jc.ShapedArray(shape, dtype, sharding=s.update(spec=type(spec)(*tuple(spec)[:len(shape)])))
 
 
 reload_p.def_impl(_reload_impl)
 reload_p.def_abstract_eval(_reload_abstract)
 _mlir.register_lowering(reload_p, _mlir.lower_fun(
-    lambda token, *shadow, shape, dtype, sharded=False: ops.reload(ops.Ticket(token, shape, dtype, sharded)),
+    lambda token, *shadow, shape, dtype, sharded=False: ops.reload(Ticket(token, shape, dtype, sharded)),
     multiple_results=False))
 _batching.primitive_batchers[reload_p] = _reload_batch
 
@@ -421,17 +425,17 @@ def _reload_jvp(primals, tangents, *, shape, dtype, sharded=False):
     """The residual's tangent, from the ticket whose token the shadow's tangent holds (see *derivatives
     of a staged first derivative* above); none when the offload was not differentiated."""
     y = reload_p.bind(*primals, shape=shape, dtype=dtype, sharded=sharded)
-    shadow_dot = tangents[1] if len(tangents) > 1 else _ad_util.Zero(_SHADOW)
-    if isinstance(shadow_dot, _ad_util.Zero):
-        return y, _ad_util.Zero(_core.ShapedArray(shape, dtype))
+    shadow_dot = tangents[1] if len(tangents) > 1 else _jc.Zero(_SHADOW)
+    if isinstance(shadow_dot, _jc.Zero):
+        return y, _jc.Zero(_jc.ShapedArray(shape, dtype))
     return y, tangent_reload_p.bind(shadow_dot, shape=shape, dtype=np.dtype(dtype))
 
 
-_ad.primitive_jvps[reload_p] = _reload_jvp
+_jc.primitive_jvps[reload_p] = _reload_jvp
 # A sharded reload lowers to a custom_partitioning call, which needs the program's devices while it is
 # lowered: say so, as custom_partitioning does for itself (else JAX lowers e.g. an eagerly dispatched
 # scan of a backward pass without a device assignment and custom_partitioning asserts).
-getattr(_dispatch, "prim_requires_devices_during_lowering", set()).add(reload_p)
+_jc.require_devices_during_lowering(reload_p)
 
 
 def _with_reloads(jaxpr, infos):
@@ -442,14 +446,13 @@ def _with_reloads(jaxpr, infos):
     n = len(infos)
     avals = []
     for v, info in zip(jaxpr.invars[:n], infos):
-        avals += ([info[3]] + [_SHADOW] * info[4]) if info else [v.aval]
+        avals += ([info.token_aval] + [_SHADOW] * info.shadow) if info else [v.aval]
     avals += [v.aval for v in jaxpr.invars[n:]]
 
     def load(a, shadow, info):
         # The ticket says how it was offloaded (sharded: each device its own shard, jaxvmm._sharded); the
         # reload follows it, whatever context the staged body is later traced or evaluated in.
-        shape, dtype, sharded, _, _ = info
-        return reload_p.bind(a, *shadow, shape=shape, dtype=dtype, sharded=sharded)
+        return reload_p.bind(a, *shadow, shape=info.shape, dtype=info.dtype, sharded=info.sharded)
 
     def staged(*args):
         args = list(args)
@@ -457,10 +460,10 @@ def _with_reloads(jaxpr, infos):
         for info in infos:
             a = args.pop(0)
             if info:
-                shadow = [args.pop(0)] if info[4] else []
+                shadow = [args.pop(0)] if info.shadow else []
                 a = load(a, shadow, info)
             res.append(a)
-        return _core.eval_jaxpr(jaxpr, (), *res, *args)
+        return _jc.eval_jaxpr(jaxpr, (), *res, *args)
 
     try:
         closed = jax.make_jaxpr(staged)(*avals)
@@ -501,7 +504,7 @@ def _reloads(eqn) -> bool:
 # backward (a compiled program too) reloads them. The function may be called (or jitted and called) any
 # number of times, so those tickets are kept when JAX hands the residuals over (before any backward can
 # run), and the lifetime registry frees them when the last array holding their tokens dies.
-_jax_linearize = getattr(_ad.linearize, "__wrapped_by_jaxvmm__", _ad.linearize)
+_jax_linearize = getattr(_jc.ad_linearize(), "__wrapped_by_jaxvmm__", _jc.ad_linearize())
 
 
 def _sub_jaxprs(params):
@@ -509,7 +512,7 @@ def _sub_jaxprs(params):
         for q in (p if isinstance(p, (tuple, list)) else (p,)):
             if isinstance(q, jax.extend.core.ClosedJaxpr):
                 yield q.jaxpr
-            elif isinstance(q, _core.Jaxpr):
+            elif isinstance(q, _jc.Jaxpr):
                 yield q
 
 
@@ -531,7 +534,7 @@ def _token_reads(jaxpr, origins: dict) -> tuple[set, list]:
     inputs of its equation (call, remat, scan, cond branches, while body)."""
     env = {v: set(o) for v, o in origins.items() if o}
     hits = set()
-    get = lambda v: env.get(v, set()) if not isinstance(v, _core.Literal) else set()  # noqa: E731
+    get = lambda v: env.get(v, set()) if not isinstance(v, _jc.Literal) else set()  # noqa: E731
     for eqn in jaxpr.eqns:
         ins = [get(v) for v in eqn.invars]
         if not any(ins):
@@ -564,7 +567,7 @@ def _residual_tokens(jaxpr, consts) -> list:
     # _vjp3_callable, _lift_linearized all pass them ahead of the tangents).
     binders = jaxpr.constvars if len(jaxpr.constvars) == len(consts) else jaxpr.invars[:len(consts)]
     for i, (v, c) in enumerate(zip(binders, consts)):
-        if (isinstance(c, jax.Array) and not isinstance(c, _core.Tracer) and c.ndim >= 1 and c.shape[-1] == 2
+        if (isinstance(c, jax.Array) and not isinstance(c, _jc.Tracer) and c.ndim >= 1 and c.shape[-1] == 2
                 and c.dtype in (np.uint32, np.float32) and not c.is_deleted()):
             cands[v] = {i}
     if not cands:
@@ -576,7 +579,7 @@ def _residual_tokens(jaxpr, consts) -> list:
 def _keep_residual_tokens(jaxpr, consts) -> None:
     for token in _residual_tokens(jaxpr, consts):
         try:
-            ops._keep(token)
+            _lifetimes.keep(token)
         except errors.VmmError:  # not (or no longer) a live ticket: its reload raises the error
             pass
 
@@ -584,13 +587,13 @@ def _keep_residual_tokens(jaxpr, consts) -> None:
 def _linearize(*args, **kwargs):
     """JAX's ``ad.linearize`` (behind ``jax.vjp``, ``jax.linearize`` and ``jax.grad``), keeping the tickets
     whose tokens reach Python among the residuals of the function it returns."""
-    ops._collect()  # the tickets of a function that died since (the last training step's) go first
+    _lifetimes._collect()  # the tickets of a function that died since (the last training step's) go first
     out = _jax_linearize(*args, **kwargs)
     try:
         jaxpr, consts = out[2], out[3]
     except (TypeError, IndexError):  # a JAX whose linearize returns something else: leave it alone
         return out
-    if isinstance(jaxpr, _core.Jaxpr) and isinstance(consts, (list, tuple)) and consts:
+    if isinstance(jaxpr, _jc.Jaxpr) and isinstance(consts, (list, tuple)) and consts:
         _keep_residual_tokens(jaxpr, consts)
     return out
 
@@ -601,7 +604,7 @@ _linearize.__wrapped_by_jaxvmm__ = _jax_linearize
 # A function that jax.vjp / jax.linearize made inside a trace and that a jitted program returned (a VJP
 # object or a Partial is a pytree: its residuals come out of the program as outputs, not through
 # ad.linearize). Its residuals are concrete when it is called (eagerly, or traced by jax.jit(vjp_fn)),
-# before any of its reloads runs: the functions it calls then (jax._src.api._vjp3_callable and
+# before any of its reloads runs: the functions it calls then (JAX's api._vjp3_callable and
 # _lift_linearized, which get the linear jaxpr and its residuals) keep the tokens first.
 # The parameters each hook reads by position (jaxpr, residuals), as each supported jax names them (0.11 renamed
 # out_known to out_zeros and added structured residuals after them).
@@ -626,7 +629,7 @@ def _keep_call_residuals(name, args) -> None:
             jaxpr, consts = args[2], _vjp_residuals(args[0], args[7])
         else:
             jaxpr, consts = args[0], list(args[4])
-        if isinstance(jaxpr, _core.Jaxpr):
+        if isinstance(jaxpr, _jc.Jaxpr):
             _keep_residual_tokens(jaxpr, consts)
     except (AttributeError, IndexError, TypeError):  # a JAX whose functions differ: leave them alone
         pass
@@ -645,10 +648,8 @@ def _keep_when_called(name, jax_fn):
 def _install_api_hooks() -> None:
     import inspect
 
-    from jax._src import api as _api
-
     for name, signatures in _API_HOOKS.items():
-        fn = getattr(_api, name, None)
+        fn = _jc.api_function(name)
         if fn is None or getattr(fn, "__wrapped_by_jaxvmm__", None) is not None:
             continue
         try:
@@ -656,7 +657,7 @@ def _install_api_hooks() -> None:
         except (TypeError, ValueError):
             continue
         if any(names[:len(params)] == params for params in signatures):
-            setattr(_api, name, _keep_when_called(name, fn))
+            _jc.set_api_function(name, _keep_when_called(name, fn))
 
 
 def _keep_on_construction() -> None:
@@ -665,10 +666,7 @@ def _keep_on_construction() -> None:
     tokens right there, before anything can reload them: its first call may be traced inside another
     jitted program that takes the function as an argument (``jax.jit(lambda f, ct: f(ct))(vjp_fn, ct)``),
     where the residuals are tracers and a reload would otherwise consume them."""
-    from jax._src import api as _api
-    from jax._src import tree_util as _tu
-
-    vjp_cls = getattr(_api, "VJP", None)
+    vjp_cls = _jc.VJP
     if vjp_cls is not None and getattr(vjp_cls.__init__, "__wrapped_by_jaxvmm__", None) is None:
         init = vjp_cls.__init__
 
@@ -681,7 +679,7 @@ def _keep_on_construction() -> None:
         vjp_init.__wrapped_by_jaxvmm__ = init
         vjp_cls.__init__ = vjp_init
 
-    partial_cls = getattr(_tu, "Partial", None)
+    partial_cls = jax.tree_util.Partial
     if partial_cls is not None and getattr(partial_cls.__new__, "__wrapped_by_jaxvmm__", None) is None:
         new = partial_cls.__new__
 
@@ -689,7 +687,7 @@ def _keep_on_construction() -> None:
             obj = new(klass, func, *args, **kw)
             # a functools.partial, or (rebuilt from a pytree) JAX's shim that carries its func/args
             inner = getattr(func, "func", None)
-            lifted = getattr(_api, "_lift_linearized", None)
+            lifted = _jc.api_function("_lift_linearized")
             if inner is not None and inner in (lifted, getattr(lifted, "__wrapped_by_jaxvmm__", None)):
                 _keep_call_residuals("_lift_linearized", (*getattr(func, "args", ()), *args))
             return obj
@@ -701,15 +699,12 @@ def _keep_on_construction() -> None:
 def api_hooks_installed() -> dict:
     """Which of jax's internal functions jaxvmm hooks here (a jax whose functions changed shows False: a VJP
     function a jitted program returns is then reloaded once only)."""
-    from jax._src import api as _api
-
-    return {name: getattr(getattr(_api, name, None), "__wrapped_by_jaxvmm__", None) is not None
+    return {name: getattr(_jc.api_function(name), "__wrapped_by_jaxvmm__", None) is not None
             for name in _API_HOOKS}
 
 
 # ---- the rules ----
-_jax_partial_eval = _pe.custom_partial_eval_rules[_adc.remat_p]
-_jax_transpose = _ad.fancy_transposes[_adc.remat_p]
+_jax_partial_eval, _jax_transpose = _jc.remat_rules()
 
 
 def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
@@ -719,17 +714,17 @@ def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
     if not isinstance(policy, VmmPolicy):
         return _jax_partial_eval(trace, *tracers, jaxpr=jaxpr, prevent_cse=prevent_cse, **params)
     assert not jaxpr.constvars
-    disallowed = _effects.remat_allowed_effects.filter_not_in(jaxpr.effects)
+    disallowed = _jc.remat_allowed_effects.filter_not_in(jaxpr.effects)
     if disallowed:
         raise NotImplementedError(f"Effects not supported in partial-eval of `checkpoint`/`remat`: {disallowed}")
     in_unknowns = [not t.is_known() for t in tracers]
-    jaxpr_known, jaxpr_staged, out_unknowns, out_inst, num_res = _pe.partial_eval_jaxpr_custom(
+    jaxpr_known, jaxpr_staged, out_unknowns, out_inst, num_res = _jc.partial_eval_jaxpr_custom(
         jaxpr, in_unknowns, [True] * len(in_unknowns), False, False, policy)
-    _, out_inst_unknown = _partition_list(out_inst, out_unknowns)
-    jaxpr_unknown, in_used_staged = _pe.dce_jaxpr(jaxpr_staged, out_inst_unknown)
-    used_res, in_used_staged = _split_list(in_used_staged, [num_res])
+    _, out_inst_unknown = _jc.partition_list(out_inst, out_unknowns)
+    jaxpr_unknown, in_used_staged = _jc.dce_jaxpr(jaxpr_staged, out_inst_unknown)
+    used_res, in_used_staged = _jc.split_list(in_used_staged, [num_res])
     out_used_known = [True] * (len(out_unknowns) - sum(out_unknowns)) + used_res
-    jaxpr_known, in_used_known = _pe.dce_jaxpr(jaxpr_known, out_used_known)
+    jaxpr_known, in_used_known = _jc.dce_jaxpr(jaxpr_known, out_used_known)
     num_res = sum(used_res)
     # jaxvmm: the residuals the policy tagged are host-typed; run the known side without moving them.
     # Retyped before JAX's reduce_precision pass, so that the pass rounds the value itself (which the
@@ -738,29 +733,29 @@ def _partial_eval(trace, *tracers, jaxpr, prevent_cse, **params):
     if any(tagged):
         jaxpr_known = _retype(jaxpr_known)
         jaxpr_unknown = _retype(jaxpr_unknown)
-    jaxpr_known_ = _adc._insert_reduce_precision(jaxpr_known, num_res)
+    jaxpr_known_ = _jc.insert_reduce_precision(jaxpr_known, num_res)
 
     in_consts_ = [t.pval.get_known() for t in tracers if t.pval.is_known()]
-    _, in_consts = _partition_list(in_used_known, in_consts_)
-    out_consts = _core.eval_jaxpr(jaxpr_known_, (), *in_consts)
-    out_knowns, residuals = _split_list(out_consts, [len(out_consts) - num_res])
+    _, in_consts = _jc.partition_list(in_used_known, in_consts_)
+    out_consts = _jc.eval_jaxpr(jaxpr_known_, (), *in_consts)
+    out_knowns, residuals = _jc.split_list(out_consts, [len(out_consts) - num_res])
     # A staged body with inputs other than arrays (refs) keeps its residuals on the device.
-    if any(tagged) and all(isinstance(v.aval, _core.ShapedArray) for v in jaxpr_unknown.invars):
+    if any(tagged) and all(isinstance(v.aval, _jc.ShapedArray) for v in jaxpr_unknown.invars):
         residuals, infos = _offload(residuals, tagged, policy.spec, in_consts)
         jaxpr_unknown = _with_reloads(jaxpr_unknown, infos)
     else:
         infos = None
 
     res_tracers = [trace.new_instantiated_const(r) for r in residuals]
-    _, tracers_staged = _partition_list(in_used_staged, tracers)
+    _, tracers_staged = _jc.partition_list(in_used_staged, tracers)
     in_jaxpr_tracers = res_tracers + [trace.instantiate_const(t) for t in tracers_staged]
-    out_jaxpr_tracers = [_pe.JaxprTracer(trace, _pe.PartialVal.unknown(x.aval), None) for x in jaxpr_unknown.outvars]
+    out_jaxpr_tracers = [_jc.JaxprTracer(trace, _jc.PartialVal.unknown(x.aval), None) for x in jaxpr_unknown.outvars]
     if isinstance(prevent_cse, tuple):
-        _, prevent_cse_ = _partition_list(in_used_staged, prevent_cse)
+        _, prevent_cse_ = _jc.partition_list(in_used_staged, prevent_cse)
         prevent_cse = (True,) * len(res_tracers) + tuple(prevent_cse_)
     new_params = dict(params, jaxpr=jaxpr_unknown, differentiated=True, prevent_cse=prevent_cse)
-    recipe = _pe.new_eqn_recipe(trace, in_jaxpr_tracers, out_jaxpr_tracers, _adc.remat_p, new_params,
-                                _core.positional_effects(jaxpr_unknown), _source_info())
+    recipe = _jc.new_eqn_recipe(trace, in_jaxpr_tracers, out_jaxpr_tracers, _jc.remat_p, new_params,
+                                _jc.positional_effects(jaxpr_unknown), _jc.current_source_info())
     _log_residuals(tracers, in_used_staged, in_unknowns, jaxpr_unknown, jaxpr_known, num_res, infos)
     for t in out_jaxpr_tracers:
         t.recipe = recipe
@@ -771,17 +766,15 @@ def _log_residuals(tracers, in_used_staged, in_unknowns, jaxpr_unknown, jaxpr_kn
     """JAX's residual log (``jax_log_checkpoint_residuals``), offloaded residuals marked as such."""
     import logging
 
-    from jax._src import config
-
-    level = logging.WARNING if config.log_checkpoint_residuals.value else logging.DEBUG
-    logger = _adc.logger
+    level = logging.WARNING if _jc.log_checkpoint_residuals() else logging.DEBUG
+    logger = _jc.checkpoint_logger
     if not logger.isEnabledFor(level):
         return
     try:
-        _, staged_unk = _partition_list(in_used_staged, in_unknowns)
-        res_invars, _ = _partition_list(staged_unk, jaxpr_unknown.invars[num_res:])
+        _, staged_unk = _jc.partition_list(in_used_staged, in_unknowns)
+        res_invars, _ = _jc.partition_list(staged_unk, jaxpr_unknown.invars[num_res:])
         res_outvars = jaxpr_known.outvars[len(jaxpr_known.outvars) - num_res:]
-        body = _adc._saved_residuals(jaxpr_known.replace(outvars=res_outvars), ("",) * len(jaxpr_known.invars))
+        body = _jc.saved_residuals(jaxpr_known.replace(outvars=res_outvars), ("",) * len(jaxpr_known.invars))
         lines = [f"  {v.aval.str_short()}" for v in res_invars]
         head = "remat-decorated function " + "saving inputs with shapes:\n" * bool(res_invars)
         tail = "saving these intermediates:\n" * bool(body)
@@ -799,12 +792,6 @@ def _merge(unknowns, knowns, staged):
     return [next(staged) if u else next(knowns) for u in unknowns]
 
 
-def _source_info():
-    from jax._src import source_info_util
-
-    return source_info_util.current()
-
-
 def _transpose(out_cts, *args, jaxpr, prevent_cse, **params):
     """JAX's ``remat_transpose``, with the ticket tokens the body reloads tied to the cotangents first:
     without the tie XLA may schedule a reload right after its offload (outside ``lax.scan`` it does),
@@ -812,19 +799,18 @@ def _transpose(out_cts, *args, jaxpr, prevent_cse, **params):
     if isinstance(params.get("policy"), VmmPolicy):
         which = _reload_inputs(jaxpr)
         if which:
-            deps = [ct for ct in out_cts if not isinstance(ct, _ad_util.Zero)]
+            deps = [ct for ct in out_cts if not isinstance(ct, _jc.Zero)]
             args = list(args)
             for i in which:
-                if not _ad.is_undefined_primal(args[i]):
+                if not _jc.is_undefined_primal(args[i]):
                     args[i] = _tie(args[i], deps)
     return _jax_transpose(out_cts, *args, jaxpr=jaxpr, prevent_cse=prevent_cse, **params)
 
 
 def install() -> None:
     """Routes ``remat`` applications with a :class:`VmmPolicy` through jaxvmm's rules (others keep JAX's)."""
-    _pe.custom_partial_eval_rules[_adc.remat_p] = _partial_eval
-    _ad.fancy_transposes[_adc.remat_p] = _transpose
-    _ad.linearize = _linearize
+    _jc.set_remat_rules(_partial_eval, _transpose)
+    _jc.set_ad_linearize(_linearize)
     _install_api_hooks()
     _keep_on_construction()
 

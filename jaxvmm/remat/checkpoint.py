@@ -16,6 +16,7 @@ import operator
 import jax
 import numpy as np
 
+from .. import _jax_compat as _jc
 from .. import errors
 from . import _rules
 from .policies import resolve
@@ -29,14 +30,6 @@ def _static_argnums(static_argnums, nargs: int) -> tuple[int, ...]:
                              f"[{-nargs}, {nargs})", code="invalid_argument")
         out.append(i % nargs)
     return tuple(sorted(set(out)))
-
-
-def _remat3_on() -> bool:
-    """Whether ``jax.checkpoint`` would take JAX's ``jax_remat3`` path now (it decides when it wraps)."""
-    from jax._src import config
-
-    flag = getattr(config, "remat3", None)
-    return bool(getattr(flag, "value", False))
 
 
 def _check_static_argnums(static_argnums) -> tuple[int, ...]:
@@ -125,7 +118,7 @@ def checkpoint(fun=None, *, prevent_cse=True, policy=None, static_argnums=(), st
         raise errors.InvalidArgumentTypeError(f"jaxvmm.checkpoint: fun must be callable, not {type(fun).__name__}{hint}",
                                               code="invalid_argument")
     jax_policy = _rules.VmmPolicy(resolve(policy))
-    if policy is not None and _remat3_on():
+    if policy is not None and _jc.remat3_on():
         raise errors.NotSupportedError(
             "jaxvmm.checkpoint: jax_remat3=True is set, so jax.checkpoint takes JAX's remat3 path, which jaxvmm "
             "does not hook: nothing would be offloaded (the values would be jax.checkpoint's, the memory not "
@@ -203,7 +196,6 @@ def _is_offload(eqn) -> bool:
 def _describe(v, producers, invars) -> tuple:
     """(aval, description) of residual ``v``, in the words of ``jax.ad_checkpoint.saved_residuals``;
     a ticket token is described by the array it stands for."""
-    from jax._src import source_info_util
     from jax.extend.core import Literal
 
     if isinstance(v, Literal):
@@ -217,7 +209,7 @@ def _describe(v, producers, invars) -> tuple:
     if name == "reduce_precision":  # as JAX does: look through the rounding JAX inserts on residuals
         aval, what = _describe(eqn.invars[0], producers, invars)
         return v.aval, what
-    src = source_info_util.summarize(eqn.source_info)
+    src = _jc.summarize_source_info(eqn.source_info)
     if name == "jaxvmm_checkpoint_shadow":  # travels with a traced offload's token (see remat/_rules.py)
         return v.aval, ("jaxvmm shadow of the residual offloaded before it (under forward-mode differentiation "
                         "it carries the ticket of that residual's tangent)")
@@ -260,7 +252,7 @@ def saved_residuals(f, *args, **kwargs) -> list:
 
 # ---- JAX's own saved_residuals, told about jaxvmm ----
 # jax.ad_checkpoint.saved_residuals / print_saved_residuals (and JAX's residual log) describe residuals
-# through jax._src.ad_checkpoint._saved_residuals. Left alone they would list an offloaded residual as
+# through JAX's ad_checkpoint._saved_residuals. Left alone they would list an offloaded residual as
 # its u32[2] ticket token ("output of custom_jvp_call") followed by its f32[2] shadow. The hook below
 # lists it as the array it stands for, in JAX's words ("named 'hidden' from model.py:5 (f)"), with
 # ", offloaded through jaxvmm" appended, and leaves the shadows out: what jax.checkpoint would list.
@@ -310,11 +302,10 @@ def _offloaded_value(v, producers):
 
 
 def _jax_order(jaxpr, outvars) -> list:
-    """The variables ``jax._src.ad_checkpoint._saved_residuals`` describes for ``outvars``, in its order."""
-    from jax._src.lax import lax as _lax
+    """The variables JAX's ``ad_checkpoint._saved_residuals`` describes for ``outvars``, in its order."""
     from jax.extend.core import Literal
 
-    subst = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is _lax.reduce_precision_p}
+    subst = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is _jc.reduce_precision_p}
     res = {subst.get(v, v) for v in outvars if not isinstance(v, Literal)}
     return ([v for v in outvars if isinstance(v, Literal)] + [v for v in jaxpr.constvars if v in res]
             + [v for v in jaxpr.invars if v in res] + [v for e in jaxpr.eqns for v in e.outvars if v in res]), subst
@@ -355,11 +346,9 @@ def _saved_residuals_hook(jax_fn):
 
 
 def _install_saved_residuals_hook() -> None:
-    from jax._src import ad_checkpoint as _adc
-
-    fn = getattr(_adc, "_saved_residuals", None)
+    fn = _jc.saved_residuals_function()
     if fn is not None and getattr(fn, "__wrapped_by_jaxvmm__", None) is None:
-        _adc._saved_residuals = _saved_residuals_hook(fn)
+        _jc.set_saved_residuals_function(_saved_residuals_hook(fn))
 
 
 _install_saved_residuals_hook()

@@ -37,15 +37,15 @@ import operator
 from collections.abc import Callable
 
 import jax
-from jax._src import ad_checkpoint as _adc
-from jax._src.interpreters import partial_eval as _pe
+
+from .. import _jax_compat as _jc
 
 DEFAULT_MIN_BYTES = 64 << 10
 
 # JAX's answers a policy may give (jax.ad_checkpoint re-exports none of them publicly).
-Saveable = _pe.Saveable
-Recompute = _pe.Recompute
-Offloadable = _pe.Offloadable
+Saveable = _jc.Saveable
+Recompute = _jc.Recompute
+Offloadable = _jc.Offloadable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ def _check_memory_kind(what: str, arg: str, kind) -> str:
 
 
 def _offload_named(names: frozenset):
-    name_p = _adc.name_p
+    name_p = _jc.name_p
 
     def policy(prim, *_, **params):
         if prim is name_p and params["name"] in names:
