@@ -287,6 +287,7 @@ def test_rounds_of_one_to_three_cells_are_bit_exact(mode):
 # their D2H is queued (the cell's address in the device words changes under the recorded kernels), the
 # first reloads of the backward copy from lent cells, and the training matches jax.checkpoint bit for bit.
 SPARES = _train_prelude(L=64, STEPS=4, B=8192, D=256) + textwrap.dedent("""
+    import jaxvmm.testing
     assert jaxvmm.testing.configure_debug()["graph_spares"] == 32
     print("RESULT", json.dumps(against(train(REF))))
 """)
