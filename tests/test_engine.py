@@ -140,7 +140,9 @@ def test_small_tensors_share_staging_pages(posix_async):
         from jaxvmm._native import lib
         tgt = target_of(jax.devices("cpu")[0])
         g = lib.granularity(tgt.backend, tgt.ordinal, "device", tgt.ordinal)
-        jaxvmm.configure(prefetch_depth=2)
+        # No idle release between the round trips and the reads of the pages in use now: on a loaded
+        # machine 200 ms without an op returned them before the first read (CI saw 0 shared pages).
+        jaxvmm.configure(prefetch_depth=2, staging_idle_ms=600_000)
         f = jax.jit(lambda xs: [jaxvmm.reload(t) for t in reversed([jaxvmm.offload(x) for x in xs])])
         def roundtrips(xs):
             for _ in range(5):
