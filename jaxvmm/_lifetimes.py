@@ -66,7 +66,7 @@ class _Dying:
         self.barrier: list | None = None
 
     def ready(self) -> bool:
-        return self.barrier is not None and all(_finished(r()) for r in self.barrier)
+        return self.barrier is not None and _passed(self.barrier)
 
 
 def _refcount_when_unreferenced() -> int:
@@ -93,6 +93,11 @@ def _finished(a) -> bool:
         return a.is_deleted() or a.is_ready()
     except Exception:  # noqa: BLE001  (deleted in between: "Array has been deleted")
         return True
+
+
+def _passed(barrier: list) -> bool:
+    """Whether every array a barrier names (callables giving arrays) is finished."""
+    return all(_finished(r()) for r in barrier)
 
 
 def _wait_quietly(a) -> None:
@@ -239,7 +244,7 @@ def _read_holders() -> bool:
     donated once read, lost once found deleted unread (call with _lock held). Returns False while a lost
     holder's barrier is not ready and a holder is not read yet."""
     for key, barrier in list(_lost.items()):
-        if all(_finished(r()) for r in barrier):
+        if _passed(barrier):
             del _lost[key]
     for key in list(_unread):
         token = _source(key)
@@ -324,13 +329,14 @@ def settle() -> None:
 
 
 def collect() -> int:
-    """Free the tickets that can no longer be reloaded: those no reload consumed and no ticket holds.
+    """Free the tickets that can no longer be reloaded: those no reload consumed and no array holds.
 
     A ticket normally lives while a ``Ticket`` (or a token array taken from one, or the residuals of a
     ``jax.vjp`` function of ``jaxvmm.checkpoint``) is alive, and until it is reloaded. Tickets whose
     tokens never leave a jitted computation (offloaded, then reloaded in only one branch of a
-    ``lax.cond``), or whose last holder died inside jax (a ``vjp_fn`` dropped uncalled), are found here: once every computation dispatched before the call has finished, each
-    ticket that no reload consumed and no live jax array holds is dropped (its host memory is freed once
+    ``lax.cond``), or whose last holder died inside jax (a ``vjp_fn`` dropped uncalled), are found
+    here: once every computation dispatched before the call has finished, each ticket that no reload
+    consumed and no live jax array holds is dropped (its host memory is freed once
     the device has passed every op enqueued so far). Call it between steps of a loop whose tickets do
     not reach Python, every few steps, to keep host memory constant; it waits for the computations in
     flight and reads every live token-like array (uint32 or float32, last dimension 2), so it is not
